@@ -1,0 +1,16 @@
+"""Default ports, names and image shared by the services, the coordinator, the CLI and `deploy/` (tests read both)."""
+
+COORDINATOR_PORT = 50051
+DRAFT_PORT = 50061
+TARGET_PORT = 50071
+COORDINATOR_METRICS_PORT = 9400
+DRAFT_METRICS_PORT = 9401
+TARGET_METRICS_PORT = 9402
+IMAGE_NAME = "ghcr.io/specdec/specdec"
+
+DRAFT_SERVICE_NAME = "specdec.v1.DraftService"
+TARGET_SERVICE_NAME = "specdec.v1.TargetService"
+GENERATION_SERVICE_NAME = "specdec.v1.GenerationService"
+
+DEFAULT_TARGET = "default-target"
+DEFAULT_DRAFT = "default-draft"
