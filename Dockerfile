@@ -1,0 +1,93 @@
+# syntax=docker/dockerfile:1.7
+#
+# specdec image: one image for the three processes (coordinator, draft_service, target_service);
+# the Kubernetes manifests in deploy/ pick the entry point.
+#
+#   CPU (default):  docker build -t ghcr.io/specdec/specdec:cpu .
+#   CUDA:           docker build --build-arg VARIANT=cuda -t ghcr.io/specdec/specdec:cuda .
+#
+# Both variants run on the same slim Python base: the CUDA variant differs only in the torch wheel
+# (PyPI's Linux torch wheels bundle the CUDA runtime; the node supplies the driver through the NVIDIA
+# container toolkit / device plugin). The CPU variant takes torch from the PyTorch CPU index so that it
+# does not carry ~3 GB of CUDA libraries.
+#
+# No model weights are baked in: the model cache is the volume /models/cache (XDG_CACHE_HOME), filled at
+# pod start by an init container (`specdec.hub.resolve_model`) or mounted from a pre-populated volume.
+# TLS material is never in the image either: it is mounted from Kubernetes Secrets (see docs/deploy.md).
+
+ARG PYTHON_VERSION=3.11
+# cpu | cuda
+ARG VARIANT=cpu
+ARG TORCH_VERSION=2.13.0
+
+############################ build stages ############################
+FROM python:${PYTHON_VERSION}-slim-bookworm AS builder
+ENV PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PYTHONDONTWRITEBYTECODE=1
+# make runs `make proto`; nothing is compiled (all dependencies ship wheels).
+# hadolint ignore=DL3008
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends make \
+ && rm -rf /var/lib/apt/lists/*
+# The virtualenv lives at /opt/venv; /src/.venv points at it so that Makefile targets written for a
+# repository checkout (.venv/bin/python) work unchanged inside the build.
+RUN python -m venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH
+WORKDIR /src
+RUN ln -s /opt/venv /src/.venv
+
+FROM builder AS torch-cpu
+ARG TORCH_VERSION
+RUN pip install --no-cache-dir --index-url https://download.pytorch.org/whl/cpu "torch==${TORCH_VERSION}"
+
+FROM builder AS torch-cuda
+ARG TORCH_VERSION
+RUN pip install --no-cache-dir "torch==${TORCH_VERSION}"
+
+# hadolint ignore=DL3006
+FROM torch-${VARIANT} AS app
+WORKDIR /src
+# Only what the package needs; .dockerignore keeps out .venv, caches, tests and any model weights.
+COPY pyproject.toml README.md Makefile ./
+COPY proto/ ./proto/
+COPY specdec/ ./specdec/
+COPY draft_service/ ./draft_service/
+COPY target_service/ ./target_service/
+COPY coordinator/ ./coordinator/
+# Stubs are generated at build time (specdec/pb is not committed), then the project is installed
+# non-editable so that the runtime stage needs nothing from /src.
+# hadolint ignore=DL3013
+RUN pip install --no-cache-dir "grpcio-tools" \
+ && make proto \
+ && pip install --no-cache-dir . \
+ && python -c "import specdec, draft_service, target_service, coordinator"
+
+############################ runtime ############################
+FROM python:${PYTHON_VERSION}-slim-bookworm AS runtime
+ARG VARIANT
+LABEL org.opencontainers.image.title="specdec" \
+      org.opencontainers.image.description="Disaggregated speculative decoding: coordinator, draft and target services" \
+      org.opencontainers.image.source="https://github.com/specdec/specdec" \
+      io.specdec.variant="${VARIANT}"
+# Fixed numeric ids: the manifests set runAsUser/fsGroup 10001 and runAsNonRoot.
+RUN groupadd --system --gid 10001 specdec \
+ && useradd --system --uid 10001 --gid 10001 --create-home --home-dir /home/specdec specdec \
+ && mkdir -p /models/cache \
+ && chown -R 10001:10001 /models
+COPY --from=app /opt/venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH \
+    PYTHONUNBUFFERED=1 \
+    PYTHONDONTWRITEBYTECODE=1 \
+    XDG_CACHE_HOME=/models/cache \
+    HF_HOME=/models/cache/huggingface \
+    HF_HUB_DISABLE_TELEMETRY=1 \
+    RAY_USAGE_STATS_ENABLED=0
+VOLUME ["/models/cache"]
+WORKDIR /home/specdec
+USER 10001:10001
+# gRPC: coordinator 50051, draft 50061, target 50071; Prometheus metrics 9400/9401/9402
+# (specdec/defaults.py; tests/test_deploy.py checks that they agree).
+EXPOSE 50051 50061 50071 9400 9401 9402
+# No HEALTHCHECK: Kubernetes ignores it; the pods use native gRPC probes (deploy/).
+CMD ["python", "-m", "coordinator"]
