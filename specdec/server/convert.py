@@ -1,0 +1,104 @@
+"""Proto <-> tensor conversion; the only code that knows both wire layouts and torch.
+
+Sparse q, layout "sparse-q v1" (msgpack, see proto/specdec/v1/draft.proto):
+    [[ids_bin, probs_bin], ...]   one pair per drafted position
+    ids_bin   little-endian int32 token ids   (k_i of them)
+    probs_bin little-endian float32 probs     (k_i of them)
+Raw little-endian bytes inside msgpack `bin` cost 8 bytes per entry and decode with one frombuffer.
+"""
+from __future__ import annotations
+
+import msgpack
+import numpy as np
+import torch
+
+from specdec.errors import InvalidRequestError
+from specdec.pb import common_pb2
+
+_TO_PB = {torch.float32: common_pb2.DTYPE_FLOAT32, torch.float16: common_pb2.DTYPE_FLOAT16,
+          torch.bfloat16: common_pb2.DTYPE_BFLOAT16, torch.int32: common_pb2.DTYPE_INT32,
+          torch.int64: common_pb2.DTYPE_INT64}
+_FROM_PB = {v: k for k, v in _TO_PB.items()}
+_LE_I32, _LE_F32 = np.dtype("<i4"), np.dtype("<f4")
+
+
+def tensor_to_proto(t: torch.Tensor) -> common_pb2.Tensor:
+    if t.dtype not in _TO_PB:
+        raise TypeError(f"unsupported tensor dtype {t.dtype}")
+    t = t.detach().contiguous().cpu()
+    raw = t.view(torch.int16) if t.dtype == torch.bfloat16 else t  # numpy has no bfloat16
+    return common_pb2.Tensor(data=raw.numpy().tobytes(), dtype=_TO_PB[t.dtype], shape=list(t.shape))
+
+
+def tensor_from_proto(msg: common_pb2.Tensor, field: str = "tensor") -> torch.Tensor:
+    if msg.dtype not in _FROM_PB:
+        raise InvalidRequestError(f"{field}.dtype", "is unspecified or unknown; set a DType")
+    dtype = _FROM_PB[msg.dtype]
+    shape = list(msg.shape)
+    if any(d < 0 for d in shape):
+        raise InvalidRequestError(f"{field}.shape", f"has a negative dimension {shape}")
+    numel = int(np.prod(shape)) if shape else 1
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    if len(msg.data) != numel * itemsize:
+        raise InvalidRequestError(f"{field}.data", f"has {len(msg.data)} bytes but shape {shape} of "
+                                  f"{dtype} needs {numel * itemsize}")
+    if numel == 0:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(bytearray(msg.data), dtype=dtype).reshape(shape)
+
+
+def encode_q(q) -> bytes:
+    """list[SparseDist] -> msgpack bytes (sparse-q v1)."""
+    return msgpack.packb([[d.ids.to(torch.int32).cpu().numpy().astype(_LE_I32, copy=False).tobytes(),
+                           d.probs.to(torch.float32).cpu().numpy().astype(_LE_F32, copy=False).tobytes()]
+                          for d in q], use_bin_type=True)
+
+
+def decode_q(data: bytes, field: str = "q") -> list:
+    """msgpack bytes (sparse-q v1) -> list[SparseDist]; malformed input is INVALID_ARGUMENT."""
+    from specdec.verify import SparseDist
+
+    if not data:
+        return []
+    try:
+        rows = msgpack.unpackb(data, raw=False)
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise InvalidRequestError(field, f"is not msgpack sparse-q v1 ({exc})") from None
+    if not isinstance(rows, list):
+        raise InvalidRequestError(field, "must be a msgpack array of [ids, probs] pairs")
+    out = []
+    for i, row in enumerate(rows):
+        if (not isinstance(row, (list, tuple)) or len(row) != 2 or not isinstance(row[0], bytes)
+                or not isinstance(row[1], bytes) or len(row[0]) != len(row[1]) or len(row[0]) % 4):
+            raise InvalidRequestError(f"{field}[{i}]", "must be [ids: bin int32 LE, probs: bin float32 LE] "
+                                      "of equal length")
+        ids = torch.from_numpy(np.frombuffer(row[0], dtype=_LE_I32).astype(np.int64))
+        probs = torch.from_numpy(np.frombuffer(row[1], dtype=_LE_F32).astype(np.float32))
+        out.append(SparseDist(ids=ids, probs=probs))
+    return out
+
+
+def dense_q_to_sparse(q: torch.Tensor, field: str = "q_dense") -> list:
+    """[g, vocab] float rows -> list[SparseDist] keeping the nonzero entries (exactly the same q)."""
+    from specdec.verify import SparseDist
+
+    if q.dim() != 2:
+        raise InvalidRequestError(field, f"must have shape [len(draft_ids), vocab], got {list(q.shape)}")
+    q = q.float()
+    out = []
+    for row in q:
+        ids = torch.nonzero(row > 0).flatten()
+        out.append(SparseDist(ids=ids, probs=row[ids]))
+    return out
+
+
+def sampling_from_proto(msg: common_pb2.SamplingParams):
+    from specdec.sampling import SamplingParams
+
+    return SamplingParams(temperature=float(msg.temperature), top_k=int(msg.top_k),
+                          top_p=float(msg.top_p) if msg.HasField("top_p") else 1.0, seed=int(msg.seed))
+
+
+def sampling_to_proto(p) -> common_pb2.SamplingParams:
+    return common_pb2.SamplingParams(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=p.seed)
+

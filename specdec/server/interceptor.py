@@ -1,0 +1,106 @@
+"""The one place where exceptions become gRPC status codes (servicers never try/except for this).
+
+Core errors (specdec.errors) carry messages that say what to change; they are passed to the client
+verbatim. Anything else is an INTERNAL error with the exception type and message (the traceback is logged).
+Also records `specdec_rpc_latency_seconds{method}` for every call.
+"""
+from __future__ import annotations
+
+import inspect
+import logging
+import time
+
+import grpc
+
+from specdec import errors
+
+log = logging.getLogger(__name__)
+
+STATUS_OF = {  # most specific first: isinstance order matters
+    errors.InvalidRequestError: grpc.StatusCode.INVALID_ARGUMENT,
+    errors.SessionNotFoundError: grpc.StatusCode.NOT_FOUND,
+    errors.StalePositionError: grpc.StatusCode.FAILED_PRECONDITION,
+    errors.ContextOverflowError: grpc.StatusCode.OUT_OF_RANGE,
+    errors.CapacityError: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    errors.ModelNotFoundError: grpc.StatusCode.NOT_FOUND,
+}
+
+
+class ServiceDraining(Exception):
+    """Raised for new work while the server shuts down (→ UNAVAILABLE, safe to retry elsewhere)."""
+
+
+def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    for cls, code in STATUS_OF.items():
+        if isinstance(exc, cls):
+            return code, str(exc)
+    if isinstance(exc, ServiceDraining):
+        return grpc.StatusCode.UNAVAILABLE, str(exc) or "server is shutting down; retry on another replica"
+    if isinstance(exc, errors.SpecDecError):
+        return grpc.StatusCode.FAILED_PRECONDITION, str(exc)
+    return grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
+
+
+def _method_name(full: str) -> str:
+    return full.rsplit("/", 1)[-1]  # "/specdec.v1.TargetService/Verify" -> "Verify"
+
+
+class ErrorInterceptor(grpc.aio.ServerInterceptor):
+    def __init__(self, metrics=None):
+        self.metrics = metrics
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        method = _method_name(handler_call_details.method)
+        if handler.unary_unary:
+            return grpc.unary_unary_rpc_method_handler(
+                self._wrap_unary(handler.unary_unary, method),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer)
+        if handler.unary_stream:
+            behavior = handler.unary_stream  # async generator, or a coroutine using context.write (health Watch)
+            wrap = self._wrap_stream if inspect.isasyncgenfunction(behavior) else self._wrap_unary
+            return grpc.unary_stream_rpc_method_handler(
+                wrap(behavior, method),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer)
+        return handler  # client-streaming RPCs (reflection): left untouched
+
+    async def _abort(self, context, exc: Exception, method: str):
+        code, message = status_for(exc)
+        if code == grpc.StatusCode.INTERNAL:
+            log.exception("%s failed", method)
+        await context.abort(code, message)
+
+    def _observe(self, method: str, t0: float):
+        if self.metrics is not None:
+            self.metrics.rpc_latency.labels(method).observe(time.perf_counter() - t0)
+
+    def _wrap_unary(self, behavior, method):
+        async def wrapped(request, context):
+            t0 = time.perf_counter()
+            try:
+                return await behavior(request, context)
+            except grpc.aio.AbortError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - this is the mapping point
+                await self._abort(context, exc, method)
+            finally:
+                self._observe(method, t0)
+        return wrapped
+
+    def _wrap_stream(self, behavior, method):
+        async def wrapped(request, context):
+            t0 = time.perf_counter()
+            try:
+                async for item in behavior(request, context):
+                    yield item
+            except grpc.aio.AbortError:
+                raise
+            except Exception as exc:  # noqa: BLE001
+                await self._abort(context, exc, method)
+            finally:
+                self._observe(method, t0)
+        return wrapped

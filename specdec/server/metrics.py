@@ -1,0 +1,37 @@
+"""Prometheus metrics of a draft/target replica: every name in one place (STYLE B4).
+
+Each server gets its own CollectorRegistry (several servers can live in one test process) and serves
+it on a separate HTTP port. Labels stay low-cardinality: `method` only, never a session id.
+"""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+_LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
+
+
+class ServiceMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None):
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.sessions_active = Gauge("specdec_sessions_active", "Sessions held by this replica", registry=r)
+        self.queue_depth = Gauge("specdec_queue_depth", "Calls waiting for the model thread", registry=r)
+        self.rpc_latency = Histogram("specdec_rpc_latency_seconds", "Server-side RPC latency", ["method"],
+                                     buckets=_LATENCY_BUCKETS, registry=r)
+        self.num_drafts = Counter("specdec_num_drafts", "Draft blocks proposed or verified", registry=r)
+        self.num_draft_tokens = Counter("specdec_num_draft_tokens", "Draft tokens proposed or verified",
+                                        registry=r)
+        self.num_accepted_tokens = Counter("specdec_num_accepted_tokens", "Draft tokens accepted by the target",
+                                           registry=r)
+        self.batch_size = Histogram("specdec_verify_batch_size", "Sessions per batched verify forward",
+                                    buckets=(1, 2, 4, 8, 16, 32, 64), registry=r)
+
+    def serve(self, port: int, addr: str = "0.0.0.0"):
+        """Start /metrics on `port` (0: disabled). Returns the (server, thread) pair or None."""
+        if port:
+            return start_http_server(port, addr=addr, registry=self.registry)
+        return None
+
+    def value(self, name: str, labels: dict | None = None) -> float | None:
+        """Current sample value (tests)."""
+        return self.registry.get_sample_value(name, labels or {})

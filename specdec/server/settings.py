@@ -1,0 +1,95 @@
+"""Process configuration: one pydantic-settings class per service, env prefix + CLI flags.
+
+Precedence (highest first): CLI flags, `<PREFIX>_*` environment variables (nested with `__`, e.g.
+`DRAFT_TLS__CERT_FILE`), defaults. No other module reads os.environ.
+"""
+from __future__ import annotations
+
+import re
+
+from pydantic import BaseModel, Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+DTYPES = ("float32", "bfloat16", "float16")
+_DEVICE = re.compile(r"^(cpu|cuda|cuda:\d+)$")
+
+
+class TLSSettings(BaseModel):
+    """Optional TLS. Set cert_file + key_file to serve TLS; add ca_file + require_client_auth for mTLS."""
+
+    cert_file: str | None = None
+    key_file: str | None = None
+    ca_file: str | None = None
+    require_client_auth: bool = False
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.cert_file or self.key_file)
+
+
+class ServerSettings(BaseSettings):
+    """Fields shared by both services. Subclasses set env_prefix and the default ports/model."""
+
+    model_config = SettingsConfigDict(env_nested_delimiter="__", cli_kebab_case=True,
+                                      cli_implicit_flags=True, extra="ignore")
+
+    model: str = Field("", description="model spec: local HF dir, .gguf file, hub id, or default-target/default-draft")
+    host: str = "0.0.0.0"
+    port: int = Field(0, ge=0, le=65535, description="gRPC port (0 picks a free one)")
+    metrics_port: int = Field(0, ge=0, le=65535, description="Prometheus /metrics port (0 disables)")
+    device: str = Field("cpu", description="cpu, cuda or cuda:N")
+    dtype: str = Field("float32", description="weights/activations dtype; probabilities stay float32")
+    threads: int = Field(0, ge=0, description="torch intra-op threads (0 keeps torch's default)")
+    max_sessions: int = Field(64, ge=1, description="session slots (KV memory bound)")
+    session_ttl_s: float = Field(600.0, gt=0, description="idle sessions expire after this")
+    lru_min_idle_s: float = Field(5.0, ge=0, description="when full, evict the LRU session if idle this long")
+    max_message_bytes: int = Field(16 * 1024 * 1024, ge=1024, description="gRPC send/receive limit")
+    keepalive_time_ms: int = 30_000
+    keepalive_timeout_ms: int = 10_000
+    max_connection_age_ms: int = Field(0, ge=0, description="0 = unlimited; >0 makes clients re-resolve DNS")
+    grace_s: float = Field(10.0, ge=0, description="drain time for in-flight RPCs on shutdown")
+    drain_delay_s: float = Field(0.0, ge=0, description="wait after NOT_SERVING before stopping (LB catch-up)")
+    tls: TLSSettings = TLSSettings()
+    log_level: str = "INFO"
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, v: str) -> str:
+        if not _DEVICE.match(v):
+            raise ValueError(f"device must be cpu, cuda or cuda:N, got {v!r}")
+        return v
+
+    @field_validator("dtype")
+    @classmethod
+    def _dtype(cls, v: str) -> str:
+        if v not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {v!r}")
+        return v
+
+    @classmethod
+    def from_cli(cls, argv: list[str] | None = None, **overrides):
+        """Build from env + CLI flags (argv=None reads sys.argv[1:]); overrides win over both."""
+        import sys
+
+        args = sys.argv[1:] if argv is None else list(argv)
+        return cls(_cli_parse_args=args, **overrides)
+
+
+def resolve_device(spec: str):
+    """Map a validated device string to torch.device; refuse CUDA when it is absent."""
+    import torch
+
+    if spec.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"--device {spec}: CUDA is not available on this machine; use --device cpu")
+        dev = torch.device(spec)
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise RuntimeError(f"--device {spec}: only {torch.cuda.device_count()} CUDA device(s) visible")
+        return dev
+    return torch.device("cpu")
+
+
+def resolve_dtype(name: str):
+    import torch
+
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
