@@ -1,0 +1,138 @@
+"""In-process engine: draft and target workers behind the schedule's backend protocols.
+
+Each worker runs on its own single thread (torch releases the GIL inside ops), so PEARL's overlap is real here
+too: the draft and the target compute at the same time, one core each when `threads_per_model=1`.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+from typing import AsyncIterator
+
+import torch
+
+from specdec.errors import InvalidRequestError
+from specdec.sampling import SamplingParams
+from specdec.schedule import GenerationRequest, GenerationResult, generate
+from specdec.stop import FixedLength, PreverifierStop, StopRule, StopSpec
+from specdec.verify import SparseDist
+from specdec.workers import DraftBlock, DraftWorker, TargetWorker, VerifyOutcome
+
+DEFAULT_PACER_THRESHOLD = 0.5
+
+
+def make_stop_rule(spec: StopSpec, preverifier) -> StopRule:
+    """Map a wire-level stop spec to a stop rule of this draft worker."""
+    if spec.kind == "fixed":
+        return FixedLength()
+    if spec.kind == "pacer":
+        if preverifier is None:
+            raise InvalidRequestError("mode", "this draft has no pre-verifier loaded; use mode sd/pearl or start the "
+                                              "draft with --preverifier")
+        threshold = spec.threshold if spec.threshold is not None else getattr(preverifier, "threshold",
+                                                                              DEFAULT_PACER_THRESHOLD)
+        return PreverifierStop(preverifier, threshold)
+    raise InvalidRequestError("stop", f"unknown stop rule {spec.kind!r}; use fixed or pacer")
+
+
+class _ThreadOwner:
+    def __init__(self, name: str, threads: int | None):
+        self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=name)
+        if threads:
+            self.pool.submit(torch.set_num_threads, threads).result()
+
+    async def call(self, fn, *args, **kw):
+        return await asyncio.get_running_loop().run_in_executor(self.pool, lambda: fn(*args, **kw))
+
+
+class LocalDraft(_ThreadOwner):
+    def __init__(self, worker: DraftWorker, threads: int | None = None):
+        super().__init__("draft", threads)
+        self.worker = worker
+
+    async def start(self, session_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        await self.call(self.worker.start_session, session_id, prompt_ids, params)
+
+    async def draft_stream(self, session_id: str, base_position: int, append: list[int], gamma_max: int,
+                           stop: StopSpec, block_size: int) -> AsyncIterator[DraftBlock]:
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        rule = make_stop_rule(stop, self.worker.preverifier)
+
+        def produce():
+            try:
+                for blk in self.worker.draft_blocks(session_id, base_position, append, gamma_max, rule, block_size):
+                    loop.call_soon_threadsafe(queue.put_nowait, blk)
+            except Exception as e:  # noqa: BLE001 - re-raised on the consumer side
+                loop.call_soon_threadsafe(queue.put_nowait, e)
+            loop.call_soon_threadsafe(queue.put_nowait, None)
+
+        self.pool.submit(produce)
+        while True:
+            item = await queue.get()
+            if item is None:
+                return
+            if isinstance(item, Exception):
+                raise item
+            yield item
+
+    async def cancel(self, session_id: str) -> None:
+        self.worker.cancel(session_id)  # only bumps an epoch: safe from the event-loop thread
+
+    async def end(self, session_id: str) -> None:
+        await self.call(self.worker.end_session, session_id)
+
+
+class LocalTarget(_ThreadOwner):
+    def __init__(self, worker: TargetWorker, threads: int | None = None):
+        super().__init__("target", threads)
+        self.worker = worker
+
+    async def start(self, session_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        await self.call(self.worker.start_session, session_id, prompt_ids, params)
+
+    async def verify(self, session_id: str, base_position: int, feed: list[int], draft: list[int],
+                     q: list[SparseDist] | None, method: str, feed_draft: bool = True,
+                     sample_bonus: bool = True) -> VerifyOutcome:
+        return await self.call(self.worker.verify, session_id, base_position, feed, draft, q, method, feed_draft,
+                               sample_bonus)
+
+    async def end(self, session_id: str) -> None:
+        await self.call(self.worker.end_session, session_id)
+
+
+class Engine:
+    """Speculative decoding in one process: `Engine(target_model, draft_model).generate(request)`."""
+
+    def __init__(self, target_model, draft_model=None, preverifier=None, max_sessions: int = 4,
+                 max_context: int | None = None, threads_per_model: int | None = None, q_top_k: int = 64):
+        self.target_worker = TargetWorker(target_model, max_sessions=max_sessions, max_context=max_context)
+        self.target = LocalTarget(self.target_worker, threads_per_model)
+        self.draft_worker = self.draft = None
+        if draft_model is not None:
+            if draft_model.config.vocab_size != target_model.config.vocab_size:
+                raise ValueError(f"draft vocabulary ({draft_model.config.vocab_size}) differs from the target's "
+                                 f"({target_model.config.vocab_size}); the pair must share a tokenizer")
+            self.draft_worker = DraftWorker(draft_model, preverifier=preverifier, q_top_k=q_top_k,
+                                            max_sessions=max_sessions, max_context=max_context)
+            self.draft = LocalDraft(self.draft_worker, threads_per_model)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._lock = threading.Lock()
+
+    async def agenerate(self, req: GenerationRequest, on_tokens=None) -> GenerationResult:
+        return await generate(req, self.draft, self.target, on_tokens)
+
+    def generate(self, req: GenerationRequest, on_tokens=None) -> GenerationResult:
+        with self._lock:
+            if self._loop is None:
+                self._loop = asyncio.new_event_loop()
+            return self._loop.run_until_complete(self.agenerate(req, on_tokens))
+
+    def close(self) -> None:
+        self.target.pool.shutdown(wait=False)
+        if self.draft is not None:
+            self.draft.pool.shutdown(wait=False)
+        if self._loop is not None:
+            self._loop.close()
+            self._loop = None

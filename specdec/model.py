@@ -1,0 +1,307 @@
+"""A Llama-family causal LM with a slot-addressed KV cache, in plain torch (gpt-fast style).
+
+Loads Hugging Face checkpoints of `LlamaForCausalLM` (SmolLM2, Llama 2/3, TinyLlama...) and `Qwen2ForCausalLM`
+(q/k/v bias). Parameter names match Hugging Face's, so a safetensors state dict loads as is.
+
+The KV cache is preallocated per *slot* (one slot = one session) and written by absolute position, so rolling a
+session back is free: positions past its length are simply overwritten by the next forward, and causal masking by
+position means they are never read before that (gpt-fast's `KVCache.update` idea). A batched forward takes one row
+per slot, each with its own positions; padded rows write past their session's end and are masked out.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 256
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int | None = None  # defaults to hidden_size // num_attention_heads
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # bias on q/k/v (Qwen2)
+    eos_token_id: list[int] = field(default_factory=list)
+    bos_token_id: int | None = None
+    architecture: str = "LlamaForCausalLM"
+
+    def __post_init__(self):
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> "ModelConfig":
+        arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(f"architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        if cfg.get("rope_scaling") or (cfg.get("rope_parameters") or {}).get("rope_type", "default") != "default":
+            raise ValueError("rope scaling is not supported yet; use a model with default RoPE")
+        if arch == "MistralForCausalLM" and cfg.get("sliding_window"):
+            raise ValueError("sliding-window attention is not supported; use a model without sliding_window")
+        rope_theta = cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+        eos = cfg.get("eos_token_id")
+        eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        return cls(
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_hidden_layers=cfg["num_hidden_layers"],
+            num_attention_heads=cfg["num_attention_heads"],
+            num_key_value_heads=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
+            head_dim=cfg.get("head_dim"),
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
+            rope_theta=float(rope_theta),
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
+            eos_token_id=eos,
+            bos_token_id=cfg.get("bos_token_id"),
+            architecture=arch,
+        )
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class KVSlots:
+    """Per-layer K/V buffers `[num_slots, max_len, kv_heads, head_dim]`, written by absolute position."""
+
+    def __init__(self, cfg: ModelConfig, num_slots: int, max_len: int, device, dtype):
+        shape = (num_slots, max_len, cfg.num_key_value_heads, cfg.head_dim)
+        self.k = [torch.empty(shape, device=device, dtype=dtype) for _ in range(cfg.num_hidden_layers)]
+        self.v = [torch.empty(shape, device=device, dtype=dtype) for _ in range(cfg.num_hidden_layers)]
+        self.num_slots, self.max_len = num_slots, max_len
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        h, kv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, h * hd, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, kv * hd, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, kv * hd, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(h * hd, cfg.hidden_size, bias=False)
+
+    def forward(self, x, cos, sin, layer: int, kv: KVSlots, slots, positions, mask, kv_len: int):
+        # x: [B, S, D]; cos/sin: [B, S, hd]; slots: [B]; positions: [B, S]; mask: [B, 1, S, kv_len] | None
+        B, S, _ = x.shape
+        cfg = self.cfg
+        q = self.q_proj(x).view(B, S, cfg.num_attention_heads, cfg.head_dim)
+        k = self.k_proj(x).view(B, S, cfg.num_key_value_heads, cfg.head_dim)
+        v = self.v_proj(x).view(B, S, cfg.num_key_value_heads, cfg.head_dim)
+        cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        kc, vc = kv.k[layer], kv.v[layer]
+        if B == 1:
+            s = int(slots[0])
+            p0 = int(positions[0, 0])
+            kc[s, p0:p0 + S] = k[0]
+            vc[s, p0:p0 + S] = v[0]
+            keys, values = kc[s:s + 1, :kv_len], vc[s:s + 1, :kv_len]
+        else:
+            kc[slots[:, None], positions] = k
+            vc[slots[:, None], positions] = v
+            keys, values = kc[slots, :kv_len], vc[slots, :kv_len]
+        q, keys, values = q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2)
+        out = F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=mask, is_causal=False,
+            enable_gqa=cfg.num_key_value_heads != cfg.num_attention_heads,
+        )
+        return self.o_proj(out.transpose(1, 2).reshape(B, S, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, layer, kv, slots, positions, mask, kv_len):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, layer, kv, slots, positions, mask, kv_len)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """Llama-family decoder. `forward` returns (logits fp32 [B, S, V], final hidden [B, S, D])."""
+
+    def __init__(self, cfg: ModelConfig, vocab_subset: torch.Tensor | None = None):
+        super().__init__()
+        self.config = cfg
+        self.model = Backbone(cfg)
+        head_rows = cfg.vocab_size if vocab_subset is None else len(vocab_subset)
+        self.lm_head = nn.Linear(cfg.hidden_size, head_rows, bias=False)
+        if cfg.tie_word_embeddings and vocab_subset is None:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        # Draft models may predict only a frequency-ranked subset of the vocabulary: logits are -inf elsewhere,
+        # so the draft distribution is exactly zero there (still lossless: q is what was sampled).
+        self.register_buffer("vocab_subset", vocab_subset, persistent=False)
+        self._rope_cache: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    def new_kv_slots(self, num_slots: int, max_len: int) -> KVSlots:
+        return KVSlots(self.config, num_slots, max_len, self.device, self.dtype)
+
+    def _rope(self, positions: torch.Tensor):
+        cfg = self.config
+        need = int(positions.max()) + 1
+        if self._rope_cache is None or self._rope_cache[0].shape[0] < need:
+            n = max(need, cfg.max_position_embeddings, 2 * (self._rope_cache[0].shape[0] if self._rope_cache else 0))
+            inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim))
+            freqs = torch.outer(torch.arange(n, dtype=torch.float32), inv)
+            emb = torch.cat((freqs, freqs), dim=-1)
+            self._rope_cache = (emb.cos().to(self.device, self.dtype), emb.sin().to(self.device, self.dtype))
+        cos, sin = self._rope_cache
+        return cos[positions], sin[positions]
+
+    def full_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(hidden).float()
+        if self.vocab_subset is None:
+            return logits
+        full = torch.full((*logits.shape[:-1], self.config.vocab_size), -math.inf, device=logits.device)
+        full[..., self.vocab_subset] = logits
+        return full
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, kv: KVSlots,
+                logits_rows: slice | None = None):
+        # tokens/positions: [B, S] (rows padded to S; padding positions lie past each row's real end); slots: [B]
+        B, S = tokens.shape
+        kv_len = int(positions.max()) + 1
+        if kv_len > kv.max_len:
+            raise ValueError(f"position {kv_len - 1} is beyond the KV cache ({kv.max_len} positions)")
+        mask = None
+        if not (B == 1 and S == 1):
+            key_pos = torch.arange(kv_len, device=tokens.device)
+            mask = (key_pos[None, None, :] <= positions[:, :, None]).unsqueeze(1)  # [B, 1, S, kv_len]
+        cos, sin = self._rope(positions)
+        x = self.model.embed_tokens(tokens)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, i, kv, slots, positions, mask, kv_len)
+        hidden = self.model.norm(x)
+        rows = hidden if logits_rows is None else hidden[:, logits_rows]
+        return self.full_logits(rows), hidden
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# loading
+
+def _torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+             "float16": torch.float16, "fp16": torch.float16}
+    if dtype not in table:
+        raise ValueError(f"dtype {dtype!r} is not supported; use float32, bfloat16 or float16")
+    return table[dtype]
+
+
+def load_model_dir(path: str | Path, device: str = "cpu", dtype: str | torch.dtype = "float32") -> CausalLM:
+    """Load a Hugging Face-style directory (config.json + *.safetensors)."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    raw = json.loads((path / "config.json").read_text())
+    cfg = ModelConfig.from_hf(raw)
+    state: dict[str, torch.Tensor] = {}
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {path}")
+    for f in files:
+        state.update(load_file(str(f)))
+    subset = state.pop("specdec.vocab_subset", None)
+    model = CausalLM(cfg, vocab_subset=subset.long() if subset is not None else None)
+    if cfg.tie_word_embeddings and subset is None:
+        state.pop("lm_head.weight", None)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [m for m in missing if not (m == "lm_head.weight" and cfg.tie_word_embeddings)]
+    unexpected = [u for u in unexpected if "rotary_emb" not in u]
+    if missing or unexpected:
+        raise ValueError(f"checkpoint {path} does not match the model: missing={missing[:5]} unexpected={unexpected[:5]}")
+    return model.to(device=device, dtype=_torch_dtype(dtype)).eval()
+
+
+def load_model(spec: str | Path, device: str = "cpu", dtype: str | torch.dtype = "float32") -> CausalLM:
+    """Resolve a model spec (local dir, .gguf, hub id, default-target/default-draft) and load it."""
+    from specdec.hub import resolve_model
+
+    return load_model_dir(resolve_model(str(spec)), device=device, dtype=dtype)
+
+
+def build_tiny_model(vocab_size: int = 32, hidden_size: int = 32, num_layers: int = 2, num_heads: int = 4,
+                     num_kv_heads: int = 2, seed: int = 0, max_position_embeddings: int = 256,
+                     logit_scale: float = 1.0) -> CausalLM:
+    """A random tiny model for tests. `logit_scale` sharpens (>1) or flattens (<1) its distributions."""
+    cfg = ModelConfig(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+                      num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+                      max_position_embeddings=max_position_embeddings)
+    gen = torch.Generator().manual_seed(seed)
+    model = CausalLM(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or "layernorm" in name:
+                continue
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+        model.lm_head.weight.mul_(logit_scale)
+    return model.eval()

@@ -1,0 +1,100 @@
+"""Sampling parameters, the logits→probabilities transform shared by draft (q) and target (p), and keyed RNG.
+
+One transform for both models (temperature, then top-k, then top-p, all in fp32): the speculative-sampling proof
+needs q to be exactly the distribution the draft token was drawn from and p the target's under the *same*
+processing. Temperature 0 is the argmax path everywhere (one-hot distributions).
+
+Randomness is keyed, not streamed: every draw uses a fresh `torch.Generator` seeded from
+(request seed, absolute position, purpose). A retried call replays the same draws, a rolled-back position draws
+again with the same key but a new context, and the draft's sample and the acceptance uniform of one position
+are independent streams (vLLM keys its Philox state on position for the same reason).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import IntEnum
+
+import torch
+
+from specdec.errors import InvalidRequestError
+
+
+class Purpose(IntEnum):
+    DRAFT = 1  # the draft's sample at a position
+    ACCEPT = 2  # the acceptance uniform(s) of a position
+    RESAMPLE = 3  # the recovered (residual) or bonus token of a position
+    TARGET = 4  # the target's own sample in autoregressive decoding
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def keyed_generator(seed: int, position: int, purpose: Purpose, device: str | torch.device = "cpu") -> torch.Generator:
+    key = _splitmix64(_splitmix64(_splitmix64(seed & _MASK64) ^ position) ^ int(purpose))
+    return torch.Generator(device=device).manual_seed(key & ((1 << 63) - 1))
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0 → greedy
+    top_k: int = 0  # 0 → off
+    top_p: float = 1.0  # 1 → off
+    seed: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self) -> "SamplingParams":
+        if not (self.temperature >= 0.0) or self.temperature != self.temperature or self.temperature > 100:
+            raise InvalidRequestError("temperature", f"must be in [0, 100], got {self.temperature}; use 0 for greedy")
+        if self.top_k < 0:
+            raise InvalidRequestError("top_k", f"must be >= 0 (0 disables it), got {self.top_k}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise InvalidRequestError("top_p", f"must be in (0, 1] (1 disables it), got {self.top_p}")
+        return self
+
+
+def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """[..., V] logits → [..., V] fp32 probabilities under `params` (one-hot argmax at temperature 0)."""
+    logits = logits.float()
+    if params.greedy:
+        return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+    logits = logits / params.temperature
+    if params.top_k and params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, idx = torch.sort(logits, dim=-1, descending=True)
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        remove = cum - sorted_logits.softmax(-1) >= params.top_p  # keep the smallest prefix reaching top_p
+        logits = logits.masked_fill(remove.scatter(-1, idx, remove), float("-inf"))
+    return logits.softmax(-1)
+
+
+def truncate_top_k(probs: torch.Tensor, k: int) -> torch.Tensor:
+    """Keep the k most likely entries of each row and renormalise (the draft's proposal truncation)."""
+    if k <= 0 or k >= probs.shape[-1]:
+        return probs
+    vals, idx = torch.topk(probs, k, dim=-1)
+    out = torch.zeros_like(probs).scatter_(-1, idx, vals)
+    return out / out.sum(-1, keepdim=True)
+
+
+def sample(probs: torch.Tensor, gen: torch.Generator | None) -> int:
+    """One draw from a 1-D probability vector (argmax when it is one-hot or no generator is given)."""
+    if gen is None:
+        return int(probs.argmax())
+    return int(torch.multinomial(probs, 1, generator=gen))
+
+
+def uniform(gen: torch.Generator, n: int = 1) -> torch.Tensor:
+    """n uniforms in (0, 1): never exactly 0, so `u <= 0` can never pass a zero-probability test."""
+    return torch.rand(n, generator=gen, dtype=torch.float64).clamp_min(1e-300)

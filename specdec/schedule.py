@@ -1,0 +1,292 @@
+"""Decoding schedules (`ar`, `sd`, `pacer`, `pearl`, `pacer_pearl`) as async pipelines over two backends.
+
+The same code runs in one process (`specdec.engine`, workers in threads) and across the network (`coordinator/`,
+gRPC clients), so the two can be compared like for like. The schedule owns the request's token history, the
+source of truth: what a backend holds is always re-derived from it (`base_position` + the tokens it lacks).
+
+PEARL (ALGORITHMS.md §3.2), adapted to services:
+- PRE round: the draft streams its block; as soon as the first token arrives, the target forwards the pending
+  token and checks that first token with a check-only verify, while the draft writes the rest (pre-verify).
+  Rejected → the draft is cancelled, the recovered token is committed, stay PRE. Accepted → POST.
+- POST round: the target verifies the rest of the current block while the draft already drafts the next block
+  from its last token, assuming everything is accepted (post-verify). All accepted → the next block's first token
+  is checked in the next round against the target's stored row (PEARL uses the "bonus" slot this way). A
+  rejection → the speculative block is cancelled and discarded, both sides roll back, back to PRE.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from typing import AsyncIterator, Callable, Protocol
+
+from specdec.errors import InvalidRequestError
+from specdec.sampling import SamplingParams
+from specdec.stop import StopSpec
+from specdec.verify import METHODS, SparseDist
+from specdec.workers import DraftBlock, VerifyOutcome
+
+MODES = ("ar", "sd", "pacer", "pearl", "pacer_pearl")
+
+
+class DraftBackend(Protocol):
+    async def start(self, session_id: str, prompt_ids: list[int], params: SamplingParams) -> None: ...
+    def draft_stream(self, session_id: str, base_position: int, append: list[int], gamma_max: int,
+                     stop: StopSpec, block_size: int) -> AsyncIterator[DraftBlock]: ...
+    async def cancel(self, session_id: str) -> None: ...
+    async def end(self, session_id: str) -> None: ...
+
+
+class TargetBackend(Protocol):
+    async def start(self, session_id: str, prompt_ids: list[int], params: SamplingParams) -> None: ...
+    async def verify(self, session_id: str, base_position: int, feed: list[int], draft: list[int],
+                     q: list[SparseDist] | None, method: str, feed_draft: bool = True,
+                     sample_bonus: bool = True) -> VerifyOutcome: ...
+    async def end(self, session_id: str) -> None: ...
+
+
+@dataclass
+class GenerationRequest:
+    prompt_ids: list[int]
+    max_new_tokens: int = 128
+    params: SamplingParams = field(default_factory=SamplingParams)
+    mode: str = "sd"
+    gamma: int = 4  # sd: draft length; pearl: draft window; pacer: gamma_max
+    block_size: int = 2  # pacer: pre-verifier block size
+    verify_method: str = "block"  # ignored (greedy) at temperature 0
+    pacer_threshold: float | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    session_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+    def validate(self) -> "GenerationRequest":
+        if not self.prompt_ids:
+            raise InvalidRequestError("prompt", "the prompt is empty; send text, messages or token ids")
+        if self.max_new_tokens <= 0:
+            raise InvalidRequestError("max_new_tokens", f"must be > 0, got {self.max_new_tokens}")
+        if self.mode not in MODES:
+            raise InvalidRequestError("mode", f"unknown mode {self.mode!r}; use one of {', '.join(MODES)}")
+        if self.verify_method not in METHODS:
+            raise InvalidRequestError("verify_method", f"unknown {self.verify_method!r}; use one of {METHODS}")
+        if not (1 <= self.gamma <= 64):
+            raise InvalidRequestError("gamma", f"must be in [1, 64], got {self.gamma}")
+        if self.block_size < 1:
+            raise InvalidRequestError("block_size", f"must be >= 1, got {self.block_size}")
+        self.params.validate()
+        return self
+
+    @property
+    def method(self) -> str:
+        return "greedy" if self.params.greedy else self.verify_method
+
+
+@dataclass
+class GenerationStats:
+    mode: str = ""
+    rounds: int = 0
+    target_forwards: int = 0
+    draft_tokens: int = 0  # proposed
+    accepted_tokens: int = 0
+    wasted_draft_tokens: int = 0  # proposed but never verified (cancelled or discarded speculation)
+    mean_accepted_length: float = 0.0  # generated tokens per target forward (counts the bonus/recovered token)
+    draft_busy_s: float = 0.0
+    target_busy_s: float = 0.0
+    network_s: float = 0.0  # filled by remote backends: time in calls minus compute reported by servers
+    wall_s: float = 0.0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]
+    finish_reason: str  # length | stop | cancelled
+    stats: GenerationStats
+
+
+class _Run:
+    """The per-request state shared by the schedules: history, commit logic, stop conditions, stats."""
+
+    def __init__(self, req: GenerationRequest, on_tokens: Callable[[list[int]], bool] | None):
+        self.req = req
+        self.history = list(req.prompt_ids)  # committed tokens; the last one is the pending token
+        self.n_prompt = len(req.prompt_ids)
+        self.on_tokens = on_tokens
+        self.finish: str | None = None
+        self.stats = GenerationStats(mode=req.mode)
+        self.draft_fed = self.target_fed = self.n_prompt - 1
+
+    @property
+    def generated(self) -> list[int]:
+        return self.history[self.n_prompt:]
+
+    def commit(self, tokens: list[int]) -> None:
+        room = self.req.max_new_tokens - len(self.generated)
+        out = []
+        for t in tokens[:room]:
+            out.append(t)
+            if t in self.req.eos_token_ids:
+                self.finish = "stop"
+                break
+        self.history.extend(out)
+        if self.finish is None and len(self.generated) >= self.req.max_new_tokens:
+            self.finish = "length"
+        if out and self.on_tokens is not None and self.on_tokens(out):
+            self.finish = self.finish or "stop"
+
+    def draft_args(self) -> tuple[int, list[int]]:
+        base = min(self.draft_fed, len(self.history) - 1)
+        return base, self.history[base:]
+
+    def target_args(self) -> tuple[int, list[int]]:
+        if self.target_fed >= len(self.history):  # everything fed: the target's stored row predicts what's next
+            return len(self.history), []
+        return self.target_fed, self.history[self.target_fed:]
+
+    def on_verify(self, out: VerifyOutcome, n_checked: int) -> None:
+        self.stats.target_forwards += int(out.forwarded)
+        self.stats.target_busy_s += (out.forward_ns + out.verify_ns) / 1e9
+        self.stats.accepted_tokens += out.num_accepted
+
+
+async def _collect(stream: AsyncIterator[DraftBlock], run: _Run) -> DraftBlock:
+    blocks = [b async for b in stream]
+    blk = DraftBlock(tokens=[t for b in blocks for t in b.tokens], q=[d for b in blocks for d in b.q],
+                     stop_reason=blocks[-1].stop_reason if blocks else "cancelled",
+                     draft_ns=sum(b.draft_ns for b in blocks))
+    run.stats.draft_busy_s += blk.draft_ns / 1e9
+    run.stats.draft_tokens += len(blk.tokens)
+    return blk
+
+
+async def generate(req: GenerationRequest, draft: DraftBackend | None, target: TargetBackend,
+                   on_tokens: Callable[[list[int]], bool] | None = None) -> GenerationResult:
+    """Run one request to completion. `on_tokens(new)` sees tokens as they are committed; True stops."""
+    req.validate()
+    run = _Run(req, on_tokens)
+    t0 = time.perf_counter()
+    sid = req.session_id
+    needs_draft = req.mode != "ar"
+    if needs_draft and draft is None:
+        raise InvalidRequestError("mode", f"mode {req.mode!r} needs a draft model; use mode 'ar' or add a draft")
+    starts = [target.start(sid, req.prompt_ids, req.params)]
+    if needs_draft:
+        starts.append(draft.start(sid, req.prompt_ids, req.params))
+    try:
+        await asyncio.gather(*starts)
+        if req.mode == "ar":
+            await _run_ar(run, target)
+        elif req.mode in ("sd", "pacer"):
+            await _run_sd(run, draft, target)
+        else:
+            await _run_pearl(run, draft, target)
+    except asyncio.CancelledError:
+        run.finish = "cancelled"
+        raise
+    finally:
+        ends = [target.end(sid)] + ([draft.end(sid)] if needs_draft else [])
+        await asyncio.shield(asyncio.gather(*ends, return_exceptions=True))
+        st = run.stats
+        st.wall_s = time.perf_counter() - t0
+        st.mean_accepted_length = len(run.generated) / st.target_forwards if st.target_forwards else 0.0
+    return GenerationResult(run.generated, run.finish or "length", run.stats)
+
+
+def _stop_spec(req: GenerationRequest) -> StopSpec:
+    return StopSpec("pacer", req.pacer_threshold) if req.mode in ("pacer", "pacer_pearl") else StopSpec("fixed")
+
+
+async def _run_ar(run: _Run, target: TargetBackend) -> None:
+    req = run.req
+    while run.finish is None:
+        base, feed = run.target_args()
+        out = await target.verify(req.session_id, base, feed, [], None, req.method)
+        run.stats.rounds += 1
+        run.on_verify(out, 0)
+        run.target_fed = base + len(feed)
+        run.commit([out.next_token])
+
+
+async def _run_sd(run: _Run, draft: DraftBackend, target: TargetBackend) -> None:
+    req = run.req
+    stop = _stop_spec(req)
+    block = min(req.block_size, req.gamma) if stop.kind == "pacer" else req.gamma
+    while run.finish is None:
+        base_d, append = run.draft_args()
+        gamma = min(req.gamma, req.max_new_tokens - len(run.generated))
+        blk = await _collect(draft.draft_stream(req.session_id, base_d, append, gamma, stop, block), run)
+        run.draft_fed = base_d + len(append) + len(blk.tokens) - 1
+        base_t, feed = run.target_args()
+        out = await target.verify(req.session_id, base_t, feed, blk.tokens, blk.q, req.method)
+        run.stats.rounds += 1
+        run.on_verify(out, len(blk.tokens))
+        run.target_fed = base_t + len(feed) + out.num_accepted
+        run.commit(blk.tokens[:out.num_accepted] + [out.next_token])
+
+
+async def _run_pearl(run: _Run, draft: DraftBackend, target: TargetBackend) -> None:
+    req = run.req
+    sid = req.session_id
+    stop = _stop_spec(req)
+    block = min(req.block_size, req.gamma) if stop.kind == "pacer" else req.gamma
+    pending_block: DraftBlock | None = None  # POST: a block whose first token is already committed
+    while run.finish is None:
+        run.stats.rounds += 1
+        if pending_block is None:  # ---------------- PRE: pre-verify the first token while drafting the rest
+            base_d, append = run.draft_args()
+            stream = draft.draft_stream(sid, base_d, append, req.gamma, stop, 1).__aiter__()
+            first = await stream.__anext__()
+            rest = asyncio.ensure_future(_collect(stream, run))
+            run.stats.draft_tokens += len(first.tokens)
+            run.stats.draft_busy_s += first.draft_ns / 1e9
+            base_t, feed = run.target_args()
+            out = await target.verify(sid, base_t, feed, first.tokens[:1], first.q[:1], req.method,
+                                      feed_draft=False, sample_bonus=False)
+            run.on_verify(out, 1)
+            run.target_fed = base_t + len(feed)
+            if out.num_accepted == 0:
+                await draft.cancel(sid)
+                wasted = await rest
+                run.stats.wasted_draft_tokens += len(wasted.tokens) + len(first.tokens) - 1
+                run.draft_fed = base_d + len(append)  # the first drafted token was never fed
+                run.commit([out.next_token])
+                continue
+            run.commit(first.tokens[:1])
+            tail = await rest
+            pending_block = DraftBlock(tokens=first.tokens + tail.tokens, q=first.q + tail.q)
+            run.draft_fed = base_d + len(append) + len(pending_block.tokens) - 1
+            # the first token is committed: the block's remaining tokens are verified in POST below
+            to_check, to_check_q = pending_block.tokens[1:], pending_block.q[1:]
+        else:  # ------------------------------------- POST (chained): check the whole new block
+            to_check, to_check_q = pending_block.tokens, pending_block.q
+        if run.finish is not None:
+            break
+        # ---------------- POST: verify `to_check` while the draft writes the next block assuming all accepted
+        base_t, feed = run.target_args()
+        verify_task = asyncio.ensure_future(target.verify(sid, base_t, feed, to_check, to_check_q, req.method,
+                                                          feed_draft=True, sample_bonus=False))
+        spec_base = run.draft_fed
+        spec_append = [pending_block.tokens[-1]]
+        spec = asyncio.ensure_future(_collect(draft.draft_stream(sid, spec_base, spec_append, req.gamma, stop, block),
+                                              run))
+        out = await verify_task
+        run.on_verify(out, len(to_check))
+        run.target_fed = base_t + len(feed) + out.num_accepted
+        if out.num_accepted == len(to_check):
+            run.commit(to_check)
+            nxt = await spec
+            run.draft_fed = spec_base + 1 + len(nxt.tokens) - 1
+            if not nxt.tokens or run.finish is not None:
+                run.stats.wasted_draft_tokens += len(nxt.tokens)
+                pending_block = None
+                continue
+            pending_block = nxt
+            if out.next_token is not None:  # cannot happen (no bonus asked); kept for safety
+                pending_block = None
+        else:
+            await draft.cancel(sid)
+            wasted = await spec
+            run.stats.wasted_draft_tokens += len(wasted.tokens) + len(to_check) - out.num_accepted
+            run.commit(to_check[:out.num_accepted] + [out.next_token])
+            pending_block = None

@@ -1,0 +1,54 @@
+"""Stop rules for drafting: how many tokens the draft proposes before the target verifies.
+
+The draft asks its stop rule after every block of `block_size` tokens. A stop rule only chooses the draft length,
+so it can never change the output distribution (the target's verification is what makes decoding lossless).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass
+class DraftFeatures:
+    """What the draft knows about the tokens it drafted this round (one row per drafted token)."""
+
+    hidden: torch.Tensor  # [n, D] draft hidden state that produced q_t (fp32)
+    tokens: torch.Tensor  # [n] drafted token ids
+    logq: torch.Tensor  # [n] log q_t(x_t)
+    entropy: torch.Tensor  # [n] entropy of q_t (nats)
+    block_start: int  # index of the first token of the block just finished
+
+
+class StopRule(Protocol):
+    def should_stop(self, features: DraftFeatures) -> bool: ...
+
+
+@dataclass(frozen=True)
+class StopSpec:
+    """A serialisable request for a stop rule: `fixed` (draft up to gamma_max) or `pacer` (pre-verifier)."""
+
+    kind: str = "fixed"
+    threshold: float | None = None  # pacer: stop when P(block accepted) < threshold (None: the shipped default)
+
+
+class FixedLength:
+    """Never stops early: the draft length is gamma_max (standard speculative decoding)."""
+
+    def should_stop(self, features: DraftFeatures) -> bool:
+        return False
+
+
+class PreverifierStop:
+    """PACER: stop when the pre-verifier's P(every token of this block is accepted) falls below `threshold`."""
+
+    def __init__(self, preverifier, threshold: float):
+        self.preverifier = preverifier
+        self.threshold = threshold
+        self.last_score: float | None = None
+
+    def should_stop(self, features: DraftFeatures) -> bool:
+        self.last_score = float(self.preverifier.block_accept_prob(features))
+        return self.last_score < self.threshold
