@@ -248,7 +248,7 @@ def test_pools_match_service_defaults(overlay):
         (dep,) = find(objs, "Deployment", f"specdec-{comp}")
         pod = dep["spec"]["template"]["spec"]
         sleep = int(c["lifecycle"]["preStop"]["exec"]["command"][-1])
-        assert pod["terminationGracePeriodSeconds"] > sleep + int(env[d["env"] + "SHUTDOWN_GRACE_S"])
+        assert pod["terminationGracePeriodSeconds"] > sleep + int(env[d["env"] + "GRACE_S"])
         assert "replicas" not in dep["spec"], "replicas belong to the HPA"
         assert pod["securityContext"]["runAsNonRoot"] is True
         # init container fetches the configured model into the cache volume
@@ -343,7 +343,8 @@ def test_overlay_specifics():
         assert env[d["env"] + "MODEL"] not in (defaults.DEFAULT_DRAFT, defaults.DEFAULT_TARGET)
         # TLS material comes from a Secret, as files named by *_TLS_* env vars
         tls_env = {e["name"]: e["value"] for e in c["env"] if "_TLS_" in e["name"]}
-        assert set(tls_env) == {d["env"] + s for s in ("TLS_CERT_FILE", "TLS_KEY_FILE", "TLS_CA_FILE")}
+        assert set(tls_env) == {d["env"] + sep + s for s in ("CERT_FILE", "KEY_FILE", "CA_FILE")
+                                for sep in ("TLS_", "TLS__")}
         vols = {v["name"]: v for v in pod["volumes"]}
         assert vols["tls"]["secret"]["secretName"] == f"specdec-{comp}-tls"
 
