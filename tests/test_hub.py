@@ -1,0 +1,173 @@
+import json
+import os
+import pathlib
+
+import pytest
+
+from specdec import hub
+from specdec.hub import ModelNotFoundError, resolve_model
+from specdec.tokenizer import IncrementalDetokenizer, encode_prompt, eos_token_ids, load_tokenizer
+
+
+def _fake_model_dir(d: pathlib.Path) -> pathlib.Path:
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "config.json").write_text(json.dumps({"model_type": "llama", "eos_token_id": [2, 7]}))
+    (d / "model.safetensors").write_bytes(b"")
+    return d
+
+
+def test_local_dir(tmp_path):
+    d = _fake_model_dir(tmp_path / "m")
+    assert resolve_model(str(d), progress=False) == d.resolve()
+
+
+def test_local_dir_without_config(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelNotFoundError, match="config.json"):
+        resolve_model(str(tmp_path / "empty"), progress=False)
+
+
+def test_unreachable_hub_id(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ModelNotFoundError) as e:
+        resolve_model("someorg/some-model", progress=False)
+    msg = str(e.value)
+    assert "\n" not in msg and "local" in msg and ".gguf" in msg
+
+
+def test_hub_unreachable_by_network(monkeypatch):
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # discard port: connection refused
+    with pytest.raises(ModelNotFoundError, match="not reachable"):
+        resolve_model("someorg/some-model", progress=False)
+
+
+def test_missing_path():
+    with pytest.raises(ModelNotFoundError):
+        resolve_model("./does/not/exist.gguf", progress=False)
+
+
+def test_gguf_cache_key_and_atomicity(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.delenv("SPECDEC_CACHE", raising=False)
+    gguf = tmp_path / "tiny.gguf"
+    gguf.write_bytes(b"not really a gguf")
+    calls = []
+
+    def boom(src, out):
+        calls.append(src)
+        (pathlib.Path(out) / "partial.bin").write_bytes(b"x")
+        raise KeyboardInterrupt  # simulated interruption mid-conversion
+
+    monkeypatch.setattr(hub, "convert_gguf", boom)
+    with pytest.raises(KeyboardInterrupt):
+        resolve_model(str(gguf), progress=False)
+    root = hub.cache_root()
+    assert str(root).startswith(str(tmp_path / "xdg"))
+    # nothing half-written is left behind
+    assert not any(p.name.endswith("partial.bin") for p in root.rglob("*"))
+    assert not any((root / "gguf").iterdir())
+
+    def ok(src, out):
+        calls.append(src)
+        _fake_model_dir(pathlib.Path(out))
+
+    monkeypatch.setattr(hub, "convert_gguf", ok)
+    d = resolve_model(str(gguf), progress=False)
+    assert (d / "config.json").is_file() and (d / hub.MARKER).is_file()
+    assert d.name == hub.sha256_file(gguf)[:32]
+    n = len(calls)
+    assert resolve_model(str(gguf), progress=False) == d  # cached: no second conversion
+    assert len(calls) == n
+    # same bytes under another name share the cache entry
+    other = tmp_path / "copy.gguf"
+    other.write_bytes(gguf.read_bytes())
+    assert resolve_model(str(other), progress=False) == d and len(calls) == n
+
+
+def test_incomplete_cache_is_rebuilt(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "c"))
+    gguf = tmp_path / "a.gguf"
+    gguf.write_bytes(b"abc")
+    stale = tmp_path / "c" / "gguf" / hub.sha256_file(gguf)[:32]
+    _fake_model_dir(stale)  # no marker: must not be trusted
+    monkeypatch.setattr(hub, "convert_gguf", lambda s, o: _fake_model_dir(pathlib.Path(o)))
+    d = resolve_model(str(gguf), progress=False)
+    assert d == stale and (d / hub.MARKER).is_file()
+
+
+# ---------------------------------------------------------------- tokenizer
+
+
+@pytest.fixture(scope="module")
+def byte_bpe(tmp_path_factory):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    t = Tokenizer(models.BPE())
+    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    t.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    corpus = ["hello world", "héllo wörld ünïcode", "日本語のテキスト", "emoji 🙂 and 🚀 rockets", "plain ascii text"] * 5
+    t.train_from_iterator(corpus, trainer)
+    tok = PreTrainedTokenizerFast(tokenizer_object=t, eos_token="</s>", bos_token="<s>", unk_token="<unk>")
+    d = tmp_path_factory.mktemp("tok")
+    tok.save_pretrained(str(d))
+    return d
+
+
+def test_load_tokenizer_none(tmp_path):
+    assert load_tokenizer(_fake_model_dir(tmp_path / "m")) is None
+
+
+def test_detokenizer_multibyte(byte_bpe):
+    tok = load_tokenizer(byte_bpe)
+    text = "héllo 日本語 🙂 rockets 🚀!"
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    # a byte-level tokenizer with few merges splits multi-byte characters across tokens
+    assert any("\ufffd" in tok.decode([i]) for i in ids)
+    det = IncrementalDetokenizer(tok)
+    pieces = [det.push(i) for i in ids]
+    pieces.append(det.flush())
+    assert all("\ufffd" not in p for p in pieces)
+    assert "".join(pieces) == text
+    # pushing several tokens at once gives the same text
+    det2 = IncrementalDetokenizer(tok)
+    assert det2.push(ids[:5]) + det2.push(ids[5:]) + det2.flush() == text
+
+
+def test_encode_prompt_and_eos(byte_bpe, tmp_path):
+    tok = load_tokenizer(byte_bpe)
+    assert encode_prompt(tok, prompt="hello world") == tok("hello world")["input_ids"]
+    with pytest.raises(ValueError):
+        encode_prompt(tok, messages=[{"role": "user", "content": "hi"}])  # no chat template
+    tok.chat_template = "{% for m in messages %}<s>{{ m['content'] }}</s>{% endfor %}{% if add_generation_prompt %}<s>{% endif %}"
+    ids = encode_prompt(tok, prompt="hello")
+    assert ids == encode_prompt(tok, messages=[{"role": "user", "content": "hello"}])
+    assert ids[0] == tok.convert_tokens_to_ids("<s>") and ids[-1] == tok.convert_tokens_to_ids("<s>")
+    assert encode_prompt(tok, prompt="hello", raw=True) == tok("hello")["input_ids"]
+    assert eos_token_ids(tok) == {tok.convert_tokens_to_ids("</s>")}
+    assert eos_token_ids({"eos_token_id": [2, 7]}) == {2, 7}
+    assert eos_token_ids(_fake_model_dir(tmp_path / "m")) == {2, 7}
+
+
+@pytest.mark.slow
+def test_default_target_if_cached():
+    final = hub.cache_root() / "gguf" / hub.DEFAULT_TARGET_SHA256[:32]
+    if not (final / hub.MARKER).is_file():
+        pytest.skip("default target not cached")
+    d = resolve_model("default-target", progress=False)
+    cfg = json.loads((d / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLM"]
+    assert (cfg["num_hidden_layers"], cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"],
+            cfg["vocab_size"], cfg["tie_word_embeddings"]) == (30, 576, 9, 3, 49152, True)
+    tok = load_tokenizer(d)
+    ids = encode_prompt(tok, prompt="What is the capital of France?")
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32).eval()
+    out = m.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)
+    assert "Paris" in tok.decode(out[0, len(ids):])
+    assert 2 in eos_token_ids(d)
