@@ -1,0 +1,101 @@
+"""Ray actors: thin hosts of `PoolManager` (one per coordinator) and `Pipeline` (N, requests round-robin).
+
+Adding Ray workers adds room for more pipeline actors; each pipeline talks to the replicas directly over gRPC,
+so Ray stays off the per-round path (STYLE A6.1: the actors are wrappers; the logic is in plain classes).
+"""
+from __future__ import annotations
+
+import ray
+
+
+@ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=0)
+class PoolManagerActor:
+    def __init__(self, specs: dict, refresh_s: float, health_timeout_s: float, tls: dict | None = None):
+        from coordinator.discovery import source_from_spec
+        from coordinator.pool import PoolManager
+
+        factory = None
+        if tls:
+            from specdec.server.tls import channel_credentials
+
+            factory = lambda: channel_credentials(**tls)  # noqa: E731 - built in this process (not picklable)
+        self.pm = PoolManager({k: source_from_spec(v) for k, v in specs.items() if v}, refresh_s,
+                              health_timeout_s, credentials_factory=factory)
+
+    async def start(self) -> dict:
+        await self.pm.start()
+        return self.pm.snapshot()
+
+    async def acquire(self, kind: str, exclude: list[str]) -> str:
+        return await self.pm.acquire(kind, exclude)
+
+    async def release(self, kind: str, endpoint: str) -> None:
+        self.pm.release(kind, endpoint)
+
+    async def report_failure(self, kind: str, endpoint: str, error: str = "") -> None:
+        self.pm.report_failure(kind, endpoint, error)
+
+    async def members(self) -> dict:
+        return self.pm.members()
+
+    async def refresh(self) -> dict:
+        await self.pm.refresh()
+        return self.pm.snapshot()
+
+    async def snapshot(self) -> dict:
+        return self.pm.snapshot()
+
+
+class RayPool:
+    """Awaitable facade over a PoolManagerActor handle (used inside pipeline actors)."""
+
+    def __init__(self, handle):
+        self.h = handle
+
+    async def acquire(self, kind, exclude=()):
+        return await self.h.acquire.remote(kind, list(exclude))
+
+    async def release(self, kind, endpoint):
+        await self.h.release.remote(kind, endpoint)
+
+    async def report_failure(self, kind, endpoint, error=""):
+        await self.h.report_failure.remote(kind, endpoint, error)
+
+    async def members(self):
+        return await self.h.members.remote()
+
+
+@ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=0)
+class PipelineActor:
+    def __init__(self, pool_handle, rpc_timeout_s: float, view_refresh_s: float, tls: dict | None = None):
+        import logging
+
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        self._args = (pool_handle, rpc_timeout_s, view_refresh_s, tls)
+        self.pipeline = None
+
+    def _get(self):
+        if self.pipeline is None:  # grpc.aio channels must be created inside the actor's event loop
+            from coordinator.pipeline import Pipeline
+
+            handle, timeout, refresh, tls = self._args
+            creds = None
+            if tls:
+                from specdec.server.tls import channel_credentials
+
+                creds = channel_credentials(**tls)
+            self.pipeline = Pipeline(RayPool(handle), creds, timeout, refresh)
+        return self.pipeline
+
+    async def stream(self, request: dict):
+        async for ev in self._get().stream(request):
+            yield ev
+
+    async def stop(self, rid: str) -> None:
+        self._get().stop(rid)
+
+    async def cancel(self, rid: str) -> bool:
+        return self._get().cancel(rid)
+
+    async def active(self) -> int:
+        return self._get().active()

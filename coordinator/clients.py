@@ -1,0 +1,294 @@
+"""gRPC backends of `specdec.schedule` with session pinning, failover and network accounting.
+
+`RemoteDraft` / `RemoteTarget` implement `DraftBackend` / `TargetBackend` for ONE request: each is pinned to one
+replica (chosen by the pool) and mirrors what that replica has fed, so the session can be rebuilt anywhere:
+
+- UNAVAILABLE (replica gone, draining, crashed): report it, pin another replica, start a session there from the
+  mirrored prefix, retry the call. The absolute-position protocol plus keyed randomness make the retried call
+  return exactly what the lost one would have (a half-received draft stream is resumed by skipping the tokens
+  already delivered), so failover never changes the output.
+- NOT_FOUND (the replica expired or evicted the session): rebuild on the same replica, retry.
+- The replica left the pool (scale-in; `PoolView` says so): move the session before the next call.
+
+network_ns = wall time inside calls minus the compute (and queueing) the replicas report.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import AsyncIterator
+
+import grpc
+
+from specdec.pb import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
+from specdec.sampling import SamplingParams
+from specdec.server.convert import decode_q, encode_q
+from specdec.stop import StopSpec
+from specdec.verify import SparseDist
+from specdec.workers import DraftBlock, VerifyOutcome
+
+log = logging.getLogger(__name__)
+MAX_FAILOVERS = 4
+_KIND = {"fixed": draft_pb2.STOP_KIND_FIXED, "pacer": draft_pb2.STOP_KIND_PREVERIFIER}
+_REASON = {draft_pb2.STOP_REASON_GAMMA_MAX: "gamma_max", draft_pb2.STOP_REASON_PREVERIFIER: "preverifier",
+           draft_pb2.STOP_REASON_CANCELLED: "cancelled"}
+_METHOD = {"greedy": common_pb2.VERIFY_METHOD_GREEDY, "token": common_pb2.VERIFY_METHOD_TOKEN,
+           "block": common_pb2.VERIFY_METHOD_BLOCK}
+CHANNEL_OPTIONS = [("grpc.keepalive_time_ms", 30_000), ("grpc.keepalive_timeout_ms", 10_000),
+                   ("grpc.max_receive_message_length", 16 * 1024 * 1024),
+                   ("grpc.max_send_message_length", 16 * 1024 * 1024)]
+
+
+class Channels:
+    """One channel (and stub) per replica, shared by all requests of a pipeline process."""
+
+    def __init__(self, credentials: grpc.ChannelCredentials | None = None):
+        self.credentials = credentials
+        self._ch: dict[str, grpc.aio.Channel] = {}
+
+    def channel(self, endpoint: str) -> grpc.aio.Channel:
+        ch = self._ch.get(endpoint)
+        if ch is None:
+            ch = (grpc.aio.secure_channel(endpoint, self.credentials, options=CHANNEL_OPTIONS) if self.credentials
+                  else grpc.aio.insecure_channel(endpoint, options=CHANNEL_OPTIONS))
+            self._ch[endpoint] = ch
+        return ch
+
+    def draft(self, endpoint: str):
+        return draft_pb2_grpc.DraftServiceStub(self.channel(endpoint))
+
+    def target(self, endpoint: str):
+        return target_pb2_grpc.TargetServiceStub(self.channel(endpoint))
+
+    async def drop_except(self, keep: set[str]) -> None:
+        for ep in [e for e in self._ch if e not in keep]:
+            await self._ch.pop(ep).close()
+
+    async def close(self) -> None:
+        await self.drop_except(set())
+
+
+class PoolView:
+    """A pipeline's cached copy of routable pool members (refreshed in the background, never per round)."""
+
+    def __init__(self):
+        self.members: dict[str, list[str]] = {}
+
+    def gone(self, kind: str, endpoint: str) -> bool:
+        live = self.members.get(kind)
+        return bool(live) and endpoint not in live  # an empty view (blip, startup) moves nothing
+
+
+def sampling_pb(p: SamplingParams) -> common_pb2.SamplingParams:
+    return common_pb2.SamplingParams(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=p.seed)
+
+
+def _retryable(e: BaseException) -> str | None:
+    if isinstance(e, grpc.aio.AioRpcError):
+        if e.code() == grpc.StatusCode.UNAVAILABLE:
+            return "unavailable"
+        if e.code() == grpc.StatusCode.NOT_FOUND:
+            return "lost"
+    return None
+
+
+class _Pinned:
+    kind = ""
+
+    def __init__(self, pool, channels: Channels, view: PoolView | None = None, timeout: float = 60.0):
+        self.pool, self.channels, self.view, self.timeout = pool, channels, view or PoolView(), timeout
+        self.endpoint: str | None = None
+        self.served: list[str] = []  # every replica this request used, in order
+        self.failed: list[str] = []
+        self.sid = ""
+        self.params: SamplingParams | None = None
+        self.fed: list[int] = []  # mirror of the tokens the pinned replica holds fed
+        self.network_ns = 0
+        self.failovers = 0
+
+    async def _pin(self) -> None:
+        self.endpoint = await self.pool.acquire(self.kind, self.failed)
+        self.served.append(self.endpoint)
+
+    async def _start_on(self, prompt_ids: list[int]) -> None:
+        stub = self._stub()
+        req_cls = (draft_pb2.DraftServiceStartSessionRequest if self.kind == "draft"
+                   else target_pb2.TargetServiceStartSessionRequest)
+        t0 = time.perf_counter_ns()
+        r = await stub.StartSession(req_cls(session_id=self.sid, prompt_ids=prompt_ids,
+                                            params=sampling_pb(self.params)), timeout=self.timeout)
+        self.network_ns += time.perf_counter_ns() - t0 - r.prefill_ns
+        self.fed = list(prompt_ids[:-1])
+
+    def _stub(self):
+        return self.channels.draft(self.endpoint) if self.kind == "draft" else self.channels.target(self.endpoint)
+
+    async def start(self, session_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        self.sid, self.params = session_id, params
+        await self._pin()
+        while True:
+            try:
+                return await self._start_on(list(prompt_ids))
+            except Exception as e:  # noqa: BLE001
+                if _retryable(e) != "unavailable" or self.failovers >= MAX_FAILOVERS:
+                    raise
+                await self._failover(e)
+
+    async def _failover(self, e: BaseException) -> None:
+        """The pinned replica is unreachable: report it and pin another (no session started yet)."""
+        self.failovers += 1
+        bad = self.endpoint
+        self.failed.append(bad)
+        log.warning("%s replica %s failed (%s); moving session %s", self.kind, bad,
+                    getattr(e, "code", lambda: e)(), self.sid)
+        await self.pool.report_failure(self.kind, bad, str(getattr(e, "details", lambda: e)()))
+        await self.pool.release(self.kind, bad)
+        await self._pin()
+
+    async def _move_if_gone(self, rebuild) -> None:
+        """Scale-in: the pinned replica left the pool; rebuild the session elsewhere before the next call."""
+        if self.endpoint is None or not self.view.gone(self.kind, self.endpoint):
+            return
+        old = self.endpoint
+        log.info("%s replica %s left the pool; moving session %s", self.kind, old, self.sid)
+        await self.pool.release(self.kind, old)
+        self.failed.append(old)
+        await self._pin()
+        await rebuild()
+        asyncio.ensure_future(self._end_on(old))  # best effort: free its slot if it is still up
+
+    async def _end_on(self, endpoint: str) -> None:
+        stub = self.channels.draft(endpoint) if self.kind == "draft" else self.channels.target(endpoint)
+        req = (draft_pb2.DraftServiceEndSessionRequest(session_id=self.sid) if self.kind == "draft"
+               else target_pb2.TargetServiceEndSessionRequest(session_id=self.sid))
+        try:
+            await stub.EndSession(req, timeout=5.0)
+        except grpc.aio.AioRpcError:
+            pass
+
+    async def end(self, session_id: str) -> None:
+        if self.endpoint is None:
+            return
+        ep, self.endpoint = self.endpoint, None
+        try:
+            await self._end_on(ep)
+        finally:
+            await self.pool.release(self.kind, ep)
+
+    async def _recover(self, e: BaseException) -> None:
+        """After a retryable error: pin elsewhere (UNAVAILABLE) or stay (NOT_FOUND); the caller rebuilds."""
+        why = _retryable(e)
+        if why is None or self.failovers >= MAX_FAILOVERS:
+            raise e
+        if why == "unavailable":
+            await self._failover(e)
+        else:
+            self.failovers += 1
+            log.warning("%s replica %s lost session %s; rebuilding it", self.kind, self.endpoint, self.sid)
+
+
+class RemoteDraft(_Pinned):
+    kind = "draft"
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self._call: grpc.aio.UnaryStreamCall | None = None
+        self._cancelled = False
+
+    async def draft_stream(self, session_id: str, base_position: int, append: list[int], gamma_max: int,
+                           stop: StopSpec, block_size: int) -> AsyncIterator[DraftBlock]:
+        rule = draft_pb2.StopRule(kind=_KIND[stop.kind])
+        if stop.threshold is not None:
+            rule.threshold = stop.threshold
+        req = draft_pb2.DraftStreamRequest(session_id=session_id, base_position=base_position, append_ids=append,
+                                           gamma_max=gamma_max, stop=rule, block_size=block_size)
+        got: list[int] = []  # tokens delivered to the schedule
+        self._cancelled = False
+
+        async def rebuild():
+            await self._start_on(self.fed[:base_position] + append[:1])
+
+        await self._move_if_gone(rebuild)
+        try:
+            while True:
+                t0, compute, skip = time.perf_counter_ns(), 0, len(got)
+                call = self._call = self._stub().DraftStream(req, timeout=self.timeout)
+                try:
+                    async for r in call:
+                        compute += r.draft_ns
+                        toks, q = list(r.token_ids), None
+                        if skip:  # a resumed stream re-drafts the same tokens: drop what was delivered
+                            n = min(skip, len(toks))
+                            skip -= n
+                            toks = toks[n:]
+                            if not toks:
+                                continue
+                            q = decode_q(r.q)[n:]
+                        got.extend(toks)
+                        yield DraftBlock(tokens=toks, q=q if q is not None else decode_q(r.q),
+                                         stop_reason=_REASON.get(r.stop_reason, ""), draft_ns=r.draft_ns,
+                                         final=r.last)
+                    return
+                except asyncio.CancelledError:
+                    task = asyncio.current_task()
+                    if self._cancelled and not (task is not None and task.cancelling()):
+                        return  # our own cancel(): the stream simply ends
+                    raise
+                except grpc.aio.AioRpcError as e:
+                    if e.code() == grpc.StatusCode.CANCELLED and self._cancelled:
+                        return
+                    await self._recover(e)
+                    await rebuild()
+                finally:
+                    self.network_ns += max(0, time.perf_counter_ns() - t0 - compute)
+        finally:
+            self._call = None
+            # the replica holds base + append + every delivered token but the last (at least)
+            self.fed = self.fed[:base_position] + list(append) + got[:-1]
+
+    async def cancel(self, session_id: str) -> None:
+        self._cancelled = True
+        if self._call is not None:
+            self._call.cancel()  # the replica stops drafting at its next token
+
+
+class RemoteTarget(_Pinned):
+    kind = "target"
+
+    async def verify(self, session_id: str, base_position: int, feed: list[int], draft: list[int],
+                     q: list[SparseDist] | None, method: str, feed_draft: bool = True,
+                     sample_bonus: bool = True) -> VerifyOutcome:
+        base, fd = base_position, list(feed)
+
+        async def rebuild():
+            # a fresh session has no stored row: re-feed the last fed token with this call
+            nonlocal base, fd
+            if base >= 1:
+                prefix = self.fed[:base]
+                await self._start_on(prefix)
+                base, fd = base - 1, [prefix[-1]] + list(feed)
+            else:
+                await self._start_on(fd[:1])
+
+        await self._move_if_gone(rebuild)
+        while True:
+            req = target_pb2.VerifyRequest(session_id=session_id, base_position=base, feed_ids=fd,
+                                           draft_ids=draft, method=_METHOD[method], feed_draft=feed_draft,
+                                           sample_bonus=sample_bonus)
+            if q:
+                req.q = encode_q(q)
+            t0 = time.perf_counter_ns()
+            try:
+                r = await self._stub().Verify(req, timeout=self.timeout)
+            except grpc.aio.AioRpcError as e:
+                self.network_ns += time.perf_counter_ns() - t0
+                await self._recover(e)
+                await rebuild()
+                continue
+            self.network_ns += max(0, time.perf_counter_ns() - t0 - r.forward_ns - r.verify_ns - r.queue_ns)
+            kept = base + len(fd) + (r.num_accepted if feed_draft else 0)
+            self.fed = (self.fed[:base] + fd + (list(draft) if feed_draft else []))[:kept]
+            return VerifyOutcome(r.num_accepted, r.next_token if r.HasField("next_token") else None,
+                                 forward_ns=r.forward_ns, verify_ns=r.verify_ns, forwarded=r.forward_ns > 0,
+                                 batch_size=r.batch_size)

@@ -1,0 +1,45 @@
+"""Coordinator settings: `COORDINATOR_*` environment variables, CLI flags override (python -m coordinator).
+
+Pool endpoints: either a static comma list (`COORDINATOR_DRAFT_ENDPOINTS=host:port,host:port`) or the DNS name of
+a headless Service (`COORDINATOR_DRAFT_DNS=draft-headless.ns.svc.cluster.local:50061`), re-resolved every
+`dns_refresh_s` so pools grow and shrink without a restart. Same for the target pool.
+"""
+from __future__ import annotations
+
+from pydantic import Field
+from pydantic_settings import SettingsConfigDict
+
+from specdec.defaults import COORDINATOR_METRICS_PORT, COORDINATOR_PORT, DEFAULT_TARGET
+from specdec.server.settings import ServerSettings
+
+
+class CoordinatorSettings(ServerSettings):
+    model_config = SettingsConfigDict(env_prefix="COORDINATOR_", cli_prog_name="python -m coordinator")
+
+    port: int = Field(COORDINATOR_PORT, ge=0, le=65535)
+    metrics_port: int = Field(COORDINATOR_METRICS_PORT, ge=0, le=65535)
+    # the tokenizer (and EOS ids) come from the target model spec; "" or "none": token-id prompts only
+    tokenizer: str = Field(DEFAULT_TARGET, description="model spec whose tokenizer the coordinator uses")
+    draft_endpoints: str = Field("", description="static draft pool: comma-separated host:port list")
+    target_endpoints: str = Field("", description="static target pool: comma-separated host:port list")
+    draft_dns: str = Field("", description="draft pool: host:port of a headless Service, re-resolved")
+    target_dns: str = Field("", description="target pool: host:port of a headless Service, re-resolved")
+    dns_refresh_s: float = Field(5.0, gt=0, description="how often pools are re-resolved and health-checked")
+    health_timeout_s: float = Field(1.0, gt=0, description="per-replica health check timeout")
+    ray_address: str = Field("", description="'' starts a local Ray instance; 'auto' attaches to a running one")
+    ray_num_cpus: int = Field(2, ge=1, description="CPUs of the local Ray instance")
+    no_ray: bool = Field(False, description="run pipelines in the driver process (tests, debugging)")
+    pipelines: int = Field(2, ge=1, description="pipeline actors; requests are spread round-robin")
+    max_new_tokens_cap: int = Field(4096, ge=1, description="largest max_new_tokens a request may ask for")
+    rpc_timeout_s: float = Field(60.0, gt=0, description="timeout of one replica call")
+    pool_view_refresh_s: float = Field(0.5, gt=0, description="how often pipelines refresh pool membership")
+    grace_s: float = Field(30.0, ge=0, description="drain time for in-flight requests on shutdown")
+
+    def pool_spec(self, kind: str) -> str:
+        """'dns:host:port' | 'static:a,b' | '' (no pool configured)."""
+        dns, static = (self.draft_dns, self.draft_endpoints) if kind == "draft" else (self.target_dns,
+                                                                                      self.target_endpoints)
+        if dns and static:
+            raise ValueError(f"set either COORDINATOR_{kind.upper()}_DNS or COORDINATOR_{kind.upper()}_ENDPOINTS, "
+                             f"not both")
+        return f"dns:{dns}" if dns else (f"static:{static}" if static else "")

@@ -1,0 +1,18 @@
+"""Coordinator metrics (STYLE B4), registered next to the shared server metrics on the same /metrics port."""
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+_SECONDS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class CoordinatorMetrics:
+    def __init__(self, registry):
+        r = registry
+        self.running = Gauge("specdec_num_requests_running", "Requests being generated", registry=r)
+        self.requests = Counter("specdec_request_success", "Finished requests", ["finish_reason"], registry=r)
+        self.tokens = Counter("specdec_generation_tokens", "Generated tokens", registry=r)
+        self.ttft = Histogram("specdec_time_to_first_token_seconds", "Time to the first verified token",
+                              buckets=_SECONDS, registry=r)
+        self.e2e = Histogram("specdec_e2e_request_latency_seconds", "Request latency", buckets=_SECONDS,
+                             registry=r)

@@ -1,0 +1,173 @@
+"""Request pipelines: run `specdec.schedule.generate` for one request against pinned gRPC replicas.
+
+A plain async class (no Ray, no tokenizer): token ids in, events out. `coordinator/actor.py` hosts it in an async
+Ray actor; with `--no-ray` the front server uses it directly. Ray is never on the per-round path: the only Ray
+calls are pinning (one per request and per failover), unpinning, and a pool-membership refresh every
+`view_refresh_s`.
+
+Events (dicts, so they cross Ray cheaply):
+    {"tokens": [ids]}                                   newly verified tokens, in order
+    {"done": True, "token_ids", "finish_reason", "stats"}  the last event
+    {"error": {"code": "INVALID_ARGUMENT"|..., "message"}}  the last event on failure
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import AsyncIterator
+
+import grpc
+
+from specdec.errors import (CapacityError, ContextOverflowError, InvalidRequestError, SessionNotFoundError,
+                            SpecDecError, StalePositionError)
+from specdec.sampling import SamplingParams
+from specdec.schedule import GenerationRequest, generate
+
+from coordinator.clients import Channels, PoolView, RemoteDraft, RemoteTarget
+from coordinator.pool import ReplicaUnavailableError
+
+log = logging.getLogger(__name__)
+
+_CODES = [(InvalidRequestError, "INVALID_ARGUMENT"), (ReplicaUnavailableError, "UNAVAILABLE"),
+          (SessionNotFoundError, "NOT_FOUND"), (StalePositionError, "FAILED_PRECONDITION"),
+          (ContextOverflowError, "OUT_OF_RANGE"), (CapacityError, "RESOURCE_EXHAUSTED"),
+          (SpecDecError, "FAILED_PRECONDITION")]
+
+
+def error_event(e: BaseException) -> dict:
+    if isinstance(e, grpc.aio.AioRpcError):  # a replica's answer: pass its status through
+        return {"error": {"code": e.code().name, "message": e.details() or str(e.code())}}
+    for cls, code in _CODES:
+        if isinstance(e, cls):
+            return {"error": {"code": code, "message": str(e)}}
+    return {"error": {"code": "INTERNAL", "message": f"{type(e).__name__}: {e}"}}
+
+
+def request_from_dict(d: dict) -> GenerationRequest:
+    params = SamplingParams(temperature=float(d.get("temperature", 0.0)), top_k=int(d.get("top_k", 0)),
+                            top_p=float(d.get("top_p", 1.0)), seed=int(d.get("seed", 0)))
+    kw = {k: d[k] for k in ("max_new_tokens", "mode", "gamma", "block_size", "verify_method", "pacer_threshold")
+          if d.get(k) is not None}
+    req = GenerationRequest(prompt_ids=list(d["prompt_ids"]), params=params,
+                            eos_token_ids=tuple(d.get("eos_token_ids", ())), **kw)
+    if d.get("request_id"):
+        req.session_id = d["request_id"]
+    return req
+
+
+class AsyncPool:
+    """Awaitable facade over an in-process PoolManager (the Ray facade lives in actor.py)."""
+
+    def __init__(self, manager):
+        self.manager = manager
+
+    async def acquire(self, kind, exclude=()):
+        return await self.manager.acquire(kind, list(exclude))
+
+    async def release(self, kind, endpoint):
+        self.manager.release(kind, endpoint)
+
+    async def report_failure(self, kind, endpoint, error=""):
+        self.manager.report_failure(kind, endpoint, error)
+
+    async def members(self):
+        return self.manager.members()
+
+
+class Pipeline:
+    def __init__(self, pool, credentials=None, rpc_timeout_s: float = 60.0, view_refresh_s: float = 0.5):
+        self.pool = pool  # async acquire/release/report_failure/members (AsyncPool or the Ray facade)
+        self.channels = Channels(credentials)
+        self.view = PoolView()
+        self.rpc_timeout_s, self.view_refresh_s = rpc_timeout_s, view_refresh_s
+        self._tasks: dict[str, asyncio.Task] = {}
+        self._stop: set[str] = set()
+        self._view_task: asyncio.Task | None = None
+
+    async def _refresh_view(self):
+        while True:
+            with contextlib.suppress(Exception):
+                self.view.members = await self.pool.members()
+            await asyncio.sleep(self.view_refresh_s)
+
+    def _ensure_view(self):
+        if self._view_task is None:
+            self._view_task = asyncio.get_running_loop().create_task(self._refresh_view())
+
+    async def stream(self, request: dict) -> AsyncIterator[dict]:
+        """Run one request; yield events as tokens are verified (see module docstring)."""
+        self._ensure_view()
+        queue: asyncio.Queue = asyncio.Queue()
+        try:
+            req = request_from_dict(request)
+        except Exception as e:  # noqa: BLE001
+            yield error_event(InvalidRequestError("request", str(e)))
+            return
+        rid = req.session_id
+
+        def on_tokens(new: list[int]) -> bool:
+            queue.put_nowait({"tokens": list(new)})
+            return rid in self._stop
+
+        task = asyncio.ensure_future(self._run(req, on_tokens))
+        self._tasks[rid] = task
+        task.add_done_callback(lambda t: queue.put_nowait(None))
+        try:
+            while True:
+                ev = await queue.get()
+                if ev is None:
+                    break
+                yield ev
+            yield ({"error": {"code": "CANCELLED", "message": "the request was cancelled"}} if task.cancelled()
+                   else task.result())
+        finally:
+            if not task.done():  # the consumer went away (client cancel / deadline): end both sessions
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
+            self._tasks.pop(rid, None)
+            self._stop.discard(rid)
+
+    async def _run(self, req: GenerationRequest, on_tokens) -> dict:
+        kw = dict(view=self.view, timeout=self.rpc_timeout_s)
+        target = RemoteTarget(self.pool, self.channels, **kw)
+        draft = RemoteDraft(self.pool, self.channels, **kw) if req.mode != "ar" else None
+        try:
+            res = await generate(req, draft, target, on_tokens)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - reported to the client as a status
+            if not isinstance(e, (SpecDecError, grpc.aio.AioRpcError)):
+                log.exception("request %s failed", req.session_id)
+            return error_event(e)
+        stats = res.stats.to_dict()
+        stats["network_s"] = (target.network_ns + (draft.network_ns if draft else 0)) / 1e9
+        stats["prompt_tokens"] = len(req.prompt_ids)
+        stats["completion_tokens"] = len(res.token_ids)
+        stats["draft_replica"] = ",".join(draft.served) if draft else ""
+        stats["target_replica"] = ",".join(target.served)
+        finish = "stop" if res.finish_reason == "stop" else res.finish_reason
+        return {"done": True, "token_ids": res.token_ids, "finish_reason": finish, "stats": stats}
+
+    def stop(self, rid: str) -> None:
+        """Finish the request after its current round (a stop string was seen downstream)."""
+        if rid in self._tasks:
+            self._stop.add(rid)
+
+    def cancel(self, rid: str) -> bool:
+        task = self._tasks.get(rid)
+        if task is not None and not task.done():
+            task.cancel()
+            return True
+        return False
+
+    def active(self) -> int:
+        return len(self._tasks)
+
+    async def close(self):
+        for t in list(self._tasks.values()):
+            t.cancel()
+        if self._view_task is not None:
+            self._view_task.cancel()
+        await self.channels.close()

@@ -1,0 +1,104 @@
+"""Assemble the coordinator: pool manager + pipelines (Ray actors, or in-process with no_ray) + the front server.
+
+    app, router = await build_coordinator(settings)     # inside the running loop
+    await app.start(); ...; await app.shutdown(); await router.close()
+"""
+from __future__ import annotations
+
+import logging
+
+from specdec.defaults import GENERATION_SERVICE_NAME
+from specdec.server.app import ServerApp
+
+from coordinator.config import CoordinatorSettings
+from coordinator.metrics import CoordinatorMetrics
+from coordinator.service import GenerationServicer, add_to_server
+
+log = logging.getLogger(__name__)
+
+
+def load_tokenizer_for(spec: str):
+    """(tokenizer | None, eos ids) of a model spec; '' / 'none' means token-id prompts only."""
+    if not spec or spec.lower() == "none":
+        return None, set()
+    from specdec.hub import resolve_model
+    from specdec.tokenizer import eos_token_ids, load_tokenizer
+
+    d = resolve_model(spec)
+    return load_tokenizer(d), eos_token_ids(d)
+
+
+def client_tls(s: CoordinatorSettings) -> dict | None:
+    """mTLS towards the pools reuses the coordinator's own certificate and CA (one Secret per component)."""
+    if not s.tls.ca_file:
+        return None
+    return {"ca_file": s.tls.ca_file, "cert_file": s.tls.cert_file, "key_file": s.tls.key_file}
+
+
+def init_ray(s: CoordinatorSettings, log_to_driver: bool = True) -> None:
+    import ray
+
+    if ray.is_initialized():
+        return
+    if s.ray_address:
+        ray.init(address=s.ray_address, log_to_driver=log_to_driver)
+    else:  # a small local instance: no dashboard, few CPUs, a small object store
+        ray.init(num_cpus=s.ray_num_cpus, include_dashboard=False, object_store_memory=128 * 1024 * 1024,
+                 log_to_driver=log_to_driver, configure_logging=False)
+
+
+async def build_router(s: CoordinatorSettings, resolve=None, health_check=None):
+    specs = {k: s.pool_spec(k) for k in ("draft", "target")}
+    tls = client_tls(s)
+    if s.no_ray:
+        from coordinator.discovery import source_from_spec
+        from coordinator.pipeline import AsyncPool, Pipeline
+        from coordinator.pool import PoolManager
+        from coordinator.router import LocalRouter
+
+        creds = None
+        if tls:
+            from specdec.server.tls import channel_credentials
+
+            creds = channel_credentials(**tls)
+        pm = PoolManager({k: source_from_spec(v, resolve) for k, v in specs.items() if v}, s.dns_refresh_s,
+                         s.health_timeout_s, health_check=health_check,
+                         credentials_factory=(lambda: creds) if creds else None)
+        await pm.start()
+        router = LocalRouter(Pipeline(AsyncPool(pm), creds, s.rpc_timeout_s, s.pool_view_refresh_s))
+        router.pool_manager = pm
+        return router
+    from coordinator.actor import PipelineActor, PoolManagerActor
+    from coordinator.router import RayRouter
+
+    pool = PoolManagerActor.remote(specs, s.dns_refresh_s, s.health_timeout_s, tls)
+    snap = await pool.start.remote()
+    log.info("pools: %s", snap)
+    actors = [PipelineActor.remote(pool, s.rpc_timeout_s, s.pool_view_refresh_s, tls) for _ in range(s.pipelines)]
+    for a in actors:  # fail fast (and warm up) before serving
+        await a.active.remote()
+    router = RayRouter(actors)
+    router.pool_actor = pool
+    return router
+
+
+async def build_coordinator(s: CoordinatorSettings, tokenizer=None, eos_token_ids=None, resolve=None,
+                            health_check=None):
+    """→ (ServerApp, router). `tokenizer`/`eos_token_ids` override loading `s.tokenizer` (tests)."""
+    if tokenizer is None and eos_token_ids is None:
+        tokenizer, eos_token_ids = load_tokenizer_for(s.tokenizer)
+    if not s.no_ray:
+        init_ray(s)
+    router = await build_router(s, resolve, health_check)
+    holder = {}
+
+    def register(server):
+        metrics = CoordinatorMetrics(holder["app"].metrics.registry)
+        servicer = GenerationServicer(router, tokenizer, eos_token_ids or (), s.max_new_tokens_cap, metrics)
+        holder["app"].servicer = servicer
+        add_to_server(servicer, server)
+
+    app = ServerApp(s, GENERATION_SERVICE_NAME, register, on_stop=[router.close])
+    holder["app"] = app
+    app.router = router
+    return app, router

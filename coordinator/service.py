@@ -1,0 +1,209 @@
+"""GenerationService (the public front door): validation, prompt encoding, streaming detokenization, stop strings.
+
+Runs in the driver process. Everything per round happens in a pipeline (in-process or a Ray actor); this class
+only turns a GenerateRequest into a token-id request, forwards it, and turns the pipeline's events back into text.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+import uuid
+from dataclasses import dataclass
+
+import grpc
+
+from specdec.errors import InvalidRequestError
+from specdec.pb import generation_pb2, generation_pb2_grpc
+from specdec.schedule import MODES
+
+FINISH = {"length": generation_pb2.FINISH_REASON_LENGTH, "stop": generation_pb2.FINISH_REASON_STOP,
+          "cancelled": generation_pb2.FINISH_REASON_CANCELLED}
+FINISH_NAME = {v: k for k, v in FINISH.items()}
+VERIFY_METHODS = ("token", "block", "greedy")
+DEFAULT_MAX_NEW_TOKENS = 128
+
+
+class TextAssembler:
+    """Incremental text for a growing token list; holds back text that could still become a stop string."""
+
+    def __init__(self, tok, prompt_ids: list[int], stop: list[str]):
+        from specdec.tokenizer import IncrementalDetokenizer
+
+        self.detok = IncrementalDetokenizer(tok, prefix_ids=prompt_ids) if tok is not None else None
+        self.stop = [s for s in stop if s]
+        self.hold = max((len(s) for s in self.stop), default=1) - 1
+        self.text, self.sent = "", 0
+        self.token_ids: list[int] = []
+        self.stopped = False
+
+    def _find_stop(self) -> int:
+        start = max(0, self.sent - self.hold)
+        hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+        return min(hits) if hits else -1
+
+    def push(self, ids: list[int]) -> tuple[str, list[int]]:
+        """New verified ids → (text to send now, ids to send now). After a stop string, nothing more."""
+        if self.stopped:
+            return "", []
+        if self.detok is None:
+            self.token_ids.extend(ids)
+            return "", list(ids)
+        taken: list[int] = []
+        for t in (ids if self.stop else [ids]):  # per token when a stop string may end the text mid-chunk
+            chunk = [t] if self.stop else list(t)
+            taken.extend(chunk)
+            self.text += self.detok.push(chunk)
+            if self.stop and (idx := self._find_stop()) >= 0:
+                self.stopped = True
+                self.text = self.text[:idx]
+                break
+        self.token_ids.extend(taken)
+        upto = len(self.text) if (self.stopped or not self.stop) else len(self.text) - self.hold
+        delta = self.text[self.sent:upto] if upto > self.sent else ""
+        self.sent += len(delta)
+        return delta, taken
+
+    def finish(self) -> str:
+        if self.detok is not None and not self.stopped:
+            self.text += self.detok.flush()
+            if self.stop and (idx := self._find_stop()) >= 0:
+                self.text, self.stopped = self.text[:idx], True
+        delta = self.text[self.sent:]
+        self.sent = len(self.text)
+        return delta
+
+
+def stats_pb(stats: dict) -> generation_pb2.GenerationStats:
+    fields = generation_pb2.GenerationStats.DESCRIPTOR.fields_by_name
+    return generation_pb2.GenerationStats(**{k: v for k, v in stats.items() if k in fields})
+
+
+@dataclass
+class Prepared:
+    request: dict
+    assembler: TextAssembler
+
+
+class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
+    def __init__(self, router, tokenizer=None, eos_token_ids=(), max_new_tokens_cap: int = 4096, metrics=None):
+        self.router, self.tok, self.eos = router, tokenizer, tuple(sorted(eos_token_ids))
+        self.cap, self.metrics = max_new_tokens_cap, metrics
+
+    # -- request → token ids --------------------------------------------------------------------------------
+    def prepare(self, r: generation_pb2.GenerateRequest) -> Prepared:
+        given = [n for n, ok in (("prompt", r.HasField("prompt")), ("messages", len(r.messages) > 0),
+                                 ("prompt_token_ids", len(r.prompt_token_ids) > 0)) if ok]
+        if not given:
+            raise InvalidRequestError("prompt", "send one of prompt (text), messages (chat) or prompt_token_ids")
+        if len(given) > 1:
+            raise InvalidRequestError(given[-1], f"send only one of prompt, messages, prompt_token_ids "
+                                                 f"(got {' and '.join(given)})")
+        mode = r.mode or "sd"
+        if mode not in MODES:
+            raise InvalidRequestError("mode", f"unknown mode {r.mode!r}; use one of {', '.join(MODES)}")
+        if not r.temperature >= 0.0:
+            raise InvalidRequestError("temperature", f"must be >= 0 (0 is greedy), got {r.temperature}")
+        max_new = r.max_new_tokens if r.HasField("max_new_tokens") else min(DEFAULT_MAX_NEW_TOKENS, self.cap)
+        if not 0 < max_new <= self.cap:
+            raise InvalidRequestError("max_new_tokens", f"must be in [1, {self.cap}] (the coordinator's cap), "
+                                                        f"got {max_new}")
+        method = r.verify_method or "block"
+        if method not in VERIFY_METHODS:
+            raise InvalidRequestError("verify_method", f"unknown {r.verify_method!r}; use token or block")
+        if r.HasField("pacer_threshold") and not 0.0 <= r.pacer_threshold <= 1.0:
+            raise InvalidRequestError("pacer_threshold", f"must be in [0, 1], got {r.pacer_threshold}")
+        if r.HasField("gamma") and not 1 <= r.gamma <= 64:
+            raise InvalidRequestError("gamma", f"must be in [1, 64], got {r.gamma}")
+        if r.HasField("block_size") and r.block_size < 1:
+            raise InvalidRequestError("block_size", f"must be >= 1, got {r.block_size}")
+        if r.HasField("top_p") and not 0.0 < r.top_p <= 1.0:
+            raise InvalidRequestError("top_p", f"must be in (0, 1] (1 disables it), got {r.top_p}")
+        if r.top_k < 0:
+            raise InvalidRequestError("top_k", f"must be >= 0 (0 disables it), got {r.top_k}")
+        if r.prompt_token_ids:
+            ids = list(r.prompt_token_ids)
+            if any(t < 0 for t in ids):
+                raise InvalidRequestError("prompt_token_ids", "token ids must be >= 0")
+        else:
+            if self.tok is None:
+                raise InvalidRequestError(given[0], "this coordinator has no tokenizer (its model has none); "
+                                                    "send prompt_token_ids")
+            from specdec.tokenizer import encode_prompt
+
+            try:
+                ids = (encode_prompt(self.tok, prompt=r.prompt) if r.HasField("prompt") else
+                       encode_prompt(self.tok, messages=[{"role": m.role, "content": m.content} for m in r.messages]))
+            except ValueError as e:
+                raise InvalidRequestError(given[0], str(e)) from None
+            if not ids:
+                raise InvalidRequestError(given[0], "encodes to no tokens; send a non-empty prompt")
+        req = {"request_id": uuid.uuid4().hex, "prompt_ids": ids, "max_new_tokens": max_new,
+               "temperature": r.temperature, "top_k": r.top_k, "top_p": r.top_p if r.HasField("top_p") else 1.0,
+               "seed": r.seed, "mode": mode, "verify_method": method,
+               "gamma": r.gamma if r.HasField("gamma") else None,
+               "block_size": r.block_size if r.HasField("block_size") else None,
+               "pacer_threshold": r.pacer_threshold if r.HasField("pacer_threshold") else None,
+               "eos_token_ids": list(self.eos)}
+        return Prepared(req, TextAssembler(self.tok, ids, list(r.stop)))
+
+    # -- events → responses ---------------------------------------------------------------------------------
+    async def _run(self, r, context):
+        """Yields GenerateStreamResponse; the last one carries finish_reason and stats."""
+        p = self.prepare(r)
+        asm, rid = p.assembler, p.request["request_id"]
+        t0, first = time.perf_counter(), True
+        m = self.metrics
+        if m:
+            m.running.inc()
+        try:
+            async with contextlib.aclosing(self.router.stream(p.request)) as events:
+                async for ev in events:
+                    if "tokens" in ev:
+                        was_stopped = asm.stopped
+                        text, ids = asm.push(ev["tokens"])
+                        if asm.stopped and not was_stopped:
+                            await self.router.stop(rid)  # finish after this round; the rest is dropped
+                        if text or ids:
+                            if first and m:
+                                m.ttft.observe(time.perf_counter() - t0)
+                            first = False
+                            yield generation_pb2.GenerateStreamResponse(text_delta=text, token_ids=ids)
+                    elif "error" in ev:
+                        if m:
+                            m.requests.labels("error").inc()
+                        code = getattr(grpc.StatusCode, ev["error"]["code"], grpc.StatusCode.INTERNAL)
+                        await context.abort(code, ev["error"]["message"])
+                    elif ev.get("done"):
+                        finish = "stop" if asm.stopped else ev["finish_reason"]
+                        tail = asm.finish()
+                        stats = dict(ev["stats"], completion_tokens=len(asm.token_ids))
+                        if m:
+                            m.requests.labels(finish).inc()
+                            m.tokens.inc(len(asm.token_ids))
+                            m.e2e.observe(time.perf_counter() - t0)
+                        yield generation_pb2.GenerateStreamResponse(
+                            text_delta=tail, finish_reason=FINISH[finish], stats=stats_pb(stats))
+                        return
+        finally:
+            if m:
+                m.running.dec()
+
+    async def GenerateStream(self, request, context):
+        async for resp in self._run(request, context):
+            yield resp
+
+    async def Generate(self, request, context) -> generation_pb2.GenerateResponse:
+        out = generation_pb2.GenerateResponse()
+        text = []
+        async for resp in self._run(request, context):
+            text.append(resp.text_delta)
+            out.token_ids.extend(resp.token_ids)
+            if resp.finish_reason:
+                out.finish_reason = resp.finish_reason
+                out.stats.CopyFrom(resp.stats)
+        out.text = "".join(text)
+        return out
+
+
+def add_to_server(servicer: GenerationServicer, server: grpc.aio.Server) -> None:
+    generation_pb2_grpc.add_GenerationServiceServicer_to_server(servicer, server)

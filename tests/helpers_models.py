@@ -1,0 +1,65 @@
+"""Tiny random model pairs for coordinator/CLI tests, and loopback draft/target servers built around them."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from specdec.model import build_tiny_model
+
+VOCAB = 32
+
+
+def tiny_pair(vocab: int = VOCAB, logit_scale: float = 1.0):
+    """(target, draft): different random weights, same vocabulary, so drafts are sometimes rejected."""
+    target = build_tiny_model(vocab_size=vocab, seed=1, logit_scale=logit_scale)
+    draft = build_tiny_model(vocab_size=vocab, hidden_size=16, num_layers=1, seed=2, logit_scale=logit_scale)
+    return target, draft
+
+
+def save_model(model, path: Path) -> Path:
+    """config.json + model.safetensors that `specdec.model.load_model_dir` (and the servers) load."""
+    from safetensors.torch import save_file
+
+    c = model.config
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "vocab_size": c.vocab_size, "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size, "num_hidden_layers": c.num_hidden_layers,
+        "num_attention_heads": c.num_attention_heads, "num_key_value_heads": c.num_key_value_heads,
+        "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta,
+        "max_position_embeddings": c.max_position_embeddings, "tie_word_embeddings": False}))
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path / "model.safetensors"))
+    return path
+
+
+def target_greedy(model, prompt: list[int], n: int) -> list[int]:
+    """Target-only greedy decode without caches (the reference every mode must reproduce)."""
+    ids = list(prompt)
+    kv = model.new_kv_slots(1, len(prompt) + n + 8)
+    with torch.no_grad():
+        for _ in range(n):
+            toks = torch.tensor([ids])
+            logits, _ = model(toks, torch.arange(len(ids))[None], torch.tensor([0]), kv)
+            ids.append(int(logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+async def start_replica(kind: str, model, host: str = "127.0.0.1", port: int = 0, **kw):
+    """A real DraftService/TargetService on loopback (in this process). Returns the started ServerApp."""
+    common = dict(host=host, port=port, metrics_port=0, max_sessions=kw.pop("max_sessions", 32),
+                  grace_s=kw.pop("grace_s", 0.5), log_level="WARNING")
+    if kind == "draft":
+        from draft_service.config import DraftSettings
+        from draft_service.server import build_app
+
+        app = await build_app(DraftSettings(**common, **kw), model=model, warmup=False)
+    else:
+        from target_service.config import TargetSettings
+        from target_service.server import build_app
+
+        app = await build_app(TargetSettings(**common, **kw), model=model, warmup=False)
+    await app.start()
+    app.endpoint = f"{host}:{app.port}"
+    return app
