@@ -8,7 +8,7 @@ from __future__ import annotations
 import ray
 
 
-@ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=0)
+@ray.remote(num_cpus=0)
 class PoolManagerActor:
     def __init__(self, specs: dict, refresh_s: float, health_timeout_s: float, tls: dict | None = None):
         from coordinator.discovery import source_from_spec
@@ -65,7 +65,7 @@ class RayPool:
         return await self.h.members.remote()
 
 
-@ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=0)
+@ray.remote(num_cpus=0)
 class PipelineActor:
     def __init__(self, pool_handle, rpc_timeout_s: float, view_refresh_s: float, tls: dict | None = None):
         import logging

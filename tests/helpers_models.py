@@ -63,3 +63,31 @@ async def start_replica(kind: str, model, host: str = "127.0.0.1", port: int = 0
     await app.start()
     app.endpoint = f"{host}:{app.port}"
     return app
+
+
+TOKENIZER_CHARS = "<abcdefghijklmnopqrstuvwxyz .,!?"  # 32 symbols: id i is TOKENIZER_CHARS[i]; 0 is <unk>
+
+
+def save_tiny_tokenizer(path: Path) -> Path:
+    """A character-level fast tokenizer over VOCAB symbols, so text prompts work with tiny models."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {c: i for i, c in enumerate(TOKENIZER_CHARS) if i}
+    vocab["<unk>"] = 0
+    tk = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tk.decoder = decoders.Fuse()
+    path.mkdir(parents=True, exist_ok=True)
+    tk.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast",
+                                                            "unk_token": "<unk>"}))
+    return path
+
+
+def save_tiny_pair(root: Path, with_tokenizer: bool = True) -> tuple[Path, Path]:
+    """(target_dir, draft_dir) of `tiny_pair()` on disk; the target also gets the tiny tokenizer."""
+    target, draft = tiny_pair()
+    tdir, ddir = save_model(target, root / "target"), save_model(draft, root / "draft")
+    if with_tokenizer:
+        save_tiny_tokenizer(tdir)
+    return tdir, ddir

@@ -1,0 +1,136 @@
+"""The embedded one-machine stack: a draft replica and a target replica (subprocesses, `threads` torch threads
+each), a local Ray instance, and the coordinator's front server, all on loopback (or `host` for `serve`).
+
+    async with LocalStack(target="default-target", draft="default-draft") as stack:
+        stub = GenerationServiceStub(grpc.aio.insecure_channel(stack.address))
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+async def wait_serving(endpoint: str, service: str, timeout: float, proc: subprocess.Popen | None = None,
+                       log_path: Path | None = None) -> None:
+    from coordinator.pool import grpc_health
+
+    deadline = time.monotonic() + timeout
+    err = ""
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            tail = log_path.read_text()[-3000:] if log_path and log_path.exists() else ""
+            raise RuntimeError(f"{service} replica on {endpoint} exited with code {proc.returncode}:\n{tail}")
+        ok, err = await grpc_health(endpoint, service, 1.0)
+        if ok:
+            return
+        await asyncio.sleep(0.2)
+    raise TimeoutError(f"{service} on {endpoint} not serving after {timeout:.0f}s ({err})")
+
+
+class LocalStack:
+    def __init__(self, target: str, draft: str | None, preverifier: str | None = None, host: str = "127.0.0.1",
+                 port: int = 0, threads: int = 1, ray_cpus: int = 2, pipelines: int = 1, use_ray: bool = True,
+                 start_timeout_s: float = 600.0, max_new_tokens_cap: int = 4096, quiet: bool = True,
+                 draft_port: int = 0, target_port: int = 0):
+        self.target, self.draft, self.preverifier = target, draft, preverifier
+        self.host, self.port, self.threads = host, port, threads
+        self.ray_cpus, self.pipelines, self.use_ray = ray_cpus, pipelines, use_ray
+        self.start_timeout_s, self.cap, self.quiet = start_timeout_s, max_new_tokens_cap, quiet
+        self.draft_port, self.target_port = draft_port, target_port
+        self.procs: list[subprocess.Popen] = []
+        self.logdir = Path(tempfile.mkdtemp(prefix="specdec-stack-"))
+        self.app = self.router = None
+        self.address = ""
+        self._ray_started = False
+
+    def _launch(self, kind: str, model: str, port: int, extra: list[str]) -> tuple[subprocess.Popen, Path]:
+        logf = self.logdir / f"{kind}.log"
+        cmd = [sys.executable, "-m", "coordinator.replica", kind, "--model", model, "--host", "127.0.0.1",
+               "--port", str(port), "--metrics-port", "0", "--threads", str(self.threads), "--log-level",
+               "WARNING", "--grace-s", "1", *extra]
+        env = dict(os.environ, OMP_NUM_THREADS=str(self.threads), MKL_NUM_THREADS=str(self.threads))
+        proc = subprocess.Popen(cmd, stdout=logf.open("w"), stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
+        self.procs.append(proc)
+        return proc, logf
+
+    async def start(self) -> str:
+        from specdec.hub import resolve_model
+
+        from coordinator.config import CoordinatorSettings
+        from coordinator.server import build_coordinator, init_ray
+
+        # resolve (download/convert, with a progress bar) here, once, before the replicas load
+        target_dir = str(resolve_model(self.target))
+        draft_dir = str(resolve_model(self.draft)) if self.draft else None
+        tport = self.target_port or free_port()
+        waits = []
+        proc, logf = self._launch("target", target_dir, tport, [])
+        waits.append((f"127.0.0.1:{tport}", "specdec.v1.TargetService", proc, logf))
+        draft_ep = ""
+        if draft_dir:
+            dport = self.draft_port or free_port()
+            extra = ["--preverifier", self.preverifier] if self.preverifier else []
+            proc, logf = self._launch("draft", draft_dir, dport, extra)
+            draft_ep = f"127.0.0.1:{dport}"
+            waits.append((draft_ep, "specdec.v1.DraftService", proc, logf))
+        settings = CoordinatorSettings(
+            host=self.host, port=self.port, metrics_port=0, tokenizer=target_dir, draft_endpoints=draft_ep,
+            target_endpoints=f"127.0.0.1:{tport}", no_ray=not self.use_ray, ray_num_cpus=self.ray_cpus,
+            pipelines=self.pipelines, max_new_tokens_cap=self.cap, grace_s=1.0, dns_refresh_s=5.0,
+            log_level="WARNING")
+        if self.use_ray:  # starts while the replicas load their models
+            import ray
+
+            self._ray_started = not ray.is_initialized()
+            init_ray(settings, log_to_driver=not self.quiet)
+        await asyncio.gather(*(wait_serving(ep, svc, self.start_timeout_s, p, lf) for ep, svc, p, lf in waits))
+        self.app, self.router = await build_coordinator(settings)
+        port = await self.app.start()
+        self.address = f"{'127.0.0.1' if self.host in ('0.0.0.0', '::', '') else self.host}:{port}"
+        return self.address
+
+    async def stop(self) -> None:
+        if self.app is not None:
+            await self.app.shutdown(0.5)
+            self.app = None
+        if self._ray_started:
+            import ray
+
+            ray.shutdown()
+            self._ray_started = False
+        for p in self.procs:
+            if p.poll() is None:
+                p.terminate()
+        for p in self.procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        self.procs.clear()
+
+    async def __aenter__(self):
+        try:
+            await self.start()
+        except BaseException:
+            await self.stop()
+            raise
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.stop()

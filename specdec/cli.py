@@ -1,0 +1,254 @@
+"""`specdec` command line: `serve` (the whole stack on one machine) and `generate` (one request).
+
+    specdec serve [--draft-model P] [--target-model P] [--preverifier P] [--host H] [--port N]
+    specdec generate "PROMPT" [--mode M] [--json] [--coordinator ADDR | --in-process]
+
+Without `--coordinator`, `generate` starts the embedded stack (draft and target replicas on loopback with
+`--threads` torch threads each, a local Ray instance, the coordinator), generates, and stops it. The shells
+(grpc, ray, coordinator) are imported lazily so `specdec --help` stays fast.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+
+from specdec.defaults import COORDINATOR_PORT, DEFAULT_DRAFT, DEFAULT_TARGET
+
+MODES = ("ar", "sd", "pacer", "pearl", "pacer_pearl")
+
+
+def _default_preverifier(args) -> str | None:
+    """--preverifier, else the shipped one when the shipped draft is used (and present)."""
+    if args.preverifier:
+        return args.preverifier
+    if args.draft_model == DEFAULT_DRAFT:
+        from specdec.preverifier import DEFAULT_PREVERIFIER_DIR
+
+        if DEFAULT_PREVERIFIER_DIR.is_dir() and any(DEFAULT_PREVERIFIER_DIR.iterdir()):
+            return str(DEFAULT_PREVERIFIER_DIR)
+    return None
+
+
+def _add_models(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target-model", default=DEFAULT_TARGET, help="target model spec (default: %(default)s)")
+    p.add_argument("--draft-model", default=DEFAULT_DRAFT, help="draft model spec (default: %(default)s)")
+    p.add_argument("--preverifier", default=None, help="PACER pre-verifier dir (default: the shipped one, if any)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per model server (default: 1)")
+    p.add_argument("--ray-cpus", type=int, default=2, help="CPUs of the local Ray instance (default: 2)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="specdec", description="Disaggregated speculative decoding.")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("serve", help="run draft server, target server and coordinator on this machine")
+    _add_models(s)
+    s.add_argument("--host", default="0.0.0.0")
+    s.add_argument("--port", type=int, default=COORDINATOR_PORT)
+    s.add_argument("--pipelines", type=int, default=2, help="pipeline actors (default: 2)")
+    g = sub.add_parser("generate", help="generate a continuation of PROMPT")
+    g.add_argument("prompt", help="prompt text (wrapped in the chat template when the model has one)")
+    g.add_argument("--mode", choices=MODES, default="sd")
+    g.add_argument("--gamma", type=int, default=None, help="draft length / PEARL window (default: 4)")
+    g.add_argument("--block-size", type=int, default=None, help="PACER block size (default: 2)")
+    g.add_argument("--pacer-threshold", type=float, default=None)
+    g.add_argument("--verify-method", choices=("token", "block"), default="block")
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=None)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--json", action="store_true", help="print one JSON object (text, token_ids, finish_reason, "
+                                                       "stats)")
+    g.add_argument("--coordinator", default=None, help="host:port of a running coordinator")
+    g.add_argument("--in-process", action="store_true", help="run specdec.engine.Engine in this process")
+    g.add_argument("--timeout", type=float, default=None, help="request deadline in seconds")
+    _add_models(g)
+    return ap
+
+
+# ---- output ---------------------------------------------------------------------------------------------------
+STAT_KEYS = ("mode", "rounds", "target_forwards", "draft_tokens", "accepted_tokens", "mean_accepted_length",
+             "draft_busy_s", "target_busy_s", "network_s", "wall_s", "wasted_draft_tokens")
+
+
+def stats_line(st: dict, n_tokens: int) -> str:
+    wall = st.get("wall_s") or 0.0
+    busy = (st.get("draft_busy_s") or 0.0) + (st.get("target_busy_s") or 0.0)
+    parts = [f"[{st.get('mode', '')}] {n_tokens} tokens in {wall:.2f}s"
+             + (f" ({n_tokens / wall:.1f} tok/s)" if wall else ""),
+             f"{st.get('rounds', 0)} rounds, {st.get('target_forwards', 0)} target forwards, "
+             f"{st.get('mean_accepted_length', 0.0):.2f} tokens/forward",
+             f"busy: draft {st.get('draft_busy_s', 0.0):.2f}s + target {st.get('target_busy_s', 0.0):.2f}s"
+             + (f" = {busy:.2f}s (wall {100 * wall / busy:.0f}% of it)" if busy else ""),
+             f"network {st.get('network_s', 0.0):.2f}s"]
+    return " | ".join(parts)
+
+
+def _emit(out: dict, args, streamed: bool) -> None:
+    if args.json:
+        print(json.dumps(out, ensure_ascii=False))
+        return
+    if not streamed:
+        sys.stdout.write(out["text"])
+    sys.stdout.write("\n")
+    print(stats_line(out["stats"], len(out["token_ids"])), flush=True)
+
+
+# ---- generate -------------------------------------------------------------------------------------------------
+def _request(args):
+    from specdec.pb import generation_pb2
+
+    r = generation_pb2.GenerateRequest(prompt=args.prompt, max_new_tokens=args.max_new_tokens,
+                                       temperature=args.temperature, top_k=args.top_k, seed=args.seed,
+                                       stop=args.stop, mode=args.mode, verify_method=args.verify_method)
+    for name in ("top_p", "gamma", "block_size", "pacer_threshold"):
+        if getattr(args, name) is not None:
+            setattr(r, name, getattr(args, name))
+    return r
+
+
+def _stats_dict(st) -> dict:
+    return {f.name: getattr(st, f.name) for f in st.DESCRIPTOR.fields}
+
+
+async def _call(address: str, args) -> dict:
+    import grpc
+
+    from specdec.pb import generation_pb2_grpc
+    from coordinator.service import FINISH_NAME
+
+    async with grpc.aio.insecure_channel(address) as ch:
+        stub = generation_pb2_grpc.GenerationServiceStub(ch)
+        text, ids, out = [], [], {}
+        async for resp in stub.GenerateStream(_request(args), timeout=args.timeout):
+            text.append(resp.text_delta)
+            ids.extend(resp.token_ids)
+            if not args.json and resp.text_delta:
+                sys.stdout.write(resp.text_delta)
+                sys.stdout.flush()
+            if resp.finish_reason:
+                out = {"finish_reason": FINISH_NAME.get(resp.finish_reason, "length"),
+                       "stats": _stats_dict(resp.stats)}
+        return {"text": "".join(text), "token_ids": ids, **out}
+
+
+async def _generate_remote(args) -> dict:
+    if args.coordinator:
+        return await _call(args.coordinator, args)
+    from coordinator.stack import LocalStack
+
+    draft = None if args.mode == "ar" and args.draft_model == DEFAULT_DRAFT else args.draft_model
+    async with LocalStack(args.target_model, draft, _default_preverifier(args), threads=args.threads,
+                          ray_cpus=args.ray_cpus) as stack:
+        return await _call(stack.address, args)
+
+
+def _generate_in_process(args) -> dict:
+    from specdec.engine import Engine
+    from specdec.hub import resolve_model
+    from specdec.model import load_model_dir
+    from specdec.sampling import SamplingParams
+    from specdec.schedule import GenerationRequest
+    from specdec.tokenizer import IncrementalDetokenizer, encode_prompt, eos_token_ids, load_tokenizer
+
+    tdir = resolve_model(args.target_model)
+    tok = load_tokenizer(tdir)
+    if tok is None:
+        raise SystemExit(f"error: {args.target_model} has no tokenizer; the CLI needs one for text prompts")
+    draft = None
+    pv = None
+    if args.mode != "ar":
+        draft = load_model_dir(resolve_model(args.draft_model))
+        pv_path = _default_preverifier(args)
+        if pv_path:
+            from specdec.preverifier import load_preverifier
+
+            pv = load_preverifier(pv_path)
+    engine = Engine(load_model_dir(tdir), draft, preverifier=pv, threads_per_model=args.threads)
+    ids = encode_prompt(tok, prompt=args.prompt)
+    kw = {k: getattr(args, k) for k in ("gamma", "block_size", "pacer_threshold") if getattr(args, k) is not None}
+    req = GenerationRequest(prompt_ids=ids, max_new_tokens=args.max_new_tokens, mode=args.mode,
+                            verify_method=args.verify_method, eos_token_ids=tuple(sorted(eos_token_ids(tdir))),
+                            params=SamplingParams(temperature=args.temperature, top_k=args.top_k,
+                                                  top_p=args.top_p if args.top_p is not None else 1.0,
+                                                  seed=args.seed), **kw)
+    detok = IncrementalDetokenizer(tok, prefix_ids=ids)
+
+    def on_tokens(new):
+        piece = detok.push(new)
+        if piece and not args.json:
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+        return False
+
+    try:
+        res = engine.generate(req, on_tokens)
+    finally:
+        engine.close()
+    tail = detok.flush()
+    if tail and not args.json:
+        sys.stdout.write(tail)
+    from specdec.tokenizer import decode
+
+    return {"text": decode(tok, res.token_ids), "token_ids": res.token_ids, "finish_reason": res.finish_reason,
+            "stats": res.stats.to_dict()}
+
+
+def cmd_generate(args) -> int:
+    if args.in_process:
+        out = _generate_in_process(args)
+    else:
+        import grpc
+
+        try:
+            out = asyncio.run(_generate_remote(args))
+        except grpc.aio.AioRpcError as e:
+            print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
+    _emit(out, args, streamed=True)
+    return 0
+
+
+# ---- serve ----------------------------------------------------------------------------------------------------
+def cmd_serve(args) -> int:
+    import logging
+    import signal
+
+    from coordinator.stack import LocalStack
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    async def run():
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        async with LocalStack(args.target_model, args.draft_model, _default_preverifier(args), host=args.host,
+                              port=args.port, threads=args.threads, ray_cpus=args.ray_cpus,
+                              pipelines=args.pipelines, quiet=False) as stack:
+            print(f"specdec serving specdec.v1.GenerationService on {args.host}:{stack.app.port} "
+                  f"(target {args.target_model}, draft {args.draft_model}); Ctrl-C stops", flush=True)
+            await stop.wait()
+            print("stopping...", file=sys.stderr, flush=True)
+
+    asyncio.run(run())
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        rc = cmd_serve(args) if args.cmd == "serve" else cmd_generate(args)
+    except KeyboardInterrupt:
+        rc = 130
+    except (FileNotFoundError, TimeoutError, RuntimeError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        rc = 1
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())
