@@ -10,6 +10,7 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
+from pydantic_settings import SettingsConfigDict
 
 ROOT = Path(__file__).resolve().parent.parent
 try:
@@ -124,7 +125,7 @@ def test_sessions_ttl_lru_capacity():
 # ---------------------------------------------------------------- settings
 def test_settings_env_then_cli(monkeypatch):
     class S(ServerSettings):
-        model_config = {**ServerSettings.model_config, "env_prefix": "XTEST_"}
+        model_config = SettingsConfigDict(env_prefix="XTEST_")
 
     monkeypatch.setenv("XTEST_PORT", "123")
     monkeypatch.setenv("XTEST_DTYPE", "bfloat16")

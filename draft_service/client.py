@@ -1,0 +1,71 @@
+"""An async DraftService client implementing `specdec.schedule.DraftBackend` over gRPC.
+
+Used by the tests (drive the same schedule over the wire) and usable by the coordinator. Create it inside
+the running event loop (grpc.aio channels bind to the loop that creates them).
+"""
+from __future__ import annotations
+
+import asyncio
+from typing import AsyncIterator
+
+import grpc
+
+from specdec.pb import common_pb2, draft_pb2, draft_pb2_grpc
+from specdec.sampling import SamplingParams
+from specdec.server.convert import decode_q
+from specdec.stop import StopSpec
+from specdec.workers import DraftBlock
+
+_KIND = {"fixed": draft_pb2.STOP_KIND_FIXED, "pacer": draft_pb2.STOP_KIND_PREVERIFIER}
+_REASON = {draft_pb2.STOP_REASON_GAMMA_MAX: "gamma_max", draft_pb2.STOP_REASON_PREVERIFIER: "preverifier",
+           draft_pb2.STOP_REASON_CANCELLED: "cancelled"}
+
+
+def sampling_pb(p: SamplingParams) -> common_pb2.SamplingParams:
+    return common_pb2.SamplingParams(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=p.seed)
+
+
+class DraftClient:
+    def __init__(self, channel: grpc.aio.Channel, timeout: float = 30.0):
+        self.stub = draft_pb2_grpc.DraftServiceStub(channel)
+        self.timeout = timeout
+        self._streams: dict[str, grpc.aio.UnaryStreamCall] = {}
+        self._cancelled: set = set()
+
+    async def start(self, session_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        await self.stub.StartSession(draft_pb2.DraftServiceStartSessionRequest(
+            session_id=session_id, prompt_ids=prompt_ids, params=sampling_pb(params)), timeout=self.timeout)
+
+    async def draft_stream(self, session_id: str, base_position: int, append: list[int], gamma_max: int,
+                           stop: StopSpec, block_size: int) -> AsyncIterator[DraftBlock]:
+        rule = draft_pb2.StopRule(kind=_KIND[stop.kind])
+        if stop.threshold is not None:
+            rule.threshold = stop.threshold
+        call = self.stub.DraftStream(draft_pb2.DraftStreamRequest(
+            session_id=session_id, base_position=base_position, append_ids=append, gamma_max=gamma_max,
+            stop=rule, block_size=block_size), timeout=self.timeout)
+        self._streams[session_id] = call
+        try:
+            async for r in call:
+                yield DraftBlock(tokens=list(r.token_ids), q=decode_q(r.q), stop_reason=_REASON.get(r.stop_reason, ""),
+                                 draft_ns=r.draft_ns, final=r.last)
+        except (asyncio.CancelledError, grpc.aio.AioRpcError) as exc:
+            # our cancel() ends the stream like the in-process backend's; anything else propagates
+            ours = call in self._cancelled and (isinstance(exc, asyncio.CancelledError)
+                                                or exc.code() == grpc.StatusCode.CANCELLED)
+            if not ours:
+                raise
+            self._cancelled.discard(call)
+        finally:
+            if self._streams.get(session_id) is call:
+                del self._streams[session_id]
+
+    async def cancel(self, session_id: str) -> None:
+        call = self._streams.pop(session_id, None)
+        if call is not None and not call.done():
+            self._cancelled.add(call)
+            call.cancel()  # the server stops drafting at its next token
+
+    async def end(self, session_id: str) -> None:
+        await self.stub.EndSession(draft_pb2.DraftServiceEndSessionRequest(session_id=session_id),
+                                   timeout=self.timeout)

@@ -1,0 +1,19 @@
+"""DraftService settings: `DRAFT_*` environment variables, CLI flags override."""
+from __future__ import annotations
+
+from pydantic import Field
+from pydantic_settings import SettingsConfigDict
+
+from specdec.defaults import DEFAULT_DRAFT, DRAFT_METRICS_PORT, DRAFT_PORT
+from specdec.server.settings import ServerSettings
+
+
+class DraftSettings(ServerSettings):
+    model_config = SettingsConfigDict(env_prefix="DRAFT_",
+                                      cli_prog_name="python -m draft_service")
+
+    model: str = DEFAULT_DRAFT
+    port: int = Field(DRAFT_PORT, ge=0, le=65535)
+    metrics_port: int = Field(DRAFT_METRICS_PORT, ge=0, le=65535)
+    max_context: int = Field(0, ge=0, description="positions per session (0: the model's maximum)")
+    q_top_k: int = Field(64, ge=1, description="the draft samples from its top-k, so q is exactly sparse")

@@ -1,0 +1,38 @@
+"""Assemble a DraftService replica: load the model on its thread, wrap it in the shared server skeleton."""
+from __future__ import annotations
+
+from specdec.defaults import DRAFT_SERVICE_NAME
+from specdec.server.app import ServerApp
+from specdec.server.host import SessionHost, zero_kv
+from specdec.server.metrics import ServiceMetrics
+from specdec.server.runner import ModelThread
+from specdec.server.settings import resolve_device, resolve_dtype
+
+from draft_service.config import DraftSettings
+from draft_service.servicer import DraftServicer, add_to_server
+
+
+async def build_app(settings: DraftSettings, model=None, preverifier=None, warmup: bool = True) -> ServerApp:
+    """`model`: an already built CausalLM (tests); otherwise `settings.model` is loaded onto device/dtype."""
+    from specdec.workers import DraftWorker
+
+    runner = ModelThread("draft-model", settings.threads)
+    if model is None:
+        from specdec.model import load_model
+
+        device, dtype = resolve_device(settings.device), resolve_dtype(settings.dtype)
+        model = await runner.run(load_model, settings.model, device, dtype)
+    worker = await runner.run(lambda: DraftWorker(
+        model, preverifier=preverifier, q_top_k=settings.q_top_k, max_sessions=settings.max_sessions + 1,
+        max_context=settings.max_context or None, session_ttl_s=settings.session_ttl_s))
+    await runner.run(zero_kv, worker)
+    metrics = ServiceMetrics()
+    host = SessionHost(worker, runner, settings, metrics, model_name=settings.model)
+    if warmup:
+        await runner.run(host.warmup_sync)
+    servicer = DraftServicer(host)
+    app = ServerApp(settings, DRAFT_SERVICE_NAME, lambda server: add_to_server(servicer, server), metrics,
+                    on_stop=[host.close])
+    app.servicer, app.host = servicer, host
+    host.start_reaper()
+    return app

@@ -1,0 +1,137 @@
+"""DraftService servicer: proto <-> DraftWorker calls, nothing else (errors map in the interceptor)."""
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+
+from specdec.errors import InvalidRequestError, StalePositionError
+from specdec.pb import draft_pb2, draft_pb2_grpc
+from specdec.server.convert import encode_q, sampling_from_proto
+from specdec.server.host import SessionHost
+from specdec.engine import make_stop_rule
+from specdec.stop import StopSpec
+
+_REASONS = {"gamma_max": draft_pb2.STOP_REASON_GAMMA_MAX, "preverifier": draft_pb2.STOP_REASON_PREVERIFIER,
+            "cancelled": draft_pb2.STOP_REASON_CANCELLED}
+_STOP_KINDS = {draft_pb2.STOP_KIND_UNSPECIFIED: "fixed", draft_pb2.STOP_KIND_FIXED: "fixed",
+               draft_pb2.STOP_KIND_PREVERIFIER: "pacer"}
+_DONE = object()
+
+
+class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
+    def __init__(self, host: SessionHost):
+        self.host, self.worker, self.metrics = host, host.worker, host.metrics
+        self.committed: dict[str, int] = {}  # session id -> committed fed tokens (Commit)
+        self._latest: dict[str, object] = {}  # session id -> token of its newest Draft/DraftStream call
+
+    async def GetInfo(self, request, context) -> draft_pb2.DraftServiceGetInfoResponse:
+        return draft_pb2.DraftServiceGetInfoResponse(info=self.host.info)
+
+    async def StartSession(self, request, context) -> draft_pb2.DraftServiceStartSessionResponse:
+        params = sampling_from_proto(request.params)
+        position, ns = await self.host.start_session(request.session_id, list(request.prompt_ids), params)
+        self.committed.pop(request.session_id, None)
+        return draft_pb2.DraftServiceStartSessionResponse(position=position, prefill_ns=ns)
+
+    async def EndSession(self, request, context) -> draft_pb2.DraftServiceEndSessionResponse:
+        self.committed.pop(request.session_id, None)
+        self._latest.pop(request.session_id, None)
+        return draft_pb2.DraftServiceEndSessionResponse(existed=await self.host.end_session(request.session_id))
+
+    # -- drafting ------------------------------------------------------------------------------------------
+    def _stop_rule(self, stop: draft_pb2.StopRule):
+        if stop.kind not in _STOP_KINDS:
+            raise InvalidRequestError("stop.kind", f"unknown StopKind {stop.kind}; use FIXED or PREVERIFIER")
+        threshold = stop.threshold if stop.HasField("threshold") else None
+        if threshold is not None and not 0.0 <= threshold <= 1.0:
+            raise InvalidRequestError("stop.threshold", f"must be in [0, 1], got {threshold}")
+        return make_stop_rule(StopSpec(_STOP_KINDS[stop.kind], threshold), self.worker.preverifier)
+
+    def _check_base(self, sid: str, base: int, field: str = "base_position") -> None:
+        self.host.touch(sid)
+        floor = self.committed.get(sid, 0)
+        if base < floor:
+            raise StalePositionError(f"{field} {base} is below the committed position {floor} of session {sid!r}; "
+                                     f"send a position >= {floor}")
+
+    def _args(self, request):
+        self._check_base(request.session_id, request.base_position)
+        token = self._latest[request.session_id] = object()
+        return token, (request.session_id, request.base_position, list(request.append_ids), request.gamma_max,
+                self._stop_rule(request.stop), request.block_size)
+
+    def _count(self, tokens) -> None:
+        self.metrics.num_draft_tokens.inc(len(tokens))
+
+    async def Draft(self, request, context) -> draft_pb2.DraftResponse:
+        _, args = self._args(request)
+        block = await self.host.runner.run(self.worker.draft, *args)
+        self.metrics.num_drafts.inc()
+        self._count(block.tokens)
+        return draft_pb2.DraftResponse(token_ids=block.tokens, q=encode_q(block.q),
+                                       stop_reason=_REASONS.get(block.stop_reason, 0), draft_ns=block.draft_ns)
+
+    async def DraftStream(self, request, context):
+        """Each block is produced by one `next()` on the model thread, then sent while the next one drafts."""
+        token, args = self._args(request)
+        sid = request.session_id
+        run = self.host.runner.run
+        blocks = await run(self.worker.draft_blocks, *args)  # a generator: nothing runs until next()
+        offset, finished = 0, False
+        self.metrics.num_drafts.inc()
+        try:
+            pending = asyncio.ensure_future(run(next, blocks, _DONE))
+            while True:
+                block = await pending
+                if block is _DONE:
+                    finished = True
+                    return
+                if not block.final:  # draft the next block while this one is on the wire
+                    pending = asyncio.ensure_future(run(next, blocks, _DONE))
+                self._count(block.tokens)
+                yield draft_pb2.DraftStreamResponse(
+                    token_ids=block.tokens, q=encode_q(block.q), offset=offset, last=block.final,
+                    stop_reason=_REASONS.get(block.stop_reason, 0), draft_ns=block.draft_ns)
+                offset += len(block.tokens)
+                if block.final:
+                    finished = True
+                    return
+        finally:
+            # Client cancelled or deadline: stop the drafting loop at its next token, unless a newer call of
+            # this session already started (the cancel would stop that one instead).
+            if not finished and self._latest.get(sid) is token:
+                self.worker.cancel(sid)
+            if self._latest.get(sid) is token:
+                del self._latest[sid]
+            await run(blocks.close)
+
+    # -- positions -----------------------------------------------------------------------------------------
+    async def Rollback(self, request, context) -> draft_pb2.RollbackResponse:
+        self._check_base(request.session_id, request.position, "position")
+        pos = await self.host.runner.run(self._rollback, request.session_id, request.position)
+        return draft_pb2.RollbackResponse(position=pos)
+
+    def _rollback(self, sid: str, position: int) -> int:
+        rollback = getattr(self.worker, "rollback", None)
+        if rollback is not None:
+            return rollback(sid, position)
+        s = self.worker._get(sid)  # TODO(lead): public DraftWorker.rollback(session_id, position) -> int
+        self.worker._truncate(s, position)
+        return len(s.tokens)
+
+    async def Commit(self, request, context) -> draft_pb2.CommitResponse:
+        sid = request.session_id
+        self._check_base(sid, request.position, "position")
+        held = await self.host.runner.run(self.worker.session_length, sid)
+        if request.position > held:
+            raise StalePositionError(f"position {request.position} is beyond the {held} tokens session {sid!r} "
+                                     f"holds; commit at most {held}")
+        self.committed[sid] = request.position
+        if len(self.committed) > 2 * self.host.table.max_sessions:  # forget expired/evicted sessions
+            self.committed = {k: v for k, v in self.committed.items() if k in self.host.table}
+        return draft_pb2.CommitResponse(position=request.position)
+
+
+def add_to_server(servicer: DraftServicer, server: grpc.aio.Server) -> None:
+    draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, server)

@@ -1,0 +1,103 @@
+"""What both servicers share: one worker on its model thread, the session table, metrics, the reaper.
+
+The worker (specdec.workers) owns KV slots and the position protocol; this class adds the shell's session
+policy (TTL checked on every call, LRU eviction when full; see sessions.py) and keeps every worker call on
+the model thread. Servicers translate proto <-> these calls and nothing else.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+from specdec.pb import common_pb2
+from specdec.server.metrics import ServiceMetrics
+from specdec.server.runner import ModelThread
+from specdec.server.sessions import SessionTable
+from specdec.server.settings import ServerSettings
+
+log = logging.getLogger(__name__)
+
+
+def zero_kv(worker) -> None:
+    """Zero the worker's KV buffers once. TODO(lead): remove when specdec.model.KVSlots allocates zeros.
+
+    KVSlots uses torch.empty; a batched forward reads every row up to the longest row's length, and a
+    never-written position holding NaN poisons the shorter rows through the masked attention (0 * NaN).
+    """
+    for t in worker.kv.k + worker.kv.v:
+        t.zero_()
+
+
+class SessionHost:
+    def __init__(self, worker, runner: ModelThread, settings: ServerSettings, metrics: ServiceMetrics,
+                 model_name: str = ""):
+        self.worker, self.runner, self.metrics = worker, runner, metrics
+        self.table = SessionTable(settings.max_sessions, settings.session_ttl_s, settings.lru_min_idle_s)
+        self.info = common_pb2.ModelInfo(
+            model=model_name, vocab_size=worker.vocab_size, max_position_embeddings=worker.max_context,
+            device=str(worker.model.device), dtype=str(worker.model.dtype).removeprefix("torch."),
+            max_sessions=settings.max_sessions)
+        self._reaper: asyncio.Task | None = None
+        self._reap_every = min(30.0, max(0.05, settings.session_ttl_s / 4))
+
+    # -- sessions ------------------------------------------------------------------------------------------
+    async def start_session(self, sid: str, prompt_ids: list[int], params) -> tuple[int, int]:
+        """Admit (maybe evicting), then prefill on the model thread. Returns (position, prefill_ns)."""
+        existed = sid in self.table
+        evicted = self.table.admit(sid)
+        try:
+            return await self.runner.run(self._start, sid, evicted, prompt_ids, params)
+        except BaseException:
+            if not existed:
+                self.table.remove(sid)
+            raise
+        finally:
+            self.metrics.sessions_active.set(len(self.table))
+
+    def _start(self, sid, evicted, prompt_ids, params):
+        for e in evicted:
+            self.worker.end_session(e)
+        t0 = time.perf_counter_ns()
+        self.worker.start_session(sid, prompt_ids, params)
+        return self.worker.session_length(sid), time.perf_counter_ns() - t0
+
+    def touch(self, sid: str) -> None:
+        """NOT_FOUND for unknown/expired ids; refreshes LRU order."""
+        self.table.touch(sid)
+
+    async def end_session(self, sid: str) -> bool:
+        self.table.check_id(sid)
+        self.table.remove(sid)
+        self.metrics.sessions_active.set(len(self.table))
+        self.worker.cancel(sid)  # stops a draft stream of this session at its next token
+        return await self.runner.run(self.worker.end_session, sid)
+
+    # -- background reaper of expired sessions --------------------------------------------------------------
+    def start_reaper(self) -> None:
+        self._reaper = asyncio.get_running_loop().create_task(self._reap_loop())
+
+    async def _reap_loop(self):
+        while True:
+            await asyncio.sleep(self._reap_every)
+            gone = self.table.reap()
+            if gone:
+                log.info("expired %d idle session(s)", len(gone))
+                self.metrics.sessions_active.set(len(self.table))
+                await self.runner.run(lambda: [self.worker.end_session(s) for s in gone])
+
+    async def close(self):
+        if self._reaper is not None:
+            self._reaper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reaper
+        self.runner.close()
+
+    def warmup_sync(self) -> None:
+        """One tiny prefill so the first real call skips lazy initialisation. Runs on the model thread; the
+        worker holds one slot more than max_sessions, so this never competes with client sessions."""
+        from specdec.sampling import SamplingParams
+
+        self.worker.start_session("__warmup__", [0, 0, 0], SamplingParams())
+        self.worker.end_session("__warmup__")

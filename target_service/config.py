@@ -1,0 +1,21 @@
+"""TargetService settings: `TARGET_*` environment variables, CLI flags override."""
+from __future__ import annotations
+
+from pydantic import Field
+from pydantic_settings import SettingsConfigDict
+
+from specdec.defaults import DEFAULT_TARGET, TARGET_METRICS_PORT, TARGET_PORT
+from specdec.server.settings import ServerSettings
+
+
+class TargetSettings(ServerSettings):
+    model_config = SettingsConfigDict(env_prefix="TARGET_",
+                                      cli_prog_name="python -m target_service")
+
+    model: str = DEFAULT_TARGET
+    port: int = Field(TARGET_PORT, ge=0, le=65535)
+    metrics_port: int = Field(TARGET_METRICS_PORT, ge=0, le=65535)
+    max_context: int = Field(0, ge=0, description="positions per session (0: the model's maximum)")
+    batch_window_ms: float = Field(1.0, ge=0, le=50, description="max wait for other sessions' verify calls")
+    max_batch_size: int = Field(16, ge=1, description="sessions per batched forward")
+    max_queue: int = Field(256, ge=1, description="queued verify calls before RESOURCE_EXHAUSTED")

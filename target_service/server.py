@@ -1,0 +1,47 @@
+"""Assemble a TargetService replica: model on its thread, verify batcher, shared server skeleton."""
+from __future__ import annotations
+
+from specdec.defaults import TARGET_SERVICE_NAME
+from specdec.server.app import ServerApp
+from specdec.server.host import SessionHost, zero_kv
+from specdec.server.metrics import ServiceMetrics
+from specdec.server.runner import ModelThread
+from specdec.server.settings import resolve_device, resolve_dtype
+
+from target_service.batcher import VerifyBatcher
+from target_service.config import TargetSettings
+from target_service.servicer import TargetServicer, add_to_server
+
+
+async def build_app(settings: TargetSettings, model=None, warmup: bool = True) -> ServerApp:
+    """`model`: an already built CausalLM (tests); otherwise `settings.model` is loaded onto device/dtype."""
+    from specdec.workers import TargetWorker
+
+    runner = ModelThread("target-model", settings.threads)
+    if model is None:
+        from specdec.model import load_model
+
+        device, dtype = resolve_device(settings.device), resolve_dtype(settings.dtype)
+        model = await runner.run(load_model, settings.model, device, dtype)
+    worker = await runner.run(lambda: TargetWorker(
+        model, max_sessions=settings.max_sessions + 1, max_context=settings.max_context or None,
+        session_ttl_s=settings.session_ttl_s))
+    await runner.run(zero_kv, worker)
+    metrics = ServiceMetrics()
+    host = SessionHost(worker, runner, settings, metrics, model_name=settings.model)
+    if warmup:
+        await runner.run(host.warmup_sync)
+    batcher = VerifyBatcher(worker, runner, lambda: len(host.table), settings.batch_window_ms,
+                            settings.max_batch_size, settings.max_queue, metrics)
+    servicer = TargetServicer(host, batcher)
+
+    async def _close():
+        await batcher.close()
+        await host.close()
+
+    app = ServerApp(settings, TARGET_SERVICE_NAME, lambda server: add_to_server(servicer, server), metrics,
+                    on_stop=[_close])
+    app.servicer, app.host, app.batcher = servicer, host, batcher
+    batcher.start()
+    host.start_reaper()
+    return app

@@ -1,0 +1,59 @@
+"""TargetService servicer: proto <-> TargetWorker calls through the verify batcher (errors map in the interceptor)."""
+from __future__ import annotations
+
+import grpc
+
+from specdec.errors import InvalidRequestError
+from specdec.pb import common_pb2, target_pb2, target_pb2_grpc
+from specdec.server.convert import decode_q, dense_q_to_sparse, sampling_from_proto, tensor_from_proto
+from specdec.server.host import SessionHost
+
+from target_service.batcher import VerifyBatcher
+
+_METHODS = {common_pb2.VERIFY_METHOD_UNSPECIFIED: "block",  # greedy sessions take the greedy path anyway
+            common_pb2.VERIFY_METHOD_GREEDY: "greedy", common_pb2.VERIFY_METHOD_TOKEN: "token",
+            common_pb2.VERIFY_METHOD_BLOCK: "block"}
+
+
+class TargetServicer(target_pb2_grpc.TargetServiceServicer):
+    def __init__(self, host: SessionHost, batcher: VerifyBatcher):
+        self.host, self.batcher, self.metrics = host, batcher, host.metrics
+
+    async def GetInfo(self, request, context) -> target_pb2.TargetServiceGetInfoResponse:
+        return target_pb2.TargetServiceGetInfoResponse(info=self.host.info)
+
+    async def StartSession(self, request, context) -> target_pb2.TargetServiceStartSessionResponse:
+        params = sampling_from_proto(request.params)
+        position, ns = await self.host.start_session(request.session_id, list(request.prompt_ids), params)
+        return target_pb2.TargetServiceStartSessionResponse(position=position, prefill_ns=ns)
+
+    async def EndSession(self, request, context) -> target_pb2.TargetServiceEndSessionResponse:
+        return target_pb2.TargetServiceEndSessionResponse(existed=await self.host.end_session(request.session_id))
+
+    async def Verify(self, request, context) -> target_pb2.VerifyResponse:
+        from specdec.workers import VerifyArgs
+
+        self.host.touch(request.session_id)
+        if request.method not in _METHODS:
+            raise InvalidRequestError("method", f"unknown VerifyMethod {request.method}; use GREEDY, TOKEN or BLOCK")
+        which = request.WhichOneof("draft_q")
+        q = (decode_q(request.q) if which == "q" else
+             dense_q_to_sparse(tensor_from_proto(request.q_dense, "q_dense")) if which == "q_dense" else None)
+        args = VerifyArgs(request.session_id, request.base_position, list(request.feed_ids),
+                          list(request.draft_ids), q or None, _METHODS[request.method],
+                          request.feed_draft if request.HasField("feed_draft") else True,
+                          request.sample_bonus if request.HasField("sample_bonus") else True)
+        out, queue_ns = await self.batcher.submit(args)
+        if args.draft:
+            self.metrics.num_drafts.inc()
+            self.metrics.num_draft_tokens.inc(len(args.draft))
+            self.metrics.num_accepted_tokens.inc(out.num_accepted)
+        resp = target_pb2.VerifyResponse(num_accepted=out.num_accepted, forward_ns=out.forward_ns,
+                                         verify_ns=out.verify_ns, queue_ns=queue_ns, batch_size=out.batch_size)
+        if out.next_token is not None:
+            resp.next_token = out.next_token
+        return resp
+
+
+def add_to_server(servicer: TargetServicer, server: grpc.aio.Server) -> None:
+    target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, server)

@@ -1,0 +1,343 @@
+"""Draft and target services on real in-process servers (127.0.0.1:0): the issue's acceptance tests."""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+try:
+    from specdec.pb import target_pb2  # noqa: F401
+except ImportError:  # stubs are generated at install time (`make proto`); generate them for a bare checkout
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "gen_protos.py")], check=True)
+
+from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc  # noqa: E402
+
+from draft_service.client import DraftClient, sampling_pb  # noqa: E402
+from draft_service.config import DraftSettings  # noqa: E402
+from draft_service.server import build_app as build_draft  # noqa: E402
+from specdec.engine import Engine  # noqa: E402
+from specdec.model import build_tiny_model  # noqa: E402
+from specdec.pb import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc  # noqa: E402
+from specdec.sampling import SamplingParams  # noqa: E402
+from specdec.schedule import GenerationRequest, generate  # noqa: E402
+from specdec.verify import SparseDist  # noqa: E402
+from specdec.workers import TargetWorker  # noqa: E402
+from target_service.client import TargetClient  # noqa: E402
+from target_service.config import TargetSettings  # noqa: E402
+from target_service.server import build_app as build_target  # noqa: E402
+
+VOCAB = 64
+Code = grpc.StatusCode
+
+
+@pytest.fixture(scope="module")
+def models():
+    torch.manual_seed(0)
+    return (build_tiny_model(vocab_size=VOCAB, hidden_size=32, seed=1, max_position_embeddings=128),
+            build_tiny_model(vocab_size=VOCAB, hidden_size=32, num_layers=1, seed=2, max_position_embeddings=128))
+
+
+class Stack:
+    """A draft and a target server plus clients and raw stubs, all in this event loop."""
+
+    def __init__(self, target_app, draft_app):
+        self.target_app, self.draft_app = target_app, draft_app
+        self.tch = grpc.aio.insecure_channel(f"127.0.0.1:{target_app.port}")
+        self.dch = grpc.aio.insecure_channel(f"127.0.0.1:{draft_app.port}")
+        self.target, self.draft = TargetClient(self.tch), DraftClient(self.dch)
+        self.tstub, self.dstub = target_pb2_grpc.TargetServiceStub(self.tch), draft_pb2_grpc.DraftServiceStub(self.dch)
+
+    async def close(self):
+        await self.tch.close()
+        await self.dch.close()
+        await self.target_app.shutdown(0.5)
+        await self.draft_app.shutdown(0.5)
+
+
+async def make_stack(models, target_kw=None, draft_kw=None) -> Stack:
+    common = dict(host="127.0.0.1", port=0, metrics_port=0, grace_s=0.5)
+    tapp = await build_target(TargetSettings(**{**common, **(target_kw or {})}), model=models[0])
+    dapp = await build_draft(DraftSettings(**{**common, **(draft_kw or {})}), model=models[1])
+    await tapp.start()
+    await dapp.start()
+    return Stack(tapp, dapp)
+
+
+@pytest.fixture
+async def stack(models):
+    s = await make_stack(models)
+    yield s
+    await s.close()
+
+
+async def expect(code: grpc.StatusCode, coro, *fragments: str) -> str:
+    with pytest.raises(grpc.aio.AioRpcError) as ei:
+        await coro
+    err = ei.value
+    assert err.code() == code, f"{err.code()} {err.details()}"
+    for f in fragments:
+        assert f in err.details(), err.details()
+    return err.details()
+
+
+# ---------------------------------------------------------------- generation over gRPC == in-process
+@pytest.mark.parametrize("mode,temperature,method", [("sd", 0.0, "block"), ("pearl", 0.0, "block"),
+                                                     ("sd", 1.0, "block"), ("sd", 1.0, "token")])
+async def test_generation_over_grpc_equals_in_process(models, stack, mode, temperature, method):
+    target, draft = models
+    base = GenerationRequest(prompt_ids=[5, 9, 2, 33, 7], max_new_tokens=24, mode=mode, gamma=4,
+                             verify_method=method, params=SamplingParams(temperature=temperature, seed=7))
+    engine = Engine(target, draft, max_sessions=2)
+    try:
+        local = await engine.agenerate(dataclasses.replace(base, session_id="local"))
+        ar = await engine.agenerate(dataclasses.replace(base, session_id="ar", mode="ar"))
+    finally:
+        engine.close()
+    remote = await generate(dataclasses.replace(base, session_id="remote"), stack.draft, stack.target)
+    assert remote.token_ids == local.token_ids, (remote.token_ids, local.token_ids)
+    assert len(remote.token_ids) == 24
+    if temperature == 0.0:
+        assert remote.token_ids == ar.token_ids  # greedy speculative == target-only greedy
+    m = stack.target_app.metrics
+    assert m.value("specdec_num_draft_tokens_total") > 0
+    assert m.value("specdec_num_accepted_tokens_total") == remote.stats.accepted_tokens
+    assert stack.draft_app.metrics.value("specdec_num_draft_tokens_total") >= remote.stats.draft_tokens
+
+
+# ---------------------------------------------------------------- batched verify == separate verifies
+def _sparse_q(draft: list[int], gen: torch.Generator) -> list[SparseDist]:
+    out = []
+    for t in draft:
+        others = torch.randperm(VOCAB, generator=gen)[:4]
+        ids = torch.unique(torch.cat([torch.tensor([t]), others]))
+        probs = torch.rand(len(ids), generator=gen) + 0.05
+        out.append(SparseDist(ids=ids, probs=probs / probs.sum()))
+    return out
+
+
+@pytest.mark.parametrize("temperature,method", [(0.0, "greedy"), (1.0, "block"), (1.0, "token")])
+async def test_batched_verify_equals_separate(models, temperature, method):
+    s = await make_stack(models, target_kw=dict(batch_window_ms=50.0))  # 4 calls land in one forward
+    ref = TargetWorker(models[0], max_sessions=4)
+    try:
+        gen = torch.Generator().manual_seed(3)
+        prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15], [16] * 10]
+        sids = [f"s{i}" for i in range(4)]
+        pos = []
+        for i, (sid, p) in enumerate(zip(sids, prompts)):
+            params = SamplingParams(temperature=temperature, seed=100 + i)
+            await s.target.start(sid, p, params)
+            ref.start_session(sid, p, params)
+            pos.append((len(p) - 1, [p[-1]]))
+        for rnd in range(3):  # later rounds check the KV state batching left behind
+            calls = []
+            for i, sid in enumerate(sids):
+                draft = torch.randint(0, VOCAB, (1 + (i + rnd) % 4,), generator=gen).tolist()
+                q = _sparse_q(draft, gen) if temperature else None
+                calls.append((sid, pos[i][0], pos[i][1], draft, q, method))
+            got = await asyncio.gather(*[s.target.verify(*c) for c in calls])
+            for i, (c, g) in enumerate(zip(calls, got)):
+                want = ref.verify(*c)
+                assert g.batch_size == 4, "the 4 calls should share one forward"
+                assert (g.num_accepted, g.next_token) == (want.num_accepted, want.next_token), (rnd, i)
+                base, feed, draft = c[1], c[2], c[3]
+                pos[i] = (base + len(feed) + g.num_accepted, [g.next_token])
+        assert s.target_app.metrics.value("specdec_verify_batch_size_count") == 3
+    finally:
+        await s.close()
+
+
+# ---------------------------------------------------------------- draft RPCs
+async def test_draft_stream_blocks_match_unary_and_retry_is_idempotent(stack):
+    d = stack.dstub
+    await d.StartSession(draft_pb2.DraftServiceStartSessionRequest(
+        session_id="a", prompt_ids=[3, 4, 5], params=common_pb2.SamplingParams(temperature=1.0, seed=5)))
+    req = dict(session_id="a", base_position=2, append_ids=[5], gamma_max=6, block_size=2)
+    blocks = [b async for b in d.DraftStream(draft_pb2.DraftStreamRequest(**req))]
+    assert [b.offset for b in blocks] == [0, 2, 4] and [b.last for b in blocks] == [False, False, True]
+    assert blocks[-1].stop_reason == draft_pb2.STOP_REASON_GAMMA_MAX
+    unary = await d.Draft(draft_pb2.DraftRequest(**req))  # a retry of the same position
+    assert list(unary.token_ids) == [t for b in blocks for t in b.token_ids]
+    from specdec.server.convert import decode_q
+    q = decode_q(unary.q)
+    assert len(q) == 6 and all(len(x.ids) <= 64 and abs(float(x.probs.sum()) - 1) < 1e-4 for x in q)
+    assert all(int(t) in x.ids.tolist() for t, x in zip(unary.token_ids, q))
+    # commit, then a call below the commit is refused; rollback above it is fine
+    assert (await d.Commit(draft_pb2.CommitRequest(session_id="a", position=4))).position == 4
+    await expect(Code.FAILED_PRECONDITION, d.Draft(draft_pb2.DraftRequest(**{**req, "base_position": 2})),
+                 "committed position 4")
+    assert (await d.Rollback(draft_pb2.RollbackRequest(session_id="a", position=5))).position == 5
+    info = (await d.GetInfo(draft_pb2.DraftServiceGetInfoRequest())).info
+    assert info.vocab_size == VOCAB and info.device == "cpu"
+    assert (await d.EndSession(draft_pb2.DraftServiceEndSessionRequest(session_id="a"))).existed
+    assert not (await d.EndSession(draft_pb2.DraftServiceEndSessionRequest(session_id="a"))).existed
+
+
+async def test_preverifier_stop_without_preverifier_is_invalid(stack):
+    d = stack.dstub
+    await d.StartSession(draft_pb2.DraftServiceStartSessionRequest(session_id="p", prompt_ids=[1, 2]))
+    await expect(Code.INVALID_ARGUMENT, d.Draft(draft_pb2.DraftRequest(
+        session_id="p", base_position=1, append_ids=[2], gamma_max=4,
+        stop=draft_pb2.StopRule(kind=draft_pb2.STOP_KIND_PREVERIFIER))), "pre-verifier")
+
+
+# ---------------------------------------------------------------- bad input → status + message
+async def test_bad_inputs_map_to_status_codes(models):
+    s = await make_stack(models, target_kw=dict(max_sessions=2, lru_min_idle_s=60, max_context=32),
+                         draft_kw=dict(max_context=32))
+    t, d = s.tstub, s.dstub
+    Start = target_pb2.TargetServiceStartSessionRequest
+    try:
+        # unknown session
+        await expect(Code.NOT_FOUND, t.Verify(target_pb2.VerifyRequest(session_id="nope", feed_ids=[1])),
+                     "'nope'", "StartSession")
+        await expect(Code.NOT_FOUND, d.Draft(draft_pb2.DraftRequest(session_id="nope", append_ids=[1],
+                                                                   gamma_max=2)), "StartSession")
+        # empty prompt, ids outside vocab, bad sampling params, empty id
+        await expect(Code.INVALID_ARGUMENT, t.StartSession(Start(session_id="x", prompt_ids=[])), "prompt", "empty")
+        await expect(Code.INVALID_ARGUMENT, t.StartSession(Start(session_id="x", prompt_ids=[1, VOCAB + 5])),
+                     "outside the vocabulary")
+        for bad, field in ((dict(top_p=1.5), "top_p"), (dict(temperature=-1), "temperature"),
+                           (dict(top_k=-3), "top_k")):
+            await expect(Code.INVALID_ARGUMENT, t.StartSession(Start(
+                session_id="x", prompt_ids=[1, 2], params=common_pb2.SamplingParams(**bad))), field)
+        await expect(Code.INVALID_ARGUMENT, t.StartSession(Start(session_id="", prompt_ids=[1])), "session_id")
+        # prompt or prompt + draft beyond the context
+        await expect(Code.OUT_OF_RANGE, t.StartSession(Start(session_id="x", prompt_ids=[1] * 40)), "context")
+        await t.StartSession(Start(session_id="a", prompt_ids=[1, 2, 3]))
+        await expect(Code.OUT_OF_RANGE, t.Verify(target_pb2.VerifyRequest(
+            session_id="a", base_position=2, feed_ids=[3], draft_ids=[1] * 40)), "context")
+        await d.StartSession(draft_pb2.DraftServiceStartSessionRequest(session_id="a", prompt_ids=[1, 2, 3]))
+        await expect(Code.OUT_OF_RANGE, d.Draft(draft_pb2.DraftRequest(
+            session_id="a", base_position=2, append_ids=[3], gamma_max=40)), "gamma")
+        # wrong position, and ids outside vocab in a verify
+        await expect(Code.FAILED_PRECONDITION, t.Verify(target_pb2.VerifyRequest(
+            session_id="a", base_position=9, feed_ids=[3], draft_ids=[4])), "position 2")
+        await expect(Code.INVALID_ARGUMENT, t.Verify(target_pb2.VerifyRequest(
+            session_id="a", base_position=2, feed_ids=[3], draft_ids=[999])), "vocabulary")
+        await expect(Code.INVALID_ARGUMENT, t.Verify(target_pb2.VerifyRequest(
+            session_id="a", base_position=2, feed_ids=[3], draft_ids=[4], q=b"\xc1")), "q")
+        # over session capacity (both sessions used just now, LRU eviction needs 60 s idle)
+        await t.StartSession(Start(session_id="b", prompt_ids=[1, 2]))
+        await expect(Code.RESOURCE_EXHAUSTED, t.StartSession(Start(session_id="c", prompt_ids=[1, 2])),
+                     "max_sessions=2")
+    finally:
+        await s.close()
+
+
+async def test_expired_session_and_queue_capacity(models):
+    s = await make_stack(models, target_kw=dict(session_ttl_s=0.3, max_queue=1, batch_window_ms=50.0))
+    t = s.tstub
+    Start = target_pb2.TargetServiceStartSessionRequest
+    try:
+        for sid in ("q1", "q2", "q3"):
+            await t.StartSession(Start(session_id=sid, prompt_ids=[1, 2]))
+        calls = [t.Verify(target_pb2.VerifyRequest(session_id=sid, base_position=1, feed_ids=[2], draft_ids=[3]))
+                 for sid in ("q1", "q2")]
+        res = await asyncio.gather(*calls, return_exceptions=True)
+        codes = sorted(r.code().name if isinstance(r, grpc.aio.AioRpcError) else "OK" for r in res)
+        assert codes == ["OK", "RESOURCE_EXHAUSTED"], res
+        assert any("queue is full" in r.details() for r in res if isinstance(r, grpc.aio.AioRpcError))
+        await asyncio.sleep(0.45)
+        await expect(Code.NOT_FOUND, t.Verify(target_pb2.VerifyRequest(session_id="q3", base_position=1,
+                                                                       feed_ids=[2])), "expired")
+    finally:
+        await s.close()
+
+
+# ---------------------------------------------------------------- health, reflection, shutdown
+async def test_health_reflection_and_shutdown(models):
+    s = await make_stack(models)
+    try:
+        for ch, name in ((s.tch, "specdec.v1.TargetService"), (s.dch, "specdec.v1.DraftService")):
+            h = health_pb2_grpc.HealthStub(ch)
+            assert (await h.Check(health_pb2.HealthCheckRequest(service=name))).status == \
+                health_pb2.HealthCheckResponse.SERVING
+            refl = reflection_pb2_grpc.ServerReflectionStub(ch).ServerReflectionInfo()
+            await refl.write(reflection_pb2.ServerReflectionRequest(list_services=""))
+            names = {x.name for x in (await refl.read()).list_services_response.service}
+            assert {name, "grpc.health.v1.Health"} <= names
+            await refl.write(reflection_pb2.ServerReflectionRequest(file_containing_symbol=name))
+            files = (await refl.read()).file_descriptor_response.file_descriptor_proto
+            assert files, "reflection should serve the proto descriptors (grpcurl works without .proto files)"
+            await refl.done_writing()
+        watch = health_pb2_grpc.HealthStub(s.tch).Watch(health_pb2.HealthCheckRequest(service="specdec.v1.TargetService"))
+        assert (await watch.read()).status == health_pb2.HealthCheckResponse.SERVING
+        stopping = asyncio.ensure_future(s.target_app.shutdown(0.5))
+        assert (await asyncio.wait_for(watch.read(), 5)).status == health_pb2.HealthCheckResponse.NOT_SERVING
+        await stopping
+    finally:
+        await s.close()
+
+
+# ---------------------------------------------------------------- the real entry point and SIGTERM
+def _save_tiny(model, path: Path):
+    from safetensors.torch import save_file
+
+    c = model.config
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(dict(
+        architectures=["LlamaForCausalLM"], vocab_size=c.vocab_size, hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size, num_hidden_layers=c.num_hidden_layers,
+        num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
+        max_position_embeddings=c.max_position_embeddings, rms_norm_eps=c.rms_norm_eps)))
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path / "model.safetensors"))
+
+
+def test_python_m_target_service_serves_and_stops_on_sigterm(models, tmp_path):
+    _save_tiny(models[0], tmp_path / "m")
+    env = {**os.environ, "TARGET_METRICS_PORT": "0", "TARGET_GRACE_S": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "target_service", "--model", str(tmp_path / "m"),
+                             "--host", "127.0.0.1", "--port", "0", "--threads", "1"],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        port = None
+        deadline = time.time() + 120
+        for line in proc.stdout:
+            if "serving on" in line:
+                port = int(line.rsplit(":", 1)[1].split()[0])
+                break
+            assert time.time() < deadline
+        assert port, "server did not report its port"
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service="specdec.v1.TargetService"),
+                                                     timeout=10)
+            assert r.status == health_pb2.HealthCheckResponse.SERVING
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        assert "draining" in proc.stdout.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+# ---------------------------------------------------------------- round-trip overhead of one verify
+async def test_verify_round_trip_latency(stack, capsys):
+    await stack.target.start("lat", [1, 2, 3], SamplingParams())
+    req = dict(session_id="lat", base_position=2, feed_ids=[3], draft_ids=[4])
+    rtt, compute = [], []
+    for _ in range(300):
+        t0 = time.perf_counter_ns()
+        r = await stack.tstub.Verify(target_pb2.VerifyRequest(**req), timeout=5)
+        rtt.append(time.perf_counter_ns() - t0)
+        compute.append(r.forward_ns + r.verify_ns)
+    rtt, compute = rtt[50:], compute[50:]  # drop warm-up
+    med, med_c = statistics.median(rtt) / 1e6, statistics.median(compute) / 1e6
+    overhead = statistics.median(a - b for a, b in zip(rtt, compute)) / 1e6
+    with capsys.disabled():
+        print(f"\nverify round trip (tiny model, loopback): median {med:.3f} ms, server compute {med_c:.3f} ms, "
+              f"overhead {overhead:.3f} ms")
+    assert overhead < 20  # the target is <= 2 ms; loose bound here because CI CPUs are shared
