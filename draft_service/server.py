@@ -13,7 +13,8 @@ from draft_service.servicer import DraftServicer, add_to_server
 
 
 async def build_app(settings: DraftSettings, model=None, preverifier=None, warmup: bool = True) -> ServerApp:
-    """`model`: an already built CausalLM (tests); otherwise `settings.model` is loaded onto device/dtype."""
+    """`model`: an already built CausalLM (tests); otherwise `settings.model` is loaded onto device/dtype.
+    `preverifier`: a loaded pre-verifier; otherwise `settings.preverifier` (a path) is loaded if set."""
     from specdec.workers import DraftWorker
 
     runner = ModelThread("draft-model", settings.threads)
@@ -22,6 +23,11 @@ async def build_app(settings: DraftSettings, model=None, preverifier=None, warmu
 
         device, dtype = resolve_device(settings.device), resolve_dtype(settings.dtype)
         model = await runner.run(load_model, settings.model, device, dtype)
+    if preverifier is None and settings.preverifier:
+        from specdec.preverifier import load_preverifier
+
+        path = None if settings.preverifier == "default" else settings.preverifier
+        preverifier = await runner.run(lambda: load_preverifier(path, draft_model=model))
     worker = await runner.run(lambda: DraftWorker(
         model, preverifier=preverifier, q_top_k=settings.q_top_k, max_sessions=settings.max_sessions + 1,
         max_context=settings.max_context or None, session_ttl_s=settings.session_ttl_s))

@@ -117,6 +117,30 @@ async def test_generation_over_grpc_equals_in_process(models, stack, mode, tempe
     assert stack.draft_app.metrics.value("specdec_num_draft_tokens_total") >= remote.stats.draft_tokens
 
 
+async def test_pacer_over_grpc_equals_in_process(models):
+    from specdec.preverifier import build_random_preverifier
+
+    target, draft = models
+    pv = build_random_preverifier(draft.config.hidden_size, seed=4, block_size=2, threshold=0.5)
+    common = dict(host="127.0.0.1", port=0, metrics_port=0, grace_s=0.5)
+    tapp = await build_target(TargetSettings(**common), model=target)
+    dapp = await build_draft(DraftSettings(**common), model=draft, preverifier=pv)
+    await tapp.start()
+    await dapp.start()
+    s = Stack(tapp, dapp)
+    req = GenerationRequest(prompt_ids=[5, 9, 2, 33], max_new_tokens=20, mode="pacer", gamma=6, block_size=2,
+                            params=SamplingParams(temperature=1.0, seed=11))
+    engine = Engine(target, draft, preverifier=pv, max_sessions=2)
+    try:
+        local = await engine.agenerate(dataclasses.replace(req, session_id="local"))
+        remote = await generate(dataclasses.replace(req, session_id="remote"), s.draft, s.target)
+        assert remote.token_ids == local.token_ids
+        assert remote.stats.draft_tokens == local.stats.draft_tokens  # the same stops at the same blocks
+    finally:
+        engine.close()
+        await s.close()
+
+
 # ---------------------------------------------------------------- batched verify == separate verifies
 def _sparse_q(draft: list[int], gen: torch.Generator) -> list[SparseDist]:
     out = []
