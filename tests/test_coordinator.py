@@ -1,0 +1,344 @@
+"""The coordinator over real loopback replicas: exactness for every mode, streaming, errors, cancel, failover,
+losslessness under sampling (chi-square against the exact target distribution), and one run over Ray.
+
+Most tests use the in-process pipeline path (`no_ray=True`): same pipelines, gRPC clients and front server, minus
+the Ray hop. `test_ray_stack` runs the real Ray actors once (one shared local Ray instance).
+"""
+from __future__ import annotations
+
+import asyncio
+import copy
+import itertools
+import time
+
+import grpc
+import pytest
+import pytest_asyncio
+import torch
+
+from coordinator.config import CoordinatorSettings
+from coordinator.server import build_coordinator
+from helpers_models import start_replica, target_greedy, tiny_pair
+from specdec.pb import generation_pb2 as g, generation_pb2_grpc as gg
+from specdec.schedule import MODES
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+N = 24
+
+
+class Stack:
+    """Target + two drafts (a different random model, and an exact copy of the target) + a coordinator each."""
+
+    async def start(self, use_ray: bool = False):
+        self.target, self.draft = tiny_pair()
+        self.t = await start_replica("target", self.target)
+        self.d = await start_replica("draft", self.draft)
+        self.same = await start_replica("draft", copy.deepcopy(self.target))
+        self.apps, self.stubs, self.channels = [], {}, []
+        for name, d in (("random", self.d), ("same", self.same)):
+            s = CoordinatorSettings(host="127.0.0.1", port=0, metrics_port=0, no_ray=not use_ray, tokenizer="",
+                                    draft_endpoints=d.endpoint, target_endpoints=self.t.endpoint, pipelines=1,
+                                    max_new_tokens_cap=256, log_level="WARNING", grace_s=0)
+            app, _ = await build_coordinator(s)
+            await app.start()
+            ch = grpc.aio.insecure_channel(f"127.0.0.1:{app.port}")
+            self.apps.append(app)
+            self.channels.append(ch)
+            self.stubs[name] = gg.GenerationServiceStub(ch)
+        return self
+
+    def sessions(self) -> int:
+        return len(self.t.host.table) + len(self.d.host.table) + len(self.same.host.table)
+
+    async def stop(self):
+        for ch in self.channels:
+            await ch.close()
+        for a in self.apps + [self.t, self.d, self.same]:
+            await a.shutdown(0)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def stack():
+    s = await Stack().start()
+    yield s
+    await s.stop()
+
+
+def req(prompt, mode="sd", n=N, **kw):
+    return g.GenerateRequest(prompt_token_ids=prompt, max_new_tokens=n, mode=mode, **kw)
+
+
+async def until(cond, timeout=5.0):
+    t0 = time.monotonic()
+    while not cond():
+        assert time.monotonic() - t0 < timeout, "condition not reached"
+        await asyncio.sleep(0.02)
+
+
+# ---- exactness -------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("draft", ["random", "same"])
+async def test_greedy_every_mode_equals_target_only(stack, draft):
+    prompts = [[1, 2, 3], [7, 5, 9, 11, 2]]
+    for prompt in prompts:
+        ref = target_greedy(stack.target, prompt, N)
+        for mode in MODES:
+            if mode.startswith("pacer"):
+                continue  # no pre-verifier on these replicas (see test_pacer_without_preverifier)
+            for gamma in (1, 3):
+                r = await stack.stubs[draft].Generate(req(prompt, mode, gamma=gamma))
+                assert list(r.token_ids) == ref, (mode, gamma, draft)
+                assert r.finish_reason == g.FINISH_REASON_LENGTH
+                st = r.stats
+                assert st.mode == mode and st.target_forwards > 0 and st.wall_s > 0
+                assert st.completion_tokens == N and st.prompt_tokens == len(prompt)
+    r = await stack.stubs["same"].Generate(req([1, 2, 3], "sd", gamma=4))
+    assert r.stats.accepted_tokens == r.stats.draft_tokens, "draft == target accepts every token"
+    await until(lambda: stack.sessions() == 0)
+
+
+async def test_pearl_overlaps_and_reports_stats(stack):
+    r = await stack.stubs["same"].Generate(req([3, 1, 4, 1, 5], "pearl", n=40, gamma=4))
+    st = r.stats
+    assert st.draft_busy_s > 0 and st.target_busy_s > 0 and st.network_s >= 0
+    assert st.mean_accepted_length > 1.5, "POST rounds chain when the draft is always right"
+    assert st.target_replica == stack.t.endpoint and st.draft_replica == stack.same.endpoint
+
+
+async def test_stream_concatenation_equals_unary(stack):
+    for mode, temp in (("pearl", 0.0), ("sd", 1.0), ("ar", 0.7), ("pearl", 1.0)):
+        r = req([2, 4, 6], mode, seed=11, temperature=temp, verify_method="token")
+        unary = await stack.stubs["random"].Generate(r)
+        ids, finals = [], []
+        async for part in stack.stubs["random"].GenerateStream(r):
+            ids.extend(part.token_ids)
+            if part.finish_reason:
+                finals.append(part)
+        assert ids == list(unary.token_ids), mode
+        assert len(finals) == 1 and finals[0].finish_reason == unary.finish_reason
+
+
+async def test_text_stream_with_tokenizer_and_stop_string(tmp_path):
+    from helpers_models import TOKENIZER_CHARS, save_tiny_tokenizer
+    from specdec.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(save_tiny_tokenizer(tmp_path / "tok"))
+    target, draft = tiny_pair()
+    t, d = await start_replica("target", target), await start_replica("draft", draft)
+    s = CoordinatorSettings(host="127.0.0.1", port=0, metrics_port=0, no_ray=True, tokenizer="", grace_s=0,
+                            draft_endpoints=d.endpoint, target_endpoints=t.endpoint, log_level="WARNING")
+    app, _ = await build_coordinator(s, tokenizer=tok, eos_token_ids=set())
+    await app.start()
+    stub = gg.GenerationServiceStub(ch := grpc.aio.insecure_channel(f"127.0.0.1:{app.port}"))
+    try:
+        r = g.GenerateRequest(prompt="hello", max_new_tokens=30, mode="pearl")
+        unary = await stub.Generate(r)
+        expect = "".join(TOKENIZER_CHARS[i] if i else "" for i in unary.token_ids)
+        assert unary.text == expect and len(unary.token_ids) == 30
+        parts = [p async for p in stub.GenerateStream(r)]
+        assert "".join(p.text_delta for p in parts) == unary.text
+        stop = unary.text[10:12]
+        cut = unary.text.index(stop)
+        r2 = g.GenerateRequest(prompt="hello", max_new_tokens=30, mode="pearl", stop=[stop])
+        stopped = await stub.Generate(r2)
+        assert stopped.text == unary.text[:cut] and stopped.finish_reason == g.FINISH_REASON_STOP
+        streamed = [p async for p in stub.GenerateStream(r2)]
+        assert "".join(p.text_delta for p in streamed) == stopped.text
+        assert list(stopped.token_ids) == list(unary.token_ids[:len(stopped.token_ids)])
+    finally:
+        await ch.close()
+        for a in (app, t, d):
+            await a.shutdown(0)
+
+
+# ---- errors ----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kw,field", [
+    (dict(prompt="hi", prompt_token_ids=[1, 2]), "prompt"),
+    (dict(prompt_token_ids=[1], mode="fast"), "mode"),
+    (dict(prompt_token_ids=[1], temperature=-0.5), "temperature"),
+    (dict(prompt_token_ids=[1], max_new_tokens=0), "max_new_tokens"),
+    (dict(prompt_token_ids=[1], max_new_tokens=257), "max_new_tokens"),
+    (dict(prompt_token_ids=[1], verify_method="magic"), "verify_method"),
+    (dict(), "prompt"),
+    (dict(prompt="text but no tokenizer"), "prompt"),
+    (dict(prompt_token_ids=[1, 999]), "prompt_ids"),  # checked by the replicas, passed through
+])
+async def test_bad_requests_are_invalid_argument(stack, kw, field):
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await stack.stubs["random"].Generate(g.GenerateRequest(**kw))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert field in e.value.details()
+
+
+async def test_pacer_without_preverifier_is_a_clear_error(stack):
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await stack.stubs["random"].Generate(req([1, 2], "pacer_pearl"))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "pre-verifier" in e.value.details()
+    await until(lambda: stack.sessions() == 0)
+
+
+async def test_no_replica_reachable_is_unavailable_with_address():
+    dead = "127.0.0.1:9"  # discard port: nothing listens
+    s = CoordinatorSettings(host="127.0.0.1", port=0, metrics_port=0, no_ray=True, tokenizer="",
+                            draft_endpoints=dead, target_endpoints=dead, health_timeout_s=0.3, log_level="WARNING")
+    app, _ = await build_coordinator(s)
+    await app.start()
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{app.port}") as ch:
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await gg.GenerationServiceStub(ch).Generate(req([1, 2], "sd"))
+    await app.shutdown(0)
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert dead in e.value.details()
+
+
+# ---- cancel, deadline, failover --------------------------------------------------------------------------------
+async def test_client_cancel_and_deadline_free_both_sessions(stack):
+    stub = stack.stubs["random"]
+    call = stub.GenerateStream(req([1, 2, 3], "pearl", n=200))
+    async for _ in call:
+        break
+    assert len(stack.t.host.table) == 1 and len(stack.d.host.table) == 1
+    call.cancel()
+    await until(lambda: stack.sessions() == 0)
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await stub.Generate(req([1, 2, 3], "sd", n=250), timeout=0.3)
+    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    await until(lambda: stack.sessions() == 0)
+
+
+async def test_target_replica_dies_mid_request_output_exact():
+    target, draft = tiny_pair()
+    t1, t2 = await start_replica("target", target), await start_replica("target", target)
+    d = await start_replica("draft", draft)
+    s = CoordinatorSettings(host="127.0.0.1", port=0, metrics_port=0, no_ray=True, tokenizer="", grace_s=0,
+                            draft_endpoints=d.endpoint, target_endpoints=f"{t1.endpoint},{t2.endpoint}",
+                            dns_refresh_s=60, log_level="WARNING")
+    app, _ = await build_coordinator(s)
+    await app.start()
+    stub = gg.GenerationServiceStub(ch := grpc.aio.insecure_channel(f"127.0.0.1:{app.port}"))
+    try:
+        for mode in ("sd", "pearl", "ar"):
+            prompt = [5, 6, 7]
+            ref = target_greedy(target, prompt, 60)
+            call = stub.GenerateStream(req(prompt, mode, n=60))
+            ids, killed, last = [], False, None
+            async for part in call:
+                ids.extend(part.token_ids)
+                last = part
+                if len(ids) >= 8 and not t1.draining and not t2.draining:
+                    victim = t1 if len(t1.host.table) else t2
+                    await victim.shutdown(0)  # the pinned replica dies mid-request
+                    killed = True
+            assert ids == ref, mode
+            if killed:
+                assert "," in last.stats.target_replica, "the session moved to the other replica"
+            if t1.draining and t2.draining:
+                break
+    finally:
+        await ch.close()
+        for a in (app, t1, t2, d):
+            await a.shutdown(0)
+
+
+# ---- losslessness under sampling -------------------------------------------------------------------------------
+def exact_3token_distribution(model, prompt, temperature=1.0) -> torch.Tensor:
+    """p(x1, x2, x3 | prompt) over V^3, from full forwards of the target."""
+    V = model.config.vocab_size
+    kv = model.new_kv_slots(1, len(prompt) + 4)
+
+    def nxt(seqs):  # [B, L] -> [B, V] probabilities of the next token
+        out = []
+        for s in seqs:
+            logits, _ = model(torch.tensor([s]), torch.arange(len(s))[None], torch.tensor([0]), kv)
+            out.append(torch.softmax(logits[0, -1].double() / temperature, -1))
+        return torch.stack(out)
+
+    with torch.no_grad():
+        p1 = nxt([prompt])[0]
+        p2 = nxt([prompt + [a] for a in range(V)])  # [V, V]
+        p3 = nxt([prompt + [a, b] for a in range(V) for b in range(V)]).view(V, V, V)
+    return p1[:, None, None] * p2[:, :, None] * p3
+
+
+def chi_square_p(counts: torch.Tensor, probs: torch.Tensor, min_expected: float = 5.0) -> float:
+    from scipy.stats import chisquare
+
+    n = counts.sum().item()
+    exp = probs.flatten() * n
+    obs = counts.flatten().double()
+    keep = exp >= min_expected
+    e = torch.cat([exp[keep], exp[~keep].sum()[None]])
+    o = torch.cat([obs[keep], obs[~keep].sum()[None]])
+    return float(chisquare(o.numpy(), e.numpy() * (o.sum() / e.sum()).item()).pvalue)
+
+
+@pytest.mark.slow
+async def test_sampling_is_lossless_chi_square():
+    """≥ 3,000 seeded requests per (mode, method): 3-token continuations follow the exact target distribution."""
+    V = 8
+    target = __import__("specdec.model", fromlist=["x"]).build_tiny_model(vocab_size=V, seed=3, logit_scale=1.5)
+    draft = copy.deepcopy(target)
+    with torch.no_grad():  # a close but wrong draft: many accepts, real rejections and residual samples
+        draft.lm_head.weight.add_(torch.randn(draft.lm_head.weight.shape, generator=torch.Generator().manual_seed(9)))
+    t = await start_replica("target", target, max_sessions=64, batch_window_ms=0.5)
+    d = await start_replica("draft", draft, max_sessions=64)
+    s = CoordinatorSettings(host="127.0.0.1", port=0, metrics_port=0, no_ray=True, tokenizer="", grace_s=0,
+                            draft_endpoints=d.endpoint, target_endpoints=t.endpoint, log_level="WARNING")
+    app, _ = await build_coordinator(s)
+    await app.start()
+    stub = gg.GenerationServiceStub(ch := grpc.aio.insecure_channel(f"127.0.0.1:{app.port}"))
+    prompt = [1, 2, 3]
+    probs = exact_3token_distribution(target, prompt).float()
+    n_req, conc = 3000, 24
+    pvals = {}
+    try:
+        for mode, method in itertools.product(("sd", "pearl"), ("token", "block")):
+            counts = torch.zeros(V, V, V)
+            seeds = iter(range(n_req))
+            accepted = 0
+
+            async def worker():
+                nonlocal accepted
+                for seed in seeds:
+                    r = await stub.Generate(req(prompt, mode, n=3, temperature=1.0, seed=seed + 1,
+                                                verify_method=method, gamma=2))
+                    a, b, c = r.token_ids
+                    counts[a, b, c] += 1
+                    accepted += r.stats.accepted_tokens
+
+            await asyncio.gather(*(worker() for _ in range(conc)))
+            assert counts.sum() == n_req and accepted > 0
+            pvals[(mode, method)] = chi_square_p(counts, probs)
+    finally:
+        await ch.close()
+        for a in (app, t, d):
+            await a.shutdown(0)
+    assert all(p > 1e-3 for p in pvals.values()), pvals
+
+
+# ---- the same over Ray -----------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def ray_local():
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=96 * 1024 * 1024, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+async def test_ray_stack(ray_local):
+    """Pipelines in Ray actors: every mode exact, stream == unary, cancel frees both sessions."""
+    s = await Stack().start(use_ray=True)
+    try:
+        stub = s.stubs["same"]
+        ref = target_greedy(s.target, [4, 2], N)
+        for mode in ("ar", "sd", "pearl"):
+            r = await stub.Generate(req([4, 2], mode))
+            assert list(r.token_ids) == ref, mode
+            ids = [t async for part in stub.GenerateStream(req([4, 2], mode)) for t in part.token_ids]
+            assert ids == ref
+        call = s.stubs["random"].GenerateStream(req([1, 2, 3], "pearl", n=200))
+        async for _ in call:
+            break
+        call.cancel()
+        await until(lambda: s.sessions() == 0, timeout=10)
+    finally:
+        await s.stop()
