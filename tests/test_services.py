@@ -365,3 +365,24 @@ async def test_verify_round_trip_latency(stack, capsys):
         print(f"\nverify round trip (tiny model, loopback): median {med:.3f} ms, server compute {med_c:.3f} ms, "
               f"overhead {overhead:.3f} ms")
     assert overhead < 20  # the target is <= 2 ms; loose bound here because CI CPUs are shared
+
+
+# ---------------------------------------------------------------- --dtype / --device
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")])])
+async def test_load_from_dir_with_dtype_and_device(models, tmp_path, device):
+    _save_tiny(models[0], tmp_path / "m")
+    app = await build_target(TargetSettings(host="127.0.0.1", port=0, metrics_port=0, grace_s=0.5,
+                                            model=str(tmp_path / "m"), dtype="bfloat16", device=device))
+    await app.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{app.port}") as ch:
+            stub, client = target_pb2_grpc.TargetServiceStub(ch), TargetClient(ch)
+            info = (await stub.GetInfo(target_pb2.TargetServiceGetInfoRequest())).info
+            assert info.dtype == "bfloat16" and info.device.startswith(device)
+            await client.start("d", [1, 2, 3], SamplingParams(temperature=1.0, seed=1))
+            q = _sparse_q([4, 5], torch.Generator().manual_seed(0))
+            out = await client.verify("d", 2, [3], [4, 5], q, "block")
+            assert 0 <= out.num_accepted <= 2 and out.next_token is not None and 0 <= out.next_token < VOCAB
+    finally:
+        await app.shutdown(0.5)
