@@ -386,3 +386,18 @@ async def test_load_from_dir_with_dtype_and_device(models, tmp_path, device):
             assert 0 <= out.num_accepted <= 2 and out.next_token is not None and 0 <= out.next_token < VOCAB
     finally:
         await app.shutdown(0.5)
+
+
+async def test_dense_q_tensor_equals_sparse_q(stack):
+    from specdec.server.convert import tensor_to_proto
+
+    gen = torch.Generator().manual_seed(9)
+    for sid in ("sp", "de"):
+        await stack.target.start(sid, [1, 2, 3], SamplingParams(temperature=1.0, seed=2))
+    q = _sparse_q([4, 5, 6], gen)
+    sparse = await stack.target.verify("sp", 2, [3], [4, 5, 6], q, "block")
+    dense = torch.stack([d.to_dense(VOCAB) for d in q])
+    req = target_pb2.VerifyRequest(session_id="de", base_position=2, feed_ids=[3], draft_ids=[4, 5, 6],
+                                   q_dense=tensor_to_proto(dense), method=common_pb2.VERIFY_METHOD_BLOCK)
+    r = await stack.tstub.Verify(req)
+    assert (r.num_accepted, r.next_token) == (sparse.num_accepted, sparse.next_token)
