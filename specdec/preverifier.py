@@ -1,0 +1,218 @@
+"""PACER's learned blockwise pre-verifier (ALGORITHMS.md §4.4; docs/pacer.md).
+
+The draft drafts in blocks of B tokens. After each block the pre-verifier estimates
+    s_k = P(every token of block k is accepted by the target | the earlier blocks of this round were),
+and the stop rule (`specdec.stop.PreverifierStop`) stops drafting when s_k < θ. The pre-verifier only chooses the
+draft length, so it can never change the output distribution.
+
+Model (cheap on purpose: it runs after every block, on the draft's critical path):
+- per drafted token t: the draft's last hidden state h_t (the state that produced q_t; LayerNorm + linear),
+  a hashed embedding of the drafted token x_t (h_t does not know x_t yet), and scalar uncertainty features
+  (log q(x_t), entropy of q_t, q(x_t), position in the round, the previous token's log q / entropy, the running
+  sum of log q before t);
+- a 2-layer MLP gives a per-token logit a_t = logit P(x_t accepted | x_<t accepted) (trained on per-token
+  conditional labels: greedy `x == argmax p`, sampled `min(1, p/q)` as a soft label);
+- the block probability is the product of the per-token sigmoids over the block (mode "block"), or over every
+  token drafted so far (mode "prefix": P(the whole round so far is accepted)).
+
+Files (`save_preverifier` / `load_preverifier`): `config.json` (architecture, threshold, block size, score mode,
+the draft's fingerprint), `model.safetensors`, `card.json` and `README.md` (the model card).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import warnings
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specdec.stop import DraftFeatures
+
+DEFAULT_PREVERIFIER_DIR = Path(__file__).resolve().parent / "assets" / "default_preverifier"
+N_SCALARS = 8
+_HASH_MULT = 2654435761
+
+
+class PreverifierMismatchError(ValueError):
+    """The pre-verifier was trained for another draft model (its hidden states mean something else)."""
+
+
+def token_scalars(logq: torch.Tensor, entropy: torch.Tensor) -> torch.Tensor:
+    """[n] log q, [n] entropy → [n, N_SCALARS] per-token scalar features (all tokens of the round so far)."""
+    logq = logq.float().clamp_min(-30.0)
+    entropy = entropy.float()
+    n = logq.shape[0]
+    pos = torch.arange(n, dtype=torch.float32)
+    prev_logq = torch.cat([logq.new_zeros(1), logq[:-1]])
+    prev_ent = torch.cat([entropy.new_zeros(1), entropy[:-1]])
+    cum_before = torch.cumsum(logq, 0) - logq
+    return torch.stack([logq, entropy, logq.exp(), pos / 8.0, prev_logq, prev_ent, cum_before / 4.0,
+                        (pos == 0).float()], dim=-1)
+
+
+class Preverifier(nn.Module):
+    """Predicts P(block accepted) from the draft's features of the tokens drafted this round."""
+
+    def __init__(self, hidden_size: int, dim: int = 64, hash_buckets: int = 4096, block_size: int = 2,
+                 threshold: float = 0.5, score_mode: str = "block"):
+        super().__init__()
+        if score_mode not in ("block", "prefix"):
+            raise ValueError(f"score_mode must be 'block' or 'prefix', got {score_mode!r}")
+        self.hidden_size, self.dim, self.hash_buckets = hidden_size, dim, hash_buckets
+        self.block_size = int(block_size)
+        self.threshold = float(threshold)
+        self.score_mode = score_mode
+        self.h_norm = nn.LayerNorm(hidden_size)
+        self.h_proj = nn.Linear(hidden_size, dim)
+        self.tok_emb = nn.Embedding(hash_buckets, dim)
+        self.s_norm = nn.LayerNorm(N_SCALARS)
+        self.s_proj = nn.Linear(N_SCALARS, dim)
+        self.mlp = nn.Sequential(nn.GELU(), nn.Linear(dim, dim), nn.GELU(), nn.Linear(dim, 1))
+        nn.init.normal_(self.tok_emb.weight, std=0.02)
+
+    def config(self) -> dict:
+        return {"hidden_size": self.hidden_size, "dim": self.dim, "hash_buckets": self.hash_buckets,
+                "block_size": self.block_size, "threshold": self.threshold, "score_mode": self.score_mode}
+
+    def bucket(self, tokens: torch.Tensor) -> torch.Tensor:
+        return (tokens.long() * _HASH_MULT) % self.hash_buckets
+
+    def token_logits(self, hidden: torch.Tensor, tokens: torch.Tensor, scalars: torch.Tensor) -> torch.Tensor:
+        """[m, D], [m], [m, N_SCALARS] → [m] logits of P(token accepted | earlier tokens accepted)."""
+        x = self.h_proj(self.h_norm(hidden.float())) + self.tok_emb(self.bucket(tokens)) \
+            + self.s_proj(self.s_norm(scalars.float()))
+        return self.mlp(x).squeeze(-1)
+
+    def forward(self, hidden, tokens, scalars):
+        return self.token_logits(hidden, tokens, scalars)
+
+    @torch.inference_mode()
+    def block_accept_prob(self, features: DraftFeatures) -> float:
+        """P(every token of the block that starts at `features.block_start` is accepted | earlier ones were).
+
+        In score mode "prefix" the product runs over every token drafted this round instead."""
+        start = 0 if self.score_mode == "prefix" else int(features.block_start)
+        scal = token_scalars(features.logq, features.entropy)[start:]
+        logits = self.token_logits(features.hidden[start:], features.tokens[start:], scal)
+        return float(F.logsigmoid(logits).sum().exp())
+
+
+# ----------------------------------------------------------------------------------------------------------------
+def build_random_preverifier(hidden_size: int, seed: int = 0, block_size: int = 2, threshold: float = 0.5,
+                             dim: int = 32, hash_buckets: int = 256) -> Preverifier:
+    """An untrained pre-verifier with seeded random weights (tests: it may only change speed, never output)."""
+    g = torch.Generator().manual_seed(seed)
+    pv = Preverifier(hidden_size, dim=dim, hash_buckets=hash_buckets, block_size=block_size, threshold=threshold)
+    with torch.no_grad():
+        for p in pv.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    return pv.eval()
+
+
+def draft_fingerprint(draft_model: nn.Module) -> str:
+    """sha256 over the draft's parameters (names, shapes, fp32 bytes): identifies the hidden-state space."""
+    h = hashlib.sha256()
+    for name, p in sorted(draft_model.state_dict().items()):
+        if not torch.is_tensor(p):
+            continue
+        h.update(name.encode())
+        h.update(str(tuple(p.shape)).encode())
+        h.update(p.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def _sha256_dir_weights(path: Path) -> str:
+    h = hashlib.sha256()
+    for f in sorted(Path(path).glob("*.safetensors")):
+        with open(f, "rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+def draft_dir_sha256(path: str | Path) -> str:
+    """sha256 of a draft directory's safetensors bytes (in name order)."""
+    return _sha256_dir_weights(Path(path))
+
+
+def save_preverifier(model: Preverifier, path: str | Path, card: dict) -> Path:
+    """Write `config.json`, `model.safetensors`, `card.json` and a readable `README.md` into `path`."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    cfg = model.config()
+    for k in ("draft_fingerprint", "draft_sha256"):
+        if k in card:
+            cfg[k] = card[k]
+    state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+    save_file(state, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    (path / "card.json").write_text(json.dumps(card, indent=2, default=str) + "\n")
+    (path / "README.md").write_text(_card_markdown(cfg, card))
+    return path
+
+
+def _card_markdown(cfg: dict, card: dict) -> str:
+    lines = ["# PACER pre-verifier", "",
+             "Predicts P(every token of a drafted block is accepted by the target | earlier blocks were). "
+             "Used by `mode=pacer` to choose the draft length; it never changes the output distribution.", "",
+             "## Configuration", ""]
+    lines += [f"- `{k}`: {v}" for k, v in cfg.items()]
+    lines += ["", "## Card", ""]
+    for k, v in card.items():
+        lines.append(f"- `{k}`: {json.dumps(v, default=str) if isinstance(v, (dict, list)) else v}")
+    return "\n".join(lines) + "\n"
+
+
+def load_preverifier(path: str | Path | None = None, draft_model: nn.Module | None = None,
+                     draft_dir: str | Path | None = None, strict: bool = False) -> Preverifier:
+    """Load a saved pre-verifier. With `draft_model` (or `draft_dir`) the draft it was trained for is checked:
+    a different hidden size is refused (`PreverifierMismatchError`); different weights warn (`strict`: refuse)."""
+    from safetensors.torch import load_file
+
+    path = Path(path) if path is not None else DEFAULT_PREVERIFIER_DIR
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"no pre-verifier at {path} (expected config.json + model.safetensors); train one "
+                                f"with `python -m specdec.pacer_train`")
+    cfg = json.loads((path / "config.json").read_text())
+    if draft_model is not None:
+        d = draft_model.config.hidden_size
+        if d != cfg["hidden_size"]:
+            raise PreverifierMismatchError(f"pre-verifier {path} expects draft hidden size {cfg['hidden_size']}, this "
+                                           f"draft has {d}: it was trained for another draft model")
+        want = cfg.get("draft_fingerprint")
+        if want and draft_fingerprint(draft_model) != want:
+            _mismatch(f"pre-verifier {path} was trained for another draft (parameter fingerprint differs); "
+                      f"retrain it with `python -m specdec.pacer_train` for this draft", strict)
+    if draft_dir is not None and cfg.get("draft_sha256"):
+        if draft_dir_sha256(draft_dir) != cfg["draft_sha256"]:
+            _mismatch(f"pre-verifier {path} was trained for another draft (sha256 of {draft_dir} differs)", strict)
+    pv = Preverifier(cfg["hidden_size"], dim=cfg["dim"], hash_buckets=cfg["hash_buckets"],
+                     block_size=cfg["block_size"], threshold=cfg["threshold"], score_mode=cfg.get("score_mode", "block"))
+    pv.load_state_dict(load_file(str(path / "model.safetensors")))
+    pv.card = json.loads((path / "card.json").read_text()) if (path / "card.json").is_file() else {}
+    return pv.eval()
+
+
+def _mismatch(msg: str, strict: bool) -> None:
+    if strict:
+        raise PreverifierMismatchError(msg)
+    warnings.warn(msg, RuntimeWarning, stacklevel=3)
+
+
+def derive_threshold(cost_ratio: float, mean_accepted: float, gamma: float, accept_rate: float = 0.8) -> float:
+    """θ from the cost model in docs/pacer.md: continue after a block while
+    s · a · B · v > B · T_draft, with v = (T_target + γ̄ T_draft) / τ the time per generated token at the current
+    speed and a the mean per-token acceptance; so θ = τ / (a · (c + γ̄)), c = T_target / T_draft."""
+    c = max(float(cost_ratio), 1e-6)
+    theta = mean_accepted / (max(accept_rate, 1e-3) * (c + gamma))
+    return float(min(max(theta, 0.0), 0.99))
+
+
+__all__ = ["Preverifier", "PreverifierMismatchError", "build_random_preverifier", "load_preverifier",
+           "save_preverifier", "draft_fingerprint", "draft_dir_sha256", "derive_threshold", "token_scalars",
+           "DEFAULT_PREVERIFIER_DIR"]

@@ -1,0 +1,239 @@
+"""PACER pre-verifier: API, save/load + draft check, exactness with a random pre-verifier in the loop, and a smoke
+run of the training pipeline on tiny random models."""
+from __future__ import annotations
+
+import itertools
+import json
+import warnings
+
+import pytest
+import torch
+
+from specdec.engine import Engine, make_stop_rule
+from specdec.model import build_tiny_model
+from specdec.preverifier import (DEFAULT_PREVERIFIER_DIR, Preverifier, PreverifierMismatchError,
+                                 build_random_preverifier, derive_threshold, draft_fingerprint, load_preverifier,
+                                 save_preverifier)
+from specdec.sampling import SamplingParams, logits_to_probs
+from specdec.schedule import GenerationRequest
+from specdec.stop import DraftFeatures, PreverifierStop, StopSpec
+
+torch.set_num_threads(1)
+
+
+def _features(n=6, d=32, block_start=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return DraftFeatures(hidden=torch.randn(n, d, generator=g), tokens=torch.randint(0, 32, (n,), generator=g),
+                         logq=-torch.rand(n, generator=g), entropy=torch.rand(n, generator=g),
+                         block_start=block_start)
+
+
+def test_block_accept_prob_is_a_probability_and_block_local():
+    pv = build_random_preverifier(32, seed=1)
+    f = _features()
+    s = pv.block_accept_prob(f)
+    assert 0.0 <= s <= 1.0
+    # "block" mode: the product over the block's tokens only; "prefix": over the whole round (never larger)
+    pv.score_mode = "prefix"
+    assert pv.block_accept_prob(f) <= s + 1e-7
+    assert isinstance(pv.threshold, float) and isinstance(pv.block_size, int)
+
+
+def test_stop_rule_uses_the_preverifier_threshold():
+    pv = build_random_preverifier(32, seed=2, threshold=0.37)
+    rule = make_stop_rule(StopSpec("pacer"), pv)
+    assert isinstance(rule, PreverifierStop) and rule.threshold == pytest.approx(0.37)
+    assert make_stop_rule(StopSpec("pacer", 0.9), pv).threshold == 0.9
+
+
+def test_save_load_roundtrip_and_draft_check(tmp_path):
+    draft = build_tiny_model(hidden_size=32, seed=3)
+    other = build_tiny_model(hidden_size=32, seed=4)
+    pv = build_random_preverifier(32, seed=5, block_size=3, threshold=0.42)
+    save_preverifier(pv, tmp_path / "pv", {"draft_fingerprint": draft_fingerprint(draft), "note": "test"})
+    assert json.loads((tmp_path / "pv" / "card.json").read_text())["note"] == "test"
+    back = load_preverifier(tmp_path / "pv", draft_model=draft)
+    assert back.block_size == 3 and back.threshold == pytest.approx(0.42)
+    f = _features()
+    assert back.block_accept_prob(f) == pytest.approx(pv.block_accept_prob(f), abs=1e-6)
+    with pytest.warns(RuntimeWarning, match="another draft"):
+        load_preverifier(tmp_path / "pv", draft_model=other)
+    with pytest.raises(PreverifierMismatchError):
+        load_preverifier(tmp_path / "pv", draft_model=other, strict=True)
+    with pytest.raises(PreverifierMismatchError, match="hidden size"):
+        load_preverifier(tmp_path / "pv", draft_model=build_tiny_model(hidden_size=64, seed=3))
+
+
+def test_derived_threshold_falls_with_the_cost_ratio():
+    assert derive_threshold(20, 3.0, 4) < derive_threshold(5, 3.0, 4) < 1.0
+
+
+def _pair(vocab=32, hidden=32):
+    target = build_tiny_model(vocab_size=vocab, hidden_size=hidden, seed=0, logit_scale=2.0)
+    draft = build_tiny_model(vocab_size=vocab, hidden_size=hidden, seed=0, num_layers=1, logit_scale=2.0)
+    return target, draft
+
+
+@pytest.mark.parametrize("block_size,threshold", [(1, 0.5), (2, 0.3), (3, 0.9)])
+def test_greedy_pacer_with_random_preverifier_equals_ar(block_size, threshold):
+    target, draft = _pair()
+    pv = build_random_preverifier(32, seed=7, block_size=block_size, threshold=threshold)
+    eng = Engine(target, draft, preverifier=pv, max_sessions=2, max_context=128)
+    stops = 0
+    try:
+        for i in range(4):
+            prompt = torch.randint(0, 32, (5 + i,), generator=torch.Generator().manual_seed(i)).tolist()
+            ar = eng.generate(GenerationRequest(prompt, max_new_tokens=24, mode="ar"))
+            for mode in ("pacer", "pacer_pearl"):
+                out = eng.generate(GenerationRequest(prompt, max_new_tokens=24, mode=mode, gamma=8,
+                                                     block_size=block_size))
+                assert out.token_ids == ar.token_ids, (mode, i)
+                stops += out.stats.draft_tokens
+    finally:
+        eng.close()
+    assert stops > 0
+
+
+def test_random_preverifier_actually_varies_the_draft_length():
+    target, draft = _pair()
+    pv = build_random_preverifier(32, seed=7, block_size=1, threshold=0.5)
+    eng = Engine(target, draft, preverifier=pv, max_sessions=1, max_context=128)
+    try:
+        prompt = [1, 2, 3, 4, 5]
+        lengths = set()
+        for th in (0.0, 0.5, 1.01):
+            r = eng.generate(GenerationRequest(prompt, max_new_tokens=24, mode="pacer", gamma=6, block_size=1,
+                                               pacer_threshold=th))
+            lengths.add(r.stats.draft_tokens / r.stats.rounds)
+    finally:
+        eng.close()
+    assert len(lengths) == 3  # threshold 0: always gamma_max; above 1: always one block; 0.5: in between
+
+
+def _exact_continuation_dist(model, prompt, vocab, n_new, params):
+    """Enumerate every n_new-token continuation: exact P under the target at `params`."""
+    from specdec.workers import TargetWorker
+
+    probs = {}
+    cache = {}
+
+    def next_probs(prefix):
+        key = tuple(prefix)
+        if key not in cache:
+            kv = model.new_kv_slots(1, 64)
+            ids = torch.tensor([list(prompt) + list(prefix)])
+            logits, _ = model(ids, torch.arange(ids.shape[1])[None], torch.tensor([0]), kv)
+            cache[key] = logits_to_probs(logits[0, -1], params)
+        return cache[key]
+
+    for seq in itertools.product(range(vocab), repeat=n_new):
+        p = 1.0
+        for i in range(n_new):
+            p *= float(next_probs(seq[:i])[seq[i]])
+        probs[seq] = p
+    del TargetWorker
+    return probs
+
+
+@pytest.mark.parametrize("method", ["block"])
+def test_sampled_pacer_with_random_preverifier_matches_target_distribution(method):
+    """Chi-square: 5,000 seeded pacer runs at T=1 (vocab 8, 3-token continuations) against the exact target."""
+    from scipy.stats import chisquare
+
+    V, n_new, runs = 8, 3, 5000
+    target = build_tiny_model(vocab_size=V, hidden_size=16, num_heads=2, num_kv_heads=1, seed=11, logit_scale=1.5)
+    draft = build_tiny_model(vocab_size=V, hidden_size=16, num_heads=2, num_kv_heads=1, seed=12, num_layers=1,
+                             logit_scale=1.5)
+    pv = build_random_preverifier(16, seed=13, block_size=1, threshold=0.5)
+    prompt = [1, 5, 2]
+    params = SamplingParams(temperature=1.0)
+    exact = _exact_continuation_dist(target, prompt, V, n_new, params)
+    eng = Engine(target, draft, preverifier=pv, max_sessions=1, max_context=32)
+    counts = {k: 0 for k in exact}
+    reasons = 0
+    try:
+        for seed in range(runs):
+            r = eng.generate(GenerationRequest(prompt, max_new_tokens=n_new, mode="pacer", gamma=3, block_size=1,
+                                               verify_method=method,
+                                               params=SamplingParams(temperature=1.0, seed=seed)))
+            counts[tuple(r.token_ids)] += 1
+            reasons += r.stats.rounds
+    finally:
+        eng.close()
+    # merge sparse cells so every expected count is >= 5
+    keys = sorted(exact, key=lambda k: exact[k])
+    obs, exp, acc_o, acc_e = [], [], 0, 0.0
+    for k in keys:
+        acc_o += counts[k]
+        acc_e += exact[k] * runs
+        if acc_e >= 5:
+            obs.append(acc_o)
+            exp.append(acc_e)
+            acc_o, acc_e = 0, 0.0
+    if acc_e > 0:
+        obs[-1] += acc_o
+        exp[-1] += acc_e
+    stat, p = chisquare(obs, exp)
+    assert p > 0.001, (stat, p, len(obs))
+    assert sum(counts.values()) == runs
+
+
+def test_training_pipeline_smoke_on_tiny_models(tmp_path):
+    """collect → train → save → load → pacer mode runs; AUC is computed (tiny random pair: no quality bar)."""
+    from specdec.pacer_train import train as T
+    from specdec.pacer_train.collect import collect
+
+    target, draft = _pair()
+    prompts = [torch.randint(0, 32, (6,), generator=torch.Generator().manual_seed(i)).tolist() for i in range(12)]
+    rounds, st = collect(draft, target, prompts, gamma_max=6, temperatures=(0.0, 1.0), max_new_tokens=20)
+    assert st.rounds == len(rounds) > 0
+    for r in rounds:
+        assert r.hidden.shape == (6, 32) and r.label.shape == (6,)
+        assert ((r.label >= 0) & (r.label <= 1)).all()
+        if r.temperature == 0.0:  # greedy labels: the real verification accepted exactly the leading ones
+            lead = int(torch.cumprod(r.label, 0).sum())
+            assert lead == r.num_accepted
+    rows = [r.to_dict() for r in rounds]
+    ds = T.to_tokenset(rows)
+    model, info = T.train_preverifier(ds, ds, 32, dim=16, hash_buckets=64, epochs=2, log=lambda *_: None)
+    tab = T.round_table(model, ds)
+    score, lab, reached = T.block_scores(tab, 2)
+    rep = T.classification_report(score, lab, 0.5)
+    assert 0.0 <= rep["auc"] <= 1.0
+    costs = T.Costs(draft_token_s=1e-3, target_base_s=5e-3, target_per_token_s=0.0)
+    th, sim = T.tune_threshold(tab, costs, 2, 6)
+    assert sim["tokens_per_s"] > 0
+    model.threshold, model.block_size = th, 2
+    save_preverifier(model, tmp_path / "pv", {"draft_fingerprint": draft_fingerprint(draft)})
+    pv = load_preverifier(tmp_path / "pv", draft_model=draft, strict=True)
+    eng = Engine(target, draft, preverifier=pv, max_sessions=1, max_context=64)
+    try:
+        out = eng.generate(GenerationRequest(prompts[0], max_new_tokens=12, mode="pacer", gamma=6, block_size=2))
+        ar = eng.generate(GenerationRequest(prompts[0], max_new_tokens=12, mode="ar"))
+        assert out.token_ids == ar.token_ids
+    finally:
+        eng.close()
+
+
+def test_weighted_auc():
+    from specdec.pacer_train.train import weighted_auc
+
+    assert weighted_auc(torch.tensor([0.1, 0.2, 0.8, 0.9]), torch.tensor([0., 0., 1., 1.])) == 1.0
+    assert weighted_auc(torch.tensor([0.5, 0.5]), torch.tensor([0., 1.])) == 0.5
+    assert weighted_auc(torch.tensor([0.9, 0.1]), torch.tensor([0., 1.])) == 0.0
+
+
+@pytest.mark.skipif(not (DEFAULT_PREVERIFIER_DIR / "config.json").is_file(), reason="no shipped pre-verifier")
+def test_shipped_preverifier_loads_for_the_shipped_draft():
+    from specdec.hub import DEFAULT_DRAFT_DIR
+
+    if not (DEFAULT_DRAFT_DIR / "config.json").is_file():
+        pytest.skip("no shipped draft")
+    from specdec.model import load_model_dir
+
+    draft = load_model_dir(DEFAULT_DRAFT_DIR)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pv = load_preverifier(draft_model=draft, draft_dir=DEFAULT_DRAFT_DIR)
+    assert isinstance(pv, Preverifier) and 0 < pv.threshold < 1 and pv.block_size >= 1
+    assert pv.card["heldout_test"]["greedy"][f"B={pv.block_size}"]["all_blocks"]["auc"] >= 0.75
