@@ -60,7 +60,7 @@ class LocalStack:
 
     def _launch(self, kind: str, model: str, port: int, extra: list[str]) -> tuple[subprocess.Popen, Path]:
         logf = self.logdir / f"{kind}.log"
-        cmd = [sys.executable, "-m", "coordinator.replica", kind, "--model", model, "--host", "127.0.0.1",
+        cmd = [sys.executable, "-m", f"{kind}_service", "--model", model, "--host", "127.0.0.1",
                "--port", str(port), "--metrics-port", "0", "--threads", str(self.threads), "--log-level",
                "WARNING", "--grace-s", "1", *extra]
         env = dict(os.environ, OMP_NUM_THREADS=str(self.threads), MKL_NUM_THREADS=str(self.threads))

@@ -166,7 +166,7 @@ def _generate_in_process(args) -> dict:
         if pv_path:
             from specdec.preverifier import load_preverifier
 
-            pv = load_preverifier(pv_path)
+            pv = load_preverifier(pv_path, draft_model=draft)
     engine = Engine(load_model_dir(tdir), draft, preverifier=pv, threads_per_model=args.threads)
     ids = encode_prompt(tok, prompt=args.prompt)
     kw = {k: getattr(args, k) for k in ("gamma", "block_size", "pacer_threshold") if getattr(args, k) is not None}

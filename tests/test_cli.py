@@ -1,0 +1,93 @@
+"""`specdec` CLI: --in-process, --coordinator ADDR, and the embedded stack (replicas + local Ray + coordinator)."""
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+
+import pytest
+
+from helpers_models import TOKENIZER_CHARS, save_tiny_pair, target_greedy, tiny_pair
+from specdec import cli
+
+PROMPT = "hello world"
+
+
+def prompt_ids() -> list[int]:
+    return [TOKENIZER_CHARS.index(c) for c in PROMPT]
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    tdir, ddir = save_tiny_pair(tmp_path_factory.mktemp("models"))
+    return str(tdir), str(ddir), target_greedy(tiny_pair()[0], prompt_ids(), 12)
+
+
+def test_parser_and_stats_line():
+    a = cli.build_parser().parse_args(["generate", "x", "--mode", "pacer_pearl", "--json", "--gamma", "3"])
+    assert (a.mode, a.json, a.gamma, a.coordinator, a.threads) == ("pacer_pearl", True, 3, None, 1)
+    s = cli.build_parser().parse_args(["serve", "--port", "6000"])
+    assert (s.port, s.host, s.draft_model, s.target_model) == (6000, "0.0.0.0", "default-draft", "default-target")
+    line = cli.stats_line({"mode": "pearl", "wall_s": 2.0, "draft_busy_s": 1.5, "target_busy_s": 1.5,
+                           "rounds": 3, "target_forwards": 4, "mean_accepted_length": 2.5}, 10)
+    assert "[pearl] 10 tokens in 2.00s" in line and "wall 67% of it" in line
+
+
+def test_generate_in_process_json(pair, capsys):
+    tdir, ddir, ref = pair
+    for mode in ("ar", "sd"):
+        rc = cli.main(["generate", PROMPT, "--in-process", "--mode", mode, "--target-model", tdir, "--draft-model",
+                       ddir, "--max-new-tokens", "12", "--json"])
+        assert rc == 0
+        out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert out["token_ids"] == ref and out["finish_reason"] == "length"
+        assert out["text"] == "".join(TOKENIZER_CHARS[i] if i else "" for i in ref)
+        assert out["stats"]["mode"] == mode
+
+
+async def test_generate_against_running_coordinator(pair):
+    from coordinator.config import CoordinatorSettings
+    from coordinator.server import build_coordinator
+    from helpers_models import start_replica
+
+    tdir, ddir, ref = pair
+    target, draft = tiny_pair()
+    t, d = await start_replica("target", target), await start_replica("draft", draft)
+    s = CoordinatorSettings(host="127.0.0.1", port=0, metrics_port=0, no_ray=True, tokenizer=tdir, grace_s=0,
+                            draft_endpoints=d.endpoint, target_endpoints=t.endpoint, log_level="WARNING")
+    app, _ = await build_coordinator(s)
+    await app.start()
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "specdec.cli", "generate", PROMPT, "--coordinator", f"127.0.0.1:{app.port}",
+            "--mode", "pearl", "--max-new-tokens", "12", "--json", stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        out, err = await asyncio.wait_for(proc.communicate(), 120)
+        assert proc.returncode == 0, err.decode()
+        res = json.loads(out.decode().strip().splitlines()[-1])
+        assert res["token_ids"] == ref and res["stats"]["mode"] == "pearl"
+        assert set(res) == {"text", "token_ids", "finish_reason", "stats"}
+        for k in ("rounds", "target_forwards", "draft_tokens", "accepted_tokens", "mean_accepted_length",
+                  "draft_busy_s", "target_busy_s", "network_s", "wall_s"):
+            assert k in res["stats"]
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "specdec.cli", "generate", PROMPT, "--coordinator", f"127.0.0.1:{app.port}",
+            "--mode", "sd", "--max-new-tokens", "0", stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE)
+        out, err = await asyncio.wait_for(proc.communicate(), 120)
+        assert proc.returncode == 1 and "INVALID_ARGUMENT" in err.decode() and "max_new_tokens" in err.decode()
+    finally:
+        for a in (app, t, d):
+            await a.shutdown(0)
+
+
+def test_generate_embedded_stack(pair):
+    """No --coordinator: replicas in subprocesses, a local Ray instance, the coordinator; then all stopped."""
+    tdir, ddir, ref = pair
+    p = subprocess.run([sys.executable, "-m", "specdec.cli", "generate", PROMPT, "--target-model", tdir,
+                        "--draft-model", ddir, "--mode", "pearl", "--max-new-tokens", "12"],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    lines = p.stdout.split("\n")
+    assert lines[0] == "".join(TOKENIZER_CHARS[i] if i else "" for i in ref)
+    assert lines[1].startswith("[pearl] 12 tokens in "), p.stdout
