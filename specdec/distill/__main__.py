@@ -1,0 +1,182 @@
+"""``python -m specdec.distill {generate,teacher,train,evaluate,export,all}`` — see docs/distill.md."""
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import shlex
+import sys
+import time
+
+import torch
+
+DEFAULT_WORK = pathlib.Path(".cache-distill")
+
+
+def _log(msg, path=None):
+    print(msg, flush=True)
+    if path:
+        with open(path, "a") as f:
+            f.write(msg + "\n")
+
+
+def _data(args):
+    from .data import SHARED_SAMPLES, load_samples, split
+
+    paths = args.samples or [str(SHARED_SAMPLES)]
+    rows = load_samples(paths)
+    return split(rows, args.heldout_frac)
+
+
+def _target(args):
+    from transformers import AutoModelForCausalLM
+
+    from ..hub import resolve_model
+
+    d = resolve_model(args.target)
+    return d, AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32).eval()
+
+
+def cmd_generate(args):
+    from .generate import generate
+
+    torch.set_num_threads(args.threads)
+    from ..hub import resolve_model
+
+    generate(resolve_model(args.target), args.out, seconds=args.seconds, seed=args.seed,
+             batch_size=args.batch_size, max_new_tokens=args.max_new_tokens)
+
+
+def cmd_teacher(args):
+    from ..hub import resolve_model
+    from .teacher import run_teacher
+
+    train_rows, _ = _data(args)
+    run_teacher(resolve_model(args.target), train_rows, pathlib.Path(args.work) / "teacher", k=args.k,
+                seed=args.seed, threads=args.threads, max_shards=args.max_shards)
+
+
+def _setup_draft(args, train_rows, target):
+    from .draft_model import build_from_target, frequency_subset, full_to_compact_map
+
+    subset = frequency_subset(train_rows, args.vocab_subset)
+    oov = int((subset == 0).nonzero()[0, 0])
+    to_compact = full_to_compact_map(subset, target.config.vocab_size, oov)
+    layers = tuple(int(x) for x in args.init_layers.split(","))
+    torch.manual_seed(args.seed)
+    draft = build_from_target(target, subset, layers, copy_layers=not args.no_copy_layers)
+    if args.random_init:
+        draft.init_weights() if hasattr(draft, "init_weights") else None
+        for mod in draft.modules():
+            if isinstance(mod, (torch.nn.Linear, torch.nn.Embedding)):
+                torch.nn.init.normal_(mod.weight, std=0.02)
+    return draft, subset, oov, to_compact
+
+
+def cmd_train(args):
+    from .evaluate import greedy_agreement
+    from .train import train
+
+    torch.set_num_threads(args.threads)
+    train_rows, held = _data(args)
+    tdir, target = _target(args)
+    draft, subset, oov, to_compact = _setup_draft(args, train_rows, target)
+    del target
+    run_dir = pathlib.Path(args.work) / "runs" / args.run
+    run_dir.mkdir(parents=True, exist_ok=True)
+    logf = run_dir / "log.jsonl"
+    (run_dir / "command.txt").write_text("python -m specdec.distill " + " ".join(map(shlex.quote, sys.argv[1:])) + "\n")
+    eval_fn = lambda m: greedy_agreement(m, held, subset, to_compact)
+    res = train(draft, train_rows, pathlib.Path(args.work) / "teacher" if not args.hard_only else None,
+                to_compact, oov, run_dir, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
+                k_soft=args.k, seed=args.seed, threads=args.threads, bf16=not args.fp32,
+                time_budget_s=args.time_budget, eval_fn=eval_fn, eval_every=args.eval_every,
+                log=lambda m: _log(m, logf))
+    final = greedy_agreement(draft, held, subset, to_compact)
+    summary = {"run": args.run, "steps": res["steps"], "train_wall_s": round(res["wall_s"], 1),
+               "soft_label_rows": res["soft_rows"], "train_rows": len(train_rows), "heldout": final,
+               "args": vars(args)}
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    _log(json.dumps({k: summary[k] for k in ("run", "steps", "train_wall_s", "heldout")}), logf)
+
+
+def cmd_evaluate(args):
+    from .bench import cost_ratio
+    from .data import split
+    from .draft_model import load_draft
+    from .evaluate import greedy_agreement
+
+    _, held = _data(args)
+    _, target = _target(args)
+    draft = load_draft(args.draft)
+    agree = greedy_agreement(draft, held, None, None)
+    cost = cost_ratio(draft, target, threads=1, rounds=args.rounds)
+    out = {"agreement": agree, "cost": cost}
+    print(json.dumps(out, indent=2))
+    if args.out:
+        pathlib.Path(args.out).write_text(json.dumps(out, indent=2))
+
+
+def cmd_export(args):
+    from .export import export
+
+    export(args)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m specdec.distill", description=__doc__)
+    ap.add_argument("--target", default="default-target")
+    ap.add_argument("--samples", action="append", help="JSONL(.gz) of target continuations (repeatable); "
+                    "default: the shared head-start file")
+    ap.add_argument("--work", default=str(DEFAULT_WORK))
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--heldout-frac", type=float, default=0.05)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    g = sub.add_parser("generate", help="write target continuations for the built-in prompt set")
+    g.add_argument("--out", required=True)
+    g.add_argument("--seconds", type=float, default=600)
+    g.add_argument("--batch-size", type=int, default=16)
+    g.add_argument("--max-new-tokens", type=int, default=192)
+    g.set_defaults(fn=cmd_generate)
+
+    t = sub.add_parser("teacher", help="top-k soft labels (sharded, resumable)")
+    t.add_argument("--k", type=int, default=32)
+    t.add_argument("--max-shards", type=int, default=None)
+    t.set_defaults(fn=cmd_teacher)
+
+    tr = sub.add_parser("train", help="distill the draft (resumable)")
+    tr.add_argument("--run", default="default")
+    tr.add_argument("--steps", type=int, default=280)
+    tr.add_argument("--batch-size", type=int, default=8)
+    tr.add_argument("--lr", type=float, default=2e-3)
+    tr.add_argument("--k", type=int, default=32)
+    tr.add_argument("--vocab-subset", type=int, default=8192)
+    tr.add_argument("--init-layers", default="0,1", help="target layers copied into the draft (its depth)")
+    tr.add_argument("--no-copy-layers", action="store_true")
+    tr.add_argument("--random-init", action="store_true", help="ablation: no initialisation from the target")
+    tr.add_argument("--hard-only", action="store_true", help="ablation: ignore soft labels")
+    tr.add_argument("--fp32", action="store_true")
+    tr.add_argument("--time-budget", type=float, default=None, help="stop after this many training seconds")
+    tr.add_argument("--eval-every", type=int, default=50)
+    tr.set_defaults(fn=cmd_train)
+
+    e = sub.add_parser("evaluate", help="held-out agreement + per-token cost ratio at 1 thread")
+    e.add_argument("--draft", required=True)
+    e.add_argument("--rounds", type=int, default=3)
+    e.add_argument("--out")
+    e.set_defaults(fn=cmd_evaluate)
+
+    x = sub.add_parser("export", help="write the HF draft dir + model card from a run")
+    x.add_argument("--run", default="default")
+    x.add_argument("--out", required=True)
+    x.add_argument("--metrics", help="JSON written by `evaluate`")
+    x.set_defaults(fn=cmd_export)
+
+    args = ap.parse_args(argv)
+    args.fn(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,88 @@
+"""Step 1: target continuations on a diverse prompt set (chat, code, math, prose; greedy and sampled).
+
+Prompts are built from the templates x topics below (none is a benchmark prompt: HumanEval and the repository's
+chat benchmark set are never used for training). Rows: {"prompt_ids", "completion_ids", "temperature"}; the
+temperature cycles greedy / 0.7 / 1.0 per batch (no top-k/top-p truncation). Appends to ``out`` and flushes per
+batch, so an interrupted run keeps what it made; reruns with another seed add new prompts.
+"""
+from __future__ import annotations
+
+import json
+import random
+import time
+
+import torch
+
+TOPICS = [
+    # code
+    "recursion", "dynamic programming", "regular expressions", "HTTP caching", "Python decorators",
+    "list comprehensions", "Git branching", "Docker volumes", "JSON parsing", "REST API design", "quicksort",
+    "binary search", "hash maps", "linked lists", "graph traversal", "Dijkstra's algorithm", "tries",
+    "bit manipulation", "string reversal", "palindromes", "reading a CSV file in Python", "async IO in Python",
+    "Python type hints", "context managers", "generators in Python", "JavaScript promises", "CSS grid",
+    "SQL joins", "database transactions", "Linux file permissions", "shell scripting", "the Rust borrow checker",
+    "Go goroutines", "C pointers", "memory leaks", "unit testing", "logging best practices", "sorting a dictionary",
+    # math / science
+    "matrix multiplication", "gradient descent", "overfitting", "the Pythagorean theorem", "prime numbers",
+    "compound interest", "probability of coin flips", "fractions", "percentages", "the area of a circle",
+    "linear equations", "the speed of sound", "black holes", "plate tectonics", "the immune system",
+    "photosynthesis", "DNA", "the water cycle", "electric circuits", "Newton's laws", "the periodic table",
+    # prose / everyday
+    "the Silk Road", "the printing press", "ancient Rome", "the Renaissance", "jazz music", "learning the piano",
+    "marathon training", "baking bread", "composting", "houseplants", "budgeting", "writing a cover letter",
+    "public speaking", "time management", "electric cars", "solar energy", "recycling", "chess", "origami",
+    "birdwatching", "astronomy", "volcanoes", "ocean tides", "healthy eating", "sleep", "meditation",
+    "inflation", "supply and demand", "negotiation", "email etiquette", "a lighthouse keeper", "a lost robot",
+    "a talking tree", "a winter morning", "a city at night", "friendship", "a journey by train",
+]
+TEMPLATES = [
+    "Explain {} in simple terms.", "Write a short paragraph about {}.", "Give three key facts about {}.",
+    "What are common mistakes people make with {}?", "Write a Python function related to {}, with a docstring.",
+    "Summarize {} in five bullet points.", "Write a short story about {}.", "Teach me {} step by step.",
+    "Compare two approaches to {}.", "Answer briefly: why does {} matter?", "Write a code example that uses {}.",
+    "Give me a quiz question about {} and its answer.", "Write a haiku about {}.",
+    "Solve a simple math word problem involving {} and show your work.", "What is the history of {}?",
+    "Write a dialogue between a teacher and a student about {}.", "List pros and cons of {}.",
+]
+
+
+def make_prompts(rng: random.Random, n: int) -> list[str]:
+    return [rng.choice(TEMPLATES).format(rng.choice(TOPICS)) for _ in range(n)]
+
+
+@torch.no_grad()
+def generate(model_dir, out_path, seconds: float = 600, seed: int = 0, batch_size: int = 16,
+             max_new_tokens: int = 192, progress: bool = True) -> int:
+    from tqdm import tqdm
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    tok.padding_side = "left"
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    t0, n_tok, batch_i = time.time(), 0, 0
+    bar = tqdm(desc="generate", unit="tok", disable=not progress)
+    with open(out_path, "a") as out:
+        while time.time() - t0 < seconds:
+            temp = [0.0, 0.7, 1.0][batch_i % 3]
+            batch_i += 1
+            prompts = make_prompts(rng, batch_size)
+            texts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                             tokenize=False) for p in prompts]
+            enc = tok(texts, return_tensors="pt", padding=True)
+            kw = dict(do_sample=False) if temp == 0 else dict(do_sample=True, temperature=temp, top_p=1.0, top_k=0)
+            g = model.generate(**enc, max_new_tokens=max_new_tokens, pad_token_id=tok.pad_token_id, **kw)
+            plen = enc["input_ids"].shape[1]
+            for row, mask in zip(g, enc["attention_mask"]):
+                prompt_ids = row[:plen][mask.bool()].tolist()
+                comp = row[plen:].tolist()
+                while comp and comp[-1] == tok.pad_token_id and tok.pad_token_id != tok.eos_token_id:
+                    comp.pop()
+                if tok.eos_token_id in comp:
+                    comp = comp[:comp.index(tok.eos_token_id) + 1]
+                out.write(json.dumps({"prompt_ids": prompt_ids, "completion_ids": comp, "temperature": temp}) + "\n")
+                n_tok += len(comp)
+                bar.update(len(comp))
+            out.flush()
+    return n_tok

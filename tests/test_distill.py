@@ -1,0 +1,121 @@
+import json
+import random
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from specdec.distill.bench import cost_ratio, per_token_decode_s
+from specdec.distill.data import is_heldout, split
+from specdec.distill.draft_model import (FullVocabDraft, build_from_target, frequency_subset, full_to_compact_map,
+                                         load_draft, save_draft)
+from specdec.distill.evaluate import greedy_agreement
+from specdec.distill.teacher import run_teacher, teacher_topk
+from specdec.distill.train import train
+
+V = 96
+
+
+@pytest.fixture(scope="module")
+def target():
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=8, max_position_embeddings=128, tie_word_embeddings=True)
+    return LlamaForCausalLM(cfg).eval()
+
+
+@pytest.fixture(scope="module")
+def rows(target):
+    rng = random.Random(0)
+    out = []
+    for i in range(40):
+        p = [1] + [rng.randrange(3, V // 2) for _ in range(rng.randrange(3, 8))]
+        with torch.no_grad():
+            g = target.generate(torch.tensor([p]), max_new_tokens=10, do_sample=False, pad_token_id=0)
+        out.append({"prompt_ids": p, "completion_ids": g[0, len(p):].tolist(), "temperature": 0.0})
+    return out
+
+
+def test_split_is_by_prompt(rows):
+    tr, he = split(rows + rows, frac=0.3)
+    keys = {json.dumps(r["prompt_ids"]) for r in he}
+    assert not any(json.dumps(r["prompt_ids"]) in keys for r in tr)
+    assert all(is_heldout(r, 0.3) for r in he)
+
+
+def test_subset_and_roundtrip(tmp_path, target, rows):
+    torch.set_num_threads(1)
+    subset = frequency_subset(rows, 40)
+    assert len(subset) == 40 and {0, 1, 2} <= set(subset.tolist())
+    assert torch.all(subset[1:] > subset[:-1])
+    oov = int((subset == 0).nonzero()[0, 0])
+    m = full_to_compact_map(subset, V, oov)
+    assert torch.equal(subset[m[subset]], subset)
+    draft = build_from_target(target, subset, layers=(0, 2)).eval()
+    assert draft.config.vocab_size == 40 and draft.config.num_hidden_layers == 2
+    assert torch.equal(draft.model.embed_tokens.weight, target.model.embed_tokens.weight[subset])
+    save_draft(draft, subset, tmp_path / "d", full_vocab=V, dtype=torch.float32)
+    loaded = load_draft(tmp_path / "d")
+    assert isinstance(loaded, FullVocabDraft)
+    x = torch.tensor([[1, 5, 7, 90, 3]])
+    with torch.no_grad():
+        full = loaded(input_ids=x).logits
+        comp = draft(input_ids=m[x]).logits
+    assert full.shape == (1, 5, V)
+    outside = torch.ones(V, dtype=torch.bool)
+    outside[subset] = False
+    assert torch.isinf(full[..., outside]).all() and (full[..., outside] < 0).all()
+    torch.testing.assert_close(full[..., subset], comp)
+    assert torch.equal(subset[comp.argmax(-1)], full.argmax(-1))
+    # agreement computed through the wrapper (full ids) equals the compact computation
+    a1 = greedy_agreement(loaded, rows[:8], None, None)
+    a2 = greedy_agreement(draft, rows[:8], subset, m)
+    assert a1 == a2 and 0 <= a1["agreement"] <= 1
+    cfg = json.loads((tmp_path / "d" / "config.json").read_text())
+    assert cfg["specdec_vocab_subset"] == "vocab_subset.safetensors" and cfg["tie_word_embeddings"] is False
+
+
+def test_teacher_topk_matches_full_forward(target, rows):
+    res = teacher_topk(target, rows[:5], k=4, batch_size=3)
+    for r, t in zip(rows[:5], res):
+        x = torch.tensor([r["prompt_ids"] + r["completion_ids"]])
+        with torch.no_grad():
+            lp = torch.log_softmax(target(x).logits[0], -1)
+        P, C = len(r["prompt_ids"]), len(r["completion_ids"])
+        assert t["idx"].shape == (C, 4)
+        torch.testing.assert_close(t["logp"].float(), lp[P - 1:P - 1 + C].topk(4).values, atol=2e-2, rtol=0)
+
+
+def test_train_resume_and_improves(tmp_path, target, rows):
+    torch.set_num_threads(1)
+    run_teacher_dir = tmp_path / "teacher"
+    # run_teacher loads from a directory: save the tiny target
+    target.save_pretrained(tmp_path / "tgt")
+    run_teacher(tmp_path / "tgt", rows, run_teacher_dir, k=8, shard_size=16, progress=False)
+    assert len(list(run_teacher_dir.glob("shard_*.pt"))) == 3
+    subset = frequency_subset(rows, 64)
+    oov = int((subset == 0).nonzero()[0, 0])
+    m = full_to_compact_map(subset, V, oov)
+    torch.manual_seed(0)
+    draft = build_from_target(target, subset, layers=(0,), copy_layers=False)
+    with torch.no_grad():  # start far from the target so that learning is visible
+        for p in draft.parameters():
+            if p.ndim == 2:
+                p.normal_(0, 0.02)
+    before = greedy_agreement(draft.eval(), rows, subset, m)["agreement"]
+    res = train(draft, rows, run_teacher_dir, m, oov, tmp_path / "run", steps=30, batch_size=8, lr=3e-3,
+                k_soft=8, ckpt_every=10, progress=False, bf16=False, log=lambda *_: None)
+    assert res["soft_rows"] == len(rows) and res["steps"] == 30
+    after = greedy_agreement(draft, rows, subset, m)["agreement"]
+    assert after > before
+    # resume: a finished run does no more steps
+    res2 = train(draft, rows, run_teacher_dir, m, oov, tmp_path / "run", steps=30, progress=False, bf16=False,
+                 log=lambda *_: None)
+    assert res2["steps"] == 30
+
+
+def test_cost_measure(target):
+    t = per_token_decode_s(target, prompt_len=4, steps=3, repeats=2)
+    assert t > 0
+    r = cost_ratio(target, target, rounds=1, prompt_len=4, steps=2, repeats=1)
+    assert r["ratio"] > 0 and r["threads"] == 1
