@@ -57,7 +57,7 @@ class Preverifier(nn.Module):
     """Predicts P(block accepted) from the draft's features of the tokens drafted this round."""
 
     def __init__(self, hidden_size: int, dim: int = 64, hash_buckets: int = 4096, block_size: int = 2,
-                 threshold: float = 0.5, score_mode: str = "block"):
+                 threshold: float = 0.5, score_mode: str = "block", dropout: float = 0.1):
         super().__init__()
         if score_mode not in ("block", "prefix"):
             raise ValueError(f"score_mode must be 'block' or 'prefix', got {score_mode!r}")
@@ -70,7 +70,8 @@ class Preverifier(nn.Module):
         self.tok_emb = nn.Embedding(hash_buckets, dim)
         self.s_norm = nn.LayerNorm(N_SCALARS)
         self.s_proj = nn.Linear(N_SCALARS, dim)
-        self.mlp = nn.Sequential(nn.GELU(), nn.Linear(dim, dim), nn.GELU(), nn.Linear(dim, 1))
+        self.drop = nn.Dropout(dropout)  # training only
+        self.mlp = nn.Sequential(nn.GELU(), nn.Dropout(dropout), nn.Linear(dim, dim), nn.GELU(), nn.Linear(dim, 1))
         nn.init.normal_(self.tok_emb.weight, std=0.02)
 
     def config(self) -> dict:
@@ -82,7 +83,7 @@ class Preverifier(nn.Module):
 
     def token_logits(self, hidden: torch.Tensor, tokens: torch.Tensor, scalars: torch.Tensor) -> torch.Tensor:
         """[m, D], [m], [m, N_SCALARS] → [m] logits of P(token accepted | earlier tokens accepted)."""
-        x = self.h_proj(self.h_norm(hidden.float())) + self.tok_emb(self.bucket(tokens)) \
+        x = self.h_proj(self.drop(self.h_norm(hidden.float()))) + self.drop(self.tok_emb(self.bucket(tokens))) \
             + self.s_proj(self.s_norm(scalars.float()))
         return self.mlp(x).squeeze(-1)
 

@@ -237,3 +237,29 @@ def test_shipped_preverifier_loads_for_the_shipped_draft():
         pv = load_preverifier(draft_model=draft, draft_dir=DEFAULT_DRAFT_DIR)
     assert isinstance(pv, Preverifier) and 0 < pv.threshold < 1 and pv.block_size >= 1
     assert pv.card["heldout_test"]["greedy"][f"B={pv.block_size}"]["all_blocks"]["auc"] >= 0.75
+
+
+def test_teacher_forced_collection_matches_the_workers_on_greedy_rounds():
+    """The fast collector reproduces the worker-driven rounds (features and labels up to the first rejection)."""
+    from specdec.pacer_train.collect import collect
+    from specdec.pacer_train.collect_tf import collect_tf
+
+    target, draft = _pair()
+    G, n_new = 4, 40
+    prompt = [3, 1, 4, 1, 5, 9]
+    eng = Engine(target, draft, max_sessions=1, max_context=128)
+    try:
+        comp = eng.generate(GenerationRequest(prompt, max_new_tokens=n_new, mode="ar")).token_ids
+    finally:
+        eng.close()
+    worker_rounds, _ = collect(draft, target, [prompt], gamma_max=G, temperatures=(0.0,), max_new_tokens=n_new)
+    tf_rounds = collect_tf(draft, [{"prompt_ids": prompt, "completion_ids": comp, "temperature": 0.0}],
+                           gamma_max=G, rounds_per_token=100.0)
+    assert len(tf_rounds) >= 3
+    for w, t in zip(worker_rounds, tf_rounds):
+        k = min(w.num_accepted + 1, G)
+        assert w.num_accepted == t["num_accepted"]
+        assert torch.equal(w.tokens[:k].long(), t["tokens"][:k].long())
+        assert torch.equal(w.label[:k], t["label"][:k])
+        assert torch.allclose(w.hidden[:k].float(), t["hidden"][:k].float(), atol=2e-3)
+        assert torch.equal(w.logq[:k], t["logq"][:k]) and torch.equal(w.entropy[:k], t["entropy"][:k])

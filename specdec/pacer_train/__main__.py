@@ -123,7 +123,10 @@ def cmd_train(args) -> dict:
                 rec = {"block_size": B, "mode": mode, "subset": sub, "theta": th, **sim,
                        "best_fixed": fixed, "gain_vs_best_fixed": sim["tokens_per_s"] / fixed["tokens_per_s"]}
                 results.append(rec)
-                print(json.dumps(rec), flush=True)
+                print(f"dev sim B={B} {mode:6s} {sub:6s}: θ={th:.2f} {sim['tokens_per_s']:.2f} tok/s "
+                      f"τ={sim['mean_accepted_length']:.2f} len={sim['mean_draft_len']:.2f} | best fixed "
+                      f"γ={fixed['gamma']} {fixed['tokens_per_s']:.2f} tok/s → ×{rec['gain_vs_best_fixed']:.3f}",
+                      flush=True)
                 if sub == "greedy" and (best is None or rec["tokens_per_s"] > best["tokens_per_s"]):
                     best = rec
     if args.block_size:
@@ -233,8 +236,8 @@ def main(argv=None):
     t.add_argument("--block-size", type=int, default=0, help="force B (default: best simulated on dev)")
     t.add_argument("--score-mode", choices=["block", "prefix"], default=None)
     t.add_argument("--gamma-max-runtime", type=int, default=12)
-    t.add_argument("--epochs", type=int, default=25)
-    t.add_argument("--lr", type=float, default=2e-3)
+    t.add_argument("--epochs", type=int, default=8)
+    t.add_argument("--lr", type=float, default=1e-3)
     t.add_argument("--dim", type=int, default=64)
     t.add_argument("--hash-buckets", type=int, default=4096)
     t.add_argument("--threads", type=int, default=1)

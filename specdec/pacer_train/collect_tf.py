@@ -34,7 +34,7 @@ def _tf_forward(model, ids: list[int]):
 @torch.inference_mode()
 def collect_tf(draft_model, rows: list[dict], gamma_max: int = 12, target_model=None, q_top_k: int = 64,
                seed: int = 0, time_budget_s: float | None = None, greedy_labels_from: str = "file",
-               progress=None) -> list[dict]:
+               rounds_per_token: float = 0.3, progress=None) -> list[dict]:
     """rows: {prompt_ids, completion_ids, temperature, prompt} → round dicts (see collect.Round)."""
     out = []
     t0 = time.perf_counter()
@@ -74,6 +74,7 @@ def collect_tf(draft_model, rows: list[dict], gamma_max: int = 12, target_model=
             logq = qx.log()
             ent = torch.where(q > 0, -q * q.clamp_min(1e-30).log(), torch.zeros(())).sum(-1)
         s = 0
+        seq_rounds = []
         while s + gamma_max <= C:
             sl = slice(s, s + gamma_max)
             lab = label[sl]
@@ -81,11 +82,16 @@ def collect_tf(draft_model, rows: list[dict], gamma_max: int = 12, target_model=
                 acc = int(torch.cumprod(lab, 0).sum())
             else:
                 acc = int(torch.cumprod((torch.rand(gamma_max, generator=gen) < lab).float(), 0).sum())
-            out.append({"hidden": dh[sl].half().clone(), "tokens": x[sl].int().clone(), "logq": logq[sl].float().clone(),
+            seq_rounds.append({"hidden": dh[sl].half().clone(), "tokens": x[sl].int().clone(), "logq": logq[sl].float().clone(),
                         "entropy": ent[sl].float().clone(), "label": lab.float().clone(), "temperature": temp,
                         "prompt": row.get("prompt", n), "num_accepted": acc, "draft_ns": 0, "forward_ns": 0,
                         "split": row.get("split", "train")})
             s += acc + 1
+        cap = max(1, int(rounds_per_token * C))
+        if len(seq_rounds) > cap:  # bound the memory: a uniform subsample of this sequence's rounds
+            keep = sorted(torch.randperm(len(seq_rounds), generator=gen)[:cap].tolist())
+            seq_rounds = [seq_rounds[i] for i in keep]
+        out.extend(seq_rounds)
         if progress is not None:
             progress(n + 1, len(rows), len(out), time.perf_counter() - t0)
     return out

@@ -12,10 +12,15 @@ SHARED_SAMPLES = Path("/work/shared/data/target_samples.jsonl.gz")
 CACHE_DIR = Path(__file__).resolve().parents[2] / ".cache-pacer"
 
 
-def split_of(prompt_ids: list[int], dev: float = 0.1, test: float = 0.1) -> str:
-    """Deterministic split by prompt: train / dev (θ tuning, early stopping) / test (reported metrics)."""
+def split_of(prompt_ids: list[int], dev: float = 0.1, test: float = 0.05) -> str:
+    """Deterministic split by prompt: train / dev (θ tuning, early stopping) / test (reported metrics).
+
+    test = the draft distillation's held-out prompts (`specdec.distill.data.is_heldout`, so the reported AUC is on
+    prompts the draft never trained on either) plus another `test` fraction by an independent hash."""
+    from specdec.distill.data import is_heldout
+
     h = int(hashlib.sha256(json.dumps(list(prompt_ids)).encode()).hexdigest()[:8], 16) % 10_000
-    if h < test * 10_000:
+    if is_heldout({"prompt_ids": list(prompt_ids)}) or h < test * 10_000:
         return "test"
     if h < (test + dev) * 10_000:
         return "dev"

@@ -45,7 +45,7 @@ def to_tokenset(rounds) -> TokenSet:
 
 
 def train_preverifier(train: TokenSet, dev: TokenSet | None, hidden_size: int, dim: int = 64,
-                      hash_buckets: int = 4096, epochs: int = 30, lr: float = 2e-3, weight_decay: float = 1e-4,
+                      hash_buckets: int = 4096, epochs: int = 30, lr: float = 2e-3, weight_decay: float = 0.05,
                       batch_size: int = 2048, seed: int = 0, log=print) -> tuple[Preverifier, dict]:
     """Per-token BCE on P(x_t accepted | x_<t accepted) (soft labels allowed); early stopping on dev loss."""
     torch.manual_seed(seed)
