@@ -119,3 +119,19 @@ def test_cost_measure(target):
     assert t > 0
     r = cost_ratio(target, target, rounds=1, prompt_len=4, steps=2, repeats=1)
     assert r["ratio"] > 0 and r["threads"] == 1
+
+
+def test_fp16_storage_loads_as_fp32(tmp_path, target, rows):
+    subset = frequency_subset(rows, 40)
+    draft = build_from_target(target, subset, layers=(1,)).eval()
+    save_draft(draft, subset, tmp_path / "d", full_vocab=V)  # default: float16 on disk
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "d" / "model.safetensors"), "pt") as f:
+        assert f.get_tensor("lm_head.weight").dtype == torch.float16
+        assert f.get_tensor("lm_head.weight").shape == (40, 32)
+    loaded = load_draft(tmp_path / "d")
+    assert all(p.dtype == torch.float32 for p in loaded.parameters())
+    with torch.no_grad():
+        out = loaded(input_ids=torch.tensor([[1, 2, 3]]), use_cache=True)
+    assert out.logits.shape == (1, 3, V) and out.past_key_values is not None

@@ -2,7 +2,7 @@
 
 On disk it is a standard HF ``LlamaForCausalLM`` directory whose ``vocab_size`` is the subset size ``V_s``; it
 speaks *compact* ids. ``vocab_subset.safetensors`` holds ``vocab_subset`` (int64 [V_s]): compact id -> full
-(target) id, strictly increasing is NOT assumed. Loaders map input ids full -> compact (ids outside the subset ->
+(target) id, sorted ascending. Loaders map input ids full -> compact (ids outside the subset ->
 ``config.specdec_oov_compact_id``) and scatter the [.., V_s] logits into a full-vocabulary tensor filled with -inf
 (see ``FullVocabDraft``), so the draft's distribution is exactly zero outside the subset (still lossless).
 """
