@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from helpers_models import TOKENIZER_CHARS, save_tiny_pair, target_greedy, tiny_pair
+from tests.helpers_models import TOKENIZER_CHARS, save_tiny_pair, target_greedy, tiny_pair
 from specdec import cli
 
 PROMPT = "hello world"
@@ -49,7 +49,7 @@ def test_generate_in_process_json(pair, capsys):
 async def test_generate_against_running_coordinator(pair):
     from coordinator.config import CoordinatorSettings
     from coordinator.server import build_coordinator
-    from helpers_models import start_replica
+    from tests.helpers_models import start_replica
 
     tdir, ddir, ref = pair
     target, draft = tiny_pair()

@@ -15,7 +15,7 @@ import pytest
 from coordinator.config import CoordinatorSettings
 from coordinator.discovery import DnsSource, FileSource, StaticSource, source_from_spec, split_host_port
 from coordinator.pool import PoolManager, ReplicaUnavailableError
-from helpers_models import start_replica, target_greedy, tiny_pair
+from tests.helpers_models import start_replica, target_greedy, tiny_pair
 
 
 class FakeDns:
