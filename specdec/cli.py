@@ -37,6 +37,9 @@ def _add_models(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preverifier", default=None, help="PACER pre-verifier dir (default: the shipped one, if any)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per model server (default: 1)")
     p.add_argument("--ray-cpus", type=int, default=2, help="CPUs of the local Ray instance (default: 2)")
+    p.add_argument("--max-sessions", type=int, default=8, help="session slots per model server (default: 8)")
+    p.add_argument("--max-context", type=int, default=2048,
+                   help="positions per session; KV memory is preallocated for all slots (default: 2048)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -142,7 +145,8 @@ async def _generate_remote(args) -> dict:
 
     draft = None if args.mode == "ar" and args.draft_model == DEFAULT_DRAFT else args.draft_model
     async with LocalStack(args.target_model, draft, _default_preverifier(args), threads=args.threads,
-                          ray_cpus=args.ray_cpus) as stack:
+                          ray_cpus=args.ray_cpus, max_sessions=args.max_sessions,
+                          max_context=args.max_context) as stack:
         return await _call(stack.address, args)
 
 
@@ -167,7 +171,8 @@ def _generate_in_process(args) -> dict:
             from specdec.preverifier import load_preverifier
 
             pv = load_preverifier(pv_path, draft_model=draft)
-    engine = Engine(load_model_dir(tdir), draft, preverifier=pv, threads_per_model=args.threads)
+    engine = Engine(load_model_dir(tdir), draft, preverifier=pv, threads_per_model=args.threads, max_sessions=1,
+                    max_context=args.max_context)
     ids = encode_prompt(tok, prompt=args.prompt)
     kw = {k: getattr(args, k) for k in ("gamma", "block_size", "pacer_threshold") if getattr(args, k) is not None}
     req = GenerationRequest(prompt_ids=ids, max_new_tokens=args.max_new_tokens, mode=args.mode,
@@ -228,7 +233,8 @@ def cmd_serve(args) -> int:
             loop.add_signal_handler(sig, stop.set)
         async with LocalStack(args.target_model, args.draft_model, _default_preverifier(args), host=args.host,
                               port=args.port, threads=args.threads, ray_cpus=args.ray_cpus,
-                              pipelines=args.pipelines, quiet=False) as stack:
+                              pipelines=args.pipelines, quiet=False, max_sessions=args.max_sessions,
+                              max_context=args.max_context) as stack:
             print(f"specdec serving specdec.v1.GenerationService on {args.host}:{stack.app.port} "
                   f"(target {args.target_model}, draft {args.draft_model}); Ctrl-C stops", flush=True)
             await stop.wait()
