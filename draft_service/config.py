@@ -15,6 +15,6 @@ class DraftSettings(ServerSettings):
     model: str = DEFAULT_DRAFT
     port: int = Field(DRAFT_PORT, ge=0, le=65535)
     metrics_port: int = Field(DRAFT_METRICS_PORT, ge=0, le=65535)
-    max_context: int = Field(0, ge=0, description="positions per session (0: the model's maximum)")
+    max_context: int = Field(2048, ge=0, description="positions per session (0: the model's maximum; KV memory grows with it)")
     preverifier: str = Field("", description="PACER pre-verifier dir ('' none, 'default' the shipped one)")
     q_top_k: int = Field(64, ge=1, description="the draft samples from its top-k, so q is exactly sparse")

@@ -113,12 +113,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         return draft_pb2.RollbackResponse(position=pos)
 
     def _rollback(self, sid: str, position: int) -> int:
-        rollback = getattr(self.worker, "rollback", None)
-        if rollback is not None:
-            return rollback(sid, position)
-        s = self.worker._get(sid)  # TODO(lead): public DraftWorker.rollback(session_id, position) -> int
-        self.worker._truncate(s, position)
-        return len(s.tokens)
+        return self.worker.rollback(sid, position)
 
     async def Commit(self, request, context) -> draft_pb2.CommitResponse:
         sid = request.session_id

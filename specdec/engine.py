@@ -37,18 +37,24 @@ def make_stop_rule(spec: StopSpec, preverifier) -> StopRule:
 
 
 class _ThreadOwner:
-    def __init__(self, name: str, threads: int | None):
+    """Runs a worker's calls on one dedicated thread, or inline on the event loop (`inline=True`: no overlap,
+    no thread hand-offs; the same schedule logic, used by the many-run statistical tests)."""
+
+    def __init__(self, name: str, threads: int | None, inline: bool = False):
+        self.inline = inline
         self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=name)
         if threads:
             self.pool.submit(torch.set_num_threads, threads).result()
 
     async def call(self, fn, *args, **kw):
+        if self.inline:
+            return fn(*args, **kw)
         return await asyncio.get_running_loop().run_in_executor(self.pool, lambda: fn(*args, **kw))
 
 
 class LocalDraft(_ThreadOwner):
-    def __init__(self, worker: DraftWorker, threads: int | None = None):
-        super().__init__("draft", threads)
+    def __init__(self, worker: DraftWorker, threads: int | None = None, inline: bool = False):
+        super().__init__("draft", threads, inline)
         self.worker = worker
 
     async def start(self, session_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -56,9 +62,13 @@ class LocalDraft(_ThreadOwner):
 
     async def draft_stream(self, session_id: str, base_position: int, append: list[int], gamma_max: int,
                            stop: StopSpec, block_size: int) -> AsyncIterator[DraftBlock]:
+        rule = make_stop_rule(stop, self.worker.preverifier)
+        if self.inline:
+            for blk in self.worker.draft_blocks(session_id, base_position, append, gamma_max, rule, block_size):
+                yield blk
+            return
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
-        rule = make_stop_rule(stop, self.worker.preverifier)
 
         def produce():
             try:
@@ -85,8 +95,8 @@ class LocalDraft(_ThreadOwner):
 
 
 class LocalTarget(_ThreadOwner):
-    def __init__(self, worker: TargetWorker, threads: int | None = None):
-        super().__init__("target", threads)
+    def __init__(self, worker: TargetWorker, threads: int | None = None, inline: bool = False):
+        super().__init__("target", threads, inline)
         self.worker = worker
 
     async def start(self, session_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -106,9 +116,10 @@ class Engine:
     """Speculative decoding in one process: `Engine(target_model, draft_model).generate(request)`."""
 
     def __init__(self, target_model, draft_model=None, preverifier=None, max_sessions: int = 4,
-                 max_context: int | None = None, threads_per_model: int | None = None, q_top_k: int = 64):
+                 max_context: int | None = None, threads_per_model: int | None = None, q_top_k: int = 64,
+                 inline: bool = False):
         self.target_worker = TargetWorker(target_model, max_sessions=max_sessions, max_context=max_context)
-        self.target = LocalTarget(self.target_worker, threads_per_model)
+        self.target = LocalTarget(self.target_worker, threads_per_model, inline)
         self.draft_worker = self.draft = None
         if draft_model is not None:
             if draft_model.config.vocab_size != target_model.config.vocab_size:
@@ -116,7 +127,7 @@ class Engine:
                                  f"({target_model.config.vocab_size}); the pair must share a tokenizer")
             self.draft_worker = DraftWorker(draft_model, preverifier=preverifier, q_top_k=q_top_k,
                                             max_sessions=max_sessions, max_context=max_context)
-            self.draft = LocalDraft(self.draft_worker, threads_per_model)
+            self.draft = LocalDraft(self.draft_worker, threads_per_model, inline)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._lock = threading.Lock()
 

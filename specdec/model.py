@@ -97,8 +97,10 @@ class KVSlots:
 
     def __init__(self, cfg: ModelConfig, num_slots: int, max_len: int, device, dtype):
         shape = (num_slots, max_len, cfg.num_key_value_heads, cfg.head_dim)
-        self.k = [torch.empty(shape, device=device, dtype=dtype) for _ in range(cfg.num_hidden_layers)]
-        self.v = [torch.empty(shape, device=device, dtype=dtype) for _ in range(cfg.num_hidden_layers)]
+        # zeros, not empty: a batched forward reads every row up to the longest row, and masked-out garbage that
+        # happens to be NaN would still poison the attention output (0 * NaN = NaN)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_hidden_layers)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_hidden_layers)]
         self.num_slots, self.max_len = num_slots, max_len
 
     def nbytes(self) -> int:

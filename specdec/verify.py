@@ -13,6 +13,7 @@ the uniform(s) for x_{i+1} use (seed, pos0 + i, ACCEPT); the recovered/bonus tok
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -103,9 +104,9 @@ def block_acceptance_weights(draft: list[int], q: torch.Tensor, p: torch.Tensor)
         qx, px = float(q[i, x]), float(p[i, x])
         if qx <= 0.0:
             raise InvalidRequestError("draft_q", f"draft token {x} at offset {i} has zero draft probability")
-        step = (torch.tensor(px, dtype=torch.float64).log() - torch.tensor(qx, dtype=torch.float64).log()).item()
+        step = (math.log(px) if px > 0.0 else -math.inf) - math.log(qx)
         log_run.append(min(0.0, log_run[-1] + step))
-    run = [float(torch.tensor(v, dtype=torch.float64).exp()) for v in log_run]  # P_0..P_g, P_0 = 1
+    run = [math.exp(v) for v in log_run]  # P_0..P_g, P_0 = 1
     h = [0.0] * (g + 1)  # h[0] unused
     for i in range(1, g + 1):
         if i < g:

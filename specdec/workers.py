@@ -109,6 +109,12 @@ class _Worker:
         if s is not None:
             s.epoch += 1
 
+    def rollback(self, session_id: str, position: int) -> int:
+        """Forget everything fed at or after `position`; returns the new length."""
+        s = self._get(session_id)
+        self._truncate(s, position)
+        return len(s.tokens)
+
     def session_length(self, session_id: str) -> int:
         return len(self._get(session_id).tokens)
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from specdec.defaults import TARGET_SERVICE_NAME
 from specdec.server.app import ServerApp
-from specdec.server.host import SessionHost, zero_kv
+from specdec.server.host import SessionHost
 from specdec.server.metrics import ServiceMetrics
 from specdec.server.runner import ModelThread
 from specdec.server.settings import resolve_device, resolve_dtype
@@ -26,7 +26,6 @@ async def build_app(settings: TargetSettings, model=None, warmup: bool = True) -
     worker = await runner.run(lambda: TargetWorker(
         model, max_sessions=settings.max_sessions + 1, max_context=settings.max_context or None,
         session_ttl_s=settings.session_ttl_s))
-    await runner.run(zero_kv, worker)
     metrics = ServiceMetrics()
     host = SessionHost(worker, runner, settings, metrics, model_name=settings.model)
     if warmup:

@@ -20,16 +20,6 @@ from specdec.server.settings import ServerSettings
 log = logging.getLogger(__name__)
 
 
-def zero_kv(worker) -> None:
-    """Zero the worker's KV buffers once. TODO(lead): remove when specdec.model.KVSlots allocates zeros.
-
-    KVSlots uses torch.empty; a batched forward reads every row up to the longest row's length, and a
-    never-written position holding NaN poisons the shorter rows through the masked attention (0 * NaN).
-    """
-    for t in worker.kv.k + worker.kv.v:
-        t.zero_()
-
-
 class SessionHost:
     def __init__(self, worker, runner: ModelThread, settings: ServerSettings, metrics: ServiceMetrics,
                  model_name: str = ""):

@@ -40,7 +40,7 @@ class ServerSettings(BaseSettings):
     device: str = Field("cpu", description="cpu, cuda or cuda:N")
     dtype: str = Field("float32", description="weights/activations dtype; probabilities stay float32")
     threads: int = Field(0, ge=0, description="torch intra-op threads (0 keeps torch's default)")
-    max_sessions: int = Field(64, ge=1, description="session slots (KV memory bound)")
+    max_sessions: int = Field(16, ge=1, description="session slots (KV memory bound: each holds max_context positions)")
     session_ttl_s: float = Field(600.0, gt=0, description="idle sessions expire after this")
     lru_min_idle_s: float = Field(5.0, ge=0, description="when full, evict the LRU session if idle this long")
     max_message_bytes: int = Field(16 * 1024 * 1024, ge=1024, description="gRPC send/receive limit")

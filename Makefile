@@ -1,0 +1,52 @@
+# One-command setup: every target installs what it needs into .venv from nothing (idempotent).
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+PROTOS := $(wildcard proto/specdec/v1/*.proto)
+PROTO_STAMP := specdec/pb/.generated
+PROMPT ?= Write a Python function that reverses a string.
+
+.PHONY: install proto test test-fast demo serve bench bench-quick distill-draft train-preverifier clean
+
+install: $(STAMP) $(PROTO_STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	# torch==2.13.0 resolves to the CPU wheel on disk; nothing here may pull a CUDA build
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+$(PROTO_STAMP): $(STAMP) $(PROTOS) scripts/gen_protos.py
+	$(PY) scripts/gen_protos.py
+	touch $(PROTO_STAMP)
+
+proto: $(PROTO_STAMP)
+
+test: install
+	$(PY) -m pytest -ra --durations=15
+
+test-fast: install
+	$(PY) -m pytest -ra -x -m "not slow"
+
+demo: install
+	$(VENV)/bin/specdec generate "$(PROMPT)" --mode pacer_pearl --max-new-tokens 128
+
+serve: install
+	$(VENV)/bin/specdec serve
+
+bench: install
+	$(VENV)/bin/specdec bench --markdown docs/benchmarks.md --json bench-results/bench.json --plot docs/benchmarks.png
+
+bench-quick: install
+	$(VENV)/bin/specdec bench --quick --json bench-results/bench-quick.json
+
+distill-draft: install
+	$(PY) -m specdec.distill
+
+train-preverifier: install
+	$(PY) -m specdec.pacer_train
+
+clean:
+	rm -rf $(VENV) specdec/pb/*_pb2*.py specdec/pb/*_pb2*.pyi $(PROTO_STAMP) .pytest_cache

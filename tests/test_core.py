@@ -1,0 +1,157 @@
+"""The exact core: model parity with transformers, greedy equality, draft == target, determinism, bad input."""
+import pytest
+import torch
+
+from specdec.engine import Engine
+from specdec.errors import (CapacityError, ContextOverflowError, InvalidRequestError, SessionNotFoundError,
+                            StalePositionError)
+from specdec.model import build_tiny_model
+from specdec.sampling import SamplingParams, logits_to_probs
+from specdec.schedule import MODES, GenerationRequest
+from specdec.workers import DraftWorker, TargetWorker, VerifyArgs
+
+PROMPT = [3, 1, 4, 1, 5]
+
+
+def test_model_matches_transformers_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    m = build_tiny_model(vocab_size=40, hidden_size=32, num_heads=4, num_kv_heads=2, seed=7)
+    c = m.config
+    hf = LlamaForCausalLM(LlamaConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=c.rms_norm_eps,
+                                      rope_theta=c.rope_theta, tie_word_embeddings=False))
+    hf.load_state_dict(m.state_dict(), strict=False)
+    ids = torch.tensor([[1, 5, 7, 9, 3, 2, 8, 11]])
+    with torch.no_grad():
+        ref = hf(ids).logits
+    kv = m.new_kv_slots(2, 32)
+    a, _ = m(ids[:, :5], torch.arange(5)[None], torch.tensor([1]), kv)
+    b, _ = m(ids[:, 5:], torch.arange(5, 8)[None], torch.tensor([1]), kv)
+    torch.testing.assert_close(torch.cat([a, b], 1), ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["sd", "pearl"])
+@pytest.mark.parametrize("gamma", [1, 2, 4, 7])
+@pytest.mark.parametrize("draft_seed", [2, 3, 4])
+def test_greedy_equals_target_only(mode, gamma, draft_seed):
+    target = build_tiny_model(vocab_size=32, seed=1, logit_scale=2.0)
+    draft = build_tiny_model(vocab_size=32, seed=draft_seed, logit_scale=2.0)
+    eng = Engine(target, draft)
+    ref = eng.generate(GenerationRequest(PROMPT, 30, mode="ar")).token_ids
+    for method in ("greedy", "token", "block"):  # at temperature 0 every method is exact matching
+        out = eng.generate(GenerationRequest(PROMPT, 30, mode=mode, gamma=gamma, verify_method=method))
+        assert out.token_ids == ref, (mode, gamma, method)
+    eng.close()
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_draft_identical_to_target_accepts_everything(temperature):
+    target = build_tiny_model(vocab_size=32, seed=1)
+    eng = Engine(target, target)
+    for method in ("token", "block"):
+        req = GenerationRequest(PROMPT, 24, mode="sd", gamma=4, verify_method=method,
+                                params=SamplingParams(temperature=temperature, seed=5))
+        out = eng.generate(req)
+        assert out.stats.accepted_tokens == out.stats.draft_tokens, method
+        assert out.stats.target_forwards == 24 // 5 + 1  # 4 accepted + 1 bonus per forward
+    eng.close()
+
+
+def test_same_seed_same_tokens_and_seed_matters(tiny_pair):
+    target, draft = tiny_pair
+    eng = Engine(target, draft)
+    outs = {}
+    for mode in ("ar", "sd", "pearl"):
+        p = SamplingParams(temperature=1.0, seed=11)
+        a = eng.generate(GenerationRequest(PROMPT, 20, params=p, mode=mode)).token_ids
+        b = eng.generate(GenerationRequest(PROMPT, 20, params=p, mode=mode)).token_ids
+        assert a == b
+        outs[mode] = a
+    c = eng.generate(GenerationRequest(PROMPT, 20, params=SamplingParams(temperature=1.0, seed=12), mode="sd"))
+    assert c.token_ids != outs["sd"]
+    eng.close()
+
+
+def test_temperature_zero_is_argmax():
+    logits = torch.tensor([[0.1, 3.0, 2.9, -1.0]])
+    probs = logits_to_probs(logits, SamplingParams(temperature=0.0, top_k=2, top_p=0.5))
+    assert probs.tolist() == [[0.0, 1.0, 0.0, 0.0]]
+
+
+def test_top_k_top_p_transform():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    p = logits_to_probs(logits, SamplingParams(temperature=1.0, top_k=3))
+    torch.testing.assert_close(p, torch.tensor([[0.5, 0.3, 0.15, 0.0]]) / 0.95)
+    p = logits_to_probs(logits, SamplingParams(temperature=1.0, top_p=0.7))  # smallest set with mass >= 0.7
+    torch.testing.assert_close(p, torch.tensor([[0.5, 0.3, 0.0, 0.0]]) / 0.8)
+
+
+def test_batched_verify_equals_separate(tiny_pair):
+    target, draft = tiny_pair
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9], [10, 11]]
+    drafts = [[5, 6, 7], [1], [2, 3, 4, 5], []]
+    for temp in (0.0, 1.0):
+        params = SamplingParams(temperature=temp, seed=3)
+        dw = DraftWorker(draft, max_sessions=4)
+        results = []
+        for batched in (False, True):
+            tw = TargetWorker(target, max_sessions=4)
+            args = []
+            for i, (pr, dr) in enumerate(zip(prompts, drafts)):
+                tw.start_session(f"s{i}", pr, params)
+                dw.start_session(f"s{i}", pr, params)
+                blk = dw.draft(f"s{i}", len(pr) - 1, pr[-1:], max(len(dr), 1)) if dr else None
+                toks = blk.tokens if blk else []
+                args.append(VerifyArgs(f"s{i}", len(pr) - 1, pr[-1:], toks, blk.q if blk else None,
+                                       "greedy" if temp == 0 else "block"))
+            outs = tw.verify_batch(args) if batched else [tw.verify_batch([a])[0] for a in args]
+            results.append([(o.num_accepted, o.next_token, tw.sessions[a.session_id].tokens) for o, a in
+                            zip(outs, args)])
+        assert results[0] == results[1]
+
+
+def test_kv_rollback_never_keeps_rejected_positions(tiny_pair):
+    target, draft = tiny_pair
+    tw = TargetWorker(target, max_sessions=1)
+    tw.start_session("s", PROMPT, SamplingParams())
+    ref = TargetWorker(target, max_sessions=1)
+    ref.start_session("s", PROMPT, SamplingParams())
+    # feed a wrong draft; whatever is rejected must not influence the next verify
+    out = tw.verify("s", 4, [5], [31, 30, 29, 28], None, "greedy")
+    assert tw.session_length("s") == 5 + out.num_accepted
+    nxt = out.next_token
+    a = tw.verify("s", 5 + out.num_accepted, [nxt], [], None, "greedy")
+    ref_out = ref.verify("s", 4, [5] + [31, 30, 29, 28][:out.num_accepted] + [nxt], [], None, "greedy")
+    assert a.next_token == ref_out.next_token
+
+
+def test_bad_input_errors(tiny_pair):
+    target, draft = tiny_pair
+    tw = TargetWorker(target, max_sessions=1, max_context=16)
+    with pytest.raises(InvalidRequestError, match="prompt_ids"):
+        tw.start_session("s", [], SamplingParams())
+    with pytest.raises(InvalidRequestError, match="prompt_ids"):
+        tw.start_session("s", [1, 99], SamplingParams())
+    with pytest.raises(InvalidRequestError, match="temperature"):
+        tw.start_session("s", [1], SamplingParams(temperature=-1))
+    with pytest.raises(InvalidRequestError, match="top_p"):
+        tw.start_session("s", [1], SamplingParams(temperature=1, top_p=1.5))
+    with pytest.raises(ContextOverflowError, match="context"):
+        tw.start_session("s", list(range(20)), SamplingParams())
+    tw.start_session("s", [1, 2], SamplingParams())
+    with pytest.raises(CapacityError, match="slots"):
+        tw.start_session("t", [1, 2], SamplingParams())
+    with pytest.raises(SessionNotFoundError, match="unknown"):
+        tw.verify("nope", 1, [2], [], None, "greedy")
+    with pytest.raises(StalePositionError, match="base_position"):
+        tw.verify("s", 5, [2], [], None, "greedy")
+    with pytest.raises(InvalidRequestError, match="draft_tokens"):
+        tw.verify("s", 1, [2], [40], None, "greedy")
+    with pytest.raises(ContextOverflowError):
+        tw.verify("s", 1, [2], [3] * 20, None, "greedy")
+    for field, req in [("max_new_tokens", GenerationRequest([1], 0)), ("mode", GenerationRequest([1], 4, mode="x")),
+                       ("prompt", GenerationRequest([], 4))]:
+        with pytest.raises(InvalidRequestError, match=field):
+            req.validate()
+    assert set(MODES) == {"ar", "sd", "pacer", "pearl", "pacer_pearl"}
