@@ -28,8 +28,9 @@ class CoordinatorSettings(ServerSettings):
     health_timeout_s: float = Field(1.0, gt=0, description="per-replica health check timeout")
     ray_address: str = Field("", description="'' starts a local Ray instance; 'auto' attaches to a running one")
     ray_num_cpus: int = Field(2, ge=1, description="CPUs of the local Ray instance")
-    no_ray: bool = Field(False, description="run pipelines in the driver process (tests, debugging)")
-    pipelines: int = Field(2, ge=1, description="pipeline actors; requests are spread round-robin")
+    ray: bool = Field(True, description="run pipelines in Ray actors (--no-ray: in the driver process, for tests)")
+    pipelines: int = Field(0, ge=0, description="pipeline actors, requests round-robin (0: one per Ray CPU, "
+                                                "min 2, re-checked as Ray workers join)")
     max_new_tokens_cap: int = Field(4096, ge=1, description="largest max_new_tokens a request may ask for")
     rpc_timeout_s: float = Field(60.0, gt=0, description="timeout of one replica call")
     pool_view_refresh_s: float = Field(0.5, gt=0, description="how often pipelines refresh pool membership")

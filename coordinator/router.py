@@ -1,7 +1,6 @@
 """Driver side: hand each request to a pipeline (in-process, or round-robin over Ray pipeline actors)."""
 from __future__ import annotations
 
-import itertools
 from typing import AsyncIterator
 
 
@@ -24,16 +23,51 @@ class LocalRouter:
         await self.pipeline.close()
 
 
-class RayRouter:
-    """Requests go round-robin to pipeline actors; events come back through Ray streaming generators."""
+def wanted_pipelines() -> int:
+    """One pipeline actor per CPU of the Ray cluster (at least 2): more Ray workers, more pipelines."""
+    import ray
 
-    def __init__(self, actors: list):
-        self.actors = actors
-        self._rr = itertools.cycle(actors)
+    return max(2, int(ray.cluster_resources().get("CPU", 2)))
+
+
+class RayRouter:
+    """Requests go round-robin to pipeline actors; events come back through Ray streaming generators.
+
+    With `fixed=None` the actor count follows the cluster (checked every `grow_every_s`), so adding Ray workers
+    adds coordinator capacity without a restart."""
+
+    def __init__(self, actors: list, make_actor=None, fixed: int | None = None, grow_every_s: float = 30.0):
+        self.actors = list(actors)
+        self.make_actor, self.fixed, self.grow_every_s = make_actor, fixed, grow_every_s
+        self._i = 0
         self._owner: dict[str, object] = {}
+        self._grow_task = None
+
+    async def grow(self) -> int:
+        want = self.fixed or wanted_pipelines()
+        new = [self.make_actor() for _ in range(max(0, want - len(self.actors)))] if self.make_actor else []
+        for a in new:
+            await a.active.remote()
+        self.actors.extend(new)
+        return len(self.actors)
+
+    def start_autogrow(self) -> None:
+        import asyncio
+
+        async def loop():
+            while True:
+                await asyncio.sleep(self.grow_every_s)
+                try:
+                    await self.grow()
+                except Exception:  # noqa: BLE001 - try again next time
+                    pass
+
+        if self.fixed is None and self.make_actor is not None:
+            self._grow_task = asyncio.get_running_loop().create_task(loop())
 
     async def stream(self, request: dict) -> AsyncIterator[dict]:
-        actor = next(self._rr)
+        actor = self.actors[self._i % len(self.actors)]
+        self._i += 1
         rid = request["request_id"]
         self._owner[rid] = actor
         done = False
@@ -60,5 +94,9 @@ class RayRouter:
     async def close(self) -> None:
         import ray
 
+        if self._grow_task is not None:
+            self._grow_task.cancel()
         for a in self.actors:
             ray.kill(a)
+        if getattr(self, "pool_actor", None) is not None:
+            ray.kill(self.pool_actor)

@@ -1,4 +1,4 @@
-"""Assemble the coordinator: pool manager + pipelines (Ray actors, or in-process with no_ray) + the front server.
+"""Assemble the coordinator: pool manager + pipelines (Ray actors, or in-process with ray=False) + the front server.
 
     app, router = await build_coordinator(settings)     # inside the running loop
     await app.start(); ...; await app.shutdown(); await router.close()
@@ -50,7 +50,7 @@ def init_ray(s: CoordinatorSettings, log_to_driver: bool = True) -> None:
 async def build_router(s: CoordinatorSettings, resolve=None, health_check=None):
     specs = {k: s.pool_spec(k) for k in ("draft", "target")}
     tls = client_tls(s)
-    if s.no_ray:
+    if not s.ray:
         from coordinator.discovery import source_from_spec
         from coordinator.pipeline import AsyncPool, Pipeline
         from coordinator.pool import PoolManager
@@ -74,10 +74,14 @@ async def build_router(s: CoordinatorSettings, resolve=None, health_check=None):
     pool = PoolManagerActor.remote(specs, s.dns_refresh_s, s.health_timeout_s, tls)
     snap = await pool.start.remote()
     log.info("pools: %s", snap)
-    actors = [PipelineActor.remote(pool, s.rpc_timeout_s, s.pool_view_refresh_s, tls) for _ in range(s.pipelines)]
-    for a in actors:  # fail fast (and warm up) before serving
-        await a.active.remote()
-    router = RayRouter(actors)
+
+    def make_actor():
+        return PipelineActor.options(scheduling_strategy="SPREAD").remote(pool, s.rpc_timeout_s,
+                                                                           s.pool_view_refresh_s, tls)
+
+    router = RayRouter([], make_actor, fixed=s.pipelines or None)
+    await router.grow()  # fail fast (and warm up) before serving
+    router.start_autogrow()
     router.pool_actor = pool
     return router
 
@@ -87,7 +91,7 @@ async def build_coordinator(s: CoordinatorSettings, tokenizer=None, eos_token_id
     """→ (ServerApp, router). `tokenizer`/`eos_token_ids` override loading `s.tokenizer` (tests)."""
     if tokenizer is None and eos_token_ids is None:
         tokenizer, eos_token_ids = load_tokenizer_for(s.tokenizer)
-    if not s.no_ray:
+    if s.ray:
         init_ray(s)
     router = await build_router(s, resolve, health_check)
     holder = {}

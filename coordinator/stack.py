@@ -94,7 +94,7 @@ class LocalStack:
             waits.append((draft_ep, "specdec.v1.DraftService", proc, logf))
         settings = CoordinatorSettings(
             host=self.host, port=self.port, metrics_port=0, tokenizer=target_dir, draft_endpoints=draft_ep,
-            target_endpoints=f"127.0.0.1:{tport}", no_ray=not self.use_ray, ray_num_cpus=self.ray_cpus,
+            target_endpoints=f"127.0.0.1:{tport}", ray=self.use_ray, ray_num_cpus=self.ray_cpus,
             pipelines=self.pipelines, max_new_tokens_cap=self.cap, grace_s=1.0, dns_refresh_s=5.0,
             log_level="WARNING")
         if self.use_ray:  # starts while the replicas load their models

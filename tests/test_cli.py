@@ -54,7 +54,7 @@ async def test_generate_against_running_coordinator(pair):
     tdir, ddir, ref = pair
     target, draft = tiny_pair()
     t, d = await start_replica("target", target), await start_replica("draft", draft)
-    s = CoordinatorSettings(host="127.0.0.1", port=0, metrics_port=0, no_ray=True, tokenizer=tdir, grace_s=0,
+    s = CoordinatorSettings(host="127.0.0.1", port=0, metrics_port=0, ray=False, tokenizer=tdir, grace_s=0,
                             draft_endpoints=d.endpoint, target_endpoints=t.endpoint, log_level="WARNING")
     app, _ = await build_coordinator(s)
     await app.start()

@@ -1,7 +1,7 @@
 """The coordinator over real loopback replicas: exactness for every mode, streaming, errors, cancel, failover,
 losslessness under sampling (chi-square against the exact target distribution), and one run over Ray.
 
-Most tests use the in-process pipeline path (`no_ray=True`): same pipelines, gRPC clients and front server, minus
+Most tests use the in-process pipeline path (`ray=False`): same pipelines, gRPC clients and front server, minus
 the Ray hop. `test_ray_stack` runs the real Ray actors once (one shared local Ray instance).
 """
 from __future__ import annotations
@@ -37,7 +37,7 @@ class Stack:
         self.same = await start_replica("draft", copy.deepcopy(self.target))
         self.apps, self.stubs, self.channels = [], {}, []
         for name, d in (("random", self.d), ("same", self.same)):
-            s = CoordinatorSettings(host="127.0.0.1", port=0, metrics_port=0, no_ray=not use_ray, tokenizer="",
+            s = CoordinatorSettings(host="127.0.0.1", port=0, metrics_port=0, ray=use_ray, tokenizer="",
                                     draft_endpoints=d.endpoint, target_endpoints=self.t.endpoint, pipelines=1,
                                     max_new_tokens_cap=256, log_level="WARNING", grace_s=0)
             app, _ = await build_coordinator(s)
@@ -125,7 +125,7 @@ async def test_text_stream_with_tokenizer_and_stop_string(tmp_path):
     tok = load_tokenizer(save_tiny_tokenizer(tmp_path / "tok"))
     target, draft = tiny_pair()
     t, d = await start_replica("target", target), await start_replica("draft", draft)
-    s = CoordinatorSettings(host="127.0.0.1", port=0, metrics_port=0, no_ray=True, tokenizer="", grace_s=0,
+    s = CoordinatorSettings(host="127.0.0.1", port=0, metrics_port=0, ray=False, tokenizer="", grace_s=0,
                             draft_endpoints=d.endpoint, target_endpoints=t.endpoint, log_level="WARNING")
     app, _ = await build_coordinator(s, tokenizer=tok, eos_token_ids=set())
     await app.start()
@@ -179,7 +179,7 @@ async def test_pacer_without_preverifier_is_a_clear_error(stack):
 
 async def test_no_replica_reachable_is_unavailable_with_address():
     dead = "127.0.0.1:9"  # discard port: nothing listens
-    s = CoordinatorSettings(host="127.0.0.1", port=0, metrics_port=0, no_ray=True, tokenizer="",
+    s = CoordinatorSettings(host="127.0.0.1", port=0, metrics_port=0, ray=False, tokenizer="",
                             draft_endpoints=dead, target_endpoints=dead, health_timeout_s=0.3, log_level="WARNING")
     app, _ = await build_coordinator(s)
     await app.start()
@@ -210,7 +210,7 @@ async def test_target_replica_dies_mid_request_output_exact():
     target, draft = tiny_pair()
     t1, t2 = await start_replica("target", target), await start_replica("target", target)
     d = await start_replica("draft", draft)
-    s = CoordinatorSettings(host="127.0.0.1", port=0, metrics_port=0, no_ray=True, tokenizer="", grace_s=0,
+    s = CoordinatorSettings(host="127.0.0.1", port=0, metrics_port=0, ray=False, tokenizer="", grace_s=0,
                             draft_endpoints=d.endpoint, target_endpoints=f"{t1.endpoint},{t2.endpoint}",
                             dns_refresh_s=60, log_level="WARNING")
     app, _ = await build_coordinator(s)
@@ -282,7 +282,7 @@ async def test_sampling_is_lossless_chi_square():
         draft.lm_head.weight.add_(torch.randn(draft.lm_head.weight.shape, generator=torch.Generator().manual_seed(9)))
     t = await start_replica("target", target, max_sessions=64, batch_window_ms=0.5)
     d = await start_replica("draft", draft, max_sessions=64)
-    s = CoordinatorSettings(host="127.0.0.1", port=0, metrics_port=0, no_ray=True, tokenizer="", grace_s=0,
+    s = CoordinatorSettings(host="127.0.0.1", port=0, metrics_port=0, ray=False, tokenizer="", grace_s=0,
                             draft_endpoints=d.endpoint, target_endpoints=t.endpoint, log_level="WARNING")
     app, _ = await build_coordinator(s)
     await app.start()

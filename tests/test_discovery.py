@@ -126,7 +126,7 @@ async def test_scale_out_and_in_while_requests_run():
     port = t1.port
     d1 = await start_replica("draft", draft, host="127.0.0.2", port=0)
     dns = FakeDns(target_headless=["127.0.0.2"], draft_headless=["127.0.0.2"])
-    s = CoordinatorSettings(host="127.0.0.1", port=0, metrics_port=0, no_ray=True, tokenizer="",
+    s = CoordinatorSettings(host="127.0.0.1", port=0, metrics_port=0, ray=False, tokenizer="",
                             target_dns=f"target-headless:{port}", draft_dns=f"draft-headless:{d1.port}",
                             dns_refresh_s=0.2, pool_view_refresh_s=0.05, log_level="WARNING")
     app, router = await build_coordinator(s, resolve=dns)
