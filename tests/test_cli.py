@@ -91,3 +91,22 @@ def test_generate_embedded_stack(pair):
     lines = p.stdout.split("\n")
     assert lines[0] == "".join(TOKENIZER_CHARS[i] if i else "" for i in ref)
     assert lines[1].startswith("[pearl] 12 tokens in "), p.stdout
+
+
+def _default_pair_ready() -> bool:
+    from specdec.hub import DEFAULT_DRAFT_DIR
+    from specdec.preverifier import DEFAULT_PREVERIFIER_DIR
+
+    return (DEFAULT_DRAFT_DIR / "config.json").is_file() and DEFAULT_PREVERIFIER_DIR.is_dir()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _default_pair_ready(), reason="the shipped draft / pre-verifier are not in specdec/assets")
+def test_default_pair_pacer_pearl_overlap_is_real():
+    """`make demo`'s request: draft and target really compute at the same time (wall ≤ 75% of their busy sum)."""
+    p = subprocess.run([sys.executable, "-m", "specdec.cli", "generate",
+                        "Write a Python function that reverses a string.", "--mode", "pacer_pearl",
+                        "--max-new-tokens", "128", "--json"], capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    st = json.loads(p.stdout.strip().splitlines()[-1])["stats"]
+    assert st["wall_s"] <= 0.75 * (st["draft_busy_s"] + st["target_busy_s"]), st
