@@ -151,6 +151,40 @@ async def test_text_stream_with_tokenizer_and_stop_string(tmp_path):
             await a.shutdown(0)
 
 
+def slowed(model, seconds: float):
+    """The model, each forward taking `seconds` longer (time.sleep releases the GIL, like torch kernels)."""
+    fwd = model.forward
+
+    def forward(*a, **kw):
+        time.sleep(seconds)
+        return fwd(*a, **kw)
+
+    model.forward = forward
+    return model
+
+
+async def test_pearl_draft_and_target_really_overlap():
+    """A target forward ~ gamma draft steps (PEARL's optimal gamma): wall well below the busy sum."""
+    target = tiny_pair()[0]
+    t = await start_replica("target", slowed(copy.deepcopy(target), 0.08))
+    d = await start_replica("draft", slowed(copy.deepcopy(target), 0.02))
+    s = CoordinatorSettings(host="127.0.0.1", port=0, metrics_port=0, ray=False, tokenizer="", grace_s=0,
+                            draft_endpoints=d.endpoint, target_endpoints=t.endpoint, log_level="WARNING")
+    app, _ = await build_coordinator(s)
+    await app.start()
+    stub = gg.GenerationServiceStub(ch := grpc.aio.insecure_channel(f"127.0.0.1:{app.port}"))
+    try:
+        res = {m: await stub.Generate(req([1, 2, 3], m, n=32, gamma=4)) for m in ("sd", "pearl")}
+    finally:
+        await ch.close()
+        for a in (app, t, d):
+            await a.shutdown(0)
+    assert list(res["sd"].token_ids) == list(res["pearl"].token_ids)
+    st = res["pearl"].stats
+    assert st.wall_s < 0.75 * (st.draft_busy_s + st.target_busy_s), st
+    assert st.wall_s < res["sd"].stats.wall_s, "overlap makes PEARL faster than draft-then-verify"
+
+
 # ---- errors ----------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("kw,field", [
     (dict(prompt="hi", prompt_token_ids=[1, 2]), "prompt"),
