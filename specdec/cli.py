@@ -2,6 +2,7 @@
 
     specdec serve [--draft-model P] [--target-model P] [--preverifier P] [--host H] [--port N]
     specdec generate "PROMPT" [--mode M] [--json] [--coordinator ADDR | --in-process]
+    specdec bench [...]   (specdec.bench)
 
 Without `--coordinator`, `generate` starts the embedded stack (draft and target replicas on loopback with
 `--threads` torch threads each, a local Ray instance, the coordinator), generates, and stops it. The shells
@@ -50,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default="0.0.0.0")
     s.add_argument("--port", type=int, default=COORDINATOR_PORT)
     s.add_argument("--pipelines", type=int, default=2, help="pipeline actors (default: 2)")
+    sub.add_parser("bench", help="run the benchmark suite (`specdec bench --help`)", add_help=False)
     g = sub.add_parser("generate", help="generate a continuation of PROMPT")
     g.add_argument("prompt", help="prompt text (wrapped in the chat template when the model has one)")
     g.add_argument("--mode", choices=MODES, default="sd")
@@ -245,6 +247,11 @@ def cmd_serve(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:  # its own parser: specdec/bench/cli.py
+        from specdec.bench import main as bench_main
+
+        return bench_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         rc = cmd_serve(args) if args.cmd == "serve" else cmd_generate(args)
