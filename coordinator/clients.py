@@ -131,9 +131,25 @@ class _Pinned:
             try:
                 return await self._start_on(list(prompt_ids))
             except Exception as e:  # noqa: BLE001
-                if _retryable(e) != "unavailable" or self.failovers >= MAX_FAILOVERS:
+                if self.failovers >= MAX_FAILOVERS:
                     raise
-                await self._failover(e)
+                if _retryable(e) == "unavailable":
+                    await self._failover(e)
+                elif isinstance(e, grpc.aio.AioRpcError) and e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    await self._next_replica(e)  # this replica is full: try another one, if any
+                else:
+                    raise
+
+    async def _next_replica(self, e: BaseException) -> None:
+        self.failovers += 1
+        full = self.endpoint
+        self.failed.append(full)
+        await self.pool.release(self.kind, full)
+        try:
+            await self._pin()
+        except Exception:  # noqa: BLE001 - no other replica: report the original error
+            self.endpoint = None
+            raise e from None
 
     async def _failover(self, e: BaseException) -> None:
         """The pinned replica is unreachable: report it and pin another (no session started yet)."""
