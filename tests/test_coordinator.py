@@ -384,3 +384,44 @@ async def test_ray_stack(ray_local):
         await until(lambda: s.sessions() == 0, timeout=10)
     finally:
         await s.stop()
+
+
+# ---- text assembly (pure) --------------------------------------------------------------------------------------
+def _cached_default_tokenizer():
+    from specdec.hub import cache_root
+
+    for d in sorted((cache_root() / "gguf").glob("*/tokenizer.json")):
+        from specdec.tokenizer import load_tokenizer
+
+        return load_tokenizer(d.parent)
+    return None
+
+
+async def test_text_assembler_never_splits_multibyte_characters():
+    from coordinator.service import TextAssembler
+
+    tok = _cached_default_tokenizer()
+    if tok is None:
+        pytest.skip("the default target's tokenizer is not cached")
+    text = "héllo 😀 wörld — 日本語 ok"
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    for stop in ([], ["wör"]):
+        asm = TextAssembler(tok, [], stop)
+        parts = [asm.push([t])[0] for t in ids] + [asm.finish()]
+        assert all("\ufffd" not in p for p in parts)
+        assert "".join(parts) == (text if not stop else text[:text.index("wör")])
+
+
+async def test_text_assembler_holds_back_a_possible_stop_string(tmp_path):
+    from coordinator.service import TextAssembler
+    from tests.helpers_models import TOKENIZER_CHARS, save_tiny_tokenizer
+    from specdec.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(save_tiny_tokenizer(tmp_path))
+    ids = [TOKENIZER_CHARS.index(c) for c in "abc stop here"]
+    asm = TextAssembler(tok, [], ["stop"])
+    sent = [asm.push([t]) for t in ids]
+    text = "".join(t for t, _ in sent) + asm.finish()
+    assert text == "abc " and asm.stopped
+    assert "".join(t for t, _ in sent[:6]) == "abc", "the last 3 characters (may begin 'stop') are held back"
+    assert sum(len(i) for _, i in sent) == len("abc stop"), "token ids end with the one completing the stop"
