@@ -102,8 +102,14 @@ class LocalStack:
 
             self._ray_started = not ray.is_initialized()
             init_ray(settings, log_to_driver=not self.quiet)
-        await asyncio.gather(*(wait_serving(ep, svc, self.start_timeout_s, p, lf) for ep, svc, p, lf in waits))
-        self.app, self.router = await build_coordinator(settings)
+        # the coordinator's actors start while the replicas load; its pools are refreshed once they serve
+        built = asyncio.ensure_future(build_coordinator(settings))
+        try:
+            await asyncio.gather(*(wait_serving(ep, svc, self.start_timeout_s, p, lf) for ep, svc, p, lf in waits))
+        finally:
+            self.app, self.router = await built
+        pool = getattr(self.router, "pool_actor", None)
+        await (pool.refresh.remote() if pool is not None else self.router.pool_manager.refresh())
         port = await self.app.start()
         self.address = f"{'127.0.0.1' if self.host in ('0.0.0.0', '::', '') else self.host}:{port}"
         return self.address
