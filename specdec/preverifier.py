@@ -33,6 +33,7 @@ from specdec.stop import DraftFeatures
 
 DEFAULT_PREVERIFIER_DIR = Path(__file__).resolve().parent / "assets" / "default_preverifier"
 N_SCALARS = 8
+N_HEAD = 4  # statistics of the draft's own temperature-1 distribution (when the draft head is attached)
 _HASH_MULT = 2654435761
 
 
@@ -53,11 +54,22 @@ def token_scalars(logq: torch.Tensor, entropy: torch.Tensor) -> torch.Tensor:
                         (pos == 0).float()], dim=-1)
 
 
+def head_stats(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """[m, V] draft logits (−inf allowed), [m] drafted ids → [m, N_HEAD]: max log-prob, entropy, top-1 − top-2
+    margin and log-prob of the drafted token, all of the temperature-1 softmax (the draft's confidence, which the
+    greedy DraftFeatures do not carry: there q is one-hot)."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    top = lp.topk(2, dim=-1).values
+    ent = torch.special.entr(lp.exp()).sum(-1)
+    lpx = lp.gather(-1, tokens.long()[:, None])[:, 0].clamp_min(-30.0)
+    return torch.stack([top[:, 0], ent, (top[:, 0] - top[:, 1]).clamp_max(30.0), lpx], dim=-1)
+
+
 class Preverifier(nn.Module):
     """Predicts P(block accepted) from the draft's features of the tokens drafted this round."""
 
     def __init__(self, hidden_size: int, dim: int = 64, hash_buckets: int = 4096, block_size: int = 2,
-                 threshold: float = 0.5, score_mode: str = "block", dropout: float = 0.1):
+                 threshold: float = 0.5, score_mode: str = "block", dropout: float = 0.1, use_head: bool = False):
         super().__init__()
         if score_mode not in ("block", "prefix"):
             raise ValueError(f"score_mode must be 'block' or 'prefix', got {score_mode!r}")
@@ -65,18 +77,38 @@ class Preverifier(nn.Module):
         self.block_size = int(block_size)
         self.threshold = float(threshold)
         self.score_mode = score_mode
+        self.use_head = bool(use_head)
+        self._draft = None  # the draft model whose head gives the N_HEAD statistics (attach_draft); not saved
+        n_scal = N_SCALARS + (N_HEAD if use_head else 0)
         self.h_norm = nn.LayerNorm(hidden_size)
         self.h_proj = nn.Linear(hidden_size, dim)
         self.tok_emb = nn.Embedding(hash_buckets, dim)
-        self.s_norm = nn.LayerNorm(N_SCALARS)
-        self.s_proj = nn.Linear(N_SCALARS, dim)
+        self.s_norm = nn.LayerNorm(n_scal)
+        self.s_proj = nn.Linear(n_scal, dim)
         self.drop = nn.Dropout(dropout)  # training only
         self.mlp = nn.Sequential(nn.GELU(), nn.Dropout(dropout), nn.Linear(dim, dim), nn.GELU(), nn.Linear(dim, 1))
         nn.init.normal_(self.tok_emb.weight, std=0.02)
 
     def config(self) -> dict:
         return {"hidden_size": self.hidden_size, "dim": self.dim, "hash_buckets": self.hash_buckets,
-                "block_size": self.block_size, "threshold": self.threshold, "score_mode": self.score_mode}
+                "block_size": self.block_size, "threshold": self.threshold, "score_mode": self.score_mode,
+                "use_head": self.use_head}
+
+    def attach_draft(self, draft_model) -> "Preverifier":
+        """Give a head-using pre-verifier the draft model (its output head turns h_t into the draft's logits)."""
+        self._draft = draft_model
+        return self
+
+    def scalars(self, features: DraftFeatures, start: int = 0) -> torch.Tensor:
+        scal = token_scalars(features.logq, features.entropy)[start:]
+        if not self.use_head:
+            return scal
+        if self._draft is None:
+            raise RuntimeError("this pre-verifier reads the draft's output head: load it with "
+                               "load_preverifier(path, draft_model=draft) (or call attach_draft(draft))")
+        with torch.inference_mode():
+            logits = self._draft.full_logits(features.hidden[start:].to(self._draft.dtype))
+        return torch.cat([scal, head_stats(logits, features.tokens[start:])], dim=-1)
 
     def bucket(self, tokens: torch.Tensor) -> torch.Tensor:
         return (tokens.long() * _HASH_MULT) % self.hash_buckets
@@ -96,17 +128,21 @@ class Preverifier(nn.Module):
 
         In score mode "prefix" the product runs over every token drafted this round instead."""
         start = 0 if self.score_mode == "prefix" else int(features.block_start)
-        scal = token_scalars(features.logq, features.entropy)[start:]
+        scal = self.scalars(features, start)
         logits = self.token_logits(features.hidden[start:], features.tokens[start:], scal)
         return float(F.logsigmoid(logits).sum().exp())
 
 
 # ----------------------------------------------------------------------------------------------------------------
 def build_random_preverifier(hidden_size: int, seed: int = 0, block_size: int = 2, threshold: float = 0.5,
-                             dim: int = 32, hash_buckets: int = 256) -> Preverifier:
-    """An untrained pre-verifier with seeded random weights (tests: it may only change speed, never output)."""
+                             dim: int = 32, hash_buckets: int = 256, draft_model=None) -> Preverifier:
+    """An untrained pre-verifier with seeded random weights (tests: it may only change speed, never output).
+    With `draft_model` it also reads the draft's output head (use_head)."""
     g = torch.Generator().manual_seed(seed)
-    pv = Preverifier(hidden_size, dim=dim, hash_buckets=hash_buckets, block_size=block_size, threshold=threshold)
+    pv = Preverifier(hidden_size, dim=dim, hash_buckets=hash_buckets, block_size=block_size, threshold=threshold,
+                     use_head=draft_model is not None)
+    if draft_model is not None:
+        pv.attach_draft(draft_model)
     with torch.no_grad():
         for p in pv.parameters():
             p.copy_(torch.randn(p.shape, generator=g) * 0.5)
@@ -194,8 +230,11 @@ def load_preverifier(path: str | Path | None = None, draft_model: nn.Module | No
         if draft_dir_sha256(draft_dir) != cfg["draft_sha256"]:
             _mismatch(f"pre-verifier {path} was trained for another draft (sha256 of {draft_dir} differs)", strict)
     pv = Preverifier(cfg["hidden_size"], dim=cfg["dim"], hash_buckets=cfg["hash_buckets"],
-                     block_size=cfg["block_size"], threshold=cfg["threshold"], score_mode=cfg.get("score_mode", "block"))
+                     block_size=cfg["block_size"], threshold=cfg["threshold"], score_mode=cfg.get("score_mode", "block"),
+                     use_head=cfg.get("use_head", False))
     pv.load_state_dict(load_file(str(path / "model.safetensors")))
+    if draft_model is not None:
+        pv.attach_draft(draft_model)
     pv.card = json.loads((path / "card.json").read_text()) if (path / "card.json").is_file() else {}
     return pv.eval()
 
@@ -215,6 +254,6 @@ def derive_threshold(cost_ratio: float, mean_accepted: float, gamma: float, acce
     return float(min(max(theta, 0.0), 0.99))
 
 
-__all__ = ["Preverifier", "PreverifierMismatchError", "build_random_preverifier", "load_preverifier",
+__all__ = ["Preverifier", "head_stats", "N_HEAD", "PreverifierMismatchError", "build_random_preverifier", "load_preverifier",
            "save_preverifier", "draft_fingerprint", "draft_dir_sha256", "derive_threshold", "token_scalars",
            "DEFAULT_PREVERIFIER_DIR"]

@@ -46,6 +46,16 @@ def test_stop_rule_uses_the_preverifier_threshold():
     assert make_stop_rule(StopSpec("pacer", 0.9), pv).threshold == 0.9
 
 
+def test_head_statistics_need_the_draft():
+    draft = build_tiny_model(hidden_size=32, seed=3)
+    pv = build_random_preverifier(32, seed=1, draft_model=draft)
+    f = _features()
+    assert 0.0 <= pv.block_accept_prob(f) <= 1.0
+    pv._draft = None
+    with pytest.raises(RuntimeError, match="draft_model"):
+        pv.block_accept_prob(f)
+
+
 def test_save_load_roundtrip_and_draft_check(tmp_path):
     draft = build_tiny_model(hidden_size=32, seed=3)
     other = build_tiny_model(hidden_size=32, seed=4)
@@ -74,10 +84,11 @@ def _pair(vocab=32, hidden=32):
     return target, draft
 
 
-@pytest.mark.parametrize("block_size,threshold", [(1, 0.5), (2, 0.3), (3, 0.9)])
-def test_greedy_pacer_with_random_preverifier_equals_ar(block_size, threshold):
+@pytest.mark.parametrize("block_size,threshold,head", [(1, 0.5, False), (2, 0.3, True), (3, 0.9, False)])
+def test_greedy_pacer_with_random_preverifier_equals_ar(block_size, threshold, head):
     target, draft = _pair()
-    pv = build_random_preverifier(32, seed=7, block_size=block_size, threshold=threshold)
+    pv = build_random_preverifier(32, seed=7, block_size=block_size, threshold=threshold,
+                                  draft_model=draft if head else None)
     eng = Engine(target, draft, preverifier=pv, max_sessions=2, max_context=128)
     stops = 0
     try:

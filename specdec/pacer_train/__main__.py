@@ -95,16 +95,23 @@ def cmd_train(args) -> dict:
         parts["dev"] = [r for r in parts["train"] if r["prompt"] % 8 == 0]
         parts["train"] = [r for r in parts["train"] if r["prompt"] % 8 != 0]
     print({k: len(v) for k, v in parts.items()}, "rounds", flush=True)
-    sets = {k: T.to_tokenset(v) for k, v in parts.items()}
+    use_head = not args.no_head
+    sets = {k: T.to_tokenset(v, use_head) for k, v in parts.items()}
     hidden_size = sets["train"].hidden.shape[1]
     model, info = T.train_preverifier(sets["train"], sets["dev"], hidden_size, dim=args.dim,
                                       hash_buckets=args.hash_buckets, epochs=args.epochs, lr=args.lr,
-                                      seed=args.seed)
+                                      seed=args.seed, use_head=use_head, dropout=args.dropout,
+                                      weight_decay=args.weight_decay)
     mc = next((m["costs"] for m in metas if m.get("costs")), None)
     if mc:
         costs = T.Costs(mc["draft_token_s"], mc["target_base_s"], mc["target_per_token_s"])
     else:
         costs = T.fit_costs(parts["train"], gamma_max)
+    ddir_loaded = Path(metas[0].get("draft_loaded_from") or metas[0]["draft"])
+    if use_head:
+        from specdec.model import load_model_dir
+
+        model.attach_draft(load_model_dir(ddir_loaded))
     costs.preverifier_s = _time_preverifier(model, hidden_size, args.block_sizes[0])
     tabs = {k: T.round_table(model, v) for k, v in sets.items() if len(v)}
     # acceptance statistics for the θ derivation
@@ -170,7 +177,9 @@ def cmd_train(args) -> dict:
                           "benchmark_prompts_excluded": True},
         "labels": "greedy: x == argmax p; T=1: min(1, p/q) soft; per token, conditional on the earlier tokens",
         "training": {k: v for k, v in info.items() if k != "history"} | {"lr": args.lr, "dim": args.dim,
-                                                                          "hash_buckets": args.hash_buckets},
+                                                                          "hash_buckets": args.hash_buckets,
+                                                                          "dropout": args.dropout,
+                                                                          "weight_decay": args.weight_decay},
         "block_size": B, "score_mode": mode, "threshold": theta,
         "threshold_derived_from_cost_ratio": theta_derived,
         "costs": {"draft_token_ms": costs.draft_token_s * 1e3, "target_verify_ms": costs.target_base_s * 1e3,
@@ -244,6 +253,9 @@ def main(argv=None):
     t.add_argument("--lr", type=float, default=1e-3)
     t.add_argument("--dim", type=int, default=64)
     t.add_argument("--hash-buckets", type=int, default=4096)
+    t.add_argument("--dropout", type=float, default=0.1)
+    t.add_argument("--weight-decay", type=float, default=0.05)
+    t.add_argument("--no-head", action="store_true", help="do not read the draft's output head (cheaper, weaker)")
     t.add_argument("--threads", type=int, default=1)
     t.add_argument("--seed", type=int, default=0)
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specdec.preverifier import head_stats
 from specdec.sampling import SamplingParams, logits_to_probs
 from specdec.stop import FixedLength
 from specdec.workers import DraftWorker, TargetWorker
@@ -39,6 +40,7 @@ class Round:
     logq: torch.Tensor  # [g] fp32
     entropy: torch.Tensor  # [g] fp32
     label: torch.Tensor  # [g] fp32 in [0, 1]: P(x_i accepted | x_<i accepted)
+    aux: torch.Tensor  # [g, N_HEAD] statistics of the draft's temperature-1 distribution (preverifier.head_stats)
     temperature: float
     prompt: int  # index of the prompt (for splits)
     num_accepted: int  # what the real verification accepted this round
@@ -133,8 +135,10 @@ def _run_prompt(dw: DraftWorker, tw: _LabelTarget, prompt: list[int], params: Sa
                 label = (p.argmax(-1) == x).float()
             else:
                 label = (px / logq.exp().clamp_min(1e-30)).clamp(max=1.0)
+            with torch.inference_mode():
+                aux = head_stats(dw.model.full_logits(hidden.to(dw.model.dtype)), x)
             out.append(Round(hidden=hidden.half(), tokens=x.int(), logq=logq.float(), entropy=ent.float(),
-                             label=label.float(), temperature=params.temperature, prompt=prompt_index,
+                             label=label.float(), aux=aux.float(), temperature=params.temperature, prompt=prompt_index,
                              num_accepted=res.num_accepted, draft_ns=draft_ns, forward_ns=res.forward_ns))
             target_fed = base_t + len(feed) + res.num_accepted
             new = toks[:res.num_accepted] + [res.next_token]

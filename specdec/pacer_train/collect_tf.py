@@ -20,6 +20,7 @@ import time
 
 import torch
 
+from specdec.preverifier import head_stats
 from specdec.sampling import SamplingParams, logits_to_probs, truncate_top_k
 
 
@@ -73,6 +74,7 @@ def collect_tf(draft_model, rows: list[dict], gamma_max: int = 12, target_model=
             label = (px / qx).clamp(max=1.0)
             logq = qx.log()
             ent = torch.where(q > 0, -q * q.clamp_min(1e-30).log(), torch.zeros(())).sum(-1)
+        aux = head_stats(dl, x)
         s = 0
         seq_rounds = []
         while s + gamma_max <= C:
@@ -83,7 +85,8 @@ def collect_tf(draft_model, rows: list[dict], gamma_max: int = 12, target_model=
             else:
                 acc = int(torch.cumprod((torch.rand(gamma_max, generator=gen) < lab).float(), 0).sum())
             seq_rounds.append({"hidden": dh[sl].half().clone(), "tokens": x[sl].int().clone(), "logq": logq[sl].float().clone(),
-                        "entropy": ent[sl].float().clone(), "label": lab.float().clone(), "temperature": temp,
+                        "entropy": ent[sl].float().clone(), "aux": aux[sl].float().clone(),
+                        "label": lab.float().clone(), "temperature": temp,
                         "prompt": row.get("prompt", n), "num_accepted": acc, "draft_ns": 0, "forward_ns": 0,
                         "split": row.get("split", "train")})
             s += acc + 1

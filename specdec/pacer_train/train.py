@@ -25,9 +25,10 @@ class TokenSet:
         return self.label.shape[0]
 
 
-def to_tokenset(rounds) -> TokenSet:
+def to_tokenset(rounds, use_head: bool = True) -> TokenSet:
     if not rounds:
-        return TokenSet(torch.zeros(0, 1, dtype=torch.half), torch.zeros(0, dtype=torch.long), torch.zeros(0, 8),
+        return TokenSet(torch.zeros(0, 1, dtype=torch.half), torch.zeros(0, dtype=torch.long),
+                        torch.zeros(0, 12 if use_head else 8),
                         torch.zeros(0), torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long),
                         torch.zeros(0, dtype=torch.bool))
     hs, ts, ss, ls, rs, ps, gs = [], [], [], [], [], [], []
@@ -35,7 +36,8 @@ def to_tokenset(rounds) -> TokenSet:
         g = r["tokens"].shape[0]
         hs.append(r["hidden"].half())
         ts.append(r["tokens"].long())
-        ss.append(token_scalars(r["logq"], r["entropy"]))
+        sc = token_scalars(r["logq"], r["entropy"])
+        ss.append(torch.cat([sc, r["aux"].float()], -1) if use_head else sc)
         ls.append(r["label"].float())
         rs.append(torch.full((g,), i))
         ps.append(torch.arange(g))
@@ -46,10 +48,11 @@ def to_tokenset(rounds) -> TokenSet:
 
 def train_preverifier(train: TokenSet, dev: TokenSet | None, hidden_size: int, dim: int = 64,
                       hash_buckets: int = 4096, epochs: int = 30, lr: float = 2e-3, weight_decay: float = 0.05,
-                      batch_size: int = 2048, seed: int = 0, log=print) -> tuple[Preverifier, dict]:
+                      batch_size: int = 2048, seed: int = 0, log=print, use_head: bool = True,
+                      dropout: float = 0.1) -> tuple[Preverifier, dict]:
     """Per-token BCE on P(x_t accepted | x_<t accepted) (soft labels allowed); early stopping on dev loss."""
     torch.manual_seed(seed)
-    model = Preverifier(hidden_size, dim=dim, hash_buckets=hash_buckets)
+    model = Preverifier(hidden_size, dim=dim, hash_buckets=hash_buckets, use_head=use_head, dropout=dropout)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
     n = len(train)
     steps = max(1, epochs * math.ceil(n / batch_size))
