@@ -54,7 +54,12 @@ async def start_replica(kind: str, model, host: str = "127.0.0.1", port: int = 0
         from draft_service.config import DraftSettings
         from draft_service.server import build_app
 
-        app = await build_app(DraftSettings(**common, **kw), model=model, warmup=False)
+        pv = kw.pop("preverifier", None)
+        if pv == "random":  # an untrained pre-verifier: changes draft lengths, never the output
+            from specdec.preverifier import build_random_preverifier
+
+            pv = build_random_preverifier(model.config.hidden_size, seed=5, block_size=2, threshold=0.5)
+        app = await build_app(DraftSettings(**common, **kw), model=model, preverifier=pv, warmup=False)
     else:
         from target_service.config import TargetSettings
         from target_service.server import build_app

@@ -33,8 +33,8 @@ class Stack:
     async def start(self, use_ray: bool = False):
         self.target, self.draft = tiny_pair()
         self.t = await start_replica("target", self.target)
-        self.d = await start_replica("draft", self.draft)
-        self.same = await start_replica("draft", copy.deepcopy(self.target))
+        self.d = await start_replica("draft", self.draft, preverifier="random")
+        self.same = await start_replica("draft", copy.deepcopy(self.target), preverifier="random")
         self.apps, self.stubs, self.channels = [], {}, []
         for name, d in (("random", self.d), ("same", self.same)):
             s = CoordinatorSettings(host="127.0.0.1", port=0, metrics_port=0, ray=use_ray, tokenizer="",
@@ -83,8 +83,6 @@ async def test_greedy_every_mode_equals_target_only(stack, draft):
     for prompt in prompts:
         ref = target_greedy(stack.target, prompt, N)
         for mode in MODES:
-            if mode.startswith("pacer"):
-                continue  # no pre-verifier on these replicas (see test_pacer_without_preverifier)
             for gamma in (1, 3):
                 r = await stack.stubs[draft].Generate(req(prompt, mode, gamma=gamma))
                 assert list(r.token_ids) == ref, (mode, gamma, draft)
@@ -204,11 +202,22 @@ async def test_bad_requests_are_invalid_argument(stack, kw, field):
     assert field in e.value.details()
 
 
-async def test_pacer_without_preverifier_is_a_clear_error(stack):
-    with pytest.raises(grpc.aio.AioRpcError) as e:
-        await stack.stubs["random"].Generate(req([1, 2], "pacer_pearl"))
-    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "pre-verifier" in e.value.details()
-    await until(lambda: stack.sessions() == 0)
+async def test_pacer_without_preverifier_is_a_clear_error():
+    target, draft = tiny_pair()
+    t, d = await start_replica("target", target), await start_replica("draft", draft)
+    s = CoordinatorSettings(host="127.0.0.1", port=0, metrics_port=0, ray=False, tokenizer="", grace_s=0,
+                            draft_endpoints=d.endpoint, target_endpoints=t.endpoint, log_level="WARNING")
+    app, _ = await build_coordinator(s)
+    await app.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{app.port}") as ch:
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await gg.GenerationServiceStub(ch).Generate(req([1, 2], "pacer_pearl"))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "pre-verifier" in e.value.details()
+        await until(lambda: len(t.host.table) + len(d.host.table) == 0)
+    finally:
+        for a in (app, t, d):
+            await a.shutdown(0)
 
 
 async def test_no_replica_reachable_is_unavailable_with_address():
@@ -372,7 +381,7 @@ async def test_ray_stack(ray_local):
     try:
         stub = s.stubs["same"]
         ref = target_greedy(s.target, [4, 2], N)
-        for mode in ("ar", "sd", "pearl"):
+        for mode in MODES:
             r = await stub.Generate(req([4, 2], mode))
             assert list(r.token_ids) == ref, mode
             ids = [t async for part in stub.GenerateStream(req([4, 2], mode)) for t in part.token_ids]
