@@ -43,10 +43,10 @@ bench-quick: install
 	$(VENV)/bin/specdec bench --quick --json bench-results/bench-quick.json
 
 distill-draft: install
-	$(PY) -m specdec.distill
+	$(VENV)/bin/specdec distill-draft all
 
 train-preverifier: install
-	$(PY) -m specdec.pacer_train
+	$(VENV)/bin/specdec train-preverifier run
 
 clean:
 	rm -rf $(VENV) specdec/pb/*_pb2*.py specdec/pb/*_pb2*.pyi $(PROTO_STAMP) .pytest_cache

@@ -2,7 +2,9 @@
 
     specdec serve [--draft-model P] [--target-model P] [--preverifier P] [--host H] [--port N]
     specdec generate "PROMPT" [--mode M] [--json] [--coordinator ADDR | --in-process]
-    specdec bench [...]   (specdec.bench)
+    specdec bench [...]              (specdec.bench)
+    specdec distill-draft [...]      (specdec.distill: rebuild the default draft)
+    specdec train-preverifier [...]  (specdec.pacer_train: rebuild the PACER pre-verifier)
 
 Without `--coordinator`, `generate` starts the embedded stack (draft and target replicas on loopback with
 `--threads` torch threads each, a local Ray instance, the coordinator), generates, and stops it. The shells
@@ -52,6 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=COORDINATOR_PORT)
     s.add_argument("--pipelines", type=int, default=2, help="pipeline actors (default: 2)")
     sub.add_parser("bench", help="run the benchmark suite (`specdec bench --help`)", add_help=False)
+    sub.add_parser("distill-draft", help="distill a draft from the target (`specdec distill-draft --help`)",
+                   add_help=False)
+    sub.add_parser("train-preverifier", help="train the PACER pre-verifier (`specdec train-preverifier --help`)",
+                   add_help=False)
     g = sub.add_parser("generate", help="generate a continuation of PROMPT")
     g.add_argument("prompt", help="prompt text (wrapped in the chat template when the model has one)")
     g.add_argument("--mode", choices=MODES, default="sd")
@@ -252,6 +258,14 @@ def main(argv: list[str] | None = None) -> int:
         from specdec.bench import main as bench_main
 
         return bench_main(argv[1:])
+    if argv[:1] == ["distill-draft"]:  # pipelines with their own parsers
+        from specdec.distill.__main__ import main as distill_main
+
+        return distill_main(argv[1:]) or 0
+    if argv[:1] == ["train-preverifier"]:
+        from specdec.pacer_train.__main__ import main as pacer_main
+
+        return pacer_main(argv[1:]) or 0
     args = build_parser().parse_args(argv)
     try:
         rc = cmd_serve(args) if args.cmd == "serve" else cmd_generate(args)
