@@ -70,6 +70,12 @@ def _setup_draft(args, train_rows, target):
         for mod in draft.modules():
             if isinstance(mod, (torch.nn.Linear, torch.nn.Embedding)):
                 torch.nn.init.normal_(mod.weight, std=0.02)
+    if getattr(args, "final_norm_scale", 1.0) != 1.0:
+        # the target's final norm is tuned for its 30-layer residual stream; in a 2-layer draft the residual is
+        # still mostly the input embedding, so the tied head would predict "repeat the current token" with huge
+        # logits (initial loss ~16). Scaling the final norm calibrates the start (loss ~8).
+        with torch.no_grad():
+            draft.model.norm.weight.mul_(args.final_norm_scale)
     return draft, subset, oov, to_compact
 
 
@@ -110,7 +116,7 @@ def cmd_evaluate(args):
     _, target = _target(args)
     draft = load_draft(args.draft)
     agree = greedy_agreement(draft, held, None, None)
-    cost = cost_ratio(draft, target, threads=1, rounds=args.rounds)
+    cost = cost_ratio(draft, target, threads=1, rounds=args.rounds, repeats=args.repeats, steps=args.decode_steps)
     out = {"agreement": agree, "cost": cost}
     print(json.dumps(out, indent=2))
     if args.out:
@@ -155,6 +161,7 @@ def main(argv=None):
     tr.add_argument("--vocab-subset", type=int, default=8192)
     tr.add_argument("--init-layers", default="0,1", help="target layers copied into the draft (its depth)")
     tr.add_argument("--no-copy-layers", action="store_true")
+    tr.add_argument("--final-norm-scale", type=float, default=0.1, help="multiply the copied final norm weight")
     tr.add_argument("--random-init", action="store_true", help="ablation: no initialisation from the target")
     tr.add_argument("--hard-only", action="store_true", help="ablation: ignore soft labels")
     tr.add_argument("--fp32", action="store_true")
@@ -164,7 +171,9 @@ def main(argv=None):
 
     e = sub.add_parser("evaluate", help="held-out agreement + per-token cost ratio at 1 thread")
     e.add_argument("--draft", required=True)
-    e.add_argument("--rounds", type=int, default=3)
+    e.add_argument("--rounds", type=int, default=3, help="interleaved draft/target rounds")
+    e.add_argument("--repeats", type=int, default=5, help="repeats per round (median)")
+    e.add_argument("--decode-steps", type=int, default=32, help="KV-cached single-token steps per repeat")
     e.add_argument("--out")
     e.set_defaults(fn=cmd_evaluate)
 

@@ -20,8 +20,8 @@ def export(args) -> pathlib.Path:
     run_dir = pathlib.Path(args.work) / "runs" / args.run
     summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
     targs = summary.get("args", {})
-    for k in ("vocab_subset", "init_layers"):
-        setattr(args, k, targs.get(k, {"vocab_subset": 8192, "init_layers": "0,1"}[k]))
+    for k, dflt in (("vocab_subset", 8192), ("init_layers", "0,1"), ("final_norm_scale", 1.0)):
+        setattr(args, k, targs.get(k, dflt))
     args.no_copy_layers, args.random_init = False, False
     train_rows, _ = _data(args)
     tdir = resolve_model(args.target)
@@ -75,7 +75,7 @@ def render_card(cfg, st, summary, metrics, run_dir) -> str:
         "thread (shared 2-core machine), seed 0.",
         "- Init: embeddings and output head = the target's (tied) embedding rows of the subset; decoder layers "
         "copied from target layers " + str(summary.get("args", {}).get("init_layers", "0,1")) + "; final norm = the "
-        "target's.", "",
+        f"target's x {summary.get('args', {}).get('final_norm_scale', 1.0)} (calibrates the initial logits).", "",
         "## Metrics (held-out prompts)", "",
     ]
     if metrics:
