@@ -69,7 +69,8 @@ class Preverifier(nn.Module):
     """Predicts P(block accepted) from the draft's features of the tokens drafted this round."""
 
     def __init__(self, hidden_size: int, dim: int = 64, hash_buckets: int = 4096, block_size: int = 2,
-                 threshold: float = 0.5, score_mode: str = "block", dropout: float = 0.1, use_head: bool = False):
+                 threshold: float = 0.5, score_mode: str = "block", dropout: float = 0.1, use_head: bool = False,
+                 head_rank: int = 0):
         super().__init__()
         if score_mode not in ("block", "prefix"):
             raise ValueError(f"score_mode must be 'block' or 'prefix', got {score_mode!r}")
@@ -78,7 +79,10 @@ class Preverifier(nn.Module):
         self.threshold = float(threshold)
         self.score_mode = score_mode
         self.use_head = bool(use_head)
-        self._draft = None  # the draft model whose head gives the N_HEAD statistics (attach_draft); not saved
+        self.head_rank = int(head_rank)  # >0: the draft head through its rank-r SVD (cheap); 0: the exact head
+        # the draft whose head gives the N_HEAD statistics (attach_draft): kept out of the module tree (not saved)
+        object.__setattr__(self, "_draft", None)
+        self._to_compact = None
         n_scal = N_SCALARS + (N_HEAD if use_head else 0)
         self.h_norm = nn.LayerNorm(hidden_size)
         self.h_proj = nn.Linear(hidden_size, dim)
@@ -92,12 +96,34 @@ class Preverifier(nn.Module):
     def config(self) -> dict:
         return {"hidden_size": self.hidden_size, "dim": self.dim, "hash_buckets": self.hash_buckets,
                 "block_size": self.block_size, "threshold": self.threshold, "score_mode": self.score_mode,
-                "use_head": self.use_head}
+                "use_head": self.use_head, "head_rank": self.head_rank}
 
     def attach_draft(self, draft_model) -> "Preverifier":
         """Give a head-using pre-verifier the draft model (its output head turns h_t into the draft's logits)."""
-        self._draft = draft_model
+        object.__setattr__(self, "_draft", draft_model)
+        subset = getattr(draft_model, "vocab_subset", None)
+        self._to_compact = None
+        if subset is not None:  # compact head: the statistics are the same on the subset (−inf elsewhere)
+            m = torch.zeros(draft_model.config.vocab_size, dtype=torch.long)
+            m[subset.long().cpu()] = torch.arange(len(subset))
+            self._to_compact = m
+        self._lowrank = None
+        if self.head_rank > 0:  # W ≈ U_r S_r V_r^T: logits ≈ (h V_r) (U_r S_r)^T, deterministic
+            w = draft_model.lm_head.weight.detach().float().cpu()
+            U, S, Vh = torch.linalg.svd(w, full_matrices=False)
+            r = min(self.head_rank, S.shape[0])
+            self._lowrank = (Vh[:r].T.contiguous(), (U[:, :r] * S[:r]).T.contiguous())
         return self
+
+    def _head_logits(self, hidden: torch.Tensor, tokens: torch.Tensor):
+        d = self._draft
+        if self._lowrank is not None:
+            logits = (hidden.float() @ self._lowrank[0]) @ self._lowrank[1]
+        else:
+            logits = d.lm_head(hidden.to(d.dtype)).float()
+        if self._to_compact is not None:
+            return logits, self._to_compact[tokens.long()]
+        return logits, tokens
 
     def scalars(self, features: DraftFeatures, start: int = 0) -> torch.Tensor:
         scal = token_scalars(features.logq, features.entropy)[start:]
@@ -107,8 +133,8 @@ class Preverifier(nn.Module):
             raise RuntimeError("this pre-verifier reads the draft's output head: load it with "
                                "load_preverifier(path, draft_model=draft) (or call attach_draft(draft))")
         with torch.inference_mode():
-            logits = self._draft.full_logits(features.hidden[start:].to(self._draft.dtype))
-        return torch.cat([scal, head_stats(logits, features.tokens[start:])], dim=-1)
+            logits, idx = self._head_logits(features.hidden[start:], features.tokens[start:])
+        return torch.cat([scal, head_stats(logits, idx)], dim=-1)
 
     def bucket(self, tokens: torch.Tensor) -> torch.Tensor:
         return (tokens.long() * _HASH_MULT) % self.hash_buckets
@@ -186,7 +212,7 @@ def save_preverifier(model: Preverifier, path: str | Path, card: dict) -> Path:
     for k in ("draft_fingerprint", "draft_sha256"):
         if k in card:
             cfg[k] = card[k]
-    state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+    state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items() if not k.startswith("_draft.")}
     save_file(state, str(path / "model.safetensors"))
     (path / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     (path / "card.json").write_text(json.dumps(card, indent=2, default=str) + "\n")
@@ -231,8 +257,9 @@ def load_preverifier(path: str | Path | None = None, draft_model: nn.Module | No
             _mismatch(f"pre-verifier {path} was trained for another draft (sha256 of {draft_dir} differs)", strict)
     pv = Preverifier(cfg["hidden_size"], dim=cfg["dim"], hash_buckets=cfg["hash_buckets"],
                      block_size=cfg["block_size"], threshold=cfg["threshold"], score_mode=cfg.get("score_mode", "block"),
-                     use_head=cfg.get("use_head", False))
-    pv.load_state_dict(load_file(str(path / "model.safetensors")))
+                     use_head=cfg.get("use_head", False), head_rank=cfg.get("head_rank", 0))
+    pv.load_state_dict({k: v for k, v in load_file(str(path / "model.safetensors")).items()
+                        if not k.startswith("_draft.")})
     if draft_model is not None:
         pv.attach_draft(draft_model)
     pv.card = json.loads((path / "card.json").read_text()) if (path / "card.json").is_file() else {}

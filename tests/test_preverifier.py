@@ -51,7 +51,7 @@ def test_head_statistics_need_the_draft():
     pv = build_random_preverifier(32, seed=1, draft_model=draft)
     f = _features()
     assert 0.0 <= pv.block_accept_prob(f) <= 1.0
-    pv._draft = None
+    object.__setattr__(pv, "_draft", None)
     with pytest.raises(RuntimeError, match="draft_model"):
         pv.block_accept_prob(f)
 

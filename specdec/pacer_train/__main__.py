@@ -96,22 +96,29 @@ def cmd_train(args) -> dict:
         parts["train"] = [r for r in parts["train"] if r["prompt"] % 8 != 0]
     print({k: len(v) for k, v in parts.items()}, "rounds", flush=True)
     use_head = not args.no_head
-    sets = {k: T.to_tokenset(v, use_head) for k, v in parts.items()}
+    ddir_loaded = Path(metas[0].get("draft_loaded_from") or metas[0]["draft"])
+    head = None
+    if use_head:
+        from specdec.model import load_model_dir
+        from specdec.preverifier import Preverifier
+
+        draft_model = load_model_dir(ddir_loaded)
+        if args.head_rank > 0:
+            head = Preverifier(draft_model.config.hidden_size, use_head=True, head_rank=args.head_rank)
+            head.attach_draft(draft_model)
+    sets = {k: T.to_tokenset(v, use_head, head) for k, v in parts.items()}
     hidden_size = sets["train"].hidden.shape[1]
     model, info = T.train_preverifier(sets["train"], sets["dev"], hidden_size, dim=args.dim,
                                       hash_buckets=args.hash_buckets, epochs=args.epochs, lr=args.lr,
                                       seed=args.seed, use_head=use_head, dropout=args.dropout,
-                                      weight_decay=args.weight_decay)
+                                      weight_decay=args.weight_decay, head_rank=args.head_rank)
     mc = next((m["costs"] for m in metas if m.get("costs")), None)
     if mc:
         costs = T.Costs(mc["draft_token_s"], mc["target_base_s"], mc["target_per_token_s"])
     else:
         costs = T.fit_costs(parts["train"], gamma_max)
-    ddir_loaded = Path(metas[0].get("draft_loaded_from") or metas[0]["draft"])
     if use_head:
-        from specdec.model import load_model_dir
-
-        model.attach_draft(load_model_dir(ddir_loaded))
+        model.attach_draft(draft_model)
     costs.preverifier_s = _time_preverifier(model, hidden_size, args.block_sizes[0])
     tabs = {k: T.round_table(model, v) for k, v in sets.items() if len(v)}
     # acceptance statistics for the θ derivation
@@ -179,6 +186,7 @@ def cmd_train(args) -> dict:
         "training": {k: v for k, v in info.items() if k != "history"} | {"lr": args.lr, "dim": args.dim,
                                                                           "hash_buckets": args.hash_buckets,
                                                                           "dropout": args.dropout,
+                                                                          "head_rank": args.head_rank,
                                                                           "weight_decay": args.weight_decay},
         "block_size": B, "score_mode": mode, "threshold": theta,
         "threshold_derived_from_cost_ratio": theta_derived,
@@ -256,6 +264,7 @@ def main(argv=None):
     t.add_argument("--dropout", type=float, default=0.1)
     t.add_argument("--weight-decay", type=float, default=0.05)
     t.add_argument("--no-head", action="store_true", help="do not read the draft's output head (cheaper, weaker)")
+    t.add_argument("--head-rank", type=int, default=64, help="read the head through its rank-r SVD (0: exact)")
     t.add_argument("--threads", type=int, default=1)
     t.add_argument("--seed", type=int, default=0)
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from specdec.preverifier import Preverifier, token_scalars
+from specdec.preverifier import Preverifier, head_stats, token_scalars
 
 
 @dataclass
@@ -25,7 +25,9 @@ class TokenSet:
         return self.label.shape[0]
 
 
-def to_tokenset(rounds, use_head: bool = True) -> TokenSet:
+def to_tokenset(rounds, use_head: bool = True, head=None) -> TokenSet:
+    """head: a Preverifier with the draft attached; its head statistics replace the stored exact ones (so training
+    sees exactly what the runtime computes, e.g. through the low-rank head)."""
     if not rounds:
         return TokenSet(torch.zeros(0, 1, dtype=torch.half), torch.zeros(0, dtype=torch.long),
                         torch.zeros(0, 12 if use_head else 8),
@@ -37,7 +39,13 @@ def to_tokenset(rounds, use_head: bool = True) -> TokenSet:
         hs.append(r["hidden"].half())
         ts.append(r["tokens"].long())
         sc = token_scalars(r["logq"], r["entropy"])
-        ss.append(torch.cat([sc, r["aux"].float()], -1) if use_head else sc)
+        if use_head and head is not None:
+            with torch.inference_mode():
+                logits, idx = head._head_logits(r["hidden"].float(), r["tokens"])
+                aux = head_stats(logits, idx)
+        else:
+            aux = r["aux"].float() if use_head else None
+        ss.append(torch.cat([sc, aux], -1) if use_head else sc)
         ls.append(r["label"].float())
         rs.append(torch.full((g,), i))
         ps.append(torch.arange(g))
@@ -49,10 +57,11 @@ def to_tokenset(rounds, use_head: bool = True) -> TokenSet:
 def train_preverifier(train: TokenSet, dev: TokenSet | None, hidden_size: int, dim: int = 64,
                       hash_buckets: int = 4096, epochs: int = 30, lr: float = 2e-3, weight_decay: float = 0.05,
                       batch_size: int = 2048, seed: int = 0, log=print, use_head: bool = True,
-                      dropout: float = 0.1) -> tuple[Preverifier, dict]:
+                      dropout: float = 0.1, head_rank: int = 0) -> tuple[Preverifier, dict]:
     """Per-token BCE on P(x_t accepted | x_<t accepted) (soft labels allowed); early stopping on dev loss."""
     torch.manual_seed(seed)
-    model = Preverifier(hidden_size, dim=dim, hash_buckets=hash_buckets, use_head=use_head, dropout=dropout)
+    model = Preverifier(hidden_size, dim=dim, hash_buckets=hash_buckets, use_head=use_head, dropout=dropout,
+                        head_rank=head_rank)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
     n = len(train)
     steps = max(1, epochs * math.ceil(n / batch_size))
