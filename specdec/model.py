@@ -57,7 +57,7 @@ class ModelConfig:
         eos = cfg.get("eos_token_id")
         eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         return cls(
-            vocab_size=cfg["vocab_size"],
+            vocab_size=cfg.get("specdec_full_vocab_size", cfg["vocab_size"]),
             hidden_size=cfg["hidden_size"],
             intermediate_size=cfg["intermediate_size"],
             num_hidden_layers=cfg["num_hidden_layers"],
@@ -171,9 +171,9 @@ class DecoderLayer(nn.Module):
 
 
 class Backbone(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, embed_rows: int | None = None):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = nn.Embedding(embed_rows or cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -181,17 +181,23 @@ class Backbone(nn.Module):
 class CausalLM(nn.Module):
     """Llama-family decoder. `forward` returns (logits fp32 [B, S, V], final hidden [B, S, D])."""
 
-    def __init__(self, cfg: ModelConfig, vocab_subset: torch.Tensor | None = None):
+    def __init__(self, cfg: ModelConfig, vocab_subset: torch.Tensor | None = None, oov_compact_id: int = 0):
         super().__init__()
         self.config = cfg
-        self.model = Backbone(cfg)
-        head_rows = cfg.vocab_size if vocab_subset is None else len(vocab_subset)
-        self.lm_head = nn.Linear(cfg.hidden_size, head_rows, bias=False)
+        # Compact-vocabulary drafts (docs/distill.md) embed and predict only a frequency-ranked subset of the
+        # target's vocabulary: input ids map full → compact (others to an OOV row) and logits are -inf outside the
+        # subset, so the draft distribution is exactly zero there (still lossless: q is what was sampled).
+        rows = cfg.vocab_size if vocab_subset is None else len(vocab_subset)
+        self.model = Backbone(cfg, rows)
+        self.lm_head = nn.Linear(cfg.hidden_size, rows, bias=False)
         if cfg.tie_word_embeddings and vocab_subset is None:
             self.lm_head.weight = self.model.embed_tokens.weight
-        # Draft models may predict only a frequency-ranked subset of the vocabulary: logits are -inf elsewhere,
-        # so the draft distribution is exactly zero there (still lossless: q is what was sampled).
+        to_compact = None
+        if vocab_subset is not None:
+            to_compact = torch.full((cfg.vocab_size,), oov_compact_id, dtype=torch.long)
+            to_compact[vocab_subset] = torch.arange(len(vocab_subset))
         self.register_buffer("vocab_subset", vocab_subset, persistent=False)
+        self.register_buffer("to_compact", to_compact, persistent=False)
         self._rope_cache: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
@@ -238,7 +244,7 @@ class CausalLM(nn.Module):
             key_pos = torch.arange(kv_len, device=tokens.device)
             mask = (key_pos[None, None, :] <= positions[:, :, None]).unsqueeze(1)  # [B, 1, S, kv_len]
         cos, sin = self._rope(positions)
-        x = self.model.embed_tokens(tokens)
+        x = self.model.embed_tokens(tokens if self.to_compact is None else self.to_compact[tokens])
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, i, kv, slots, positions, mask, kv_len)
         hidden = self.model.norm(x)
@@ -266,14 +272,15 @@ def load_model_dir(path: str | Path, device: str = "cpu", dtype: str | torch.dty
     path = Path(path)
     raw = json.loads((path / "config.json").read_text())
     cfg = ModelConfig.from_hf(raw)
-    state: dict[str, torch.Tensor] = {}
-    files = sorted(path.glob("*.safetensors"))
+    subset_file = raw.get("specdec_vocab_subset")  # compact-vocabulary draft (docs/distill.md)
+    subset = load_file(str(path / subset_file))["vocab_subset"].long() if subset_file else None
+    files = [f for f in sorted(path.glob("*.safetensors")) if f.name != subset_file]
     if not files:
         raise FileNotFoundError(f"no *.safetensors weights in {path}")
+    state: dict[str, torch.Tensor] = {}
     for f in files:
-        state.update(load_file(str(f)))
-    subset = state.pop("specdec.vocab_subset", None)
-    model = CausalLM(cfg, vocab_subset=subset.long() if subset is not None else None)
+        state.update({k: v.float() for k, v in load_file(str(f)).items()})  # fp16-stored weights load as fp32
+    model = CausalLM(cfg, vocab_subset=subset, oov_compact_id=int(raw.get("specdec_oov_compact_id", 0)))
     if cfg.tie_word_embeddings and subset is None:
         state.pop("lm_head.weight", None)
     missing, unexpected = model.load_state_dict(state, strict=False)
