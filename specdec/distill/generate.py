@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import random
+from pathlib import Path
 import time
 
 import torch
@@ -63,6 +64,7 @@ def generate(model_dir, out_path, seconds: float = 600, seed: int = 0, batch_siz
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     t0, n_tok, batch_i = time.time(), 0, 0
     bar = tqdm(desc="generate", unit="tok", disable=not progress)
+    Path(out_path).parent.mkdir(parents=True, exist_ok=True)
     with open(out_path, "a") as out:
         while time.time() - t0 < seconds:
             temp = [0.0, 0.7, 1.0][batch_i % 3]
