@@ -14,7 +14,7 @@ import time
 from specdec.bench.harness import ALL_MODES, Bench, BenchOptions, acceptance, aggregate
 from specdec.bench.report import machine_info, markdown, plot
 
-QUICK = dict(n_per_set=1, repeats=1, gammas=(2, 4), concurrency=(1, 2, 4, 8), concurrency_repeats=1)
+QUICK = dict(n_per_set=1, repeats=1, gammas=(2, 4), temperatures=(0.0,), concurrency=(1, 2, 4, 8), concurrency_repeats=1)
 
 
 def _csv(kind):
@@ -30,12 +30,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--modes", nargs="+", default=list(ALL_MODES), choices=ALL_MODES,
                     help="ar, hf (assisted generation), sd, pacer, pearl, pacer_pearl (default: all)")
     ap.add_argument("--gammas", type=_csv(int), default=None, help="sd draft lengths (default 2,3,4,6; --quick 2,4)")
-    ap.add_argument("--temperatures", type=_csv(float), default=(0.0, 1.0), help="default: 0,1")
+    ap.add_argument("--temperatures", type=_csv(float), default=None, help="default: 0,1 (--quick: 0)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=None, help="rounds per prompt (default 3; --quick 1)")
     ap.add_argument("--concurrency", type=_csv(int), default=None, help="sweep levels (default 1,2,4,8; '' = off)")
     ap.add_argument("--concurrency-repeats", type=int, default=None, help="default 2; --quick 1")
-    ap.add_argument("--quick", action="store_true", help="1 prompt per set, 1 repeat, sd γ∈{2,4}: < 10 min on 2 cores")
+    ap.add_argument("--quick", action="store_true",
+                    help="1 prompt per set, 1 repeat, greedy only, sd γ∈{2,4}, one concurrency sweep")
     ap.add_argument("--target-model", default="default-target")
     ap.add_argument("--draft-model", default="default-draft")
     ap.add_argument("--preverifier", default=None, help="PACER pre-verifier dir (default: the shipped one)")
@@ -54,7 +55,7 @@ def options(args) -> BenchOptions:
     return BenchOptions(
         target=args.target_model, draft=args.draft_model, preverifier=args.preverifier,
         prompt_sets=tuple(args.prompt_sets), prompts_file=args.prompts, n_per_set=n or None, modes=tuple(args.modes),
-        gammas=pick("gammas", (2, 3, 4, 6)), temperatures=tuple(args.temperatures),
+        gammas=pick("gammas", (2, 3, 4, 6)), temperatures=tuple(pick("temperatures", (0.0, 1.0))),
         max_new_tokens=args.max_new_tokens, repeats=pick("repeats", 3),
         concurrency=pick("concurrency", (1, 2, 4, 8)), concurrency_repeats=pick("concurrency_repeats", 2),
         use_ray=not args.no_ray, progress=not args.no_progress)

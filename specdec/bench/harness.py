@@ -164,7 +164,8 @@ class Bench:
         pending = [t for t in asyncio.all_tasks(self.loop) if not t.done()]  # e.g. a --no-ray pool's health loop
         for t in pending:
             t.cancel()
-        self.loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+        if pending:
+            self.loop.run_until_complete(_drain(pending))
         self.loop.close()
 
     # ---- runs -------------------------------------------------------------------------------------------------
@@ -216,6 +217,10 @@ class Bench:
         samples = await asyncio.gather(*(self.client.generate(p.ids, cfg.mode, cfg.gamma, 0.0, rep, self.opts.max_new_tokens)
                                          for p in picks))
         return ConcurrencyRecord(len(picks), rep, time.perf_counter() - t0, list(samples))
+
+
+async def _drain(tasks) -> None:
+    await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def _client(address: str) -> StackClient:

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import json
 import random
-from pathlib import Path
 import time
+from pathlib import Path
 
 import torch
 
