@@ -272,12 +272,14 @@ def _mismatch(msg: str, strict: bool) -> None:
     warnings.warn(msg, RuntimeWarning, stacklevel=3)
 
 
-def derive_threshold(cost_ratio: float, mean_accepted: float, gamma: float, accept_rate: float = 0.8) -> float:
+def derive_threshold(cost_ratio: float, mean_accepted: float, gamma: float, accept_rate: float = 0.8,
+                     verify_slope_ratio: float = 0.0) -> float:
     """θ from the cost model in docs/pacer.md: continue after a block while
-    s · a · B · v > B · T_draft, with v = (T_target + γ̄ T_draft) / τ the time per generated token at the current
-    speed and a the mean per-token acceptance; so θ = τ / (a · (c + γ̄)), c = T_target / T_draft."""
+    s · a · B · v > B · (T_draft + slope), with v = (T_target + γ̄ T_draft) / τ the time per generated token at the
+    current speed, a the mean per-token acceptance and slope the target's extra verify cost per drafted row;
+    so θ = τ (1 + slope/T_draft) / (a · (c + γ̄)), c = T_target / T_draft (clipped to [0, 0.99])."""
     c = max(float(cost_ratio), 1e-6)
-    theta = mean_accepted / (max(accept_rate, 1e-3) * (c + gamma))
+    theta = mean_accepted * (1.0 + verify_slope_ratio) / (max(accept_rate, 1e-3) * (c + gamma))
     return float(min(max(theta, 0.0), 0.99))
 
 

@@ -153,7 +153,8 @@ def cmd_train(args) -> dict:
                     and r["subset"] == "greedy"), key=lambda r: r["tokens_per_s"])
     B, mode, theta = best["block_size"], best["mode"], best["theta"]
     tau_fixed = best["best_fixed"]["mean_accepted_length"]
-    theta_derived = derive_threshold(costs.ratio, tau_fixed, best["best_fixed"]["gamma"], mean_acc)
+    theta_derived = derive_threshold(costs.ratio, tau_fixed, best["best_fixed"]["gamma"], mean_acc,
+                                     costs.target_per_token_s / max(costs.draft_token_s, 1e-12))
     model.block_size, model.score_mode, model.threshold = B, mode, float(theta)
     # held-out (test) report, per temperature
     report = {}
