@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 
@@ -102,6 +103,8 @@ def _default_pair_ready() -> bool:
 
 @pytest.mark.slow
 @pytest.mark.skipif(not _default_pair_ready(), reason="the shipped draft / pre-verifier are not in specdec/assets")
+@pytest.mark.skipif(os.environ.get("SPECDEC_TIMING_TESTS") != "1",
+                    reason="a wall-clock measurement on the real pair: run with SPECDEC_TIMING_TESTS=1 on an idle machine")
 def test_default_pair_pacer_pearl_overlap_is_real():
     """`make demo`'s request: draft and target really compute at the same time (wall ≤ 75% of their busy sum)."""
     p = subprocess.run([sys.executable, "-m", "specdec.cli", "generate",
