@@ -131,14 +131,21 @@ def run_ablation(args) -> dict:
                              "draft_tokens": st.draft_tokens, "accepted_tokens": st.accepted_tokens,
                              "output": res.token_ids if temp == 0 else None})
             print(f"T={temp} prompt {pi + 1}/{len(prompts)} done", flush=True)
+            out = _write(args, pv, rows, cfgs, [t for t in temps if any(r["temperature"] == t for r in rows)])
     engine.close()
+    print(markdown(out["summary"]))
+    return out
+
+
+def _write(args, pv, rows, cfgs, temps) -> dict:
+    """Results so far (written after every prompt, so a cut run still leaves complete prompts)."""
     summary = summarize(rows, cfgs, temps)
     out = {"args": {k: v for k, v in vars(args).items() if k != "func"}, "preverifier": pv.config(),
-           "summary": summary, "rows": rows, "threads_per_model": 1,
+           "summary": summary, "rows": rows, "threads_per_model": 1, "prompts_done": len({r["prompt"] for r in rows}),
            "when": time.strftime("%Y-%m-%d %H:%M:%S")}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1, default=str))
-    print(markdown(summary))
+    Path(args.out).with_suffix(".md").write_text(markdown(summary) + "\n")
     return out
 
 
@@ -154,6 +161,9 @@ def _req(c, ids, n, temp, seed, eos):
 def summarize(rows, cfgs, temps) -> list[dict]:
     out = []
     for temp in temps:
+        done = {r["prompt"] for r in rows if r["temperature"] == temp}
+        full = {p for p in done if sum(1 for r in rows if r["temperature"] == temp and r["prompt"] == p) == len(cfgs)}
+        rows = [r for r in rows if r["temperature"] != temp or r["prompt"] in full]
         ar = {r["prompt"]: r for r in rows if r["temperature"] == temp and r["config"] == "ar"}
         ar_tps = sum(r["tokens"] for r in ar.values()) / sum(r["wall_s"] for r in ar.values())
         for c in cfgs:
