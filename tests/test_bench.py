@@ -68,26 +68,33 @@ def test_bench_end_to_end(models):
 
 
 def test_hf_draft_from_compact_vocabulary(tmp_path):
-    """A draft storing a vocabulary subset becomes a full-vocabulary HF model with the same distribution."""
+    """A draft storing a vocabulary subset (docs/distill.md format) becomes a full-vocabulary HF model with the
+    same distribution as specdec's loader gives (logits -inf outside the subset)."""
     from safetensors.torch import load_file, save_file
 
-    from specdec.bench.runners import load_hf_draft
-    from specdec.model import CausalLM, build_tiny_model, load_model_dir
+    from specdec.bench.runners import SubsetHead, load_hf_draft
+    from specdec.model import build_tiny_model, load_model_dir
 
     base = build_tiny_model(vocab_size=32, hidden_size=16, num_layers=1, seed=3)
     subset = torch.tensor([0, 2, 3, 5, 8, 13, 21, 30])
     save_model(base, tmp_path)
     state = load_file(str(tmp_path / "model.safetensors"))
-    state["lm_head.weight"] = state["lm_head.weight"][subset].contiguous()
-    state["specdec.vocab_subset"] = subset
+    for k in ("lm_head.weight", "model.embed_tokens.weight"):
+        state[k] = state[k][subset].contiguous()
     save_file(state, str(tmp_path / "model.safetensors"))
+    save_file({"vocab_subset": subset}, str(tmp_path / "vocab_subset.safetensors"))
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg.update(vocab_size=len(subset), specdec_vocab_subset="vocab_subset.safetensors", specdec_full_vocab_size=32,
+               specdec_oov_compact_id=0)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
     ours = load_model_dir(tmp_path)
-    assert isinstance(ours, CausalLM) and ours.vocab_subset is not None
     hf = load_hf_draft(tmp_path)
-    ids = torch.tensor([[1, 4, 9, 16, 25, 7]])
+    assert isinstance(hf.lm_head, SubsetHead)
+    ids = torch.tensor([[1, 4, 9, 16, 25, 7, 2, 30]])  # mostly outside the subset: the OOV row
     kv = ours.new_kv_slots(1, 16)
     ref, _ = ours(ids, torch.arange(ids.shape[1])[None], torch.tensor([0]), kv)
     got = hf(ids).logits
+    assert got.shape == ref.shape == (1, ids.shape[1], 32)
     finite = torch.isfinite(ref)
-    assert torch.equal(finite, torch.isfinite(got))
+    assert torch.equal(finite, torch.isfinite(got)) and int(finite[0, 0].sum()) == len(subset)
     assert torch.allclose(ref[finite], got[finite], atol=1e-4)

@@ -131,10 +131,11 @@ class Bench:
         self.engines = list(engines.values())
         if "hf" in kinds:
             self.hf = HFModels(self.target_dir, self.draft_dir, self.eos)
-            if self.hf.draft_note != "LlamaForCausalLM":
-                self.notes.append("HF baseline draft: the shipped draft stores a compact vocabulary subset that "
-                                  "transformers cannot load as a standard LlamaForCausalLM; the same weights were "
-                                  "expanded in memory to the full vocabulary with logits -inf outside the subset")
+            if self.hf.compact_draft:
+                self.notes.append("HF baseline draft: the draft stores a compact vocabulary subset that transformers "
+                                  "cannot load as a standard LlamaForCausalLM; the same weights run as a "
+                                  "LlamaForCausalLM with full-vocabulary input embeddings and the compact output head "
+                                  "(same cost as specdec's), logits -inf outside the subset")
             for c in self.configs:
                 if c.kind == "hf":
                     self.runners[c.name] = HFRunner(self.hf, c)

@@ -20,13 +20,16 @@ def machine_info() -> dict:
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,
                                 cwd=Path(__file__).resolve().parents[2]).stdout.strip() or None
+        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "specdec", "coordinator",
+                                     "draft_service", "target_service"], capture_output=True, text=True, timeout=10,
+                                    cwd=Path(__file__).resolve().parents[2]).stdout.strip())
     except (OSError, subprocess.SubprocessError):
-        commit = None
+        commit, dirty = None, None
     import torch
     import transformers
 
     return {"cpu": model, "cores": cores, "usable_cores": len(os.sched_getaffinity(0)),
-            "load_avg_start": list(os.getloadavg()), "git_commit": commit, "python": platform.python_version(),
+            "load_avg_start": list(os.getloadavg()), "git_commit": commit, "git_dirty": dirty, "python": platform.python_version(),
             "torch": torch.__version__, "transformers": transformers.__version__,
             "date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())}
 
@@ -51,7 +54,8 @@ def _main_row(r: dict) -> str:
 def markdown(rows: list[dict], goals: list[dict], meta: dict) -> str:
     L = [f"Machine: {meta['machine']['cpu']}, {meta['machine']['usable_cores']} usable cores; load average at start "
          f"{', '.join(f'{x:.2f}' for x in meta['machine']['load_avg_start'])}, at end "
-         f"{', '.join(f'{x:.2f}' for x in meta.get('load_avg_end', []))}; commit `{meta['machine']['git_commit']}`; "
+         f"{', '.join(f'{x:.2f}' for x in meta.get('load_avg_end', []))}; commit `{meta['machine']['git_commit']}`"
+         f"{' (+ uncommitted changes)' if meta['machine'].get('git_dirty') else ''}; "
          f"torch {meta['machine']['torch']}, transformers {meta['machine']['transformers']}; "
          f"{meta['machine']['date_utc']} UTC; run took {meta.get('elapsed_s', 0) / 60:.1f} min.",
          "",

@@ -72,6 +72,23 @@ def _read_state(d: Path) -> dict[str, torch.Tensor]:
     return state
 
 
+class SubsetHead(torch.nn.Module):
+    """The compact output head: logits for the subset rows only (the same cost as specdec's draft head),
+    scattered into a full-vocabulary tensor filled with -inf."""
+
+    def __init__(self, weight: torch.Tensor, subset: torch.Tensor, full_vocab: int):
+        super().__init__()
+        self.weight = torch.nn.Parameter(weight, requires_grad=False)
+        self.register_buffer("subset", subset, persistent=False)
+        self.full_vocab = full_vocab
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        compact = torch.nn.functional.linear(h, self.weight)
+        full = compact.new_full((*compact.shape[:-1], self.full_vocab), -math.inf)
+        full[..., self.subset] = compact
+        return full
+
+
 def load_hf(model_dir: str | Path):
     """`AutoModelForCausalLM.from_pretrained`; a config without `model_type` (tiny test models) is read as Llama."""
     from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
@@ -88,8 +105,9 @@ def load_hf_draft(draft_dir: str | Path):
     A plain Llama directory loads as is. The shipped draft stores a compact vocabulary subset (docs/distill.md:
     `specdec_vocab_subset` in config.json, or a `specdec.vocab_subset` tensor): Hugging Face cannot load that as a
     standard LlamaForCausalLM with the target's vocabulary, so the same weights are expanded in memory: input
-    embeddings gathered to full ids (ids outside the subset -> the OOV row), output rows scattered to the subset,
-    and logits -inf outside the subset, exactly the distribution `specdec` drafts from.
+    embeddings gathered to full ids (ids outside the subset -> the OOV row) and the compact output head kept
+    (`SubsetHead`: the same head cost as specdec's draft) with logits -inf outside the subset, exactly the
+    distribution `specdec` drafts from.
     """
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -111,26 +129,15 @@ def load_hf_draft(draft_dir: str | Path):
         to_compact = torch.full((full_v,), oov, dtype=torch.long)
         to_compact[subset] = torch.arange(len(subset))
         state["model.embed_tokens.weight"] = emb[to_compact]
-    head = state.get("lm_head.weight")
+    head = state.pop("lm_head.weight", None)
     if head is None:  # tied compact head
         head = emb
-    full_head = torch.zeros(full_v, head.shape[1])
-    full_head[subset] = head.float()
-    state["lm_head.weight"] = full_head
     cfg_kw = {k: v for k, v in raw.items() if not k.startswith("specdec_")}
     cfg_kw.update(vocab_size=full_v, tie_word_embeddings=False)
-    allowed = torch.zeros(full_v, dtype=torch.bool)
-    allowed[subset] = True
-
-    class SubsetHeadLlama(LlamaForCausalLM):
-        def forward(self, *a, **kw):
-            out = super().forward(*a, **kw)
-            out.logits = out.logits.masked_fill(~allowed.to(out.logits.device), -math.inf)
-            return out
-
-    model = SubsetHeadLlama(LlamaConfig(**cfg_kw))
+    model = LlamaForCausalLM(LlamaConfig(**cfg_kw))
+    model.lm_head = SubsetHead(head.float(), subset, full_v)
     missing, unexpected = model.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
-    missing = [m for m in missing if "rotary" not in m]
+    missing = [m for m in missing if "rotary" not in m and not m.startswith("lm_head.")]
     if missing or [u for u in unexpected if "rotary" not in u]:
         raise ValueError(f"cannot build a Hugging Face draft from {d}: missing={missing[:4]} unexpected={unexpected[:4]}")
     return model.eval()
@@ -143,7 +150,7 @@ class HFModels:
         self.target = load_hf(target_dir)
         self.draft = load_hf_draft(draft_dir)
         self.eos = list(eos)
-        self.draft_note = type(self.draft).__name__
+        self.compact_draft = isinstance(self.draft.lm_head, SubsetHead)
 
 
 class HFRunner:
