@@ -12,6 +12,8 @@ import os
 import pathlib
 from typing import Any, Iterable, Sequence
 
+from specdec.errors import InvalidRequestError
+
 __all__ = ["load_tokenizer", "encode_prompt", "IncrementalDetokenizer", "eos_token_ids", "decode"]
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -39,6 +41,10 @@ def encode_prompt(tok, prompt: str | None = None, messages: Sequence[dict] | Non
         raise ValueError("this model has no tokenizer: pass token ids instead of text")
     if (prompt is None) == (messages is None):
         raise ValueError("pass exactly one of prompt= or messages=")
+    if prompt is not None and not prompt.strip():
+        raise InvalidRequestError("prompt", "the prompt is empty; send some text")
+    if messages is not None and not any(str(m.get("content", "")).strip() for m in messages):
+        raise InvalidRequestError("messages", "every message is empty; send some text")
     has_template = bool(getattr(tok, "chat_template", None))
     if messages is None and has_template and not raw:
         messages = [{"role": "user", "content": prompt}]
