@@ -253,6 +253,8 @@ def cmd_serve(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from specdec.errors import SpecDecError
+
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["bench"]:  # its own parser: specdec/bench/cli.py
         from specdec.bench import main as bench_main
@@ -271,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
         rc = cmd_serve(args) if args.cmd == "serve" else cmd_generate(args)
     except KeyboardInterrupt:
         rc = 130
-    except (FileNotFoundError, TimeoutError, RuntimeError, ValueError) as e:
+    except (SpecDecError, FileNotFoundError, TimeoutError, RuntimeError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         rc = 1
     return rc
