@@ -24,8 +24,9 @@ $(PROTO_STAMP): $(STAMP) $(PROTOS) scripts/gen_protos.py
 
 proto: $(PROTO_STAMP)
 
+# two workers, one per core; a test file stays on one worker (module fixtures: servers, Ray)
 test: install
-	$(PY) -m pytest -ra --durations=15
+	$(PY) -m pytest -ra --durations=15 -n 2 --dist loadfile
 
 test-fast: install
 	$(PY) -m pytest -ra -x -m "not slow"
