@@ -173,13 +173,13 @@ def _generate_in_process(args) -> dict:
     draft = None
     pv = None
     if args.mode != "ar":
-        draft = load_model_dir(resolve_model(args.draft_model))
+        draft = load_model_dir(resolve_model(args.draft_model), dtype="auto", role="draft")
         pv_path = _default_preverifier(args)
         if pv_path:
             from specdec.preverifier import load_preverifier
 
             pv = load_preverifier(pv_path, draft_model=draft)
-    engine = Engine(load_model_dir(tdir), draft, preverifier=pv, threads_per_model=args.threads, max_sessions=1,
+    engine = Engine(load_model_dir(tdir, dtype="auto", role="target"), draft, preverifier=pv, threads_per_model=args.threads, max_sessions=1,
                     max_context=args.max_context)
     ids = encode_prompt(tok, prompt=args.prompt)
     kw = {k: getattr(args, k) for k in ("gamma", "block_size", "pacer_threshold") if getattr(args, k) is not None}

@@ -255,18 +255,39 @@ class CausalLM(nn.Module):
 # ----------------------------------------------------------------------------------------------------------------
 # loading
 
-def _torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
+def cpu_has_fast_bf16() -> bool:
+    """True when oneDNN runs bf16 GEMMs natively here (AVX512-BF16 / AMX)."""
+    try:
+        return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def auto_dtype(device: str | torch.device = "cpu", role: str = "target") -> torch.dtype:
+    """The dtype `auto` picks. GPUs: bf16. CPUs: the *target* runs bf16 where oneDNN has native bf16 GEMMs,
+    because verification forwards several rows and bf16 GEMMs stay flat in the row count (measured on the default
+    target, 1 thread, 1/4/8 rows: fp32 82/155/204 ms, bf16 76/103/108 ms; docs/benchmarks.md). The *draft*
+    decodes one row at a time, where fp32 GEMV is faster (8.3 vs 9.9 ms/token), so it stays fp32 on CPUs."""
+    if torch.device(device).type == "cuda":
+        return torch.bfloat16
+    return torch.bfloat16 if role == "target" and cpu_has_fast_bf16() else torch.float32
+
+
+def _torch_dtype(dtype: str | torch.dtype, device: str | torch.device = "cpu", role: str = "target") -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
+    if dtype == "auto":
+        return auto_dtype(device, role)
     table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
              "float16": torch.float16, "fp16": torch.float16}
     if dtype not in table:
-        raise ValueError(f"dtype {dtype!r} is not supported; use float32, bfloat16 or float16")
+        raise ValueError(f"dtype {dtype!r} is not supported; use auto, float32, bfloat16 or float16")
     return table[dtype]
 
 
-def load_model_dir(path: str | Path, device: str = "cpu", dtype: str | torch.dtype = "float32") -> CausalLM:
-    """Load a Hugging Face-style directory (config.json + *.safetensors)."""
+def load_model_dir(path: str | Path, device: str = "cpu", dtype: str | torch.dtype = "float32",
+                   role: str = "target") -> CausalLM:
+    """Load a Hugging Face-style directory (config.json + *.safetensors). `role` only matters for dtype `auto`."""
     from safetensors.torch import load_file
 
     path = Path(path)
@@ -288,14 +309,15 @@ def load_model_dir(path: str | Path, device: str = "cpu", dtype: str | torch.dty
     unexpected = [u for u in unexpected if "rotary_emb" not in u]
     if missing or unexpected:
         raise ValueError(f"checkpoint {path} does not match the model: missing={missing[:5]} unexpected={unexpected[:5]}")
-    return model.to(device=device, dtype=_torch_dtype(dtype)).eval()
+    return model.to(device=device, dtype=_torch_dtype(dtype, device, role)).eval()
 
 
-def load_model(spec: str | Path, device: str = "cpu", dtype: str | torch.dtype = "float32") -> CausalLM:
+def load_model(spec: str | Path, device: str = "cpu", dtype: str | torch.dtype = "float32",
+               role: str = "target") -> CausalLM:
     """Resolve a model spec (local dir, .gguf, hub id, default-target/default-draft) and load it."""
     from specdec.hub import resolve_model
 
-    return load_model_dir(resolve_model(str(spec)), device=device, dtype=dtype)
+    return load_model_dir(resolve_model(str(spec)), device=device, dtype=dtype, role=role)
 
 
 def build_tiny_model(vocab_size: int = 32, hidden_size: int = 32, num_layers: int = 2, num_heads: int = 4,

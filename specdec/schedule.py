@@ -28,6 +28,14 @@ from specdec.verify import METHODS, SparseDist
 from specdec.workers import DraftBlock, VerifyOutcome
 
 MODES = ("ar", "sd", "pacer", "pearl", "pacer_pearl")
+# gamma when a request leaves it unset. sd/pacer: the draft length (drafting is on the critical path). PEARL modes:
+# the window, an upper bound only, since drafting runs while the target verifies and is cut off when the verify
+# returns; 8 draft tokens take about as long as one target verify of the default pair (8.3 ms vs ~76-100 ms).
+DEFAULT_GAMMA = {"ar": 4, "sd": 4, "pacer": 4, "pearl": 8, "pacer_pearl": 8}
+# pacer_pearl, drafting in the shadow of a verify: a draft token costs no wall time there, only one more verify
+# row, so the pre-verifier stops it only when P(block accepted) is below this. Cost model (docs/pacer.md): the
+# marginal row costs ~4 ms on the bf16 default target vs ~45 ms of wall time per generated token, θ ≈ 0.1.
+DEFAULT_POST_THRESHOLD = 0.1
 
 
 class DraftBackend(Protocol):
@@ -52,10 +60,11 @@ class GenerationRequest:
     max_new_tokens: int = 128
     params: SamplingParams = field(default_factory=SamplingParams)
     mode: str = "sd"
-    gamma: int = 4  # sd: draft length; pearl: draft window; pacer: gamma_max
+    gamma: int | None = None  # sd: draft length; pearl: draft window; pacer: gamma_max (None: DEFAULT_GAMMA)
     block_size: int = 2  # pacer: pre-verifier block size
     verify_method: str = "block"  # ignored (greedy) at temperature 0
     pacer_threshold: float | None = None
+    pacer_post_threshold: float | None = None  # pacer_pearl while a verify runs (None: DEFAULT_POST_THRESHOLD)
     eos_token_ids: tuple[int, ...] = ()
     session_id: str = field(default_factory=lambda: uuid.uuid4().hex)
 
@@ -68,6 +77,8 @@ class GenerationRequest:
             raise InvalidRequestError("mode", f"unknown mode {self.mode!r}; use one of {', '.join(MODES)}")
         if self.verify_method not in METHODS:
             raise InvalidRequestError("verify_method", f"unknown {self.verify_method!r}; use one of {METHODS}")
+        if self.gamma is None:
+            self.gamma = DEFAULT_GAMMA[self.mode]
         if not (1 <= self.gamma <= 64):
             raise InvalidRequestError("gamma", f"must be in [1, 64], got {self.gamma}")
         if self.block_size < 1:
@@ -197,6 +208,22 @@ def _stop_spec(req: GenerationRequest) -> StopSpec:
     return StopSpec("pacer", req.pacer_threshold) if req.mode in ("pacer", "pacer_pearl") else StopSpec("fixed")
 
 
+def _post_stop_spec(req: GenerationRequest) -> StopSpec:
+    """Drafting while a verify runs (PEARL post-verify): the draft's time is hidden, so only a much lower
+    pre-verifier score stops it; otherwise the verify's return (a cancel) or the window ends it."""
+    if req.mode != "pacer_pearl":
+        return StopSpec("fixed")
+    th = req.pacer_post_threshold if req.pacer_post_threshold is not None else DEFAULT_POST_THRESHOLD
+    return StopSpec("pacer", th)
+
+
+async def _cut(draft: DraftBackend, sid: str, task: asyncio.Future) -> DraftBlock:
+    """Stop a speculative draft stream now (PEARL: the target never waits for the draft) and keep what it wrote."""
+    if not task.done():
+        await draft.cancel(sid)
+    return await task
+
+
 async def _run_ar(run: _Run, target: TargetBackend) -> None:
     req = run.req
     while run.finish is None:
@@ -228,14 +255,16 @@ async def _run_sd(run: _Run, draft: DraftBackend, target: TargetBackend) -> None
 async def _run_pearl(run: _Run, draft: DraftBackend, target: TargetBackend) -> None:
     req = run.req
     sid = req.session_id
-    stop = _stop_spec(req)
-    block = min(req.block_size, req.gamma) if stop.kind == "pacer" else req.gamma
+    # every draft token after a round's first runs while the target works (pre- or post-verify), so the
+    # pre-verifier's shadow threshold applies throughout; the first token of a PRE round is the only wait
+    post_stop = _post_stop_spec(req)
+    post_block = min(req.block_size, req.gamma) if post_stop.kind == "pacer" else 1  # stream: a cut keeps tokens
     pending_block: DraftBlock | None = None  # POST: a block whose first token is already committed
     while run.finish is None:
         run.stats.rounds += 1
         if pending_block is None:  # ---------------- PRE: pre-verify the first token while drafting the rest
             base_d, append = run.draft_args()
-            stream = draft.draft_stream(sid, base_d, append, req.gamma, stop, 1).__aiter__()
+            stream = draft.draft_stream(sid, base_d, append, req.gamma, post_stop, 1).__aiter__()
             first = await stream.__anext__()
             rest = asyncio.ensure_future(_collect(stream, run))
             run.stats.draft_tokens += len(first.tokens)
@@ -253,7 +282,7 @@ async def _run_pearl(run: _Run, draft: DraftBackend, target: TargetBackend) -> N
                 run.commit([out.next_token])
                 continue
             run.commit(first.tokens[:1])
-            tail = await rest
+            tail = await _cut(draft, sid, rest)
             pending_block = DraftBlock(tokens=first.tokens + tail.tokens, q=first.q + tail.q)
             run.draft_fed = base_d + len(append) + len(pending_block.tokens) - 1
             # the first token is committed: the block's remaining tokens are verified in POST below
@@ -268,14 +297,14 @@ async def _run_pearl(run: _Run, draft: DraftBackend, target: TargetBackend) -> N
                                                           feed_draft=True, sample_bonus=False))
         spec_base = run.draft_fed
         spec_append = [pending_block.tokens[-1]]
-        spec = asyncio.ensure_future(_collect(draft.draft_stream(sid, spec_base, spec_append, req.gamma, stop, block),
-                                              run))
+        spec = asyncio.ensure_future(_collect(draft.draft_stream(sid, spec_base, spec_append, req.gamma, post_stop,
+                                                                 post_block), run))
         out = await verify_task
         run.on_verify(out, len(to_check))
         run.target_fed = base_t + len(feed) + out.num_accepted
         if out.num_accepted == len(to_check):
             run.commit(to_check)
-            nxt = await spec
+            nxt = await _cut(draft, sid, spec)
             run.draft_fed = spec_base + 1 + len(nxt.tokens) - 1
             if not nxt.tokens or run.finish is not None:
                 run.stats.wasted_draft_tokens += len(nxt.tokens)

@@ -187,10 +187,10 @@ class DraftWorker(_Worker):
                 qs.append(SparseDist.from_dense(probs))
             toks.append(x)
             hids.append(row_hidden.float())
-            px = probs[x].clamp_min(1e-30)
-            logq.append(float(px.log()))
-            nz = probs[probs > 0]
-            ent.append(float(-(nz * nz.log()).sum()))
+            # pre-verifier features: at T=0 q is one-hot, so confidence is read from the untempered softmax
+            lq = torch.log_softmax(row.float(), -1) if s.params.greedy else probs.clamp_min(1e-30).log()
+            logq.append(float(lq[x]))
+            ent.append(float(torch.special.entr(lq.exp()).sum()))
             done = t + 1 == gamma_max
             reason, score = ("gamma_max" if done else ""), None
             if not done and (t + 1 - block_start) == block_size:

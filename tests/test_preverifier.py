@@ -273,4 +273,7 @@ def test_teacher_forced_collection_matches_the_workers_on_greedy_rounds():
         assert torch.equal(w.tokens[:k].long(), t["tokens"][:k].long())
         assert torch.equal(w.label[:k], t["label"][:k])
         assert torch.allclose(w.hidden[:k].float(), t["hidden"][:k].float(), atol=2e-3)
-        assert torch.equal(w.logq[:k], t["logq"][:k]) and torch.equal(w.entropy[:k], t["entropy"][:k])
+        # greedy confidence features come from the logits: a batched vs one-row forward may differ in the last ulp
+        assert torch.allclose(w.logq[:k], t["logq"][:k], atol=1e-4)
+        assert torch.allclose(w.entropy[:k], t["entropy"][:k], atol=1e-4)
+        assert (w.logq[:k] < 0).all() and (w.entropy[:k] > 0).all()  # real confidence, not the one-hot zeros

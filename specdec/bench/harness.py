@@ -112,8 +112,8 @@ class Bench:
         kinds = {c.kind for c in self.configs}
         max_ctx = max(len(p.ids) for p in self.prompts) + o.max_new_tokens + 64
         self.log(f"loading models (target {self.target_dir}, draft {self.draft_dir})")
-        target = load_model_dir(self.target_dir)
-        draft = load_model_dir(self.draft_dir) if self.draft_dir else None
+        target = load_model_dir(self.target_dir, dtype="auto", role="target")
+        draft = load_model_dir(self.draft_dir, dtype="auto", role="draft") if self.draft_dir else None
         pv = None
         if self.pv_path and draft is not None:
             from specdec.preverifier import load_preverifier

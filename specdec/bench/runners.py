@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from specdec.model import auto_dtype
+
 STACK_STAT_FIELDS = ("rounds", "target_forwards", "draft_tokens", "accepted_tokens", "mean_accepted_length",
                      "draft_busy_s", "target_busy_s", "network_s", "wall_s", "wasted_draft_tokens")
 
@@ -89,14 +91,14 @@ class SubsetHead(torch.nn.Module):
         return full
 
 
-def load_hf(model_dir: str | Path):
+def load_hf(model_dir: str | Path, dtype: torch.dtype = torch.float32):
     """`AutoModelForCausalLM.from_pretrained`; a config without `model_type` (tiny test models) is read as Llama."""
     from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
     raw = json.loads((Path(model_dir) / "config.json").read_text())
     if "model_type" not in raw:
-        return LlamaForCausalLM.from_pretrained(str(model_dir), config=LlamaConfig(**raw), dtype=torch.float32).eval()
-    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+        return LlamaForCausalLM.from_pretrained(str(model_dir), config=LlamaConfig(**raw), dtype=dtype).eval()
+    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).eval()
 
 
 def load_hf_draft(draft_dir: str | Path):
@@ -147,7 +149,8 @@ class HFModels:
     """Target + draft as transformers models, shared by the 1- and 2-thread HF runners."""
 
     def __init__(self, target_dir: str | Path, draft_dir: str | Path, eos: tuple[int, ...]):
-        self.target = load_hf(target_dir)
+        # the same dtypes our servers pick (`auto`), so both sides run the same arithmetic
+        self.target = load_hf(target_dir, auto_dtype("cpu", "target"))
         self.draft = load_hf_draft(draft_dir)
         self.eos = list(eos)
         self.compact_draft = isinstance(self.draft.lm_head, SubsetHead)

@@ -19,7 +19,9 @@ def _load_pair(args):
     from specdec.model import load_model_dir
 
     tdir, ddir = Path(resolve_model(args.target)), Path(resolve_model(args.draft))
-    return load_model_dir(tdir), load_model_dir(ddir), tdir, ddir
+    # the dtypes the services pick (`auto`), so labels and measured costs are those of the served pair
+    return (load_model_dir(tdir, dtype="auto", role="target"), load_model_dir(ddir, dtype="auto", role="draft"),
+            tdir, ddir)
 
 
 def cmd_collect(args) -> Path:

@@ -4,7 +4,8 @@ Why it is exact for greedy decoding: in a greedy SD round every accepted prefix 
 continuation, so the draft's state at any drafted token whose predecessors were accepted is the draft's state on the
 target's greedy text. One teacher-forced draft forward over (prompt + the target's greedy continuation) therefore
 gives, at every position j, exactly the features the DraftWorker computes when it drafts position j after an
-accepted prefix (same model code, same hidden row, greedy q is one-hot so log q = entropy = 0), and the conditional
+accepted prefix (same model code, same hidden row; at T=0, log q and entropy come from the untempered softmax,
+as in the worker), and the conditional
 label is `argmax q_j == the target's token j`. Rounds are then laid out the way `mode=sd` walks the text (start,
 accepted prefix, next start = start + accepted + 1). The only approximation is for the tokens *after* the first
 rejection of a round, which are read on the target's text rather than on the draft's own wrong continuation: they
@@ -60,8 +61,9 @@ def collect_tf(draft_model, rows: list[dict], gamma_max: int = 12, target_model=
             else:
                 tgt = torch.tensor(comp)
             label = (x == tgt).float()
-            logq = torch.zeros(C)
-            ent = torch.zeros(C)
+            lp = torch.log_softmax(dl.float(), -1)  # the DraftWorker's greedy features: untempered softmax
+            logq = lp.gather(1, x[:, None])[:, 0]
+            ent = torch.special.entr(lp.exp()).sum(-1)
         else:
             if target_model is None:
                 raise ValueError("sampled rows need the target model (soft labels min(1, p/q))")

@@ -10,7 +10,7 @@ import re
 from pydantic import BaseModel, Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DEVICE = re.compile(r"^(cpu|cuda|cuda:\d+)$")
 
 
@@ -38,7 +38,8 @@ class ServerSettings(BaseSettings):
     port: int = Field(0, ge=0, le=65535, description="gRPC port (0 picks a free one)")
     metrics_port: int = Field(0, ge=0, le=65535, description="Prometheus /metrics port (0 disables)")
     device: str = Field("cpu", description="cpu, cuda or cuda:N")
-    dtype: str = Field("float32", description="weights/activations dtype; probabilities stay float32")
+    dtype: str = Field("auto", description="weights/activations dtype; probabilities stay float32. auto: bf16 on "
+                                          "GPUs and for a target on CPUs with native bf16 GEMMs, else float32")
     threads: int = Field(0, ge=0, description="torch intra-op threads (0 keeps torch's default)")
     max_sessions: int = Field(16, ge=1, description="session slots (KV memory bound: each holds max_context positions)")
     session_ttl_s: float = Field(600.0, gt=0, description="idle sessions expire after this")
@@ -89,7 +90,11 @@ def resolve_device(spec: str):
     return torch.device("cpu")
 
 
-def resolve_dtype(name: str):
+def resolve_dtype(name: str, device="cpu", role: str = "target"):
     import torch
 
+    from specdec.model import auto_dtype
+
+    if name == "auto":
+        return auto_dtype(device, role)
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
