@@ -61,7 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate a continuation of PROMPT")
     g.add_argument("prompt", help="prompt text (wrapped in the chat template when the model has one)")
     g.add_argument("--mode", choices=MODES, default="sd")
-    g.add_argument("--gamma", type=int, default=None, help="draft length / PEARL window (default: 4)")
+    g.add_argument("--gamma", type=int, default=None,
+                   help="draft length (sd/pacer, default 4) / PEARL window (pearl modes, default 8)")
     g.add_argument("--block-size", type=int, default=None, help="PACER block size (default: 2)")
     g.add_argument("--pacer-threshold", type=float, default=None)
     g.add_argument("--verify-method", choices=("token", "block"), default="block")
@@ -179,7 +180,8 @@ def _generate_in_process(args) -> dict:
             from specdec.preverifier import load_preverifier
 
             pv = load_preverifier(pv_path, draft_model=draft)
-    engine = Engine(load_model_dir(tdir, dtype="auto", role="target"), draft, preverifier=pv, threads_per_model=args.threads, max_sessions=1,
+    engine = Engine(load_model_dir(tdir, dtype="auto", role="target"), draft, preverifier=pv,
+                    threads_per_model=args.threads, max_sessions=1,
                     max_context=args.max_context)
     ids = encode_prompt(tok, prompt=args.prompt)
     kw = {k: getattr(args, k) for k in ("gamma", "block_size", "pacer_threshold") if getattr(args, k) is not None}

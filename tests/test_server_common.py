@@ -273,3 +273,21 @@ def test_metrics_names():
     assert m.value("specdec_num_draft_tokens_total") == 3
     assert m.value("specdec_num_accepted_tokens_total") == 2
     assert m.value("specdec_sessions_active") == 1
+
+
+def test_dtype_auto_picks_per_role():
+    """`auto` (the default): bf16 for a target only where the CPU has native bf16 GEMMs; drafts stay fp32 on CPUs."""
+    import torch
+
+    from specdec.model import auto_dtype, cpu_has_fast_bf16
+    from specdec.server.settings import resolve_dtype
+
+    class S(ServerSettings):
+        model_config = SettingsConfigDict(env_prefix="XTEST2_")
+
+    assert S.from_cli([]).dtype == "auto"
+    fast = cpu_has_fast_bf16()
+    assert resolve_dtype("auto", "cpu", "target") == (torch.bfloat16 if fast else torch.float32)
+    assert resolve_dtype("auto", "cpu", "draft") == torch.float32
+    assert auto_dtype("cuda:0", "draft") == torch.bfloat16
+    assert resolve_dtype("float32", "cpu", "target") == torch.float32
