@@ -53,7 +53,7 @@ def cmd_teacher(args):
 
     train_rows, _ = _data(args)
     run_teacher(resolve_model(args.target), train_rows, pathlib.Path(args.work) / "teacher", k=args.k,
-                seed=args.seed, threads=args.threads, max_shards=args.max_shards)
+                seed=args.seed, threads=args.threads, max_shards=args.max_shards, dtype=args.dtype)
 
 
 def _setup_draft(args, train_rows, target):
@@ -150,6 +150,8 @@ def main(argv=None):
     t = sub.add_parser("teacher", help="top-k soft labels (sharded, resumable)")
     t.add_argument("--k", type=int, default=32)
     t.add_argument("--max-shards", type=int, default=None)
+    t.add_argument("--dtype", default="auto",
+                   help="the target's dtype; auto = what the target service serves (bf16 on CPUs with native bf16)")
     t.set_defaults(fn=cmd_teacher)
 
     tr = sub.add_parser("train", help="distill the draft (resumable)")

@@ -46,9 +46,11 @@ def teacher_topk(model, rows: list[dict], k: int, batch_size: int = 8, pad_id: i
 
 
 def run_teacher(target_dir, rows: list[dict], out_dir, k: int = 32, seed: int = 0, shard_size: int = 64,
-                threads: int = 1, progress: bool = True, max_shards: int | None = None) -> None:
+                threads: int = 1, progress: bool = True, max_shards: int | None = None, dtype: str = "auto") -> None:
     from transformers import AutoModelForCausalLM
     from tqdm import tqdm
+
+    from ..model import _torch_dtype
 
     torch.set_num_threads(threads)
     torch.manual_seed(seed)
@@ -57,7 +59,9 @@ def run_teacher(target_dir, rows: list[dict], out_dir, k: int = 32, seed: int = 
     shards = shard_rows(rows, seed, shard_size)
     if max_shards is not None:
         shards = shards[:max_shards]
-    model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
+    # label the distribution that is served: `auto` resolves like the target service (bf16 on CPUs with native
+    # bf16 GEMMs, where it is also ~3x faster for these long sequences)
+    model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=_torch_dtype(dtype, "cpu", "target")).eval()
     todo = [i for i in range(len(shards)) if not (out_dir / f"shard_{i:05d}.pt").exists()]
     t0, ntok = time.time(), 0
     bar = tqdm(todo, desc="teacher top-k", disable=not progress, mininterval=5)
