@@ -5,8 +5,9 @@ gRPC clients), so the two can be compared like for like. The schedule owns the r
 source of truth: what a backend holds is always re-derived from it (`base_position` + the tokens it lacks).
 
 PEARL (ALGORITHMS.md §3.2), adapted to services:
-- PRE round: the draft streams its block; as soon as the first token arrives, the target forwards the pending
-  token and checks that first token with a check-only verify, while the draft writes the rest (pre-verify).
+- PRE round: the target forwards the pending token while the draft writes the block's first token; that token is
+  then checked against the target's stored row (a check-only verify, no forward) while the draft writes the rest
+  (pre-verify).
   Rejected → the draft is cancelled, the recovered token is committed, stay PRE. Accepted → POST.
 - POST round: the target verifies the rest of the current block while the draft already drafts the next block
   from its last token, assuming everything is accepted (post-verify). All accepted → the next block's first token
@@ -263,17 +264,31 @@ async def _run_pearl(run: _Run, draft: DraftBackend, target: TargetBackend) -> N
     while run.finish is None:
         run.stats.rounds += 1
         if pending_block is None:  # ---------------- PRE: pre-verify the first token while drafting the rest
+            # the target forwards the pending token(s) while the draft writes its first token, then checks that
+            # token against the stored row (no second forward): the draft's first token is off the critical path
             base_d, append = run.draft_args()
             stream = draft.draft_stream(sid, base_d, append, req.gamma, post_stop, 1).__aiter__()
-            first = await stream.__anext__()
+            first_task = asyncio.ensure_future(stream.__anext__())
+            base_t, feed = run.target_args()
+            fwd = None
+            if feed:
+                fwd = asyncio.ensure_future(target.verify(sid, base_t, feed, [], None, req.method,
+                                                          feed_draft=True, sample_bonus=False))
+            try:
+                first = await first_task
+            except BaseException:
+                if fwd is not None:
+                    fwd.cancel()
+                raise
             rest = asyncio.ensure_future(_collect(stream, run))
             run.stats.draft_tokens += len(first.tokens)
             run.stats.draft_busy_s += first.draft_ns / 1e9
-            base_t, feed = run.target_args()
-            out = await target.verify(sid, base_t, feed, first.tokens[:1], first.q[:1], req.method,
+            if fwd is not None:
+                run.on_verify(await fwd, 0)
+                run.target_fed = base_t + len(feed)
+            out = await target.verify(sid, run.target_fed, [], first.tokens[:1], first.q[:1], req.method,
                                       feed_draft=False, sample_bonus=False)
             run.on_verify(out, 1)
-            run.target_fed = base_t + len(feed)
             if out.num_accepted == 0:
                 await draft.cancel(sid)
                 wasted = await rest
