@@ -21,7 +21,8 @@ async def build_app(settings: DraftSettings, model=None, preverifier=None, warmu
     if model is None:
         from specdec.model import load_model
 
-        device, dtype = resolve_device(settings.device), resolve_dtype(settings.dtype, device, "draft")
+        device = resolve_device(settings.device)
+        dtype = resolve_dtype(settings.dtype, device, "draft")
         model = await runner.run(load_model, settings.model, device, dtype)
     if preverifier is None and settings.preverifier:
         from specdec.preverifier import load_preverifier

@@ -21,7 +21,8 @@ async def build_app(settings: TargetSettings, model=None, warmup: bool = True) -
     if model is None:
         from specdec.model import load_model
 
-        device, dtype = resolve_device(settings.device), resolve_dtype(settings.dtype, device, "target")
+        device = resolve_device(settings.device)
+        dtype = resolve_dtype(settings.dtype, device, "target")
         model = await runner.run(load_model, settings.model, device, dtype)
     worker = await runner.run(lambda: TargetWorker(
         model, max_sessions=settings.max_sessions + 1, max_context=settings.max_context or None,
