@@ -176,15 +176,17 @@ def build_random_preverifier(hidden_size: int, seed: int = 0, block_size: int = 
 
 
 def draft_fingerprint(draft_model: nn.Module) -> str:
-    """sha256 over the draft's decoder layers and final norm (names, shapes, fp32 bytes): identifies the space of
-    its hidden states, independently of how a loader lays out a compact vocabulary (embeddings / head)."""
+    """sha256 over the draft's decoder layers and final norm (names, shapes, bf16-rounded bytes): identifies the
+    space of its hidden states, independently of how a loader lays out a compact vocabulary (embeddings / head) and
+    of the dtype it was loaded in (fp32, fp16 or bf16 copies of the same stored weights hash alike)."""
     h = hashlib.sha256()
     for name, p in sorted(draft_model.state_dict().items()):
         if not torch.is_tensor(p) or not (".layers." in name or name.endswith("norm.weight")):
             continue
         h.update(name.encode())
         h.update(str(tuple(p.shape)).encode())
-        h.update(p.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+        h.update(p.detach().to("cpu", torch.float32).to(torch.bfloat16).contiguous().view(torch.int16).numpy()
+                 .tobytes())
     return h.hexdigest()
 
 

@@ -68,6 +68,12 @@ def test_save_load_roundtrip_and_draft_check(tmp_path):
     assert back.block_accept_prob(f) == pytest.approx(pv.block_accept_prob(f), abs=1e-6)
     with pytest.warns(RuntimeWarning, match="another draft"):
         load_preverifier(tmp_path / "pv", draft_model=other)
+    import copy
+    import warnings
+
+    with warnings.catch_warnings():  # the same draft served in another dtype (a GPU's bf16) is the same draft
+        warnings.simplefilter("error")
+        load_preverifier(tmp_path / "pv", draft_model=copy.deepcopy(draft).to(torch.bfloat16), strict=True)
     with pytest.raises(PreverifierMismatchError):
         load_preverifier(tmp_path / "pv", draft_model=other, strict=True)
     with pytest.raises(PreverifierMismatchError, match="hidden size"):

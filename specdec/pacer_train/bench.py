@@ -106,7 +106,8 @@ def run_ablation(args) -> dict:
 
     torch.set_num_threads(1)
     tdir, ddir = Path(resolve_model(args.target)), Path(resolve_model(args.draft))
-    target, draft = load_model_dir(tdir), load_model_dir(ddir)
+    target = load_model_dir(tdir, dtype="auto", role="target")
+    draft = load_model_dir(ddir, dtype="auto", role="draft")
     pv = load_preverifier(args.preverifier, draft_model=draft, strict=False)
     tok = load_tokenizer(tdir)
     from specdec.tokenizer import eos_token_ids
