@@ -62,7 +62,7 @@ class GenerationRequest:
     params: SamplingParams = field(default_factory=SamplingParams)
     mode: str = "sd"
     gamma: int | None = None  # sd: draft length; pearl: draft window; pacer: gamma_max (None: DEFAULT_GAMMA)
-    block_size: int = 2  # pacer: pre-verifier block size
+    block_size: int | None = None  # pacer: tokens per pre-verifier check (None: the pre-verifier's trained B)
     verify_method: str = "block"  # ignored (greedy) at temperature 0
     pacer_threshold: float | None = None
     pacer_post_threshold: float | None = None  # pacer_pearl while a verify runs (None: DEFAULT_POST_THRESHOLD)
@@ -82,7 +82,7 @@ class GenerationRequest:
             self.gamma = DEFAULT_GAMMA[self.mode]
         if not (1 <= self.gamma <= 64):
             raise InvalidRequestError("gamma", f"must be in [1, 64], got {self.gamma}")
-        if self.block_size < 1:
+        if self.block_size is not None and self.block_size < 1:
             raise InvalidRequestError("block_size", f"must be >= 1, got {self.block_size}")
         self.params.validate()
         return self
@@ -239,7 +239,7 @@ async def _run_ar(run: _Run, target: TargetBackend) -> None:
 async def _run_sd(run: _Run, draft: DraftBackend, target: TargetBackend) -> None:
     req = run.req
     stop = _stop_spec(req)
-    block = min(req.block_size, req.gamma) if stop.kind == "pacer" else req.gamma
+    block = (min(req.block_size, req.gamma) if req.block_size else 0) if stop.kind == "pacer" else req.gamma
     while run.finish is None:
         base_d, append = run.draft_args()
         gamma = min(req.gamma, req.max_new_tokens - len(run.generated))
@@ -259,7 +259,9 @@ async def _run_pearl(run: _Run, draft: DraftBackend, target: TargetBackend) -> N
     # every draft token after a round's first runs while the target works (pre- or post-verify), so the
     # pre-verifier's shadow threshold applies throughout; the first token of a PRE round is the only wait
     post_stop = _post_stop_spec(req)
-    post_block = min(req.block_size, req.gamma) if post_stop.kind == "pacer" else 1  # stream: a cut keeps tokens
+    post_block = 1  # stream token by token: a cut keeps everything drafted so far
+    if post_stop.kind == "pacer":
+        post_block = min(req.block_size, req.gamma) if req.block_size else 0  # 0: the pre-verifier's B
     pending_block: DraftBlock | None = None  # POST: a block whose first token is already committed
     while run.finish is None:
         run.stats.rounds += 1

@@ -47,6 +47,7 @@ class PreverifierStop:
     def __init__(self, preverifier, threshold: float):
         self.preverifier = preverifier
         self.threshold = threshold
+        self.block_size = int(getattr(preverifier, "block_size", 0) or 0)  # the B it was tuned for
         self.last_score: float | None = None
 
     def should_stop(self, features: DraftFeatures) -> bool:

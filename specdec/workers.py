@@ -167,7 +167,8 @@ class DraftWorker(_Worker):
         self._check_tokens("append", append)
         self._check_context(base_position + len(append) + gamma_max, "this draft")
         stop = stop or FixedLength()
-        block_size = block_size if block_size > 0 else gamma_max
+        # 0: the stop rule's own block size (a pre-verifier's trained B), else one block of gamma_max
+        block_size = block_size if block_size > 0 else (getattr(stop, "block_size", 0) or gamma_max)
         epoch = s.epoch
         t0 = time.perf_counter_ns()
         self._truncate(s, base_position)
