@@ -62,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("prompt", help="prompt text (wrapped in the chat template when the model has one)")
     g.add_argument("--mode", choices=MODES, default="sd")
     g.add_argument("--gamma", type=int, default=None,
-                   help="draft length (sd/pacer, default 4) / PEARL window (pearl modes, default 8)")
+                   help="sd: draft length (default 4); pacer: max draft length (default 8); "
+                        "pearl modes: the window (default 8)")
     g.add_argument("--block-size", type=int, default=None, help="PACER block size (default: 2)")
     g.add_argument("--pacer-threshold", type=float, default=None)
     g.add_argument("--verify-method", choices=("token", "block"), default="block")

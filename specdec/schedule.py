@@ -29,10 +29,11 @@ from specdec.verify import METHODS, SparseDist
 from specdec.workers import DraftBlock, VerifyOutcome
 
 MODES = ("ar", "sd", "pacer", "pearl", "pacer_pearl")
-# gamma when a request leaves it unset. sd/pacer: the draft length (drafting is on the critical path). PEARL modes:
-# the window, an upper bound only, since drafting runs while the target verifies and is cut off when the verify
-# returns; 8 draft tokens take about as long as one target verify of the default pair (8.3 ms vs ~76-100 ms).
-DEFAULT_GAMMA = {"ar": 4, "sd": 4, "pacer": 4, "pearl": 8, "pacer_pearl": 8}
+# gamma when a request leaves it unset. sd: the draft length. pacer: the most it may draft (the pre-verifier
+# decides; a bf16 verify of 9 rows costs about what 1 row does on the default target). PEARL modes: the window,
+# an upper bound only, since drafting runs while the target verifies and is cut off when the verify returns;
+# 8 draft tokens take about as long as one target verify of the default pair (8.3 ms vs ~76-100 ms).
+DEFAULT_GAMMA = {"ar": 4, "sd": 4, "pacer": 8, "pearl": 8, "pacer_pearl": 8}
 # pacer_pearl, drafting in the shadow of a verify: a draft token costs no wall time there, only one more verify
 # row, so the pre-verifier stops it only when P(block accepted) is below this. Cost model (docs/pacer.md): the
 # marginal row costs ~4 ms on the bf16 default target vs ~45 ms of wall time per generated token, θ ≈ 0.1.

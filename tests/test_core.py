@@ -160,6 +160,6 @@ def test_bad_input_errors(tiny_pair):
 def test_gamma_defaults_per_mode():
     from specdec.schedule import DEFAULT_GAMMA
 
-    for mode, g in (("sd", 4), ("pacer", 4), ("pearl", 8), ("pacer_pearl", 8)):
+    for mode, g in (("sd", 4), ("pacer", 8), ("pearl", 8), ("pacer_pearl", 8)):
         assert GenerationRequest([1, 2], 4, mode=mode).validate().gamma == g == DEFAULT_GAMMA[mode]
     assert GenerationRequest([1, 2], 4, mode="pearl", gamma=3).validate().gamma == 3
