@@ -64,7 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--gamma", type=int, default=None,
                    help="sd: draft length (default 4); pacer: max draft length (default 8); "
                         "pearl modes: the window (default 8)")
-    g.add_argument("--block-size", type=int, default=None, help="PACER block size (default: 2)")
+    g.add_argument("--block-size", type=int, default=None,
+                   help="PACER block size (default: the pre-verifier's trained B)")
     g.add_argument("--pacer-threshold", type=float, default=None)
     g.add_argument("--verify-method", choices=("token", "block"), default="block")
     g.add_argument("--max-new-tokens", type=int, default=128)
