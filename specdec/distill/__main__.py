@@ -43,8 +43,14 @@ def cmd_generate(args):
     torch.set_num_threads(args.threads)
     from ..hub import resolve_model
 
+    exclude = None
+    if args.exclude_samples:
+        from .data import load_samples
+
+        exclude = {tuple(r["prompt_ids"]) for r in load_samples(args.exclude_samples)}
     generate(resolve_model(args.target), args.out, seconds=args.seconds, seed=args.seed,
-             batch_size=args.batch_size, max_new_tokens=args.max_new_tokens)
+             batch_size=args.batch_size, max_new_tokens=args.max_new_tokens, dtype=args.dtype,
+             exclude_prompt_ids=exclude, temperatures=tuple(float(t) for t in args.temperatures.split(",")))
 
 
 def cmd_teacher(args):
@@ -145,6 +151,10 @@ def main(argv=None):
     g.add_argument("--seconds", type=float, default=600)
     g.add_argument("--batch-size", type=int, default=16)
     g.add_argument("--max-new-tokens", type=int, default=192)
+    g.add_argument("--dtype", default="auto", help="the target's dtype; auto = what the target service serves")
+    g.add_argument("--exclude-samples", action="append", default=[],
+                   help="JSONL(.gz) whose prompts are skipped (repeatable): fresh text for pre-verifier labels")
+    g.add_argument("--temperatures", default="0,0.7,1", help="cycled per batch")
     g.set_defaults(fn=cmd_generate)
 
     t = sub.add_parser("teacher", help="top-k soft labels (sharded, resumable)")

@@ -52,8 +52,25 @@ def make_prompts(rng: random.Random, n: int) -> list[str]:
 
 
 @torch.no_grad()
+def fresh_prompts(rng: random.Random, n: int, encode, exclude: set, tries: int = 200) -> list[str]:
+    """Up to n prompts whose token ids are not in `exclude` (nor repeated); `exclude` grows with the ones taken."""
+    out = []
+    for _ in range(n * tries):
+        if len(out) == n:
+            break
+        p = rng.choice(TEMPLATES).format(rng.choice(TOPICS))
+        ids = tuple(encode(p))
+        if ids not in exclude:
+            exclude.add(ids)
+            out.append(p)
+    return out
+
+
 def generate(model_dir, out_path, seconds: float = 600, seed: int = 0, batch_size: int = 16,
-             max_new_tokens: int = 192, progress: bool = True) -> int:
+             max_new_tokens: int = 192, progress: bool = True, dtype: str = "auto",
+             exclude_prompt_ids: set | None = None, temperatures: tuple[float, ...] = (0.0, 0.7, 1.0)) -> int:
+    """`exclude_prompt_ids`: chat-templated prompt ids to avoid (e.g. everything a draft trained on, so that a
+    pre-verifier sees the draft on text it has not memorised); then no prompt repeats within the run either."""
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -61,15 +78,25 @@ def generate(model_dir, out_path, seconds: float = 600, seed: int = 0, batch_siz
     torch.manual_seed(seed)
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     tok.padding_side = "left"
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    from ..model import _torch_dtype
+
+    # the served dtype (`auto`: bf16 on CPUs with native bf16 GEMMs, where batched decoding is also much faster)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=_torch_dtype(dtype, "cpu", "target")).eval()
     t0, n_tok, batch_i = time.time(), 0, 0
     bar = tqdm(desc="generate", unit="tok", disable=not progress)
     Path(out_path).parent.mkdir(parents=True, exist_ok=True)
     with open(out_path, "a") as out:
         while time.time() - t0 < seconds:
-            temp = [0.0, 0.7, 1.0][batch_i % 3]
+            temp = temperatures[batch_i % len(temperatures)]
             batch_i += 1
-            prompts = make_prompts(rng, batch_size)
+            if exclude_prompt_ids is None:
+                prompts = make_prompts(rng, batch_size)
+            else:
+                prompts = fresh_prompts(rng, batch_size, lambda p: tok(tok.apply_chat_template(  # as stored below
+                    [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False))["input_ids"],
+                    exclude_prompt_ids)
+                if not prompts:
+                    break  # every template x topic combination is excluded or taken
             texts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
                                              tokenize=False) for p in prompts]
             enc = tok(texts, return_tensors="pt", padding=True)
