@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PROTOS := $(wildcard proto/specdec/v1/*.proto)
 PROTO_STAMP := specdec/pb/.generated
-PROMPT ?= Write a Python function that reverses a string.
+PROMPT ?= Explain how a hash map works, with an example in Python.
 
 .PHONY: install proto test test-fast demo serve bench bench-quick distill-draft train-preverifier clean
 

@@ -35,9 +35,10 @@ MODES = ("ar", "sd", "pacer", "pearl", "pacer_pearl")
 # 8 draft tokens take about as long as one target verify of the default pair (8.3 ms vs ~76-100 ms).
 DEFAULT_GAMMA = {"ar": 4, "sd": 4, "pacer": 8, "pearl": 8, "pacer_pearl": 8}
 # pacer_pearl, drafting in the shadow of a verify: a draft token costs no wall time there, only one more verify
-# row, so the pre-verifier stops it only when P(block accepted) is below this. Cost model (docs/pacer.md): the
-# marginal row costs ~4 ms on the bf16 default target vs ~45 ms of wall time per generated token, θ ≈ 0.1.
-DEFAULT_POST_THRESHOLD = 0.1
+# row, so the pre-verifier stops it only when its score falls below θ_post = (extra verify cost of a row) / (wall
+# time per generated token). Measured on the default pair (bf16 target, 1 thread per server): 0.9 ms per row vs
+# ~85 ms per token through the stack, θ_post ≈ 0.01; an fp32 CPU target (~12 ms per row) would want ≈ 0.15.
+DEFAULT_POST_THRESHOLD = 0.01
 
 
 class DraftBackend(Protocol):

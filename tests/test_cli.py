@@ -108,8 +108,9 @@ def _default_pair_ready() -> bool:
 def test_default_pair_pacer_pearl_overlap_is_real():
     """`make demo`'s request: draft and target really compute at the same time (wall ≤ 75% of their busy sum)."""
     p = subprocess.run([sys.executable, "-m", "specdec.cli", "generate",
-                        "Write a Python function that reverses a string.", "--mode", "pacer_pearl",
+                        "Explain how a hash map works, with an example in Python.", "--mode", "pacer_pearl",
                         "--max-new-tokens", "128", "--json"], capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stderr[-3000:]
     st = json.loads(p.stdout.strip().splitlines()[-1])["stats"]
+    assert st["completion_tokens"] == 128, st  # the prompt runs the full length (no early EOS)
     assert st["wall_s"] <= 0.75 * (st["draft_busy_s"] + st["target_busy_s"]), st
