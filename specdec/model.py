@@ -273,7 +273,8 @@ def auto_dtype(device: str | torch.device = "cpu", role: str = "target") -> torc
     return torch.bfloat16 if role == "target" and cpu_has_fast_bf16() else torch.float32
 
 
-def _torch_dtype(dtype: str | torch.dtype, device: str | torch.device = "cpu", role: str = "target") -> torch.dtype:
+def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device = "cpu", role: str = "target") -> torch.dtype:
+    """A dtype name (auto, float32/fp32, bfloat16/bf16, float16/fp16) or torch dtype → torch dtype."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
@@ -309,7 +310,7 @@ def load_model_dir(path: str | Path, device: str = "cpu", dtype: str | torch.dty
     unexpected = [u for u in unexpected if "rotary_emb" not in u]
     if missing or unexpected:
         raise ValueError(f"checkpoint {path} does not match the model: missing={missing[:5]} unexpected={unexpected[:5]}")
-    return model.to(device=device, dtype=_torch_dtype(dtype, device, role)).eval()
+    return model.to(device=device, dtype=resolve_dtype(dtype, device, role)).eval()
 
 
 def load_model(spec: str | Path, device: str = "cpu", dtype: str | torch.dtype = "float32",

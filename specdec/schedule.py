@@ -211,6 +211,11 @@ def _stop_spec(req: GenerationRequest) -> StopSpec:
     return StopSpec("pacer", req.pacer_threshold) if req.mode in ("pacer", "pacer_pearl") else StopSpec("fixed")
 
 
+def _pacer_block(req: GenerationRequest) -> int:
+    """Tokens per pre-verifier check; 0 lets the draft use its pre-verifier's trained B."""
+    return min(req.block_size, req.gamma) if req.block_size else 0
+
+
 def _post_stop_spec(req: GenerationRequest) -> StopSpec:
     """Drafting while a verify runs (PEARL post-verify): the draft's time is hidden, so only a much lower
     pre-verifier score stops it; otherwise the verify's return (a cancel) or the window ends it."""
@@ -241,7 +246,7 @@ async def _run_ar(run: _Run, target: TargetBackend) -> None:
 async def _run_sd(run: _Run, draft: DraftBackend, target: TargetBackend) -> None:
     req = run.req
     stop = _stop_spec(req)
-    block = (min(req.block_size, req.gamma) if req.block_size else 0) if stop.kind == "pacer" else req.gamma
+    block = _pacer_block(req) if stop.kind == "pacer" else req.gamma
     while run.finish is None:
         base_d, append = run.draft_args()
         gamma = min(req.gamma, req.max_new_tokens - len(run.generated))
@@ -261,9 +266,8 @@ async def _run_pearl(run: _Run, draft: DraftBackend, target: TargetBackend) -> N
     # every draft token after a round's first runs while the target works (pre- or post-verify), so the
     # pre-verifier's shadow threshold applies throughout; the first token of a PRE round is the only wait
     post_stop = _post_stop_spec(req)
-    post_block = 1  # stream token by token: a cut keeps everything drafted so far
-    if post_stop.kind == "pacer":
-        post_block = min(req.block_size, req.gamma) if req.block_size else 0  # 0: the pre-verifier's B
+    # fixed rule: stream token by token (a cut keeps everything drafted so far)
+    post_block = _pacer_block(req) if post_stop.kind == "pacer" else 1
     pending_block: DraftBlock | None = None  # POST: a block whose first token is already committed
     while run.finish is None:
         run.stats.rounds += 1

@@ -23,7 +23,9 @@ class DraftFeatures:
 
 
 class StopRule(Protocol):
-    def should_stop(self, features: DraftFeatures) -> bool: ...
+    needs_features: bool  # False: the rule never reads them and the draft skips computing them (None is passed)
+
+    def should_stop(self, features: DraftFeatures | None) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -37,12 +39,16 @@ class StopSpec:
 class FixedLength:
     """Never stops early: the draft length is gamma_max (standard speculative decoding)."""
 
-    def should_stop(self, features: DraftFeatures) -> bool:
+    needs_features = False
+
+    def should_stop(self, features: DraftFeatures | None) -> bool:
         return False
 
 
 class PreverifierStop:
     """PACER: stop when the pre-verifier's P(every token of this block is accepted) falls below `threshold`."""
+
+    needs_features = True
 
     def __init__(self, preverifier, threshold: float):
         self.preverifier = preverifier

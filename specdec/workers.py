@@ -169,6 +169,7 @@ class DraftWorker(_Worker):
         stop = stop or FixedLength()
         # 0: the stop rule's own block size (a pre-verifier's trained B), else one block of gamma_max
         block_size = block_size if block_size > 0 else (getattr(stop, "block_size", 0) or gamma_max)
+        want = getattr(stop, "needs_features", True)  # skip the feature work for rules that never read it
         epoch = s.epoch
         t0 = time.perf_counter_ns()
         self._truncate(s, base_position)
@@ -187,16 +188,16 @@ class DraftWorker(_Worker):
                 x = sample(probs, keyed_generator(s.params.seed, pos + t, Purpose.DRAFT))
                 qs.append(SparseDist.from_dense(probs))
             toks.append(x)
-            hids.append(row_hidden.float())
-            # pre-verifier features: at T=0 q is one-hot, so confidence is read from the untempered softmax
-            lq = torch.log_softmax(row.float(), -1) if s.params.greedy else probs.clamp_min(1e-30).log()
-            logq.append(float(lq[x]))
-            ent.append(float(torch.special.entr(lq.exp()).sum()))
+            if want:  # pre-verifier features: at T=0 q is one-hot, so confidence comes from the untempered softmax
+                hids.append(row_hidden.float())
+                lq = torch.log_softmax(row.float(), -1) if s.params.greedy else probs.clamp_min(1e-30).log()
+                logq.append(float(lq[x]))
+                ent.append(float(torch.special.entr(lq.exp()).sum()))
             done = t + 1 == gamma_max
             reason, score = ("gamma_max" if done else ""), None
             if not done and (t + 1 - block_start) == block_size:
                 feats = DraftFeatures(hidden=torch.stack(hids), tokens=torch.tensor(toks), logq=torch.tensor(logq),
-                                      entropy=torch.tensor(ent), block_start=block_start)
+                                      entropy=torch.tensor(ent), block_start=block_start) if want else None
                 if stop.should_stop(feats):
                     done, reason = True, "preverifier"
                 score = getattr(stop, "last_score", None)

@@ -78,10 +78,10 @@ def generate(model_dir, out_path, seconds: float = 600, seed: int = 0, batch_siz
     torch.manual_seed(seed)
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     tok.padding_side = "left"
-    from ..model import _torch_dtype
+    from ..model import resolve_dtype
 
     # the served dtype (`auto`: bf16 on CPUs with native bf16 GEMMs, where batched decoding is also much faster)
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=_torch_dtype(dtype, "cpu", "target")).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=resolve_dtype(dtype, "cpu", "target")).eval()
     t0, n_tok, batch_i = time.time(), 0, 0
     bar = tqdm(desc="generate", unit="tok", disable=not progress)
     Path(out_path).parent.mkdir(parents=True, exist_ok=True)

@@ -50,7 +50,7 @@ def run_teacher(target_dir, rows: list[dict], out_dir, k: int = 32, seed: int = 
     from transformers import AutoModelForCausalLM
     from tqdm import tqdm
 
-    from ..model import _torch_dtype
+    from ..model import resolve_dtype
 
     torch.set_num_threads(threads)
     torch.manual_seed(seed)
@@ -61,7 +61,7 @@ def run_teacher(target_dir, rows: list[dict], out_dir, k: int = 32, seed: int = 
         shards = shards[:max_shards]
     # label the distribution that is served: `auto` resolves like the target service (bf16 on CPUs with native
     # bf16 GEMMs, where it is also ~3x faster for these long sequences)
-    model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=_torch_dtype(dtype, "cpu", "target")).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=resolve_dtype(dtype, "cpu", "target")).eval()
     todo = [i for i in range(len(shards)) if not (out_dir / f"shard_{i:05d}.pt").exists()]
     t0, ntok = time.time(), 0
     bar = tqdm(todo, desc="teacher top-k", disable=not progress, mininterval=5)

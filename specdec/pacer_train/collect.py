@@ -52,6 +52,8 @@ class Round:
 
 
 class _Recorder(FixedLength):
+    needs_features = True
+
     def __init__(self):
         self.features = None
 

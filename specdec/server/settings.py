@@ -91,10 +91,6 @@ def resolve_device(spec: str):
 
 
 def resolve_dtype(name: str, device="cpu", role: str = "target"):
-    import torch
+    from specdec.model import resolve_dtype as model_dtype  # torch is imported only when a model is loaded
 
-    from specdec.model import auto_dtype
-
-    if name == "auto":
-        return auto_dtype(device, role)
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+    return model_dtype(name, device, role)
