@@ -35,6 +35,19 @@ TOPICS = [
     "birdwatching", "astronomy", "volcanoes", "ocean tides", "healthy eating", "sleep", "meditation",
     "inflation", "supply and demand", "negotiation", "email etiquette", "a lighthouse keeper", "a lost robot",
     "a talking tree", "a winter morning", "a city at night", "friendship", "a journey by train",
+    # second batch (more prompt variety for later generations; none is a benchmark prompt)
+    "merge sort", "heaps and priority queues", "binary trees", "stacks and queues", "big-O notation",
+    "Python dataclasses", "exceptions in Python", "virtual environments", "unicode strings", "file I/O",
+    "multithreading", "TCP vs UDP", "DNS", "public-key cryptography", "password hashing", "caching strategies",
+    "load balancing", "message queues", "NumPy arrays", "pandas DataFrames", "matplotlib plots", "web scraping",
+    "the command line", "Makefiles", "YAML files", "environment variables", "code reviews", "refactoring",
+    "derivatives", "integrals", "statistics and the mean", "standard deviation", "vectors", "logarithms",
+    "the Fibonacci sequence", "geometry of triangles", "unit conversions", "simple interest", "magnets",
+    "the solar system", "the human heart", "climate change", "rainforests", "bees and pollination", "earthquakes",
+    "the French Revolution", "the invention of the telephone", "the Olympic Games", "coffee", "tea ceremonies",
+    "gardening tomatoes", "camping", "cycling", "swimming", "painting with watercolors", "photography",
+    "learning a new language", "job interviews", "saving for retirement", "remote work", "a dragon who cannot fly",
+    "an old bookshop", "a robot chef", "a rainy afternoon", "the first day of school", "a mountain village",
 ]
 TEMPLATES = [
     "Explain {} in simple terms.", "Write a short paragraph about {}.", "Give three key facts about {}.",
@@ -44,6 +57,9 @@ TEMPLATES = [
     "Give me a quiz question about {} and its answer.", "Write a haiku about {}.",
     "Solve a simple math word problem involving {} and show your work.", "What is the history of {}?",
     "Write a dialogue between a teacher and a student about {}.", "List pros and cons of {}.",
+    "Explain {} to a ten-year-old.", "Write a limerick about {}.", "What is a fun fact about {}?",
+    "Describe {} in one paragraph, then give an example.", "Write a blog post introduction about {}.",
+    "How would you explain {} in an interview?", "Write a tweet about {}.", "Give a step-by-step guide to {}.",
 ]
 
 
