@@ -46,7 +46,8 @@ class LocalStack:
     def __init__(self, target: str, draft: str | None, preverifier: str | None = None, host: str = "127.0.0.1",
                  port: int = 0, threads: int = 1, ray_cpus: int = 2, pipelines: int = 1, use_ray: bool = True,
                  start_timeout_s: float = 600.0, max_new_tokens_cap: int = 4096, quiet: bool = True,
-                 draft_port: int = 0, target_port: int = 0, max_sessions: int = 8, max_context: int = 2048):
+                 draft_port: int = 0, target_port: int = 0, max_sessions: int = 8, max_context: int = 2048,
+                 metrics: bool = False):
         self.target, self.draft, self.preverifier = target, draft, preverifier
         self.host, self.port, self.threads = host, port, threads
         self.ray_cpus, self.pipelines, self.use_ray = ray_cpus, pipelines, use_ray
@@ -54,6 +55,8 @@ class LocalStack:
         self.draft_port, self.target_port = draft_port, target_port
         # KV slots are preallocated: sessions x context positions (SmolLM2-135M: ~47 KB per position)
         self.max_sessions, self.max_context = max_sessions, max_context
+        self.metrics_ports: dict[str, int] = {}  # kind -> Prometheus port of that replica (metrics=True)
+        self._metrics = metrics
         self.procs: list[subprocess.Popen] = []
         self.logdir = Path(tempfile.mkdtemp(prefix="specdec-stack-"))
         self.app = self.router = None
@@ -62,8 +65,10 @@ class LocalStack:
 
     def _launch(self, kind: str, model: str, port: int, extra: list[str]) -> tuple[subprocess.Popen, Path]:
         logf = self.logdir / f"{kind}.log"
+        if self._metrics:
+            self.metrics_ports[kind] = free_port()
         cmd = [sys.executable, "-m", f"{kind}_service", "--model", model, "--host", "127.0.0.1",
-               "--port", str(port), "--metrics-port", "0", "--threads", str(self.threads), "--log-level",
+               "--port", str(port), "--metrics-port", str(self.metrics_ports.get(kind, 0)), "--threads", str(self.threads), "--log-level",
                "WARNING", "--grace-s", "1", "--max-sessions", str(self.max_sessions), "--max-context",
                str(self.max_context), *extra]
         env = dict(os.environ, OMP_NUM_THREADS=str(self.threads), MKL_NUM_THREADS=str(self.threads))

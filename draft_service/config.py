@@ -18,3 +18,5 @@ class DraftSettings(ServerSettings):
     max_context: int = Field(2048, ge=0, description="positions per session (0: the model's maximum; KV memory grows with it)")
     preverifier: str = Field("", description="PACER pre-verifier dir ('' none, 'default' the shipped one)")
     q_top_k: int = Field(64, ge=1, description="the draft samples from its top-k, so q is exactly sparse")
+    max_batch_size: int = Field(16, ge=1, description="sessions drafting in one batched forward")
+    max_queue: int = Field(256, ge=1, description="queued draft calls before RESOURCE_EXHAUSTED")

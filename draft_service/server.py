@@ -8,6 +8,7 @@ from specdec.server.metrics import ServiceMetrics
 from specdec.server.runner import ModelThread
 from specdec.server.settings import resolve_device, resolve_dtype
 
+from draft_service.batcher import DraftBatcher
 from draft_service.config import DraftSettings
 from draft_service.servicer import DraftServicer, add_to_server
 
@@ -36,9 +37,16 @@ async def build_app(settings: DraftSettings, model=None, preverifier=None, warmu
     host = SessionHost(worker, runner, settings, metrics, model_name=settings.model)
     if warmup:
         await runner.run(host.warmup_sync)
-    servicer = DraftServicer(host)
+    batcher = DraftBatcher(worker, runner, settings.max_batch_size, settings.max_queue, metrics)
+    servicer = DraftServicer(host, batcher)
+
+    async def _close():
+        await batcher.close()
+        await host.close()
+
     app = ServerApp(settings, DRAFT_SERVICE_NAME, lambda server: add_to_server(servicer, server), metrics,
-                    on_stop=[host.close])
-    app.servicer, app.host = servicer, host
+                    on_stop=[_close])
+    app.servicer, app.host, app.batcher = servicer, host, batcher
+    batcher.start()
     host.start_reaper()
     return app

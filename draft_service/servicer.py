@@ -1,8 +1,6 @@
 """DraftService servicer: proto <-> DraftWorker calls, nothing else (errors map in the interceptor)."""
 from __future__ import annotations
 
-import asyncio
-
 import grpc
 
 from specdec.errors import InvalidRequestError, StalePositionError
@@ -16,12 +14,11 @@ _REASONS = {"gamma_max": draft_pb2.STOP_REASON_GAMMA_MAX, "preverifier": draft_p
             "cancelled": draft_pb2.STOP_REASON_CANCELLED}
 _STOP_KINDS = {draft_pb2.STOP_KIND_UNSPECIFIED: "fixed", draft_pb2.STOP_KIND_FIXED: "fixed",
                draft_pb2.STOP_KIND_PREVERIFIER: "pacer"}
-_DONE = object()
 
 
 class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
-    def __init__(self, host: SessionHost):
-        self.host, self.worker, self.metrics = host, host.worker, host.metrics
+    def __init__(self, host: SessionHost, batcher):
+        self.host, self.worker, self.metrics, self.batcher = host, host.worker, host.metrics, batcher
         self.committed: dict[str, int] = {}  # session id -> committed fed tokens (Commit)
         self._latest: dict[str, object] = {}  # session id -> token of its newest Draft/DraftStream call
 
@@ -66,29 +63,27 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
 
     async def Draft(self, request, context) -> draft_pb2.DraftResponse:
         _, args = self._args(request)
-        block = await self.host.runner.run(self.worker.draft, *args)
+        entry = self.batcher.submit(*args)
+        try:
+            blocks = [b async for b in self.batcher.blocks(entry)]
+        finally:
+            entry.abandoned = True
         self.metrics.num_drafts.inc()
-        self._count(block.tokens)
-        return draft_pb2.DraftResponse(token_ids=block.tokens, q=encode_q(block.q),
-                                       stop_reason=_REASONS.get(block.stop_reason, 0), draft_ns=block.draft_ns)
+        tokens = [t for b in blocks for t in b.tokens]
+        self._count(tokens)
+        return draft_pb2.DraftResponse(token_ids=tokens, q=encode_q([d for b in blocks for d in b.q]),
+                                       stop_reason=_REASONS.get(blocks[-1].stop_reason, 0),
+                                       draft_ns=sum(b.draft_ns for b in blocks))
 
     async def DraftStream(self, request, context):
-        """Each block is produced by one `next()` on the model thread, then sent while the next one drafts."""
+        """Blocks are sent as the batcher completes them; drafting goes on while a block is on the wire."""
         token, args = self._args(request)
         sid = request.session_id
-        run = self.host.runner.run
-        blocks = await run(self.worker.draft_blocks, *args)  # a generator: nothing runs until next()
+        entry = self.batcher.submit(*args)
         offset, finished = 0, False
         self.metrics.num_drafts.inc()
         try:
-            pending = asyncio.ensure_future(run(next, blocks, _DONE))
-            while True:
-                block = await pending
-                if block is _DONE:
-                    finished = True
-                    return
-                if not block.final:  # draft the next block while this one is on the wire
-                    pending = asyncio.ensure_future(run(next, blocks, _DONE))
+            async for block in self.batcher.blocks(entry):
                 self._count(block.tokens)
                 yield draft_pb2.DraftStreamResponse(
                     token_ids=block.tokens, q=encode_q(block.q), offset=offset, last=block.final,
@@ -98,13 +93,13 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                     finished = True
                     return
         finally:
-            # Client cancelled or deadline: stop the drafting loop at its next token, unless a newer call of
-            # this session already started (the cancel would stop that one instead).
+            # Client cancelled or deadline: stop the drafting at its next token, unless a newer call of this
+            # session already started (the cancel would stop that one instead; this one is abandoned instead).
+            entry.abandoned = True
             if not finished and self._latest.get(sid) is token:
                 self.worker.cancel(sid)
             if self._latest.get(sid) is token:
                 del self._latest[sid]
-            await run(blocks.close)
 
     # -- positions -----------------------------------------------------------------------------------------
     async def Rollback(self, request, context) -> draft_pb2.RollbackResponse:

@@ -118,7 +118,8 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(h * hd, cfg.hidden_size, bias=False)
 
     def forward(self, x, cos, sin, layer: int, kv: KVSlots, slots, positions, mask, kv_len: int):
-        # x: [B, S, D]; cos/sin: [B, S, hd]; slots: [B]; positions: [B, S]; mask: [B, 1, S, kv_len] | None
+        # x: [B, S, D]; cos/sin: [B, S, hd]; slots: [B]; positions: [B, S]; mask: [B, 1, S, kv_len] | None;
+        # kv_len: int for B == 1, else [(slot, kv_len)] per row
         B, S, _ = x.shape
         cfg = self.cfg
         q = self.q_proj(x).view(B, S, cfg.num_attention_heads, cfg.head_dim)
@@ -137,13 +138,27 @@ class Attention(nn.Module):
         else:
             kc[slots[:, None], positions] = k
             vc[slots[:, None], positions] = v
-            keys, values = kc[slots, :kv_len], vc[slots, :kv_len]
+            return self.o_proj(self._per_row(q, kc, vc, mask, kv_len).transpose(1, 2).reshape(B, S, -1))
         q, keys, values = q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2)
         out = F.scaled_dot_product_attention(
             q, keys, values, attn_mask=mask, is_causal=False,
             enable_gqa=cfg.num_key_value_heads != cfg.num_attention_heads,
         )
         return self.o_proj(out.transpose(1, 2).reshape(B, S, -1))
+
+    def _per_row(self, q, kc, vc, mask, rows_kv):
+        """Attention of a batch, row by row on views of each row's own slot: no gather of every slot up to the
+        longest row (a copy that cost a third of an 8-session verify), and each row reads only its own length.
+        rows_kv: [(slot, kv_len)] per row. With one query per row every key up to kv_len is visible: no mask."""
+        gqa = self.cfg.num_key_value_heads != self.cfg.num_attention_heads
+        q = q.transpose(1, 2)
+        outs = []
+        for b, (s, n) in enumerate(rows_kv):
+            m = None if q.shape[2] == 1 else mask[b:b + 1, :, :, :n]
+            outs.append(F.scaled_dot_product_attention(q[b:b + 1], kc[s:s + 1, :n].transpose(1, 2),
+                                                       vc[s:s + 1, :n].transpose(1, 2), attn_mask=m,
+                                                       is_causal=False, enable_gqa=gqa))
+        return torch.cat(outs)
 
 
 class MLP(nn.Module):
@@ -240,9 +255,11 @@ class CausalLM(nn.Module):
         if kv_len > kv.max_len:
             raise ValueError(f"position {kv_len - 1} is beyond the KV cache ({kv.max_len} positions)")
         mask = None
-        if not (B == 1 and S == 1):
+        if S > 1:
             key_pos = torch.arange(kv_len, device=tokens.device)
             mask = (key_pos[None, None, :] <= positions[:, :, None]).unsqueeze(1)  # [B, 1, S, kv_len]
+        if B > 1:  # per row: (slot, its own kv length); attention runs row by row (Attention._per_row)
+            kv_len = list(zip(slots.tolist(), (positions.max(dim=1).values + 1).tolist()))
         cos, sin = self._rope(positions)
         x = self.model.embed_tokens(tokens if self.to_compact is None else self.to_compact[tokens])
         for i, layer in enumerate(self.model.layers):
@@ -264,13 +281,16 @@ def cpu_has_fast_bf16() -> bool:
 
 
 def auto_dtype(device: str | torch.device = "cpu", role: str = "target") -> torch.dtype:
-    """The dtype `auto` picks. GPUs: bf16. CPUs: the *target* runs bf16 where oneDNN has native bf16 GEMMs,
-    because verification forwards several rows and bf16 GEMMs stay flat in the row count (measured on the default
-    target, 1 thread, 1/4/8 rows: fp32 82/155/204 ms, bf16 76/103/108 ms; docs/benchmarks.md). The *draft*
-    decodes one row at a time, where fp32 GEMV is faster (8.3 vs 9.9 ms/token), so it stays fp32 on CPUs."""
+    """The dtype `auto` picks: bf16 on GPUs, and on CPUs where oneDNN has native bf16 GEMMs; else fp32.
+
+    Target: verification forwards several rows, and bf16 GEMMs stay flat in the row count (default target, 1
+    thread, 1/4/8 rows: fp32 82/155/204 ms, bf16 76/103/108 ms; docs/benchmarks.md). Draft: one row per session
+    per step, where the two tie (9.55 vs 9.46 ms/token, interleaved medians), but a draft replica steps all its
+    sessions in one forward, and there bf16 stays flat too (default draft, 1/2/4/8 sessions per step: fp32
+    8.9/10.8/17.2/26.3 ms, bf16 7.8/9.5/9.9/11.8 ms). `role` is kept for dtype choices that differ per role."""
     if torch.device(device).type == "cuda":
         return torch.bfloat16
-    return torch.bfloat16 if role == "target" and cpu_has_fast_bf16() else torch.float32
+    return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device = "cpu", role: str = "target") -> torch.dtype:

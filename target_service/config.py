@@ -16,6 +16,7 @@ class TargetSettings(ServerSettings):
     port: int = Field(TARGET_PORT, ge=0, le=65535)
     metrics_port: int = Field(TARGET_METRICS_PORT, ge=0, le=65535)
     max_context: int = Field(2048, ge=0, description="positions per session (0: the model's maximum; KV memory grows with it)")
-    batch_window_ms: float = Field(1.0, ge=0, le=50, description="max wait for other sessions' verify calls")
+    batch_window_ms: float = Field(100.0, ge=0, le=1000, description="max wait for other sessions' verify calls "
+                                   "(only sessions expected back soon are waited for; 0: never wait)")
     max_batch_size: int = Field(16, ge=1, description="sessions per batched forward")
     max_queue: int = Field(256, ge=1, description="queued verify calls before RESOURCE_EXHAUSTED")

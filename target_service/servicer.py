@@ -28,6 +28,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         return target_pb2.TargetServiceStartSessionResponse(position=position, prefill_ns=ns)
 
     async def EndSession(self, request, context) -> target_pb2.TargetServiceEndSessionResponse:
+        self.batcher.forget(request.session_id)
         return target_pb2.TargetServiceEndSessionResponse(existed=await self.host.end_session(request.session_id))
 
     async def Verify(self, request, context) -> target_pb2.VerifyResponse:

@@ -185,8 +185,9 @@ async def test_pearl_chains_post_rounds_and_reports_stats():
 
 
 async def test_pearl_draft_and_target_really_overlap():
-    """A target forward ~ gamma draft steps (PEARL's optimal gamma): wall well below the busy sum."""
-    res = await generate_over_slowed_pair(0.08, 0.02, {m: req([1, 2, 3], m, n=32, gamma=4) for m in ("sd", "pearl")})
+    """A target forward ~ gamma draft steps (PEARL's optimal gamma, with slack so that the shadow draft fits
+    in the verify under load): wall well below the busy sum, and faster than draft-then-verify."""
+    res = await generate_over_slowed_pair(0.08, 0.015, {m: req([1, 2, 3], m, n=32, gamma=4) for m in ("sd", "pearl")})
     assert list(res["sd"].token_ids) == list(res["pearl"].token_ids)
     st = res["pearl"].stats
     assert st.wall_s < 0.75 * (st.draft_busy_s + st.target_busy_s), st

@@ -111,6 +111,35 @@ def test_batched_verify_equals_separate(tiny_pair):
         assert results[0] == results[1]
 
 
+def test_batched_drafting_equals_separate(tiny_pair):
+    """Sessions drafting in shared forwards (different appends, lengths, block sizes, joining and leaving at
+    different steps) draft what each would alone, and leave the same KV state behind."""
+    _, draft = tiny_pair
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9], [10, 11, 12, 13]]
+    plan = [(5, 0), (2, 1), (7, 3), (1, 0)]  # (gamma_max, block_size) per session
+    for temp in (0.0, 1.0):
+        runs = []
+        for batched in (False, True):
+            dw = DraftWorker(draft, max_sessions=4)
+            for i, pr in enumerate(prompts):
+                dw.start_session(f"s{i}", pr, SamplingParams(temperature=temp, seed=11 + i))
+            for rnd in range(2):  # the second round truncates the first one's drafts, feeds 1-4 tokens (padding)
+                args = [(f"s{i}", len(pr) - 1, [pr[-1]] + [7, 8, 9][:rnd * i], g, None, b)
+                        for i, (pr, (g, b)) in enumerate(zip(prompts, plan))]
+                if batched:
+                    calls = [dw.begin(*a) for a in args]
+                    blocks = [[] for _ in calls]
+                    while not all(c.done for c in calls):
+                        for i, bs in enumerate(dw.advance(calls)):
+                            blocks[i].extend(bs)
+                else:
+                    blocks = [list(dw.draft_blocks(*a)) for a in args]
+                runs.append([[(b.tokens, b.final, b.stop_reason, [d.ids.tolist() for d in b.q]) for b in bs]
+                             for bs in blocks] + [dw.sessions[f"s{i}"].tokens for i in range(4)])
+        assert runs[0] == runs[2] and runs[1] == runs[3], temp
+        assert [len(bs) for bs in runs[0][:4]] == [1, 2, 3, 1]
+
+
 def test_kv_rollback_never_keeps_rejected_positions(tiny_pair):
     target, draft = tiny_pair
     tw = TargetWorker(target, max_sessions=1)

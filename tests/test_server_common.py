@@ -275,8 +275,8 @@ def test_metrics_names():
     assert m.value("specdec_sessions_active") == 1
 
 
-def test_dtype_auto_picks_per_role():
-    """`auto` (the default): bf16 for a target only where the CPU has native bf16 GEMMs; drafts stay fp32 on CPUs."""
+def test_dtype_auto_picks_bf16_where_it_is_fast():
+    """`auto` (the default): bf16 on GPUs and where the CPU has native bf16 GEMMs (target and draft), else fp32."""
     import torch
 
     from specdec.model import auto_dtype, cpu_has_fast_bf16
@@ -288,6 +288,6 @@ def test_dtype_auto_picks_per_role():
     assert S.from_cli([]).dtype == "auto"
     fast = cpu_has_fast_bf16()
     assert resolve_dtype("auto", "cpu", "target") == (torch.bfloat16 if fast else torch.float32)
-    assert resolve_dtype("auto", "cpu", "draft") == torch.float32
+    assert resolve_dtype("auto", "cpu", "draft") == (torch.bfloat16 if fast else torch.float32)
     assert auto_dtype("cuda:0", "draft") == torch.bfloat16
     assert resolve_dtype("float32", "cpu", "target") == torch.float32

@@ -179,9 +179,33 @@ async def test_batched_verify_equals_separate(models, temperature, method):
                 assert (g.num_accepted, g.next_token) == (want.num_accepted, want.next_token), (rnd, i)
                 base, feed, draft = c[1], c[2], c[3]
                 pos[i] = (base + len(feed) + g.num_accepted, [g.next_token])
-        assert s.target_app.metrics.value("specdec_verify_batch_size_count") == 3
+        assert s.target_app.metrics.value("specdec_batch_size_count") == 3
     finally:
         await s.close()
+
+
+async def test_concurrent_draft_streams_share_forwards(models, stack):
+    """4 sessions drafting at once go through shared (batched) draft steps and draft what each would alone."""
+    from specdec.workers import DraftWorker
+
+    ref = DraftWorker(models[1], max_sessions=4)
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11, 12], [16] * 10]
+    for i, p in enumerate(prompts):
+        params = SamplingParams(temperature=1.0, seed=40 + i)
+        await stack.draft.start(f"c{i}", p, params)
+        ref.start_session(f"c{i}", p, params)
+
+    async def one(i, p):
+        req = draft_pb2.DraftStreamRequest(session_id=f"c{i}", base_position=len(p) - 1, append_ids=p[-1:],
+                                           gamma_max=12, block_size=3)
+        return [t for b in [b async for b in stack.dstub.DraftStream(req)] for t in b.token_ids]
+
+    got = await asyncio.gather(*[one(i, p) for i, p in enumerate(prompts)])
+    for i, p in enumerate(prompts):
+        assert got[i] == ref.draft(f"c{i}", len(p) - 1, p[-1:], 12, block_size=3).tokens, i
+    m = stack.draft_app.metrics
+    steps, sessions = m.value("specdec_batch_size_count"), m.value("specdec_batch_size_sum")
+    assert sessions > steps, f"no draft step was shared ({sessions} session-steps in {steps} steps)"
 
 
 # ---------------------------------------------------------------- draft RPCs

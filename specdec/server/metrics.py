@@ -23,7 +23,7 @@ class ServiceMetrics:
                                         registry=r)
         self.num_accepted_tokens = Counter("specdec_num_accepted_tokens", "Draft tokens accepted by the target",
                                            registry=r)
-        self.batch_size = Histogram("specdec_verify_batch_size", "Sessions per batched verify forward",
+        self.batch_size = Histogram("specdec_batch_size", "Sessions per batched forward (target: verify; draft: step)",
                                     buckets=(1, 2, 4, 8, 16, 32, 64), registry=r)
 
     def serve(self, port: int, addr: str = "0.0.0.0"):

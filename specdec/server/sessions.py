@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
+from types import MappingProxyType
 
 from specdec.errors import CapacityError, InvalidRequestError, SessionNotFoundError
 
@@ -30,6 +31,10 @@ class SessionTable:
 
     def __contains__(self, sid: str) -> bool:
         return sid in self._last
+
+    def last_used(self):
+        """Read-only {session id: monotonic time of its last call}."""
+        return MappingProxyType(self._last)
 
     @staticmethod
     def check_id(sid: str) -> None:

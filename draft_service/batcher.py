@@ -1,0 +1,145 @@
+"""Draft batcher: the drafting of concurrent sessions shares forwards (continuous batching, one token a step).
+
+Policy
+- Every Draft/DraftStream call becomes a `DraftCall` in the active set. Each step is ONE padded forward of the
+  draft (`DraftWorker.advance`) in which every active call drafts one token; a finished call leaves at once and
+  a newly arrived one joins at the next step boundary, so nobody waits for another session's whole draft.
+- A call alone runs the exact single-session forward, several tokens per model-thread hop (the step loop only
+  returns to the event loop when a block is complete or a new call arrived), so single-stream latency pays
+  nothing for batching.
+- One call per session at a time: a newer call of a session waits until its older call has left (PEARL cuts the
+  shadow draft and immediately drafts again; the cut lands at the older call's next step).
+- More than `max_queue` waiting calls → CapacityError (RESOURCE_EXHAUSTED). At most `max_batch_size` calls share
+  a forward; the rest wait their turn.
+Blocks go to each call's consumer through an asyncio queue, so a stream sends block k while block k+1 drafts.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import dataclass, field
+
+from specdec.errors import CapacityError
+
+_END = object()
+
+
+@dataclass(eq=False)
+class DraftEntry:
+    session_id: str
+    args: tuple  # DraftWorker.begin(*args)
+    blocks: asyncio.Queue = field(default_factory=asyncio.Queue)  # DraftBlock | Exception | _END
+    call: object | None = None  # the DraftCall once begun
+    abandoned: bool = False  # the consumer went away: leave at the next step
+
+
+class DraftBatcher:
+    def __init__(self, worker, runner, max_batch_size: int = 16, max_queue: int = 256, metrics=None):
+        self.worker, self.runner, self.metrics = worker, runner, metrics
+        self.max_batch_size, self.max_queue = max_batch_size, max_queue
+        self._pending: list[DraftEntry] = []
+        self._active: list[DraftEntry] = []
+        self._arrived = asyncio.Event()
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        for e in self._pending + self._active:
+            e.blocks.put_nowait(CapacityError("the draft replica is shutting down; retry on another"))
+        self._pending.clear()
+        self._active.clear()
+
+    def submit(self, session_id: str, *args) -> DraftEntry:
+        """Queue one call (args of `DraftWorker.begin`); read its blocks with `blocks(entry)`."""
+        if len(self._pending) >= self.max_queue:
+            raise CapacityError(f"draft queue is full ({self.max_queue} calls waiting); back off and retry, use "
+                                f"another draft replica, or raise max_queue")
+        e = DraftEntry(session_id, (session_id, *args))
+        self._pending.append(e)
+        self._arrived.set()
+        return e
+
+    async def blocks(self, entry: DraftEntry):
+        """The call's DraftBlocks, the last one final. Leaving early abandons the call."""
+        try:
+            while True:
+                item = await entry.blocks.get()
+                if item is _END:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.final:
+                    return
+        finally:
+            entry.abandoned = True
+            self._arrived.set()
+
+    # ---- the step loop ---------------------------------------------------------------------------------------
+    def _admit(self) -> list[DraftEntry]:
+        busy = {e.session_id for e in self._active}
+        room = self.max_batch_size - len(self._active)
+        admitted, rest = [], []
+        for e in self._pending:
+            if e.abandoned:
+                e.blocks.put_nowait(_END)
+            elif room > 0 and e.session_id not in busy:
+                busy.add(e.session_id)
+                admitted.append(e)
+                room -= 1
+            else:
+                rest.append(e)
+        self._pending = rest
+        return admitted
+
+    def _steps(self, new: list[DraftEntry], active: list[DraftEntry]):
+        """On the model thread: begin the new calls, then advance everyone until some block is complete (or a
+        call arrives or leaves). → ({entry: [blocks]}, {entry: exception})."""
+        errors = {}
+        for e in new:
+            try:
+                e.call = self.worker.begin(*e.args)
+                active.append(e)
+            except Exception as exc:  # noqa: BLE001 - reported to that call's consumer
+                errors[e] = exc
+        out: dict[DraftEntry, list] = {}
+        while active and not out:
+            live = [e for e in active if not e.abandoned]
+            if len(live) < len(active):
+                break  # someone left: free its place first
+            for e, blocks in zip(active, self.worker.advance([e.call for e in active])):
+                if blocks:
+                    out[e] = blocks
+            if self._pending:
+                break
+        return out, errors
+
+    async def _run(self) -> None:
+        while True:
+            self._active = [e for e in self._active if not e.abandoned]
+            new = self._admit()
+            if not new and not self._active:
+                self._arrived.clear()
+                if not self._pending:
+                    await self._arrived.wait()
+                continue
+            active = list(self._active)
+            try:
+                out, errors = await self.runner.run(self._steps, new, active)
+            except Exception as exc:  # noqa: BLE001 - an unexpected failure fails every call in the step
+                out, errors = {}, {e: exc for e in new + active}
+                active = []
+            for e, exc in errors.items():
+                e.blocks.put_nowait(exc)
+            for e, blocks in out.items():
+                for b in blocks:
+                    e.blocks.put_nowait(b)
+            self._active = [e for e in active if not e.call.done and e not in errors]
+            if self.metrics is not None and active:
+                self.metrics.batch_size.observe(len(active))

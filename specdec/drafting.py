@@ -1,0 +1,159 @@
+"""DraftWorker: the draft model and, through its stop rules, the pre-verifier; drafting is step-wise so that
+concurrent sessions share forwards (draft_service/batcher.py). Torch only."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+
+from specdec.errors import InvalidRequestError
+from specdec.model import CausalLM
+from specdec.sampling import Purpose, keyed_generator, logits_to_probs, sample, truncate_top_k
+from specdec.stop import DraftFeatures, FixedLength, StopRule
+from specdec.verify import SparseDist
+from specdec.worker_base import Session, Worker
+
+
+@dataclass
+class DraftBlock:
+    tokens: list[int]  # drafted token ids of this block
+    q: list[SparseDist]  # the exact distribution each token was sampled from
+    stop_reason: str = ""  # on the final block: gamma_max | preverifier | cancelled
+    draft_ns: int = 0  # compute time spent on this block
+    final: bool = True  # last block of the call
+    score: float | None = None  # pre-verifier's P(block accepted), when one ran
+
+
+@dataclass
+class DraftCall:
+    """One session's drafting between batched steps: `DraftWorker.begin`, then `advance` until `done`."""
+    s: Session
+    epoch: int  # the session's epoch at begin; a change (cancel, end) stops the call
+    gamma_max: int
+    stop: StopRule
+    block_size: int
+    want_features: bool
+    pos: int  # position of feed[0]
+    feed: list[int]  # tokens the next forward feeds (the append, then each drafted token)
+    toks: list[int] = field(default_factory=list)
+    qs: list[SparseDist] = field(default_factory=list)
+    hids: list[torch.Tensor] = field(default_factory=list)
+    logq: list[float] = field(default_factory=list)
+    ent: list[float] = field(default_factory=list)
+    block_start: int = 0
+    block_ns: int = 0
+    done: bool = False
+
+
+class DraftWorker(Worker):
+    """Hosts the draft model (and, through its stop rules, the pre-verifier).
+
+    Drafting is step-wise so that concurrent sessions share forwards: `begin` checks and truncates, each
+    `advance(calls)` runs ONE padded forward for all of them and drafts one token each. A call alone runs the
+    exact single-session forward. `draft_blocks` / `draft` are the one-session loops over the same steps."""
+
+    def __init__(self, model: CausalLM, preverifier=None, q_top_k: int = 64, **kw):
+        super().__init__(model, **kw)
+        self.preverifier = preverifier
+        self.q_top_k = q_top_k  # proposal truncation: q is exactly sparse on the wire (still lossless)
+
+    def begin(self, session_id: str, base_position: int, append: list[int], gamma_max: int,
+              stop: StopRule | None = None, block_size: int = 0) -> DraftCall:
+        """Check and truncate; the first `advance` feeds `append` and drafts the first token."""
+        s = self._get(session_id)
+        if not append:
+            raise InvalidRequestError("append", "send at least the pending token to draft from")
+        if gamma_max < 1:
+            raise InvalidRequestError("gamma_max", f"must be >= 1, got {gamma_max}")
+        self._check_tokens("append", append)
+        self._check_context(base_position + len(append) + gamma_max, "this draft")
+        stop = stop or FixedLength()
+        # 0: the stop rule's own block size (a pre-verifier's trained B), else one block of gamma_max
+        block_size = block_size if block_size > 0 else (getattr(stop, "block_size", 0) or gamma_max)
+        self._truncate(s, base_position)
+        # skip the feature work for rules that never read it
+        return DraftCall(s, s.epoch, gamma_max, stop, block_size, getattr(stop, "needs_features", True),
+                         base_position, list(append))
+
+    def advance(self, calls: list[DraftCall]) -> list[list[DraftBlock]]:
+        """One batched forward: each live call drafts one token. → the blocks each call completed (its last
+        block has final=True and sets call.done). A call whose session was cancelled or ended stops unfed."""
+        out: list[list[DraftBlock]] = [[] for _ in calls]
+        live = []
+        for i, c in enumerate(calls):
+            if c.done:
+                continue
+            if c.s.epoch != c.epoch:
+                out[i].append(self._close(c, "cancelled", None))
+            else:
+                live.append(i)
+        if not live:
+            return out
+        t0 = time.perf_counter_ns()
+        rows = self._feed_many([(calls[i].s, calls[i].pos, calls[i].feed) for i in live])
+        fwd_ns = time.perf_counter_ns() - t0
+        for i, (logits, hidden) in zip(live, rows):
+            t1 = time.perf_counter_ns()
+            c = calls[i]
+            c.pos += len(c.feed)
+            block = self._draft_token(c, logits[-1], hidden[-1])
+            c.block_ns += fwd_ns + time.perf_counter_ns() - t1  # each call is charged the shared forward
+            if block is not None:
+                block.draft_ns, c.block_ns = c.block_ns, 0
+                out[i].append(block)
+        return out
+
+    def _close(self, c: DraftCall, reason: str, score: float | None) -> DraftBlock:
+        c.done = True
+        return DraftBlock(c.toks[c.block_start:], c.qs[c.block_start:], reason, c.block_ns, final=True, score=score)
+
+    def _draft_token(self, c: DraftCall, row: torch.Tensor, row_hidden: torch.Tensor) -> DraftBlock | None:
+        """Draft the token at c.pos from its logits row; → the block it completes, if any."""
+        s = c.s
+        probs = logits_to_probs(row, s.params)
+        if s.params.greedy:
+            x = int(probs.argmax())
+            c.qs.append(SparseDist(ids=torch.tensor([x]), probs=torch.ones(1)))
+        else:
+            probs = truncate_top_k(probs, self.q_top_k)
+            x = sample(probs, keyed_generator(s.params.seed, c.pos, Purpose.DRAFT))
+            c.qs.append(SparseDist.from_dense(probs))
+        c.toks.append(x)
+        if c.want_features:  # pre-verifier features: at T=0 q is one-hot, so confidence comes from the untempered softmax
+            c.hids.append(row_hidden.float())
+            lq = torch.log_softmax(row.float(), -1) if s.params.greedy else probs.clamp_min(1e-30).log()
+            c.logq.append(float(lq[x]))
+            c.ent.append(float(torch.special.entr(lq.exp()).sum()))
+        n = len(c.toks)
+        if n == c.gamma_max:
+            return self._close(c, "gamma_max", None)
+        if n - c.block_start < c.block_size:
+            c.feed = [x]
+            return None if s.epoch == c.epoch else self._close(c, "cancelled", None)
+        feats = DraftFeatures(hidden=torch.stack(c.hids), tokens=torch.tensor(c.toks), logq=torch.tensor(c.logq),
+                              entropy=torch.tensor(c.ent), block_start=c.block_start) if c.want_features else None
+        stop_now = c.stop.should_stop(feats)
+        score = getattr(c.stop, "last_score", None)
+        if stop_now:
+            return self._close(c, "preverifier", score)
+        if s.epoch != c.epoch:
+            return self._close(c, "cancelled", score)
+        block = DraftBlock(c.toks[c.block_start:], c.qs[c.block_start:], "", 0, final=False, score=score)
+        c.block_start, c.feed = n, [x]
+        return block
+
+    def draft_blocks(self, session_id: str, base_position: int, append: list[int], gamma_max: int,
+                     stop: StopRule | None = None, block_size: int = 0) -> Iterator[DraftBlock]:
+        """Truncate, feed `append`, then draft up to `gamma_max` tokens, yielding a block every `block_size`."""
+        c = self.begin(session_id, base_position, append, gamma_max, stop, block_size)
+        while not c.done:
+            yield from self.advance([c])[0]
+
+    def draft(self, session_id: str, base_position: int, append: list[int], gamma_max: int,
+              stop: StopRule | None = None, block_size: int = 0) -> DraftBlock:
+        blocks = list(self.draft_blocks(session_id, base_position, append, gamma_max, stop, block_size))
+        return DraftBlock(tokens=[t for b in blocks for t in b.tokens], q=[d for b in blocks for d in b.q],
+                          stop_reason=blocks[-1].stop_reason, draft_ns=sum(b.draft_ns for b in blocks),
+                          score=blocks[-1].score)

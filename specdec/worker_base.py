@@ -1,0 +1,151 @@
+"""The shared half of the draft and target workers: per-session KV slots and the absolute-position protocol.
+
+See specdec/workers.py for the protocol; specdec/drafting.py (DraftWorker) and specdec/workers.py (TargetWorker)
+build on `Worker`. Torch only."""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+
+from specdec.errors import (CapacityError, ContextOverflowError, InvalidRequestError, SessionNotFoundError,
+                            StalePositionError)
+from specdec.model import CausalLM
+from specdec.sampling import SamplingParams
+
+PAD_SLACK = 64  # extra KV positions per slot for padded rows of batched forwards
+
+
+@dataclass
+class Session:
+    slot: int
+    params: SamplingParams
+    tokens: list[int] = field(default_factory=list)  # tokens whose KV is in the cache, in order
+    last_row: torch.Tensor | None = None  # logits predicting position len(tokens) (target only)
+    last_used: float = field(default_factory=time.monotonic)
+    epoch: int = 0  # bumped by cancel(); a draft loop stops when it changes
+
+
+class Worker:
+    def __init__(self, model: CausalLM, max_sessions: int = 8, max_context: int | None = None,
+                 session_ttl_s: float = 600.0):
+        self.model = model
+        self.vocab_size = model.config.vocab_size
+        self.max_context = min(max_context or model.config.max_position_embeddings,
+                               model.config.max_position_embeddings)
+        self.max_sessions = max_sessions
+        self.session_ttl_s = session_ttl_s
+        self.kv = model.new_kv_slots(max_sessions, self.max_context + PAD_SLACK)
+        self.sessions: OrderedDict[str, Session] = OrderedDict()  # LRU order: oldest first
+        self.free_slots = list(range(max_sessions - 1, -1, -1))
+
+    # ---- sessions -------------------------------------------------------------------------------------------
+    def evict_expired(self, now: float | None = None) -> list[str]:
+        now = time.monotonic() if now is None else now
+        expired = [sid for sid, s in self.sessions.items() if now - s.last_used > self.session_ttl_s]
+        for sid in expired:
+            self.end_session(sid)
+        return expired
+
+    def _get(self, session_id: str) -> Session:
+        s = self.sessions.get(session_id)
+        if s is None:
+            raise SessionNotFoundError(f"session {session_id!r} is unknown or expired; start a new session")
+        s.last_used = time.monotonic()
+        self.sessions.move_to_end(session_id)
+        return s
+
+    def _check_tokens(self, field_name: str, ids: list[int]) -> None:
+        for t in ids:
+            if not (0 <= t < self.vocab_size):
+                raise InvalidRequestError(field_name, f"token id {t} is outside the vocabulary [0, {self.vocab_size})")
+
+    def _check_context(self, length: int, what: str) -> None:
+        if length > self.max_context:
+            raise ContextOverflowError(f"{what} needs {length} positions but the context holds {self.max_context}; "
+                                       f"shorten the prompt or lower max_new_tokens / gamma")
+
+    def start_session(self, session_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        if not session_id:
+            raise InvalidRequestError("session_id", "must be a non-empty string")
+        if not prompt_ids:
+            raise InvalidRequestError("prompt_ids", "the prompt is empty; send at least one token")
+        self._check_tokens("prompt_ids", prompt_ids)
+        self._check_context(len(prompt_ids), "the prompt")
+        params.validate()
+        if session_id in self.sessions:  # idempotent restart: same id → fresh state
+            self.end_session(session_id)
+        if not self.free_slots:
+            self.evict_expired()
+        if not self.free_slots:
+            raise CapacityError(f"all {self.max_sessions} session slots are busy; retry later, end idle sessions, "
+                                f"or raise max_sessions")
+        s = Session(slot=self.free_slots.pop(), params=params)
+        self.sessions[session_id] = s
+        if len(prompt_ids) > 1:
+            self._feed(s, 0, prompt_ids[:-1])
+
+    def end_session(self, session_id: str) -> bool:
+        s = self.sessions.pop(session_id, None)
+        if s is None:
+            return False
+        s.epoch += 1
+        self.free_slots.append(s.slot)
+        return True
+
+    def cancel(self, session_id: str) -> None:
+        s = self.sessions.get(session_id)
+        if s is not None:
+            s.epoch += 1
+
+    def rollback(self, session_id: str, position: int) -> int:
+        """Forget everything fed at or after `position`; returns the new length."""
+        s = self._get(session_id)
+        self._truncate(s, position)
+        return len(s.tokens)
+
+    def session_length(self, session_id: str) -> int:
+        return len(self._get(session_id).tokens)
+
+    # ---- forward --------------------------------------------------------------------------------------------
+    def _truncate(self, s: Session, base: int) -> None:
+        if base < 0 or base > len(s.tokens):
+            raise StalePositionError(f"base_position {base} is beyond the {len(s.tokens)} tokens this session holds; "
+                                     f"resend from position {len(s.tokens)} or earlier")
+        if base < len(s.tokens):
+            del s.tokens[base:]
+            s.last_row = None
+
+    def _feed(self, s: Session, base: int, ids: list[int]):
+        """Forward `ids` at positions base.. → (logits [m, V] fp32, hidden [m, D])."""
+        dev = self.model.device
+        tokens = torch.tensor([ids], device=dev)
+        positions = torch.arange(base, base + len(ids), device=dev)[None]
+        logits, hidden = self.model(tokens, positions, torch.tensor([s.slot], device=dev), self.kv)
+        s.tokens.extend(ids)
+        return logits[0], hidden[0]
+
+    def _feed_many(self, items: list[tuple[Session, int, list[int]]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Forward every (session, base, ids) in one padded forward → (logits [m, V], hidden [m, D]) per item.
+
+        Padding positions lie past each session's end (overwritten by its next forward, masked meanwhile); they
+        are clamped into the slot's slack so a session near the end of its context cannot overflow the cache."""
+        if len(items) == 1:
+            return [self._feed(*items[0])]
+        dev = self.model.device
+        width = max(len(ids) for _, _, ids in items)
+        tokens = torch.zeros((len(items), width), dtype=torch.long, device=dev)
+        positions = torch.empty((len(items), width), dtype=torch.long, device=dev)
+        for r, (_, base, ids) in enumerate(items):
+            tokens[r, :len(ids)] = torch.tensor(ids, device=dev)
+            positions[r] = torch.arange(base, base + width, device=dev).clamp_max(self.kv.max_len - 1)
+        slots = torch.tensor([s.slot for s, _, _ in items], device=dev)
+        logits, hidden = self.model(tokens, positions, slots, self.kv)
+        out = []
+        for r, (s, _, ids) in enumerate(items):
+            s.tokens.extend(ids)
+            out.append((logits[r, :len(ids)], hidden[r, :len(ids)]))
+        return out
