@@ -65,6 +65,10 @@ def cmd_teacher(args):
 def _setup_draft(args, train_rows, target):
     from .draft_model import build_from_target, frequency_subset, full_to_compact_map
 
+    if getattr(args, "subset_samples", None):  # e.g. the data a warm-start checkpoint was trained on
+        from .data import load_samples, split
+
+        train_rows = split(load_samples(args.subset_samples), args.heldout_frac)[0]
     subset = frequency_subset(train_rows, args.vocab_subset)
     oov = int((subset == 0).nonzero()[0, 0])
     to_compact = full_to_compact_map(subset, target.config.vocab_size, oov)
@@ -96,6 +100,9 @@ def cmd_train(args):
     del target
     run_dir = pathlib.Path(args.work) / "runs" / args.run
     run_dir.mkdir(parents=True, exist_ok=True)
+    if args.init_from and not (run_dir / "ckpt.pt").exists():  # warm start (weights only; fresh optimizer)
+        draft.load_state_dict(torch.load(args.init_from, weights_only=False)["model"])
+        _log(f"initialised from {args.init_from}", run_dir / "log.jsonl")
     logf = run_dir / "log.jsonl"
     (run_dir / "command.txt").write_text("python -m specdec.distill " + " ".join(map(shlex.quote, sys.argv[1:])) + "\n")
     eval_fn = lambda m: greedy_agreement(m, held, subset, to_compact)
@@ -179,6 +186,10 @@ def main(argv=None):
     tr.add_argument("--fp32", action="store_true")
     tr.add_argument("--time-budget", type=float, default=None, help="stop after this many training seconds")
     tr.add_argument("--eval-every", type=int, default=50)
+    tr.add_argument("--init-from", default=None, help="warm start from this checkpoint's weights (e.g. "
+                    "runs/r4/ckpt.pt); pair it with --subset-samples so the vocabulary subset matches")
+    tr.add_argument("--subset-samples", action="append", default=None,
+                    help="compute the frequency-ranked vocabulary subset from these samples only (repeatable)")
     tr.set_defaults(fn=cmd_train)
 
     e = sub.add_parser("evaluate", help="held-out agreement + per-token cost ratio at 1 thread")

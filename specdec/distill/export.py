@@ -20,7 +20,8 @@ def export(args) -> pathlib.Path:
     run_dir = pathlib.Path(args.work) / "runs" / args.run
     summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
     targs = summary.get("args", {})
-    for k, dflt in (("vocab_subset", 8192), ("init_layers", "0,1"), ("final_norm_scale", 1.0)):
+    for k, dflt in (("vocab_subset", 8192), ("init_layers", "0,1"), ("final_norm_scale", 1.0),
+                    ("subset_samples", None), ("samples", getattr(args, "samples", None))):
         setattr(args, k, targs.get(k, dflt))
     args.no_copy_layers, args.random_init = False, False
     train_rows, _ = _data(args)
