@@ -62,8 +62,13 @@ class DraftBatcher:
                                 f"another draft replica, or raise max_queue")
         e = DraftEntry(session_id, (session_id, *args))
         self._pending.append(e)
+        self._depth()
         self._arrived.set()
         return e
+
+    def _depth(self) -> None:
+        if self.metrics is not None:  # the draft pool's HPA scales on this (deploy/base/draft/hpa.yaml)
+            self.metrics.queue_depth.set(len(self._pending))
 
     async def blocks(self, entry: DraftEntry):
         """The call's DraftBlocks, the last one final. Leaving early abandons the call."""
@@ -96,6 +101,7 @@ class DraftBatcher:
             else:
                 rest.append(e)
         self._pending = rest
+        self._depth()
         return admitted
 
     def _steps(self, new: list[DraftEntry], active: list[DraftEntry]):
