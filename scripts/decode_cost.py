@@ -1,0 +1,62 @@
+"""Per-token decode cost of the draft vs the target, as the services run them: specdec's own model, one KV-cached
+single-token forward (head included) after `--context` cached positions, 1 thread, side by side in one process.
+
+    python scripts/decode_cost.py --dtypes auto float32 --repeats 15
+
+Draft and target and the dtypes are interleaved per repeat (machine drift hits all alike); each repeat times
+`--steps` consecutive tokens; medians over repeats and the draft/target ratio per dtype are printed as markdown.
+`auto` is what `--dtype auto` serves on this machine (specdec.model.auto_dtype).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from specdec.model import load_model, resolve_dtype
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--target", default="default-target")
+    ap.add_argument("--draft", default="default-draft")
+    ap.add_argument("--dtypes", nargs="+", default=["auto", "float32"])
+    ap.add_argument("--context", type=int, default=300)
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    models = {(role, dt): load_model(spec, dtype=resolve_dtype(dt, "cpu", role), role=role)
+              for dt in args.dtypes for role, spec in (("target", args.target), ("draft", args.draft))}
+    kvs = {k: m.new_kv_slots(1, args.context + args.steps + 1) for k, m in models.items()}
+    slots = torch.tensor([0])
+    ctx = torch.randint(0, 1000, (1, args.context))
+    for k, m in models.items():  # fill the cache once
+        m(ctx, torch.arange(args.context)[None], slots, kvs[k])
+
+    def per_token(key) -> float:
+        m, kv, tok = models[key], kvs[key], torch.tensor([[7]])
+        t = time.perf_counter()
+        for i in range(args.steps):
+            logits, _ = m(tok, torch.tensor([[args.context + i]]), slots, kv)
+            tok = logits[:, -1:].argmax(-1)
+        return (time.perf_counter() - t) / args.steps
+
+    times = {k: [] for k in models}
+    for _ in range(args.repeats):
+        for k in models:
+            times[k].append(per_token(k))
+    print(f"| dtype (served as) | draft ms/token | target ms/token | draft / target |  ({args.threads} thread, "
+          f"{args.context} cached positions, median of {args.repeats} × {args.steps} tokens)")
+    print("|---|---|---|---|")
+    for dt in args.dtypes:
+        d, t = (statistics.median(times[(r, dt)]) * 1e3 for r in ("draft", "target"))
+        shown = f"{dt} ({str(models[('target', dt)].dtype).removeprefix('torch.')})"
+        print(f"| {shown} | {d:.2f} | {t:.2f} | {d / t:.3f} |")
+
+
+if __name__ == "__main__":
+    main()
