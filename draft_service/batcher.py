@@ -16,10 +16,10 @@ Blocks go to each call's consumer through an asyncio queue, so a stream sends bl
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from dataclasses import dataclass, field
 
 from specdec.errors import CapacityError
+from specdec.server.runner import cancel_and_wait
 
 _END = object()
 
@@ -46,10 +46,7 @@ class DraftBatcher:
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await cancel_and_wait(self._task)
         for e in self._pending + self._active:
             e.blocks.put_nowait(CapacityError("the draft replica is shutting down; retry on another"))
         self._pending.clear()
@@ -116,8 +113,7 @@ class DraftBatcher:
                 errors[e] = exc
         out: dict[DraftEntry, list] = {}
         while active and not out:
-            live = [e for e in active if not e.abandoned]
-            if len(live) < len(active):
+            if any(e.abandoned for e in active):
                 break  # someone left: free its place first
             for e, blocks in zip(active, self.worker.advance([e.call for e in active])):
                 if blocks:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import time
 import urllib.request
@@ -17,8 +18,6 @@ import urllib.request
 
 def cpu_s(pid: int) -> float:
     """User + system CPU seconds of a process (Linux /proc)."""
-    import os
-
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
@@ -47,7 +46,8 @@ async def main(args) -> None:
     tdir = resolve_model(DEFAULT_TARGET)
     prompts = load_prompt_sets(load_tokenizer(tdir), ["humaneval", "chat"], args.n_prompts)
     stack = LocalStack(str(tdir), str(resolve_model(DEFAULT_DRAFT)), _default_preverifier(DEFAULT_DRAFT), threads=1,
-                       ray_cpus=2, pipelines=2, use_ray=not args.no_ray, max_sessions=max(8, max(args.levels)), metrics=True)
+                       ray_cpus=2, pipelines=2, use_ray=not args.no_ray, max_sessions=max(8, max(args.levels)),
+                       metrics=True)
     await stack.start()
     client = StackClient(stack.address)
     rows = []
@@ -56,8 +56,6 @@ async def main(args) -> None:
         for mode in args.modes:
             for c in args.levels:
                 picks = [prompts[i % len(prompts)] for i in range(c)]
-                import os
-
                 pids = {"coordinator+client": os.getpid(), **{p.args[2]: p.pid for p in stack.procs}}
                 cpu0 = {k: cpu_s(v) for k, v in pids.items()}
                 before = {k: scrape(p, "specdec_batch_size") for k, p in stack.metrics_ports.items()}
@@ -75,7 +73,8 @@ async def main(args) -> None:
                 row["cpu_s"] = {k: round(cpu_s(v) - cpu0[k], 1) for k, v in pids.items()}
                 for k, p in stack.metrics_ports.items():  # mean sessions per batched forward during this run
                     after = scrape(p, "specdec_batch_size")
-                    d = {n: after.get(n, 0) - before[k].get(n, 0) for n in ("specdec_batch_size_sum", "specdec_batch_size_count")}
+                    d = {n: after.get(n, 0) - before[k].get(n, 0)
+                         for n in ("specdec_batch_size_sum", "specdec_batch_size_count")}
                     row[f"{k}_forwards"] = int(d["specdec_batch_size_count"])
                     row[f"{k}_batch"] = round(d["specdec_batch_size_sum"] / max(1, d["specdec_batch_size_count"]), 2)
                 rows.append(row)

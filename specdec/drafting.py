@@ -121,7 +121,7 @@ class DraftWorker(Worker):
             x = sample(probs, keyed_generator(s.params.seed, c.pos, Purpose.DRAFT))
             c.qs.append(SparseDist.from_dense(probs))
         c.toks.append(x)
-        if c.want_features:  # pre-verifier features: at T=0 q is one-hot, so confidence comes from the untempered softmax
+        if c.want_features:  # pre-verifier features; at T=0 q is one-hot: confidence from the untempered softmax
             c.hids.append(row_hidden.float())
             lq = torch.log_softmax(row.float(), -1) if s.params.greedy else probs.clamp_min(1e-30).log()
             c.logq.append(float(lq[x]))

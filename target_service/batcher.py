@@ -8,9 +8,10 @@ Policy
   the batcher therefore waits for the open sessions that are expected back soon: a session's next call is due
   at its last result + its usual gap between a result and its next call (an average it keeps per session). It
   waits until they are all queued or the latest is overdue, and never longer than `batch_window_ms` (a wait
-  pays off when it is shorter than the forward it saves). A session not seen yet (a new request) is expected within the window; a session idle
-  for more than `idle_s` is not waited for. Once two sessions share a forward they get their results at the
-  same time, draft at the same time (the draft replica batches them too) and come back together.
+  pays off when it is shorter than the forward it saves). A session not seen yet (a new request) is expected
+  within the window; a session idle for more than `idle_s` is not waited for. Once two sessions share a
+  forward they get their results at the same time, draft at the same time (the draft replica batches them too)
+  and come back together.
 - When the worker is idle and only one session is open, a call is dispatched at once (straight to the model
   thread, without waking this task): single-stream latency pays nothing for batching.
 - More than `max_queue` waiting calls → CapacityError (RESOURCE_EXHAUSTED): back off or use another replica.
@@ -26,6 +27,7 @@ import time
 from dataclasses import dataclass, field
 
 from specdec.errors import CapacityError
+from specdec.server.runner import cancel_and_wait
 
 
 @dataclass
@@ -44,20 +46,16 @@ class VerifyBatcher:
         self.metrics, self.idle_s = metrics, idle_s
         self._returned: dict[str, float] = {}  # session id -> when its last result was handed back
         self._gap: dict[str, float] = {}  # session id -> average seconds from a result to its next call
-        self._running: set[str] = set()
+        self._running: set[str] = set()  # sessions in the forward that runs now (empty: the worker is idle)
         self._queue: list[_Item] = []
         self._arrived = asyncio.Event()
         self._task: asyncio.Task | None = None
-        self._busy = False  # a forward dispatched by this batcher is running
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await cancel_and_wait(self._task)
         for it in self._queue:
             if not it.future.done():
                 it.future.set_exception(CapacityError("the target replica is shutting down; retry on another"))
@@ -69,7 +67,7 @@ class VerifyBatcher:
             raise CapacityError(f"verify queue is full ({self.max_queue} calls waiting); back off and retry, "
                                 f"use another target replica, or raise max_queue")
         self._arrival(args.session_id)
-        if not self._queue and not self._busy and len(self.open_sessions()) <= 1:
+        if not self._queue and not self._running and len(self.open_sessions()) <= 1:
             return await self._direct(args)  # nobody to batch with: skip the batcher task's wake-up
         item = _Item(args, asyncio.get_running_loop().create_future())
         self._queue.append(item)
@@ -95,7 +93,8 @@ class VerifyBatcher:
         """The latest time an open session with no call queued or running is expected to call (None: none is)."""
         queued = {it.args.session_id for it in self._queue}
         latest = None
-        for sid, last_call in self.open_sessions().items():
+        open_sessions = self.open_sessions()
+        for sid, last_call in open_sessions.items():
             if sid in queued or sid in self._running:
                 continue
             t_out = self._returned.get(sid)
@@ -103,8 +102,6 @@ class VerifyBatcher:
                 continue  # idle: not waited for
             due = math.inf if t_out is None else t_out + 1.25 * self._gap.get(sid, self.window_s) + 0.002
             latest = due if latest is None else max(latest, due)
-        if len(self._returned) > 2 * max(8, len(self.open_sessions())):  # forget sessions ended elsewhere
-            self._returned = {k: v for k, v in self._returned.items() if k in self.open_sessions()}
         return latest
 
     async def _gather(self) -> None:
@@ -127,14 +124,16 @@ class VerifyBatcher:
         for sid in sids:
             self._returned[sid] = now
         self._running = set()
+        open_sessions = self.open_sessions()
+        if len(self._returned) > 2 * max(8, len(open_sessions)):  # forget sessions ended elsewhere (TTL, LRU)
+            self._returned = {k: v for k, v in self._returned.items() if k in open_sessions}
+            self._gap = {k: v for k, v in self._gap.items() if k in open_sessions}
 
     async def _direct(self, args):
-        self._busy = True
         self._running = {args.session_id}
         try:
             out = (await self.runner.run(self.worker.verify_batch, [args]))[0]
         finally:
-            self._busy = False
             self._done([args.session_id])
             if self._queue:
                 self._arrived.set()
@@ -147,9 +146,6 @@ class VerifyBatcher:
     def _depth(self):
         if self.metrics is not None:
             self.metrics.queue_depth.set(len(self._queue))
-
-    def _distinct(self) -> int:
-        return len({it.args.session_id for it in self._queue})
 
     def _take(self) -> list[_Item]:
         batch, seen, rest = [], set(), []
@@ -176,14 +172,12 @@ class VerifyBatcher:
             if not batch:
                 continue
             t_start = time.perf_counter_ns()
-            self._busy = True
             self._running = {it.args.session_id for it in batch}
             try:
                 results = await self.runner.run(self.worker.verify_batch, [it.args for it in batch])
             except Exception as exc:  # noqa: BLE001 - an unexpected failure fails the whole batch
                 results = [exc] * len(batch)
             finally:
-                self._busy = False
                 self._done(it.args.session_id for it in batch)
             if self.metrics is not None:
                 self.metrics.batch_size.observe(len(batch))

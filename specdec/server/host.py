@@ -7,13 +7,12 @@ the model thread. Servicers translate proto <-> these calls and nothing else.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 
 from specdec.pb import common_pb2
 from specdec.server.metrics import ServiceMetrics
-from specdec.server.runner import ModelThread
+from specdec.server.runner import ModelThread, cancel_and_wait
 from specdec.server.sessions import SessionTable
 from specdec.server.settings import ServerSettings
 
@@ -78,10 +77,7 @@ class SessionHost:
                 await self.runner.run(lambda: [self.worker.end_session(s) for s in gone])
 
     async def close(self):
-        if self._reaper is not None:
-            self._reaper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._reaper
+        await cancel_and_wait(self._reaper)
         self.runner.close()
 
     def warmup_sync(self) -> None:

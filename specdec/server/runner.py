@@ -6,6 +6,7 @@ a forward runs. One thread (not a pool) serialises access to the model and its K
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 from concurrent.futures import ThreadPoolExecutor
 
@@ -32,3 +33,11 @@ class ModelThread:
 
     def close(self):
         self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+async def cancel_and_wait(task: asyncio.Task | None) -> None:
+    """Cancel a background task (a batcher's loop, the session reaper) and wait until it has stopped."""
+    if task is not None:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
