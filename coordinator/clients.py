@@ -23,10 +23,10 @@ import grpc
 
 from specdec.pb import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from specdec.sampling import SamplingParams
-from specdec.server.convert import decode_q, encode_q
+from specdec.server.convert import decode_q, encode_q, features_from_proto, features_to_proto
 from specdec.stop import StopSpec
 from specdec.verify import SparseDist
-from specdec.workers import DraftBlock, VerifyOutcome
+from specdec.workers import DraftBlock, TargetFeatures, VerifyOutcome
 
 log = logging.getLogger(__name__)
 MAX_FAILOVERS = 4
@@ -46,6 +46,14 @@ class Channels:
     def __init__(self, credentials: grpc.ChannelCredentials | None = None):
         self.credentials = credentials
         self._ch: dict[str, grpc.aio.Channel] = {}
+        self._feature_size: dict[str, int] = {}  # draft endpoint -> ModelInfo.feature_size
+
+    async def draft_feature_size(self, endpoint: str, timeout: float) -> int:
+        """Whether (and how wide) the draft replica reads target features; asked once per endpoint."""
+        if endpoint not in self._feature_size:
+            r = await self.draft(endpoint).GetInfo(draft_pb2.DraftServiceGetInfoRequest(), timeout=timeout)
+            self._feature_size[endpoint] = r.info.feature_size
+        return self._feature_size[endpoint]
 
     def channel(self, endpoint: str) -> grpc.aio.Channel:
         ch = self._ch.get(endpoint)
@@ -63,6 +71,7 @@ class Channels:
 
     async def drop_except(self, keep: set[str]) -> None:
         for ep in [e for e in self._ch if e not in keep]:
+            self._feature_size.pop(ep, None)
             await self._ch.pop(ep).close()
 
     async def close(self) -> None:
@@ -106,30 +115,35 @@ class _Pinned:
         self.fed: list[int] = []  # mirror of the tokens the pinned replica holds fed
         self.network_ns = 0
         self.failovers = 0
+        self.start_kw: dict = {}  # extra StartSession fields (return_features), kept for rebuilds
 
     async def _pin(self) -> None:
         self.endpoint = await self.pool.acquire(self.kind, self.failed)
         self.served.append(self.endpoint)
 
-    async def _start_on(self, prompt_ids: list[int]) -> None:
+    async def _start_on(self, prompt_ids: list[int], **extra):
         stub = self._stub()
         req_cls = (draft_pb2.DraftServiceStartSessionRequest if self.kind == "draft"
                    else target_pb2.TargetServiceStartSessionRequest)
         t0 = time.perf_counter_ns()
         r = await stub.StartSession(req_cls(session_id=self.sid, prompt_ids=prompt_ids,
-                                            params=sampling_pb(self.params)), timeout=self.timeout)
+                                            params=sampling_pb(self.params), **self.start_kw, **extra),
+                                    timeout=self.timeout)
         self.network_ns += time.perf_counter_ns() - t0 - r.prefill_ns
         self.fed = list(prompt_ids[:-1])
+        return r
 
     def _stub(self):
         return self.channels.draft(self.endpoint) if self.kind == "draft" else self.channels.target(self.endpoint)
 
-    async def start(self, session_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+    async def start(self, session_id: str, prompt_ids: list[int], params: SamplingParams, **extra):
+        """Pin a replica (unless `probe` did) and start the session there; → the StartSession response."""
         self.sid, self.params = session_id, params
-        await self._pin()
+        if self.endpoint is None:
+            await self._pin()
         while True:
             try:
-                return await self._start_on(list(prompt_ids))
+                return await self._start_on(list(prompt_ids), **extra)
             except Exception as e:  # noqa: BLE001
                 if self.failovers >= MAX_FAILOVERS:
                     raise
@@ -211,14 +225,32 @@ class RemoteDraft(_Pinned):
         super().__init__(*a, **kw)
         self._call: grpc.aio.UnaryStreamCall | None = None
         self._cancelled = False
+        self.reads_features = False
+
+    async def probe(self) -> None:
+        """Pin a replica now and learn whether it reads target features (the schedule asks before starting)."""
+        if self.endpoint is None:
+            await self._pin()
+        try:
+            self.reads_features = await self.channels.draft_feature_size(self.endpoint, self.timeout) > 0
+        except grpc.aio.AioRpcError as e:  # unknown: treat as plain (a feature draft then drafts without them)
+            log.warning("draft replica %s GetInfo failed (%s); sending no target features", self.endpoint, e.code())
+            self.reads_features = False
+
+    async def start(self, session_id: str, prompt_ids: list[int], params: SamplingParams,
+                    features: list[TargetFeatures] | None = None) -> None:
+        extra = {"features": [features_to_proto(f) for f in features]} if features else {}
+        await super().start(session_id, prompt_ids, params, **extra)
 
     async def draft_stream(self, session_id: str, base_position: int, append: list[int], gamma_max: int,
-                           stop: StopSpec, block_size: int) -> AsyncIterator[DraftBlock]:
+                           stop: StopSpec, block_size: int,
+                           features: list[TargetFeatures] | None = None) -> AsyncIterator[DraftBlock]:
         rule = draft_pb2.StopRule(kind=_KIND[stop.kind])
         if stop.threshold is not None:
             rule.threshold = stop.threshold
         req = draft_pb2.DraftStreamRequest(session_id=session_id, base_position=base_position, append_ids=append,
-                                           gamma_max=gamma_max, stop=rule, block_size=block_size)
+                                           gamma_max=gamma_max, stop=rule, block_size=block_size,
+                                           features=[features_to_proto(f) for f in features or []])
         got: list[int] = []  # tokens delivered to the schedule
         self._cancelled = False
 
@@ -272,6 +304,13 @@ class RemoteDraft(_Pinned):
 class RemoteTarget(_Pinned):
     kind = "target"
 
+    async def start(self, session_id: str, prompt_ids: list[int], params: SamplingParams,
+                    want_features: bool = False) -> TargetFeatures | None:
+        if want_features:
+            self.start_kw = {"return_features": True}
+        r = await super().start(session_id, prompt_ids, params)
+        return features_from_proto([r.features])[0] if r.HasField("features") else None
+
     async def verify(self, session_id: str, base_position: int, feed: list[int], draft: list[int],
                      q: list[SparseDist] | None, method: str, feed_draft: bool = True,
                      sample_bonus: bool = True) -> VerifyOutcome:
@@ -307,4 +346,5 @@ class RemoteTarget(_Pinned):
             self.fed = (self.fed[:base] + fd + (list(draft) if feed_draft else []))[:kept]
             return VerifyOutcome(r.num_accepted, r.next_token if r.HasField("next_token") else None,
                                  forward_ns=r.forward_ns, verify_ns=r.verify_ns, forwarded=r.forward_ns > 0,
-                                 batch_size=r.batch_size)
+                                 batch_size=r.batch_size,
+                                 features=features_from_proto([r.features])[0] if r.HasField("features") else None)

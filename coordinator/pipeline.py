@@ -134,6 +134,8 @@ class Pipeline:
         target = RemoteTarget(self.pool, self.channels, **kw)
         draft = RemoteDraft(self.pool, self.channels, **kw) if req.mode != "ar" else None
         try:
+            if draft is not None:
+                await draft.probe()
             res = await generate(req, draft, target, on_tokens)
         except asyncio.CancelledError:
             raise

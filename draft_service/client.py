@@ -12,9 +12,9 @@ import grpc
 
 from specdec.pb import common_pb2, draft_pb2, draft_pb2_grpc
 from specdec.sampling import SamplingParams
-from specdec.server.convert import decode_q
+from specdec.server.convert import decode_q, features_to_proto
 from specdec.stop import StopSpec
-from specdec.workers import DraftBlock
+from specdec.workers import DraftBlock, TargetFeatures
 
 _KIND = {"fixed": draft_pb2.STOP_KIND_FIXED, "pacer": draft_pb2.STOP_KIND_PREVERIFIER}
 _REASON = {draft_pb2.STOP_REASON_GAMMA_MAX: "gamma_max", draft_pb2.STOP_REASON_PREVERIFIER: "preverifier",
@@ -31,19 +31,28 @@ class DraftClient:
         self.timeout = timeout
         self._streams: dict[str, grpc.aio.UnaryStreamCall] = {}
         self._cancelled: set = set()
+        self.reads_features = False  # `probe()` asks the replica
 
-    async def start(self, session_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+    async def probe(self) -> None:
+        info = await self.stub.GetInfo(draft_pb2.DraftServiceGetInfoRequest(), timeout=self.timeout)
+        self.reads_features = info.info.feature_size > 0
+
+    async def start(self, session_id: str, prompt_ids: list[int], params: SamplingParams,
+                    features: list[TargetFeatures] | None = None) -> None:
         await self.stub.StartSession(draft_pb2.DraftServiceStartSessionRequest(
-            session_id=session_id, prompt_ids=prompt_ids, params=sampling_pb(params)), timeout=self.timeout)
+            session_id=session_id, prompt_ids=prompt_ids, params=sampling_pb(params),
+            features=[features_to_proto(f) for f in features or []]), timeout=self.timeout)
 
     async def draft_stream(self, session_id: str, base_position: int, append: list[int], gamma_max: int,
-                           stop: StopSpec, block_size: int) -> AsyncIterator[DraftBlock]:
+                           stop: StopSpec, block_size: int,
+                           features: list[TargetFeatures] | None = None) -> AsyncIterator[DraftBlock]:
         rule = draft_pb2.StopRule(kind=_KIND[stop.kind])
         if stop.threshold is not None:
             rule.threshold = stop.threshold
         call = self.stub.DraftStream(draft_pb2.DraftStreamRequest(
             session_id=session_id, base_position=base_position, append_ids=append, gamma_max=gamma_max,
-            stop=rule, block_size=block_size), timeout=self.timeout)
+            stop=rule, block_size=block_size, features=[features_to_proto(f) for f in features or []]),
+            timeout=self.timeout)
         self._streams[session_id] = call
         try:
             async for r in call:

@@ -5,7 +5,7 @@ import grpc
 
 from specdec.errors import InvalidRequestError, StalePositionError
 from specdec.pb import draft_pb2, draft_pb2_grpc
-from specdec.server.convert import encode_q, sampling_from_proto
+from specdec.server.convert import encode_q, features_from_proto, sampling_from_proto
 from specdec.server.host import SessionHost
 from specdec.engine import make_stop_rule
 from specdec.stop import StopSpec
@@ -27,7 +27,9 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
 
     async def StartSession(self, request, context) -> draft_pb2.DraftServiceStartSessionResponse:
         params = sampling_from_proto(request.params)
-        position, ns = await self.host.start_session(request.session_id, list(request.prompt_ids), params)
+        feats = features_from_proto(request.features) if self.worker.reads_features else None
+        position, ns, _ = await self.host.start_session(request.session_id, list(request.prompt_ids), params,
+                                                        features=feats)
         self.committed.pop(request.session_id, None)
         return draft_pb2.DraftServiceStartSessionResponse(position=position, prefill_ns=ns)
 
@@ -55,8 +57,9 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
     def _args(self, request):
         self._check_base(request.session_id, request.base_position)
         token = self._latest[request.session_id] = object()
+        feats = features_from_proto(request.features) if self.worker.reads_features else None
         return token, (request.session_id, request.base_position, list(request.append_ids), request.gamma_max,
-                self._stop_rule(request.stop), request.block_size)
+                       self._stop_rule(request.stop), request.block_size, feats)
 
     def _count(self, tokens) -> None:
         self.metrics.num_draft_tokens.inc(len(tokens))

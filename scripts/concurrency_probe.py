@@ -53,19 +53,20 @@ async def main(args) -> None:
     rows = []
     try:
         await client.generate(prompts[0].ids, "sd", None, 0.0, 0, 8)  # warm up
-        for mode in args.modes:
+        for mode, gamma in [(m, g) for _ in range(args.repeats) for m in args.modes for g in args.gammas]:
             for c in args.levels:
                 picks = [prompts[i % len(prompts)] for i in range(c)]
                 pids = {"coordinator+client": os.getpid(), **{p.args[2]: p.pid for p in stack.procs}}
                 cpu0 = {k: cpu_s(v) for k, v in pids.items()}
                 before = {k: scrape(p, "specdec_batch_size") for k, p in stack.metrics_ports.items()}
                 t0 = time.perf_counter()
-                samples = await asyncio.gather(*(client.generate(p.ids, mode, None, 0.0, 0, args.max_new_tokens)
+                samples = await asyncio.gather(*(client.generate(p.ids, mode, gamma, 0.0, 0, args.max_new_tokens)
                                                  for p in picks))
                 wall = time.perf_counter() - t0
                 toks = sum(s.tokens for s in samples)
                 st = [s.stats for s in samples]
-                row = {"mode": mode, "c": c, "agg_tok_s": round(toks / wall, 2), "wall_s": round(wall, 2),
+                row = {"mode": mode, "gamma": gamma, "c": c, "agg_tok_s": round(toks / wall, 2),
+                       "wall_s": round(wall, 2),
                        "draft_busy_s": round(sum(x["draft_busy_s"] for x in st), 2),
                        "target_busy_s": round(sum(x["target_busy_s"] for x in st), 2),
                        "target_forwards": sum(x["target_forwards"] for x in st),
@@ -93,6 +94,9 @@ if __name__ == "__main__":
     ap.add_argument("--levels", nargs="+", type=int, default=[1, 2, 4, 8])
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--n-prompts", type=int, default=4)
+    ap.add_argument("--gammas", nargs="+", type=lambda v: None if v == "default" else int(v), default=[None],
+                    help="request gamma (draft window); 'default' = the mode's default")
+    ap.add_argument("--repeats", type=int, default=1, help="repeat the whole mode x gamma sweep (interleaved)")
     ap.add_argument("--no-ray", action="store_true")
     ap.add_argument("--json")
     asyncio.run(main(ap.parse_args()))

@@ -13,7 +13,8 @@ from specdec.model import CausalLM
 from specdec.sampling import Purpose, keyed_generator, logits_to_probs, sample, truncate_top_k
 from specdec.stop import DraftFeatures, FixedLength, StopRule
 from specdec.verify import SparseDist
-from specdec.worker_base import Session, Worker
+from specdec.sampling import SamplingParams
+from specdec.worker_base import Session, TargetFeatures, Worker, feature_size
 
 
 @dataclass
@@ -24,6 +25,46 @@ class DraftBlock:
     draft_ns: int = 0  # compute time spent on this block
     final: bool = True  # last block of the call
     score: float | None = None  # pre-verifier's P(block accepted), when one ran
+
+
+class FeatureState:
+    """A feature draft's inputs by position: the target's features received so far, and whether each cached
+    position was fed with the target's feature. Position p is fed with the feature of p - 1, or zeros where that
+    is not known (p = 0, drafted tokens): the draft is trained for both. A cached position fed with zeros whose
+    feature has arrived since is re-fed by the next call (`first_refeed`)."""
+
+    def __init__(self, max_len: int, dim: int, dtype, device):
+        self.true = torch.zeros((max_len, dim), dtype=dtype, device=device)
+        self.known = torch.zeros(max_len, dtype=torch.bool, device=device)
+        self.fed_true = torch.zeros(max_len, dtype=torch.bool, device=device)
+
+    def add(self, f: TargetFeatures) -> None:
+        n = len(f)
+        if f.rows.ndim != 2 or f.rows.shape[1] != self.true.shape[1]:
+            raise InvalidRequestError("features", f"rows must be [n, {self.true.shape[1]}], got {tuple(f.rows.shape)}")
+        if f.start < 0 or f.start + n > self.true.shape[0]:
+            raise InvalidRequestError("features", f"positions {f.start}..{f.start + n - 1} lie outside the context")
+        self.true[f.start:f.start + n] = f.rows.to(self.true.dtype)
+        self.known[f.start:f.start + n] = True
+
+    def inputs(self, base: int, n: int) -> torch.Tensor:
+        prev = torch.arange(base - 1, base + n - 1, device=self.true.device).clamp_min(0)
+        rows = self.true[prev] * self.known[prev, None]
+        if base == 0:
+            rows[0] = 0
+        return rows
+
+    def fed(self, base: int, n: int) -> None:
+        prev = torch.arange(base - 1, base + n - 1, device=self.true.device).clamp_min(0)
+        self.fed_true[base:base + n] = self.known[prev]
+        if base == 0:
+            self.fed_true[0] = True
+
+    def first_refeed(self, length: int) -> int:
+        """The first cached position (< length) fed with zeros whose feature has arrived since, else length."""
+        redo = ~self.fed_true[1:length] & self.known[:max(length - 1, 0)]
+        hit = redo.nonzero()
+        return int(hit[0, 0]) + 1 if hit.numel() else length
 
 
 @dataclass
@@ -59,9 +100,35 @@ class DraftWorker(Worker):
         self.preverifier = preverifier
         self.q_top_k = q_top_k  # proposal truncation: q is exactly sparse on the wire (still lossless)
 
+    # ---- feature drafts (EAGLE-style): inputs are the target's features where known, the draft's own f̂ else ----
+    @property
+    def reads_features(self) -> bool:
+        return feature_size(self.model) > 0
+
+    def start_session(self, session_id: str, prompt_ids: list[int], params: SamplingParams,
+                      features: list[TargetFeatures] | None = None) -> Session:
+        s = self._open_session(session_id, prompt_ids, params)
+        if self.reads_features:
+            s.feats = FeatureState(self.kv.max_len, feature_size(self.model), self.model.dtype,
+                                   self.model.device)
+            for f in features or []:
+                s.feats.add(f)
+        if len(prompt_ids) > 1:
+            self._feed(s, 0, prompt_ids[:-1])
+        return s
+
+    def _input_features(self, s: Session, base: int, ids: list[int]) -> torch.Tensor | None:
+        return s.feats.inputs(base, len(ids)) if s.feats is not None else None
+
+    def _after_feed(self, s: Session, base: int, hidden: torch.Tensor) -> None:
+        if s.feats is not None:
+            s.feats.fed(base, hidden.shape[0])
+
     def begin(self, session_id: str, base_position: int, append: list[int], gamma_max: int,
-              stop: StopRule | None = None, block_size: int = 0) -> DraftCall:
-        """Check and truncate; the first `advance` feeds `append` and drafts the first token."""
+              stop: StopRule | None = None, block_size: int = 0,
+              features: list[TargetFeatures] | None = None) -> DraftCall:
+        """Check and truncate; the first `advance` feeds `append` and drafts the first token. A feature draft
+        first stores `features` and re-feeds the cached positions they improve (one forward with `append`)."""
         s = self._get(session_id)
         if not append:
             raise InvalidRequestError("append", "send at least the pending token to draft from")
@@ -73,9 +140,18 @@ class DraftWorker(Worker):
         # 0: the stop rule's own block size (a pre-verifier's trained B), else one block of gamma_max
         block_size = block_size if block_size > 0 else (getattr(stop, "block_size", 0) or gamma_max)
         self._truncate(s, base_position)
+        feed = list(append)
+        if s.feats is not None:
+            for f in features or []:
+                s.feats.add(f)
+            redo = s.feats.first_refeed(base_position)
+            if redo < base_position:
+                feed = s.tokens[redo:] + feed
+                self._truncate(s, redo)
+                base_position = redo
         # skip the feature work for rules that never read it
         return DraftCall(s, s.epoch, gamma_max, stop, block_size, getattr(stop, "needs_features", True),
-                         base_position, list(append))
+                         base_position, feed)
 
     def advance(self, calls: list[DraftCall]) -> list[list[DraftBlock]]:
         """One batched forward: each live call drafts one token. → the blocks each call completed (its last
@@ -145,15 +221,17 @@ class DraftWorker(Worker):
         return block
 
     def draft_blocks(self, session_id: str, base_position: int, append: list[int], gamma_max: int,
-                     stop: StopRule | None = None, block_size: int = 0) -> Iterator[DraftBlock]:
+                     stop: StopRule | None = None, block_size: int = 0,
+                     features: list[TargetFeatures] | None = None) -> Iterator[DraftBlock]:
         """Truncate, feed `append`, then draft up to `gamma_max` tokens, yielding a block every `block_size`."""
-        c = self.begin(session_id, base_position, append, gamma_max, stop, block_size)
+        c = self.begin(session_id, base_position, append, gamma_max, stop, block_size, features)
         while not c.done:
             yield from self.advance([c])[0]
 
     def draft(self, session_id: str, base_position: int, append: list[int], gamma_max: int,
-              stop: StopRule | None = None, block_size: int = 0) -> DraftBlock:
-        blocks = list(self.draft_blocks(session_id, base_position, append, gamma_max, stop, block_size))
+              stop: StopRule | None = None, block_size: int = 0,
+              features: list[TargetFeatures] | None = None) -> DraftBlock:
+        blocks = list(self.draft_blocks(session_id, base_position, append, gamma_max, stop, block_size, features))
         return DraftBlock(tokens=[t for b in blocks for t in b.tokens], q=[d for b in blocks for d in b.q],
                           stop_reason=blocks[-1].stop_reason, draft_ns=sum(b.draft_ns for b in blocks),
                           score=blocks[-1].score)

@@ -17,7 +17,7 @@ from specdec.sampling import SamplingParams
 from specdec.schedule import GenerationRequest, GenerationResult, generate
 from specdec.stop import FixedLength, PreverifierStop, StopRule, StopSpec
 from specdec.verify import SparseDist
-from specdec.workers import DraftBlock, DraftWorker, TargetWorker, VerifyOutcome
+from specdec.workers import DraftBlock, DraftWorker, TargetFeatures, TargetWorker, VerifyOutcome
 
 DEFAULT_PACER_THRESHOLD = 0.5
 
@@ -56,15 +56,19 @@ class LocalDraft(_ThreadOwner):
     def __init__(self, worker: DraftWorker, threads: int | None = None, inline: bool = False):
         super().__init__("draft", threads, inline)
         self.worker = worker
+        self.reads_features = worker.reads_features
 
-    async def start(self, session_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
-        await self.call(self.worker.start_session, session_id, prompt_ids, params)
+    async def start(self, session_id: str, prompt_ids: list[int], params: SamplingParams,
+                    features: list[TargetFeatures] | None = None) -> None:
+        await self.call(self.worker.start_session, session_id, prompt_ids, params, features)
 
     async def draft_stream(self, session_id: str, base_position: int, append: list[int], gamma_max: int,
-                           stop: StopSpec, block_size: int) -> AsyncIterator[DraftBlock]:
+                           stop: StopSpec, block_size: int,
+                           features: list[TargetFeatures] | None = None) -> AsyncIterator[DraftBlock]:
         rule = make_stop_rule(stop, self.worker.preverifier)
+        args = (session_id, base_position, append, gamma_max, rule, block_size, features)
         if self.inline:
-            for blk in self.worker.draft_blocks(session_id, base_position, append, gamma_max, rule, block_size):
+            for blk in self.worker.draft_blocks(*args):
                 yield blk
             return
         loop = asyncio.get_running_loop()
@@ -72,7 +76,7 @@ class LocalDraft(_ThreadOwner):
 
         def produce():
             try:
-                for blk in self.worker.draft_blocks(session_id, base_position, append, gamma_max, rule, block_size):
+                for blk in self.worker.draft_blocks(*args):
                     loop.call_soon_threadsafe(queue.put_nowait, blk)
             except Exception as e:  # noqa: BLE001 - re-raised on the consumer side
                 loop.call_soon_threadsafe(queue.put_nowait, e)
@@ -99,8 +103,9 @@ class LocalTarget(_ThreadOwner):
         super().__init__("target", threads, inline)
         self.worker = worker
 
-    async def start(self, session_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
-        await self.call(self.worker.start_session, session_id, prompt_ids, params)
+    async def start(self, session_id: str, prompt_ids: list[int], params: SamplingParams,
+                    want_features: bool = False) -> TargetFeatures | None:
+        return await self.call(self.worker.start_session, session_id, prompt_ids, params, want_features)
 
     async def verify(self, session_id: str, base_position: int, feed: list[int], draft: list[int],
                      q: list[SparseDist] | None, method: str, feed_draft: bool = True,

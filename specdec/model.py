@@ -39,6 +39,10 @@ class ModelConfig:
     eos_token_id: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
     architecture: str = "LlamaForCausalLM"
+    # feature draft (EAGLE-style, docs/feature_draft.md): the input at position t is fc([embed(x_t); f_{t-1}]),
+    # f_{t-1} = the target's final (post-norm) hidden state at t-1, of width `feature_size`
+    feature_size: int = 0
+    feature_scale: float = 1.0  # features are multiplied by this before fc (brings them to the embeddings' scale)
 
     def __post_init__(self):
         if self.head_dim is None:
@@ -72,7 +76,17 @@ class ModelConfig:
             eos_token_id=eos,
             bos_token_id=cfg.get("bos_token_id"),
             architecture=arch,
+            feature_size=int(cfg.get("specdec_feature_size", 0)),
+            feature_scale=float(cfg.get("specdec_feature_scale", 1.0)),
         )
+
+
+def rope_tables(cfg: ModelConfig, n: int, device=None, dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE cos/sin tables [n, head_dim] for positions 0..n-1."""
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim))
+    freqs = torch.outer(torch.arange(n, dtype=torch.float32), inv)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(device, dtype), emb.sin().to(device, dtype)
 
 
 class RMSNorm(nn.Module):
@@ -211,6 +225,8 @@ class CausalLM(nn.Module):
         if vocab_subset is not None:
             to_compact = torch.full((cfg.vocab_size,), oov_compact_id, dtype=torch.long)
             to_compact[vocab_subset] = torch.arange(len(vocab_subset))
+        # a feature draft mixes the token embedding with the target's feature of the previous position
+        self.fc = nn.Linear(cfg.hidden_size + cfg.feature_size, cfg.hidden_size) if cfg.feature_size else None
         self.register_buffer("vocab_subset", vocab_subset, persistent=False)
         self.register_buffer("to_compact", to_compact, persistent=False)
         self._rope_cache: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -227,14 +243,11 @@ class CausalLM(nn.Module):
         return KVSlots(self.config, num_slots, max_len, self.device, self.dtype)
 
     def _rope(self, positions: torch.Tensor):
-        cfg = self.config
         need = int(positions.max()) + 1
         if self._rope_cache is None or self._rope_cache[0].shape[0] < need:
-            n = max(need, cfg.max_position_embeddings, 2 * (self._rope_cache[0].shape[0] if self._rope_cache else 0))
-            inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim))
-            freqs = torch.outer(torch.arange(n, dtype=torch.float32), inv)
-            emb = torch.cat((freqs, freqs), dim=-1)
-            self._rope_cache = (emb.cos().to(self.device, self.dtype), emb.sin().to(self.device, self.dtype))
+            have = self._rope_cache[0].shape[0] if self._rope_cache else 0
+            n = max(need, self.config.max_position_embeddings, 2 * have)
+            self._rope_cache = rope_tables(self.config, n, self.device, self.dtype)
         cos, sin = self._rope_cache
         return cos[positions], sin[positions]
 
@@ -248,8 +261,9 @@ class CausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, kv: KVSlots,
-                logits_rows: slice | None = None):
-        # tokens/positions: [B, S] (rows padded to S; padding positions lie past each row's real end); slots: [B]
+                logits_rows: slice | None = None, features: torch.Tensor | None = None):
+        # tokens/positions: [B, S] (rows padded to S; padding positions lie past each row's real end); slots: [B];
+        # features: [B, S, feature_size], a feature draft's f_{t-1} per row (required iff config.feature_size)
         B, S = tokens.shape
         kv_len = int(positions.max()) + 1
         if kv_len > kv.max_len:
@@ -262,6 +276,10 @@ class CausalLM(nn.Module):
             kv_len = list(zip(slots.tolist(), (positions.max(dim=1).values + 1).tolist()))
         cos, sin = self._rope(positions)
         x = self.model.embed_tokens(tokens if self.to_compact is None else self.to_compact[tokens])
+        if self.fc is not None:
+            if features is None or features.shape[:2] != tokens.shape:
+                raise ValueError("a feature draft needs one target feature per input token")
+            x = self.fc(torch.cat((x, features.to(x.dtype) * self.config.feature_scale), dim=-1))
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, i, kv, slots, positions, mask, kv_len)
         hidden = self.model.norm(x)
@@ -343,11 +361,12 @@ def load_model(spec: str | Path, device: str = "cpu", dtype: str | torch.dtype =
 
 def build_tiny_model(vocab_size: int = 32, hidden_size: int = 32, num_layers: int = 2, num_heads: int = 4,
                      num_kv_heads: int = 2, seed: int = 0, max_position_embeddings: int = 256,
-                     logit_scale: float = 1.0) -> CausalLM:
-    """A random tiny model for tests. `logit_scale` sharpens (>1) or flattens (<1) its distributions."""
+                     logit_scale: float = 1.0, feature_size: int = 0) -> CausalLM:
+    """A random tiny model for tests. `logit_scale` sharpens (>1) or flattens (<1) its distributions;
+    `feature_size` > 0 makes it a feature draft reading a target of that width."""
     cfg = ModelConfig(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
                       num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
-                      max_position_embeddings=max_position_embeddings)
+                      max_position_embeddings=max_position_embeddings, feature_size=feature_size)
     gen = torch.Generator().manual_seed(seed)
     model = CausalLM(cfg)
     with torch.no_grad():

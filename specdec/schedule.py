@@ -26,7 +26,7 @@ from specdec.errors import InvalidRequestError
 from specdec.sampling import SamplingParams
 from specdec.stop import StopSpec
 from specdec.verify import METHODS, SparseDist
-from specdec.workers import DraftBlock, VerifyOutcome
+from specdec.workers import DraftBlock, TargetFeatures, VerifyOutcome
 
 MODES = ("ar", "sd", "pacer", "pearl", "pacer_pearl")
 # gamma when a request leaves it unset. sd: the draft length. pacer: the most it may draft (the pre-verifier
@@ -42,15 +42,20 @@ DEFAULT_POST_THRESHOLD = 0.01
 
 
 class DraftBackend(Protocol):
-    async def start(self, session_id: str, prompt_ids: list[int], params: SamplingParams) -> None: ...
+    reads_features: bool  # a feature draft: send it the target's features (docs/feature_draft.md)
+
+    async def start(self, session_id: str, prompt_ids: list[int], params: SamplingParams,
+                    features: list[TargetFeatures] | None = None) -> None: ...
     def draft_stream(self, session_id: str, base_position: int, append: list[int], gamma_max: int,
-                     stop: StopSpec, block_size: int) -> AsyncIterator[DraftBlock]: ...
+                     stop: StopSpec, block_size: int,
+                     features: list[TargetFeatures] | None = None) -> AsyncIterator[DraftBlock]: ...
     async def cancel(self, session_id: str) -> None: ...
     async def end(self, session_id: str) -> None: ...
 
 
 class TargetBackend(Protocol):
-    async def start(self, session_id: str, prompt_ids: list[int], params: SamplingParams) -> None: ...
+    async def start(self, session_id: str, prompt_ids: list[int], params: SamplingParams,
+                    want_features: bool = False) -> TargetFeatures | None: ...
     async def verify(self, session_id: str, base_position: int, feed: list[int], draft: list[int],
                      q: list[SparseDist] | None, method: str, feed_draft: bool = True,
                      sample_bonus: bool = True) -> VerifyOutcome: ...
@@ -130,6 +135,11 @@ class _Run:
         self.finish: str | None = None
         self.stats = GenerationStats(mode=req.mode)
         self.draft_fed = self.target_fed = self.n_prompt - 1
+        self.features: list[TargetFeatures] = []  # target features the (feature) draft has not been sent yet
+
+    def take_features(self) -> list[TargetFeatures] | None:
+        out, self.features = self.features, []
+        return out or None
 
     @property
     def generated(self) -> list[int]:
@@ -162,6 +172,8 @@ class _Run:
         self.stats.target_forwards += int(out.forwarded)
         self.stats.target_busy_s += (out.forward_ns + out.verify_ns) / 1e9
         self.stats.accepted_tokens += out.num_accepted
+        if out.features is not None and len(out.features):
+            self.features.append(out.features)
 
 
 async def _collect(stream: AsyncIterator[DraftBlock], run: _Run) -> DraftBlock:
@@ -184,11 +196,16 @@ async def generate(req: GenerationRequest, draft: DraftBackend | None, target: T
     needs_draft = req.mode != "ar"
     if needs_draft and draft is None:
         raise InvalidRequestError("mode", f"mode {req.mode!r} needs a draft model; use mode 'ar' or add a draft")
-    starts = [target.start(sid, req.prompt_ids, req.params)]
-    if needs_draft:
+    # a feature draft reads the target's prompt features: start the target first, then the draft with them
+    feature_draft = needs_draft and getattr(draft, "reads_features", False)
+    starts = [target.start(sid, req.prompt_ids, req.params, want_features=True) if feature_draft
+              else target.start(sid, req.prompt_ids, req.params)]
+    if needs_draft and not feature_draft:
         starts.append(draft.start(sid, req.prompt_ids, req.params))
     try:
-        await asyncio.gather(*starts)
+        feats = (await asyncio.gather(*starts))[0]
+        if feature_draft:
+            await draft.start(sid, req.prompt_ids, req.params, features=[feats] if feats is not None else None)
         if req.mode == "ar":
             await _run_ar(run, target)
         elif req.mode in ("sd", "pacer"):
@@ -250,7 +267,8 @@ async def _run_sd(run: _Run, draft: DraftBackend, target: TargetBackend) -> None
     while run.finish is None:
         base_d, append = run.draft_args()
         gamma = min(req.gamma, req.max_new_tokens - len(run.generated))
-        blk = await _collect(draft.draft_stream(req.session_id, base_d, append, gamma, stop, block), run)
+        blk = await _collect(draft.draft_stream(req.session_id, base_d, append, gamma, stop, block,
+                                                run.take_features()), run)
         run.draft_fed = base_d + len(append) + len(blk.tokens) - 1
         base_t, feed = run.target_args()
         out = await target.verify(req.session_id, base_t, feed, blk.tokens, blk.q, req.method)
@@ -275,7 +293,8 @@ async def _run_pearl(run: _Run, draft: DraftBackend, target: TargetBackend) -> N
             # the target forwards the pending token(s) while the draft writes its first token, then checks that
             # token against the stored row (no second forward): the draft's first token is off the critical path
             base_d, append = run.draft_args()
-            stream = draft.draft_stream(sid, base_d, append, req.gamma, post_stop, 1).__aiter__()
+            stream = draft.draft_stream(sid, base_d, append, req.gamma, post_stop, 1,
+                                        run.take_features()).__aiter__()
             first_task = asyncio.ensure_future(stream.__anext__())
             base_t, feed = run.target_args()
             fwd = None
@@ -321,7 +340,7 @@ async def _run_pearl(run: _Run, draft: DraftBackend, target: TargetBackend) -> N
         spec_base = run.draft_fed
         spec_append = [pending_block.tokens[-1]]
         spec = asyncio.ensure_future(_collect(draft.draft_stream(sid, spec_base, spec_append, req.gamma, post_stop,
-                                                                 post_block), run))
+                                                                 post_block, run.take_features()), run))
         out = await verify_task
         run.on_verify(out, len(to_check))
         run.target_fed = base_t + len(feed) + out.num_accepted

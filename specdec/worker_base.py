@@ -19,6 +19,22 @@ from specdec.sampling import SamplingParams
 PAD_SLACK = 64  # extra KV positions per slot for padded rows of batched forwards
 
 
+def feature_size(model) -> int:
+    """Width of the target features a feature draft reads; 0 for every other model."""
+    return int(getattr(model.config, "feature_size", 0) or 0)
+
+
+@dataclass
+class TargetFeatures:
+    """The target's final hidden states at positions start, start+1, ...: rows [n, D]. A feature draft reads
+    them as its inputs (docs/feature_draft.md); they only steer the draft, never what is accepted."""
+    start: int
+    rows: torch.Tensor
+
+    def __len__(self) -> int:
+        return int(self.rows.shape[0])
+
+
 @dataclass
 class Session:
     slot: int
@@ -27,6 +43,8 @@ class Session:
     last_row: torch.Tensor | None = None  # logits predicting position len(tokens) (target only)
     last_used: float = field(default_factory=time.monotonic)
     epoch: int = 0  # bumped by cancel(); a draft loop stops when it changes
+    want_features: bool = False  # target: return features with each result (a feature draft reads them)
+    feats: object | None = None  # draft: a feature draft's per-position inputs (specdec.drafting.FeatureState)
 
 
 class Worker:
@@ -68,7 +86,13 @@ class Worker:
             raise ContextOverflowError(f"{what} needs {length} positions but the context holds {self.max_context}; "
                                        f"shorten the prompt or lower max_new_tokens / gamma")
 
-    def start_session(self, session_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+    def start_session(self, session_id: str, prompt_ids: list[int], params: SamplingParams) -> Session:
+        s = self._open_session(session_id, prompt_ids, params)
+        if len(prompt_ids) > 1:
+            self._feed(s, 0, prompt_ids[:-1])
+        return s
+
+    def _open_session(self, session_id: str, prompt_ids: list[int], params: SamplingParams) -> Session:
         if not session_id:
             raise InvalidRequestError("session_id", "must be a non-empty string")
         if not prompt_ids:
@@ -85,8 +109,7 @@ class Worker:
                                 f"or raise max_sessions")
         s = Session(slot=self.free_slots.pop(), params=params)
         self.sessions[session_id] = s
-        if len(prompt_ids) > 1:
-            self._feed(s, 0, prompt_ids[:-1])
+        return s
 
     def end_session(self, session_id: str) -> bool:
         s = self.sessions.pop(session_id, None)
@@ -119,13 +142,23 @@ class Worker:
             del s.tokens[base:]
             s.last_row = None
 
+    # feature drafts (specdec/drafting.py) supply each fed token's input feature and record what they computed
+    def _input_features(self, s: Session, base: int, ids: list[int]) -> torch.Tensor | None:
+        return None
+
+    def _after_feed(self, s: Session, base: int, hidden: torch.Tensor) -> None:
+        pass
+
     def _feed(self, s: Session, base: int, ids: list[int]):
         """Forward `ids` at positions base.. → (logits [m, V] fp32, hidden [m, D])."""
         dev = self.model.device
         tokens = torch.tensor([ids], device=dev)
         positions = torch.arange(base, base + len(ids), device=dev)[None]
-        logits, hidden = self.model(tokens, positions, torch.tensor([s.slot], device=dev), self.kv)
+        feats = self._input_features(s, base, ids)
+        kw = {} if feats is None else {"features": feats[None]}
+        logits, hidden = self.model(tokens, positions, torch.tensor([s.slot], device=dev), self.kv, **kw)
         s.tokens.extend(ids)
+        self._after_feed(s, base, hidden[0])
         return logits[0], hidden[0]
 
     def _feed_many(self, items: list[tuple[Session, int, list[int]]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -143,9 +176,16 @@ class Worker:
             tokens[r, :len(ids)] = torch.tensor(ids, device=dev)
             positions[r] = torch.arange(base, base + width, device=dev).clamp_max(self.kv.max_len - 1)
         slots = torch.tensor([s.slot for s, _, _ in items], device=dev)
-        logits, hidden = self.model(tokens, positions, slots, self.kv)
+        kw = {}
+        if feature_size(self.model):
+            feats = torch.zeros((len(items), width, feature_size(self.model)), device=dev, dtype=self.model.dtype)
+            for r, (s, base, ids) in enumerate(items):
+                feats[r, :len(ids)] = self._input_features(s, base, ids)
+            kw["features"] = feats
+        logits, hidden = self.model(tokens, positions, slots, self.kv, **kw)
         out = []
-        for r, (s, _, ids) in enumerate(items):
+        for r, (s, base, ids) in enumerate(items):
             s.tokens.extend(ids)
+            self._after_feed(s, base, hidden[r, :len(ids)])
             out.append((logits[r, :len(ids)], hidden[r, :len(ids)]))
         return out

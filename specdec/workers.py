@@ -19,7 +19,8 @@ from specdec.errors import InvalidRequestError, StalePositionError
 from specdec.model import CausalLM
 from specdec.sampling import logits_to_probs
 from specdec.verify import SparseDist, verify
-from specdec.worker_base import PAD_SLACK, Session, Worker
+from specdec.sampling import SamplingParams
+from specdec.worker_base import PAD_SLACK, Session, TargetFeatures, Worker
 
 @dataclass
 class VerifyArgs:
@@ -41,10 +42,23 @@ class VerifyOutcome:
     verify_ns: int = 0
     forwarded: bool = True  # False when the check used the stored row only (no forward)
     batch_size: int = 1
+    # the target's final hidden states at the positions this call committed (fed and kept), for a feature draft;
+    # only when the session asked for them
+    features: TargetFeatures | None = None
 
 
 class TargetWorker(Worker):
     """Hosts the target model: verifies draft blocks, batching sessions into one forward."""
+
+    def start_session(self, session_id: str, prompt_ids: list[int], params: SamplingParams,
+                      want_features: bool = False) -> TargetFeatures | None:
+        """Prefill prompt_ids[:-1]; with `want_features`, return their features and every verify's too."""
+        s = self._open_session(session_id, prompt_ids, params)
+        s.want_features = want_features
+        if len(prompt_ids) > 1:
+            _, hidden = self._feed(s, 0, prompt_ids[:-1])
+            return TargetFeatures(0, hidden) if want_features else None
+        return TargetFeatures(0, torch.zeros((0, self.model.config.hidden_size))) if want_features else None
 
     def verify(self, session_id: str, base_position: int, feed: list[int], draft: list[int],
                q: list[SparseDist] | None = None, method: str = "greedy", feed_draft: bool = True,
@@ -87,10 +101,13 @@ class TargetWorker(Worker):
         rows_by_item = self._forward_batch([(a, s, ids) for _, a, s, ids in prepared])
         fwd_ns = time.perf_counter_ns() - t0
         n_fwd = sum(1 for _, _, _, ids in prepared if ids)
-        for (i, a, s, ids), logits in zip(prepared, rows_by_item):
+        for (i, a, s, ids), (logits, hidden) in zip(prepared, rows_by_item):
             t1 = time.perf_counter_ns()
             try:
                 out = self._finish(a, s, logits)
+                if s.want_features and hidden is not None:
+                    kept = len(a.feed) + (out.num_accepted if a.feed_draft else 0)
+                    out.features = TargetFeatures(a.base_position, hidden[:kept])
             except Exception as e:  # noqa: BLE001
                 results[i] = e
                 continue
@@ -101,14 +118,14 @@ class TargetWorker(Worker):
             results[i] = out
         return results  # type: ignore[return-value]
 
-    def _forward_batch(self, items) -> list[torch.Tensor | None]:
+    def _forward_batch(self, items) -> list[tuple[torch.Tensor | None, torch.Tensor | None]]:
         todo = [(j, a, s, ids) for j, (a, s, ids) in enumerate(items) if ids]
-        out: list[torch.Tensor | None] = [None] * len(items)
+        out: list[tuple[torch.Tensor | None, torch.Tensor | None]] = [(None, None)] * len(items)
         for _, a, s, _ in todo:
             self._truncate(s, a.base_position)
         rows = self._feed_many([(s, a.base_position, ids) for _, a, s, ids in todo]) if todo else []
-        for (j, *_), (logits, _) in zip(todo, rows):
-            out[j] = logits
+        for (j, *_), logits_hidden in zip(todo, rows):
+            out[j] = logits_hidden
         return out
 
     def _finish(self, a: VerifyArgs, s: Session, logits: torch.Tensor | None) -> VerifyOutcome:
@@ -143,4 +160,4 @@ def kv_bytes_per_session(model: CausalLM, max_context: int) -> int:
 
 
 __all__ = ["DraftWorker", "TargetWorker", "DraftBlock", "DraftCall", "VerifyOutcome", "VerifyArgs", "Session",
-           "Worker", "kv_bytes_per_session"]
+           "TargetFeatures", "Worker", "kv_bytes_per_session"]

@@ -8,9 +8,9 @@ import grpc
 
 from specdec.pb import common_pb2, target_pb2, target_pb2_grpc
 from specdec.sampling import SamplingParams
-from specdec.server.convert import encode_q
+from specdec.server.convert import encode_q, features_from_proto
 from specdec.verify import SparseDist
-from specdec.workers import VerifyOutcome
+from specdec.workers import TargetFeatures, VerifyOutcome
 
 METHOD_PB = {"greedy": common_pb2.VERIFY_METHOD_GREEDY, "token": common_pb2.VERIFY_METHOD_TOKEN,
              "block": common_pb2.VERIFY_METHOD_BLOCK}
@@ -21,11 +21,13 @@ class TargetClient:
         self.stub = target_pb2_grpc.TargetServiceStub(channel)
         self.timeout = timeout
 
-    async def start(self, session_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
-        await self.stub.StartSession(target_pb2.TargetServiceStartSessionRequest(
-            session_id=session_id, prompt_ids=prompt_ids,
+    async def start(self, session_id: str, prompt_ids: list[int], params: SamplingParams,
+                    want_features: bool = False) -> TargetFeatures | None:
+        r = await self.stub.StartSession(target_pb2.TargetServiceStartSessionRequest(
+            session_id=session_id, prompt_ids=prompt_ids, return_features=want_features,
             params=common_pb2.SamplingParams(temperature=params.temperature, top_k=params.top_k,
                                              top_p=params.top_p, seed=params.seed)), timeout=self.timeout)
+        return features_from_proto([r.features])[0] if r.HasField("features") else None
 
     @staticmethod
     def request(session_id: str, base_position: int, feed: list[int], draft: list[int],
@@ -45,7 +47,8 @@ class TargetClient:
                                                 sample_bonus), timeout=self.timeout)
         return VerifyOutcome(r.num_accepted, r.next_token if r.HasField("next_token") else None,
                              forward_ns=r.forward_ns, verify_ns=r.verify_ns, forwarded=r.forward_ns > 0,
-                             batch_size=r.batch_size)
+                             batch_size=r.batch_size,
+                             features=features_from_proto([r.features])[0] if r.HasField("features") else None)
 
     async def end(self, session_id: str) -> None:
         await self.stub.EndSession(target_pb2.TargetServiceEndSessionRequest(session_id=session_id),

@@ -5,7 +5,8 @@ import grpc
 
 from specdec.errors import InvalidRequestError
 from specdec.pb import common_pb2, target_pb2, target_pb2_grpc
-from specdec.server.convert import decode_q, dense_q_to_sparse, sampling_from_proto, tensor_from_proto
+from specdec.server.convert import (decode_q, dense_q_to_sparse, features_to_proto, sampling_from_proto,
+                                   tensor_from_proto)
 from specdec.server.host import SessionHost
 
 from target_service.batcher import VerifyBatcher
@@ -24,8 +25,12 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
 
     async def StartSession(self, request, context) -> target_pb2.TargetServiceStartSessionResponse:
         params = sampling_from_proto(request.params)
-        position, ns = await self.host.start_session(request.session_id, list(request.prompt_ids), params)
-        return target_pb2.TargetServiceStartSessionResponse(position=position, prefill_ns=ns)
+        position, ns, feats = await self.host.start_session(request.session_id, list(request.prompt_ids), params,
+                                                            want_features=request.return_features)
+        resp = target_pb2.TargetServiceStartSessionResponse(position=position, prefill_ns=ns)
+        if feats is not None:
+            resp.features.CopyFrom(features_to_proto(feats))
+        return resp
 
     async def EndSession(self, request, context) -> target_pb2.TargetServiceEndSessionResponse:
         self.batcher.forget(request.session_id)
@@ -53,6 +58,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                                          verify_ns=out.verify_ns, queue_ns=queue_ns, batch_size=out.batch_size)
         if out.next_token is not None:
             resp.next_token = out.next_token
+        if out.features is not None:
+            resp.features.CopyFrom(features_to_proto(out.features))
         return resp
 
 

@@ -19,6 +19,7 @@ import torch
 
 from coordinator.config import CoordinatorSettings
 from coordinator.server import build_coordinator
+from specdec.model import build_tiny_model
 from tests.helpers_models import start_replica, target_greedy, tiny_pair
 from specdec.pb import generation_pb2 as g, generation_pb2_grpc as gg
 from specdec.schedule import MODES
@@ -28,15 +29,19 @@ N = 24
 
 
 class Stack:
-    """Target + two drafts (a different random model, and an exact copy of the target) + a coordinator each."""
+    """Target + three drafts (a different random model, an exact copy of the target, and a random feature draft
+    reading the target's hidden states) + a coordinator each."""
 
     async def start(self, use_ray: bool = False):
         self.target, self.draft = tiny_pair()
         self.t = await start_replica("target", self.target)
         self.d = await start_replica("draft", self.draft, preverifier="random")
         self.same = await start_replica("draft", copy.deepcopy(self.target), preverifier="random")
+        self.feature_draft = build_tiny_model(vocab_size=self.target.config.vocab_size, hidden_size=16,
+                                              num_layers=1, seed=3, feature_size=self.target.config.hidden_size)
+        self.feat = await start_replica("draft", self.feature_draft, preverifier="random")
         self.apps, self.stubs, self.channels = [], {}, []
-        for name, d in (("random", self.d), ("same", self.same)):
+        for name, d in (("random", self.d), ("same", self.same), ("feature", self.feat)):
             s = CoordinatorSettings(host="127.0.0.1", port=0, metrics_port=0, ray=use_ray, tokenizer="",
                                     draft_endpoints=d.endpoint, target_endpoints=self.t.endpoint, pipelines=1,
                                     max_new_tokens_cap=256, log_level="WARNING", grace_s=0)
@@ -49,12 +54,12 @@ class Stack:
         return self
 
     def sessions(self) -> int:
-        return len(self.t.host.table) + len(self.d.host.table) + len(self.same.host.table)
+        return sum(len(r.host.table) for r in (self.t, self.d, self.same, self.feat))
 
     async def stop(self):
         for ch in self.channels:
             await ch.close()
-        for a in self.apps + [self.t, self.d, self.same]:
+        for a in self.apps + [self.t, self.d, self.same, self.feat]:
             await a.shutdown(0)
 
 
@@ -77,7 +82,7 @@ async def until(cond, timeout=5.0):
 
 
 # ---- exactness -------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("draft", ["random", "same"])
+@pytest.mark.parametrize("draft", ["random", "same", "feature"])
 async def test_greedy_every_mode_equals_target_only(stack, draft):
     prompts = [[1, 2, 3], [7, 5, 9, 11, 2]]
     for prompt in prompts:
@@ -92,6 +97,27 @@ async def test_greedy_every_mode_equals_target_only(stack, draft):
                 assert st.completion_tokens == N and st.prompt_tokens == len(prompt)
     r = await stack.stubs["same"].Generate(req([1, 2, 3], "sd", gamma=4))
     assert r.stats.accepted_tokens == r.stats.draft_tokens, "draft == target accepts every token"
+    await until(lambda: stack.sessions() == 0)
+
+
+async def test_feature_draft_gets_the_targets_features_over_the_wire(stack):
+    """Remote sd with a feature draft drafts exactly what the in-process engine drafts, which it can only do if
+    every feature reached it (drafting with zeros instead proposes other tokens)."""
+    from specdec.engine import Engine
+    from specdec.schedule import GenerationRequest
+
+    eng = Engine(stack.target, stack.feature_draft)
+    for prompt, gamma in (([1, 2, 3], 3), ([7, 5, 9, 11, 2], 2)):
+        local = (await eng.agenerate(GenerationRequest(prompt, N, mode="sd", gamma=gamma))).stats
+        r = await stack.stubs["feature"].Generate(req(prompt, "sd", gamma=gamma))
+        assert (r.stats.draft_tokens, r.stats.accepted_tokens) == (local.draft_tokens, local.accepted_tokens)
+    blind = Engine(stack.target, stack.feature_draft)
+    blind.draft.reads_features = False  # the schedule sends nothing: the draft drafts on zeros
+    s_blind = (await blind.agenerate(GenerationRequest([1, 2, 3], N, mode="sd", gamma=3))).stats
+    s_seen = (await eng.agenerate(GenerationRequest([1, 2, 3], N, mode="sd", gamma=3))).stats
+    assert s_blind.accepted_tokens != s_seen.accepted_tokens, "features must change what the draft proposes"
+    eng.close()
+    blind.close()
     await until(lambda: stack.sessions() == 0)
 
 

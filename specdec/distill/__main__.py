@@ -1,4 +1,5 @@
-"""``python -m specdec.distill {generate,teacher,train,evaluate,export,all}`` — see docs/distill.md."""
+"""``python -m specdec.distill {generate,teacher,train,evaluate,export}`` (plain drafts, docs/distill.md) and
+``{features,train-features,export-features}`` (feature drafts, docs/feature_draft.md)."""
 from __future__ import annotations
 
 import argparse
@@ -206,6 +207,9 @@ def main(argv=None):
     x.add_argument("--metrics", help="JSON written by `evaluate`")
     x.set_defaults(fn=cmd_export)
 
+    from .feature_cli import add_parsers
+
+    add_parsers(sub)
     args = ap.parse_args(argv)
     args.fn(args)
 

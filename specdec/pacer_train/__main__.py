@@ -39,6 +39,9 @@ def cmd_collect(args) -> Path:
         if i % 20 == 0 or i == n:
             print(f"  {i}/{n}: {r} rounds, {s:.0f}s", flush=True)
 
+    if args.method == "tf" and draft.config.feature_size:
+        raise SystemExit("--method tf cannot label a feature draft (inside a round its inputs depend on which target "
+                         "features are known, which one teacher-forced pass cannot reproduce); use --method workers")
     if args.method == "tf":
         from specdec.pacer_train.collect_tf import collect_tf, measure_costs
 

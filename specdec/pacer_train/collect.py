@@ -104,8 +104,9 @@ def collect(draft_model, target_model, prompts: list[list[int]], gamma_max: int 
 def _run_prompt(dw: DraftWorker, tw: _LabelTarget, prompt: list[int], params: SamplingParams, gamma_max: int,
                 max_new_tokens: int, eos: tuple[int, ...], out: list[Round], prompt_index: int) -> int:
     sid = uuid.uuid4().hex
-    dw.start_session(sid, prompt, params)
-    tw.start_session(sid, prompt, params)
+    f0 = tw.start_session(sid, prompt, params, want_features=dw.reads_features)  # a feature draft reads them
+    dw.start_session(sid, prompt, params, features=[f0] if f0 is not None else None)
+    fresh = []  # target features the draft has not been sent yet
     history = list(prompt)
     n_prompt = len(prompt)
     draft_fed = target_fed = n_prompt - 1
@@ -119,7 +120,8 @@ def _run_prompt(dw: DraftWorker, tw: _LabelTarget, prompt: list[int], params: Sa
             t0 = time.perf_counter_ns()
             # The stop rule is asked after every token (block_size=1) but never after the last one, so draft one
             # token more than we verify: the rule then sees the features of all g verified tokens.
-            blocks = list(dw.draft_blocks(sid, base_d, append, g + 1, rec, block_size=1))
+            blocks = list(dw.draft_blocks(sid, base_d, append, g + 1, rec, block_size=1, features=fresh or None))
+            fresh = []
             draft_ns = (time.perf_counter_ns() - t0) * g // (g + 1)
             toks = [t for b in blocks for t in b.tokens][:g]
             qs = [d for b in blocks for d in b.q][:g]
@@ -129,6 +131,8 @@ def _run_prompt(dw: DraftWorker, tw: _LabelTarget, prompt: list[int], params: Sa
             base_t = target_fed if target_fed < len(history) else len(history)
             feed = history[base_t:]
             res = tw.verify(sid, base_t, feed, toks, qs, method)
+            if res.features is not None:
+                fresh.append(res.features)
             rows = tw.last_rows[: len(toks)]
             p = logits_to_probs(rows, params)
             x = torch.tensor(toks)

@@ -102,3 +102,22 @@ def sampling_from_proto(msg: common_pb2.SamplingParams):
 def sampling_to_proto(p) -> common_pb2.SamplingParams:
     return common_pb2.SamplingParams(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=p.seed)
 
+
+
+def features_to_proto(f) -> common_pb2.Features:
+    """TargetFeatures -> Features (rows travel in the model's dtype, bf16 on CPU targets)."""
+    return common_pb2.Features(start=f.start, rows=tensor_to_proto(f.rows))
+
+
+def features_from_proto(msgs, field: str = "features") -> list:
+    """repeated Features -> list[TargetFeatures]; shape and dtype are checked here, positions by the worker."""
+    from specdec.worker_base import TargetFeatures
+
+    out = []
+    for i, m in enumerate(msgs):
+        rows = tensor_from_proto(m.rows, f"{field}[{i}].rows")
+        if rows.ndim != 2 or not rows.is_floating_point():
+            raise InvalidRequestError(f"{field}[{i}].rows", f"must be a 2-D float tensor [n, hidden], got "
+                                      f"{rows.dtype} {list(rows.shape)}")
+        out.append(TargetFeatures(int(m.start), rows))
+    return out

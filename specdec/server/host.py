@@ -15,6 +15,7 @@ from specdec.server.metrics import ServiceMetrics
 from specdec.server.runner import ModelThread, cancel_and_wait
 from specdec.server.sessions import SessionTable
 from specdec.server.settings import ServerSettings
+from specdec.worker_base import feature_size
 
 log = logging.getLogger(__name__)
 
@@ -27,17 +28,18 @@ class SessionHost:
         self.info = common_pb2.ModelInfo(
             model=model_name, vocab_size=worker.vocab_size, max_position_embeddings=worker.max_context,
             device=str(worker.model.device), dtype=str(worker.model.dtype).removeprefix("torch."),
-            max_sessions=settings.max_sessions)
+            max_sessions=settings.max_sessions, feature_size=feature_size(worker.model))
         self._reaper: asyncio.Task | None = None
         self._reap_every = min(30.0, max(0.05, settings.session_ttl_s / 4))
 
     # -- sessions ------------------------------------------------------------------------------------------
-    async def start_session(self, sid: str, prompt_ids: list[int], params) -> tuple[int, int]:
-        """Admit (maybe evicting), then prefill on the model thread. Returns (position, prefill_ns)."""
+    async def start_session(self, sid: str, prompt_ids: list[int], params, **kw) -> tuple[int, int, object]:
+        """Admit (maybe evicting), then prefill on the model thread (`kw` go to the worker's start_session).
+        Returns (position, prefill_ns, what start_session returned)."""
         existed = sid in self.table
         evicted = self.table.admit(sid)
         try:
-            return await self.runner.run(self._start, sid, evicted, prompt_ids, params)
+            return await self.runner.run(self._start, sid, evicted, prompt_ids, params, kw)
         except BaseException:
             if not existed:
                 self.table.remove(sid)
@@ -45,12 +47,12 @@ class SessionHost:
         finally:
             self.metrics.sessions_active.set(len(self.table))
 
-    def _start(self, sid, evicted, prompt_ids, params):
+    def _start(self, sid, evicted, prompt_ids, params, kw):
         for e in evicted:
             self.worker.end_session(e)
         t0 = time.perf_counter_ns()
-        self.worker.start_session(sid, prompt_ids, params)
-        return self.worker.session_length(sid), time.perf_counter_ns() - t0
+        out = self.worker.start_session(sid, prompt_ids, params, **kw)
+        return self.worker.session_length(sid), time.perf_counter_ns() - t0, out
 
     def touch(self, sid: str) -> None:
         """NOT_FOUND for unknown/expired ids; refreshes LRU order."""
