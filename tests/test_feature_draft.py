@@ -128,3 +128,25 @@ def test_sampling_matches_exact_target_distribution():
                                                               mode=mode, gamma=2)).token_ids) for s in range(n))
         assert chi_square_pvalue(counts, exact, n) > 0.001, mode
     eng.close()
+
+
+def test_training_forward_matches_serving_and_warm_start_equals_plain():
+    from specdec.distill.feature_train import build_feature_draft, feature_loss, train_forward
+
+    plain = build_tiny_model(vocab_size=32, seed=4)
+    m = build_feature_draft(plain, feature_size=16, feature_scale=0.5)
+    ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
+    feats = torch.randn(1, 8, 16)
+    pos, slot = torch.arange(8)[None], torch.tensor([0])
+    # fc = [I | 0]: the warm-started feature draft drafts exactly like the plain draft, whatever the features
+    ref, _ = plain(ids, pos, slot, plain.new_kv_slots(1, 16))
+    got, _ = m(ids, pos, slot, m.new_kv_slots(1, 16), features=feats)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    with torch.no_grad():
+        m.fc.weight[:, 32:].normal_(0, 0.3)
+    _, served = m(ids, pos, slot, m.new_kv_slots(1, 16), features=feats)
+    trained = train_forward(m, ids, feats)
+    torch.testing.assert_close(trained, served, atol=1e-5, rtol=1e-5)
+    loss = feature_loss(m, m.lm_head.weight.detach(), trained, served, torch.ones(1, 8, dtype=torch.bool))
+    loss.backward()
+    assert m.fc.weight.grad is not None and float(m.fc.weight.grad[:, 32:].abs().sum()) > 0
