@@ -51,7 +51,8 @@ def cmd_generate(args):
         exclude = {tuple(r["prompt_ids"]) for r in load_samples(args.exclude_samples)}
     generate(resolve_model(args.target), args.out, seconds=args.seconds, seed=args.seed,
              batch_size=args.batch_size, max_new_tokens=args.max_new_tokens, dtype=args.dtype,
-             exclude_prompt_ids=exclude, temperatures=tuple(float(t) for t in args.temperatures.split(",")))
+             exclude_prompt_ids=exclude, temperatures=tuple(float(t) for t in args.temperatures.split(",")),
+             style=args.style)
 
 
 def cmd_teacher(args):
@@ -163,6 +164,8 @@ def main(argv=None):
     g.add_argument("--exclude-samples", action="append", default=[],
                    help="JSONL(.gz) whose prompts are skipped (repeatable): fresh text for pre-verifier labels")
     g.add_argument("--temperatures", default="0,0.7,1", help="cycled per batch")
+    g.add_argument("--style", choices=["chat", "code"], default="chat",
+                   help="chat: chat-templated templates x topics; code: raw Python stubs (no HumanEval prompt)")
     g.set_defaults(fn=cmd_generate)
 
     t = sub.add_parser("teacher", help="top-k soft labels (sharded, resumable)")

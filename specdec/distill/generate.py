@@ -84,9 +84,11 @@ def fresh_prompts(rng: random.Random, n: int, encode, exclude: set, tries: int =
 
 def generate(model_dir, out_path, seconds: float = 600, seed: int = 0, batch_size: int = 16,
              max_new_tokens: int = 192, progress: bool = True, dtype: str = "auto",
-             exclude_prompt_ids: set | None = None, temperatures: tuple[float, ...] = (0.0, 0.7, 1.0)) -> int:
+             exclude_prompt_ids: set | None = None, temperatures: tuple[float, ...] = (0.0, 0.7, 1.0),
+             style: str = "chat") -> int:
     """`exclude_prompt_ids`: chat-templated prompt ids to avoid (e.g. everything a draft trained on, so that a
-    pre-verifier sees the draft on text it has not memorised); then no prompt repeats within the run either."""
+    pre-verifier sees the draft on text it has not memorised); then no prompt repeats within the run either.
+    `style`: "chat" (templates x topics, chat-templated) or "code" (raw Python stubs, `code_prompts.py`)."""
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -99,13 +101,19 @@ def generate(model_dir, out_path, seconds: float = 600, seed: int = 0, batch_siz
     # the served dtype (`auto`: bf16 on CPUs with native bf16 GEMMs, where batched decoding is also much faster)
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=resolve_dtype(dtype, "cpu", "target")).eval()
     t0, n_tok, batch_i = time.time(), 0, 0
+    if style == "code":
+        from .code_prompts import code_prompts, humaneval_entry_points
+
+        banned = humaneval_entry_points()
     bar = tqdm(desc="generate", unit="tok", disable=not progress)
     Path(out_path).parent.mkdir(parents=True, exist_ok=True)
     with open(out_path, "a") as out:
         while time.time() - t0 < seconds:
             temp = temperatures[batch_i % len(temperatures)]
             batch_i += 1
-            if exclude_prompt_ids is None:
+            if style == "code":
+                prompts = code_prompts(rng, batch_size, banned)
+            elif exclude_prompt_ids is None:
                 prompts = make_prompts(rng, batch_size)
             else:
                 prompts = fresh_prompts(rng, batch_size, lambda p: tok(tok.apply_chat_template(  # as stored below
@@ -113,8 +121,9 @@ def generate(model_dir, out_path, seconds: float = 600, seed: int = 0, batch_siz
                     exclude_prompt_ids)
                 if not prompts:
                     break  # every template x topic combination is excluded or taken
-            texts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                             tokenize=False) for p in prompts]
+            texts = prompts if style == "code" else [
+                tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
+                for p in prompts]
             enc = tok(texts, return_tensors="pt", padding=True)
             kw = dict(do_sample=False) if temp == 0 else dict(do_sample=True, temperature=temp, top_p=1.0, top_k=0)
             g = model.generate(**enc, max_new_tokens=max_new_tokens, pad_token_id=tok.pad_token_id, **kw)
