@@ -150,3 +150,28 @@ def test_training_forward_matches_serving_and_warm_start_equals_plain():
     loss = feature_loss(m, m.lm_head.weight.detach(), trained, served, torch.ones(1, 8, dtype=torch.bool))
     loss.backward()
     assert m.fc.weight.grad is not None and float(m.fc.weight.grad[:, 32:].abs().sum()) > 0
+
+
+def test_feature_pipeline_runs_and_resumes(tmp_path):
+    """run_features -> train_feature_draft (checkpoint, resume) -> feature_agreement, on tiny models."""
+    from specdec.distill.feature_train import (build_feature_draft, feature_agreement, load_features, run_features,
+                                               train_feature_draft)
+
+    target = build_tiny_model(vocab_size=32, seed=1, logit_scale=2.0)
+    rows = [{"prompt_ids": [1, 2, 3, i % 7 + 4], "completion_ids": [5, 6, i % 5 + 7, 9, 10], "temperature": 0.0}
+            for i in range(12)]
+    run_features(target, rows, tmp_path / "features", shard_size=5, progress=False)
+    feats = load_features(tmp_path / "features")
+    assert len(feats) == 12 and feats[0]["feat"].shape == (9, 32) and len(list((tmp_path / "features").glob("*.pt"))) == 3
+    m = build_feature_draft(build_tiny_model(vocab_size=32, seed=2), feature_size=32, feature_scale=0.5)
+    m.to_compact = torch.arange(32)  # no vocabulary subset: identity maps
+    m.vocab_subset = torch.arange(32)
+    head = target.lm_head.weight.detach().to(torch.bfloat16)
+    before = feature_agreement(m, feats, m.to_compact, m.vocab_subset)["agreement"]
+    out = train_feature_draft(m, head, feats, tmp_path / "run", steps=3, batch_size=4, ckpt_every=2, progress=False,
+                              log=lambda *_: None)
+    assert out["steps"] == 3 and (tmp_path / "run" / "ckpt.pt").exists()
+    again = train_feature_draft(m, head, feats, tmp_path / "run", steps=5, batch_size=4, progress=False,
+                                log=lambda *_: None)
+    assert again["steps"] == 5  # resumed at 3, ran 2 more
+    assert 0.0 <= feature_agreement(m, feats, m.to_compact, m.vocab_subset)["agreement"] <= 1.0 and 0 <= before <= 1
