@@ -1,4 +1,4 @@
-"""``python -m specdec.distill {generate,teacher,train,evaluate,export}`` (plain drafts, docs/distill.md) and
+"""``python -m specdec.distill {generate,teacher,train,evaluate,export,all}`` (plain drafts, docs/distill.md) and
 ``{features,train-features,export-features}`` (feature drafts, docs/feature_draft.md)."""
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import json
 import pathlib
 import shlex
 import sys
-import time
 
 import torch
 
@@ -123,7 +122,6 @@ def cmd_train(args):
 
 def cmd_evaluate(args):
     from .bench import cost_ratio
-    from .data import split
     from .draft_model import load_draft
     from .evaluate import greedy_agreement
 
@@ -142,6 +140,38 @@ def cmd_export(args):
     from .export import export
 
     export(args)
+
+
+def cmd_all(args):
+    """The whole plain-draft pipeline in one command (each step is the documented subcommand; finished steps are
+    skipped on a rerun): fresh chat and raw-code text, the teacher's soft labels, training from the target's
+    layers, then the model directory and its measured card."""
+    work = pathlib.Path(args.work)
+    glob = ["--target", args.target, "--work", args.work, "--threads", str(args.threads), "--seed", str(args.seed)]
+    samples = list(args.samples or ([str(_shared())] if _shared().exists() else []))
+    for style, seconds in (("chat", args.gen_seconds), ("code", args.code_seconds)):
+        path = work / "gen" / f"{style}.jsonl"
+        if seconds > 0 and not path.exists():
+            main(glob + ["generate", "--style", style, "--out", str(path), "--seconds", str(seconds)])
+        if path.exists():
+            samples.append(str(path))
+    if not samples:
+        raise SystemExit("no training data: pass --samples or let `all` generate some (--gen-seconds > 0)")
+    data = [x for f in samples for x in ("--samples", f)]
+    main(glob + data + ["teacher"])
+    run = work / "runs" / args.run
+    if not (run / "summary.json").exists():
+        main(glob + data + ["train", "--run", args.run, "--steps", str(args.steps), "--eval-every", "200"])
+    metrics = run / "metrics.json"
+    main(glob + data + ["export", "--run", args.run, "--out", args.out])
+    main(glob + data + ["evaluate", "--draft", args.out, "--out", str(metrics)])
+    main(glob + data + ["export", "--run", args.run, "--out", args.out, "--metrics", str(metrics)])  # card + metrics
+
+
+def _shared():
+    from .data import SHARED_SAMPLES
+
+    return SHARED_SAMPLES
 
 
 def main(argv=None):
@@ -209,6 +239,14 @@ def main(argv=None):
     x.add_argument("--out", required=True)
     x.add_argument("--metrics", help="JSON written by `evaluate`")
     x.set_defaults(fn=cmd_export)
+
+    al = sub.add_parser("all", help="generate -> teacher -> train -> export + evaluate, resumable")
+    al.add_argument("--run", default="all")
+    al.add_argument("--steps", type=int, default=3000)
+    al.add_argument("--gen-seconds", type=float, default=1800, help="fresh chat text (0: none)")
+    al.add_argument("--code-seconds", type=float, default=900, help="raw code completions (0: none)")
+    al.add_argument("--out", default=str(DEFAULT_WORK / "draft"), help="e.g. specdec/assets/default_draft")
+    al.set_defaults(fn=cmd_all)
 
     from .feature_cli import add_parsers
 

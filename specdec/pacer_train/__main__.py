@@ -83,7 +83,7 @@ def cmd_collect(args) -> Path:
 
 def cmd_train(args) -> dict:
     from specdec.pacer_train import train as T
-    from specdec.preverifier import (derive_threshold, draft_dir_sha256, draft_fingerprint, save_preverifier)
+    from specdec.preverifier import derive_threshold, save_preverifier
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -231,6 +231,29 @@ def _time_preverifier(model, hidden_size: int, B: int, gamma: int = 12, reps: in
     return (time.perf_counter() - t0) / reps
 
 
+def cmd_run(args) -> None:
+    """docs/pacer.md's recipe as one command: each step is the documented subcommand; existing outputs are kept."""
+    from specdec.distill.__main__ import main as distill_main
+
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    common = ["--target", args.target, "--draft", args.draft, "--threads", str(args.threads), "--seed", str(args.seed)]
+    excl = [x for f in (args.exclude_samples or [str(D.SHARED_SAMPLES)]) for x in ("--exclude-samples", f)]
+    data = []
+    for name, temp, seed in (("g", "0", 101), ("s", "1", 202)):
+        text, rounds = work / f"fresh_{name}.jsonl", work / f"rounds_{name}.pt"
+        if not text.exists():
+            distill_main(["--target", args.target, "--threads", str(args.threads), "--seed", str(seed), "generate",
+                          "--out", str(text), "--seconds", str(args.gen_seconds), "--temperatures", temp, *excl])
+        if not rounds.exists():
+            main(["collect", *common, "--prompts", str(text), "--num-prompts", "2000", "--time-budget",
+                  str(args.collect_seconds), "--temperatures", temp, "--out", str(rounds)])
+        data.append(str(rounds))
+    main(["train", "--data", *data, "--out", args.out, "--no-head", "--epochs", "4", "--dropout", "0.3",
+          "--weight-decay", "0.1", "--hash-buckets", "1024", "--block-sizes", "1", "2", "3", "4",
+          "--threads", str(args.threads), "--seed", str(args.seed)])
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m specdec.pacer_train", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -274,6 +297,17 @@ def main(argv=None):
     t.add_argument("--threads", type=int, default=1)
     t.add_argument("--seed", type=int, default=0)
 
+    r = sub.add_parser("run", help="the whole recipe of the shipped pre-verifier (docs/pacer.md): fresh text, "
+                                   "labels, training")
+    pair(r)
+    r.add_argument("--work", default=str(D.CACHE_DIR / "run"))
+    r.add_argument("--gen-seconds", type=float, default=360, help="per fresh set (greedy, T=1)")
+    r.add_argument("--collect-seconds", type=float, default=400, help="per label collection")
+    r.add_argument("--exclude-samples", action="append", default=None,
+                   help="the draft's training data (its prompts are kept out of the fresh text; default: the shared "
+                        "data)")
+    r.add_argument("--out", default=str(D.CACHE_DIR / "preverifier"), help="e.g. specdec/assets/default_preverifier")
+
     a = sub.add_parser("ablate", help="fixed γ vs pacer, in-process, side by side")
     pair(a)
     from specdec.pacer_train.bench import add_args
@@ -284,6 +318,8 @@ def main(argv=None):
         cmd_collect(args)
     elif args.cmd == "train":
         cmd_train(args)
+    elif args.cmd == "run":
+        cmd_run(args)
     elif args.cmd == "ablate":
         from specdec.pacer_train.bench import run_ablation
         run_ablation(args)
