@@ -100,7 +100,7 @@ class DraftWorker(Worker):
         self.preverifier = preverifier
         self.q_top_k = q_top_k  # proposal truncation: q is exactly sparse on the wire (still lossless)
 
-    # ---- feature drafts (EAGLE-style): inputs are the target's features where known, the draft's own f̂ else ----
+    # ---- feature drafts (EAGLE-style): inputs are the target's features where known, zeros else (FeatureState) ----
     @property
     def reads_features(self) -> bool:
         return feature_size(self.model) > 0

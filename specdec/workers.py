@@ -17,9 +17,8 @@ import torch
 from specdec.drafting import DraftBlock, DraftCall, DraftWorker
 from specdec.errors import InvalidRequestError, StalePositionError
 from specdec.model import CausalLM
-from specdec.sampling import logits_to_probs
+from specdec.sampling import SamplingParams, logits_to_probs
 from specdec.verify import SparseDist, verify
-from specdec.sampling import SamplingParams
 from specdec.worker_base import PAD_SLACK, Session, TargetFeatures, Worker
 
 @dataclass

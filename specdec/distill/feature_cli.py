@@ -20,9 +20,9 @@ def _rows_split(feat_dir):
     from .data import is_heldout
     from .feature_train import load_features
 
-    rows = load_features(feat_dir)
-    held = [r for r in rows if is_heldout({"prompt_ids": r["ids"][:r["start"]].tolist()})]
-    train = [r for r in rows if not is_heldout({"prompt_ids": r["ids"][:r["start"]].tolist()})]
+    train, held = [], []
+    for r in load_features(feat_dir):
+        (held if is_heldout({"prompt_ids": r["ids"][:r["start"]].tolist()}) else train).append(r)
     return train, held
 
 

@@ -14,7 +14,6 @@ position of prompt + completion, bf16.
 from __future__ import annotations
 
 import json
-import math
 import os
 import pathlib
 import random
@@ -24,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from ..model import CausalLM, ModelConfig, rope_tables, rotate_half
+from .train import resume, save_checkpoint, warmup_cosine
 
 
 # ---- data ----------------------------------------------------------------------------------------------------
@@ -197,16 +197,11 @@ def train_feature_draft(m: CausalLM, teacher_head: torch.Tensor, rows: list[dict
     opt = torch.optim.AdamW([{"params": [p for p in params if p.ndim >= 2], "weight_decay": 0.01},
                              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}],
                             lr=lr, betas=(0.9, 0.98))
-    sched = lambda s: min(1.0, (s + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
     step, history, wall0 = 0, [], 0.0
     ck = out_dir / "ckpt.pt"
-    if ck.exists():
-        st = torch.load(ck, weights_only=False)
-        m.load_state_dict(st["model"], strict=False)
-        opt.load_state_dict(st["opt"])
-        step, history, wall0 = st["step"], st["history"], st.get("wall_s", 0.0)
-        rng.setstate(st["rng"])
-        torch.set_rng_state(st["torch_rng"])
+    state = resume(ck, m, opt, rng, strict=False)
+    if state is not None:
+        step, history, wall0 = state
         log(f"resumed from step {step}")
     elif eval_fn is not None:
         history.append({"step": 0, "wall_s": 0.0, **eval_fn(m)})
@@ -218,7 +213,7 @@ def train_feature_draft(m: CausalLM, teacher_head: torch.Tensor, rows: list[dict
         items = [rows[rng.randrange(len(rows))] for _ in range(batch_size)]
         tok, fin, fout, mask = make_batch(items, m.to_compact, max_len, drop)
         for g in opt.param_groups:
-            g["lr"] = lr * sched(step)
+            g["lr"] = lr * warmup_cosine(step, warmup, steps)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss = feature_loss(m, teacher_head, train_forward(m, tok, fin), fout, mask)
         opt.zero_grad(set_to_none=True)
@@ -237,10 +232,7 @@ def train_feature_draft(m: CausalLM, teacher_head: torch.Tensor, rows: list[dict
             log(json.dumps(history[-1]))
         over = time_budget_s is not None and wall > time_budget_s
         if step % ckpt_every == 0 or step == steps or over:
-            tmp = out_dir / "ckpt.pt.tmp"
-            torch.save({"model": m.state_dict(), "opt": opt.state_dict(), "step": step, "history": history,
-                        "rng": rng.getstate(), "torch_rng": torch.get_rng_state(), "wall_s": wall}, tmp)
-            tmp.replace(ck)
+            save_checkpoint(ck, m, opt, rng, step, history, wall)
         if over:
             log(f"time budget reached at step {step}")
             break

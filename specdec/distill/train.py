@@ -87,6 +87,30 @@ def kd_loss(logits, hard, sidx, sp, smask):
     return tot / n.clamp_min(1), int(smask.sum()), int(hard_valid.sum())
 
 
+def warmup_cosine(step: int, warmup: int, steps: int) -> float:
+    """LR factor: linear warm-up over `warmup` steps, then cosine from 1 to 0.1 at `steps`."""
+    return min(1.0, (step + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(step, steps) / steps)))
+
+
+def resume(ck: pathlib.Path, model, opt, rng: random.Random, strict: bool = True):
+    """Load a checkpoint written by `save_checkpoint` (model, optimizer, RNGs) → (step, history, wall_s), or None."""
+    if not ck.exists():
+        return None
+    st = torch.load(ck, weights_only=False)
+    model.load_state_dict(st["model"], strict=strict)
+    opt.load_state_dict(st["opt"])
+    rng.setstate(st["rng"])
+    torch.set_rng_state(st["torch_rng"])
+    return st["step"], st["history"], st.get("wall_s", 0.0)
+
+
+def save_checkpoint(ck: pathlib.Path, model, opt, rng: random.Random, step: int, history: list, wall: float) -> None:
+    tmp = ck.with_name(ck.name + ".tmp")
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step, "history": history,
+                "rng": rng.getstate(), "torch_rng": torch.get_rng_state(), "wall_s": wall}, tmp)
+    tmp.replace(ck)
+
+
 def train(draft, rows, teacher_dir, to_compact, oov_compact, out_dir, *, steps: int, batch_size: int = 8,
           lr: float = 1e-3, warmup: int = 20, k_soft: int = 32, seed: int = 0, threads: int = 1,
           ckpt_every: int = 100, reload_every: int = 25, bf16: bool = True, time_budget_s: float | None = None,
@@ -102,14 +126,11 @@ def train(draft, rows, teacher_dir, to_compact, oov_compact, out_dir, *, steps: 
     nodecay = [p for n, p in draft.named_parameters() if not (p.ndim >= 2 and "embed" not in n)]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": nodecay, "weight_decay": 0.0}],
                             lr=lr, betas=(0.9, 0.98))
-    sched = lambda s: min(1.0, (s + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
     step, history, wall0 = 0, [], 0.0
     ck = out_dir / "ckpt.pt"
-    if ck.exists():
-        st = torch.load(ck, weights_only=False)
-        draft.load_state_dict(st["model"]); opt.load_state_dict(st["opt"])
-        step, history, wall0 = st["step"], st["history"], st.get("wall_s", 0.0)
-        rng.setstate(st["rng"]); torch.set_rng_state(st["torch_rng"])
+    state = resume(ck, draft, opt, rng)
+    if state is not None:
+        step, history, wall0 = state
         log(f"resumed from step {step}")
     pool = Pool(rows, teacher_dir, to_compact, oov_compact)
     pool.reload()
@@ -123,7 +144,7 @@ def train(draft, rows, teacher_dir, to_compact, oov_compact, out_dir, *, steps: 
         items = [pool.hard[rng.randrange(len(pool.hard))] for _ in range(batch_size)]
         x, hard, sidx, sp, smask = make_batch(items, pool, k_soft)
         for g in opt.param_groups:
-            g["lr"] = lr * sched(step)
+            g["lr"] = lr * warmup_cosine(step, warmup, steps)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             logits = draft(input_ids=x).logits
         loss, ns, nh = kd_loss(logits, hard, sidx, sp, smask)
@@ -141,10 +162,7 @@ def train(draft, rows, teacher_dir, to_compact, oov_compact, out_dir, *, steps: 
             history.append({"step": step, "wall_s": round(wall, 1), "loss_ema": round(ema, 4), **m})
             log(json.dumps(history[-1]))
         if step % ckpt_every == 0 or step == steps or (time_budget_s and wall > time_budget_s):
-            tmp = out_dir / "ckpt.pt.tmp"
-            torch.save({"model": draft.state_dict(), "opt": opt.state_dict(), "step": step, "history": history,
-                        "rng": rng.getstate(), "torch_rng": torch.get_rng_state(), "wall_s": wall}, tmp)
-            tmp.replace(ck)
+            save_checkpoint(ck, draft, opt, rng, step, history, wall)
         if time_budget_s and wall > time_budget_s:
             log(f"time budget reached at step {step}")
             break
