@@ -135,3 +135,18 @@ def test_fp16_storage_loads_as_fp32(tmp_path, target, rows):
     with torch.no_grad():
         out = loaded(input_ids=torch.tensor([[1, 2, 3]]), use_cache=True)
     assert out.logits.shape == (1, 3, V) and out.past_key_values is not None
+
+
+def test_top1_term_is_the_argmax_cross_entropy():
+    from specdec.distill.train import kd_loss
+    torch.manual_seed(0)
+    logits = torch.randn(1, 3, 10)
+    sidx = torch.tensor([[[4, 1], [2, 7], [0, 3]]])
+    sp = torch.tensor([[[0.7, 0.3], [0.6, 0.4], [0.0, 1.0]]])  # row 2: the target's top-1 is outside the subset
+    smask = torch.ones(1, 3, dtype=torch.bool)
+    hard = torch.full((1, 3), -100)
+    base, _, _ = kd_loss(logits, hard, sidx, sp, smask)
+    with_top1, _, _ = kd_loss(logits, hard, sidx, sp, smask, top1_weight=0.5)
+    logq = torch.log_softmax(logits, -1)[0]
+    extra = -(logq[0, 4] + logq[1, 2]) * 0.5 / 3  # row 2 adds nothing
+    assert torch.allclose(with_top1 - base, extra, atol=1e-6)

@@ -110,7 +110,8 @@ def cmd_train(args):
     res = train(draft, train_rows, pathlib.Path(args.work) / "teacher" if not args.hard_only else None,
                 to_compact, oov, run_dir, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
                 k_soft=args.k, seed=args.seed, threads=args.threads, bf16=not args.fp32,
-                time_budget_s=args.time_budget, eval_fn=eval_fn, eval_every=args.eval_every,
+                time_budget_s=args.time_budget, top1_weight=args.top1_weight, eval_fn=eval_fn,
+                eval_every=args.eval_every,
                 log=lambda m: _log(m, logf))
     final = greedy_agreement(draft, held, subset, to_compact)
     summary = {"run": args.run, "steps": res["steps"], "train_wall_s": round(res["wall_s"], 1),
@@ -218,6 +219,8 @@ def main(argv=None):
     tr.add_argument("--random-init", action="store_true", help="ablation: no initialisation from the target")
     tr.add_argument("--hard-only", action="store_true", help="ablation: ignore soft labels")
     tr.add_argument("--fp32", action="store_true")
+    tr.add_argument("--top1-weight", type=float, default=0.0,
+                    help="add this x cross-entropy on the target's top-1 token (greedy acceptance needs the argmax)")
     tr.add_argument("--time-budget", type=float, default=None, help="stop after this many training seconds")
     tr.add_argument("--eval-every", type=int, default=50)
     tr.add_argument("--init-from", default=None, help="warm start from this checkpoint's weights (e.g. "

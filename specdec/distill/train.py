@@ -77,9 +77,15 @@ def make_batch(items, pool: Pool, k_soft: int):
     return x, hard, sidx, sp, smask
 
 
-def kd_loss(logits, hard, sidx, sp, smask):
+def kd_loss(logits, hard, sidx, sp, smask, top1_weight: float = 0.0):
+    """Soft-label cross-entropy (+ `top1_weight` x cross-entropy on the target's top-1 token where it lies in the
+    subset: greedy acceptance only needs the argmax right) on soft rows; hard next-token CE on the others."""
     logq = F.log_softmax(logits.float(), dim=-1)
     soft_l = -(logq.gather(-1, sidx) * sp).sum(-1)
+    if top1_weight:
+        # soft labels are sorted by the target's log-prob; column 0 is the top-1 (p = 0 there when it is outside)
+        top1_l = -logq.gather(-1, sidx[..., :1]).squeeze(-1)
+        soft_l = soft_l + top1_weight * top1_l * (sp[..., 0] > 0)
     hard_l = F.nll_loss(logq.transpose(1, 2), hard.clamp_min(0), reduction="none")
     hard_valid = (hard >= 0) & ~smask
     tot = (soft_l * smask).sum() + (hard_l * hard_valid).sum()
@@ -114,7 +120,7 @@ def save_checkpoint(ck: pathlib.Path, model, opt, rng: random.Random, step: int,
 def train(draft, rows, teacher_dir, to_compact, oov_compact, out_dir, *, steps: int, batch_size: int = 8,
           lr: float = 1e-3, warmup: int = 20, k_soft: int = 32, seed: int = 0, threads: int = 1,
           ckpt_every: int = 100, reload_every: int = 25, bf16: bool = True, time_budget_s: float | None = None,
-          eval_fn=None, eval_every: int = 0, progress: bool = True, log=print):
+          top1_weight: float = 0.0, eval_fn=None, eval_every: int = 0, progress: bool = True, log=print):
     from tqdm import tqdm
 
     torch.set_num_threads(threads)
@@ -147,7 +153,7 @@ def train(draft, rows, teacher_dir, to_compact, oov_compact, out_dir, *, steps: 
             g["lr"] = lr * warmup_cosine(step, warmup, steps)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             logits = draft(input_ids=x).logits
-        loss, ns, nh = kd_loss(logits, hard, sidx, sp, smask)
+        loss, ns, nh = kd_loss(logits, hard, sidx, sp, smask, top1_weight)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
