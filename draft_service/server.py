@@ -24,7 +24,8 @@ async def build_app(settings: DraftSettings, model=None, preverifier=None, warmu
 
         device = resolve_device(settings.device)
         dtype = resolve_dtype(settings.dtype, device, "draft")
-        model = await runner.run(load_model, settings.model, device, dtype)
+        model = await runner.run(lambda: load_model(settings.model, device, dtype, role="draft",
+                                                    quant=settings.quant))
     if preverifier is None and settings.preverifier:
         from specdec.preverifier import load_preverifier
 

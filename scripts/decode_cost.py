@@ -2,6 +2,7 @@
 single-token forward (head included) after `--context` cached positions, 1 thread, side by side in one process.
 
     python scripts/decode_cost.py --dtypes auto float32 --repeats 15
+    python scripts/decode_cost.py --dtypes auto --draft-quants none int8 --repeats 15   # int8 draft weights
 
 Draft and target and the dtypes are interleaved per repeat (machine drift hits all alike); each repeat times
 `--steps` consecutive tokens; medians over repeats and the draft/target ratio per dtype are printed as markdown.
@@ -27,10 +28,18 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--draft-quants", nargs="+", default=["auto"],
+                    help="draft weight quantization(s) to compare (auto: what the draft service serves)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    models = {(role, dt): load_model(spec, dtype=resolve_dtype(dt, "cpu", role), role=role)
-              for dt in args.dtypes for role, spec in (("target", args.target), ("draft", args.draft))}
+    models = {("target", dt, "none"): load_model(args.target, dtype=resolve_dtype(dt, "cpu", "target"), role="target",
+                                                 quant="none") for dt in args.dtypes}
+    for dt in args.dtypes:
+        for qu in args.draft_quants:
+            ddt = resolve_dtype(dt, "cpu", "draft")
+            if qu == "int8" and ddt != torch.bfloat16:
+                continue  # int8 weights need bf16 activations (specdec.quant)
+            models[("draft", dt, qu)] = load_model(args.draft, dtype=ddt, role="draft", quant=qu)
     kvs = {k: m.new_kv_slots(1, args.context + args.steps + 1) for k, m in models.items()}
     slots = torch.tensor([0])
     ctx = torch.randint(0, 1000, (1, args.context))
@@ -49,13 +58,16 @@ def main(argv=None) -> None:
     for _ in range(args.repeats):
         for k in models:
             times[k].append(per_token(k))
-    print(f"| dtype (served as) | draft ms/token | target ms/token | draft / target |  ({args.threads} thread, "
-          f"{args.context} cached positions, median of {args.repeats} × {args.steps} tokens)")
-    print("|---|---|---|---|")
-    for dt in args.dtypes:
-        d, t = (statistics.median(times[(r, dt)]) * 1e3 for r in ("draft", "target"))
-        shown = f"{dt} ({str(models[('target', dt)].dtype).removeprefix('torch.')})"
-        print(f"| {shown} | {d:.2f} | {t:.2f} | {d / t:.3f} |")
+    print(f"| dtype (served as) | draft weights | draft ms/token | target ms/token | draft / target |  "
+          f"({args.threads} thread, {args.context} cached positions, median of {args.repeats} × {args.steps} tokens)")
+    print("|---|---|---|---|---|")
+    for (role, dt, qu) in models:
+        if role != "draft":
+            continue
+        d, t = (statistics.median(times[k]) * 1e3 for k in (("draft", dt, qu), ("target", dt, "none")))
+        shown = f"{dt} ({str(models[('target', dt, 'none')].dtype).removeprefix('torch.')})"
+        wq = "int8" if any(type(m).__name__ == "Int8Linear" for m in models[(role, dt, qu)].modules()) else "as dtype"
+        print(f"| {shown} | {qu}: {wq} | {d:.2f} | {t:.2f} | {d / t:.3f} |")
 
 
 if __name__ == "__main__":

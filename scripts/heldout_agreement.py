@@ -1,6 +1,11 @@
 """Held-out greedy agreement of one or more drafts, per data set (each set's own 5 % split by prompt).
 
     python scripts/heldout_agreement.py /tmp/r4 specdec/assets/default_draft
+    python scripts/heldout_agreement.py specdec/assets/default_draft --served none int8   # as the service runs it
+
+Default: the HF model in float32, all completion positions in one forward. `--served QUANT...`: specdec's own
+model as the draft service loads it (dtype auto, the given weight quantization), decoding the completion one token
+per forward after a prefill of the prompt: the exact kernels a draft step runs.
 
 Agreement = the draft's top-1 equals the target's greedy token, teacher-forced over the target's own greedy
 continuations of the held-out prompts (`specdec.distill.evaluate.greedy_agreement`).
@@ -15,6 +20,7 @@ import torch
 from specdec.distill.data import SHARED_SAMPLES, load_samples, split
 from specdec.distill.draft_model import load_draft
 from specdec.distill.evaluate import greedy_agreement
+from specdec.model import load_model
 
 SETS = {"shared": str(SHARED_SAMPLES), "gen7": ".cache-distill/gen/gen7.jsonl",
         "code1": ".cache-distill/gen/code1.jsonl"}
@@ -25,17 +31,36 @@ def main() -> None:
     ap.add_argument("drafts", nargs="+")
     ap.add_argument("--set", action="append", help="NAME=PATH (repeatable; default: shared, gen7, code1)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--served", nargs="+", metavar="QUANT", help="measure specdec's served model per quant mode")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     sets = dict(s.split("=", 1) for s in args.set) if args.set else SETS
-    for d in args.drafts:
-        m = load_draft(d)
+    variants = [(d, q) for d in args.drafts for q in (args.served or [None])]
+    for d, q in variants:
+        m = load_draft(d) if q is None else load_model(d, dtype="auto", role="draft", quant=q)
         out = {}
         for name, path in sets.items():
             _, held = split(load_samples([path]), 0.05)
-            a = greedy_agreement(m, held, None, None)
+            a = greedy_agreement(m, held, None, None) if q is None else served_agreement(m, held)
             out[name] = {"agreement": round(a["agreement"], 4), "positions": a["positions"], "rows": a["rows"]}
-        print(d, json.dumps(out), flush=True)
+        print(d, f"served quant={q}" if q else "hf fp32", json.dumps(out), flush=True)
+
+
+def served_agreement(model, rows) -> dict:
+    """Greedy agreement with specdec's model: prefill the prompt, then one completion token per forward."""
+    rows = [r for r in rows if r["temperature"] == 0]
+    hit = n = 0
+    slots = torch.tensor([0])
+    for r in rows:
+        P, comp = len(r["prompt_ids"]), r["completion_ids"]
+        kv = model.new_kv_slots(1, P + len(comp) + 1)
+        logits, _ = model(torch.tensor([r["prompt_ids"]]), torch.arange(P)[None], slots, kv,
+                          logits_rows=slice(-1, None))
+        for i, tok in enumerate(comp):
+            hit += int(logits[0, -1].argmax()) == tok
+            logits, _ = model(torch.tensor([[tok]]), torch.tensor([[P + i]]), slots, kv)
+        n += len(comp)
+    return {"agreement": hit / max(n, 1), "positions": n, "rows": len(rows)}
 
 
 if __name__ == "__main__":

@@ -14,3 +14,6 @@ GENERATION_SERVICE_NAME = "specdec.v1.GenerationService"
 
 DEFAULT_TARGET = "default-target"
 DEFAULT_DRAFT = "default-draft"
+
+# draft weight quantization (specdec.quant): auto = int8 on a CPU serving bf16, else none
+QUANT_MODES = ("auto", "none", "int8")

@@ -325,9 +325,12 @@ def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device = "cpu", 
 
 
 def load_model_dir(path: str | Path, device: str = "cpu", dtype: str | torch.dtype = "float32",
-                   role: str = "target") -> CausalLM:
-    """Load a Hugging Face-style directory (config.json + *.safetensors). `role` only matters for dtype `auto`."""
+                   role: str = "target", quant: str = "auto") -> CausalLM:
+    """Load a Hugging Face-style directory (config.json + *.safetensors). `role` matters for dtype and quant `auto`
+    (`specdec.quant.resolve_quant`: a draft gets int8 weights on a bf16 CPU; a target never unless asked)."""
     from safetensors.torch import load_file
+
+    from specdec.quant import quantize_int8_, resolve_quant
 
     path = Path(path)
     raw = json.loads((path / "config.json").read_text())
@@ -348,15 +351,19 @@ def load_model_dir(path: str | Path, device: str = "cpu", dtype: str | torch.dty
     unexpected = [u for u in unexpected if "rotary_emb" not in u]
     if missing or unexpected:
         raise ValueError(f"checkpoint {path} does not match the model: missing={missing[:5]} unexpected={unexpected[:5]}")
-    return model.to(device=device, dtype=resolve_dtype(dtype, device, role)).eval()
+    dtype = resolve_dtype(dtype, device, role)
+    model = model.to(device=device, dtype=dtype).eval()
+    if resolve_quant(quant, role, device, dtype) == "int8":
+        quantize_int8_(model)
+    return model
 
 
 def load_model(spec: str | Path, device: str = "cpu", dtype: str | torch.dtype = "float32",
-               role: str = "target") -> CausalLM:
+               role: str = "target", quant: str = "auto") -> CausalLM:
     """Resolve a model spec (local dir, .gguf, hub id, default-target/default-draft) and load it."""
     from specdec.hub import resolve_model
 
-    return load_model_dir(resolve_model(str(spec)), device=device, dtype=dtype, role=role)
+    return load_model_dir(resolve_model(str(spec)), device=device, dtype=dtype, role=role, quant=quant)
 
 
 def build_tiny_model(vocab_size: int = 32, hidden_size: int = 32, num_layers: int = 2, num_heads: int = 4,

@@ -39,7 +39,7 @@ class ServerSettings(BaseSettings):
     metrics_port: int = Field(0, ge=0, le=65535, description="Prometheus /metrics port (0 disables)")
     device: str = Field("cpu", description="cpu, cuda or cuda:N")
     dtype: str = Field("auto", description="weights/activations dtype; probabilities stay float32. auto: bf16 on "
-                                          "GPUs and for a target on CPUs with native bf16 GEMMs, else float32")
+                                          "GPUs and on CPUs with native bf16 GEMMs, else float32")
     threads: int = Field(0, ge=0, description="torch intra-op threads (0 keeps torch's default)")
     max_sessions: int = Field(16, ge=1, description="session slots (KV memory bound: each holds max_context positions)")
     session_ttl_s: float = Field(600.0, gt=0, description="idle sessions expire after this")
