@@ -1,5 +1,6 @@
-"""Shipped pre-verifier scores with the draft served in fp32 vs bf16, on the same 180 contexts of fresh greedy
-target text (.cache-pacer/fresh/gen_g.jsonl, made by `distill generate --exclude-samples`).
+"""Shipped pre-verifier scores with the draft served in fp32, bf16 and bf16 with int8 weights (specdec.quant),
+against bf16 (what its labels were collected with), on the same 180 contexts of fresh greedy target text
+(.cache-pacer/fresh/gen_g.jsonl, made by `distill generate --exclude-samples`).
 
     python scripts/preverifier_dtype_check.py
 """
@@ -20,8 +21,9 @@ for r in rng.sample(rows, 60):
         cut = rng.randrange(len(r["prompt_ids"]) + 1, len(full))
         ctxs.append(full[:cut])
 scores = {}
-for dt in (torch.float32, torch.bfloat16):
-    m = load_model("default-draft", dtype=dt, role="draft")
+VARIANTS = {"fp32": (torch.float32, "none"), "bf16": (torch.bfloat16, "none"), "bf16+int8": (torch.bfloat16, "int8")}
+for name, (dt, quant) in VARIANTS.items():
+    m = load_model("default-draft", dtype=dt, role="draft", quant=quant)
     pv = load_preverifier(None, draft_model=m)
     w = DraftWorker(m, preverifier=pv, max_sessions=1, max_context=2048)
     out = []
@@ -31,12 +33,13 @@ for dt in (torch.float32, torch.bfloat16):
         b = list(w.draft_blocks("s", len(c) - 1, c[-1:], 2, stop, 1))
         out.append((b[0].tokens[0], b[0].score))
         w.end_session("s")
-    scores[str(dt)] = out
-a, b = scores["torch.float32"], scores["torch.bfloat16"]
-same_tok = sum(x[0] == y[0] for x, y in zip(a, b))
-th = 0.16
-pairs = [(x[1], y[1]) for x, y in zip(a, b) if x[0] == y[0] and x[1] is not None]
-dec = sum((x < th) == (y < th) for x, y in pairs)
-diff = sorted(abs(x - y) for x, y in pairs)
-print(f"contexts {len(ctxs)}, same first token {same_tok}, same stop decision (theta {th}) {dec}/{len(pairs)}, "
-      f"|score diff| median {diff[len(diff)//2]:.4f} max {diff[-1]:.4f}")
+    scores[name] = out
+th = pv.threshold
+for name in ("fp32", "bf16+int8"):
+    a, b = scores[name], scores["bf16"]
+    same_tok = sum(x[0] == y[0] for x, y in zip(a, b))
+    pairs = [(x[1], y[1]) for x, y in zip(a, b) if x[0] == y[0] and x[1] is not None]
+    dec = sum((x < th) == (y < th) for x, y in pairs)
+    diff = sorted(abs(x - y) for x, y in pairs)
+    print(f"{name} vs bf16: contexts {len(ctxs)}, same first token {same_tok}, same stop decision (theta {th:.2f}) "
+          f"{dec}/{len(pairs)}, |score diff| median {diff[len(diff)//2]:.4f} max {diff[-1]:.4f}")

@@ -354,6 +354,10 @@ def load_model_dir(path: str | Path, device: str = "cpu", dtype: str | torch.dty
     dtype = resolve_dtype(dtype, device, role)
     model = model.to(device=device, dtype=dtype).eval()
     if resolve_quant(quant, role, device, dtype) == "int8":
+        from specdec.preverifier import draft_fingerprint
+
+        # a pre-verifier names its draft by the stored weights; keep that name across the quantization
+        model.weights_fingerprint = draft_fingerprint(model)
         quantize_int8_(model)
     return model
 

@@ -178,7 +178,10 @@ def build_random_preverifier(hidden_size: int, seed: int = 0, block_size: int = 
 def draft_fingerprint(draft_model: nn.Module) -> str:
     """sha256 over the draft's decoder layers and final norm (names, shapes, bf16-rounded bytes): identifies the
     space of its hidden states, independently of how a loader lays out a compact vocabulary (embeddings / head) and
-    of the dtype it was loaded in (fp32, fp16 or bf16 copies of the same stored weights hash alike)."""
+    of the dtype it was loaded in (fp32, fp16 or bf16 copies of the same stored weights hash alike). A model
+    quantized at load time (specdec.quant) carries the fingerprint of the weights it was loaded from."""
+    if getattr(draft_model, "weights_fingerprint", None):
+        return draft_model.weights_fingerprint
     h = hashlib.sha256()
     for name, p in sorted(draft_model.state_dict().items()):
         if not torch.is_tensor(p) or not (".layers." in name or name.endswith("norm.weight")):

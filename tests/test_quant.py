@@ -70,6 +70,11 @@ def test_loader_quantizes_a_bf16_draft_only(tmp_path):
     assert kinds(load_model_dir(tmp_path, dtype="bfloat16", role="target")) == {"Linear"}
     assert kinds(load_model_dir(tmp_path, dtype="float32", role="draft")) == {"Linear"}
     assert kinds(load_model_dir(tmp_path, dtype="bfloat16", role="draft", quant="none")) == {"Linear"}
+    # a pre-verifier trained for these weights still recognises them once quantized
+    from specdec.preverifier import draft_fingerprint
+
+    assert draft_fingerprint(load_model_dir(tmp_path, dtype="bfloat16", role="draft")) == \
+        draft_fingerprint(load_model_dir(tmp_path, dtype="float32"))
 
 
 @pytest.mark.parametrize("mode", ["sd", "pearl", "pacer"])
