@@ -118,6 +118,14 @@ def cmd_train(args) -> dict:
                                       seed=args.seed, use_head=use_head, dropout=args.dropout,
                                       weight_decay=args.weight_decay, head_rank=args.head_rank)
     mc = next((m["costs"] for m in metas if m.get("costs")), None)
+    if args.measure_costs:  # the pair as served now (e.g. the draft's int8 weights), not as it was at collection
+        from specdec.hub import resolve_model
+        from specdec.model import load_model_dir
+        from specdec.pacer_train.collect_tf import measure_costs
+
+        mc = measure_costs(load_model_dir(resolve_model(args.draft), dtype="auto", role="draft"),
+                           load_model_dir(resolve_model(args.target), dtype="auto", role="target"), gamma_max)
+        print(f"measured costs of the served pair: {mc}", flush=True)
     if mc:
         costs = T.Costs(mc["draft_token_s"], mc["target_base_s"], mc["target_per_token_s"])
     else:
@@ -296,6 +304,10 @@ def main(argv=None):
     t.add_argument("--head-rank", type=int, default=64, help="read the head through its rank-r SVD (0: exact)")
     t.add_argument("--threads", type=int, default=1)
     t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--measure-costs", action="store_true",
+                   help="tune θ with costs measured now on the served pair (--draft/--target), not the collection's")
+    t.add_argument("--draft", default="default-draft", help="with --measure-costs")
+    t.add_argument("--target", default="default-target", help="with --measure-costs")
 
     r = sub.add_parser("run", help="the whole recipe of the shipped pre-verifier (docs/pacer.md): fresh text, "
                                    "labels, training")

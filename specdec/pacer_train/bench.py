@@ -79,19 +79,22 @@ def add_args(a) -> None:
     a.add_argument("--gamma-max", type=int, default=12)
     a.add_argument("--temperatures", default="0,1")
     a.add_argument("--out", default="bench-results/pacer_ablation.json")
+    a.add_argument("--draft-quants", nargs="+", default=["auto"], choices=["auto", "none", "int8"],
+                   help="draft weight quantization(s); several run side by side, one engine each (same target)")
 
 
-def _configs(args, pv) -> list[dict]:
-    cfgs = [{"name": "ar", "mode": "ar"}]
-    cfgs += [{"name": f"sd γ={g}", "mode": "sd", "gamma": g} for g in args.gammas]
+def _configs(args, pv, quant: str = "auto", with_ar: bool = True) -> list[dict]:
+    tag = "" if len(args.draft_quants) == 1 else f" [{quant}]"
+    cfgs = [{"name": "ar", "mode": "ar", "quant": quant}] if with_ar else []
+    cfgs += [{"name": f"sd γ={g}{tag}", "mode": "sd", "gamma": g, "quant": quant} for g in args.gammas]
     thetas = {}
     for r in (getattr(pv, "card", {}) or {}).get("dev_simulation", []):
         if r["mode"] == pv.score_mode and r["subset"] == "greedy":
             thetas[r["block_size"]] = r["theta"]
     for B in args.block_sizes:
         th = pv.threshold if B == pv.block_size else thetas.get(B, pv.threshold)
-        cfgs.append({"name": f"pacer B={B}", "mode": "pacer", "gamma": args.gamma_max, "block_size": B,
-                     "threshold": th})
+        cfgs.append({"name": f"pacer B={B}{tag}", "mode": "pacer", "gamma": args.gamma_max, "block_size": B,
+                     "threshold": th, "quant": quant})
     return cfgs
 
 
@@ -107,25 +110,27 @@ def run_ablation(args) -> dict:
     torch.set_num_threads(1)
     tdir, ddir = Path(resolve_model(args.target)), Path(resolve_model(args.draft))
     target = load_model_dir(tdir, dtype="auto", role="target")
-    draft = load_model_dir(ddir, dtype="auto", role="draft")
-    pv = load_preverifier(args.preverifier, draft_model=draft, strict=False)
+    drafts = {q: load_model_dir(ddir, dtype="auto", role="draft", quant=q) for q in args.draft_quants}
+    pvs = {q: load_preverifier(args.preverifier, draft_model=d, strict=False) for q, d in drafts.items()}
+    pv = pvs[args.draft_quants[0]]
     tok = load_tokenizer(tdir)
     from specdec.tokenizer import eos_token_ids
 
     eos = tuple(sorted(eos_token_ids(tok)))
     prompts = [(src, encode(tok, item)) for src, item in benchmark_prompts(args.humaneval, args.chat)]
     ctx = max(len(p) for _, p in prompts) + args.max_new_tokens + max(args.gamma_max, max(args.gammas)) + 8
-    engine = Engine(target, draft, preverifier=pv, max_sessions=2, max_context=ctx, threads_per_model=1)
-    cfgs = _configs(args, pv)
+    engines = {q: Engine(target, d, preverifier=pvs[q], max_sessions=2, max_context=ctx, threads_per_model=1)
+               for q, d in drafts.items()}
+    cfgs = [c for i, q in enumerate(args.draft_quants) for c in _configs(args, pvs[q], q, with_ar=i == 0)]
     temps = [float(t) for t in args.temperatures.split(",")]
     rows = []
     for temp in temps:
         for c in cfgs:  # warm-up
-            engine.generate(_req(c, prompts[0][1][:16], 8, temp, 0, eos))
+            engines[c["quant"]].generate(_req(c, prompts[0][1][:16], 8, temp, 0, eos))
         for pi, (src, ids) in enumerate(prompts):
             order = cfgs[pi % len(cfgs):] + cfgs[:pi % len(cfgs)]
             for c in order:
-                res = engine.generate(_req(c, ids, args.max_new_tokens, temp, pi, eos))
+                res = engines[c["quant"]].generate(_req(c, ids, args.max_new_tokens, temp, pi, eos))
                 st = res.stats
                 rows.append({"temperature": temp, "config": c["name"], "prompt": pi, "source": src,
                              "tokens": len(res.token_ids), "wall_s": st.wall_s, "target_forwards": st.target_forwards,
@@ -133,7 +138,8 @@ def run_ablation(args) -> dict:
                              "output": res.token_ids if temp == 0 else None})
             print(f"T={temp} prompt {pi + 1}/{len(prompts)} done", flush=True)
             out = _write(args, pv, rows, cfgs, [t for t in temps if any(r["temperature"] == t for r in rows)])
-    engine.close()
+    for engine in engines.values():
+        engine.close()
     print(markdown(out["summary"]))
     return out
 
