@@ -78,3 +78,8 @@ def resolve_quant(quant: str, role: str, device: torch.device | str, dtype: torc
         raise ValueError(f"int8 weights need a CPU device and bfloat16 activations (got {device}, {dtype}); "
                          "use --dtype bfloat16 on CPU, or quant none")
     return quant
+
+
+def weight_quant(model: nn.Module) -> str:
+    """"int8" if `model` carries int8 linears (`quantize_int8_`), else "none" (what GetInfo reports)."""
+    return "int8" if any(isinstance(m, Int8Linear) for m in model.modules()) else "none"

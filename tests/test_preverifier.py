@@ -249,9 +249,11 @@ def test_shipped_preverifier_loads_for_the_shipped_draft():
     from specdec.model import load_model_dir
 
     draft = load_model_dir(DEFAULT_DRAFT_DIR)
+    served = load_model_dir(DEFAULT_DRAFT_DIR, dtype="auto", role="draft")  # int8 weights on a bf16 CPU
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         pv = load_preverifier(draft_model=draft, draft_dir=DEFAULT_DRAFT_DIR)
+        load_preverifier(draft_model=served, draft_dir=DEFAULT_DRAFT_DIR)  # the draft as the service runs it
     assert isinstance(pv, Preverifier) and 0 < pv.threshold < 1 and pv.block_size >= 1
     assert pv.card["heldout_test"]["greedy"][f"B={pv.block_size}"]["all_blocks"]["auc"] >= 0.75
 
@@ -283,3 +285,17 @@ def test_teacher_forced_collection_matches_the_workers_on_greedy_rounds():
         assert torch.allclose(w.logq[:k], t["logq"][:k], atol=1e-4)
         assert torch.allclose(w.entropy[:k], t["entropy"][:k], atol=1e-4)
         assert (w.logq[:k] < 0).all() and (w.entropy[:k] > 0).all()  # real confidence, not the one-hot zeros
+
+
+def test_ablation_configs_per_draft_variant():
+    import argparse
+
+    from specdec.pacer_train.bench import _configs
+
+    pv = build_random_preverifier(8, seed=0, block_size=1, threshold=0.3)
+    args = argparse.Namespace(gammas=[2, 3], block_sizes=[1], gamma_max=12, draft_quants=["none", "int8"])
+    cfgs = [c for i, q in enumerate(args.draft_quants) for c in _configs(args, pv, q, with_ar=i == 0)]
+    names = [c["name"] for c in cfgs]
+    assert names == ["ar", "sd γ=2 [none]", "sd γ=3 [none]", "pacer B=1 [none]", "sd γ=2 [int8]", "sd γ=3 [int8]",
+                     "pacer B=1 [int8]"]
+    assert {c["quant"] for c in cfgs[4:]} == {"int8"} and cfgs[3]["threshold"] == 0.3

@@ -11,7 +11,8 @@ from draft_service.config import DraftSettings
 from specdec.engine import Engine
 from specdec.model import build_tiny_model, load_model_dir
 from specdec.preverifier import build_random_preverifier
-from specdec.quant import INT8_MAX_ROWS, Int8Linear, int8_supported, quantize_int8_, resolve_quant
+from specdec.quant import (INT8_MAX_ROWS, Int8Linear, int8_supported, quantize_int8_, resolve_quant,
+                           weight_quant)
 from specdec.sampling import SamplingParams
 from specdec.schedule import GenerationRequest
 
@@ -22,7 +23,8 @@ PROMPT = [3, 1, 4, 1, 5]
 
 def _int8_model(seed: int, logit_scale: float = 2.0, vocab_size: int = 32):
     m = build_tiny_model(vocab_size=vocab_size, seed=seed, logit_scale=logit_scale).to(torch.bfloat16)
-    assert quantize_int8_(m) == 2 * 7 + 1  # q, k, v, o, gate, up, down per layer + the head
+    assert weight_quant(m) == "none" and quantize_int8_(m) == 2 * 7 + 1  # q k v o gate up down per layer, head
+    assert weight_quant(m) == "int8"
     return m
 
 

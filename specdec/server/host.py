@@ -11,6 +11,7 @@ import logging
 import time
 
 from specdec.pb import common_pb2
+from specdec.quant import weight_quant
 from specdec.server.metrics import ServiceMetrics
 from specdec.server.runner import ModelThread, cancel_and_wait
 from specdec.server.sessions import SessionTable
@@ -28,7 +29,8 @@ class SessionHost:
         self.info = common_pb2.ModelInfo(
             model=model_name, vocab_size=worker.vocab_size, max_position_embeddings=worker.max_context,
             device=str(worker.model.device), dtype=str(worker.model.dtype).removeprefix("torch."),
-            max_sessions=settings.max_sessions, feature_size=feature_size(worker.model))
+            max_sessions=settings.max_sessions, feature_size=feature_size(worker.model),
+            weight_quant=weight_quant(worker.model))
         self._reaper: asyncio.Task | None = None
         self._reap_every = min(30.0, max(0.05, settings.session_ttl_s / 4))
 
