@@ -16,7 +16,9 @@ import time
 
 import torch
 
+from specdec.distill.bench import served_per_token_s
 from specdec.model import load_model, resolve_dtype
+from specdec.quant import weight_quant
 
 
 def main(argv=None) -> None:
@@ -40,24 +42,10 @@ def main(argv=None) -> None:
             if qu == "int8" and ddt != torch.bfloat16:
                 continue  # int8 weights need bf16 activations (specdec.quant)
             models[("draft", dt, qu)] = load_model(args.draft, dtype=ddt, role="draft", quant=qu)
-    kvs = {k: m.new_kv_slots(1, args.context + args.steps + 1) for k, m in models.items()}
-    slots = torch.tensor([0])
-    ctx = torch.randint(0, 1000, (1, args.context))
-    for k, m in models.items():  # fill the cache once
-        m(ctx, torch.arange(args.context)[None], slots, kvs[k])
-
-    def per_token(key) -> float:
-        m, kv, tok = models[key], kvs[key], torch.tensor([[7]])
-        t = time.perf_counter()
-        for i in range(args.steps):
-            logits, _ = m(tok, torch.tensor([[args.context + i]]), slots, kv)
-            tok = logits[:, -1:].argmax(-1)
-        return (time.perf_counter() - t) / args.steps
-
     times = {k: [] for k in models}
     for _ in range(args.repeats):
-        for k in models:
-            times[k].append(per_token(k))
+        for k, m in models.items():
+            times[k].append(served_per_token_s(m, context=args.context, steps=args.steps))
     print(f"| dtype (served as) | draft weights | draft ms/token | target ms/token | draft / target |  "
           f"({args.threads} thread, {args.context} cached positions, median of {args.repeats} × {args.steps} tokens)")
     print("|---|---|---|---|---|")
@@ -66,8 +54,7 @@ def main(argv=None) -> None:
             continue
         d, t = (statistics.median(times[k]) * 1e3 for k in (("draft", dt, qu), ("target", dt, "none")))
         shown = f"{dt} ({str(models[('target', dt, 'none')].dtype).removeprefix('torch.')})"
-        wq = "int8" if any(type(m).__name__ == "Int8Linear" for m in models[(role, dt, qu)].modules()) else "as dtype"
-        print(f"| {shown} | {qu}: {wq} | {d:.2f} | {t:.2f} | {d / t:.3f} |")
+        print(f"| {shown} | {qu}: {weight_quant(models[(role, dt, qu)])} | {d:.2f} | {t:.2f} | {d / t:.3f} |")
 
 
 if __name__ == "__main__":

@@ -150,3 +150,13 @@ def test_top1_term_is_the_argmax_cross_entropy():
     logq = torch.log_softmax(logits, -1)[0]
     extra = -(logq[0, 4] + logq[1, 2]) * 0.5 / 3  # row 2 adds nothing
     assert torch.allclose(with_top1 - base, extra, atol=1e-6)
+
+
+def test_served_cost_measures_specdec_models():
+    from specdec.distill.bench import served_cost_ratio
+    from specdec.model import build_tiny_model
+
+    big, small = build_tiny_model(vocab_size=64, hidden_size=64, num_layers=4), build_tiny_model(vocab_size=64)
+    r = served_cost_ratio(small, big, rounds=3, context=16, steps=4)
+    assert r["draft_ms"] > 0 and r["target_ms"] > 0 and r["ratio"] == pytest.approx(r["draft_ms"] / r["target_ms"])
+    assert r["draft_weights"] == "none" and r["draft_dtype"] == "float32"

@@ -122,7 +122,7 @@ def cmd_train(args):
 
 
 def cmd_evaluate(args):
-    from .bench import cost_ratio
+    from .bench import cost_ratio, served_cost_ratio
     from .draft_model import load_draft
     from .evaluate import greedy_agreement
 
@@ -131,7 +131,15 @@ def cmd_evaluate(args):
     draft = load_draft(args.draft)
     agree = greedy_agreement(draft, held, None, None)
     cost = cost_ratio(draft, target, threads=1, rounds=args.rounds, repeats=args.repeats, steps=args.decode_steps)
-    out = {"agreement": agree, "cost": cost}
+    del target
+    # the same pair as the services run it: specdec's models, dtype auto, the draft's int8 weights where they pay
+    from specdec.hub import resolve_model
+    from specdec.model import load_model
+
+    served = served_cost_ratio(load_model(args.draft, dtype="auto", role="draft"),
+                               load_model(resolve_model(args.target), dtype="auto", role="target"),
+                               rounds=args.rounds * args.repeats)
+    out = {"agreement": agree, "cost": cost, "served_cost": served}
     print(json.dumps(out, indent=2))
     if args.out:
         pathlib.Path(args.out).write_text(json.dumps(out, indent=2))

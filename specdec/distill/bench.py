@@ -35,3 +35,35 @@ def cost_ratio(draft, target, threads: int = 1, rounds: int = 3, **kw) -> dict:
         d.append(per_token_decode_s(draft, **kw))
     dm, tm = statistics.median(d), statistics.median(t)
     return {"draft_ms": dm * 1e3, "target_ms": tm * 1e3, "ratio": dm / tm, "threads": threads}
+
+
+@torch.no_grad()
+def served_per_token_s(model, context: int = 300, steps: int = 16, seed: int = 0) -> float:
+    """Mean wall time of one KV-cached single-token forward of specdec's own model (what the services run), after
+    `context` cached positions; the cache is refilled per call, so repeated calls measure the same thing."""
+    g = torch.Generator().manual_seed(seed)
+    kv, slots = model.new_kv_slots(1, context + steps + 1), torch.tensor([0])
+    V = min(1000, model.config.vocab_size)
+    model(torch.randint(0, V, (1, context), generator=g), torch.arange(context)[None], slots, kv)
+    tok = torch.tensor([[V // 2]])
+    t0 = time.perf_counter()
+    for i in range(steps):
+        logits, _ = model(tok, torch.tensor([[context + i]]), slots, kv)
+        tok = logits[:, -1:].argmax(-1)
+    return (time.perf_counter() - t0) / steps
+
+
+def served_cost_ratio(draft, target, threads: int = 1, rounds: int = 15, **kw) -> dict:
+    """Draft/target per-token cost as served (specdec models, e.g. dtype auto + the draft's int8 weights),
+    interleaved per round, medians."""
+    from specdec.quant import weight_quant
+
+    torch.set_num_threads(threads)
+    d, t = [], []
+    for _ in range(rounds):
+        t.append(served_per_token_s(target, **kw))
+        d.append(served_per_token_s(draft, **kw))
+    dm, tm = statistics.median(d), statistics.median(t)
+    return {"draft_ms": dm * 1e3, "target_ms": tm * 1e3, "ratio": dm / tm, "threads": threads,
+            "draft_dtype": str(draft.dtype).removeprefix("torch."), "draft_weights": weight_quant(draft),
+            "target_dtype": str(target.dtype).removeprefix("torch.")}

@@ -85,7 +85,11 @@ def render_card(cfg, st, summary, metrics, run_dir) -> str:
             f"- Greedy agreement (draft top-1 == target greedy token, over the target's own greedy continuations of "
             f"{a['rows']} held-out prompts, {a['positions']} positions): **{a['agreement']:.3f}**",
             f"- Per-token KV-cached decode at 1 thread, median of repeats, side by side in one process: draft "
-            f"{c['draft_ms']:.2f} ms, target {c['target_ms']:.2f} ms, **ratio {c['ratio']:.3f}**",
+            f"{c['draft_ms']:.2f} ms, target {c['target_ms']:.2f} ms, **ratio {c['ratio']:.3f}** (transformers, fp32)",
+            *([f"- The same, as the services run the pair (specdec's models; draft {sc['draft_dtype']} with "
+               f"{sc['draft_weights']} weight quantization, target {sc['target_dtype']}; 300 cached positions): "
+               f"draft {sc['draft_ms']:.2f} ms, target {sc['target_ms']:.2f} ms, **ratio {sc['ratio']:.3f}**"]
+              if (sc := metrics.get("served_cost")) else []),
             "- Measured with `python -m specdec.distill evaluate --draft specdec/assets/default_draft`", ""]
     if hist:
         lines += ["Training curve (held-out greedy agreement):", "", "| step | train s | loss (ema) | agreement |",
