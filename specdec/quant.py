@@ -2,10 +2,11 @@
 
 A draft decodes one row per session per step, so its linears are GEMVs that stream every weight once per token.
 On this class of CPU the bf16 GEMV runs at ~2 GB/s and fp32 at ~4-8 GB/s, while `torch._weight_int8pack_mm`
-(int8 weights, per-output-channel scales, bf16 activations) reads a quarter of fp32's bytes; for the default
-draft's 8192-row head it is ~3-5x faster at 1-8 rows (docs/benchmarks.md, "int8 draft"). With many rows (a
-prefill) that kernel is slow, so those go through a bf16 GEMM of the *dequantized* weight: both paths compute the
-same function up to summation order, which makes the quantized model one well-defined draft.
+(int8 weights, per-output-channel scales, bf16 activations) reads a quarter of fp32's bytes: for the default
+draft's 8192-row head it is ~3-5x faster than bf16/fp32 at one row, still ahead at 8 rows (1-thread
+microbenchmarks), and the whole draft step costs half (docs/benchmarks.md, "int8 draft weights"). With many rows
+(a prefill) that kernel is slow, so those go through a bf16 GEMM of the *dequantized* weight: both paths compute
+the same function up to summation order, which makes the quantized model one well-defined draft.
 
 Quantizing the draft never touches losslessness: verification uses the draft's own q, whatever computed it. The
 target is never quantized here (its distribution is the output distribution).
