@@ -1,5 +1,6 @@
 """Int8 draft weights (specdec.quant): the kernel path equals the dequantized GEMM, the mode rules, and that an
 int8 draft leaves the output exactly the target's (greedy equality; a statistical check at T = 1)."""
+import json
 from collections import Counter
 
 import pytest
@@ -56,17 +57,21 @@ def test_resolve_quant_rules():
         DraftSettings(quant="fp8")
 
 
-def test_loader_quantizes_a_bf16_draft_only(tmp_path):
+def _save_tiny_dir(path):
     from safetensors.torch import save_file
-    import json
 
     m = build_tiny_model(vocab_size=32, seed=3)
     c = m.config
-    (tmp_path / "config.json").write_text(json.dumps({
+    (path / "config.json").write_text(json.dumps({
         "architectures": ["LlamaForCausalLM"], "vocab_size": 32, "hidden_size": c.hidden_size,
         "intermediate_size": c.intermediate_size, "num_hidden_layers": 2, "num_attention_heads": 4,
         "num_key_value_heads": 2, "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta}))
-    save_file({k: v.contiguous() for k, v in m.state_dict().items()}, str(tmp_path / "model.safetensors"))
+    save_file({k: v.contiguous() for k, v in m.state_dict().items()}, str(path / "model.safetensors"))
+    return path
+
+
+def test_loader_quantizes_a_bf16_draft_only(tmp_path):
+    _save_tiny_dir(tmp_path)
     kinds = lambda model: {type(x).__name__ for x in model.modules()} & {"Int8Linear", "Linear"}
     assert kinds(load_model_dir(tmp_path, dtype="bfloat16", role="draft")) == {"Int8Linear"}
     assert kinds(load_model_dir(tmp_path, dtype="bfloat16", role="target")) == {"Linear"}
@@ -111,3 +116,26 @@ def test_int8_draft_keeps_the_target_distribution_at_t1():
     eng.close()
     obs = [counts.get(i, 0) for i in range(8)]
     assert chisquare(obs, (p / p.sum() * n).tolist()).pvalue > 1e-3
+
+
+@pytest.mark.parametrize("quant, want", [("auto", "int8"), ("none", "none")])
+async def test_draft_service_serves_and_reports_its_weight_quant(tmp_path, quant, want):
+    import grpc
+
+    from draft_service.server import build_app
+    from specdec.pb import draft_pb2, draft_pb2_grpc
+
+    app = await build_app(DraftSettings(model=str(_save_tiny_dir(tmp_path)), dtype="bfloat16", quant=quant,
+                                        host="127.0.0.1", port=0, metrics_port=0, grace_s=0.5), warmup=False)
+    await app.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{app.port}") as ch:
+            stub = draft_pb2_grpc.DraftServiceStub(ch)
+            info = (await stub.GetInfo(draft_pb2.DraftServiceGetInfoRequest())).info
+            assert info.weight_quant == want and info.dtype == "bfloat16"
+            await stub.StartSession(draft_pb2.DraftServiceStartSessionRequest(session_id="s", prompt_ids=[1, 2, 3]))
+            out = await stub.Draft(draft_pb2.DraftRequest(session_id="s", base_position=2, append_ids=[3],
+                                                          gamma_max=3))
+            assert len(out.token_ids) == 3
+    finally:
+        await app.shutdown(0.5)
