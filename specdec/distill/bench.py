@@ -26,15 +26,20 @@ def per_token_decode_s(model, prompt_len: int = 64, steps: int = 32, repeats: in
     return statistics.median(times)
 
 
-def cost_ratio(draft, target, threads: int = 1, rounds: int = 3, **kw) -> dict:
-    """Interleave draft and target measurements (``rounds`` times) and report medians and their ratio."""
+def _interleaved_ratio(measure, draft, target, threads: int, rounds: int, **kw) -> dict:
+    """`measure(model, **kw)` of target then draft, `rounds` times; medians (ms) and their ratio."""
     torch.set_num_threads(threads)
     d, t = [], []
     for _ in range(rounds):
-        t.append(per_token_decode_s(target, **kw))
-        d.append(per_token_decode_s(draft, **kw))
+        t.append(measure(target, **kw))
+        d.append(measure(draft, **kw))
     dm, tm = statistics.median(d), statistics.median(t)
     return {"draft_ms": dm * 1e3, "target_ms": tm * 1e3, "ratio": dm / tm, "threads": threads}
+
+
+def cost_ratio(draft, target, threads: int = 1, rounds: int = 3, **kw) -> dict:
+    """Interleave draft and target measurements (``rounds`` times) and report medians and their ratio."""
+    return _interleaved_ratio(per_token_decode_s, draft, target, threads, rounds, **kw)
 
 
 @torch.no_grad()
@@ -58,12 +63,6 @@ def served_cost_ratio(draft, target, threads: int = 1, rounds: int = 15, **kw) -
     interleaved per round, medians."""
     from specdec.quant import weight_quant
 
-    torch.set_num_threads(threads)
-    d, t = [], []
-    for _ in range(rounds):
-        t.append(served_per_token_s(target, **kw))
-        d.append(served_per_token_s(draft, **kw))
-    dm, tm = statistics.median(d), statistics.median(t)
-    return {"draft_ms": dm * 1e3, "target_ms": tm * 1e3, "ratio": dm / tm, "threads": threads,
+    return {**_interleaved_ratio(served_per_token_s, draft, target, threads, rounds, **kw),
             "draft_dtype": str(draft.dtype).removeprefix("torch."), "draft_weights": weight_quant(draft),
             "target_dtype": str(target.dtype).removeprefix("torch.")}
