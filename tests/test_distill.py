@@ -160,3 +160,22 @@ def test_served_cost_measures_specdec_models():
     r = served_cost_ratio(small, big, rounds=3, context=16, steps=4)
     assert r["draft_ms"] > 0 and r["target_ms"] > 0 and r["ratio"] == pytest.approx(r["draft_ms"] / r["target_ms"])
     assert r["draft_weights"] == "none" and r["draft_dtype"] == "float32"
+
+
+def test_warm_start_grows_depth_as_identity(target, rows):
+    """A deeper draft warm-started from a shallower checkpoint computes exactly the checkpoint's function at step 0,
+    and its added layers still learn (their zeroed output projections get gradients)."""
+    from specdec.distill.train import warm_start
+
+    subset = frequency_subset(rows, 48)
+    torch.manual_seed(0)
+    small = build_from_target(target, subset, (0,))
+    torch.nn.init.normal_(small.model.layers[0].mlp.down_proj.weight, std=0.05)
+    deep = build_from_target(target, subset, (0, 1))
+    assert warm_start(deep, small.state_dict()) == [1]
+    x = torch.randint(0, len(subset), (2, 9))
+    torch.testing.assert_close(deep(input_ids=x).logits, small(input_ids=x).logits, rtol=0, atol=1e-6)
+    deep(input_ids=x).logits.logsumexp(-1).sum().backward()
+    assert deep.model.layers[1].mlp.down_proj.weight.grad.abs().sum() > 0
+    with pytest.raises(ValueError, match="shallower"):
+        warm_start(build_from_target(target, subset, (0,)), deep.state_dict())

@@ -92,7 +92,7 @@ def _setup_draft(args, train_rows, target):
 
 def cmd_train(args):
     from .evaluate import greedy_agreement
-    from .train import train
+    from .train import train, warm_start
 
     torch.set_num_threads(args.threads)
     train_rows, held = _data(args)
@@ -102,8 +102,9 @@ def cmd_train(args):
     run_dir = pathlib.Path(args.work) / "runs" / args.run
     run_dir.mkdir(parents=True, exist_ok=True)
     if args.init_from and not (run_dir / "ckpt.pt").exists():  # warm start (weights only; fresh optimizer)
-        draft.load_state_dict(torch.load(args.init_from, weights_only=False)["model"])
-        _log(f"initialised from {args.init_from}", run_dir / "log.jsonl")
+        grown = warm_start(draft, torch.load(args.init_from, weights_only=False)["model"])
+        _log(f"initialised from {args.init_from}" + (f"; new identity layers {grown}" if grown else ""),
+             run_dir / "log.jsonl")
     logf = run_dir / "log.jsonl"
     (run_dir / "command.txt").write_text("python -m specdec.distill " + " ".join(map(shlex.quote, sys.argv[1:])) + "\n")
     eval_fn = lambda m: greedy_agreement(m, held, subset, to_compact)
@@ -221,7 +222,8 @@ def main(argv=None):
     tr.add_argument("--lr", type=float, default=2e-3)
     tr.add_argument("--k", type=int, default=32)
     tr.add_argument("--vocab-subset", type=int, default=8192)
-    tr.add_argument("--init-layers", default="0,1", help="target layers copied into the draft (its depth)")
+    tr.add_argument("--init-layers", default="0,1", help="target layers copied into the draft (its depth); with --init-from a deeper draft keeps the "
+                         "checkpoint's layers and adds the rest as identity layers (zeroed output projections)")
     tr.add_argument("--no-copy-layers", action="store_true")
     tr.add_argument("--final-norm-scale", type=float, default=0.1, help="multiply the copied final norm weight")
     tr.add_argument("--random-init", action="store_true", help="ablation: no initialisation from the target")

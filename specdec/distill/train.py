@@ -93,6 +93,28 @@ def kd_loss(logits, hard, sidx, sp, smask, top1_weight: float = 0.0):
     return tot / n.clamp_min(1), int(smask.sum()), int(hard_valid.sum())
 
 
+def warm_start(draft, state: dict) -> list[int]:
+    """Load a checkpoint's weights into ``draft``, which may be deeper than the checkpoint's model: its extra
+    decoder layers (appended after the checkpoint's) get zeroed attention and MLP output projections, so each is
+    the identity on the residual stream and the grown draft starts out computing exactly the checkpoint's function.
+    Returns the indices of the added layers."""
+    missing, unexpected = draft.load_state_dict(state, strict=False)
+    if unexpected:
+        raise ValueError(f"checkpoint has weights the draft lacks (is the draft shallower?): {unexpected[:4]}")
+    grown = sorted({int(k.split(".")[2]) for k in missing if k.startswith("model.layers.")})
+    other = [k for k in missing if not k.startswith("model.layers.")]
+    if other:
+        raise ValueError(f"checkpoint lacks non-layer weights: {other[:4]}")
+    n_old = len(draft.model.layers) - len(grown)
+    if grown != list(range(n_old, len(draft.model.layers))):
+        raise ValueError(f"checkpoint is missing layers {grown}, not a tail of the draft's layers")
+    with torch.no_grad():
+        for i in grown:
+            draft.model.layers[i].self_attn.o_proj.weight.zero_()
+            draft.model.layers[i].mlp.down_proj.weight.zero_()
+    return grown
+
+
 def warmup_cosine(step: int, warmup: int, steps: int) -> float:
     """LR factor: linear warm-up over `warmup` steps, then cosine from 1 to 0.1 at `steps`."""
     return min(1.0, (step + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(step, steps) / steps)))
