@@ -24,11 +24,14 @@ def export(args) -> pathlib.Path:
                     ("subset_samples", None), ("samples", getattr(args, "samples", None))):
         setattr(args, k, targs.get(k, dflt))
     args.no_copy_layers, args.random_init = False, False
+    st = torch.load(run_dir / "ckpt.pt", weights_only=False)
+    # the depth is the checkpoint's (a run still in progress has no summary yet; the copied layers are overwritten)
+    depth = 1 + max(int(k.split(".")[2]) for k in st["model"] if k.startswith("model.layers."))
+    args.init_layers = ",".join(map(str, range(depth)))
     train_rows, _ = _data(args)
     tdir = resolve_model(args.target)
     target = AutoModelForCausalLM.from_pretrained(str(tdir), dtype=torch.float32)
     draft, subset, oov, _ = _setup_draft(args, train_rows, target)
-    st = torch.load(run_dir / "ckpt.pt", weights_only=False)
     draft.load_state_dict(st["model"])
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
