@@ -120,6 +120,12 @@ class KVSlots:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
+    def move(self, slot: int, src: list[int], dst: list[int]) -> None:
+        """Copy the K/V at cache indices `src` of a slot to `dst` in every layer (an accepted tree path)."""
+        if src != dst:
+            for t in self.k + self.v:
+                t[slot, dst] = t[slot, src]
+
 
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
@@ -261,20 +267,27 @@ class CausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, kv: KVSlots,
-                logits_rows: slice | None = None, features: torch.Tensor | None = None):
+                logits_rows: slice | None = None, features: torch.Tensor | None = None,
+                cache_at: int | None = None, attn_mask: torch.Tensor | None = None):
         # tokens/positions: [B, S] (rows padded to S; padding positions lie past each row's real end); slots: [B];
-        # features: [B, S, feature_size], a feature draft's f_{t-1} per row (required iff config.feature_size)
+        # features: [B, S, feature_size], a feature draft's f_{t-1} per row (required iff config.feature_size).
+        # Token trees (B == 1, specdec/tree.py): `positions` are RoPE positions only; the rows' K/V go to cache
+        # indices cache_at.. and row i attends to the cache indices attn_mask[i] ([S, cache_at + S], bool) marks.
         B, S = tokens.shape
+        cos, sin = self._rope(positions)
+        if attn_mask is not None:
+            if B != 1 or cache_at is None or attn_mask.shape != (S, cache_at + S):
+                raise ValueError("a tree forward takes one row, cache_at and an [S, cache_at + S] attn_mask")
+            positions = torch.arange(cache_at, cache_at + S, device=tokens.device)[None]
         kv_len = int(positions.max()) + 1
         if kv_len > kv.max_len:
             raise ValueError(f"position {kv_len - 1} is beyond the KV cache ({kv.max_len} positions)")
-        mask = None
-        if S > 1:
+        mask = None if attn_mask is None else attn_mask[None, None]
+        if S > 1 and attn_mask is None:
             key_pos = torch.arange(kv_len, device=tokens.device)
             mask = (key_pos[None, None, :] <= positions[:, :, None]).unsqueeze(1)  # [B, 1, S, kv_len]
         if B > 1:  # per row: (slot, its own kv length); attention runs row by row (Attention._per_row)
             kv_len = list(zip(slots.tolist(), (positions.max(dim=1).values + 1).tolist()))
-        cos, sin = self._rope(positions)
         x = self.model.embed_tokens(tokens if self.to_compact is None else self.to_compact[tokens])
         if self.fc is not None:
             if features is None or features.shape[:2] != tokens.shape:

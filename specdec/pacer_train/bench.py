@@ -81,6 +81,8 @@ def add_args(a) -> None:
     a.add_argument("--out", default="bench-results/pacer_ablation.json")
     a.add_argument("--draft-quants", nargs="+", default=["auto"], choices=["auto", "none", "int8"],
                    help="draft weight quantization(s); several run side by side, one engine each (same target)")
+    a.add_argument("--trees", nargs="*", default=[], metavar="K0,K1,...",
+                   help="also greedy token trees (specdec/tree.py) of these shapes, e.g. 2,1,1 4,2,1 (T=0 only)")
 
 
 def _configs(args, pv, quant: str = "auto", with_ar: bool = True) -> list[dict]:
@@ -95,7 +97,18 @@ def _configs(args, pv, quant: str = "auto", with_ar: bool = True) -> list[dict]:
         th = pv.threshold if B == pv.block_size else thetas.get(B, pv.threshold)
         cfgs.append({"name": f"pacer B={B}{tag}", "mode": "pacer", "gamma": args.gamma_max, "block_size": B,
                      "threshold": th, "quant": quant})
+    cfgs += [{"name": f"tree {t}{tag}", "mode": "tree", "shape": t, "quant": quant} for t in args.trees]
     return cfgs
+
+
+def _run_tree(engine, c, ids, n, eos) -> dict:
+    """One greedy token-tree request on the engine's workers, on this thread (its rounds are sequential)."""
+    from specdec.tree import generate_tree, parse_shape
+
+    t0 = time.perf_counter()
+    out, st = generate_tree(engine.draft_worker, engine.target_worker, list(ids), n, parse_shape(c["shape"]), eos)
+    return {"tokens": len(out), "wall_s": time.perf_counter() - t0, "target_forwards": st.rounds,
+            "draft_tokens": st.drafted, "accepted_tokens": st.accepted, "output": out}
 
 
 def run_ablation(args) -> dict:
@@ -125,11 +138,20 @@ def run_ablation(args) -> dict:
     temps = [float(t) for t in args.temperatures.split(",")]
     rows = []
     for temp in temps:
+        if args.trees and temp != 0:
+            raise SystemExit("--trees are greedy only: pass --temperatures 0")
         for c in cfgs:  # warm-up
-            engines[c["quant"]].generate(_req(c, prompts[0][1][:16], 8, temp, 0, eos))
+            if c["mode"] == "tree":
+                _run_tree(engines[c["quant"]], c, prompts[0][1][:16], 8, eos)
+            else:
+                engines[c["quant"]].generate(_req(c, prompts[0][1][:16], 8, temp, 0, eos))
         for pi, (src, ids) in enumerate(prompts):
             order = cfgs[pi % len(cfgs):] + cfgs[:pi % len(cfgs)]
             for c in order:
+                if c["mode"] == "tree":
+                    rows.append({"temperature": temp, "config": c["name"], "prompt": pi, "source": src,
+                                 **_run_tree(engines[c["quant"]], c, ids, args.max_new_tokens, eos)})
+                    continue
                 res = engines[c["quant"]].generate(_req(c, ids, args.max_new_tokens, temp, pi, eos))
                 st = res.stats
                 rows.append({"temperature": temp, "config": c["name"], "prompt": pi, "source": src,
