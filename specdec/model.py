@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specdec.linear import Linear
+
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 
 
@@ -132,10 +134,10 @@ class Attention(nn.Module):
         super().__init__()
         self.cfg = cfg
         h, kv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, h * hd, bias=cfg.attention_bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, kv * hd, bias=cfg.attention_bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, kv * hd, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(h * hd, cfg.hidden_size, bias=False)
+        self.q_proj = Linear(cfg.hidden_size, h * hd, bias=cfg.attention_bias)
+        self.k_proj = Linear(cfg.hidden_size, kv * hd, bias=cfg.attention_bias)
+        self.v_proj = Linear(cfg.hidden_size, kv * hd, bias=cfg.attention_bias)
+        self.o_proj = Linear(h * hd, cfg.hidden_size, bias=False)
 
     def forward(self, x, cos, sin, layer: int, kv: KVSlots, slots, positions, mask, kv_len: int):
         # x: [B, S, D]; cos/sin: [B, S, hd]; slots: [B]; positions: [B, S]; mask: [B, 1, S, kv_len] | None;
@@ -184,9 +186,9 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -224,7 +226,7 @@ class CausalLM(nn.Module):
         # subset, so the draft distribution is exactly zero there (still lossless: q is what was sampled).
         rows = cfg.vocab_size if vocab_subset is None else len(vocab_subset)
         self.model = Backbone(cfg, rows)
-        self.lm_head = nn.Linear(cfg.hidden_size, rows, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, rows, bias=False)
         if cfg.tie_word_embeddings and vocab_subset is None:
             self.lm_head.weight = self.model.embed_tokens.weight
         to_compact = None
@@ -232,7 +234,7 @@ class CausalLM(nn.Module):
             to_compact = torch.full((cfg.vocab_size,), oov_compact_id, dtype=torch.long)
             to_compact[vocab_subset] = torch.arange(len(vocab_subset))
         # a feature draft mixes the token embedding with the target's feature of the previous position
-        self.fc = nn.Linear(cfg.hidden_size + cfg.feature_size, cfg.hidden_size) if cfg.feature_size else None
+        self.fc = Linear(cfg.hidden_size + cfg.feature_size, cfg.hidden_size) if cfg.feature_size else None
         self.register_buffer("vocab_subset", vocab_subset, persistent=False)
         self.register_buffer("to_compact", to_compact, persistent=False)
         self._rope_cache: tuple[torch.Tensor, torch.Tensor] | None = None

@@ -1,0 +1,30 @@
+import torch
+import torch.nn.functional as F
+
+import specdec.linear
+from specdec.linear import Linear
+from specdec.model import build_tiny_model
+
+
+def test_one_row_gemv_computes_the_linear():
+    torch.manual_seed(0)
+    lin = Linear(64, 48, bias=True).to(torch.bfloat16)
+    for shape in [(1, 1, 64), (1, 64), (64,), (1, 3, 64), (5, 64)]:
+        x = torch.randn(shape).to(torch.bfloat16)
+        y = lin(x)
+        assert y.shape == (*shape[:-1], 48) and y.dtype == torch.bfloat16
+        torch.testing.assert_close(y.float(), F.linear(x, lin.weight, lin.bias).float(), rtol=1e-2, atol=1e-2)
+
+
+def test_model_logits_do_not_depend_on_the_one_row_kernel():
+    m = build_tiny_model(vocab_size=32, seed=3).to(torch.bfloat16)
+    kv = m.new_kv_slots(1, 16)
+    slots = torch.tensor([0])
+    m(torch.tensor([[1, 2, 3]]), torch.arange(3)[None], slots, kv)
+    out = {}
+    for gemv in (True, False):
+        specdec.linear.GEMV_ONE_ROW = gemv
+        out[gemv] = m(torch.tensor([[4]]), torch.tensor([[3]]), slots, kv)[0]
+    specdec.linear.GEMV_ONE_ROW = True
+    torch.testing.assert_close(out[True], out[False], rtol=2e-2, atol=2e-2)
+    assert int(out[True].argmax()) == int(out[False].argmax())
