@@ -15,6 +15,7 @@ import torch
 from specdec.errors import InvalidRequestError
 from specdec.sampling import SamplingParams
 from specdec.schedule import GenerationRequest, GenerationResult, generate
+from specdec.threads import set_thread_count
 from specdec.stop import FixedLength, PreverifierStop, StopRule, StopSpec
 from specdec.verify import SparseDist
 from specdec.workers import DraftBlock, DraftWorker, TargetFeatures, TargetWorker, VerifyOutcome
@@ -44,7 +45,7 @@ class _ThreadOwner:
         self.inline = inline
         self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=name)
         if threads:
-            self.pool.submit(torch.set_num_threads, threads).result()
+            self.pool.submit(set_thread_count, threads).result()
 
     async def call(self, fn, *args, **kw):
         if self.inline:

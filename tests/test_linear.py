@@ -28,3 +28,4 @@ def test_model_logits_do_not_depend_on_the_one_row_kernel():
     specdec.linear.GEMV_ONE_ROW = True
     torch.testing.assert_close(out[True], out[False], rtol=2e-2, atol=2e-2)
     assert int(out[True].argmax()) == int(out[False].argmax())
+

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from specdec.model import auto_dtype
+from specdec.threads import set_thread_count
 
 STACK_STAT_FIELDS = ("rounds", "target_forwards", "draft_tokens", "accepted_tokens", "mean_accepted_length",
                      "draft_busy_s", "target_busy_s", "network_s", "wall_s", "wasted_draft_tokens")
@@ -160,7 +161,7 @@ class HFRunner:
     def __init__(self, models: HFModels, cfg: Config):
         self.m, self.cfg = models, cfg
         self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"hf{cfg.threads}",
-                                                          initializer=torch.set_num_threads, initargs=(cfg.threads,))
+                                                          initializer=set_thread_count, initargs=(cfg.threads,))
 
     def _generate(self, ids, temperature, seed, max_new_tokens) -> Sample:
         x = torch.tensor([ids])

@@ -19,9 +19,9 @@ class ModelThread:
 
     def _init_thread(self):
         if self._threads:
-            import torch
+            from specdec.threads import set_thread_count
 
-            torch.set_num_threads(self._threads)
+            set_thread_count(self._threads)
 
     async def run(self, fn, *args, **kwargs):
         loop = asyncio.get_running_loop()
