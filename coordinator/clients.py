@@ -248,6 +248,8 @@ class RemoteDraft(_Pinned):
         rule = draft_pb2.StopRule(kind=_KIND[stop.kind])
         if stop.threshold is not None:
             rule.threshold = stop.threshold
+        if stop.skip_below is not None:
+            rule.skip_below = stop.skip_below
         req = draft_pb2.DraftStreamRequest(session_id=session_id, base_position=base_position, append_ids=append,
                                            gamma_max=gamma_max, stop=rule, block_size=block_size,
                                            features=[features_to_proto(f) for f in features or []])

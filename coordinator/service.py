@@ -112,6 +112,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             raise InvalidRequestError("verify_method", f"unknown {r.verify_method!r}; use token or block")
         if r.HasField("pacer_threshold") and not 0.0 <= r.pacer_threshold <= 1.0:
             raise InvalidRequestError("pacer_threshold", f"must be in [0, 1], got {r.pacer_threshold}")
+        if r.HasField("pacer_skip_below") and not 0.0 <= r.pacer_skip_below <= 1.0:
+            raise InvalidRequestError("pacer_skip_below", f"must be in [0, 1], got {r.pacer_skip_below}")
         if r.HasField("gamma") and not 1 <= r.gamma <= 64:
             raise InvalidRequestError("gamma", f"must be in [1, 64], got {r.gamma}")
         if r.HasField("block_size") and r.block_size < 1:
@@ -143,6 +145,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                "gamma": r.gamma if r.HasField("gamma") else None,
                "block_size": r.block_size if r.HasField("block_size") else None,
                "pacer_threshold": r.pacer_threshold if r.HasField("pacer_threshold") else None,
+               "pacer_skip_below": r.pacer_skip_below if r.HasField("pacer_skip_below") else None,
                "eos_token_ids": list(self.eos)}
         return Prepared(req, TextAssembler(self.tok, ids, list(r.stop)))
 

@@ -45,7 +45,10 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         threshold = stop.threshold if stop.HasField("threshold") else None
         if threshold is not None and not 0.0 <= threshold <= 1.0:
             raise InvalidRequestError("stop.threshold", f"must be in [0, 1], got {threshold}")
-        return make_stop_rule(StopSpec(_STOP_KINDS[stop.kind], threshold), self.worker.preverifier)
+        skip = stop.skip_below if stop.HasField("skip_below") else None
+        if skip is not None and not 0.0 <= skip <= 1.0:
+            raise InvalidRequestError("stop.skip_below", f"must be in [0, 1], got {skip}")
+        return make_stop_rule(StopSpec(_STOP_KINDS[stop.kind], threshold, skip), self.worker.preverifier)
 
     def _check_base(self, sid: str, base: int, field: str = "base_position") -> None:
         self.host.touch(sid)

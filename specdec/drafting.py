@@ -203,15 +203,22 @@ class DraftWorker(Worker):
             c.logq.append(float(lq[x]))
             c.ent.append(float(torch.special.entr(lq.exp()).sum()))
         n = len(c.toks)
-        if n == c.gamma_max:
+        block_done = n - c.block_start >= c.block_size
+        skip_below = getattr(c.stop, "skip_below", 0.0) if c.block_start == 0 and c.want_features else 0.0
+        if n == c.gamma_max and not skip_below:
             return self._close(c, "gamma_max", None)
-        if n - c.block_start < c.block_size:
+        if not block_done and n < c.gamma_max:
             c.feed = [x]
             return None if s.epoch == c.epoch else self._close(c, "cancelled", None)
         feats = DraftFeatures(hidden=torch.stack(c.hids), tokens=torch.tensor(c.toks), logq=torch.tensor(c.logq),
                               entropy=torch.tensor(c.ent), block_start=c.block_start) if c.want_features else None
         stop_now = c.stop.should_stop(feats)
         score = getattr(c.stop, "last_score", None)
+        if skip_below and score is not None and score < skip_below:
+            del c.toks[:], c.qs[:]  # draft length 0: the target takes a plain one-row step
+            return self._close(c, "preverifier", score)
+        if n == c.gamma_max:
+            return self._close(c, "gamma_max", score)
         if stop_now:
             return self._close(c, "preverifier", score)
         if s.epoch != c.epoch:

@@ -33,7 +33,7 @@ def make_stop_rule(spec: StopSpec, preverifier) -> StopRule:
                                               "draft with --preverifier")
         threshold = spec.threshold if spec.threshold is not None else getattr(preverifier, "threshold",
                                                                               DEFAULT_PACER_THRESHOLD)
-        return PreverifierStop(preverifier, threshold)
+        return PreverifierStop(preverifier, threshold, spec.skip_below or 0.0)
     raise InvalidRequestError("stop", f"unknown stop rule {spec.kind!r}; use fixed or pacer")
 
 

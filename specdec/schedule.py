@@ -73,6 +73,7 @@ class GenerationRequest:
     verify_method: str = "block"  # ignored (greedy) at temperature 0
     pacer_threshold: float | None = None
     pacer_post_threshold: float | None = None  # pacer_pearl while a verify runs (None: DEFAULT_POST_THRESHOLD)
+    pacer_skip_below: float | None = None  # pacer: first block below this → draft nothing, an `ar` step (None: never)
     eos_token_ids: tuple[int, ...] = ()
     session_id: str = field(default_factory=lambda: uuid.uuid4().hex)
 
@@ -91,6 +92,8 @@ class GenerationRequest:
             raise InvalidRequestError("gamma", f"must be in [1, 64], got {self.gamma}")
         if self.block_size is not None and self.block_size < 1:
             raise InvalidRequestError("block_size", f"must be >= 1, got {self.block_size}")
+        if self.pacer_skip_below is not None and not 0.0 <= self.pacer_skip_below <= 1.0:
+            raise InvalidRequestError("pacer_skip_below", f"is a probability in [0, 1], got {self.pacer_skip_below}")
         self.params.validate()
         return self
 
@@ -225,7 +228,9 @@ async def generate(req: GenerationRequest, draft: DraftBackend | None, target: T
 
 
 def _stop_spec(req: GenerationRequest) -> StopSpec:
-    return StopSpec("pacer", req.pacer_threshold) if req.mode in ("pacer", "pacer_pearl") else StopSpec("fixed")
+    if req.mode == "pacer":
+        return StopSpec("pacer", req.pacer_threshold, req.pacer_skip_below)
+    return StopSpec("pacer", req.pacer_threshold) if req.mode == "pacer_pearl" else StopSpec("fixed")
 
 
 def _pacer_block(req: GenerationRequest) -> int:

@@ -34,6 +34,9 @@ class StopSpec:
 
     kind: str = "fixed"
     threshold: float | None = None  # pacer: stop when P(block accepted) < threshold (None: the shipped default)
+    # pacer: when the *first* block scores below this, send nothing (draft length 0: the round is an `ar` step,
+    # a one-row target forward, cheaper than verifying a block that will likely be rejected). None/0: never
+    skip_below: float | None = None
 
 
 class FixedLength:
@@ -50,9 +53,10 @@ class PreverifierStop:
 
     needs_features = True
 
-    def __init__(self, preverifier, threshold: float):
+    def __init__(self, preverifier, threshold: float, skip_below: float = 0.0):
         self.preverifier = preverifier
         self.threshold = threshold
+        self.skip_below = skip_below  # first block below this: draft nothing (see StopSpec.skip_below)
         self.block_size = int(getattr(preverifier, "block_size", 0) or 0)  # the B it was tuned for
         self.last_score: float | None = None
 

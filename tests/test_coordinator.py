@@ -231,12 +231,28 @@ async def test_pearl_draft_and_target_really_overlap():
     (dict(), "prompt"),
     (dict(prompt="text but no tokenizer"), "prompt"),
     (dict(prompt_token_ids=[1, 999]), "prompt_ids"),  # checked by the replicas, passed through
+    (dict(prompt_token_ids=[1], mode="pacer", pacer_skip_below=1.5), "pacer_skip_below"),
 ])
 async def test_bad_requests_are_invalid_argument(stack, kw, field):
     with pytest.raises(grpc.aio.AioRpcError) as e:
         await stack.stubs["random"].Generate(g.GenerateRequest(**kw))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert field in e.value.details()
+
+
+async def test_pacer_skip_over_the_wire(stack):
+    """pacer_skip_below reaches the draft replica: at 1.0 every first block is dropped (nothing drafted, one
+    target forward per token); at 0.5 some are; the output is the target's greedy output either way."""
+    prompt = [7, 5, 9, 11, 2]
+    ref = target_greedy(stack.target, prompt, N)
+    always = await stack.stubs["random"].Generate(req(prompt, "pacer", gamma=4, block_size=1, pacer_skip_below=1.0))
+    assert list(always.token_ids) == ref
+    assert always.stats.draft_tokens == 0 and always.stats.target_forwards == N
+    some = await stack.stubs["random"].Generate(req(prompt, "pacer", gamma=4, block_size=1, pacer_skip_below=0.5))
+    plain = await stack.stubs["random"].Generate(req(prompt, "pacer", gamma=4, block_size=1))
+    assert list(some.token_ids) == list(plain.token_ids) == ref
+    assert plain.stats.draft_tokens > some.stats.draft_tokens
+    await until(lambda: stack.sessions() == 0)
 
 
 async def test_pacer_without_preverifier_is_a_clear_error():

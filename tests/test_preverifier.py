@@ -299,3 +299,32 @@ def test_ablation_configs_per_draft_variant():
     assert names == ["ar", "sd γ=2 [none]", "sd γ=3 [none]", "pacer B=1 [none]", "sd γ=2 [int8]", "sd γ=3 [int8]",
                      "pacer B=1 [int8]"]
     assert {c["quant"] for c in cfgs[4:]} == {"int8"} and cfgs[3]["threshold"] == 0.3
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_pacer_skip_drafts_nothing_when_the_first_block_scores_low(temperature):
+    """pacer_skip_below: a first block scoring below it is dropped and the round is a one-row target step. Above
+    1 every round is skipped (an `ar` run: one forward per token, nothing drafted); in between the output is
+    still the target's (greedy: equal to ar; sampled: the same seeded draws as ar would not hold, so only the
+    draft-length accounting is checked there)."""
+    target, draft = _pair()
+    pv = build_random_preverifier(32, seed=7, block_size=1, threshold=0.5)
+    eng = Engine(target, draft, preverifier=pv, max_sessions=2, max_context=128)
+    params = SamplingParams(temperature=temperature, seed=3)
+    try:
+        prompt = [1, 2, 3, 4, 5]
+        ar = eng.generate(GenerationRequest(prompt, max_new_tokens=24, mode="ar", params=params))
+        always = eng.generate(GenerationRequest(prompt, max_new_tokens=24, mode="pacer", gamma=6, block_size=1,
+                                                pacer_skip_below=1.0, params=params))
+        assert always.stats.draft_tokens == 0 and always.stats.target_forwards == 24
+        some = eng.generate(GenerationRequest(prompt, max_new_tokens=24, mode="pacer", gamma=6, block_size=1,
+                                              pacer_skip_below=0.5, params=params))
+        none = eng.generate(GenerationRequest(prompt, max_new_tokens=24, mode="pacer", gamma=6, block_size=1,
+                                              params=params))
+        if temperature == 0.0:
+            assert always.token_ids == some.token_ids == none.token_ids == ar.token_ids
+        assert none.stats.draft_tokens > some.stats.draft_tokens > 0
+        with pytest.raises(Exception, match="pacer_skip_below"):
+            eng.generate(GenerationRequest(prompt, max_new_tokens=4, mode="pacer", pacer_skip_below=1.5))
+    finally:
+        eng.close()

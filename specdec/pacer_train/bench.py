@@ -81,6 +81,8 @@ def add_args(a) -> None:
     a.add_argument("--out", default="bench-results/pacer_ablation.json")
     a.add_argument("--draft-quants", nargs="+", default=["auto"], choices=["auto", "none", "int8"],
                    help="draft weight quantization(s); several run side by side, one engine each (same target)")
+    a.add_argument("--skip-below", type=float, nargs="*", default=[],
+                   help="also pacer configs that draft nothing (an ar step) when the first block scores below these")
     a.add_argument("--trees", nargs="*", default=[], metavar="K0,K1,...",
                    help="also greedy token trees (specdec/tree.py) of these shapes, e.g. 2,1,1 4,2,1 (T=0 only)")
 
@@ -97,7 +99,11 @@ def _configs(args, pv, quant: str = "auto", with_ar: bool = True) -> list[dict]:
         th = pv.threshold if B == pv.block_size else thetas.get(B, pv.threshold)
         cfgs.append({"name": f"pacer B={B}{tag}", "mode": "pacer", "gamma": args.gamma_max, "block_size": B,
                      "threshold": th, "quant": quant})
-    cfgs += [{"name": f"tree {t}{tag}", "mode": "tree", "shape": t, "quant": quant} for t in args.trees]
+        for sk in getattr(args, "skip_below", []):
+            cfgs.append({"name": f"pacer B={B} skip<{sk:g}{tag}", "mode": "pacer", "gamma": args.gamma_max,
+                         "block_size": B, "threshold": th, "skip_below": sk, "quant": quant})
+    cfgs += [{"name": f"tree {t}{tag}", "mode": "tree", "shape": t, "quant": quant}
+             for t in getattr(args, "trees", [])]
     return cfgs
 
 
@@ -138,7 +144,7 @@ def run_ablation(args) -> dict:
     temps = [float(t) for t in args.temperatures.split(",")]
     rows = []
     for temp in temps:
-        if args.trees and temp != 0:
+        if getattr(args, "trees", None) and temp != 0:
             raise SystemExit("--trees are greedy only: pass --temperatures 0")
         for c in cfgs:  # warm-up
             if c["mode"] == "tree":
@@ -184,6 +190,7 @@ def _req(c, ids, n, temp, seed, eos):
 
     return GenerationRequest(prompt_ids=list(ids), max_new_tokens=n, mode=c["mode"], gamma=c.get("gamma", 4),
                              block_size=c.get("block_size", 2), pacer_threshold=c.get("threshold"),
+                             pacer_skip_below=c.get("skip_below"),
                              params=SamplingParams(temperature=temp, seed=seed), eos_token_ids=eos)
 
 
