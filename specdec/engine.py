@@ -15,8 +15,8 @@ import torch
 from specdec.errors import InvalidRequestError
 from specdec.sampling import SamplingParams
 from specdec.schedule import GenerationRequest, GenerationResult, generate
-from specdec.threads import set_thread_count
 from specdec.stop import FixedLength, PreverifierStop, StopRule, StopSpec
+from specdec.threads import set_thread_count
 from specdec.verify import SparseDist
 from specdec.workers import DraftBlock, DraftWorker, TargetFeatures, TargetWorker, VerifyOutcome
 

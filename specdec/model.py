@@ -383,22 +383,3 @@ def load_model(spec: str | Path, device: str = "cpu", dtype: str | torch.dtype =
     from specdec.hub import resolve_model
 
     return load_model_dir(resolve_model(str(spec)), device=device, dtype=dtype, role=role, quant=quant)
-
-
-def build_tiny_model(vocab_size: int = 32, hidden_size: int = 32, num_layers: int = 2, num_heads: int = 4,
-                     num_kv_heads: int = 2, seed: int = 0, max_position_embeddings: int = 256,
-                     logit_scale: float = 1.0, feature_size: int = 0) -> CausalLM:
-    """A random tiny model for tests. `logit_scale` sharpens (>1) or flattens (<1) its distributions;
-    `feature_size` > 0 makes it a feature draft reading a target of that width."""
-    cfg = ModelConfig(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
-                      num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
-                      max_position_embeddings=max_position_embeddings, feature_size=feature_size)
-    gen = torch.Generator().manual_seed(seed)
-    model = CausalLM(cfg)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight") or "layernorm" in name:
-                continue
-            p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
-        model.lm_head.weight.mul_(logit_scale)
-    return model.eval()

@@ -228,9 +228,9 @@ async def generate(req: GenerationRequest, draft: DraftBackend | None, target: T
 
 
 def _stop_spec(req: GenerationRequest) -> StopSpec:
-    if req.mode == "pacer":
-        return StopSpec("pacer", req.pacer_threshold, req.pacer_skip_below)
-    return StopSpec("pacer", req.pacer_threshold) if req.mode == "pacer_pearl" else StopSpec("fixed")
+    if req.mode not in ("pacer", "pacer_pearl"):
+        return StopSpec("fixed")
+    return StopSpec("pacer", req.pacer_threshold, req.pacer_skip_below if req.mode == "pacer" else None)
 
 
 def _pacer_block(req: GenerationRequest) -> int:

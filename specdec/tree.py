@@ -21,13 +21,12 @@ from __future__ import annotations
 
 import math
 import time
-import uuid
 from dataclasses import dataclass, field
 
 import torch
 
 from specdec.errors import InvalidRequestError
-from specdec.sampling import SamplingParams
+from specdec.schedule import GenerationRequest, _Run
 from specdec.worker_base import Worker, feature_size
 
 
@@ -180,14 +179,15 @@ class TreeStats:
 def generate_tree(draft_worker: Worker, target_worker: Worker, prompt_ids: list[int], max_new_tokens: int,
                   shape: tuple[int, ...], eos_token_ids: tuple[int, ...] = ()) -> tuple[list[int], TreeStats]:
     """Greedy tree speculative decoding of one request on two workers (sequential rounds). → (new tokens, stats)."""
-    sid = uuid.uuid4().hex
-    params = SamplingParams(temperature=0.0)
-    target_worker.start_session(sid, prompt_ids, params)
-    draft_worker.start_session(sid, prompt_ids, params)
-    seq, out, st = list(prompt_ids), [], TreeStats()
+    run = _Run(GenerationRequest(list(prompt_ids), max_new_tokens, eos_token_ids=tuple(eos_token_ids)).validate(),
+               None)  # the schedules' history and commit rule (max_new_tokens, EOS)
+    sid, st = run.req.session_id, TreeStats()
+    target_worker.start_session(sid, prompt_ids, run.req.params)
+    draft_worker.start_session(sid, prompt_ids, run.req.params)
     draft_len = len(prompt_ids) - 1  # tokens whose K/V the draft holds
     try:
-        while len(out) < max_new_tokens:
+        while run.finish is None:
+            seq = run.history
             t0 = time.perf_counter()
             tree = draft_tree(draft_worker, sid, draft_len, seq[draft_len:], shape)
             draft_len = len(seq)
@@ -198,17 +198,9 @@ def generate_tree(draft_worker: Worker, target_worker: Worker, prompt_ids: list[
             st.rounds += 1
             st.drafted += len(tree.tokens)
             st.accepted += len(accepted)
-            new = accepted + [bonus]
-            for t in new:
-                out.append(t)
-                if t in eos_token_ids or len(out) >= max_new_tokens:
-                    break
-            else:
-                seq += new
-                continue
-            break
+            run.commit(accepted + [bonus])
     finally:
         target_worker.end_session(sid)
         draft_worker.end_session(sid)
-    st.new_tokens = len(out)
-    return out, st
+    st.new_tokens = len(run.generated)
+    return run.generated, st

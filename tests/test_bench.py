@@ -73,7 +73,8 @@ def test_hf_draft_from_compact_vocabulary(tmp_path):
     from safetensors.torch import load_file, save_file
 
     from specdec.bench.runners import SubsetHead, load_hf_draft
-    from specdec.model import build_tiny_model, load_model_dir
+    from specdec.model import load_model_dir
+    from tests.helpers_models import build_tiny_model
 
     base = build_tiny_model(vocab_size=32, hidden_size=16, num_layers=1, seed=3)
     subset = torch.tensor([0, 2, 3, 5, 8, 13, 21, 30])

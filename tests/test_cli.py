@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from tests.helpers_models import TOKENIZER_CHARS, save_tiny_pair, target_greedy, tiny_pair
 from specdec import cli
+from tests.helpers_models import TOKENIZER_CHARS, save_tiny_pair, target_greedy, tiny_pair
 
 PROMPT = "hello world"
 

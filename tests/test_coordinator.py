@@ -19,10 +19,9 @@ import torch
 
 from coordinator.config import CoordinatorSettings
 from coordinator.server import build_coordinator
-from specdec.model import build_tiny_model
-from tests.helpers_models import start_replica, target_greedy, tiny_pair
 from specdec.pb import generation_pb2 as g, generation_pb2_grpc as gg
 from specdec.schedule import MODES
+from tests.helpers_models import build_tiny_model, start_replica, target_greedy, tiny_pair
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 N = 24
@@ -380,7 +379,7 @@ def chi_square_p(counts: torch.Tensor, probs: torch.Tensor, min_expected: float 
 async def test_sampling_is_lossless_chi_square():
     """≥ 3,000 seeded requests per (mode, method): 3-token continuations follow the exact target distribution."""
     V = 8
-    target = __import__("specdec.model", fromlist=["x"]).build_tiny_model(vocab_size=V, seed=3, logit_scale=1.5)
+    target = build_tiny_model(vocab_size=V, seed=3, logit_scale=1.5)
     draft = copy.deepcopy(target)
     with torch.no_grad():  # a close but wrong draft: many accepts, real rejections and residual samples
         draft.lm_head.weight.add_(torch.randn(draft.lm_head.weight.shape, generator=torch.Generator().manual_seed(9)))

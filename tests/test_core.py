@@ -5,10 +5,10 @@ import torch
 from specdec.engine import Engine
 from specdec.errors import (CapacityError, ContextOverflowError, InvalidRequestError, SessionNotFoundError,
                             StalePositionError)
-from specdec.model import build_tiny_model
 from specdec.sampling import SamplingParams, logits_to_probs
 from specdec.schedule import MODES, GenerationRequest
 from specdec.workers import DraftWorker, TargetWorker, VerifyArgs
+from tests.helpers_models import build_tiny_model
 
 PROMPT = [3, 1, 4, 1, 5]
 

@@ -154,7 +154,7 @@ def test_top1_term_is_the_argmax_cross_entropy():
 
 def test_served_cost_measures_specdec_models():
     from specdec.distill.bench import served_cost_ratio
-    from specdec.model import build_tiny_model
+    from tests.helpers_models import build_tiny_model
 
     big, small = build_tiny_model(vocab_size=64, hidden_size=64, num_layers=4), build_tiny_model(vocab_size=64)
     r = served_cost_ratio(small, big, rounds=3, context=16, steps=4)

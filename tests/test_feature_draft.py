@@ -13,11 +13,11 @@ import torch
 
 from specdec.engine import Engine
 from specdec.errors import InvalidRequestError
-from specdec.model import build_tiny_model
 from specdec.preverifier import build_random_preverifier
 from specdec.sampling import SamplingParams, logits_to_probs
 from specdec.schedule import GenerationRequest
 from specdec.workers import DraftWorker, TargetFeatures, TargetWorker
+from tests.helpers_models import build_tiny_model
 
 PROMPT = [3, 1, 4, 1, 5]
 

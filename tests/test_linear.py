@@ -3,7 +3,7 @@ import torch.nn.functional as F
 
 import specdec.linear
 from specdec.linear import Linear
-from specdec.model import build_tiny_model
+from tests.helpers_models import build_tiny_model
 
 
 def test_one_row_gemv_computes_the_linear():

@@ -10,13 +10,13 @@ import pytest
 import torch
 
 from specdec.engine import Engine, make_stop_rule
-from specdec.model import build_tiny_model
 from specdec.preverifier import (DEFAULT_PREVERIFIER_DIR, Preverifier, PreverifierMismatchError,
                                  build_random_preverifier, derive_threshold, draft_fingerprint, load_preverifier,
                                  save_preverifier)
 from specdec.sampling import SamplingParams, logits_to_probs
 from specdec.schedule import GenerationRequest
 from specdec.stop import DraftFeatures, PreverifierStop, StopSpec
+from tests.helpers_models import build_tiny_model
 
 torch.set_num_threads(1)
 

@@ -10,12 +10,13 @@ from torch import nn
 
 from draft_service.config import DraftSettings
 from specdec.engine import Engine
-from specdec.model import build_tiny_model, load_model_dir
+from specdec.model import load_model_dir
 from specdec.preverifier import build_random_preverifier
 from specdec.quant import (INT8_MAX_ROWS, Int8Linear, int8_supported, quantize_int8_, resolve_quant,
                            weight_quant)
 from specdec.sampling import SamplingParams
 from specdec.schedule import GenerationRequest
+from tests.helpers_models import build_tiny_model
 
 pytestmark = pytest.mark.skipif(not int8_supported("cpu", torch.bfloat16),
                                 reason="this torch build has no CPU int8 weight-only kernel")

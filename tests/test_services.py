@@ -29,7 +29,6 @@ from draft_service.client import DraftClient, sampling_pb  # noqa: E402
 from draft_service.config import DraftSettings  # noqa: E402
 from draft_service.server import build_app as build_draft  # noqa: E402
 from specdec.engine import Engine  # noqa: E402
-from specdec.model import build_tiny_model  # noqa: E402
 from specdec.pb import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc  # noqa: E402
 from specdec.sampling import SamplingParams  # noqa: E402
 from specdec.schedule import GenerationRequest, generate  # noqa: E402
@@ -38,6 +37,7 @@ from specdec.workers import TargetWorker  # noqa: E402
 from target_service.client import TargetClient  # noqa: E402
 from target_service.config import TargetSettings  # noqa: E402
 from target_service.server import build_app as build_target  # noqa: E402
+from tests.helpers_models import build_tiny_model  # noqa: E402
 
 VOCAB = 64
 Code = grpc.StatusCode

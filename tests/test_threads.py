@@ -1,6 +1,6 @@
 import torch
 
-from specdec.model import build_tiny_model
+from tests.helpers_models import build_tiny_model
 
 
 def test_engine_thread_counts_stick_per_engine():
