@@ -1,7 +1,7 @@
 """Forward cost of a model vs the number of rows it is fed, per dtype, KV-cached, side by side in one process.
 
     python scripts/forward_cost.py --model default-target --dtypes float32 bfloat16 --rows 1 2 4 8 16
-    python scripts/forward_cost.py --dtypes bfloat16 --kernels gemm gemv --rows 1    # specdec/linear.py's kernel
+    python scripts/forward_cost.py --dtypes bfloat16 --kernels gemm gemv packed --rows 1 2 4 8 300
 
 Why it matters: a verify forwards 1 + (drafted tokens) rows. If that cost grows with the rows, long drafts are
 expensive and the best draft length shrinks. Dtypes and row counts are interleaved per repeat (machine drift hits
@@ -27,8 +27,9 @@ def main(argv=None) -> None:
     ap.add_argument("--context", type=int, default=300, help="KV positions already cached")
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--kernels", nargs="+", default=["gemv"], choices=["gemm", "gemv"],
-                    help="one-row bf16 linears (specdec/linear.py): gemm = F.linear; gemv = torch.mv (the default)")
+    ap.add_argument("--kernels", nargs="+", default=["packed"], choices=["gemm", "gemv", "packed"],
+                    help="bf16 linears (specdec/linear.py): gemm = F.linear always; gemv = torch.mv for one row, "
+                         "F.linear for more; packed = gemv + prepacked oneDNN weights for more rows (the default)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     models = {dt: load_model(args.model, dtype=dt) for dt in args.dtypes}
@@ -38,7 +39,8 @@ def main(argv=None) -> None:
 
     def once(variant: tuple[str, str], n: int) -> float:
         dt, kernel = variant
-        specdec.linear.GEMV_ONE_ROW = kernel == "gemv"
+        specdec.linear.GEMV_ONE_ROW = kernel != "gemm"
+        specdec.linear.PACKED_MULTI_ROW = kernel == "packed"
         toks = torch.randint(0, 1000, (1, n))
         pos = torch.arange(args.context, args.context + n)[None]
         t = time.perf_counter()
@@ -55,10 +57,10 @@ def main(argv=None) -> None:
         for v in variants:
             for n in args.rows:
                 times[(v, n)].append(once(v, n))
-    specdec.linear.GEMV_ONE_ROW = True
+    specdec.linear.GEMV_ONE_ROW = specdec.linear.PACKED_MULTI_ROW = True
     print(f"model {args.model}, {args.threads} thread(s), context {args.context}, median (min) of {args.repeats} "
           f"(ms)\n")
-    print("| dtype | one-row kernel | " + " | ".join(f"{n} row{'s' if n > 1 else ''}" for n in args.rows)
+    print("| dtype | kernels | " + " | ".join(f"{n} row{'s' if n > 1 else ''}" for n in args.rows)
           + " | cost(8)/cost(1) |")
     print("|---|---|" + "---|" * (len(args.rows) + 1))
     for v in variants:

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdec.linear import Linear
+from specdec.linear import Linear, prepack_linears
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 
@@ -374,6 +374,7 @@ def load_model_dir(path: str | Path, device: str = "cpu", dtype: str | torch.dty
         # a pre-verifier names its draft by the stored weights; keep that name across the quantization
         model.weights_fingerprint = draft_fingerprint(model)
         quantize_int8_(model)
+    prepack_linears(model)  # bf16 on a CPU: multi-row calls (verifies, prefills) skip oneDNN's per-call reorder
     return model
 
 

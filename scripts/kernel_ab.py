@@ -1,9 +1,10 @@
-"""End-to-end effect of the one-row GEMV kernel (specdec/linear.py), in process, kernels interleaved per prompt.
+"""End-to-end effect of one bf16 kernel of specdec/linear.py, in process, kernel on/off interleaved per prompt.
 
-    python scripts/gemv_ab.py --humaneval 2 --chat 2 --max-new-tokens 96
+    python scripts/kernel_ab.py --kernel gemv --humaneval 2 --chat 2 --max-new-tokens 96    # GEMV_ONE_ROW
+    python scripts/kernel_ab.py --kernel packed --humaneval 3 --chat 3 --max-new-tokens 96  # PACKED_MULTI_ROW
 
-Every mode runs with `GEMV_ONE_ROW` on and off on the same prompts (one engine, 1 thread per model, greedy);
-prints median tokens/s per mode and kernel, and medians of the paired ratios.
+Every mode runs with the kernel's switch on and off on the same prompts (one engine, 1 thread per model, greedy);
+prints median tokens/s per mode and setting, and medians of the paired ratios.
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ MODES = [("ar", 4), ("sd", 3), ("pacer", 8), ("pearl", 8), ("pacer_pearl", 8)]
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--kernel", choices=["gemv", "packed"], default="packed")
     ap.add_argument("--humaneval", type=int, default=2)
     ap.add_argument("--chat", type=int, default=2)
     ap.add_argument("--max-new-tokens", type=int, default=96)
@@ -51,15 +53,17 @@ def main() -> None:
     for mode, gamma in MODES:  # warm-up
         tps(mode, gamma, prompts[0][:20], 8)
     res: dict[tuple[str, bool], list[float]] = {}
+    switch = {"gemv": "GEMV_ONE_ROW", "packed": "PACKED_MULTI_ROW"}[args.kernel]
     for i, ids in enumerate(prompts):
         for gemv in (True, False) if i % 2 == 0 else (False, True):
-            specdec.linear.GEMV_ONE_ROW = gemv
+            setattr(specdec.linear, switch, gemv)
             for mode, gamma in MODES:
                 res.setdefault((mode, gemv), []).append(tps(mode, gamma, ids, args.max_new_tokens))
         print(f"prompt {i + 1}/{len(prompts)} done", flush=True)
-    specdec.linear.GEMV_ONE_ROW = True
+    setattr(specdec.linear, switch, True)
     med = statistics.median
-    print("| mode | tok/s GEMV | tok/s GEMM | GEMV / GEMM | × ar (GEMV) | × ar (GEMM) |\n|---|---|---|---|---|---|")
+    print(f"| mode | tok/s {args.kernel} | tok/s off | on / off | × ar ({args.kernel}) | × ar (off) |\n"
+          "|---|---|---|---|---|---|")
     for mode, _ in MODES:
         a, b = res[(mode, True)], res[(mode, False)]
         ra = med([x / y for x, y in zip(a, res[("ar", True)])])
