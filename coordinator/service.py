@@ -114,6 +114,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             raise InvalidRequestError("pacer_threshold", f"must be in [0, 1], got {r.pacer_threshold}")
         if r.HasField("pacer_skip_below") and not 0.0 <= r.pacer_skip_below <= 1.0:
             raise InvalidRequestError("pacer_skip_below", f"must be in [0, 1], got {r.pacer_skip_below}")
+        if r.HasField("pearl_first_block") and not 0 <= r.pearl_first_block <= 64:
+            raise InvalidRequestError("pearl_first_block", f"must be in [0, gamma] (0: PEARL pre-verify), "
+                                                           f"got {r.pearl_first_block}")
         if r.HasField("gamma") and not 1 <= r.gamma <= 64:
             raise InvalidRequestError("gamma", f"must be in [1, 64], got {r.gamma}")
         if r.HasField("block_size") and r.block_size < 1:
@@ -146,6 +149,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                "block_size": r.block_size if r.HasField("block_size") else None,
                "pacer_threshold": r.pacer_threshold if r.HasField("pacer_threshold") else None,
                "pacer_skip_below": r.pacer_skip_below if r.HasField("pacer_skip_below") else None,
+               "pearl_first_block": r.pearl_first_block if r.HasField("pearl_first_block") else None,
                "eos_token_ids": list(self.eos)}
         return Prepared(req, TextAssembler(self.tok, ids, list(r.stop)))
 

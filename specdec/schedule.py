@@ -5,10 +5,15 @@ gRPC clients), so the two can be compared like for like. The schedule owns the r
 source of truth: what a backend holds is always re-derived from it (`base_position` + the tokens it lacks).
 
 PEARL (ALGORITHMS.md §3.2), adapted to services:
-- PRE round: the target forwards the pending token while the draft writes the block's first token; that token is
-  then checked against the target's stored row (a check-only verify, no forward) while the draft writes the rest
-  (pre-verify).
+- PRE round, pre-verify (`pearl_first_block` = 0): the target forwards the pending token while the draft writes
+  the block's first token; that token is then checked against the target's stored row (a check-only verify, no
+  forward) while the draft writes the rest.
   Rejected → the draft is cancelled, the recovered token is committed, stay PRE. Accepted → POST.
+- PRE round, draft first (`pearl_first_block` = k ≥ 1, the default): the draft writes up to k tokens (pacer_pearl:
+  PACER decides how many, at most the window) and they go straight to POST with the pending token. Pre-verify
+  spends a whole target forward on one token; that pays only where k draft tokens take about as long as a
+  target forward. On a CPU the draft costs ~0.05 of the target, so waiting for k tokens is far cheaper
+  (docs/benchmarks.md, "PEARL's first block").
 - POST round: the target verifies the rest of the current block while the draft already drafts the next block
   from its last token, assuming everything is accepted (post-verify). All accepted → the next block's first token
   is checked in the next round against the target's stored row (PEARL uses the "bonus" slot this way). A
@@ -39,6 +44,9 @@ DEFAULT_GAMMA = {"ar": 4, "sd": 4, "pacer": 8, "pearl": 8, "pacer_pearl": 8}
 # time per generated token). Measured on the default pair (bf16 target, 1 thread per server): 0.9 ms per row vs
 # ~85 ms per token through the stack, θ_post ≈ 0.01; an fp32 CPU target (~12 ms per row) would want ≈ 0.15.
 DEFAULT_POST_THRESHOLD = 0.01
+# pearl: draft tokens a PRE round waits for before its first verify (0: PEARL's one-token pre-verify). pacer_pearl
+# lets PACER choose that length instead (up to the window) unless the request sets it.
+DEFAULT_PEARL_FIRST_BLOCK = 3
 
 
 class DraftBackend(Protocol):
@@ -74,6 +82,7 @@ class GenerationRequest:
     pacer_threshold: float | None = None
     pacer_post_threshold: float | None = None  # pacer_pearl while a verify runs (None: DEFAULT_POST_THRESHOLD)
     pacer_skip_below: float | None = None  # pacer: first block below this → draft nothing, an `ar` step (None: never)
+    pearl_first_block: int | None = None  # PEARL modes: PRE round length, 0 = pre-verify (None: see the defaults)
     eos_token_ids: tuple[int, ...] = ()
     session_id: str = field(default_factory=lambda: uuid.uuid4().hex)
 
@@ -94,6 +103,9 @@ class GenerationRequest:
             raise InvalidRequestError("block_size", f"must be >= 1, got {self.block_size}")
         if self.pacer_skip_below is not None and not 0.0 <= self.pacer_skip_below <= 1.0:
             raise InvalidRequestError("pacer_skip_below", f"is a probability in [0, 1], got {self.pacer_skip_below}")
+        if self.pearl_first_block is not None and not 0 <= self.pearl_first_block <= self.gamma:
+            raise InvalidRequestError("pearl_first_block", f"must be in [0, gamma={self.gamma}] (0: PEARL pre-verify), "
+                                      f"got {self.pearl_first_block}")
         self.params.validate()
         return self
 
@@ -247,6 +259,15 @@ def _post_stop_spec(req: GenerationRequest) -> StopSpec:
     return StopSpec("pacer", th)
 
 
+def _first_block(req: GenerationRequest) -> tuple[int, StopSpec, int]:
+    """A PEARL PRE round: (most draft tokens to wait for, stop rule, block size); 0 tokens = PEARL pre-verify."""
+    if req.pearl_first_block is None and req.mode == "pacer_pearl":
+        return req.gamma, _stop_spec(req), _pacer_block(req)
+    k = DEFAULT_PEARL_FIRST_BLOCK if req.pearl_first_block is None else req.pearl_first_block
+    k = min(k, req.gamma)
+    return k, StopSpec("fixed"), max(k, 1)
+
+
 async def _cut(draft: DraftBackend, sid: str, task: asyncio.Future) -> DraftBlock:
     """Stop a speculative draft stream now (PEARL: the target never waits for the draft) and keep what it wrote."""
     if not task.done():
@@ -292,9 +313,26 @@ async def _run_pearl(run: _Run, draft: DraftBackend, target: TargetBackend) -> N
     # fixed rule: stream token by token (a cut keeps everything drafted so far)
     post_block = _pacer_block(req) if post_stop.kind == "pacer" else 1
     pending_block: DraftBlock | None = None  # POST: a block whose first token is already committed
+    first_max, first_stop, first_bs = _first_block(req)
     while run.finish is None:
         run.stats.rounds += 1
-        if pending_block is None:  # ---------------- PRE: pre-verify the first token while drafting the rest
+        if pending_block is None and first_max > 0:  # ---------------- PRE, draft first: wait for a short block
+            base_d, append = run.draft_args()
+            gamma = min(first_max, req.max_new_tokens - len(run.generated))
+            pending_block = await _collect(draft.draft_stream(sid, base_d, append, gamma, first_stop, first_bs,
+                                                              run.take_features()), run)
+            run.draft_fed = base_d + len(append) + len(pending_block.tokens) - 1
+            if not pending_block.tokens:  # nothing drafted (cancelled): an `ar` step
+                base_t, feed = run.target_args()
+                out = await target.verify(sid, base_t, feed, [], None, req.method)
+                run.on_verify(out, 0)
+                run.target_fed = base_t + len(feed)
+                run.draft_fed = base_d + len(append)
+                run.commit([out.next_token])
+                pending_block = None
+                continue
+            to_check, to_check_q = pending_block.tokens, pending_block.q
+        elif pending_block is None:  # ---------------- PRE: pre-verify the first token while drafting the rest
             # the target forwards the pending token(s) while the draft writes its first token, then checks that
             # token against the stored row (no second forward): the draft's first token is off the critical path
             base_d, append = run.draft_args()

@@ -120,6 +120,20 @@ async def test_feature_draft_gets_the_targets_features_over_the_wire(stack):
     await until(lambda: stack.sessions() == 0)
 
 
+async def test_pearl_first_block_both_ways_over_the_wire(stack):
+    """PEARL's PRE round as pre-verify (0) and draft first (2), and pacer_pearl's PACER-chosen first block, reach
+    the schedule through the front door and keep the target's greedy output; pre-verify takes more forwards."""
+    prompt = [4, 8, 15, 16]
+    ref = target_greedy(stack.target, prompt, N)
+    fwd = {}
+    for mode, first in (("pearl", 0), ("pearl", 2), ("pacer_pearl", None), ("pacer_pearl", 0)):
+        kw = {} if first is None else {"pearl_first_block": first}
+        r = await stack.stubs["random"].Generate(req(prompt, mode, gamma=4, **kw))
+        assert list(r.token_ids) == ref, (mode, first)
+        fwd[(mode, first)] = r.stats.target_forwards
+    assert fwd[("pearl", 0)] >= fwd[("pearl", 2)]
+
+
 async def test_stream_concatenation_equals_unary(stack):
     for mode, temp in (("pearl", 0.0), ("sd", 1.0), ("ar", 0.7), ("pearl", 1.0)):
         r = req([2, 4, 6], mode, seed=11, temperature=temp, verify_method="token")
@@ -231,6 +245,8 @@ async def test_pearl_draft_and_target_really_overlap():
     (dict(prompt="text but no tokenizer"), "prompt"),
     (dict(prompt_token_ids=[1, 999]), "prompt_ids"),  # checked by the replicas, passed through
     (dict(prompt_token_ids=[1], mode="pacer", pacer_skip_below=1.5), "pacer_skip_below"),
+    (dict(prompt_token_ids=[1], mode="pearl", pearl_first_block=-1), "pearl_first_block"),
+    (dict(prompt_token_ids=[1], mode="pearl", gamma=4, pearl_first_block=5), "pearl_first_block"),
 ])
 async def test_bad_requests_are_invalid_argument(stack, kw, field):
     with pytest.raises(grpc.aio.AioRpcError) as e:

@@ -31,16 +31,18 @@ def test_model_matches_transformers_llama():
     torch.testing.assert_close(torch.cat([a, b], 1), ref, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("mode", ["sd", "pearl"])
+@pytest.mark.parametrize("mode,first_block", [("sd", None), ("pearl", None), ("pearl", 0), ("pearl", 1)])
 @pytest.mark.parametrize("gamma", [1, 2, 4, 7])
 @pytest.mark.parametrize("draft_seed", [2, 3, 4])
-def test_greedy_equals_target_only(mode, gamma, draft_seed):
+def test_greedy_equals_target_only(mode, first_block, gamma, draft_seed):
+    """pearl's PRE round both ways: draft first (the default, and k = 1) and PEARL's pre-verify (0)."""
     target = build_tiny_model(vocab_size=32, seed=1, logit_scale=2.0)
     draft = build_tiny_model(vocab_size=32, seed=draft_seed, logit_scale=2.0)
     eng = Engine(target, draft)
     ref = eng.generate(GenerationRequest(PROMPT, 30, mode="ar")).token_ids
     for method in ("greedy", "token", "block"):  # at temperature 0 every method is exact matching
-        out = eng.generate(GenerationRequest(PROMPT, 30, mode=mode, gamma=gamma, verify_method=method))
+        out = eng.generate(GenerationRequest(PROMPT, 30, mode=mode, gamma=gamma, verify_method=method,
+                                             pearl_first_block=first_block))
         assert out.token_ids == ref, (mode, gamma, method)
     eng.close()
 

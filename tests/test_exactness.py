@@ -58,11 +58,11 @@ def chi_square_pvalue(counts: Counter, exact: dict, n: int) -> float:
     return float(chisquare(obs, exp).pvalue)
 
 
-def run_many(engine, mode, method, params_kw, runs, gamma=3):
+def run_many(engine, mode, method, params_kw, runs, gamma=3, **req_kw):
     counts = Counter()
     for seed in range(runs):
         req = GenerationRequest(PROMPT, 3, params=SamplingParams(seed=seed, **params_kw), mode=mode,
-                                verify_method=method, gamma=gamma)
+                                verify_method=method, gamma=gamma, **req_kw)
         counts[tuple(engine.generate(req).token_ids)] += 1
     return counts
 
@@ -85,16 +85,18 @@ def test_sd_matches_exact_target_distribution(pair, method):
 
 
 @pytest.mark.parametrize("mode,method", [("pearl", "block"), ("pearl", "token"), ("sd", "token"),
-                                         ("pacer", "block")])
+                                         ("pacer", "block"), ("pearl-pre-verify", "block")])
 def test_truncated_sampling_matches_exact(pair, mode, method):
-    """The same top-k/top-p transform on p and q: still exactly the target's (truncated) distribution."""
+    """The same top-k/top-p transform on p and q: still exactly the target's (truncated) distribution. pearl runs
+    its PRE rounds draft-first (the default) and with PEARL's one-token pre-verify."""
     target, draft = pair
     kw = dict(temperature=0.8, top_k=5, top_p=0.95)
     exact = exact_continuations(target, PROMPT, SamplingParams(**kw))
     pv = build_random_preverifier(hidden_size=4, seed=3, block_size=1) if mode == "pacer" else None
     eng = Engine(target, draft, preverifier=pv, inline=True)
     n = int(os.environ.get("SPECDEC_EXACT_RUNS_TRUNC", "3000"))
-    counts = run_many(eng, mode, method, kw, n)
+    extra = {"pearl_first_block": 0} if mode == "pearl-pre-verify" else {}
+    counts = run_many(eng, mode.split("-")[0], method, kw, n, **extra)
     eng.close()
     assert chi_square_pvalue(counts, exact, n) > 0.001
 
