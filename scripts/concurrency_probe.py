@@ -2,6 +2,7 @@
 with the replicas' busy time and the target's batch sizes (from its Prometheus metrics).
 
     python scripts/concurrency_probe.py --modes sd pacer_pearl --levels 1 2 4 8 --max-new-tokens 64
+    python scripts/concurrency_probe.py --modes pacer_pearl --pearl-first default 0 --levels 1 8 --repeats 2
 
 Greedy, HumanEval + chat prompts (different prompt per request), default pair, 1 torch thread per replica.
 """
@@ -53,19 +54,23 @@ async def main(args) -> None:
     rows = []
     try:
         await client.generate(prompts[0].ids, "sd", None, 0.0, 0, 8)  # warm up
-        for mode, gamma in [(m, g) for _ in range(args.repeats) for m in args.modes for g in args.gammas]:
+        sweep = [(m, g, f) for _ in range(args.repeats) for m in args.modes for g in args.gammas
+                 for f in args.pearl_first]
+        for mode, gamma, first in sweep:
+            fields = {} if first is None or "pearl" not in mode else {"pearl_first_block": first}
             for c in args.levels:
                 picks = [prompts[i % len(prompts)] for i in range(c)]
                 pids = {"coordinator+client": os.getpid(), **{p.args[2]: p.pid for p in stack.procs}}
                 cpu0 = {k: cpu_s(v) for k, v in pids.items()}
                 before = {k: scrape(p, "specdec_batch_size") for k, p in stack.metrics_ports.items()}
                 t0 = time.perf_counter()
-                samples = await asyncio.gather(*(client.generate(p.ids, mode, gamma, 0.0, 0, args.max_new_tokens)
-                                                 for p in picks))
+                samples = await asyncio.gather(*(client.generate(p.ids, mode, gamma, 0.0, 0, args.max_new_tokens,
+                                                                 **fields) for p in picks))
                 wall = time.perf_counter() - t0
                 toks = sum(s.tokens for s in samples)
                 st = [s.stats for s in samples]
-                row = {"mode": mode, "gamma": gamma, "c": c, "agg_tok_s": round(toks / wall, 2),
+                row = {"mode": mode, "gamma": gamma, "pearl_first_block": first, "c": c,
+                       "agg_tok_s": round(toks / wall, 2),
                        "wall_s": round(wall, 2),
                        "draft_busy_s": round(sum(x["draft_busy_s"] for x in st), 2),
                        "target_busy_s": round(sum(x["target_busy_s"] for x in st), 2),
@@ -96,6 +101,8 @@ if __name__ == "__main__":
     ap.add_argument("--n-prompts", type=int, default=4)
     ap.add_argument("--gammas", nargs="+", type=lambda v: None if v == "default" else int(v), default=[None],
                     help="request gamma (draft window); 'default' = the mode's default")
+    ap.add_argument("--pearl-first", nargs="+", type=lambda v: None if v == "default" else int(v), default=[None],
+                    help="PEARL modes: pearl_first_block values to sweep (0: pre-verify); 'default' = unset")
     ap.add_argument("--repeats", type=int, default=1, help="repeat the whole mode x gamma sweep (interleaved)")
     ap.add_argument("--no-ray", action="store_true")
     ap.add_argument("--json")

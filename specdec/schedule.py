@@ -9,10 +9,13 @@ PEARL (ALGORITHMS.md §3.2), adapted to services:
   the block's first token; that token is then checked against the target's stored row (a check-only verify, no
   forward) while the draft writes the rest.
   Rejected → the draft is cancelled, the recovered token is committed, stay PRE. Accepted → POST.
-- PRE round, draft first (`pearl_first_block` = k ≥ 1, the default): the draft writes up to k tokens (pacer_pearl:
-  PACER decides how many, at most the window) and they go straight to POST with the pending token. Pre-verify
-  spends a whole target forward on one token; that pays only where k draft tokens take about as long as a
-  target forward. On a CPU the draft costs ~0.05 of the target, so waiting for k tokens is far cheaper
+- PRE round, draft first (`pearl_first_block` = k ≥ 1): the draft writes up to k tokens (pacer_pearl: PACER
+  decides how many, at most the window) and they go straight to POST with the pending token.
+- Unset (the default) picks per round: draft first (k = 3; pacer_pearl: PACER) while the session's last verify
+  ran alone, pre-verify while it shared a batched forward. Alone, pre-verify spends a whole target forward on one
+  token, which pays only where a few draft tokens take about as long as a forward; on a CPU the draft costs
+  ~0.05 of the target. Batched, the forward runs for the other sessions anyway (a few more rows cost little) and
+  a block drafted on the critical path, behind the draft replica's other sessions, is what delays the session
   (docs/benchmarks.md, "PEARL's first block").
 - POST round: the target verifies the rest of the current block while the draft already drafts the next block
   from its last token, assuming everything is accepted (post-verify). All accepted → the next block's first token
@@ -44,8 +47,9 @@ DEFAULT_GAMMA = {"ar": 4, "sd": 4, "pacer": 8, "pearl": 8, "pacer_pearl": 8}
 # time per generated token). Measured on the default pair (bf16 target, 1 thread per server): 0.9 ms per row vs
 # ~85 ms per token through the stack, θ_post ≈ 0.01; an fp32 CPU target (~12 ms per row) would want ≈ 0.15.
 DEFAULT_POST_THRESHOLD = 0.01
-# pearl: draft tokens a PRE round waits for before its first verify (0: PEARL's one-token pre-verify). pacer_pearl
-# lets PACER choose that length instead (up to the window) unless the request sets it.
+# pearl: draft tokens a draft-first PRE round waits for before its first verify; pacer_pearl lets PACER choose
+# that length instead (up to the window). Used when the request leaves pearl_first_block unset and the session's
+# last verify ran alone (batched: PEARL's pre-verify).
 DEFAULT_PEARL_FIRST_BLOCK = 3
 
 
@@ -82,7 +86,7 @@ class GenerationRequest:
     pacer_threshold: float | None = None
     pacer_post_threshold: float | None = None  # pacer_pearl while a verify runs (None: DEFAULT_POST_THRESHOLD)
     pacer_skip_below: float | None = None  # pacer: first block below this → draft nothing, an `ar` step (None: never)
-    pearl_first_block: int | None = None  # PEARL modes: PRE round length, 0 = pre-verify (None: see the defaults)
+    pearl_first_block: int | None = None  # PEARL modes: PRE round length, 0 = pre-verify (None: chosen per round)
     eos_token_ids: tuple[int, ...] = ()
     session_id: str = field(default_factory=lambda: uuid.uuid4().hex)
 
@@ -151,6 +155,7 @@ class _Run:
         self.stats = GenerationStats(mode=req.mode)
         self.draft_fed = self.target_fed = self.n_prompt - 1
         self.features: list[TargetFeatures] = []  # target features the (feature) draft has not been sent yet
+        self.last_batch = 1  # sessions in the target forward of the last verify (PEARL's PRE round reads it)
 
     def take_features(self) -> list[TargetFeatures] | None:
         out, self.features = self.features, []
@@ -187,6 +192,8 @@ class _Run:
         self.stats.target_forwards += int(out.forwarded)
         self.stats.target_busy_s += (out.forward_ns + out.verify_ns) / 1e9
         self.stats.accepted_tokens += out.num_accepted
+        if out.forwarded:
+            self.last_batch = out.batch_size
         if out.features is not None and len(out.features):
             self.features.append(out.features)
 
@@ -316,7 +323,8 @@ async def _run_pearl(run: _Run, draft: DraftBackend, target: TargetBackend) -> N
     first_max, first_stop, first_bs = _first_block(req)
     while run.finish is None:
         run.stats.rounds += 1
-        if pending_block is None and first_max > 0:  # ---------------- PRE, draft first: wait for a short block
+        draft_first = first_max > 0 and (req.pearl_first_block is not None or run.last_batch <= 1)
+        if pending_block is None and draft_first:  # ---------------- PRE, draft first: wait for a short block
             base_d, append = run.draft_args()
             gamma = min(first_max, req.max_new_tokens - len(run.generated))
             pending_block = await _collect(draft.draft_stream(sid, base_d, append, gamma, first_stop, first_bs,

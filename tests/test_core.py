@@ -194,3 +194,27 @@ def test_gamma_defaults_per_mode():
     for mode, g in (("sd", 4), ("pacer", 8), ("pearl", 8), ("pacer_pearl", 8)):
         assert GenerationRequest([1, 2], 4, mode=mode).validate().gamma == g == DEFAULT_GAMMA[mode]
     assert GenerationRequest([1, 2], 4, mode="pearl", gamma=3).validate().gamma == 3
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_pearl_picks_its_pre_round_by_the_last_verifys_batch(tiny_pair, batched):
+    """pearl_first_block unset: draft first while verifies run alone, PEARL pre-verify (a one-row forward, then a
+    check-only verify) while they are batched; the output is the target's greedy output either way."""
+    target, draft = tiny_pair
+    eng = Engine(target, draft)
+    ref = eng.generate(GenerationRequest(PROMPT, 30, mode="ar")).token_ids
+    calls = []
+    verify = eng.target.verify
+
+    async def spy(*args, **kw):
+        out = await verify(*args, **kw)
+        calls.append(kw.get("feed_draft", True))
+        if batched:
+            out.batch_size = 2  # as a target replica reports when other sessions shared the forward
+        return out
+
+    eng.target.verify = spy
+    out = eng.generate(GenerationRequest(PROMPT, 30, mode="pearl", gamma=4))
+    assert out.token_ids == ref
+    assert (False in calls) == batched  # check-only verifies happen in pre-verify rounds only
+    eng.close()

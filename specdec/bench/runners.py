@@ -199,11 +199,12 @@ class StackClient:
         self.channel = grpc.aio.insecure_channel(address)
         self.stub = generation_pb2_grpc.GenerationServiceStub(self.channel)
 
-    async def generate(self, ids, mode, gamma, temperature, seed, max_new_tokens) -> Sample:
+    async def generate(self, ids, mode, gamma, temperature, seed, max_new_tokens, **fields) -> Sample:
+        """`fields`: any other GenerateRequest fields (e.g. pearl_first_block)."""
         from specdec.pb import generation_pb2
 
         r = generation_pb2.GenerateRequest(prompt_token_ids=list(ids), max_new_tokens=max_new_tokens,
-                                           temperature=temperature, top_k=0, seed=seed, mode=mode)
+                                           temperature=temperature, top_k=0, seed=seed, mode=mode, **fields)
         if gamma:
             r.gamma = gamma
         t0 = time.perf_counter()
