@@ -328,3 +328,25 @@ def test_pacer_skip_drafts_nothing_when_the_first_block_scores_low(temperature):
             eng.generate(GenerationRequest(prompt, max_new_tokens=4, mode="pacer", pacer_skip_below=1.5))
     finally:
         eng.close()
+
+
+def test_greedy_confidence_of_a_compact_head_draft_equals_the_full_row():
+    """The pre-verifier's log q(x) and entropy, taken on a compact-head draft's subset logits, are the numbers the
+    full (-inf outside the subset) row gives."""
+    from specdec.drafting import DraftWorker
+    from specdec.model import CausalLM, ModelConfig
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
+    subset = torch.tensor([0, 2, 3, 7, 8, 11, 19, 20, 25, 31])
+    model = CausalLM(cfg, vocab_subset=subset).eval()
+    worker = DraftWorker(model, max_sessions=1, max_context=32)
+    with torch.no_grad():
+        row = model.full_logits(torch.randn(16))
+    x = int(row.argmax())
+    assert x in subset.tolist()
+    lq = torch.log_softmax(row, -1)
+    logq, ent = worker._confidence(row, x)
+    assert logq == pytest.approx(float(lq[x]), abs=1e-6)
+    assert ent == pytest.approx(float(torch.special.entr(lq.exp()).sum()), abs=1e-5)
