@@ -299,6 +299,16 @@ def test_ablation_configs_per_draft_variant():
     assert names == ["ar", "sd γ=2 [none]", "sd γ=3 [none]", "pacer B=1 [none]", "sd γ=2 [int8]", "sd γ=3 [int8]",
                      "pacer B=1 [int8]"]
     assert {c["quant"] for c in cfgs[4:]} == {"int8"} and cfgs[3]["threshold"] == 0.3
+    # θ sweeps and PEARL first-block configs (ablate --thresholds / --pearl)
+    args = argparse.Namespace(gammas=[3], block_sizes=[1], gamma_max=12, draft_quants=["auto"], thresholds=[0.1, 0.2],
+                              pearl=["pearl:0", "pacer_pearl:pacer"])
+    cfgs = _configs(args, pv)
+    assert [c["name"] for c in cfgs] == ["ar", "sd γ=3", "pacer B=1 θ=0.1", "pacer B=1 θ=0.2", "pearl first=0",
+                                         "pacer_pearl first=pacer"]
+    assert [c.get("threshold") for c in cfgs[2:4]] == [0.1, 0.2]
+    assert (cfgs[4]["pearl_first_block"], cfgs[5]["pearl_first_block"]) == (0, None)
+    with pytest.raises(SystemExit, match="pacer_pearl"):
+        _configs(argparse.Namespace(**{**vars(args), "pearl": ["pearl:pacer"]}), pv)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])

@@ -81,6 +81,8 @@ def add_args(a) -> None:
     a.add_argument("--out", default="bench-results/pacer_ablation.json")
     a.add_argument("--draft-quants", nargs="+", default=["auto"], choices=["auto", "none", "int8"],
                    help="draft weight quantization(s); several run side by side, one engine each (same target)")
+    a.add_argument("--thresholds", type=float, nargs="*", default=[],
+                   help="pacer θ values to try at every block size (default: the pre-verifier's tuned θ per B)")
     a.add_argument("--skip-below", type=float, nargs="*", default=[],
                    help="also pacer configs that draft nothing (an ar step) when the first block scores below these")
     a.add_argument("--pearl", nargs="*", default=[], metavar="MODE:FIRST",
@@ -101,8 +103,10 @@ def _configs(args, pv, quant: str = "auto", with_ar: bool = True) -> list[dict]:
             thetas[r["block_size"]] = r["theta"]
     for B in args.block_sizes:
         th = pv.threshold if B == pv.block_size else thetas.get(B, pv.threshold)
-        cfgs.append({"name": f"pacer B={B}{tag}", "mode": "pacer", "gamma": args.gamma_max, "block_size": B,
-                     "threshold": th, "quant": quant})
+        for t in getattr(args, "thresholds", []) or [th]:
+            name = f"pacer B={B}{tag}" if not getattr(args, "thresholds", []) else f"pacer B={B} θ={t:g}{tag}"
+            cfgs.append({"name": name, "mode": "pacer", "gamma": args.gamma_max, "block_size": B,
+                         "threshold": t, "quant": quant})
         for sk in getattr(args, "skip_below", []):
             cfgs.append({"name": f"pacer B={B} skip<{sk:g}{tag}", "mode": "pacer", "gamma": args.gamma_max,
                          "block_size": B, "threshold": th, "skip_below": sk, "quant": quant})
