@@ -291,3 +291,33 @@ def test_dtype_auto_picks_bf16_where_it_is_fast():
     assert resolve_dtype("auto", "cpu", "draft") == (torch.bfloat16 if fast else torch.float32)
     assert auto_dtype("cuda:0", "draft") == torch.bfloat16
     assert resolve_dtype("float32", "cpu", "target") == torch.float32
+
+
+def test_a_server_whose_parent_is_gone_shuts_itself_down(tmp_path):
+    """--exit-with-parent: an embedded stack's replica leaves when its parent does (here: named a pid that is not
+    its parent, as after a re-parenting); with its real parent's pid it keeps serving."""
+    import os
+    import time
+
+    from tests.helpers_models import build_tiny_model, save_model
+
+    mdir = save_model(build_tiny_model(vocab_size=32), tmp_path / "m")
+
+    def launch(parent: int) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-m", "target_service", "--model", str(mdir), "--host", "127.0.0.1",
+                                 "--port", "0", "--metrics-port", "0", "--threads", "1", "--grace-s", "0",
+                                 "--log-level", "WARNING",
+                                 "--exit-with-parent", str(parent)], cwd=ROOT, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, text=True)
+
+    orphan, child = launch(1 if os.getpid() != 1 else 2), launch(os.getpid())
+    try:
+        assert orphan.wait(60) == 0, orphan.stderr.read()
+        assert "is gone: shutting down" in orphan.stderr.read()
+        time.sleep(1.5)  # past one watchdog period: still serving
+        assert child.poll() is None, child.stderr.read()
+    finally:
+        for p in (orphan, child):
+            if p.poll() is None:
+                p.kill()
+            p.wait(10)

@@ -3,6 +3,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+
+log = logging.getLogger("specdec.server")
+
+
+async def _exit_with_parent(app, parent_pid: int, every_s: float = 1.0) -> None:
+    """Shut `app` down once `parent_pid` is no longer our parent (it died: we were re-parented)."""
+    while os.getppid() == parent_pid:
+        await asyncio.sleep(every_s)
+    log.warning("parent process %d is gone: shutting down", parent_pid)
+    await app.shutdown()
 
 
 def run_service(build_app, settings) -> None:
@@ -13,6 +24,12 @@ def run_service(build_app, settings) -> None:
     async def _main():
         app = await build_app(settings)
         await app.start()
-        await app.run_until_signal()
+        watch = (asyncio.ensure_future(_exit_with_parent(app, settings.exit_with_parent))
+                 if settings.exit_with_parent else None)
+        try:
+            await app.run_until_signal()
+        finally:
+            if watch is not None:
+                watch.cancel()
 
     asyncio.run(_main())

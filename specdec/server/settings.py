@@ -50,6 +50,9 @@ class ServerSettings(BaseSettings):
     max_connection_age_ms: int = Field(0, ge=0, description="0 = unlimited; >0 makes clients re-resolve DNS")
     grace_s: float = Field(10.0, ge=0, description="drain time for in-flight RPCs on shutdown")
     drain_delay_s: float = Field(0.0, ge=0, description="wait after NOT_SERVING before stopping (LB catch-up)")
+    exit_with_parent: int = Field(0, ge=0, description="shut down gracefully once the process with this pid is no "
+                                  "longer this one's parent (0: never). Embedded stacks set it, so a parent killed "
+                                  "without cleanup leaves no orphan servers")
     tls: TLSSettings = TLSSettings()
     log_level: str = "INFO"
 
