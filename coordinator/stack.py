@@ -68,9 +68,10 @@ class LocalStack:
         if self._metrics:
             self.metrics_ports[kind] = free_port()
         cmd = [sys.executable, "-m", f"{kind}_service", "--model", model, "--host", "127.0.0.1",
-               "--port", str(port), "--metrics-port", str(self.metrics_ports.get(kind, 0)), "--threads", str(self.threads), "--log-level",
-               "WARNING", "--grace-s", "1", "--max-sessions", str(self.max_sessions), "--max-context",
-               str(self.max_context), "--exit-with-parent", str(os.getpid()), *extra]
+               "--port", str(port), "--metrics-port", str(self.metrics_ports.get(kind, 0)),
+               "--threads", str(self.threads), "--log-level", "WARNING", "--grace-s", "1",
+               "--max-sessions", str(self.max_sessions), "--max-context", str(self.max_context),
+               "--exit-with-parent", str(os.getpid()), *extra]  # a parent killed without cleanup: no orphans
         env = dict(os.environ, OMP_NUM_THREADS=str(self.threads), MKL_NUM_THREADS=str(self.threads))
         proc = subprocess.Popen(cmd, stdout=logf.open("w"), stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True)
