@@ -14,7 +14,7 @@ import grpc
 
 from specdec.errors import InvalidRequestError
 from specdec.pb import generation_pb2, generation_pb2_grpc
-from specdec.schedule import MODES
+from specdec.request import MODES
 
 FINISH = {"length": generation_pb2.FINISH_REASON_LENGTH, "stop": generation_pb2.FINISH_REASON_STOP,
           "cancelled": generation_pb2.FINISH_REASON_CANCELLED}

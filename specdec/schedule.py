@@ -26,22 +26,15 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
-from dataclasses import asdict, dataclass, field
 from typing import AsyncIterator, Callable, Protocol
 
 from specdec.errors import InvalidRequestError
+from specdec.request import GenerationRequest, GenerationResult, GenerationStats  # generate's types, re-exported
 from specdec.sampling import SamplingParams
 from specdec.stop import StopSpec
-from specdec.verify import METHODS, SparseDist
+from specdec.verify import SparseDist
 from specdec.workers import DraftBlock, TargetFeatures, VerifyOutcome
 
-MODES = ("ar", "sd", "pacer", "pearl", "pacer_pearl")
-# gamma when a request leaves it unset. sd: the draft length. pacer: the most it may draft (the pre-verifier
-# decides; a bf16 verify of 9 rows costs about what 1 row does on the default target). PEARL modes: the window,
-# an upper bound only, since drafting runs while the target verifies and is cut off when the verify returns;
-# 8 draft tokens take about as long as one target verify of the default pair (8.3 ms vs ~76-100 ms).
-DEFAULT_GAMMA = {"ar": 4, "sd": 4, "pacer": 8, "pearl": 8, "pacer_pearl": 8}
 # pacer_pearl, drafting in the shadow of a verify: a draft token costs no wall time there, only one more verify
 # row, so the pre-verifier stops it only when its score falls below θ_post = (extra verify cost of a row) / (wall
 # time per generated token). Measured on the default pair (bf16 target, 1 thread per server): 0.9 ms per row vs
@@ -72,75 +65,6 @@ class TargetBackend(Protocol):
                      q: list[SparseDist] | None, method: str, feed_draft: bool = True,
                      sample_bonus: bool = True) -> VerifyOutcome: ...
     async def end(self, session_id: str) -> None: ...
-
-
-@dataclass
-class GenerationRequest:
-    prompt_ids: list[int]
-    max_new_tokens: int = 128
-    params: SamplingParams = field(default_factory=SamplingParams)
-    mode: str = "sd"
-    gamma: int | None = None  # sd: draft length; pearl: draft window; pacer: gamma_max (None: DEFAULT_GAMMA)
-    block_size: int | None = None  # pacer: tokens per pre-verifier check (None: the pre-verifier's trained B)
-    verify_method: str = "block"  # ignored (greedy) at temperature 0
-    pacer_threshold: float | None = None
-    pacer_post_threshold: float | None = None  # pacer_pearl while a verify runs (None: DEFAULT_POST_THRESHOLD)
-    pacer_skip_below: float | None = None  # pacer: first block below this → draft nothing, an `ar` step (None: never)
-    pearl_first_block: int | None = None  # PEARL modes: PRE round length, 0 = pre-verify (None: chosen per round)
-    eos_token_ids: tuple[int, ...] = ()
-    session_id: str = field(default_factory=lambda: uuid.uuid4().hex)
-
-    def validate(self) -> "GenerationRequest":
-        if not self.prompt_ids:
-            raise InvalidRequestError("prompt", "the prompt is empty; send text, messages or token ids")
-        if self.max_new_tokens <= 0:
-            raise InvalidRequestError("max_new_tokens", f"must be > 0, got {self.max_new_tokens}")
-        if self.mode not in MODES:
-            raise InvalidRequestError("mode", f"unknown mode {self.mode!r}; use one of {', '.join(MODES)}")
-        if self.verify_method not in METHODS:
-            raise InvalidRequestError("verify_method", f"unknown {self.verify_method!r}; use one of {METHODS}")
-        if self.gamma is None:
-            self.gamma = DEFAULT_GAMMA[self.mode]
-        if not (1 <= self.gamma <= 64):
-            raise InvalidRequestError("gamma", f"must be in [1, 64], got {self.gamma}")
-        if self.block_size is not None and self.block_size < 1:
-            raise InvalidRequestError("block_size", f"must be >= 1, got {self.block_size}")
-        if self.pacer_skip_below is not None and not 0.0 <= self.pacer_skip_below <= 1.0:
-            raise InvalidRequestError("pacer_skip_below", f"is a probability in [0, 1], got {self.pacer_skip_below}")
-        if self.pearl_first_block is not None and not 0 <= self.pearl_first_block <= self.gamma:
-            raise InvalidRequestError("pearl_first_block", f"must be in [0, gamma={self.gamma}] (0: PEARL pre-verify), "
-                                      f"got {self.pearl_first_block}")
-        self.params.validate()
-        return self
-
-    @property
-    def method(self) -> str:
-        return "greedy" if self.params.greedy else self.verify_method
-
-
-@dataclass
-class GenerationStats:
-    mode: str = ""
-    rounds: int = 0
-    target_forwards: int = 0
-    draft_tokens: int = 0  # proposed
-    accepted_tokens: int = 0
-    wasted_draft_tokens: int = 0  # proposed but never verified (cancelled or discarded speculation)
-    mean_accepted_length: float = 0.0  # generated tokens per target forward (counts the bonus/recovered token)
-    draft_busy_s: float = 0.0
-    target_busy_s: float = 0.0
-    network_s: float = 0.0  # filled by remote backends: time in calls minus compute reported by servers
-    wall_s: float = 0.0
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-
-@dataclass
-class GenerationResult:
-    token_ids: list[int]
-    finish_reason: str  # length | stop | cancelled
-    stats: GenerationStats
 
 
 class _Run:
@@ -282,15 +206,19 @@ async def _cut(draft: DraftBackend, sid: str, task: asyncio.Future) -> DraftBloc
     return await task
 
 
+async def _target_step(run: _Run, target: TargetBackend) -> None:
+    """One target-only step: feed what the target lacks, commit the token it samples."""
+    base, feed = run.target_args()
+    out = await target.verify(run.req.session_id, base, feed, [], None, run.req.method)
+    run.on_verify(out, 0)
+    run.target_fed = base + len(feed)
+    run.commit([out.next_token])
+
+
 async def _run_ar(run: _Run, target: TargetBackend) -> None:
-    req = run.req
     while run.finish is None:
-        base, feed = run.target_args()
-        out = await target.verify(req.session_id, base, feed, [], None, req.method)
         run.stats.rounds += 1
-        run.on_verify(out, 0)
-        run.target_fed = base + len(feed)
-        run.commit([out.next_token])
+        await _target_step(run, target)
 
 
 async def _run_sd(run: _Run, draft: DraftBackend, target: TargetBackend) -> None:
@@ -331,13 +259,9 @@ async def _run_pearl(run: _Run, draft: DraftBackend, target: TargetBackend) -> N
                                                               run.take_features()), run)
             run.draft_fed = base_d + len(append) + len(pending_block.tokens) - 1
             if not pending_block.tokens:  # nothing drafted (cancelled): an `ar` step
-                base_t, feed = run.target_args()
-                out = await target.verify(sid, base_t, feed, [], None, req.method)
-                run.on_verify(out, 0)
-                run.target_fed = base_t + len(feed)
                 run.draft_fed = base_d + len(append)
-                run.commit([out.next_token])
                 pending_block = None
+                await _target_step(run, target)
                 continue
             to_check, to_check_q = pending_block.tokens, pending_block.q
         elif pending_block is None:  # ---------------- PRE: pre-verify the first token while drafting the rest

@@ -20,7 +20,7 @@ import torch
 from coordinator.config import CoordinatorSettings
 from coordinator.server import build_coordinator
 from specdec.pb import generation_pb2 as g, generation_pb2_grpc as gg
-from specdec.schedule import MODES
+from specdec.request import MODES
 from tests.helpers_models import build_tiny_model, start_replica, target_greedy, tiny_pair
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")

@@ -6,7 +6,7 @@ from specdec.engine import Engine
 from specdec.errors import (CapacityError, ContextOverflowError, InvalidRequestError, SessionNotFoundError,
                             StalePositionError)
 from specdec.sampling import SamplingParams, logits_to_probs
-from specdec.schedule import MODES, GenerationRequest
+from specdec.request import MODES, GenerationRequest
 from specdec.workers import DraftWorker, TargetWorker, VerifyArgs
 from tests.helpers_models import build_tiny_model
 
@@ -189,7 +189,7 @@ def test_bad_input_errors(tiny_pair):
 
 
 def test_gamma_defaults_per_mode():
-    from specdec.schedule import DEFAULT_GAMMA
+    from specdec.request import DEFAULT_GAMMA
 
     for mode, g in (("sd", 4), ("pacer", 8), ("pearl", 8), ("pacer_pearl", 8)):
         assert GenerationRequest([1, 2], 4, mode=mode).validate().gamma == g == DEFAULT_GAMMA[mode]
