@@ -227,7 +227,7 @@ class CausalLM(nn.Module):
         rows = cfg.vocab_size if vocab_subset is None else len(vocab_subset)
         self.model = Backbone(cfg, rows)
         self.lm_head = Linear(cfg.hidden_size, rows, bias=False)
-        if cfg.tie_word_embeddings and vocab_subset is None:
+        if cfg.tie_word_embeddings:  # a compact-vocabulary draft ties its subset rows the same way
             self.lm_head.weight = self.model.embed_tokens.weight
         to_compact = None
         if vocab_subset is not None:
@@ -359,7 +359,7 @@ def load_model_dir(path: str | Path, device: str = "cpu", dtype: str | torch.dty
     for f in files:
         state.update({k: v.float() for k, v in load_file(str(f)).items()})  # fp16-stored weights load as fp32
     model = CausalLM(cfg, vocab_subset=subset, oov_compact_id=int(raw.get("specdec_oov_compact_id", 0)))
-    if cfg.tie_word_embeddings and subset is None:
+    if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [m for m in missing if not (m == "lm_head.weight" and cfg.tie_word_embeddings)]

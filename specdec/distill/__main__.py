@@ -262,8 +262,10 @@ def main(argv=None):
     al.set_defaults(fn=cmd_all)
 
     from .feature_cli import add_parsers
+    from .online_cli import add_parser as add_online
 
     add_parsers(sub)
+    add_online(sub)
     args = ap.parse_args(argv)
     args.fn(args)
 

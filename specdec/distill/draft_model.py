@@ -38,23 +38,27 @@ def full_to_compact_map(subset: torch.Tensor, full_vocab: int, oov_compact: int)
 
 
 def build_from_target(target, subset: torch.Tensor, layers=(0, 29), intermediate: int | None = None,
-                      copy_layers: bool = True) -> LlamaForCausalLM:
+                      copy_layers: bool = True, tie: bool = False) -> LlamaForCausalLM:
     """A draft with the target's width, ``len(layers)`` decoder layers copied from the target (if
-    ``copy_layers``), embeddings and output head = the target's (tied) embedding rows of the subset."""
+    ``copy_layers``), embeddings and output head = the target's (tied) embedding rows of the subset; ``tie``
+    keeps the draft's head tied to its input embedding, as the target's is."""
     tc = target.config
     cfg = LlamaConfig(
         vocab_size=len(subset), hidden_size=tc.hidden_size, intermediate_size=intermediate or tc.intermediate_size,
         num_hidden_layers=len(layers), num_attention_heads=tc.num_attention_heads,
         num_key_value_heads=tc.num_key_value_heads, head_dim=getattr(tc, "head_dim", None),
         max_position_embeddings=tc.max_position_embeddings, rms_norm_eps=tc.rms_norm_eps,
-        rope_parameters=getattr(tc, "rope_parameters", None), tie_word_embeddings=False,
+        rope_parameters=getattr(tc, "rope_parameters", None), tie_word_embeddings=tie,
         bos_token_id=None, eos_token_id=None, pad_token_id=None,
     )
     draft = LlamaForCausalLM(cfg)
     with torch.no_grad():
         E = target.model.embed_tokens.weight[subset]
         draft.model.embed_tokens.weight.copy_(E)
-        draft.lm_head.weight.copy_(target.lm_head.weight[subset])
+        if tie:
+            draft.tie_weights()
+        else:
+            draft.lm_head.weight.copy_(target.lm_head.weight[subset])
         draft.model.norm.weight.copy_(target.model.norm.weight)
         if copy_layers and (intermediate is None or intermediate == tc.intermediate_size):
             for j, li in enumerate(layers):
@@ -67,6 +71,8 @@ def save_draft(draft: LlamaForCausalLM, subset: torch.Tensor, out_dir, full_voca
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     sd = {k: v.detach().to(dtype).contiguous() for k, v in draft.state_dict().items()}
+    if draft.config.tie_word_embeddings:  # a tied head is the input embedding: stored once
+        sd.pop("lm_head.weight", None)
     save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
     save_file({"vocab_subset": subset.to(torch.int64).contiguous()}, str(out / SUBSET_FILE))
     cfg = draft.config.to_dict()

@@ -12,6 +12,7 @@ def greedy_agreement(draft, rows, subset: torch.Tensor | None, to_compact: torch
     ``draft`` speaks compact ids when ``subset`` is given (the raw HF model); otherwise full ids.
     """
     rows = [r for r in rows if r["temperature"] == 0]
+    dev = next(draft.parameters()).device
     hit = n = 0
     rows = sorted(rows, key=lambda r: len(r["prompt_ids"]) + len(r["completion_ids"]))
     for b in range(0, len(rows), batch_size):
@@ -21,12 +22,12 @@ def greedy_agreement(draft, rows, subset: torch.Tensor | None, to_compact: torch
         x = torch.zeros(len(seqs), L, dtype=torch.long)
         for j, s in enumerate(seqs):
             x[j, :len(s)] = to_compact[s] if to_compact is not None else s
-        lg = draft(input_ids=x).logits
+        lg = draft(input_ids=x.to(dev)).logits.cpu()
         for j, r in enumerate(chunk):
             P, C = len(r["prompt_ids"]), len(r["completion_ids"])
             pred = lg[j, P - 1:P - 1 + C].argmax(-1)
             if subset is not None:
-                pred = subset[pred]
+                pred = subset.cpu()[pred]
             hit += int((pred == torch.tensor(r["completion_ids"])).sum())
             n += C
     return {"agreement": hit / max(n, 1), "positions": n, "rows": len(rows)}

