@@ -110,7 +110,8 @@ def generate(model_dir, out_path, seconds: float = 600, seed: int = 0, batch_siz
              style: str = "chat") -> int:
     """`exclude_prompt_ids`: chat-templated prompt ids to avoid (e.g. everything a draft trained on, so that a
     pre-verifier sees the draft on text it has not memorised); then no prompt repeats within the run either.
-    `style`: "chat" (templates x topics, chat-templated) or "code" (raw Python stubs, `code_prompts.py`)."""
+    `style`: "chat" (templates x topics, chat-templated), "self" (user turns sampled from the target itself,
+    `online.self_instruct`: an open-ended supply of new prompts) or "code" (raw Python stubs, `code_prompts.py`)."""
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -135,6 +136,12 @@ def generate(model_dir, out_path, seconds: float = 600, seed: int = 0, batch_siz
             batch_i += 1
             if style == "code":
                 prompts = code_prompts(rng, batch_size, banned)
+            elif style == "self":
+                from .online import self_instruct
+
+                prompts = [p for p in self_instruct(model, tok, batch_size) if tuple(tok(  # as stored below
+                    tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                            tokenize=False))["input_ids"]) not in (exclude_prompt_ids or ())]
             elif exclude_prompt_ids is None:
                 prompts = make_prompts(rng, batch_size)
             else:
