@@ -82,7 +82,11 @@ def cmd_online(args) -> None:
                       max_new_tokens=args.max_new_tokens, seed=args.seed + done,
                       mix=mix, temperatures=tuple(float(t) for t in args.temperatures.split(",")),
                       banned_prompts=banned_ids, banned_code=banned_names, log=log)
-    extra_train, held = split(load_samples(args.samples), args.heldout_frac) if args.samples else ([], [])
+    from .data import SHARED_SAMPLES
+
+    # extra training rows (their training split) and the held-out rows that measure agreement
+    paths = args.samples or ([str(SHARED_SAMPLES)] if SHARED_SAMPLES.exists() else [])
+    extra_train, held = split(load_samples(paths), args.heldout_frac) if paths else ([], [])
     rows = (load_samples([data]) if data.exists() else []) + extra_train
     rows = [r for r in rows if r["completion_ids"]]
     if not rows:
