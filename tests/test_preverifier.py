@@ -309,6 +309,15 @@ def test_ablation_configs_per_draft_variant():
     assert (cfgs[4]["pearl_first_block"], cfgs[5]["pearl_first_block"]) == (0, None)
     with pytest.raises(SystemExit, match="pacer_pearl"):
         _configs(argparse.Namespace(**{**vars(args), "pearl": ["pearl:pacer"]}), pv)
+    # the shadow-drafting θ of pacer_pearl (MODE:FIRST:POST) reaches the request
+    cfgs = _configs(argparse.Namespace(**{**vars(args), "pearl": ["pacer_pearl:3:0.2"]}), pv)
+    assert cfgs[-1]["name"] == "pacer_pearl first=3 post=0.2" and cfgs[-1]["post_threshold"] == 0.2
+    from specdec.pacer_train.bench import _req
+
+    assert _req(cfgs[-1], [1, 2], 4, 0.0, 0, (0,)).pacer_post_threshold == 0.2
+    for bad in ("pearl:3:0.2", "pacer_pearl:3:high"):
+        with pytest.raises(SystemExit, match="θ"):
+            _configs(argparse.Namespace(**{**vars(args), "pearl": [bad]}), pv)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])

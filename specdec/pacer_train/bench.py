@@ -85,10 +85,11 @@ def add_args(a) -> None:
                    help="pacer θ values to try at every block size (default: the pre-verifier's tuned θ per B)")
     a.add_argument("--skip-below", type=float, nargs="*", default=[],
                    help="also pacer configs that draft nothing (an ar step) when the first block scores below these")
-    a.add_argument("--pearl", nargs="*", default=[], metavar="MODE:FIRST",
+    a.add_argument("--pearl", nargs="*", default=[], metavar="MODE:FIRST[:POST]",
                    help="also PEARL configs, MODE pearl or pacer_pearl, FIRST the PRE round's draft-first length "
-                        "(0: PEARL's one-token pre-verify; 'pacer': PACER chooses), e.g. pearl:0 pearl:3 "
-                        "pacer_pearl:pacer; window --gamma-max")
+                        "(0: PEARL's one-token pre-verify; 'pacer': PACER chooses), POST (pacer_pearl) the θ that "
+                        "stops drafting in a verify's shadow, e.g. pearl:0 pearl:3 pacer_pearl:pacer "
+                        "pacer_pearl:3:0.1; window --gamma-max")
     a.add_argument("--trees", nargs="*", default=[], metavar="K0,K1,...",
                    help="also greedy token trees (specdec/tree.py) of these shapes, e.g. 2,1,1 4,2,1 (T=0 only)")
 
@@ -111,14 +112,22 @@ def _configs(args, pv, quant: str = "auto", with_ar: bool = True) -> list[dict]:
             cfgs.append({"name": f"pacer B={B} skip<{sk:g}{tag}", "mode": "pacer", "gamma": args.gamma_max,
                          "block_size": B, "threshold": th, "skip_below": sk, "quant": quant})
     for spec in getattr(args, "pearl", []):
-        mode, _, first = spec.partition(":")
+        mode, _, rest = spec.partition(":")
+        first, _, post = rest.partition(":")
         if mode not in ("pearl", "pacer_pearl") or not (first == "pacer" or first.isdigit()):
             raise SystemExit(f"--pearl {spec!r}: use pearl:K, pacer_pearl:K or pacer_pearl:pacer")
         if first == "pacer" and mode != "pacer_pearl":
             raise SystemExit(f"--pearl {spec!r}: only pacer_pearl lets PACER choose the first block")
-        cfgs.append({"name": f"{mode} first={first}{tag}", "mode": mode, "gamma": args.gamma_max,
-                     "block_size": pv.block_size, "threshold": pv.threshold, "quant": quant,
-                     "pearl_first_block": None if first == "pacer" else int(first)})
+        try:
+            post_theta = float(post) if post else None
+        except ValueError:
+            raise SystemExit(f"--pearl {spec!r}: POST must be a number (the shadow-drafting θ)") from None
+        if post_theta is not None and mode != "pacer_pearl":
+            raise SystemExit(f"--pearl {spec!r}: only pacer_pearl has a shadow-drafting θ")
+        cfgs.append({"name": f"{mode} first={first}" + (f" post={post}" if post else "") + tag, "mode": mode,
+                     "gamma": args.gamma_max, "block_size": pv.block_size, "threshold": pv.threshold,
+                     "quant": quant, "pearl_first_block": None if first == "pacer" else int(first),
+                     "post_threshold": post_theta})
     cfgs += [{"name": f"tree {t}{tag}", "mode": "tree", "shape": t, "quant": quant}
              for t in getattr(args, "trees", [])]
     return cfgs
@@ -208,6 +217,7 @@ def _req(c, ids, n, temp, seed, eos):
     return GenerationRequest(prompt_ids=list(ids), max_new_tokens=n, mode=c["mode"], gamma=c.get("gamma", 4),
                              block_size=c.get("block_size", 2), pacer_threshold=c.get("threshold"),
                              pacer_skip_below=c.get("skip_below"), pearl_first_block=c.get("pearl_first_block"),
+                             pacer_post_threshold=c.get("post_threshold"),
                              params=SamplingParams(temperature=temp, seed=seed), eos_token_ids=eos)
 
 
