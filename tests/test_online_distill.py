@@ -8,7 +8,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from specdec.distill.data import is_heldout
 from specdec.distill.draft_model import build_from_target, full_to_compact_map, load_draft, save_draft
-from specdec.distill.online import batch_tensors, distill, generate_rows, self_instruct, subset_kl
+from specdec.distill.online import (batch_tensors, distill, generate_rows, load_draft_weights, self_instruct,
+                                    subset_kl)
 from specdec.model import load_model_dir
 from tests.helpers_models import save_tiny_tokenizer
 
@@ -102,6 +103,15 @@ def test_tied_compact_draft_saves_once_and_loads_alike(tmp_path, target, subset)
         got, _ = ours(x, torch.arange(6)[None], torch.tensor([0]), kv)
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
     assert torch.isinf(got[..., 3]).all()  # outside the subset
+    # a warm start (online --init-draft) reads the same directory back into a fresh draft of the same shape
+    fresh = build_from_target(target, subset, (1, 2), tie=True).eval()
+    load_draft_weights(fresh, tmp_path / "d")
+    with torch.no_grad():
+        torch.testing.assert_close(fresh(input_ids=x.clamp(max=len(subset) - 1)).logits,
+                                   draft(input_ids=x.clamp(max=len(subset) - 1)).logits)
+    assert fresh.lm_head.weight.data_ptr() == fresh.model.embed_tokens.weight.data_ptr()
+    with pytest.raises(ValueError, match="does not fit"):
+        load_draft_weights(build_from_target(target, subset, (0,), tie=True), tmp_path / "d")
 
 
 def test_generated_rows_skip_heldout_and_banned_prompts(tmp_path, target, tok):

@@ -99,6 +99,19 @@ def generate_rows(model, tok, data_path: pathlib.Path, *, seconds: float, batch_
     return n_tok
 
 
+def load_draft_weights(draft, model_dir) -> None:
+    """Warm start: copy a saved draft directory's weights (`save_draft` format) into `draft`, which must have the
+    same shape (depth, width, subset size); a tied head is stored once and stays tied."""
+    from safetensors.torch import load_file
+
+    state = {k: v.float() for k, v in load_file(str(pathlib.Path(model_dir) / "model.safetensors")).items()}
+    missing, unexpected = draft.load_state_dict(state, strict=False)
+    missing = [m for m in missing if not (m == "lm_head.weight" and draft.config.tie_word_embeddings)]
+    if missing or unexpected:
+        raise ValueError(f"{model_dir} does not fit this draft (depth, width or tying differ): "
+                         f"missing={missing[:4]} unexpected={unexpected[:4]}")
+
+
 def batch_tensors(rows, to_compact, device):
     """Right-padded full ids [B, L] and the mask of positions whose next token is a completion token."""
     L = max(len(r["prompt_ids"]) + len(r["completion_ids"]) for r in rows)

@@ -32,6 +32,8 @@ def add_parser(sub) -> None:
     o.add_argument("--subset-from", default="default-draft",
                    help="a draft directory whose vocabulary subset the new draft keeps (default: the shipped draft)")
     o.add_argument("--final-norm-scale", type=float, default=0.1)
+    o.add_argument("--init-draft", default=None, help="warm start from this draft directory's weights (e.g. "
+                   "default-draft, to keep improving the shipped draft); its depth and tying are used")
     o.add_argument("--time-budget", type=float, default=None, help="stop training after this many seconds")
     o.add_argument("--eval-every", type=int, default=500)
     o.add_argument("--out", help="write the draft directory here when training ends")
@@ -56,7 +58,7 @@ def cmd_online(args) -> None:
     from .draft_model import SUBSET_FILE, build_from_target, full_to_compact_map, save_draft
     from .evaluate import greedy_agreement
     from .export import TOKENIZER_FILES
-    from .online import distill, generate_rows
+    from .online import distill, generate_rows, load_draft_weights
 
     torch.set_num_threads(args.threads)
     dev = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -102,9 +104,18 @@ def cmd_online(args) -> None:
     to_compact = full_to_compact_map(subset, target.config.vocab_size, oov)
     torch.manual_seed(args.seed)
     f32 = target.float().cpu() if dev.type == "cuda" else target
-    draft = build_from_target(f32, subset, tuple(int(x) for x in args.init_layers.split(",")), tie=not args.untied)
-    with torch.no_grad():
-        draft.model.norm.weight.mul_(args.final_norm_scale)
+    layers, tie = tuple(int(x) for x in args.init_layers.split(",")), not args.untied
+    init_dir = pathlib.Path(resolve_model(args.init_draft)) if args.init_draft else None
+    if init_dir is not None:  # the warm start's shape wins over --init-layers / --untied
+        icfg = json.loads((init_dir / "config.json").read_text())
+        layers, tie = tuple(range(icfg["num_hidden_layers"])), bool(icfg.get("tie_word_embeddings", False))
+    draft = build_from_target(f32, subset, layers, tie=tie)
+    if init_dir is not None:
+        load_draft_weights(draft, init_dir)
+        log(f"online: warm start from {init_dir}")
+    else:
+        with torch.no_grad():
+            draft.model.norm.weight.mul_(args.final_norm_scale)
     target = f32.to(device=dev, dtype=gen_dtype)
     draft = draft.to(dev)
     eval_fn = (lambda m: greedy_agreement(m, held, subset.to(dev), to_compact.to(dev))) if held else None
