@@ -154,8 +154,10 @@ def _sparse_q(draft: list[int], gen: torch.Generator) -> list[SparseDist]:
 
 @pytest.mark.parametrize("temperature,method", [(0.0, "greedy"), (1.0, "block"), (1.0, "token")])
 async def test_batched_verify_equals_separate(models, temperature, method):
-    # 4 calls land in one forward: the batcher waits for all 4 open sessions, up to the window (wide enough for a
-    # loaded CI machine, where the calls can arrive tens of ms apart; it costs nothing once all 4 are queued)
+    # Round 0's 4 calls land in one forward: the batcher waits for new sessions up to the window (wide enough for a
+    # loaded CI machine, where the calls can arrive tens of ms apart; it costs nothing once all 4 are queued).
+    # Later rounds check the KV state that batched forward left behind; whether they batch again depends on the
+    # phase-locking estimate of each session's return (test_batchers.py), i.e. on this machine's timing.
     s = await make_stack(models, target_kw=dict(batch_window_ms=1000.0))
     ref = TargetWorker(models[0], max_sessions=4)
     try:
@@ -177,11 +179,11 @@ async def test_batched_verify_equals_separate(models, temperature, method):
             got = await asyncio.gather(*[s.target.verify(*c) for c in calls])
             for i, (c, g) in enumerate(zip(calls, got)):
                 want = ref.verify(*c)
-                assert g.batch_size == 4, "the 4 calls should share one forward"
+                assert g.batch_size == 4 or rnd > 0, "round 0's 4 calls should share one forward"
                 assert (g.num_accepted, g.next_token) == (want.num_accepted, want.next_token), (rnd, i)
                 base, feed, draft = c[1], c[2], c[3]
                 pos[i] = (base + len(feed) + g.num_accepted, [g.next_token])
-        assert s.target_app.metrics.value("specdec_batch_size_count") == 3
+        assert 3 <= s.target_app.metrics.value("specdec_batch_size_count") <= 1 + 2 * 4
     finally:
         await s.close()
 
