@@ -82,6 +82,11 @@ def fresh_prompts(rng: random.Random, n: int, encode, exclude: set, tries: int =
     return out
 
 
+def chat_text(tok, user: str) -> str:
+    """One user turn through the chat template, with the generation prompt (text, not ids)."""
+    return tok.apply_chat_template([{"role": "user", "content": user}], add_generation_prompt=True, tokenize=False)
+
+
 @torch.no_grad()
 def complete(model, tok, texts: list[str], temperature: float, max_new_tokens: int) -> list[dict]:
     """Target continuations of `texts` (already chat-templated where wanted), batched with left padding; each row
@@ -124,6 +129,7 @@ def generate(model_dir, out_path, seconds: float = 600, seed: int = 0, batch_siz
     # the served dtype (`auto`: bf16 on CPUs with native bf16 GEMMs, where batched decoding is also much faster)
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=resolve_dtype(dtype, "cpu", "target")).eval()
     t0, n_tok, batch_i = time.time(), 0, 0
+    encode_chat = lambda p: tok(chat_text(tok, p))["input_ids"]  # noqa: E731 - the ids `complete` stores
     if style == "code":
         from .code_prompts import code_prompts, humaneval_entry_points
 
@@ -139,20 +145,15 @@ def generate(model_dir, out_path, seconds: float = 600, seed: int = 0, batch_siz
             elif style == "self":
                 from .online import self_instruct
 
-                prompts = [p for p in self_instruct(model, tok, batch_size) if tuple(tok(  # as stored below
-                    tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                            tokenize=False))["input_ids"]) not in (exclude_prompt_ids or ())]
+                prompts = [p for p in self_instruct(model, tok, batch_size)
+                           if tuple(encode_chat(p)) not in (exclude_prompt_ids or ())]
             elif exclude_prompt_ids is None:
                 prompts = make_prompts(rng, batch_size)
             else:
-                prompts = fresh_prompts(rng, batch_size, lambda p: tok(tok.apply_chat_template(  # as stored below
-                    [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False))["input_ids"],
-                    exclude_prompt_ids)
+                prompts = fresh_prompts(rng, batch_size, encode_chat, exclude_prompt_ids)
                 if not prompts:
                     break  # every template x topic combination is excluded or taken
-            texts = prompts if style == "code" else [
-                tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
-                for p in prompts]
+            texts = prompts if style == "code" else [chat_text(tok, p) for p in prompts]
             for row in complete(model, tok, texts, temp, max_new_tokens):
                 out.write(json.dumps(row) + "\n")
                 n_tok += len(row["completion_ids"])

@@ -20,19 +20,14 @@ The draft is written as a model directory (`draft_model.save_draft`) that the se
 from __future__ import annotations
 
 import json
-import math
 import pathlib
 import random
 import time
 
 import torch
-import torch.nn.functional as F
 
 from .data import is_heldout
-
-
-def chat_text(tok, user: str) -> str:
-    return tok.apply_chat_template([{"role": "user", "content": user}], add_generation_prompt=True, tokenize=False)
+from .generate import chat_text
 
 
 @torch.no_grad()
@@ -137,43 +132,28 @@ def subset_kl(draft_logits, target_logits, subset, mask):
     return kl, agree
 
 
-def lr_at(step: int, steps: int, lr: float, warmup: int) -> float:
-    return lr * min(1.0, (step + 1) / warmup) * (0.1 + 0.45 * (1 + math.cos(math.pi * min(step, steps) / steps)))
-
-
 def distill(target, draft, subset, to_compact, rows, run_dir: pathlib.Path, *, steps: int, batch_size: int,
             lr: float, warmup: int, seed: int, time_budget_s: float | None, eval_fn=None, eval_every: int = 0,
             ckpt_every: int = 200, log=print) -> dict:
     """Forward-KL distillation with the target recomputed every step; checkpoints to `run_dir/ckpt.pt`."""
+    from .train import draft_optimizer, resume, save_checkpoint, warmup_cosine
+
     dev = next(draft.parameters()).device
     amp = dict(device_type=dev.type, dtype=torch.bfloat16)
-    decay = [p for n, p in draft.named_parameters() if p.ndim >= 2 and "embed" not in n]
-    rest = [p for n, p in draft.named_parameters() if not (p.ndim >= 2 and "embed" not in n)]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": rest, "weight_decay": 0.0}],
-                            lr=lr, betas=(0.9, 0.98), **({"fused": True} if dev.type == "cuda" else {}))
+    opt = draft_optimizer(draft, lr)
     ck = run_dir / "ckpt.pt"
     step, history, wall0 = 0, [], 0.0
     rng = random.Random(seed)
-    if ck.exists():
-        st = torch.load(ck, map_location=dev, weights_only=False)
-        draft.load_state_dict(st["model"])
-        opt.load_state_dict(st["opt"])
-        step, history, wall0 = st["step"], st["history"], st["wall_s"]
-        rng.setstate(st["rng"])
+    state = resume(ck, draft, opt, rng)
+    if state is not None:
+        step, history, wall0 = state
         log(f"distill: resumed at step {step}")
-    subset_d = subset.to(dev)
+    subset_d, to_compact_d = subset.to(dev), to_compact.to(dev)  # once, not per step
     t0, ema = time.time(), None
     draft.train()
-
-    def save():
-        tmp = ck.with_name("ckpt.tmp")
-        torch.save({"model": draft.state_dict(), "opt": opt.state_dict(), "step": step, "history": history,
-                    "wall_s": wall0 + time.time() - t0, "rng": rng.getstate()}, tmp)
-        tmp.replace(ck)
-
     while step < steps:
         batch = [rows[rng.randrange(len(rows))] for _ in range(batch_size)]
-        ids, cids, mask = batch_tensors(batch, to_compact, dev)
+        ids, cids, mask = batch_tensors(batch, to_compact_d, dev)
         with torch.no_grad(), torch.autocast(**amp):
             tl = target(input_ids=ids).logits
         with torch.autocast(**amp):
@@ -181,7 +161,7 @@ def distill(target, draft, subset, to_compact, rows, run_dir: pathlib.Path, *, s
         loss, agree = subset_kl(dl, tl, subset_d, mask)
         del tl
         for g in opt.param_groups:
-            g["lr"] = lr_at(step, steps, lr, warmup)
+            g["lr"] = lr * warmup_cosine(step, warmup, steps)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
@@ -198,7 +178,7 @@ def distill(target, draft, subset, to_compact, rows, run_dir: pathlib.Path, *, s
             history.append({"step": step, "wall_s": round(wall, 1), "kl_ema": round(ema, 4), **m})
             log("distill: " + json.dumps(history[-1]))
         if step % ckpt_every == 0 or step == steps or (time_budget_s and wall > time_budget_s):
-            save()
+            save_checkpoint(ck, draft, opt, rng, step, history, wall)
         if time_budget_s and wall > time_budget_s:
             log(f"distill: time budget reached at step {step}")
             break
