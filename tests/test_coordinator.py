@@ -225,12 +225,20 @@ async def test_pearl_chains_post_rounds_and_reports_stats():
 
 async def test_pearl_draft_and_target_really_overlap():
     """A target forward ~ gamma draft steps (PEARL's optimal gamma, with slack so that the shadow draft fits
-    in the verify under load): wall well below the busy sum, and faster than draft-then-verify."""
-    res = await generate_over_slowed_pair(0.08, 0.015, {m: req([1, 2, 3], m, n=32, gamma=4) for m in ("sd", "pearl")})
-    assert list(res["sd"].token_ids) == list(res["pearl"].token_ids)
-    st = res["pearl"].stats
-    assert st.wall_s < 0.75 * (st.draft_busy_s + st.target_busy_s), st
-    assert st.wall_s < res["sd"].stats.wall_s, "overlap makes PEARL faster than draft-then-verify"
+    in the verify under load): wall well below the busy sum, and faster than draft-then-verify. The forwards are
+    slowed by sleeps long against the tiny models' compute, so that a loaded CI host shifts the ratio little;
+    a wall-clock bound on a shared 2-core host can still be hit by a burst of other load, so it gets 3 tries
+    (no overlap at all puts every try at or above the busy sum, so it still fails)."""
+    tries = []
+    for _ in range(3):
+        res = await generate_over_slowed_pair(0.12, 0.025, {m: req([1, 2, 3], m, n=32, gamma=4)
+                                                            for m in ("sd", "pearl")})
+        assert list(res["sd"].token_ids) == list(res["pearl"].token_ids)
+        st = res["pearl"].stats
+        tries.append((st.wall_s / (st.draft_busy_s + st.target_busy_s), st.wall_s / res["sd"].stats.wall_s))
+        if tries[-1][0] < 0.75 and tries[-1][1] < 1.0:
+            return
+    pytest.fail(f"PEARL did not overlap: (wall / busy sum, wall / sd's wall) per try = {tries}")
 
 
 # ---- errors ----------------------------------------------------------------------------------------------------
