@@ -32,6 +32,10 @@ class CoordinatorSettings(ServerSettings):
     pipelines: int = Field(0, ge=0, description="pipeline actors, requests round-robin (0: one per Ray CPU, "
                                                 "min 2, re-checked as Ray workers join)")
     max_new_tokens_cap: int = Field(4096, ge=1, description="largest max_new_tokens a request may ask for")
+    spec_off_batch: int = Field(0, ge=0, le=1024,
+                                description="requests that leave spec_off_batch unset get this: rounds are plain "
+                                            "target steps while the target batches at least this many sessions "
+                                            "(0: always speculate)")
     rpc_timeout_s: float = Field(60.0, gt=0, description="timeout of one replica call")
     pool_view_refresh_s: float = Field(0.5, gt=0, description="how often pipelines refresh pool membership")
     grace_s: float = Field(30.0, ge=0, description="drain time for in-flight requests on shutdown")

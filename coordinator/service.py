@@ -85,9 +85,11 @@ class Prepared:
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
-    def __init__(self, router, tokenizer=None, eos_token_ids=(), max_new_tokens_cap: int = 4096, metrics=None):
+    def __init__(self, router, tokenizer=None, eos_token_ids=(), max_new_tokens_cap: int = 4096, metrics=None,
+                 spec_off_batch: int = 0):
         self.router, self.tok, self.eos = router, tokenizer, tuple(sorted(eos_token_ids))
         self.cap, self.metrics = max_new_tokens_cap, metrics
+        self.spec_off_batch = spec_off_batch  # default for requests that leave it unset
 
     # -- request → token ids --------------------------------------------------------------------------------
     def prepare(self, r: generation_pb2.GenerateRequest) -> Prepared:
@@ -117,6 +119,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         if r.HasField("pearl_first_block") and not 0 <= r.pearl_first_block <= 64:
             raise InvalidRequestError("pearl_first_block", f"must be in [0, gamma] (0: PEARL pre-verify), "
                                                            f"got {r.pearl_first_block}")
+        if r.HasField("spec_off_batch") and not 0 <= r.spec_off_batch <= 1024:
+            raise InvalidRequestError("spec_off_batch", f"must be in [0, 1024] (0: always speculate), "
+                                                        f"got {r.spec_off_batch}")
         if r.HasField("gamma") and not 1 <= r.gamma <= 64:
             raise InvalidRequestError("gamma", f"must be in [1, 64], got {r.gamma}")
         if r.HasField("block_size") and r.block_size < 1:
@@ -150,6 +155,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                "pacer_threshold": r.pacer_threshold if r.HasField("pacer_threshold") else None,
                "pacer_skip_below": r.pacer_skip_below if r.HasField("pacer_skip_below") else None,
                "pearl_first_block": r.pearl_first_block if r.HasField("pearl_first_block") else None,
+               "spec_off_batch": r.spec_off_batch if r.HasField("spec_off_batch") else self.spec_off_batch,
                "eos_token_ids": list(self.eos)}
         return Prepared(req, TextAssembler(self.tok, ids, list(r.stop)))
 

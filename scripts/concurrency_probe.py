@@ -54,10 +54,12 @@ async def main(args) -> None:
     rows = []
     try:
         await client.generate(prompts[0].ids, "sd", None, 0.0, 0, 8)  # warm up
-        sweep = [(m, g, f) for _ in range(args.repeats) for m in args.modes for g in args.gammas
-                 for f in args.pearl_first]
-        for mode, gamma, first in sweep:
+        sweep = [(m, g, f, o) for _ in range(args.repeats) for m in args.modes for g in args.gammas
+                 for f in args.pearl_first for o in args.spec_off_batch]
+        for mode, gamma, first, off in sweep:
             fields = {} if first is None or "pearl" not in mode else {"pearl_first_block": first}
+            if off is not None:
+                fields["spec_off_batch"] = off
             for c in args.levels:
                 picks = [prompts[i % len(prompts)] for i in range(c)]
                 pids = {"coordinator+client": os.getpid(), **{p.args[2]: p.pid for p in stack.procs}}
@@ -69,13 +71,14 @@ async def main(args) -> None:
                 wall = time.perf_counter() - t0
                 toks = sum(s.tokens for s in samples)
                 st = [s.stats for s in samples]
-                row = {"mode": mode, "gamma": gamma, "pearl_first_block": first, "c": c,
+                row = {"mode": mode, "gamma": gamma, "pearl_first_block": first, "spec_off_batch": off, "c": c,
                        "agg_tok_s": round(toks / wall, 2),
                        "wall_s": round(wall, 2),
                        "draft_busy_s": round(sum(x["draft_busy_s"] for x in st), 2),
                        "target_busy_s": round(sum(x["target_busy_s"] for x in st), 2),
                        "target_forwards": sum(x["target_forwards"] for x in st),
-                       "accepted_len": round(statistics.mean(x["mean_accepted_length"] for x in st), 2)}
+                       "accepted_len": round(statistics.mean(x["mean_accepted_length"] for x in st), 2),
+                       "target_only_rounds": sum(x["target_only_rounds"] for x in st)}
                 row["cpu_s"] = {k: round(cpu_s(v) - cpu0[k], 1) for k, v in pids.items()}
                 for k, p in stack.metrics_ports.items():  # mean sessions per batched forward during this run
                     after = scrape(p, "specdec_batch_size")
@@ -103,6 +106,8 @@ if __name__ == "__main__":
                     help="request gamma (draft window); 'default' = the mode's default")
     ap.add_argument("--pearl-first", nargs="+", type=lambda v: None if v == "default" else int(v), default=[None],
                     help="PEARL modes: pearl_first_block values to sweep (0: pre-verify); 'default' = unset")
+    ap.add_argument("--spec-off-batch", nargs="+", type=lambda v: None if v == "default" else int(v),
+                    default=[None], help="load-adaptive speculation thresholds to sweep (0: always speculate)")
     ap.add_argument("--repeats", type=int, default=1, help="repeat the whole mode x gamma sweep (interleaved)")
     ap.add_argument("--no-ray", action="store_true")
     ap.add_argument("--json")

@@ -33,6 +33,10 @@ class GenerationRequest:
     pacer_post_threshold: float | None = None  # pacer_pearl while a verify runs (None: DEFAULT_POST_THRESHOLD)
     pacer_skip_below: float | None = None  # pacer: first block below this → draft nothing, an `ar` step (None: never)
     pearl_first_block: int | None = None  # PEARL modes: PRE round length, 0 = pre-verify (None: chosen per round)
+    # load-adaptive speculation (vLLM's speculative_disable_by_batch_size): a round is a plain target step while
+    # the target's last forward batched at least this many sessions; speculation resumes when it batches fewer.
+    # Lossless either way (an `ar` step samples from the target). None/0: always speculate
+    spec_off_batch: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     session_id: str = field(default_factory=lambda: uuid.uuid4().hex)
 
@@ -56,6 +60,9 @@ class GenerationRequest:
         if self.pearl_first_block is not None and not 0 <= self.pearl_first_block <= self.gamma:
             raise InvalidRequestError("pearl_first_block", f"must be in [0, gamma={self.gamma}] (0: PEARL pre-verify), "
                                       f"got {self.pearl_first_block}")
+        if self.spec_off_batch is not None and not 0 <= self.spec_off_batch <= 1024:
+            raise InvalidRequestError("spec_off_batch", f"must be in [0, 1024] (0: always speculate), "
+                                      f"got {self.spec_off_batch}")
         self.params.validate()
         return self
 
@@ -72,6 +79,7 @@ class GenerationStats:
     draft_tokens: int = 0  # proposed
     accepted_tokens: int = 0
     wasted_draft_tokens: int = 0  # proposed but never verified (cancelled or discarded speculation)
+    target_only_rounds: int = 0  # rounds run as plain target steps because the target was busy (spec_off_batch)
     mean_accepted_length: float = 0.0  # generated tokens per target forward (counts the bonus/recovered token)
     draft_busy_s: float = 0.0
     target_busy_s: float = 0.0

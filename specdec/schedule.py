@@ -223,11 +223,27 @@ async def _run_ar(run: _Run, target: TargetBackend) -> None:
         await _target_step(run, target)
 
 
+def _target_busy(run: _Run) -> bool:
+    """Load-adaptive speculation: the target's last forward batched at least `spec_off_batch` sessions. Then a
+    verify's extra rows and the draft's CPU cost the other sessions more than the accepted tokens give back, so
+    the round is a plain target step (its one row joins the batch); the draft catches up at the next draft call."""
+    return bool(run.req.spec_off_batch) and run.last_batch >= run.req.spec_off_batch
+
+
+async def _target_only_round(run: _Run, target: TargetBackend) -> None:
+    run.stats.rounds += 1
+    run.stats.target_only_rounds += 1
+    await _target_step(run, target)
+
+
 async def _run_sd(run: _Run, draft: DraftBackend, target: TargetBackend) -> None:
     req = run.req
     stop = _stop_spec(req)
     block = _pacer_block(req) if stop.kind == "pacer" else req.gamma
     while run.finish is None:
+        if _target_busy(run):
+            await _target_only_round(run, target)
+            continue
         base_d, append = run.draft_args()
         gamma = min(req.gamma, req.max_new_tokens - len(run.generated))
         blk = await _collect(draft.draft_stream(req.session_id, base_d, append, gamma, stop, block,
@@ -252,6 +268,9 @@ async def _run_pearl(run: _Run, draft: DraftBackend, target: TargetBackend) -> N
     pending_block: DraftBlock | None = None  # POST: a block whose first token is already committed
     first_max, first_stop, first_bs = _first_block(req)
     while run.finish is None:
+        if pending_block is None and _target_busy(run):
+            await _target_only_round(run, target)
+            continue
         run.stats.rounds += 1
         draft_first = first_max > 0 and (req.pearl_first_block is not None or run.last_batch <= 1)
         if pending_block is None and draft_first:  # ---------------- PRE, draft first: wait for a short block

@@ -255,6 +255,7 @@ async def test_pearl_draft_and_target_really_overlap():
     (dict(prompt_token_ids=[1], mode="pacer", pacer_skip_below=1.5), "pacer_skip_below"),
     (dict(prompt_token_ids=[1], mode="pearl", pearl_first_block=-1), "pearl_first_block"),
     (dict(prompt_token_ids=[1], mode="pearl", gamma=4, pearl_first_block=5), "pearl_first_block"),
+    (dict(prompt_token_ids=[1], spec_off_batch=-1), "spec_off_batch"),
 ])
 async def test_bad_requests_are_invalid_argument(stack, kw, field):
     with pytest.raises(grpc.aio.AioRpcError) as e:
@@ -275,6 +276,19 @@ async def test_pacer_skip_over_the_wire(stack):
     plain = await stack.stubs["random"].Generate(req(prompt, "pacer", gamma=4, block_size=1))
     assert list(some.token_ids) == list(plain.token_ids) == ref
     assert plain.stats.draft_tokens > some.stats.draft_tokens
+    await until(lambda: stack.sessions() == 0)
+
+
+async def test_spec_off_batch_over_the_wire(stack):
+    """spec_off_batch reaches the schedule: at 1 (a session alone batches 1) every round is a target step and
+    nothing is drafted; unset (the coordinator's default, 0 here) speculates; both give the target's greedy output."""
+    prompt = [4, 8, 15, 16, 23]
+    ref = target_greedy(stack.target, prompt, N)
+    off = await stack.stubs["random"].Generate(req(prompt, "pacer_pearl", spec_off_batch=1))
+    on = await stack.stubs["random"].Generate(req(prompt, "pacer_pearl"))
+    assert list(off.token_ids) == list(on.token_ids) == ref
+    assert off.stats.draft_tokens == 0 and off.stats.target_only_rounds == off.stats.target_forwards == N
+    assert on.stats.target_only_rounds == 0 and on.stats.draft_tokens > 0
     await until(lambda: stack.sessions() == 0)
 
 

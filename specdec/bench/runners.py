@@ -20,7 +20,8 @@ from specdec.model import auto_dtype
 from specdec.threads import set_thread_count
 
 STACK_STAT_FIELDS = ("rounds", "target_forwards", "draft_tokens", "accepted_tokens", "mean_accepted_length",
-                     "draft_busy_s", "target_busy_s", "network_s", "wall_s", "wasted_draft_tokens")
+                     "draft_busy_s", "target_busy_s", "network_s", "wall_s", "wasted_draft_tokens",
+                     "target_only_rounds")
 
 
 @dataclass(frozen=True)
