@@ -281,7 +281,8 @@ async def test_pacer_skip_over_the_wire(stack):
 
 async def test_spec_off_batch_over_the_wire(stack):
     """spec_off_batch reaches the schedule: at 1 (a session alone batches 1) every round is a target step and
-    nothing is drafted; unset (the coordinator's default, 0 here) speculates; both give the target's greedy output."""
+    nothing is drafted; unset (the coordinator's default, 2) a session alone speculates; both give the target's
+    greedy output."""
     prompt = [4, 8, 15, 16, 23]
     ref = target_greedy(stack.target, prompt, N)
     off = await stack.stubs["random"].Generate(req(prompt, "pacer_pearl", spec_off_batch=1))
@@ -423,8 +424,10 @@ async def test_sampling_is_lossless_chi_square():
         draft.lm_head.weight.add_(torch.randn(draft.lm_head.weight.shape, generator=torch.Generator().manual_seed(9)))
     t = await start_replica("target", target, max_sessions=64, batch_window_ms=0.5)
     d = await start_replica("draft", draft, max_sessions=64)
+    # spec_off_batch=0: 24 concurrent requests must still speculate (load-adaptive switching has its own test)
     s = CoordinatorSettings(host="127.0.0.1", port=0, metrics_port=0, ray=False, tokenizer="", grace_s=0,
-                            draft_endpoints=d.endpoint, target_endpoints=t.endpoint, log_level="WARNING")
+                            draft_endpoints=d.endpoint, target_endpoints=t.endpoint, log_level="WARNING",
+                            spec_off_batch=0)
     app, _ = await build_coordinator(s)
     await app.start()
     stub = gg.GenerationServiceStub(ch := grpc.aio.insecure_channel(f"127.0.0.1:{app.port}"))
