@@ -128,7 +128,8 @@ async def test_scale_out_and_in_while_requests_run():
     dns = FakeDns(target_headless=["127.0.0.2"], draft_headless=["127.0.0.2"])
     s = CoordinatorSettings(host="127.0.0.1", port=0, metrics_port=0, ray=False, tokenizer="",
                             target_dns=f"target-headless:{port}", draft_dns=f"draft-headless:{d1.port}",
-                            dns_refresh_s=0.2, pool_view_refresh_s=0.05, log_level="WARNING")
+                            dns_refresh_s=0.2, pool_view_refresh_s=0.05, log_level="WARNING",
+                            spec_off_batch=0)  # the 6 sessions speculate (and run long enough to move replicas)
     app, router = await build_coordinator(s, resolve=dns)
     await app.start()
     ch = grpc.aio.insecure_channel(f"127.0.0.1:{app.port}")
