@@ -14,5 +14,7 @@ class CoordinatorMetrics:
         self.tokens = Counter("specdec_generation_tokens", "Generated tokens", registry=r)
         self.ttft = Histogram("specdec_time_to_first_token_seconds", "Time to the first verified token",
                               buckets=_SECONDS, registry=r)
+        # rounds by kind: `speculative` (draft + verify) or `target_only` (load-adaptive speculation switched off)
+        self.rounds = Counter("specdec_rounds", "Decoding rounds of finished requests", ["kind"], registry=r)
         self.e2e = Histogram("specdec_e2e_request_latency_seconds", "Request latency", buckets=_SECONDS,
                              registry=r)

@@ -194,6 +194,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                             m.requests.labels(finish).inc()
                             m.tokens.inc(len(asm.token_ids))
                             m.e2e.observe(time.perf_counter() - t0)
+                            off = int(stats.get("target_only_rounds", 0))
+                            m.rounds.labels("target_only").inc(off)
+                            if ev["stats"].get("mode") != "ar":
+                                m.rounds.labels("speculative").inc(max(0, int(stats.get("rounds", 0)) - off))
                         yield generation_pb2.GenerateStreamResponse(
                             text_delta=tail, finish_reason=FINISH[finish], stats=stats_pb(stats))
                         return

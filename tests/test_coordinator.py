@@ -285,11 +285,15 @@ async def test_spec_off_batch_over_the_wire(stack):
     greedy output."""
     prompt = [4, 8, 15, 16, 23]
     ref = target_greedy(stack.target, prompt, N)
+    m = stack.apps[0].metrics  # the "random" coordinator's registry
+    before = m.value("specdec_rounds_total", {"kind": "target_only"}) or 0.0
     off = await stack.stubs["random"].Generate(req(prompt, "pacer_pearl", spec_off_batch=1))
     on = await stack.stubs["random"].Generate(req(prompt, "pacer_pearl"))
     assert list(off.token_ids) == list(on.token_ids) == ref
     assert off.stats.draft_tokens == 0 and off.stats.target_only_rounds == off.stats.target_forwards == N
     assert on.stats.target_only_rounds == 0 and on.stats.draft_tokens > 0
+    assert m.value("specdec_rounds_total", {"kind": "target_only"}) - before == N  # operators see the switch
+    assert m.value("specdec_rounds_total", {"kind": "speculative"}) >= on.stats.rounds
     await until(lambda: stack.sessions() == 0)
 
 
