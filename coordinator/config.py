@@ -10,6 +10,7 @@ from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
 from specdec.defaults import COORDINATOR_METRICS_PORT, COORDINATOR_PORT, DEFAULT_TARGET
+from specdec.request import MAX_SPEC_OFF_BATCH
 from specdec.server.settings import ServerSettings
 
 
@@ -34,7 +35,7 @@ class CoordinatorSettings(ServerSettings):
     max_new_tokens_cap: int = Field(4096, ge=1, description="largest max_new_tokens a request may ask for")
     # measured on the default pair (2-core CPU, docs/benchmarks.md "Load-adaptive speculation"): at 4 and 8
     # concurrent requests, plain batched target steps beat speculation once 2 sessions share a forward
-    spec_off_batch: int = Field(2, ge=0, le=1024,
+    spec_off_batch: int = Field(2, ge=0, le=MAX_SPEC_OFF_BATCH,
                                 description="requests that leave spec_off_batch unset get this: rounds are plain "
                                             "target steps while the target batches at least this many sessions "
                                             "(0: always speculate)")

@@ -14,7 +14,7 @@ import grpc
 
 from specdec.errors import InvalidRequestError
 from specdec.pb import generation_pb2, generation_pb2_grpc
-from specdec.request import MODES
+from specdec.request import MAX_SPEC_OFF_BATCH, MODES
 
 FINISH = {"length": generation_pb2.FINISH_REASON_LENGTH, "stop": generation_pb2.FINISH_REASON_STOP,
           "cancelled": generation_pb2.FINISH_REASON_CANCELLED}
@@ -119,8 +119,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         if r.HasField("pearl_first_block") and not 0 <= r.pearl_first_block <= 64:
             raise InvalidRequestError("pearl_first_block", f"must be in [0, gamma] (0: PEARL pre-verify), "
                                                            f"got {r.pearl_first_block}")
-        if r.HasField("spec_off_batch") and not 0 <= r.spec_off_batch <= 1024:
-            raise InvalidRequestError("spec_off_batch", f"must be in [0, 1024] (0: always speculate), "
+        if r.HasField("spec_off_batch") and not 0 <= r.spec_off_batch <= MAX_SPEC_OFF_BATCH:
+            raise InvalidRequestError("spec_off_batch", f"must be in [0, {MAX_SPEC_OFF_BATCH}] (0: always speculate), "
                                                         f"got {r.spec_off_batch}")
         if r.HasField("gamma") and not 1 <= r.gamma <= 64:
             raise InvalidRequestError("gamma", f"must be in [1, 64], got {r.gamma}")
@@ -194,10 +194,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                             m.requests.labels(finish).inc()
                             m.tokens.inc(len(asm.token_ids))
                             m.e2e.observe(time.perf_counter() - t0)
-                            off = int(stats.get("target_only_rounds", 0))
+                            off = stats.get("target_only_rounds", 0)
                             m.rounds.labels("target_only").inc(off)
-                            if ev["stats"].get("mode") != "ar":
-                                m.rounds.labels("speculative").inc(max(0, int(stats.get("rounds", 0)) - off))
+                            if stats.get("mode") != "ar":
+                                m.rounds.labels("speculative").inc(max(0, stats.get("rounds", 0) - off))
                         yield generation_pb2.GenerateStreamResponse(
                             text_delta=tail, finish_reason=FINISH[finish], stats=stats_pb(stats))
                         return

@@ -17,6 +17,7 @@ MODES = ("ar", "sd", "pacer", "pearl", "pacer_pearl")
 # decides; a bf16 verify of 9 rows costs about what 1 row does on the default target). PEARL modes: the window,
 # an upper bound only, since drafting runs while the target verifies and is cut off when the verify returns;
 # 8 draft tokens take about as long as one target verify of the default pair (8.3 ms vs ~76-100 ms).
+MAX_SPEC_OFF_BATCH = 1024  # largest spec_off_batch a request (or the coordinator's default) may set
 DEFAULT_GAMMA = {"ar": 4, "sd": 4, "pacer": 8, "pearl": 8, "pacer_pearl": 8}
 
 
@@ -60,8 +61,8 @@ class GenerationRequest:
         if self.pearl_first_block is not None and not 0 <= self.pearl_first_block <= self.gamma:
             raise InvalidRequestError("pearl_first_block", f"must be in [0, gamma={self.gamma}] (0: PEARL pre-verify), "
                                       f"got {self.pearl_first_block}")
-        if self.spec_off_batch is not None and not 0 <= self.spec_off_batch <= 1024:
-            raise InvalidRequestError("spec_off_batch", f"must be in [0, 1024] (0: always speculate), "
+        if self.spec_off_batch is not None and not 0 <= self.spec_off_batch <= MAX_SPEC_OFF_BATCH:
+            raise InvalidRequestError("spec_off_batch", f"must be in [0, {MAX_SPEC_OFF_BATCH}] (0: always speculate), "
                                       f"got {self.spec_off_batch}")
         self.params.validate()
         return self

@@ -14,6 +14,7 @@ from specdec.errors import InvalidRequestError
 from specdec.preverifier import build_random_preverifier
 from specdec.sampling import SamplingParams
 from specdec.schedule import GenerationRequest, generate
+from tests.helpers_models import target_greedy
 from tests.table_lm import TableLM
 from tests.test_exactness import PROMPT, V, chi_square_pvalue, exact_continuations
 
@@ -45,13 +46,6 @@ def run(engine: Engine, req: GenerationRequest, pattern):
 @pytest.fixture(scope="module")
 def pair():
     return TableLM(V, seed=21, scale=1.5), TableLM(V, seed=22, scale=1.5)
-
-
-def target_greedy(target: TableLM, prompt, n):
-    out = list(prompt)
-    for _ in range(n):
-        out.append(int(target.next_logits(tuple(out)).argmax()))
-    return out[len(prompt):]
 
 
 @pytest.mark.parametrize("mode", ["sd", "pacer", "pearl", "pacer_pearl"])
