@@ -1,7 +1,7 @@
 """Forward cost of a model vs the number of rows it is fed, per dtype, KV-cached, side by side in one process.
 
     python scripts/forward_cost.py --model default-target --dtypes float32 bfloat16 --rows 1 2 4 8 16
-    python scripts/forward_cost.py --dtypes bfloat16 --kernels gemm gemv packed --rows 1 2 4 8 300
+    python scripts/forward_cost.py --dtypes bfloat16 --kernels gemm gemv gemv+packed packed tuned --rows 1 2 4 8 300
 
 Why it matters: a verify forwards 1 + (drafted tokens) rows. If that cost grows with the rows, long drafts are
 expensive and the best draft length shrinks. Dtypes and row counts are interleaved per repeat (machine drift hits
@@ -15,8 +15,11 @@ import time
 
 import torch
 
-import specdec.linear
+from specdec.linear import Linear, set_plan
 from specdec.model import load_model
+
+PLANS = {"gemm": ("gemm",) * 4, "gemv": ("gemv", "gemm", "gemm", "gemm"),
+         "gemv+packed": ("gemv", "packed", "packed", "packed"), "packed": ("packed",) * 4}
 
 
 def main(argv=None) -> None:
@@ -27,20 +30,25 @@ def main(argv=None) -> None:
     ap.add_argument("--context", type=int, default=300, help="KV positions already cached")
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--kernels", nargs="+", default=["packed"], choices=["gemm", "gemv", "packed"],
+    ap.add_argument("--kernels", nargs="+", default=["tuned"], choices=list(PLANS) + ["tuned"],
                     help="bf16 linears (specdec/linear.py): gemm = F.linear always; gemv = torch.mv for one row, "
-                         "F.linear for more; packed = gemv + prepacked oneDNN weights for more rows (the default)")
+                         "F.linear for more; gemv+packed = gemv, prepacked oneDNN weights for more rows (the "
+                         "untuned default); packed = prepacked for every row count; tuned = measured on this host")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     models = {dt: load_model(args.model, dtype=dt) for dt in args.dtypes}
+    tuned = {dt: {m: m.plan for m in models[dt].modules() if isinstance(m, Linear)} for dt in args.dtypes}
     kvs = {dt: m.new_kv_slots(1, args.context + max(args.rows) + 1) for dt, m in models.items()}
     slots = torch.tensor([0])
     variants = [(dt, k) for dt in args.dtypes for k in (args.kernels if dt == "bfloat16" else ["gemm"])]
 
     def once(variant: tuple[str, str], n: int) -> float:
         dt, kernel = variant
-        specdec.linear.GEMV_ONE_ROW = kernel != "gemm"
-        specdec.linear.PACKED_MULTI_ROW = kernel == "packed"
+        if kernel != "tuned":
+            set_plan(models[dt], PLANS[kernel])
+        else:
+            for m, plan in tuned[dt].items():
+                m.plan = plan
         toks = torch.randint(0, 1000, (1, n))
         pos = torch.arange(args.context, args.context + n)[None]
         t = time.perf_counter()
@@ -57,7 +65,9 @@ def main(argv=None) -> None:
         for v in variants:
             for n in args.rows:
                 times[(v, n)].append(once(v, n))
-    specdec.linear.GEMV_ONE_ROW = specdec.linear.PACKED_MULTI_ROW = True
+    for dt, plans in tuned.items():
+        if dt == "bfloat16":
+            print(f"tuned plans (kernel for 1 / 4 / 8 / more rows): {sorted({p for p in plans.values() if p})}\n")
     print(f"model {args.model}, {args.threads} thread(s), context {args.context}, median (min) of {args.repeats} "
           f"(ms)\n")
     print("| dtype | kernels | " + " | ".join(f"{n} row{'s' if n > 1 else ''}" for n in args.rows)

@@ -1,10 +1,12 @@
-"""End-to-end effect of one bf16 kernel of specdec/linear.py, in process, kernel on/off interleaved per prompt.
+"""End-to-end effect of this host's tuned bf16 kernels (specdec/linear.py) against one fixed plan, in process,
+interleaved per prompt.
 
-    python scripts/kernel_ab.py --kernel gemv --humaneval 2 --chat 2 --max-new-tokens 96    # GEMV_ONE_ROW
-    python scripts/kernel_ab.py --kernel packed --humaneval 3 --chat 3 --max-new-tokens 96  # PACKED_MULTI_ROW
+    python scripts/kernel_ab.py --plan gemv+packed --humaneval 3 --chat 3 --max-new-tokens 96  # the untuned default
+    python scripts/kernel_ab.py --plan gemm --humaneval 2 --chat 2 --max-new-tokens 96         # F.linear everywhere
+    python scripts/kernel_ab.py --attention --humaneval 3 --chat 3    # decode attention vs fused SDPA instead
 
-Every mode runs with the kernel's switch on and off on the same prompts (one engine, 1 thread per model, greedy);
-prints median tokens/s per mode and setting, and medians of the paired ratios.
+Every mode runs with the tuned plans ("on") and the fixed plan ("off") on the same prompts (one engine, 1 thread
+per model, greedy); prints median tokens/s per mode and setting, and medians of the paired ratios.
 """
 from __future__ import annotations
 
@@ -14,9 +16,10 @@ from pathlib import Path
 
 import torch
 
-import specdec.linear
+import specdec.model
 from specdec.engine import Engine
 from specdec.hub import resolve_model
+from specdec.linear import Linear, set_plan
 from specdec.model import load_model_dir
 from specdec.pacer_train.bench import benchmark_prompts, encode
 from specdec.preverifier import load_preverifier
@@ -24,12 +27,15 @@ from specdec.sampling import SamplingParams
 from specdec.schedule import GenerationRequest
 from specdec.tokenizer import eos_token_ids, load_tokenizer
 
+PLANS = {"gemm": ("gemm",) * 4, "gemv+packed": ("gemv", "packed", "packed", "packed"), "packed": ("packed",) * 4}
 MODES = [("ar", 4), ("sd", 3), ("pacer", 8), ("pearl", 8), ("pacer_pearl", 8)]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--kernel", choices=["gemv", "packed"], default="packed")
+    ap.add_argument("--plan", choices=list(PLANS), default="gemv+packed")
+    ap.add_argument("--attention", action="store_true",
+                    help="A/B specdec.model.DECODE_ATTENTION (on vs off) instead of the kernel plans")
     ap.add_argument("--humaneval", type=int, default=2)
     ap.add_argument("--chat", type=int, default=2)
     ap.add_argument("--max-new-tokens", type=int, default=96)
@@ -53,16 +59,26 @@ def main() -> None:
     for mode, gamma in MODES:  # warm-up
         tps(mode, gamma, prompts[0][:20], 8)
     res: dict[tuple[str, bool], list[float]] = {}
-    switch = {"gemv": "GEMV_ONE_ROW", "packed": "PACKED_MULTI_ROW"}[args.kernel]
+    tuned = {m: m.plan for model in (target, draft) for m in model.modules() if isinstance(m, Linear)}
+
+    def use(on: bool) -> None:
+        if args.attention:
+            specdec.model.DECODE_ATTENTION = on
+            return
+        for m, plan in tuned.items():
+            m.plan = plan
+        if not on:
+            set_plan(target, PLANS[args.plan])  # the draft's int8 layers keep theirs: the A/B is the target's
     for i, ids in enumerate(prompts):
         for gemv in (True, False) if i % 2 == 0 else (False, True):
-            setattr(specdec.linear, switch, gemv)
+            use(gemv)
             for mode, gamma in MODES:
                 res.setdefault((mode, gemv), []).append(tps(mode, gamma, ids, args.max_new_tokens))
         print(f"prompt {i + 1}/{len(prompts)} done", flush=True)
-    setattr(specdec.linear, switch, True)
+    use(True)
     med = statistics.median
-    print(f"| mode | tok/s {args.kernel} | tok/s off | on / off | × ar ({args.kernel}) | × ar (off) |\n"
+    off = "SDPA" if args.attention else args.plan
+    print(f"| mode | tok/s on | tok/s {off} | on / {off} | × ar (on) | × ar ({off}) |\n"
           "|---|---|---|---|---|---|")
     for mode, _ in MODES:
         a, b = res[(mode, True)], res[(mode, False)]

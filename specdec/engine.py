@@ -16,6 +16,7 @@ from specdec.errors import InvalidRequestError
 from specdec.sampling import SamplingParams
 from specdec.schedule import GenerationRequest, GenerationResult, generate
 from specdec.stop import FixedLength, PreverifierStop, StopRule, StopSpec
+from specdec.linear import tune_linears
 from specdec.threads import set_thread_count
 from specdec.verify import SparseDist
 from specdec.workers import DraftBlock, DraftWorker, TargetFeatures, TargetWorker, VerifyOutcome
@@ -57,6 +58,7 @@ class LocalDraft(_ThreadOwner):
     def __init__(self, worker: DraftWorker, threads: int | None = None, inline: bool = False):
         super().__init__("draft", threads, inline)
         self.worker = worker
+        self.pool.submit(tune_linears, worker.model).result()  # the plan for the thread count it runs with
         self.reads_features = worker.reads_features
 
     async def start(self, session_id: str, prompt_ids: list[int], params: SamplingParams,
@@ -103,6 +105,7 @@ class LocalTarget(_ThreadOwner):
     def __init__(self, worker: TargetWorker, threads: int | None = None, inline: bool = False):
         super().__init__("target", threads, inline)
         self.worker = worker
+        self.pool.submit(tune_linears, worker.model).result()
 
     async def start(self, session_id: str, prompt_ids: list[int], params: SamplingParams,
                     want_features: bool = False) -> TargetFeatures | None:

@@ -1,31 +1,52 @@
-"""`nn.Linear` with faster bf16 CPU kernels for the two shapes inference runs: one row and a few rows.
+"""`nn.Linear` whose bf16 CPU calls take the fastest kernel this host has for their row count, measured at load.
 
-- **One row (a decode step).** Its time is the time to stream the weights. `F.linear(x, W)` with one bf16 row runs
-  oneDNN's GEMM, which streams them slowly; `torch.mv(W, x)` computes the same dot products (bf16 inputs, fp32
-  accumulation: identical logits on the default target) with a GEMV kernel that streams faster.
-- **A few rows (a verify: 1 + drafted tokens).** `F.linear` re-lays the bf16 weight out for oneDNN on every call.
-  `prepack()` does that once (`torch.ops.mkldnn._reorder_linear_weight`) and multi-row calls then run
-  `mkldnn._linear_pointwise` on the packed copy: bit-identical outputs, and a 2-8-row forward of the default target
-  costs about what a one-row forward does instead of ~1.2-1.3× (docs/benchmarks.md, "Multi-row bf16 kernel").
-  The price is a second copy of the weights in memory, so only inference models are packed (`prepack_linears`).
+Inference runs three kinds of calls: one row (a decode step: a draft token, an `ar` step), a few rows (a verify of
+1 + drafted tokens; a draft replica stepping several sessions) and many (a prefill). Which kernel is fastest for
+each differs between CPUs by 2-5× (docs/benchmarks.md, "Kernels per host"): on one host `torch.mv` streams a
+one-row bf16 weight fastest, on another the prepacked oneDNN kernel does. The candidates:
+- `gemm`: `F.linear`. For a bf16 weight oneDNN re-lays the weight out on every call;
+- `gemv`: `torch.mv(W, x)`, one row only;
+- `packed`: the weight laid out for oneDNN once (`prepack`, `torch.ops.mkldnn._reorder_linear_weight`), then
+  `mkldnn._linear_pointwise`: bit-identical to `gemm`, at the price of a second copy of the weight in memory;
+- `int8` (`specdec.quant.Int8Linear` only): `torch._weight_int8pack_mm`.
 
-Both kernels are measured against `F.linear` by `scripts/forward_cost.py --kernels`.
+`tune_linears(model)` times the candidates per distinct layer shape for 1, 4 and 8 rows, interleaved, and keeps the
+fastest: a *plan*, one kernel per row class. Calls with more than 8 rows take `packed` where it exists, else
+`gemm`. Every kernel computes the same function up to float summation order, and a plan is fixed once tuned, so a
+model's outputs do not change while it serves. `SPECDEC_KERNEL_TUNE=0` skips the measurement and keeps each class's
+DEFAULT_PLAN (outputs then also repeat across processes). Measure the kernels with `scripts/forward_cost.py`.
 """
 from __future__ import annotations
+
+import os
+import statistics
+import time
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-GEMV_ONE_ROW = True  # False: one-row calls take F.linear (A/B measurements: scripts/forward_cost.py --kernels)
-PACKED_MULTI_ROW = True  # False: multi-row calls take F.linear even where a packed weight exists (A/B)
+ROW_CLASSES = (1, 4, 8)  # the row counts a plan is tuned at: a call with r rows uses the first class >= r
+KERNELS = ("gemm", "gemv", "packed", "int8")
+_TUNED: dict[tuple, tuple[str, ...]] = {}  # (class, shape, bias, threads) → plan, shared by same-shaped layers
+
+
+def row_class(rows: int) -> int:
+    """Index into a plan: 0 for one row, 1 for 2-4, 2 for 5-8, 3 (the prefill kernel) above."""
+    return 0 if rows <= 1 else 1 if rows <= 4 else 2 if rows <= 8 else 3
 
 
 def packing_supported() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
 
+def tuning_enabled() -> bool:
+    return os.environ.get("SPECDEC_KERNEL_TUNE", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
 class Linear(nn.Linear):
+    DEFAULT_PLAN: tuple[str, ...] = ("gemv", "packed", "packed", "packed")  # until tuned (or with tuning off)
+    plan: tuple[str, ...] | None = None  # kernel per row class (see row_class); None: DEFAULT_PLAN
     _packed: tuple[int, int, torch.Tensor] | None = None  # (weight data_ptr, weight version, packed weight)
 
     def prepack(self, rows_hint: int = 4) -> bool:
@@ -41,20 +62,91 @@ class Linear(nn.Linear):
         self._packed = (w.data_ptr(), w._version, packed)
         return True
 
+    def _packed_weight(self) -> torch.Tensor | None:
+        p = self._packed
+        return p[2] if p is not None and p[0] == self.weight.data_ptr() and p[1] == self.weight._version else None
+
+    def kernels(self, rows: int) -> list[str]:
+        """The kernels that can run a bf16 CPU call of `rows` rows on this layer now."""
+        out = ["gemm"] + (["gemv"] if rows == 1 else [])
+        return out + (["packed"] if self._packed_weight() is not None else [])
+
+    def run_kernel(self, kernel: str, x2: torch.Tensor) -> torch.Tensor:
+        """`kernel` on a 2-D input [rows, in_features] → [rows, out_features] (a kernel that cannot run: gemm)."""
+        if kernel == "gemv" and x2.shape[0] == 1:
+            y = torch.mv(self.weight, x2[0])[None]
+            return y if self.bias is None else y + self.bias
+        if kernel == "packed":
+            pw = self._packed_weight()
+            if pw is not None:
+                return torch.ops.mkldnn._linear_pointwise(x2, pw, self.bias, "none", [], "")
+        return F.linear(x2, self.weight, self.bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype is torch.bfloat16 and x.device.type == "cpu":
-            if GEMV_ONE_ROW and x.numel() == x.shape[-1]:
-                y = torch.mv(self.weight, x.reshape(-1))
-                if self.bias is not None:
-                    y = y + self.bias
-                return y.view(*x.shape[:-1], self.out_features)
-            p = self._packed
-            if PACKED_MULTI_ROW and p is not None and p[0] == self.weight.data_ptr() and p[1] == self.weight._version:
-                y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), p[2], self.bias, "none", [], "")
-                return y.view(*x.shape[:-1], self.out_features)
+            rows = x.numel() // self.in_features
+            kernel = (self.plan or self.DEFAULT_PLAN)[row_class(rows)]
+            y = self.run_kernel(kernel, x.reshape(rows, self.in_features))
+            return y.view(*x.shape[:-1], self.out_features)
         return F.linear(x, self.weight, self.bias)
 
 
 def prepack_linears(model: nn.Module, rows_hint: int = 4) -> int:
     """`prepack` every `Linear` of an inference model; returns how many were packed (0 off a bf16 CPU)."""
     return sum(m.prepack(rows_hint) for m in model.modules() if isinstance(m, Linear))
+
+
+def _time_kernels(layer: Linear, rows: int, kernels: list[str], budget_s: float = 0.03) -> dict[str, float]:
+    """Median seconds per call of each kernel on random rows, the kernels interleaved per repeat."""
+    x = torch.randn(rows, layer.in_features).to(layer.weight.dtype)
+    with torch.inference_mode():
+        t0 = time.perf_counter()
+        for k in kernels:  # warm-up (first-call allocations), and a cost estimate for the repeat count
+            layer.run_kernel(k, x)
+        per_round = max(time.perf_counter() - t0, 1e-6)
+        reps = max(3, min(15, int(budget_s / per_round)))
+        times: dict[str, list[float]] = {k: [] for k in kernels}
+        for _ in range(reps):
+            for k in kernels:
+                t = time.perf_counter()
+                layer.run_kernel(k, x)
+                times[k].append(time.perf_counter() - t)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def tune_plan(layer: Linear) -> tuple[str, ...]:
+    """The fastest kernel per row class for this layer's shape, measured now (cached per shape and thread count)."""
+    key = (type(layer).__name__, layer.out_features, layer.in_features, layer.bias is not None,
+           torch.get_num_threads())
+    if key not in _TUNED:
+        plan = []
+        for rows in ROW_CLASSES:
+            cands = layer.kernels(rows)
+            times = _time_kernels(layer, rows, cands) if len(cands) > 1 else {cands[0]: 0.0}
+            plan.append(min(times, key=times.get))
+        many = layer.kernels(ROW_CLASSES[-1] + 1)
+        plan.append("packed" if "packed" in many else "gemm")
+        _TUNED[key] = tuple(plan)
+    return _TUNED[key]
+
+
+def tune_linears(model: nn.Module) -> dict[str, int]:
+    """Give every bf16 CPU `Linear` of `model` its measured plan (call where the model will run: the plan is per
+    thread count). → how many layers took each plan, e.g. {"packed/packed/packed/packed": 211}. No-op when tuning
+    is off (SPECDEC_KERNEL_TUNE=0), on other dtypes and devices."""
+    counts: dict[str, int] = {}
+    if not tuning_enabled():
+        return counts
+    for m in model.modules():
+        if isinstance(m, Linear) and m.weight.dtype is torch.bfloat16 and m.weight.device.type == "cpu":
+            m.plan = tune_plan(m)
+            name = "/".join(m.plan)
+            counts[name] = counts.get(name, 0) + 1
+    return counts
+
+
+def set_plan(model: nn.Module, plan: tuple[str, ...] | None) -> None:
+    """Fix every `Linear`'s plan (None: back to its DEFAULT_PLAN); A/B measurements and tests."""
+    for m in model.modules():
+        if isinstance(m, Linear):
+            m.plan = plan

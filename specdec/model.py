@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdec.linear import Linear, prepack_linears
+from specdec.linear import Linear, prepack_linears, tune_linears
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 
@@ -129,6 +129,9 @@ class KVSlots:
                 t[slot, dst] = t[slot, src]
 
 
+DECODE_ATTENTION = True  # False: every call takes the fused SDPA kernel (A/B: scripts/kernel_ab.py --attention)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -162,25 +165,35 @@ class Attention(nn.Module):
             vc[slots[:, None], positions] = v
             return self.o_proj(self._per_row(q, kc, vc, mask, kv_len).transpose(1, 2).reshape(B, S, -1))
         q, keys, values = q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2)
-        out = F.scaled_dot_product_attention(
-            q, keys, values, attn_mask=mask, is_causal=False,
-            enable_gqa=cfg.num_key_value_heads != cfg.num_attention_heads,
-        )
+        out = attention(q, keys, values, mask)
         return self.o_proj(out.transpose(1, 2).reshape(B, S, -1))
 
     def _per_row(self, q, kc, vc, mask, rows_kv):
         """Attention of a batch, row by row on views of each row's own slot: no gather of every slot up to the
         longest row (a copy that cost a third of an 8-session verify), and each row reads only its own length.
         rows_kv: [(slot, kv_len)] per row. With one query per row every key up to kv_len is visible: no mask."""
-        gqa = self.cfg.num_key_value_heads != self.cfg.num_attention_heads
         q = q.transpose(1, 2)
         outs = []
         for b, (s, n) in enumerate(rows_kv):
             m = None if q.shape[2] == 1 else mask[b:b + 1, :, :, :n]
-            outs.append(F.scaled_dot_product_attention(q[b:b + 1], kc[s:s + 1, :n].transpose(1, 2),
-                                                       vc[s:s + 1, :n].transpose(1, 2), attn_mask=m,
-                                                       is_causal=False, enable_gqa=gqa))
+            outs.append(attention(q[b:b + 1], kc[s:s + 1, :n].transpose(1, 2), vc[s:s + 1, :n].transpose(1, 2), m))
         return torch.cat(outs)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Scaled dot-product attention of one sequence, q: [1, H, S, hd], k/v: [1, KV, L, hd] (GQA when KV < H).
+
+    One unmasked bf16/fp16 query on a CPU (a decode step) takes two small fp32 matmuls: PyTorch's fused CPU kernel
+    costs 5-8× more for it (default target shapes, 1 thread, 320 / 1,000 / 2,000 keys: 237 / 821 / 1,686 µs vs
+    45 / 114 / 215 µs), and fp32 scores are at least as accurate as the fused kernel's (docs/benchmarks.md,
+    "Decode attention"). Everything else, several queries included, where the fused kernel is as fast, takes it."""
+    H, KV = q.shape[1], k.shape[1]
+    if DECODE_ATTENTION and q.shape[2] == 1 and mask is None and q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16):
+        qg = q.reshape(1, KV, H // KV, q.shape[-1]).float()  # the H // KV query heads that share each K/V head
+        scores = torch.matmul(qg, k.float().transpose(-1, -2)) * (q.shape[-1] ** -0.5)
+        out = torch.matmul(torch.softmax(scores, dim=-1), v.float())
+        return out.view(1, H, 1, q.shape[-1]).to(q.dtype)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=False, enable_gqa=KV != H)
 
 
 class MLP(nn.Module):
@@ -374,7 +387,8 @@ def load_model_dir(path: str | Path, device: str = "cpu", dtype: str | torch.dty
         # a pre-verifier names its draft by the stored weights; keep that name across the quantization
         model.weights_fingerprint = draft_fingerprint(model)
         quantize_int8_(model)
-    prepack_linears(model)  # bf16 on a CPU: multi-row calls (verifies, prefills) skip oneDNN's per-call reorder
+    prepack_linears(model)  # bf16 on a CPU: the packed kernel skips oneDNN's per-call weight reorder
+    tune_linears(model)  # and each layer shape takes this host's fastest kernel per row count (specdec.linear)
     return model
 
 

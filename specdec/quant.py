@@ -1,12 +1,12 @@
 """Weight-only int8 linears for small-row decoding on CPU (the draft's hot path).
 
 A draft decodes one row per session per step, so its linears are GEMVs that stream every weight once per token.
-On this class of CPU the bf16 GEMV runs at ~2 GB/s and fp32 at ~4-8 GB/s, while `torch._weight_int8pack_mm`
-(int8 weights, per-output-channel scales, bf16 activations) reads a quarter of fp32's bytes: for the default
-draft's 8192-row head it is ~3-5x faster than bf16/fp32 at one row, still ahead at 8 rows (1-thread
-microbenchmarks), and the whole draft step costs half (docs/benchmarks.md, "int8 draft weights"). With many rows
-(a prefill) that kernel is slow, so those go through a bf16 GEMM of the *dequantized* weight: both paths compute
-the same function up to summation order, which makes the quantized model one well-defined draft.
+`torch._weight_int8pack_mm` (int8 weights, per-output-channel scales, bf16 activations) reads half of bf16's bytes
+and a quarter of fp32's. At one row it beat every bf16 kernel on both hosts measured (the whole draft step costs
+about half; docs/benchmarks.md, "int8 draft weights" and "Kernels per host"); from a few rows on it can lose to the
+prepacked bf16 kernel. So an `Int8Linear` also keeps the *dequantized* bf16 weight, and which of the two serves 1,
+4 and 8 rows is measured per host (`specdec.linear.tune_linears`); prefills always take the bf16 weight. Both
+compute the same function up to summation order, which makes the quantized model one well-defined draft.
 
 Quantizing the draft never touches losslessness: verification uses the draft's own q, whatever computed it. The
 target is never quantized here (its distribution is the output distribution).
@@ -14,12 +14,12 @@ target is never quantized here (its distribution is the output distribution).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from specdec.defaults import QUANT_MODES
+from specdec.linear import Linear
 
-INT8_MAX_ROWS = 8  # above this many rows the packed kernel loses to a bf16 GEMM (measured; see module docstring)
+INT8_MAX_ROWS = 8  # the int8 kernel is a candidate up to this many rows (above, it loses everywhere measured)
 
 
 def int8_supported(device: torch.device | str, dtype: torch.dtype) -> bool:
@@ -28,29 +28,35 @@ def int8_supported(device: torch.device | str, dtype: torch.dtype) -> bool:
             and hasattr(torch, "_weight_int8pack_mm"))
 
 
-class Int8Linear(nn.Module):
-    """`nn.Linear` with int8 weights and one scale per output channel (symmetric, round to nearest)."""
+class Int8Linear(Linear):
+    """`nn.Linear` with int8 weights and one scale per output channel (symmetric, round to nearest).
 
-    def __init__(self, linear: nn.Linear, max_rows: int = INT8_MAX_ROWS):
-        super().__init__()
+    It keeps the dequantized bf16 weight too (`weight`): calls with more rows than the int8 kernel pays for run a
+    bf16 kernel on it (packed at load like any `Linear`), and which kernel serves 1, 4 and 8 rows is measured per
+    host like any `Linear`'s (`specdec.linear.tune_linears`; untuned: int8 up to INT8_MAX_ROWS rows)."""
+
+    DEFAULT_PLAN = ("int8", "int8", "int8", "packed")
+
+    def __init__(self, linear: nn.Linear):
+        nn.Module.__init__(self)
         w = linear.weight.detach().float()
         scales = w.abs().amax(dim=1).clamp_min(1e-12) / 127.0
         q = torch.round(w / scales[:, None]).clamp_(-127, 127).to(torch.int8)
         dtype = linear.weight.dtype
         self.register_buffer("qweight", q)
         self.register_buffer("scales", scales.to(dtype))
-        # the dequantized weight, for many-row calls; `weight` keeps the attribute nn.Linear users read (dtype...)
         self.register_buffer("weight", (q.float() * scales[:, None]).to(dtype))
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
-        self.in_features, self.out_features, self.max_rows = linear.in_features, linear.out_features, max_rows
+        self.in_features, self.out_features = linear.in_features, linear.out_features
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // self.in_features
-        if rows > self.max_rows or x.dtype != self.scales.dtype:
-            return F.linear(x, self.weight, self.bias)
-        y = torch._weight_int8pack_mm(x.reshape(rows, self.in_features), self.qweight, self.scales)
-        y = y.view(*x.shape[:-1], self.out_features)
-        return y if self.bias is None else y + self.bias
+    def kernels(self, rows: int) -> list[str]:
+        return super().kernels(rows) + (["int8"] if rows <= INT8_MAX_ROWS else [])
+
+    def run_kernel(self, kernel: str, x2: torch.Tensor) -> torch.Tensor:
+        if kernel == "int8" and x2.shape[0] <= INT8_MAX_ROWS and x2.dtype == self.scales.dtype:
+            y = torch._weight_int8pack_mm(x2, self.qweight, self.scales)
+            return y if self.bias is None else y + self.bias
+        return super().run_kernel(kernel, x2)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 weights"

@@ -1,8 +1,9 @@
+import pytest
 import torch
 import torch.nn.functional as F
 
-import specdec.linear
-from specdec.linear import Linear
+from specdec.linear import Linear, prepack_linears, set_plan, tune_linears
+from specdec.model import attention
 from tests.helpers_models import build_tiny_model
 
 
@@ -16,26 +17,72 @@ def test_one_row_gemv_computes_the_linear():
         torch.testing.assert_close(y.float(), F.linear(x, lin.weight, lin.bias).float(), rtol=1e-2, atol=1e-2)
 
 
-def test_model_logits_do_not_depend_on_the_one_row_kernel():
+@pytest.mark.parametrize("plan", [("gemm",) * 4, ("gemv", "gemm", "gemm", "gemm"),
+                                  ("gemv", "packed", "packed", "packed"), ("packed",) * 4, None])
+def test_model_logits_do_not_depend_on_the_kernel_plan(plan):
     m = build_tiny_model(vocab_size=32, seed=3).to(torch.bfloat16)
+    prepack_linears(m)
     kv = m.new_kv_slots(1, 16)
     slots = torch.tensor([0])
     m(torch.tensor([[1, 2, 3]]), torch.arange(3)[None], slots, kv)
-    out = {}
-    for gemv in (True, False):
-        specdec.linear.GEMV_ONE_ROW = gemv
-        out[gemv] = m(torch.tensor([[4]]), torch.tensor([[3]]), slots, kv)[0]
-    specdec.linear.GEMV_ONE_ROW = True
-    torch.testing.assert_close(out[True], out[False], rtol=2e-2, atol=2e-2)
-    assert int(out[True].argmax()) == int(out[False].argmax())
+    set_plan(m, ("gemm",) * 4)
+    ref = m(torch.tensor([[4, 5]]), torch.tensor([[3, 4]]), slots, kv)[0]
+    set_plan(m, plan)
+    out = m(torch.tensor([[4, 5]]), torch.tensor([[3, 4]]), slots, kv)[0]  # 2 rows
+    one = m(torch.tensor([[4]]), torch.tensor([[3]]), slots, kv)[0]  # 1 row
+    torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(one[0, -1].float(), ref[0, 0].float(), rtol=2e-2, atol=2e-2)
+    assert torch.equal(out.argmax(-1), ref.argmax(-1))
 
+
+def test_every_kernel_computes_the_linear():
+    torch.manual_seed(2)
+    lin = Linear(64, 48, bias=True).to(torch.bfloat16)
+    lin.prepack()
+    for rows in (1, 3, 8, 20):
+        x = torch.randn(rows, 64).to(torch.bfloat16)
+        ref = F.linear(x.float(), lin.weight.float(), lin.bias.float())
+        for k in lin.kernels(rows):
+            torch.testing.assert_close(lin.run_kernel(k, x).float(), ref, rtol=2e-2, atol=2e-2)
+    assert "gemv" in lin.kernels(1) and "gemv" not in lin.kernels(2)
+
+
+def test_tuning_gives_every_bf16_linear_a_plan_of_runnable_kernels(monkeypatch):
+    from specdec.quant import Int8Linear, int8_supported, quantize_int8_
+
+    m = build_tiny_model(vocab_size=32, seed=3).to(torch.bfloat16)
+    if int8_supported("cpu", torch.bfloat16):
+        quantize_int8_(m.model.layers[0])
+    prepack_linears(m)
+    counts = tune_linears(m)
+    layers = [x for x in m.modules() if isinstance(x, Linear)]
+    assert sum(counts.values()) == len(layers)
+    for x in layers:
+        assert len(x.plan) == 4
+        for cls, rows in enumerate((1, 4, 8, 9)):
+            assert x.plan[cls] in x.kernels(rows)
+        assert isinstance(x, Int8Linear) or "int8" not in x.plan
+    monkeypatch.setenv("SPECDEC_KERNEL_TUNE", "0")  # off: no measurement, plans untouched
+    set_plan(m, None)
+    assert tune_linears(m) == {} and all(x.plan is None for x in layers)
+    assert tune_linears(build_tiny_model(vocab_size=32, seed=3)) == {}  # fp32: nothing to tune either way
+
+
+def test_decode_attention_matches_the_fused_kernel():
+    torch.manual_seed(4)
+    for H, KV, L in ((9, 3, 40), (4, 4, 7), (8, 2, 300)):
+        q = torch.randn(1, H, 1, 64).to(torch.bfloat16)
+        k, v = (torch.randn(1, KV, L, 64).to(torch.bfloat16) for _ in range(2))
+        ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), enable_gqa=KV != H)
+        out = attention(q, k, v, None)
+        assert out.dtype == torch.bfloat16 and out.shape == q.shape
+        torch.testing.assert_close(out.float(), ref, rtol=1e-2, atol=1e-2)
 
 
 def test_prepacked_multi_row_kernel_is_bit_identical_and_never_stale():
     torch.manual_seed(1)
     lin = Linear(64, 48, bias=False).to(torch.bfloat16)
     if not lin.prepack():
-        import pytest
         pytest.skip("oneDNN weight packing is not available in this torch build")
     for shape in [(1, 2, 64), (4, 64), (1, 17, 64), (300, 64)]:
         x = torch.randn(shape).to(torch.bfloat16)
@@ -49,5 +96,5 @@ def test_prepacked_multi_row_kernel_is_bit_identical_and_never_stale():
 def test_prepack_skips_what_it_cannot_pack():
     assert not Linear(8, 8).prepack()  # fp32: F.linear already has a good kernel
     m = build_tiny_model(vocab_size=32, seed=3).to(torch.bfloat16)
-    from specdec.linear import packing_supported, prepack_linears
+    from specdec.linear import packing_supported
     assert prepack_linears(m) == (sum(isinstance(x, Linear) for x in m.modules()) if packing_supported() else 0)
