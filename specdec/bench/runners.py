@@ -159,10 +159,12 @@ class HFModels:
 
 
 class HFRunner:
-    def __init__(self, models: HFModels, cfg: Config):
+    def __init__(self, models: HFModels, cfg: Config, pool: concurrent.futures.ThreadPoolExecutor | None = None):
+        """`pool`: a one-thread executor already set to cfg.threads to run on (shared, not shut down here)."""
         self.m, self.cfg = models, cfg
-        self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"hf{cfg.threads}",
-                                                          initializer=set_thread_count, initargs=(cfg.threads,))
+        self.owns_pool = pool is None
+        self.pool = pool or concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix=f"hf{cfg.threads}", initializer=set_thread_count, initargs=(cfg.threads,))
 
     def _generate(self, ids, temperature, seed, max_new_tokens) -> Sample:
         x = torch.tensor([ids])
@@ -185,7 +187,8 @@ class HFRunner:
         return await loop.run_in_executor(self.pool, self._generate, ids, temperature, seed, max_new_tokens)
 
     def close(self) -> None:
-        self.pool.shutdown(wait=False)
+        if self.owns_pool:
+            self.pool.shutdown(wait=False)
 
 
 # ---- the embedded gRPC / Ray stack ----------------------------------------------------------------------------

@@ -18,8 +18,11 @@ async def _exit_with_parent(app, parent_pid: int, every_s: float = 1.0) -> None:
 
 def run_service(build_app, settings) -> None:
     """settings: a parsed ServerSettings; build_app(settings) -> ServerApp (async, inside the loop)."""
+    from specdec.threads import orchestrator_threads
+
     logging.basicConfig(level=settings.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    orchestrator_threads()  # the event loop only translates; the model thread computes with settings.threads
 
     async def _main():
         app = await build_app(settings)
