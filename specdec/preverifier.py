@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import warnings
 from pathlib import Path
 
@@ -157,6 +158,53 @@ class Preverifier(nn.Module):
         scal = self.scalars(features, start)
         logits = self.token_logits(features.hidden[start:], features.tokens[start:], scal)
         return float(F.logsigmoid(logits).sum().exp())
+
+    def round_scorer(self) -> "RoundScorer":
+        """A scorer for one drafting round: `block_accept_prob` computing each drafted token once."""
+        return RoundScorer(self)
+
+
+class RoundScorer:
+    """`Preverifier.block_accept_prob` for the blocks of one drafting round, at a fraction of its cost.
+
+    A token's logit depends only on its own features and the earlier tokens' (fixed once drafted), so each
+    drafted token is scored once, when its block ends, and a block's score is a sum of cached log-sigmoids. The
+    single row runs as plain functional ops (no module dispatch, no dropout): ~4× cheaper per block than the full
+    call on the draft's critical path (docs/pacer.md, "Pre-verifier cost"). Equal to `block_accept_prob` up to
+    float rounding (tested)."""
+
+    def __init__(self, pv: Preverifier):
+        self.pv = pv
+        self.logsig: list[float] = []  # log P(token t accepted | earlier accepted), t = 0.. of this round
+        self._w = None
+
+    def _weights(self) -> dict:
+        if self._w is None:
+            self._w = {k: v.detach() for k, v in self.pv.named_parameters()}
+        return self._w
+
+    @torch.inference_mode()
+    def score(self, features: DraftFeatures) -> float:
+        pv, n = self.pv, int(features.tokens.shape[0])
+        if features.block_start == 0 or n < len(self.logsig):  # a round's first block: start over
+            self.logsig.clear()
+        done = len(self.logsig)
+        if n > done:
+            if pv.use_head:  # the head statistics need the draft: the full per-token path for the new tokens
+                logits = pv.token_logits(features.hidden[done:], features.tokens[done:], pv.scalars(features, done))
+            else:
+                w = self._weights()
+                scal = token_scalars(features.logq, features.entropy)[done:]
+                x = F.linear(F.layer_norm(features.hidden[done:].float(), (pv.hidden_size,), w["h_norm.weight"],
+                                          w["h_norm.bias"]), w["h_proj.weight"], w["h_proj.bias"])
+                x = x + w["tok_emb.weight"][pv.bucket(features.tokens[done:])]
+                x = x + F.linear(F.layer_norm(scal, (scal.shape[-1],), w["s_norm.weight"], w["s_norm.bias"]),
+                                 w["s_proj.weight"], w["s_proj.bias"])
+                x = F.linear(F.gelu(x), w["mlp.2.weight"], w["mlp.2.bias"])
+                logits = F.linear(F.gelu(x), w["mlp.4.weight"], w["mlp.4.bias"]).squeeze(-1)
+            self.logsig.extend(F.logsigmoid(logits.float()).tolist())
+        start = 0 if pv.score_mode == "prefix" else int(features.block_start)
+        return math.exp(sum(self.logsig[start:n]))
 
 
 # ----------------------------------------------------------------------------------------------------------------

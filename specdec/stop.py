@@ -59,7 +59,10 @@ class PreverifierStop:
         self.skip_below = skip_below  # first block below this: draft nothing (see StopSpec.skip_below)
         self.block_size = int(getattr(preverifier, "block_size", 0) or 0)  # the B it was tuned for
         self.last_score: float | None = None
+        # one round's scorer (each drafted token scored once; specdec.preverifier.RoundScorer) where offered
+        self._scorer = preverifier.round_scorer() if hasattr(preverifier, "round_scorer") else None
 
     def should_stop(self, features: DraftFeatures) -> bool:
-        self.last_score = float(self.preverifier.block_accept_prob(features))
+        self.last_score = float(self._scorer.score(features) if self._scorer is not None
+                                else self.preverifier.block_accept_prob(features))
         return self.last_score < self.threshold

@@ -39,6 +39,23 @@ def test_block_accept_prob_is_a_probability_and_block_local():
     assert isinstance(pv.threshold, float) and isinstance(pv.block_size, int)
 
 
+@pytest.mark.parametrize("mode", ["block", "prefix"])
+@pytest.mark.parametrize("head", [False, True])
+def test_round_scorer_equals_the_full_block_score(mode, head):
+    """The stop rule's incremental scorer gives block_accept_prob's score at every block boundary of a round,
+    also when one scorer sees a second round (it starts over)."""
+    draft = build_tiny_model(hidden_size=32, seed=3) if head else None
+    pv = build_random_preverifier(32, seed=5, draft_model=draft)
+    pv.score_mode = mode
+    scorer = pv.round_scorer()
+    for rnd, (n, B) in enumerate([(7, 2), (5, 1), (9, 3)]):
+        full = _features(n=n, block_start=0, seed=10 + rnd)
+        for end in range(B, n + 1, B):
+            f = DraftFeatures(full.hidden[:end], full.tokens[:end], full.logq[:end], full.entropy[:end],
+                              block_start=end - B)
+            assert scorer.score(f) == pytest.approx(pv.block_accept_prob(f), rel=1e-5, abs=1e-7)
+
+
 def test_stop_rule_uses_the_preverifier_threshold():
     pv = build_random_preverifier(32, seed=2, threshold=0.37)
     rule = make_stop_rule(StopSpec("pacer"), pv)
