@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import logging
+import os
 
 from specdec.defaults import GENERATION_SERVICE_NAME
 from specdec.server.app import ServerApp
@@ -43,6 +44,8 @@ def init_ray(s: CoordinatorSettings, log_to_driver: bool = True) -> None:
     if s.ray_address:
         ray.init(address=s.ray_address, log_to_driver=log_to_driver)
     else:  # a small local instance: no dashboard, few CPUs, a small object store
+        # on a loaded 2-core host the local GCS can take longer than Ray's default 30 s to publish its port
+        os.environ.setdefault("RAY_gcs_server_port_wait_time_s", "120")
         ray.init(num_cpus=s.ray_num_cpus, include_dashboard=False, object_store_memory=128 * 1024 * 1024,
                  log_to_driver=log_to_driver, configure_logging=False)
 

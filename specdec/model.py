@@ -273,7 +273,11 @@ class CausalLM(nn.Module):
         return cos[positions], sin[positions]
 
     def full_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(hidden).float()
+        return self.expand_logits(self.lm_head(hidden).float())
+
+    def expand_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """A compact head's logits (one per vocabulary-subset entry) → full-vocabulary logits, -inf outside the
+        subset. Without a subset: unchanged."""
         if self.vocab_subset is None:
             return logits
         full = torch.full((*logits.shape[:-1], self.config.vocab_size), -math.inf, device=logits.device)
@@ -283,11 +287,13 @@ class CausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, kv: KVSlots,
                 logits_rows: slice | None = None, features: torch.Tensor | None = None,
-                cache_at: int | None = None, attn_mask: torch.Tensor | None = None):
+                cache_at: int | None = None, attn_mask: torch.Tensor | None = None, compact_logits: bool = False):
         # tokens/positions: [B, S] (rows padded to S; padding positions lie past each row's real end); slots: [B];
         # features: [B, S, feature_size], a feature draft's f_{t-1} per row (required iff config.feature_size).
         # Token trees (B == 1, specdec/tree.py): `positions` are RoPE positions only; the rows' K/V go to cache
         # indices cache_at.. and row i attends to the cache indices attn_mask[i] ([S, cache_at + S], bool) marks.
+        # compact_logits: a compact-head model returns its head's logits as they are (one per subset entry, in
+        # vocab_subset order; expand_logits maps them), sparing the full-vocabulary expansion.
         B, S = tokens.shape
         cos, sin = self._rope(positions)
         if attn_mask is not None:
@@ -312,6 +318,8 @@ class CausalLM(nn.Module):
             x = layer(x, cos, sin, i, kv, slots, positions, mask, kv_len)
         hidden = self.model.norm(x)
         rows = hidden if logits_rows is None else hidden[:, logits_rows]
+        if compact_logits:
+            return self.lm_head(rows).float(), hidden
         return self.full_logits(rows), hidden
 
 

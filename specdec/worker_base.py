@@ -149,25 +149,29 @@ class Worker:
     def _after_feed(self, s: Session, base: int, hidden: torch.Tensor) -> None:
         pass
 
-    def _feed(self, s: Session, base: int, ids: list[int]):
-        """Forward `ids` at positions base.. → (logits [m, V] fp32, hidden [m, D])."""
+    def _feed(self, s: Session, base: int, ids: list[int], compact: bool = False):
+        """Forward `ids` at positions base.. → (logits [m, V] fp32, hidden [m, D]). `compact`: a compact-head
+        model's logits stay compact ([m, len(vocab_subset)], `CausalLM.forward`'s compact_logits)."""
         dev = self.model.device
         tokens = torch.tensor([ids], device=dev)
         positions = torch.arange(base, base + len(ids), device=dev)[None]
         feats = self._input_features(s, base, ids)
         kw = {} if feats is None else {"features": feats[None]}
+        if compact:
+            kw["compact_logits"] = True
         logits, hidden = self.model(tokens, positions, torch.tensor([s.slot], device=dev), self.kv, **kw)
         s.tokens.extend(ids)
         self._after_feed(s, base, hidden[0])
         return logits[0], hidden[0]
 
-    def _feed_many(self, items: list[tuple[Session, int, list[int]]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _feed_many(self, items: list[tuple[Session, int, list[int]]],
+                   compact: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Forward every (session, base, ids) in one padded forward → (logits [m, V], hidden [m, D]) per item.
 
         Padding positions lie past each session's end (overwritten by its next forward, masked meanwhile); they
         are clamped into the slot's slack so a session near the end of its context cannot overflow the cache."""
         if len(items) == 1:
-            return [self._feed(*items[0])]
+            return [self._feed(*items[0], compact=compact)]
         dev = self.model.device
         width = max(len(ids) for _, _, ids in items)
         tokens = torch.zeros((len(items), width), dtype=torch.long, device=dev)
@@ -182,6 +186,8 @@ class Worker:
             for r, (s, base, ids) in enumerate(items):
                 feats[r, :len(ids)] = self._input_features(s, base, ids)
             kw["features"] = feats
+        if compact:
+            kw["compact_logits"] = True
         logits, hidden = self.model(tokens, positions, slots, self.kv, **kw)
         out = []
         for r, (s, base, ids) in enumerate(items):

@@ -468,7 +468,17 @@ async def test_sampling_is_lossless_chi_square():
 @pytest.fixture(scope="module")
 def ray_local():
     ray = pytest.importorskip("ray")
-    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=96 * 1024 * 1024, log_to_driver=False)
+    # another test file may start a local Ray instance at the same time (the CLI's embedded stack): on a loaded
+    # 2-core host this head's GCS then once missed Ray's 30 s port wait; wait longer, and retry once
+    os.environ.setdefault("RAY_gcs_server_port_wait_time_s", "120")
+    for attempt in (1, 2):
+        try:
+            ray.init(num_cpus=2, include_dashboard=False, object_store_memory=96 * 1024 * 1024, log_to_driver=False)
+            break
+        except Exception:  # noqa: BLE001 - a failed start; the second one is final
+            ray.shutdown()
+            if attempt == 2:
+                raise
     yield ray
     ray.shutdown()
 

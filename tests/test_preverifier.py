@@ -380,10 +380,11 @@ def test_greedy_confidence_of_a_compact_head_draft_equals_the_full_row():
     model = CausalLM(cfg, vocab_subset=subset).eval()
     worker = DraftWorker(model, max_sessions=1, max_context=32)
     with torch.no_grad():
-        row = model.full_logits(torch.randn(16))
+        compact = model.lm_head(torch.randn(16)).float()
+    row = model.expand_logits(compact)
     x = int(row.argmax())
-    assert x in subset.tolist()
+    assert x in subset.tolist() and x == int(subset[int(compact.argmax())])
     lq = torch.log_softmax(row, -1)
-    logq, ent = worker._confidence(row, x)
+    logq, ent = worker._confidence(compact, int(compact.argmax()))  # what advance feeds it: the compact row
     assert logq == pytest.approx(float(lq[x]), abs=1e-6)
     assert ent == pytest.approx(float(torch.special.entr(lq.exp()).sum()), abs=1e-5)

@@ -141,6 +141,27 @@ async def test_pacer_over_grpc_equals_in_process(models):
         await s.close()
 
 
+async def test_draft_replica_pacer_threshold_is_the_default_theta(models):
+    """DRAFT_PACER_THRESHOLD sets the θ of requests that name none; a request's own θ still wins."""
+    from pydantic import ValidationError
+
+    from specdec.engine import make_stop_rule
+    from specdec.preverifier import build_random_preverifier
+    from specdec.stop import StopSpec
+
+    _, draft = models
+    pv = build_random_preverifier(draft.config.hidden_size, seed=4, block_size=2, threshold=0.5)
+    dapp = await build_draft(DraftSettings(host="127.0.0.1", port=0, metrics_port=0, grace_s=0.5,
+                                           pacer_threshold=0.83), model=draft, preverifier=pv, warmup=False)
+    try:
+        assert make_stop_rule(StopSpec("pacer"), dapp.host.worker.preverifier).threshold == pytest.approx(0.83)
+        assert make_stop_rule(StopSpec("pacer", 0.2), dapp.host.worker.preverifier).threshold == pytest.approx(0.2)
+    finally:
+        await dapp.shutdown()
+    with pytest.raises(ValidationError, match="pacer_threshold"):
+        DraftSettings(pacer_threshold=1.5)
+
+
 # ---------------------------------------------------------------- batched verify == separate verifies
 def _sparse_q(draft: list[int], gen: torch.Generator) -> list[SparseDist]:
     out = []
