@@ -184,9 +184,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     """Scaled dot-product attention of one sequence, q: [1, H, S, hd], k/v: [1, KV, L, hd] (GQA when KV < H).
 
     One unmasked bf16/fp16 query on a CPU (a decode step) takes two small fp32 matmuls: PyTorch's fused CPU kernel
-    costs 5-8× more for it (default target shapes, 1 thread, 320 / 1,000 / 2,000 keys: 237 / 821 / 1,686 µs vs
-    45 / 114 / 215 µs), and fp32 scores are at least as accurate as the fused kernel's (docs/benchmarks.md,
-    "Decode attention"). Everything else, several queries included, where the fused kernel is as fast, takes it."""
+    costs 5-7× more for it (default target shapes, 1 thread, 320 / 1,000 / 2,000 keys: 252 / 862 / 1,776 µs vs
+    53 / 125 / 251 µs, `scripts/kernel_micro.py`), and fp32 scores are at least as accurate as the fused kernel's
+    (docs/benchmarks.md, "Kernels per host and decode attention"). Everything else, several queries included,
+    where the fused kernel is as fast, takes it."""
     H, KV = q.shape[1], k.shape[1]
     if DECODE_ATTENTION and q.shape[2] == 1 and mask is None and q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16):
         qg = q.reshape(1, KV, H // KV, q.shape[-1]).float()  # the H // KV query heads that share each K/V head
