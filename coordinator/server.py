@@ -46,7 +46,9 @@ def init_ray(s: CoordinatorSettings, log_to_driver: bool = True) -> None:
     else:  # a small local instance: no dashboard, few CPUs, a small object store
         # on a loaded 2-core host the local GCS can take longer than Ray's default 30 s to publish its port
         os.environ.setdefault("RAY_gcs_server_port_wait_time_s", "120")
-        ray.init(num_cpus=s.ray_num_cpus, include_dashboard=False, object_store_memory=128 * 1024 * 1024,
+        # address "local": a new instance even where another runs on this machine (ray.init() would join that
+        # one and refuse num_cpus)
+        ray.init(address="local", num_cpus=s.ray_num_cpus, include_dashboard=False, object_store_memory=128 * 1024 * 1024,
                  log_to_driver=log_to_driver, configure_logging=False)
 
 
