@@ -48,8 +48,8 @@ def init_ray(s: CoordinatorSettings, log_to_driver: bool = True) -> None:
         os.environ.setdefault("RAY_gcs_server_port_wait_time_s", "120")
         # address "local": a new instance even where another runs on this machine (ray.init() would join that
         # one and refuse num_cpus)
-        ray.init(address="local", num_cpus=s.ray_num_cpus, include_dashboard=False, object_store_memory=128 * 1024 * 1024,
-                 log_to_driver=log_to_driver, configure_logging=False)
+        ray.init(address="local", num_cpus=s.ray_num_cpus, include_dashboard=False,
+                 object_store_memory=128 * 1024 * 1024, log_to_driver=log_to_driver, configure_logging=False)
 
 
 async def build_router(s: CoordinatorSettings, resolve=None, health_check=None):

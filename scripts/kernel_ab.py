@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-import specdec.model
+import specdec.attention
 from specdec.engine import Engine
 from specdec.hub import resolve_model
 from specdec.linear import Linear, set_plan
@@ -35,7 +35,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--plan", choices=list(PLANS), default="gemv+packed")
     ap.add_argument("--attention", action="store_true",
-                    help="A/B specdec.model.DECODE_ATTENTION (on vs off) instead of the kernel plans")
+                    help="A/B specdec.attention.DECODE_ATTENTION (on vs off) instead of the kernel plans")
     ap.add_argument("--humaneval", type=int, default=2)
     ap.add_argument("--chat", type=int, default=2)
     ap.add_argument("--max-new-tokens", type=int, default=96)
@@ -63,7 +63,7 @@ def main() -> None:
 
     def use(on: bool) -> None:
         if args.attention:
-            specdec.model.DECODE_ATTENTION = on
+            specdec.attention.DECODE_ATTENTION = on
             return
         for m, plan in tuned.items():
             m.plan = plan

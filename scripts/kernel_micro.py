@@ -5,7 +5,7 @@
 
 Linear: one layer of each of the default target's shapes, bf16 (and the fp32 F.linear for reference), every
 kernel `specdec.linear.Linear` / `specdec.quant.Int8Linear` can run, 1 / 4 / 8 rows. Attention: one query and four
-queries against 40-2,000 cached keys, the fused SDPA kernel vs `specdec.model.attention`'s decode path, with the
+queries against 40-2,000 cached keys, the fused SDPA kernel vs `specdec.attention`'s decode path, with the
 max error of each against an fp32 reference. Median µs over interleaved repeats; weights stay cache-hot, so these
 rank kernels, while `scripts/forward_cost.py` measures whole forwards.
 """
@@ -61,10 +61,11 @@ def linear_table(reps: int) -> None:
 
 
 def attention_table(reps: int, heads: int = 9, kv_heads: int = 3, head_dim: int = 64) -> None:
-    from specdec.model import attention
+    from specdec.attention import attention
 
     print(f"\n{heads} query heads, {kv_heads} K/V heads, head dim {head_dim}, bf16\n")
-    print("| keys | queries | fused SDPA µs | decode path µs | SDPA max err | decode max err |\n|---|---|---|---|---|---|")
+    print("| keys | queries | fused SDPA µs | decode path µs | SDPA max err | decode max err |\n"
+          "|---|---|---|---|---|---|")
     for n_keys in (40, 320, 1000, 2000):
         for n_q in (1, 4):
             q = torch.randn(1, heads, n_q, head_dim).to(torch.bfloat16)

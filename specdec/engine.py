@@ -13,10 +13,10 @@ from typing import AsyncIterator
 import torch
 
 from specdec.errors import InvalidRequestError
+from specdec.linear import tune_linears
 from specdec.sampling import SamplingParams
 from specdec.schedule import GenerationRequest, GenerationResult, generate
 from specdec.stop import FixedLength, PreverifierStop, StopRule, StopSpec
-from specdec.linear import tune_linears
 from specdec.threads import set_thread_count
 from specdec.verify import SparseDist
 from specdec.workers import DraftBlock, DraftWorker, TargetFeatures, TargetWorker, VerifyOutcome

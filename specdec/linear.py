@@ -27,7 +27,6 @@ import torch.nn.functional as F
 from torch import nn
 
 ROW_CLASSES = (1, 4, 8)  # the row counts a plan is tuned at: a call with r rows uses the first class >= r
-KERNELS = ("gemm", "gemv", "packed", "int8")
 _TUNED: dict[tuple, tuple[str, ...]] = {}  # (class, shape, bias, threads) → plan, shared by same-shaped layers
 
 

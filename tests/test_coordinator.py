@@ -501,7 +501,8 @@ async def test_ray_stack():
     """The Ray path, in a fresh interpreter. `ray.init()` starts the GCS and raylet with a Python `preexec_fn`
     between fork and exec; from this test process, whose earlier tests left gRPC threads running ("Other threads
     are currently calling into gRPC, skipping fork() handlers"), the new node twice never registered within Ray's
-    fixed 30 s on a loaded 2-core host. The services' own stack calls ray.init before any gRPC (coordinator/stack.py)."""
+    fixed 30 s on a loaded 2-core host. The services' own stack calls ray.init before any gRPC
+    (coordinator/stack.py)."""
     import subprocess
     import sys
 

@@ -3,7 +3,7 @@ import torch
 import torch.nn.functional as F
 
 from specdec.linear import Linear, prepack_linears, set_plan, tune_linears
-from specdec.model import attention
+from specdec.attention import attention
 from tests.helpers_models import build_tiny_model
 
 
