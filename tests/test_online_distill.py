@@ -112,6 +112,12 @@ def test_tied_compact_draft_saves_once_and_loads_alike(tmp_path, target, subset)
     assert fresh.lm_head.weight.data_ptr() == fresh.model.embed_tokens.weight.data_ptr()
     with pytest.raises(ValueError, match="does not fit"):
         load_draft_weights(build_from_target(target, subset, (0,), tie=True), tmp_path / "d")
+    # a shallower warm start keeps the picked layers (here the saved draft's layer 1 as layer 0)
+    one = build_from_target(target, subset, (0,), tie=True).eval()
+    load_draft_weights(one, tmp_path / "d", layers=(1,))
+    torch.testing.assert_close(one.model.layers[0].mlp.up_proj.weight, draft.model.layers[1].mlp.up_proj.weight)
+    torch.testing.assert_close(one.model.embed_tokens.weight, draft.model.embed_tokens.weight)
+    torch.testing.assert_close(one.model.norm.weight, draft.model.norm.weight)
 
 
 def test_generated_rows_skip_heldout_and_banned_prompts(tmp_path, target, tok):
@@ -126,10 +132,15 @@ def test_generated_rows_skip_heldout_and_banned_prompts(tmp_path, target, tok):
     for r in rows[:3]:
         assert tok.decode(r["prompt_ids"]).startswith("u ")  # chat-templated
     banned = {tuple(r["prompt_ids"]) for r in rows}
-    out2 = tmp_path / "data2.jsonl"
-    generate_rows(target, tok, out2, seconds=0.5, batch_size=6, max_new_tokens=5, seed=0, mix={"template": 1.0},
-                  temperatures=(0.0,), banned_prompts=banned, banned_code=set(), log=lambda m: None)
+    out2, held = tmp_path / "data2.jsonl", tmp_path / "heldout.jsonl"
+    generate_rows(target, tok, out2, seconds=3, batch_size=16, max_new_tokens=5, seed=0, mix={"template": 1.0},
+                  temperatures=(0.0, 1.0), banned_prompts=banned, banned_code=set(), heldout_path=held,
+                  log=lambda m: None)
     assert not any(tuple(json.loads(line)["prompt_ids"]) in banned for line in out2.read_text().splitlines())
+    # the held-out split's greedy rows become a held-out set of the same text, never training rows
+    held_rows = [json.loads(line) for line in held.read_text().splitlines()]
+    assert held_rows and all(is_heldout(r) and r["temperature"] == 0.0 for r in held_rows)
+    assert not any(tuple(r["prompt_ids"]) in banned for r in held_rows)
 
 
 def test_self_instruct_keeps_finished_user_turns(tok):

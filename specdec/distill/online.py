@@ -65,13 +65,15 @@ def make_texts(model, tok, rng: random.Random, n: int, mix: dict[str, float], ba
 
 def generate_rows(model, tok, data_path: pathlib.Path, *, seconds: float, batch_size: int, max_new_tokens: int,
                   seed: int, mix: dict[str, float], temperatures: tuple[float, ...], banned_prompts: set,
-                  banned_code: set[str], log=print) -> int:
-    """Append target continuations to `data_path` for `seconds`; returns the tokens written."""
+                  banned_code: set[str], heldout_path: pathlib.Path | None = None, log=print) -> int:
+    """Append target continuations to `data_path` for `seconds`; returns the tokens written. Greedy rows whose
+    prompt falls in the held-out split go to `heldout_path` (a held-out set of the same text), if given."""
     from .generate import complete
 
     rng = random.Random(seed)
     torch.manual_seed(seed)
     t0, n_tok, kept, dropped, i = time.time(), 0, 0, 0, 0
+    held = open(heldout_path, "a") if heldout_path is not None else None
     with open(data_path, "a") as out:
         while time.time() - t0 < seconds:
             temp = temperatures[i % len(temperatures)]
@@ -80,26 +82,47 @@ def generate_rows(model, tok, data_path: pathlib.Path, *, seconds: float, batch_
             if not texts:
                 continue
             for row in complete(model, tok, texts, temp, max_new_tokens):
-                if is_heldout(row) or tuple(row["prompt_ids"]) in banned_prompts or not row["completion_ids"]:
+                if tuple(row["prompt_ids"]) in banned_prompts or not row["completion_ids"]:
                     dropped += 1
+                    continue
+                if is_heldout(row):
+                    dropped += 1
+                    if held is not None and temp == 0:
+                        held.write(json.dumps({**row, "source": src}) + "\n")
                     continue
                 row["source"] = src
                 out.write(json.dumps(row) + "\n")
                 kept += 1
                 n_tok += len(row["completion_ids"])
             out.flush()
+            if held is not None:
+                held.flush()
             if i % 10 == 0:
                 log(f"generate: {kept} rows, {n_tok} tokens, {dropped} dropped, {time.time() - t0:.0f} s")
+    if held is not None:
+        held.close()
     log(f"generate: done, {kept} rows, {n_tok} tokens, {dropped} dropped (held-out or benchmark prompts)")
     return n_tok
 
 
-def load_draft_weights(draft, model_dir) -> None:
+def load_draft_weights(draft, model_dir, layers: tuple[int, ...] | None = None) -> None:
     """Warm start: copy a saved draft directory's weights (`save_draft` format) into `draft`, which must have the
-    same shape (depth, width, subset size); a tied head is stored once and stays tied."""
+    same width and subset size; a tied head is stored once and stays tied. `layers` picks the saved draft's layers
+    that become `draft`'s layers 0, 1, ... (default: all, same depth), e.g. (0, 1, 2) for a shallower draft."""
     from safetensors.torch import load_file
 
     state = {k: v.float() for k, v in load_file(str(pathlib.Path(model_dir) / "model.safetensors")).items()}
+    if layers is not None:
+        src = {f"model.layers.{s}.": f"model.layers.{i}." for i, s in enumerate(layers)}
+        picked = {}
+        for k, v in state.items():
+            if not k.startswith("model.layers."):
+                picked[k] = v
+                continue
+            head = ".".join(k.split(".")[:3]) + "."
+            if head in src:
+                picked[src[head] + k[len(head):]] = v
+        state = picked
     missing, unexpected = draft.load_state_dict(state, strict=False)
     missing = [m for m in missing if not (m == "lm_head.weight" and draft.config.tie_word_embeddings)]
     if missing or unexpected:

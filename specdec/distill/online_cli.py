@@ -34,6 +34,10 @@ def add_parser(sub) -> None:
     o.add_argument("--final-norm-scale", type=float, default=0.1)
     o.add_argument("--init-draft", default=None, help="warm start from this draft directory's weights (e.g. "
                    "default-draft, to keep improving the shipped draft); its depth and tying are used")
+    o.add_argument("--init-draft-layers", default=None, help="with --init-draft: the warm start's layers to keep, "
+                   "e.g. 0,1,2 for a 3-layer draft from a 4-layer one (default: all)")
+    o.add_argument("--heldout", action="append", default=[], help="a JSONL of held-out rows, all of them held out "
+                   "(repeatable; e.g. a run's heldout.jsonl); measured beside the --samples split")
     o.add_argument("--time-budget", type=float, default=None, help="stop training after this many seconds")
     o.add_argument("--eval-every", type=int, default=500)
     o.add_argument("--out", help="write the draft directory here when training ends")
@@ -49,6 +53,17 @@ def _banned(tok):
     return ids, names
 
 
+def _agreements(draft, held_sets: dict, subset, to_compact) -> dict:
+    """Greedy agreement per held-out set and pooled over all their positions."""
+    from .evaluate import greedy_agreement
+
+    per = {k: greedy_agreement(draft, rows, subset, to_compact) for k, rows in held_sets.items()}
+    hit = sum(m["agreement"] * m["positions"] for m in per.values())
+    n = sum(m["positions"] for m in per.values())
+    return {"agreement": round(hit / max(n, 1), 4), "positions": n,
+            **{f"agreement[{k}]": round(m["agreement"], 4) for k, m in per.items()}}
+
+
 def cmd_online(args) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -56,7 +71,6 @@ def cmd_online(args) -> None:
     from .__main__ import _log
     from .data import load_samples, split
     from .draft_model import SUBSET_FILE, build_from_target, full_to_compact_map, save_draft
-    from .evaluate import greedy_agreement
     from .export import TOKENIZER_FILES
     from .online import distill, generate_rows, load_draft_weights
 
@@ -83,7 +97,8 @@ def cmd_online(args) -> None:
         generate_rows(target, tok, data, seconds=args.gen_seconds, batch_size=args.gen_batch,
                       max_new_tokens=args.max_new_tokens, seed=args.seed + done,
                       mix=mix, temperatures=tuple(float(t) for t in args.temperatures.split(",")),
-                      banned_prompts=banned_ids, banned_code=banned_names, log=log)
+                      banned_prompts=banned_ids, banned_code=banned_names, heldout_path=run_dir / "heldout.jsonl",
+                      log=log)
     from .data import SHARED_SAMPLES
 
     # extra training rows (their training split) and the held-out rows that measure agreement
@@ -93,8 +108,12 @@ def cmd_online(args) -> None:
     rows = [r for r in rows if r["completion_ids"]]
     if not rows:
         raise SystemExit("no training rows: let it generate (--gen-seconds > 0) or pass --samples")
+    held_sets = {"samples": held}
+    for path in args.heldout:
+        held_sets[pathlib.Path(path).parent.name + "/" + pathlib.Path(path).stem] = load_samples([path])
     log(f"online: {len(rows)} training rows, {sum(len(r['completion_ids']) for r in rows)} completion tokens, "
-        f"{len([r for r in held if r['temperature'] == 0])} held-out greedy rows")
+        f"held-out greedy rows: " + ", ".join(f"{k} {sum(r['temperature'] == 0 for r in v)}"
+                                              for k, v in held_sets.items()))
 
     sdir = pathlib.Path(resolve_model(args.subset_from))
     from safetensors.torch import load_file
@@ -106,19 +125,22 @@ def cmd_online(args) -> None:
     f32 = target.float().cpu() if dev.type == "cuda" else target
     layers, tie = tuple(int(x) for x in args.init_layers.split(",")), not args.untied
     init_dir = pathlib.Path(resolve_model(args.init_draft)) if args.init_draft else None
+    keep = tuple(int(x) for x in args.init_draft_layers.split(",")) if args.init_draft_layers else None
     if init_dir is not None:  # the warm start's shape wins over --init-layers / --untied
         icfg = json.loads((init_dir / "config.json").read_text())
-        layers, tie = tuple(range(icfg["num_hidden_layers"])), bool(icfg.get("tie_word_embeddings", False))
+        layers = keep or tuple(range(icfg["num_hidden_layers"]))
+        tie = bool(icfg.get("tie_word_embeddings", False))
     draft = build_from_target(f32, subset, layers, tie=tie)
     if init_dir is not None:
-        load_draft_weights(draft, init_dir)
-        log(f"online: warm start from {init_dir}")
+        load_draft_weights(draft, init_dir, keep)
+        log(f"online: warm start from {init_dir}" + (f", its layers {keep}" if keep else ""))
     else:
         with torch.no_grad():
             draft.model.norm.weight.mul_(args.final_norm_scale)
     target = f32.to(device=dev, dtype=gen_dtype)
     draft = draft.to(dev)
-    eval_fn = (lambda m: greedy_agreement(m, held, subset.to(dev), to_compact.to(dev))) if held else None
+    held_sets = {k: v for k, v in held_sets.items() if v}
+    eval_fn = (lambda m: _agreements(m, held_sets, subset.to(dev), to_compact.to(dev))) if held_sets else None
     res = distill(target, draft, subset, to_compact, rows, run_dir, steps=args.steps, batch_size=args.batch_size,
                   lr=args.lr, warmup=args.warmup, seed=args.seed, time_budget_s=args.time_budget, eval_fn=eval_fn,
                   eval_every=args.eval_every, log=log)
