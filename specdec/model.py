@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -139,15 +140,19 @@ class Attention(nn.Module):
         self.k_proj = Linear(cfg.hidden_size, kv * hd, bias=cfg.attention_bias)
         self.v_proj = Linear(cfg.hidden_size, kv * hd, bias=cfg.attention_bias)
         self.o_proj = Linear(h * hd, cfg.hidden_size, bias=False)
+        self.qkv_proj: Linear | None = None  # set by fuse_projections_, which drops q/k/v_proj
 
     def forward(self, x, cos, sin, layer: int, kv: KVSlots, slots, positions, mask, kv_len: int):
         # x: [B, S, D]; cos/sin: [B, S, hd]; slots: [B]; positions: [B, S]; mask: [B, 1, S, kv_len] | None;
         # kv_len: int for B == 1, else [(slot, kv_len)] per row
         B, S, _ = x.shape
         cfg = self.cfg
-        q = self.q_proj(x).view(B, S, cfg.num_attention_heads, cfg.head_dim)
-        k = self.k_proj(x).view(B, S, cfg.num_key_value_heads, cfg.head_dim)
-        v = self.v_proj(x).view(B, S, cfg.num_key_value_heads, cfg.head_dim)
+        h, kvh, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        if self.qkv_proj is not None:  # one GEMM for q, k and v (fuse_projections_)
+            q, k, v = self.qkv_proj(x).split((h * hd, kvh * hd, kvh * hd), dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, k, v = q.view(B, S, h, hd), k.view(B, S, kvh, hd), v.view(B, S, kvh, hd)
         cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
@@ -184,8 +189,12 @@ class MLP(nn.Module):
         self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj: Linear | None = None  # set by fuse_projections_, which drops gate/up_proj
 
     def forward(self, x):
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -348,6 +357,7 @@ def load_model_dir(path: str | Path, device: str = "cpu", dtype: str | torch.dty
     (`specdec.quant.resolve_quant`: a draft gets int8 weights on a bf16 CPU; a target never unless asked)."""
     from safetensors.torch import load_file
 
+    from specdec.fusion import fuse_projections_
     from specdec.quant import quantize_int8_, resolve_quant
 
     path = Path(path)
@@ -371,6 +381,8 @@ def load_model_dir(path: str | Path, device: str = "cpu", dtype: str | torch.dty
         raise ValueError(f"checkpoint {path} does not match the model: missing={missing[:5]} unexpected={unexpected[:5]}")
     dtype = resolve_dtype(dtype, device, role)
     model = model.to(device=device, dtype=dtype).eval()
+    if os.environ.get("SPECDEC_FUSE", "1") != "0":  # SPECDEC_FUSE=0: the checkpoint's layout (for A/B runs)
+        fuse_projections_(model)
     if resolve_quant(quant, role, device, dtype) == "int8":
         from specdec.preverifier import draft_fingerprint
 

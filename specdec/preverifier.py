@@ -230,8 +230,11 @@ def draft_fingerprint(draft_model: nn.Module) -> str:
     quantized at load time (specdec.quant) carries the fingerprint of the weights it was loaded from."""
     if getattr(draft_model, "weights_fingerprint", None):
         return draft_model.weights_fingerprint
+    from specdec.fusion import unfused_state
+
     h = hashlib.sha256()
-    for name, p in sorted(draft_model.state_dict().items()):
+    state = unfused_state(draft_model) if hasattr(draft_model, "config") else draft_model.state_dict()
+    for name, p in sorted(state.items()):
         if not torch.is_tensor(p) or not (".layers." in name or name.endswith("norm.weight")):
             continue
         h.update(name.encode())

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 
+from specdec.fusion import unfused_state
 from specdec.model import CausalLM, ModelConfig
 
 VOCAB = 32
@@ -49,7 +50,7 @@ def save_model(model, path: Path) -> Path:
         "num_attention_heads": c.num_attention_heads, "num_key_value_heads": c.num_key_value_heads,
         "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta,
         "max_position_embeddings": c.max_position_embeddings, "tie_word_embeddings": False}))
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path / "model.safetensors"))
+    save_file({k: v.contiguous() for k, v in unfused_state(model).items()}, str(path / "model.safetensors"))
     return path
 
 

@@ -98,3 +98,48 @@ def test_prepack_skips_what_it_cannot_pack():
     m = build_tiny_model(vocab_size=32, seed=3).to(torch.bfloat16)
     from specdec.linear import packing_supported
     assert prepack_linears(m) == (sum(isinstance(x, Linear) for x in m.modules()) if packing_supported() else 0)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_fused_projections_compute_the_same_model(bias):
+    import copy
+
+    from specdec.fusion import fuse_projections_, unfused_state
+    from specdec.preverifier import draft_fingerprint
+    from specdec.quant import quantize_int8_
+
+    m = build_tiny_model(vocab_size=32, seed=5)
+    if bias:  # q/k/v biases (Qwen-style attention_bias) are stacked too
+        for layer in m.model.layers:
+            for name in ("q_proj", "k_proj", "v_proj"):
+                lin = getattr(layer.self_attn, name)
+                b = Linear(lin.in_features, lin.out_features, bias=True)
+                with torch.no_grad():
+                    b.weight.copy_(lin.weight)
+                    b.bias.normal_()
+                setattr(layer.self_attn, name, b)
+    state, fp = {k: v.clone() for k, v in m.state_dict().items()}, draft_fingerprint(m)
+    fused = copy.deepcopy(m)
+    assert fuse_projections_(fused) == 2
+    a = fused.model.layers[0]
+    assert a.self_attn.qkv_proj is not None and not hasattr(a.self_attn, "q_proj") and not hasattr(a.mlp, "up_proj")
+    slots, ids = torch.tensor([0]), torch.tensor([[1, 7, 3, 9]])
+    kv1, kv2 = m.new_kv_slots(1, 16), fused.new_kv_slots(1, 16)
+    ref, got = m(ids, torch.arange(4)[None], slots, kv1)[0], fused(ids, torch.arange(4)[None], slots, kv2)[0]
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    step = m(torch.tensor([[2]]), torch.tensor([[4]]), slots, kv1)[0]
+    torch.testing.assert_close(fused(torch.tensor([[2]]), torch.tensor([[4]]), slots, kv2)[0], step,
+                               rtol=1e-5, atol=1e-5)
+    # the checkpoint's layout comes back exactly, and with it the pre-verifier's name for the draft
+    back = unfused_state(fused)
+    assert back.keys() == state.keys() and all(torch.equal(back[k], state[k]) for k in state)
+    assert draft_fingerprint(fused) == fp
+    # int8 keeps one scale per output channel: the stacked layer quantizes as its parts do
+    q_sep, q_fused = copy.deepcopy(m).to(torch.bfloat16), fused.to(torch.bfloat16)
+    quantize_int8_(q_sep)
+    quantize_int8_(q_fused)
+    s0, f0 = q_sep.model.layers[0], q_fused.model.layers[0]
+    assert torch.equal(f0.self_attn.qkv_proj.qweight, torch.cat([s0.self_attn.q_proj.qweight,
+                                                                  s0.self_attn.k_proj.qweight,
+                                                                  s0.self_attn.v_proj.qweight]))
+    assert torch.equal(f0.mlp.gate_up_proj.scales, torch.cat([s0.mlp.gate_proj.scales, s0.mlp.up_proj.scales]))
