@@ -3,6 +3,10 @@ single-token forward (head included) after `--context` cached positions, 1 threa
 
     python scripts/decode_cost.py --dtypes auto float32 --repeats 15
     python scripts/decode_cost.py --dtypes auto --draft-quants none int8 --repeats 15   # int8 draft weights
+    python scripts/decode_cost.py --dtypes auto --draft default-draft /tmp/d3 --repeats 15  # several drafts
+
+A draft with a compact vocabulary head is timed twice: returning its head's logits (what greedy drafting runs) and
+the full-vocabulary row (what sampled drafting runs).
 
 Draft and target and the dtypes are interleaved per repeat (machine drift hits all alike); each repeat times
 `--steps` consecutive tokens; medians over repeats and the draft/target ratio per dtype are printed as markdown.
@@ -24,7 +28,7 @@ from specdec.quant import weight_quant
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", default="default-target")
-    ap.add_argument("--draft", default="default-draft")
+    ap.add_argument("--draft", nargs="+", default=["default-draft"])
     ap.add_argument("--dtypes", nargs="+", default=["auto", "float32"])
     ap.add_argument("--context", type=int, default=300)
     ap.add_argument("--steps", type=int, default=16)
@@ -34,27 +38,34 @@ def main(argv=None) -> None:
                     help="draft weight quantization(s) to compare (auto: what the draft service serves)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    models = {("target", dt, "none"): load_model(args.target, dtype=resolve_dtype(dt, "cpu", "target"), role="target",
-                                                 quant="none") for dt in args.dtypes}
-    for dt in args.dtypes:
-        for qu in args.draft_quants:
-            ddt = resolve_dtype(dt, "cpu", "draft")
-            if qu == "int8" and ddt != torch.bfloat16:
-                continue  # int8 weights need bf16 activations (specdec.quant)
-            models[("draft", dt, qu)] = load_model(args.draft, dtype=ddt, role="draft", quant=qu)
-    times = {k: [] for k in models}
+    models = {("target", "", dt, "none"): load_model(args.target, dtype=resolve_dtype(dt, "cpu", "target"),
+                                                     role="target", quant="none") for dt in args.dtypes}
+    for name in args.draft:
+        for dt in args.dtypes:
+            for qu in args.draft_quants:
+                ddt = resolve_dtype(dt, "cpu", "draft")
+                if qu == "int8" and ddt != torch.bfloat16:
+                    continue  # int8 weights need bf16 activations (specdec.quant)
+                models[("draft", name, dt, qu)] = load_model(name, dtype=ddt, role="draft", quant=qu)
+    runs = [(k, False) for k in models] + [(k, True) for k, m in models.items()
+                                           if getattr(m, "vocab_subset", None) is not None]
+    times = {r: [] for r in runs}
     for _ in range(args.repeats):
-        for k, m in models.items():
-            times[k].append(served_per_token_s(m, context=args.context, steps=args.steps))
-    print(f"| dtype (served as) | draft weights | draft ms/token | target ms/token | draft / target |  "
+        for k, compact in runs:
+            times[(k, compact)].append(served_per_token_s(models[k], context=args.context, steps=args.steps,
+                                                          compact=compact))
+    print(f"| draft | dtype (served as) | draft weights | logits | draft ms/token | target ms/token | draft / target |  "
           f"({args.threads} thread, {args.context} cached positions, median of {args.repeats} × {args.steps} tokens)")
-    print("|---|---|---|---|---|")
-    for (role, dt, qu) in models:
+    print("|---|---|---|---|---|---|---|")
+    for (k, compact) in runs:
+        role, name, dt, qu = k
         if role != "draft":
             continue
-        d, t = (statistics.median(times[k]) * 1e3 for k in (("draft", dt, qu), ("target", dt, "none")))
-        shown = f"{dt} ({str(models[('target', dt, 'none')].dtype).removeprefix('torch.')})"
-        print(f"| {shown} | {qu}: {weight_quant(models[(role, dt, qu)])} | {d:.2f} | {t:.2f} | {d / t:.3f} |")
+        d = statistics.median(times[(k, compact)]) * 1e3
+        t = statistics.median(times[(("target", "", dt, "none"), False)]) * 1e3
+        shown = f"{dt} ({str(models[('target', '', dt, 'none')].dtype).removeprefix('torch.')})"
+        logits = "compact head (greedy drafting)" if compact else "full row"
+        print(f"| {name} | {shown} | {qu}: {weight_quant(models[k])} | {logits} | {d:.2f} | {t:.2f} | {d / t:.3f} |")
 
 
 if __name__ == "__main__":

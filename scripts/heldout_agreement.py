@@ -2,6 +2,12 @@
 
     python scripts/heldout_agreement.py /tmp/r4 specdec/assets/default_draft
     python scripts/heldout_agreement.py specdec/assets/default_draft --served none int8   # as the service runs it
+    python scripts/heldout_agreement.py DRAFT --set online=specdec/data/distill_heldout.jsonl.gz --max-rows 300
+
+Sets: the shared data's held-out split, and the online held-out set (`specdec/data/distill_heldout.jsonl.gz`: the
+target's greedy continuations of the held-out prompts met while generating the shipped draft's training text,
+chat templates, self-instructed user turns and code; never trained on). Rows that name their `source` are also
+reported per source.
 
 Default: the HF model in float32, all completion positions in one forward. `--served QUANT...`: specdec's own
 model as the draft service loads it (dtype auto, the given weight quantization), decoding the completion one token
@@ -14,6 +20,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
+from pathlib import Path
 
 import torch
 
@@ -22,8 +30,8 @@ from specdec.distill.draft_model import load_draft
 from specdec.distill.evaluate import greedy_agreement
 from specdec.model import load_model
 
-SETS = {"shared": str(SHARED_SAMPLES), "gen7": ".cache-distill/gen/gen7.jsonl",
-        "code1": ".cache-distill/gen/code1.jsonl"}
+SETS = {"shared": str(SHARED_SAMPLES),
+        "online": str(Path(__file__).resolve().parents[1] / "specdec" / "data" / "distill_heldout.jsonl.gz")}
 
 
 def main() -> None:
@@ -32,6 +40,7 @@ def main() -> None:
     ap.add_argument("--set", action="append", help="NAME=PATH (repeatable; default: shared, gen7, code1)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--served", nargs="+", metavar="QUANT", help="measure specdec's served model per quant mode")
+    ap.add_argument("--max-rows", type=int, default=0, help="a seeded sample of at most this many rows per set")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     sets = dict(s.split("=", 1) for s in args.set) if args.set else SETS
@@ -41,8 +50,15 @@ def main() -> None:
         out = {}
         for name, path in sets.items():
             _, held = split(load_samples([path]), 0.05)
-            a = greedy_agreement(m, held, None, None) if q is None else served_agreement(m, held)
-            out[name] = {"agreement": round(a["agreement"], 4), "positions": a["positions"], "rows": a["rows"]}
+            held = [r for r in held if r["temperature"] == 0]
+            if args.max_rows and len(held) > args.max_rows:
+                held = random.Random(0).sample(held, args.max_rows)
+            groups = {name: held}
+            for src in sorted({r["source"] for r in held if "source" in r}):
+                groups[f"{name}/{src}"] = [r for r in held if r.get("source") == src]
+            for g, rows in groups.items():
+                a = greedy_agreement(m, rows, None, None) if q is None else served_agreement(m, rows)
+                out[g] = {"agreement": round(a["agreement"], 4), "positions": a["positions"], "rows": a["rows"]}
         print(d, f"served quant={q}" if q else "hf fp32", json.dumps(out), flush=True)
 
 

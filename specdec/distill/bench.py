@@ -43,9 +43,14 @@ def cost_ratio(draft, target, threads: int = 1, rounds: int = 3, **kw) -> dict:
 
 
 @torch.no_grad()
-def served_per_token_s(model, context: int = 300, steps: int = 16, seed: int = 0) -> float:
+def served_per_token_s(model, context: int = 300, steps: int = 16, seed: int = 0, compact: bool | None = None) -> float:
     """Mean wall time of one KV-cached single-token forward of specdec's own model (what the services run), after
-    `context` cached positions; the cache is refilled per call, so repeated calls measure the same thing."""
+    `context` cached positions; the cache is refilled per call, so repeated calls measure the same thing.
+
+    `compact` (default: whether the model has a compact vocabulary head): return the head's own logits, as greedy
+    drafting does, rather than the full-vocabulary row that sampling needs."""
+    if compact is None:
+        compact = getattr(model, "vocab_subset", None) is not None
     g = torch.Generator().manual_seed(seed)
     kv, slots = model.new_kv_slots(1, context + steps + 1), torch.tensor([0])
     V = min(1000, model.config.vocab_size)
@@ -53,8 +58,8 @@ def served_per_token_s(model, context: int = 300, steps: int = 16, seed: int = 0
     tok = torch.tensor([[V // 2]])
     t0 = time.perf_counter()
     for i in range(steps):
-        logits, _ = model(tok, torch.tensor([[context + i]]), slots, kv)
-        tok = logits[:, -1:].argmax(-1)
+        logits, _ = model(tok, torch.tensor([[context + i]]), slots, kv, compact_logits=compact)
+        tok = logits[:, -1:].argmax(-1)  # a compact id is a valid (if different) input token too
     return (time.perf_counter() - t0) / steps
 
 

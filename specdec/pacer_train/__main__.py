@@ -251,8 +251,10 @@ def cmd_run(args) -> None:
     for name, temp, seed in (("g", "0", 101), ("s", "1", 202)):
         text, rounds = work / f"fresh_{name}.jsonl", work / f"rounds_{name}.pt"
         if not text.exists():
+            # self-instructed prompts: new to the draft, whose data covers most of the template x topic space
             distill_main(["--target", args.target, "--threads", str(args.threads), "--seed", str(seed), "generate",
-                          "--out", str(text), "--seconds", str(args.gen_seconds), "--temperatures", temp, *excl])
+                          "--style", "self", "--out", str(text), "--seconds", str(args.gen_seconds),
+                          "--temperatures", temp, *excl])
         if not rounds.exists():
             main(["collect", *common, "--prompts", str(text), "--num-prompts", "2000", "--time-budget",
                   str(args.collect_seconds), "--temperatures", temp, "--out", str(rounds)])
