@@ -14,7 +14,7 @@ import time
 from specdec.bench.harness import ALL_MODES, Bench, BenchOptions, acceptance, aggregate
 from specdec.bench.report import machine_info, markdown, plot
 
-QUICK = dict(n_per_set=1, repeats=1, gammas=(2, 4), temperatures=(0.0,), concurrency=(1, 2, 4, 8), concurrency_repeats=1)
+QUICK = dict(n_per_set=2, repeats=1, gammas=(2, 4), temperatures=(0.0,), concurrency=(1, 2, 4, 8), concurrency_repeats=1)
 
 
 def _csv(kind):
@@ -26,7 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--prompts", default=None, help="JSONL of {\"prompt\": ...} or {\"messages\": [...]} lines "
                                                     "(default: HumanEval + the repo's chat set)")
     ap.add_argument("--prompt-sets", type=_csv(str), default=("humaneval", "chat"), help="default: humaneval,chat")
-    ap.add_argument("--n-prompts", type=int, default=None, help="prompts per set (default 8; --quick 1)")
+    ap.add_argument("--n-prompts", type=int, default=None, help="prompts per set (default 8; --quick 2)")
     ap.add_argument("--modes", nargs="+", default=list(ALL_MODES), choices=ALL_MODES,
                     help="ar, hf (assisted generation), sd, pacer, pearl, pacer_pearl (default: all)")
     ap.add_argument("--gammas", type=_csv(int), default=None, help="sd draft lengths (default 2,3,4,6; --quick 2,4)")
@@ -36,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--concurrency", type=_csv(int), default=None, help="sweep levels (default 1,2,4,8; '' = off)")
     ap.add_argument("--concurrency-repeats", type=int, default=None, help="default 2; --quick 1")
     ap.add_argument("--quick", action="store_true",
-                    help="1 prompt per set, 1 repeat, greedy only, sd γ∈{2,4}, one concurrency sweep")
+                    help="2 prompts per set, 1 repeat, greedy only, sd γ∈{2,4}, one concurrency sweep")
     ap.add_argument("--target-model", default="default-target")
     ap.add_argument("--draft-model", default="default-draft")
     ap.add_argument("--preverifier", default=None, help="PACER pre-verifier dir (default: the shipped one)")
