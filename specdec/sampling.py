@@ -89,10 +89,20 @@ def truncate_top_k(probs: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def sample(probs: torch.Tensor, gen: torch.Generator | None) -> int:
-    """One draw from a 1-D probability vector (argmax when it is one-hot or no generator is given)."""
+    """One draw from a 1-D probability vector (argmax when it is one-hot or no generator is given).
+
+    On a CPU by the inverse CDF: one uniform and a binary search over the float64 cumulative sum. torch.multinomial
+    draws the same distribution but costs ~0.9 ms for a 49,152-entry row there, once per sampled draft token and
+    per verify. Entry i is drawn iff cdf[i-1] <= v < cdf[i], so a zero-probability entry never is."""
     if gen is None:
         return int(probs.argmax())
-    return int(torch.multinomial(probs, 1, generator=gen))
+    if probs.device.type != "cpu":
+        return int(torch.multinomial(probs, 1, generator=gen))
+    cdf = torch.cumsum(probs.to(torch.float64), 0)
+    i = int(torch.searchsorted(cdf, uniform(gen) * cdf[-1], right=True))
+    if i >= probs.shape[0]:  # u * total rounded up to total: the last entry that has mass
+        i = int(torch.nonzero(probs)[-1])
+    return i
 
 
 def uniform(gen: torch.Generator, n: int = 1) -> torch.Tensor:

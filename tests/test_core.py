@@ -218,3 +218,24 @@ def test_pearl_picks_its_pre_round_by_the_last_verifys_batch(tiny_pair, batched)
     assert out.token_ids == ref
     assert (False in calls) == batched  # check-only verifies happen in pre-verify rounds only
     eng.close()
+
+
+def test_sample_draws_the_distribution_and_never_a_zero_probability_entry():
+    from scipy.stats import chisquare
+
+    from specdec.sampling import sample
+
+    probs = torch.tensor([0.0, 0.5, 0.0, 0.2, 0.25, 0.05, 0.0])
+    gen = torch.Generator().manual_seed(0)
+    n = 20_000
+    counts = torch.bincount(torch.tensor([sample(probs, gen) for _ in range(n)]), minlength=len(probs))
+    assert counts[probs == 0].sum() == 0
+    nz = probs > 0
+    assert chisquare(counts[nz].numpy(), (probs[nz] * n).numpy()).pvalue > 1e-4
+    # one-hot rows, an unnormalised row, float32 rows of the real vocabulary's size, and no generator (argmax)
+    assert all(sample(torch.nn.functional.one_hot(torch.tensor(i), 9).float(), gen) == i for i in range(9))
+    assert sample(torch.tensor([0.0, 3.0, 0.0]), gen) == 1
+    big = torch.zeros(49_152)
+    big[[7, 40_000, 49_151]] = torch.tensor([0.2, 0.3, 0.5])
+    assert {sample(big, gen) for _ in range(200)} == {7, 40_000, 49_151}
+    assert sample(probs, None) == 1
