@@ -4,6 +4,7 @@ interleaved per prompt.
     python scripts/kernel_ab.py --plan gemv+packed --humaneval 3 --chat 3 --max-new-tokens 96  # the untuned default
     python scripts/kernel_ab.py --plan gemm --humaneval 2 --chat 2 --max-new-tokens 96         # F.linear everywhere
     python scripts/kernel_ab.py --attention --humaneval 3 --chat 3    # decode attention vs fused SDPA instead
+    python scripts/kernel_ab.py --sampler --humaneval 3 --chat 3      # T=1: inverse-CDF sampling vs torch.multinomial
 
 Every mode runs with the tuned plans ("on") and the fixed plan ("off") on the same prompts (one engine, 1 thread
 per model, greedy); prints median tokens/s per mode and setting, and medians of the paired ratios.
@@ -17,6 +18,9 @@ from pathlib import Path
 import torch
 
 import specdec.attention
+import specdec.drafting
+import specdec.sampling
+import specdec.verify
 from specdec.engine import Engine
 from specdec.hub import resolve_model
 from specdec.linear import Linear, set_plan
@@ -36,6 +40,8 @@ def main() -> None:
     ap.add_argument("--plan", choices=list(PLANS), default="gemv+packed")
     ap.add_argument("--attention", action="store_true",
                     help="A/B specdec.attention.DECODE_ATTENTION (on vs off) instead of the kernel plans")
+    ap.add_argument("--sampler", action="store_true",
+                    help="A/B specdec.sampling.sample (inverse CDF) against torch.multinomial instead, at T=1")
     ap.add_argument("--humaneval", type=int, default=2)
     ap.add_argument("--chat", type=int, default=2)
     ap.add_argument("--max-new-tokens", type=int, default=96)
@@ -53,7 +59,8 @@ def main() -> None:
 
     def tps(mode: str, gamma: int, ids: list[int], n: int) -> float:
         r = engine.generate(GenerationRequest(prompt_ids=list(ids), max_new_tokens=n, mode=mode, gamma=gamma,
-                                              params=SamplingParams(temperature=0.0), eos_token_ids=eos))
+                                              params=SamplingParams(temperature=1.0 if args.sampler else 0.0,
+                                                                    seed=len(ids)), eos_token_ids=eos))
         return len(r.token_ids) / r.stats.wall_s
 
     for mode, gamma in MODES:  # warm-up
@@ -61,7 +68,13 @@ def main() -> None:
     res: dict[tuple[str, bool], list[float]] = {}
     tuned = {m: m.plan for model in (target, draft) for m in model.modules() if isinstance(m, Linear)}
 
+    def multinomial(probs, gen):
+        return int(probs.argmax()) if gen is None else int(torch.multinomial(probs, 1, generator=gen))
+
     def use(on: bool) -> None:
+        if args.sampler:
+            specdec.drafting.sample = specdec.verify.sample = specdec.sampling.sample if on else multinomial
+            return
         if args.attention:
             specdec.attention.DECODE_ATTENTION = on
             return
@@ -77,7 +90,7 @@ def main() -> None:
         print(f"prompt {i + 1}/{len(prompts)} done", flush=True)
     use(True)
     med = statistics.median
-    off = "SDPA" if args.attention else args.plan
+    off = "multinomial" if args.sampler else "SDPA" if args.attention else args.plan
     print(f"| mode | tok/s on | tok/s {off} | on / {off} | × ar (on) | × ar ({off}) |\n"
           "|---|---|---|---|---|---|")
     for mode, _ in MODES:
