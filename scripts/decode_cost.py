@@ -10,7 +10,7 @@ the full-vocabulary row (what sampled drafting runs).
 
 Draft and target and the dtypes are interleaved per repeat (machine drift hits all alike); each repeat times
 `--steps` consecutive tokens; medians over repeats and the draft/target ratio per dtype are printed as markdown.
-`auto` is what `--dtype auto` serves on this machine (specdec.model.auto_dtype).
+`auto` is what `--dtype auto` serves on this machine (specdec.dtypes.auto_dtype).
 """
 from __future__ import annotations
 
@@ -21,7 +21,8 @@ import time
 import torch
 
 from specdec.distill.bench import served_per_token_s
-from specdec.model import load_model, resolve_dtype
+from specdec.dtypes import resolve_dtype
+from specdec.model import load_model
 from specdec.quant import weight_quant
 
 

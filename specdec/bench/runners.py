@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from specdec.model import auto_dtype
+from specdec.dtypes import auto_dtype
 from specdec.threads import set_thread_count
 
 STACK_STAT_FIELDS = ("rounds", "target_forwards", "draft_tokens", "accepted_tokens", "mean_accepted_length",

@@ -124,7 +124,7 @@ def generate(model_dir, out_path, seconds: float = 600, seed: int = 0, batch_siz
     torch.manual_seed(seed)
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     tok.padding_side = "left"
-    from ..model import resolve_dtype
+    from ..dtypes import resolve_dtype
 
     # the served dtype (`auto`: bf16 on CPUs with native bf16 GEMMs, where batched decoding is also much faster)
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=resolve_dtype(dtype, "cpu", "target")).eval()

@@ -50,7 +50,7 @@ def run_teacher(target_dir, rows: list[dict], out_dir, k: int = 32, seed: int = 
     from transformers import AutoModelForCausalLM
     from tqdm import tqdm
 
-    from ..model import resolve_dtype
+    from ..dtypes import resolve_dtype
 
     torch.set_num_threads(threads)
     torch.manual_seed(seed)

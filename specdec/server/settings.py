@@ -94,6 +94,6 @@ def resolve_device(spec: str):
 
 
 def resolve_dtype(name: str, device="cpu", role: str = "target"):
-    from specdec.model import resolve_dtype as model_dtype  # torch is imported only when a model is loaded
+    from specdec.dtypes import resolve_dtype as model_dtype  # torch is imported only when a model is loaded
 
     return model_dtype(name, device, role)

@@ -1,0 +1,38 @@
+"""The dtype a model is served in: `auto` picks bf16 where the hardware runs bf16 GEMMs natively, fp32 elsewhere."""
+from __future__ import annotations
+
+import torch
+
+
+def cpu_has_fast_bf16() -> bool:
+    """True when oneDNN runs bf16 GEMMs natively here (AVX512-BF16 / AMX)."""
+    try:
+        return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def auto_dtype(device: str | torch.device = "cpu", role: str = "target") -> torch.dtype:
+    """The dtype `auto` picks: bf16 on GPUs, and on CPUs where oneDNN has native bf16 GEMMs; else fp32.
+
+    Target: verification forwards several rows, and bf16 GEMMs stay flat in the row count (default target, 1
+    thread, 1/4/8 rows: fp32 82/155/204 ms, bf16 76/103/108 ms; docs/benchmarks.md). Draft: one row per session
+    per step, where the two tie (9.55 vs 9.46 ms/token, interleaved medians), but a draft replica steps all its
+    sessions in one forward, and there bf16 stays flat too (default draft, 1/2/4/8 sessions per step: fp32
+    8.9/10.8/17.2/26.3 ms, bf16 7.8/9.5/9.9/11.8 ms). `role` is kept for dtype choices that differ per role."""
+    if torch.device(device).type == "cuda":
+        return torch.bfloat16
+    return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device = "cpu", role: str = "target") -> torch.dtype:
+    """A dtype name (auto, float32/fp32, bfloat16/bf16, float16/fp16) or torch dtype → torch dtype."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return auto_dtype(device, role)
+    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+             "float16": torch.float16, "fp16": torch.float16}
+    if dtype not in table:
+        raise ValueError(f"dtype {dtype!r} is not supported; use auto, float32, bfloat16 or float16")
+    return table[dtype]
