@@ -22,7 +22,7 @@ class DraftSettings(ServerSettings):
     pacer_threshold: float | None = Field(
         None, ge=0.0, le=1.0, description="θ of PACER's stop rule for requests that set none (default: the "
         "pre-verifier's own, tuned on the host its card names). The best θ follows the host's draft/target cost "
-        "ratio: 0.26 on the Intel host the shipped one was tuned on, 0.34 on an AMD EPYC (docs/pacer.md)")
+        "ratio (docs/pacer.md, 'Choosing θ')")
     q_top_k: int = Field(64, ge=1, description="the draft samples from its top-k, so q is exactly sparse")
     max_batch_size: int = Field(16, ge=1, description="sessions drafting in one batched forward")
     max_queue: int = Field(256, ge=1, description="queued draft calls before RESOURCE_EXHAUSTED")

@@ -37,7 +37,7 @@ SETS = {"shared": str(SHARED_SAMPLES),
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("drafts", nargs="+")
-    ap.add_argument("--set", action="append", help="NAME=PATH (repeatable; default: shared, gen7, code1)")
+    ap.add_argument("--set", action="append", help="NAME=PATH (repeatable; default: shared, online)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--served", nargs="+", metavar="QUANT", help="measure specdec's served model per quant mode")
     ap.add_argument("--max-rows", type=int, default=0, help="a seeded sample of at most this many rows per set")
@@ -53,11 +53,18 @@ def main() -> None:
             held = [r for r in held if r["temperature"] == 0]
             if args.max_rows and len(held) > args.max_rows:
                 held = random.Random(0).sample(held, args.max_rows)
-            groups = {name: held}
-            for src in sorted({r["source"] for r in held if "source" in r}):
-                groups[f"{name}/{src}"] = [r for r in held if r.get("source") == src]
-            for g, rows in groups.items():
-                a = greedy_agreement(m, rows, None, None) if q is None else served_agreement(m, rows)
+            measure = (lambda rows: greedy_agreement(m, rows, None, None)) if q is None else \
+                (lambda rows: served_agreement(m, rows))
+            sources = sorted({r["source"] for r in held if "source" in r})
+            if sources:  # each row measured once: per source, then pooled by positions
+                per = {src: measure([r for r in held if r.get("source") == src]) for src in sources}
+                n = sum(a["positions"] for a in per.values())
+                pooled = {"agreement": sum(a["agreement"] * a["positions"] for a in per.values()) / max(n, 1),
+                          "positions": n, "rows": sum(a["rows"] for a in per.values())}
+                groups = {name: pooled, **{f"{name}/{src}": a for src, a in per.items()}}
+            else:
+                groups = {name: measure(held)}
+            for g, a in groups.items():
                 out[g] = {"agreement": round(a["agreement"], 4), "positions": a["positions"], "rows": a["rows"]}
         print(d, f"served quant={q}" if q else "hf fp32", json.dumps(out), flush=True)
 

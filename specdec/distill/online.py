@@ -19,6 +19,7 @@ The draft is written as a model directory (`draft_model.save_draft`) that the se
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import pathlib
 import random
@@ -73,8 +74,7 @@ def generate_rows(model, tok, data_path: pathlib.Path, *, seconds: float, batch_
     rng = random.Random(seed)
     torch.manual_seed(seed)
     t0, n_tok, kept, dropped, i = time.time(), 0, 0, 0, 0
-    held = open(heldout_path, "a") if heldout_path is not None else None
-    with open(data_path, "a") as out:
+    with open(data_path, "a") as out, (open(heldout_path, "a") if heldout_path else contextlib.nullcontext()) as held:
         while time.time() - t0 < seconds:
             temp = temperatures[i % len(temperatures)]
             i += 1
@@ -85,22 +85,20 @@ def generate_rows(model, tok, data_path: pathlib.Path, *, seconds: float, batch_
                 if tuple(row["prompt_ids"]) in banned_prompts or not row["completion_ids"]:
                     dropped += 1
                     continue
+                row["source"] = src
                 if is_heldout(row):
                     dropped += 1
                     if held is not None and temp == 0:
-                        held.write(json.dumps({**row, "source": src}) + "\n")
+                        held.write(json.dumps(row) + "\n")
                     continue
-                row["source"] = src
                 out.write(json.dumps(row) + "\n")
                 kept += 1
                 n_tok += len(row["completion_ids"])
-            out.flush()
-            if held is not None:
-                held.flush()
+            for f in (out, held):
+                if f is not None:
+                    f.flush()
             if i % 10 == 0:
                 log(f"generate: {kept} rows, {n_tok} tokens, {dropped} dropped, {time.time() - t0:.0f} s")
-    if held is not None:
-        held.close()
     log(f"generate: done, {kept} rows, {n_tok} tokens, {dropped} dropped (held-out or benchmark prompts)")
     return n_tok
 
