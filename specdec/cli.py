@@ -167,8 +167,10 @@ def _generate_in_process(args) -> dict:
     from specdec.model import load_model_dir
     from specdec.sampling import SamplingParams
     from specdec.schedule import GenerationRequest
+    from specdec.threads import orchestrator_threads
     from specdec.tokenizer import IncrementalDetokenizer, encode_prompt, eos_token_ids, load_tokenizer
 
+    orchestrator_threads()  # 1 torch thread here: a sequential mode's worker calls run on this thread (engine.py)
     tdir = resolve_model(args.target_model)
     tok = load_tokenizer(tdir)
     if tok is None:

@@ -2,11 +2,18 @@
 
 Each worker runs on its own single thread (torch releases the GIL inside ops), so PEARL's overlap is real here
 too: the draft and the target compute at the same time, one core each when `threads_per_model=1`.
+
+A schedule that never overlaps the two (`ar`, `sd`, `pacer`) gains nothing from those threads and pays for every
+hand-off: a thread that slept through a 20 ms verify takes ~0.5 ms to wake on a virtualised CPU, and it wakes on
+cold caches (docs/benchmarks.md, "Thread hand-offs"). So with one torch thread per model such a request runs its
+worker calls inline on the caller's thread, whenever the worker's own thread has nothing queued (`inline=None`,
+the default; a worker is only ever driven by one thread at a time either way).
 """
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextvars
 import threading
 from typing import AsyncIterator
 
@@ -22,6 +29,10 @@ from specdec.verify import SparseDist
 from specdec.workers import DraftBlock, DraftWorker, TargetFeatures, TargetWorker, VerifyOutcome
 
 DEFAULT_PACER_THRESHOLD = 0.5
+SEQUENTIAL_MODES = ("ar", "sd", "pacer")  # schedules whose draft and target never compute at the same time
+
+# set per request by Engine.agenerate: this request's worker calls may run on the caller's thread
+_INLINE_OK: contextvars.ContextVar[bool] = contextvars.ContextVar("specdec_inline_ok", default=False)
 
 
 def make_stop_rule(spec: StopSpec, preverifier) -> StopRule:
@@ -39,19 +50,29 @@ def make_stop_rule(spec: StopSpec, preverifier) -> StopRule:
 
 
 class _ThreadOwner:
-    """Runs a worker's calls on one dedicated thread, or inline on the event loop (`inline=True`: no overlap,
-    no thread hand-offs; the same schedule logic, used by the many-run statistical tests)."""
+    """Runs a worker's calls on one dedicated thread, or inline on the event loop: always (`inline=True`: no
+    overlap; the same schedule logic, used by the many-run statistical tests), or for a request that allows it
+    (`_INLINE_OK`) while the thread has nothing queued. Only the event loop submits work, and it is busy for the
+    whole of an inline call, so the worker is never driven from two threads at once."""
 
     def __init__(self, name: str, threads: int | None, inline: bool = False):
         self.inline = inline
         self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=name)
+        self._last: concurrent.futures.Future | None = None  # the latest submission (the pool runs them in order)
         if threads:
             self.pool.submit(set_thread_count, threads).result()
 
+    def runs_inline(self) -> bool:
+        return self.inline or (_INLINE_OK.get() and (self._last is None or self._last.done()))
+
+    def submit(self, fn) -> concurrent.futures.Future:
+        self._last = self.pool.submit(fn)
+        return self._last
+
     async def call(self, fn, *args, **kw):
-        if self.inline:
+        if self.runs_inline():
             return fn(*args, **kw)
-        return await asyncio.get_running_loop().run_in_executor(self.pool, lambda: fn(*args, **kw))
+        return await asyncio.wrap_future(self.submit(lambda: fn(*args, **kw)))
 
 
 class LocalDraft(_ThreadOwner):
@@ -70,7 +91,7 @@ class LocalDraft(_ThreadOwner):
                            features: list[TargetFeatures] | None = None) -> AsyncIterator[DraftBlock]:
         rule = make_stop_rule(stop, self.worker.preverifier)
         args = (session_id, base_position, append, gamma_max, rule, block_size, features)
-        if self.inline:
+        if self.runs_inline():
             for blk in self.worker.draft_blocks(*args):
                 yield blk
             return
@@ -85,7 +106,7 @@ class LocalDraft(_ThreadOwner):
                 loop.call_soon_threadsafe(queue.put_nowait, e)
             loop.call_soon_threadsafe(queue.put_nowait, None)
 
-        self.pool.submit(produce)
+        self.submit(produce)
         while True:
             item = await queue.get()
             if item is None:
@@ -126,7 +147,13 @@ class Engine:
 
     def __init__(self, target_model, draft_model=None, preverifier=None, max_sessions: int = 4,
                  max_context: int | None = None, threads_per_model: int | None = None, q_top_k: int = 64,
-                 inline: bool = False):
+                 inline: bool | None = None):
+        """`inline`: True runs every call on the caller's thread (no overlap at all); False always uses the worker
+        threads; None (default) lets `ar` / `sd` / `pacer` requests run inline when `threads_per_model` is 1 and
+        the caller's thread computes with 1 torch thread too (module docstring)."""
+        self.threads_per_model = threads_per_model
+        self.auto_inline = inline is None
+        inline = bool(inline)
         self.target_worker = TargetWorker(target_model, max_sessions=max_sessions, max_context=max_context)
         self.target = LocalTarget(self.target_worker, threads_per_model, inline)
         self.draft_worker = self.draft = None
@@ -140,8 +167,17 @@ class Engine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._lock = threading.Lock()
 
+    def may_inline(self, req: GenerationRequest) -> bool:
+        """Whether this request's worker calls may run on the calling thread (see the module docstring)."""
+        return (self.auto_inline and req.mode in SEQUENTIAL_MODES and self.threads_per_model == 1
+                and torch.get_num_threads() == 1)
+
     async def agenerate(self, req: GenerationRequest, on_tokens=None) -> GenerationResult:
-        return await generate(req, self.draft, self.target, on_tokens)
+        token = _INLINE_OK.set(self.may_inline(req))
+        try:
+            return await generate(req, self.draft, self.target, on_tokens)
+        finally:
+            _INLINE_OK.reset(token)
 
     def generate(self, req: GenerationRequest, on_tokens=None) -> GenerationResult:
         with self._lock:
