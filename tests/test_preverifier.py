@@ -54,6 +54,24 @@ def test_round_scorer_equals_the_full_block_score(mode, head):
             f = DraftFeatures(full.hidden[:end], full.tokens[:end], full.logq[:end], full.entropy[:end],
                               block_start=end - B)
             assert scorer.score(f) == pytest.approx(pv.block_accept_prob(f), rel=1e-5, abs=1e-7)
+    with torch.no_grad():  # a parameter changed in place (training): the folded weights follow
+        for q in pv.parameters():
+            q.mul_(0.7)
+    f = _features(n=4, block_start=0, seed=30)
+    assert scorer.score(f) == pytest.approx(pv.block_accept_prob(f), rel=1e-5, abs=1e-7)
+
+
+def test_scalar_rows_equal_token_scalars():
+    from specdec.preverifier import scalar_row, token_scalars
+
+    g = torch.Generator().manual_seed(0)
+    logq = -torch.rand(9, generator=g) * 5
+    logq[3] = -80.0  # clamped at -30
+    entropy = torch.rand(9, generator=g) * 3
+    table = token_scalars(logq, entropy)
+    for t in range(9):
+        assert scalar_row(logq.tolist(), entropy.tolist(), t) == pytest.approx(table[t].tolist(), rel=1e-5,
+                                                                              abs=1e-6)
 
 
 def test_stop_rule_uses_the_preverifier_threshold():
