@@ -6,6 +6,7 @@ interleaved per prompt.
     python scripts/kernel_ab.py --attention --humaneval 3 --chat 3    # decode attention vs fused SDPA instead
     python scripts/kernel_ab.py --sampler --humaneval 3 --chat 3      # T=1: inverse-CDF sampling vs torch.multinomial
     python scripts/kernel_ab.py --inline --humaneval 4 --chat 4       # sequential modes inline vs on worker threads
+    python scripts/kernel_ab.py --block-attention --humaneval 4 --chat 4  # verify blocks: two matmuls vs SDPA
 
 Every mode runs with the tuned plans ("on") and the fixed plan ("off") on the same prompts (one engine, 1 thread
 per model, greedy); prints median tokens/s per mode and setting, and medians of the paired ratios.
@@ -43,6 +44,9 @@ def main() -> None:
                     help="A/B specdec.attention.DECODE_ATTENTION (on vs off) instead of the kernel plans")
     ap.add_argument("--sampler", action="store_true",
                     help="A/B specdec.sampling.sample (inverse CDF) against torch.multinomial instead, at T=1")
+    ap.add_argument("--block-attention", action="store_true",
+                    help="A/B the two-matmul attention for verify blocks (on) against SDPA for them (off; decode "
+                         "steps keep the two-matmul path either way)")
     ap.add_argument("--inline", action="store_true",
                     help="A/B the engine's inline calls for sequential modes (on) against its worker threads (off)")
     ap.add_argument("--humaneval", type=int, default=2)
@@ -75,6 +79,9 @@ def main() -> None:
         return int(probs.argmax()) if gen is None else int(torch.multinomial(probs, 1, generator=gen))
 
     def use(on: bool) -> None:
+        if args.block_attention:
+            specdec.attention.SMALL_BLOCK_ROWS = 16 if on else 1
+            return
         if args.inline:
             engine.auto_inline = on
             return
@@ -96,7 +103,7 @@ def main() -> None:
         print(f"prompt {i + 1}/{len(prompts)} done", flush=True)
     use(True)
     med = statistics.median
-    off = "threads" if args.inline else "multinomial" if args.sampler else "SDPA" if args.attention else args.plan
+    off = "SDPA blocks" if args.block_attention else "threads" if args.inline else "multinomial" if args.sampler else "SDPA" if args.attention else args.plan
     print(f"| mode | tok/s on | tok/s {off} | on / {off} | × ar (on) | × ar ({off}) |\n"
           "|---|---|---|---|---|---|")
     for mode, _ in MODES:

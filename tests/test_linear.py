@@ -79,6 +79,29 @@ def test_decode_attention_matches_the_fused_kernel():
         torch.testing.assert_close(out.float(), ref, rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.parametrize("S", [2, 5, 16])
+def test_verify_block_attention_matches_the_fused_kernel(S):
+    """A few masked query rows (a verify block: causal over the cache; a token tree: any mask) take the two-matmul
+    path and agree with SDPA; longer blocks take SDPA itself."""
+    torch.manual_seed(S)
+    H, KV, L = 9, 3, 50
+    q = torch.randn(1, H, S, 64).to(torch.bfloat16)
+    k, v = (torch.randn(1, KV, L, 64).to(torch.bfloat16) for _ in range(2))
+    causal = (torch.arange(L)[None, :] <= torch.arange(L - S, L)[:, None])[None, None]
+    tree = causal & (torch.rand(1, 1, S, L) > 0.3)
+    tree[..., torch.arange(S), torch.arange(L - S, L)] = True  # every row sees itself
+    for mask in (causal, tree):
+        ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, enable_gqa=True)
+        out = attention(q, k, v, mask)
+        assert out.dtype == torch.bfloat16 and out.shape == q.shape
+        torch.testing.assert_close(out.float(), ref, rtol=1e-2, atol=1e-2)
+    # a non-contiguous mask view (Attention._per_row slices each row's own keys)
+    wide = torch.cat([causal, torch.zeros(1, 1, S, 7, dtype=torch.bool)], dim=-1)[..., :L]
+    torch.testing.assert_close(attention(q, k, v, wide).float(),
+                               F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=causal,
+                                                              enable_gqa=True), rtol=1e-2, atol=1e-2)
+
+
 def test_prepacked_multi_row_kernel_is_bit_identical_and_never_stale():
     torch.manual_seed(1)
     lin = Linear(64, 48, bias=False).to(torch.bfloat16)
