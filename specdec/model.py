@@ -151,13 +151,14 @@ class Attention(nn.Module):
         cfg = self.cfg
         h, kvh, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         if self.qkv_proj is not None:  # one GEMM for q, k and v (fuse_projections_)
-            q, k, v = self.qkv_proj(x).split((h * hd, kvh * hd, kvh * hd), dim=-1)
+            qkv = self.qkv_proj(x)
+            qk, v = qkv[..., :(h + kvh) * hd], qkv[..., (h + kvh) * hd:]
         else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        q, k, v = q.view(B, S, h, hd), k.view(B, S, kvh, hd), v.view(B, S, kvh, hd)
-        cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+            qk, v = torch.cat((self.q_proj(x), self.k_proj(x)), dim=-1), self.v_proj(x)
+        qk, v = qk.view(B, S, h + kvh, hd), v.view(B, S, kvh, hd)
+        # RoPE on q and k at once; `sin` carries rotate_half's sign, so rotate_half(x) * sin = roll(x) * sin_signed
+        qk = qk * cos.unsqueeze(2) + qk.roll(hd // 2, dims=-1) * sin.unsqueeze(2)
+        q, k = qk.split((h, kvh), dim=2)
         kc, vc = kv.k[layer], kv.v[layer]
         if B == 1:
             s = int(slots[0])
@@ -261,9 +262,11 @@ class CausalLM(nn.Module):
         if self._rope_cache is None or self._rope_cache[0].shape[0] < need:
             have = self._rope_cache[0].shape[0] if self._rope_cache else 0
             n = max(need, self.config.max_position_embeddings, 2 * have)
-            self._rope_cache = rope_tables(self.config, n, self.device, self.dtype)
-        cos, sin = self._rope_cache
-        return cos[positions], sin[positions]
+            cos, sin = rope_tables(self.config, n, self.device, self.dtype)
+            half = self.config.head_dim // 2  # rotate_half negates the first half: fold that sign into sin
+            self._rope_cache = (cos, torch.cat((-sin[:, :half], sin[:, half:]), dim=-1))
+        cos, sin_signed = self._rope_cache
+        return cos[positions], sin_signed[positions]
 
     def full_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.expand_logits(self.lm_head(hidden).float())
