@@ -47,8 +47,9 @@ class LocalStack:
                  port: int = 0, threads: int = 1, ray_cpus: int = 2, pipelines: int = 1, use_ray: bool = True,
                  start_timeout_s: float = 600.0, max_new_tokens_cap: int = 4096, quiet: bool = True,
                  draft_port: int = 0, target_port: int = 0, max_sessions: int = 8, max_context: int = 2048,
-                 metrics: bool = False):
+                 metrics: bool = False, dtype: str = "auto"):
         self.target, self.draft, self.preverifier = target, draft, preverifier
+        self.dtype = dtype  # the replicas' --dtype
         self.host, self.port, self.threads = host, port, threads
         self.ray_cpus, self.pipelines, self.use_ray = ray_cpus, pipelines, use_ray
         self.start_timeout_s, self.cap, self.quiet = start_timeout_s, max_new_tokens_cap, quiet
@@ -71,7 +72,7 @@ class LocalStack:
                "--port", str(port), "--metrics-port", str(self.metrics_ports.get(kind, 0)),
                "--threads", str(self.threads), "--log-level", "WARNING", "--grace-s", "1",
                "--max-sessions", str(self.max_sessions), "--max-context", str(self.max_context),
-               "--exit-with-parent", str(os.getpid()), *extra]  # a parent killed without cleanup: no orphans
+               "--dtype", self.dtype, "--exit-with-parent", str(os.getpid()), *extra]  # a parent killed without cleanup: no orphans
         env = dict(os.environ, OMP_NUM_THREADS=str(self.threads), MKL_NUM_THREADS=str(self.threads))
         proc = subprocess.Popen(cmd, stdout=logf.open("w"), stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True)

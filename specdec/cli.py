@@ -39,6 +39,8 @@ def _add_models(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-model", default=DEFAULT_DRAFT, help="draft model spec (default: %(default)s)")
     p.add_argument("--preverifier", default=None, help="PACER pre-verifier dir (default: the shipped one, if any)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per model server (default: 1)")
+    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
+                   help="weights and activations (default: auto, bf16 where the hardware runs bf16 GEMMs natively)")
     p.add_argument("--ray-cpus", type=int, default=2, help="CPUs of the local Ray instance (default: 2)")
     p.add_argument("--max-sessions", type=int, default=8, help="session slots per model server (default: 8)")
     p.add_argument("--max-context", type=int, default=2048,
@@ -157,7 +159,7 @@ async def _generate_remote(args) -> dict:
     draft = None if args.mode == "ar" and args.draft_model == DEFAULT_DRAFT else args.draft_model
     async with LocalStack(args.target_model, draft, _default_preverifier(args), threads=args.threads,
                           ray_cpus=args.ray_cpus, max_sessions=args.max_sessions,
-                          max_context=args.max_context) as stack:
+                          max_context=args.max_context, dtype=args.dtype) as stack:
         return await _call(stack.address, args)
 
 
@@ -178,13 +180,13 @@ def _generate_in_process(args) -> dict:
     draft = None
     pv = None
     if args.mode != "ar":
-        draft = load_model_dir(resolve_model(args.draft_model), dtype="auto", role="draft")
+        draft = load_model_dir(resolve_model(args.draft_model), dtype=args.dtype, role="draft")
         pv_path = _default_preverifier(args)
         if pv_path:
             from specdec.preverifier import load_preverifier
 
             pv = load_preverifier(pv_path, draft_model=draft)
-    engine = Engine(load_model_dir(tdir, dtype="auto", role="target"), draft, preverifier=pv,
+    engine = Engine(load_model_dir(tdir, dtype=args.dtype, role="target"), draft, preverifier=pv,
                     threads_per_model=args.threads, max_sessions=1,
                     max_context=args.max_context)
     ids = encode_prompt(tok, prompt=args.prompt)
@@ -248,7 +250,7 @@ def cmd_serve(args) -> int:
         async with LocalStack(args.target_model, args.draft_model, _default_preverifier(args), host=args.host,
                               port=args.port, threads=args.threads, ray_cpus=args.ray_cpus,
                               pipelines=args.pipelines, quiet=False, max_sessions=args.max_sessions,
-                              max_context=args.max_context) as stack:
+                              max_context=args.max_context, dtype=args.dtype) as stack:
             print(f"specdec serving specdec.v1.GenerationService on {args.host}:{stack.app.port} "
                   f"(target {args.target_model}, draft {args.draft_model}); Ctrl-C stops", flush=True)
             await stop.wait()

@@ -39,7 +39,7 @@ def test_generate_in_process_json(pair, capsys):
     tdir, ddir, ref = pair
     for mode in ("ar", "sd"):
         rc = cli.main(["generate", PROMPT, "--in-process", "--mode", mode, "--target-model", tdir, "--draft-model",
-                       ddir, "--max-new-tokens", "12", "--json"])
+                       ddir, "--max-new-tokens", "12", "--json", "--dtype", "float32"])
         assert rc == 0
         out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
         assert out["token_ids"] == ref and out["finish_reason"] == "length"
@@ -86,7 +86,7 @@ def test_generate_embedded_stack(pair):
     """No --coordinator: replicas in subprocesses, a local Ray instance, the coordinator; then all stopped."""
     tdir, ddir, ref = pair
     p = subprocess.run([sys.executable, "-m", "specdec.cli", "generate", PROMPT, "--target-model", tdir,
-                        "--draft-model", ddir, "--mode", "pearl", "--max-new-tokens", "12"],
+                        "--draft-model", ddir, "--mode", "pearl", "--max-new-tokens", "12", "--dtype", "float32"],
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     lines = p.stdout.split("\n")
