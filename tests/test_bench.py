@@ -60,6 +60,7 @@ def test_bench_end_to_end(models):
     assert all(r["stack_slowdown_vs_in_process"] is not None and r["network_share"] is not None for r in stack)
     sweep = [r for r in rows if r.get("sweep")]
     assert [r["concurrency"] for r in sweep] == [1, 2]
+    assert len({r["n"] for r in sweep}) == 1, "every level serves the same requests (in waves)"
     assert all(r["latency_p50_s"] > 0 and r["latency_p99_s"] >= r["latency_p50_s"] for r in sweep)
     assert rows[0]["run"]["git_commit"] is not None and rows[0]["run"]["cores"] >= 1
     md = Path(f"{out}.md").read_text()

@@ -183,7 +183,7 @@ class Bench:
         if o.concurrency_mode in ("pacer", "pacer_pearl") and self.pv_path is None:
             conc = []
         n_main = len(self.prompts) * o.repeats * len(o.temperatures) * len(self.configs)
-        n_conc = sum(conc) * o.concurrency_repeats
+        n_conc = len(conc) * max(conc, default=0) * o.concurrency_repeats
         bar = _progress(n_main + n_conc + len(self.configs), o.progress)
         first = self.prompts[0].ids
         for cfg in self.configs:  # warm up every path (allocations, connections, lazy imports)
@@ -206,19 +206,25 @@ class Bench:
         crecs: list[ConcurrencyRecord] = []
         cfg = self._conc_cfg()
         for rep in range(o.concurrency_repeats):
+            # every level serves the same requests (the largest level's), c at a time in waves: the ratio between
+            # levels compares one workload, not whichever prompts a level happened to draw
+            picks = [self.prompts[(rep * 7 + i) % len(self.prompts)] for i in range(max(conc, default=0))]
             for c in conc:
                 bar.set_postfix_str(f"concurrency {c} r{rep}")
-                picks = [self.prompts[(rep * 7 + i) % len(self.prompts)] for i in range(c)]
-                crecs.append(self.loop.run_until_complete(self._concurrent(cfg, picks, rep)))
-                bar.update(c)
+                crecs.append(self.loop.run_until_complete(self._concurrent(cfg, picks, c, rep)))
+                bar.update(len(picks))
         bar.close()
         return records, crecs
 
-    async def _concurrent(self, cfg: Config, picks, rep: int) -> ConcurrencyRecord:
-        t0 = time.perf_counter()
-        samples = await asyncio.gather(*(self.client.generate(p.ids, cfg.mode, cfg.gamma, 0.0, rep, self.opts.max_new_tokens)
-                                         for p in picks))
-        return ConcurrencyRecord(len(picks), rep, time.perf_counter() - t0, list(samples))
+    async def _concurrent(self, cfg: Config, picks, c: int, rep: int) -> ConcurrencyRecord:
+        """`picks` in waves of `c` simultaneous requests; the makespan is the waves' total."""
+        makespan, samples = 0.0, []
+        for i in range(0, len(picks), c):
+            t0 = time.perf_counter()
+            samples += await asyncio.gather(*(self.client.generate(p.ids, cfg.mode, cfg.gamma, 0.0, rep,
+                                                                   self.opts.max_new_tokens) for p in picks[i:i + c]))
+            makespan += time.perf_counter() - t0
+        return ConcurrencyRecord(c, rep, makespan, list(samples))
 
 
 async def _drain(tasks) -> None:
