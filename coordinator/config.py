@@ -10,7 +10,7 @@ from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
 from specdec.defaults import COORDINATOR_METRICS_PORT, COORDINATOR_PORT, DEFAULT_TARGET
-from specdec.request import MAX_SPEC_OFF_BATCH
+from specdec.request import DEFAULT_POST_THRESHOLD, MAX_SPEC_OFF_BATCH
 from specdec.server.settings import ServerSettings
 
 
@@ -39,6 +39,10 @@ class CoordinatorSettings(ServerSettings):
                                 description="requests that leave spec_off_batch unset get this: rounds are plain "
                                             "target steps while the target batches at least this many sessions "
                                             "(0: always speculate)")
+    pacer_post_threshold: float = Field(DEFAULT_POST_THRESHOLD, ge=0.0, le=1.0,
+                                        description="pacer_pearl requests that leave it unset get this θ for drafting "
+                                                    "in a verify's shadow: high where draft and target share a host's "
+                                                    "cores, low where they run on separate machines")
     rpc_timeout_s: float = Field(60.0, gt=0, description="timeout of one replica call")
     pool_view_refresh_s: float = Field(0.5, gt=0, description="how often pipelines refresh pool membership")
     grace_s: float = Field(30.0, ge=0, description="drain time for in-flight requests on shutdown")

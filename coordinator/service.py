@@ -86,10 +86,11 @@ class Prepared:
 
 class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     def __init__(self, router, tokenizer=None, eos_token_ids=(), max_new_tokens_cap: int = 4096, metrics=None,
-                 spec_off_batch: int = 0):
+                 spec_off_batch: int = 0, pacer_post_threshold: float | None = None):
         self.router, self.tok, self.eos = router, tokenizer, tuple(sorted(eos_token_ids))
         self.cap, self.metrics = max_new_tokens_cap, metrics
-        self.spec_off_batch = spec_off_batch  # default for requests that leave it unset
+        self.spec_off_batch = spec_off_batch  # defaults for requests that leave them unset
+        self.pacer_post_threshold = pacer_post_threshold
 
     # -- request → token ids --------------------------------------------------------------------------------
     def prepare(self, r: generation_pb2.GenerateRequest) -> Prepared:
@@ -116,6 +117,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             raise InvalidRequestError("pacer_threshold", f"must be in [0, 1], got {r.pacer_threshold}")
         if r.HasField("pacer_skip_below") and not 0.0 <= r.pacer_skip_below <= 1.0:
             raise InvalidRequestError("pacer_skip_below", f"must be in [0, 1], got {r.pacer_skip_below}")
+        if r.HasField("pacer_post_threshold") and not 0.0 <= r.pacer_post_threshold <= 1.0:
+            raise InvalidRequestError("pacer_post_threshold", f"must be in [0, 1], got {r.pacer_post_threshold}")
         if r.HasField("pearl_first_block") and not 0 <= r.pearl_first_block <= 64:
             raise InvalidRequestError("pearl_first_block", f"must be in [0, gamma] (0: PEARL pre-verify), "
                                                            f"got {r.pearl_first_block}")
@@ -156,6 +159,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                "pacer_skip_below": r.pacer_skip_below if r.HasField("pacer_skip_below") else None,
                "pearl_first_block": r.pearl_first_block if r.HasField("pearl_first_block") else None,
                "spec_off_batch": r.spec_off_batch if r.HasField("spec_off_batch") else self.spec_off_batch,
+               "pacer_post_threshold": (r.pacer_post_threshold if r.HasField("pacer_post_threshold")
+                                        else self.pacer_post_threshold),
                "eos_token_ids": list(self.eos)}
         return Prepared(req, TextAssembler(self.tok, ids, list(r.stop)))
 

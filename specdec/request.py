@@ -18,6 +18,14 @@ MODES = ("ar", "sd", "pacer", "pearl", "pacer_pearl")
 # an upper bound only, since drafting runs while the target verifies and is cut off when the verify returns;
 # 8 draft tokens take about as long as one target verify of the default pair (8.3 ms vs ~76-100 ms).
 MAX_SPEC_OFF_BATCH = 1024  # largest spec_off_batch a request (or the coordinator's default) may set
+# pacer_pearl, drafting in the shadow of a verify: the pre-verifier stops it when its score falls below θ_post. If a
+# shadow draft token cost only its extra verify row, θ_post = (cost of a row) / (wall time per generated token)
+# ≈ 0.01 here. But where draft and target share a host's cores and memory bandwidth (the 2-core CPU deployment,
+# `specdec serve`), every shadow token also slows the verify it hides behind. In process, greedy, θ_post 0.3 / 0.6 /
+# 0.9: 42.3 / 48.4 / 49.7 tok/s over 16 prompts (session 12), 44.5 / 47.2 / 45.8 over 8 (session 11); 0.6 and 0.9
+# tie, 0.3 loses 6-17 % (docs/pacer.md, "Shadow drafting θ"). Replicas on machines of their own should set a low
+# value (COORDINATOR_PACER_POST_THRESHOLD, or per request).
+DEFAULT_POST_THRESHOLD = 0.6
 DEFAULT_GAMMA = {"ar": 4, "sd": 4, "pacer": 8, "pearl": 8, "pacer_pearl": 8}
 
 
@@ -56,8 +64,10 @@ class GenerationRequest:
             raise InvalidRequestError("gamma", f"must be in [1, 64], got {self.gamma}")
         if self.block_size is not None and self.block_size < 1:
             raise InvalidRequestError("block_size", f"must be >= 1, got {self.block_size}")
-        if self.pacer_skip_below is not None and not 0.0 <= self.pacer_skip_below <= 1.0:
-            raise InvalidRequestError("pacer_skip_below", f"is a probability in [0, 1], got {self.pacer_skip_below}")
+        for name in ("pacer_skip_below", "pacer_post_threshold"):
+            v = getattr(self, name)
+            if v is not None and not 0.0 <= v <= 1.0:
+                raise InvalidRequestError(name, f"is a probability in [0, 1], got {v}")
         if self.pearl_first_block is not None and not 0 <= self.pearl_first_block <= self.gamma:
             raise InvalidRequestError("pearl_first_block", f"must be in [0, gamma={self.gamma}] (0: PEARL pre-verify), "
                                       f"got {self.pearl_first_block}")

@@ -29,19 +29,13 @@ import time
 from typing import AsyncIterator, Callable, Protocol
 
 from specdec.errors import InvalidRequestError
-from specdec.request import GenerationRequest, GenerationResult, GenerationStats  # generate's types, re-exported
+from specdec.request import (DEFAULT_POST_THRESHOLD, GenerationRequest, GenerationResult,  # noqa: F401 (re-exported)
+                             GenerationStats)
 from specdec.sampling import SamplingParams
 from specdec.stop import StopSpec
 from specdec.verify import SparseDist
 from specdec.workers import DraftBlock, TargetFeatures, VerifyOutcome
 
-# pacer_pearl, drafting in the shadow of a verify: the pre-verifier stops it when its score falls below θ_post.
-# If a shadow draft token cost only its extra verify row, θ_post = (cost of a row) / (wall time per generated
-# token) ≈ 0.01 here (0.9 ms vs ~85 ms). But where draft and target share a host's cores and memory bandwidth
-# (the 2-core CPU deployment), every shadow token also slows the verify it hides behind, and the 4-layer g1 draft
-# costs 0.09 of a target step. Measured with g1 (docs/pacer.md, "Shadow drafting θ"): θ_post 0.01 / 0.1 / 0.3 gave
-# 12.3 / 13.2 / 13.4 tok/s in process, wasting 4.6 / 3.1 / 2.2 draft tokens per generated token.
-DEFAULT_POST_THRESHOLD = 0.3
 # pearl: draft tokens a draft-first PRE round waits for before its first verify; pacer_pearl lets PACER choose
 # that length instead (up to the window). Used when the request leaves pearl_first_block unset and the session's
 # last verify ran alone (batched: PEARL's pre-verify).

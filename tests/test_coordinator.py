@@ -256,6 +256,7 @@ async def test_pearl_draft_and_target_really_overlap():
     (dict(prompt_token_ids=[1], mode="pearl", pearl_first_block=-1), "pearl_first_block"),
     (dict(prompt_token_ids=[1], mode="pearl", gamma=4, pearl_first_block=5), "pearl_first_block"),
     (dict(prompt_token_ids=[1], spec_off_batch=-1), "spec_off_batch"),
+    (dict(prompt_token_ids=[1], mode="pacer_pearl", pacer_post_threshold=1.5), "pacer_post_threshold"),
 ])
 async def test_bad_requests_are_invalid_argument(stack, kw, field):
     with pytest.raises(grpc.aio.AioRpcError) as e:
@@ -277,6 +278,20 @@ async def test_pacer_skip_over_the_wire(stack):
     assert list(some.token_ids) == list(plain.token_ids) == ref
     assert plain.stats.draft_tokens > some.stats.draft_tokens
     await until(lambda: stack.sessions() == 0)
+
+
+def test_pacer_post_threshold_reaches_the_schedule():
+    """A request's pacer_post_threshold, else the coordinator's default (COORDINATOR_PACER_POST_THRESHOLD), is
+    the θ that stops pacer_pearl's drafting in a verify's shadow."""
+    from coordinator.pipeline import request_from_dict
+    from coordinator.service import GenerationServicer
+    from specdec.schedule import _post_stop_spec
+
+    svc = GenerationServicer(router=None, pacer_post_threshold=0.42)
+    for kw, want in ((dict(), 0.42), (dict(pacer_post_threshold=0.1), 0.1)):
+        prepared = svc.prepare(g.GenerateRequest(prompt_token_ids=[1, 2], mode="pacer_pearl", **kw))
+        spec = _post_stop_spec(request_from_dict(prepared.request).validate())
+        assert (spec.kind, spec.threshold) == ("pacer", pytest.approx(want))
 
 
 async def test_spec_off_batch_over_the_wire(stack):
