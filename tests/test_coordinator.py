@@ -280,7 +280,7 @@ async def test_pacer_skip_over_the_wire(stack):
     await until(lambda: stack.sessions() == 0)
 
 
-def test_pacer_post_threshold_reaches_the_schedule():
+async def test_pacer_post_threshold_reaches_the_schedule():
     """A request's pacer_post_threshold, else the coordinator's default (COORDINATOR_PACER_POST_THRESHOLD), is
     the θ that stops pacer_pearl's drafting in a verify's shadow."""
     from coordinator.pipeline import request_from_dict
