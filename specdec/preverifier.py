@@ -168,11 +168,9 @@ class Preverifier(nn.Module):
     def folded(self) -> "_Folded":
         """The folded input layer of the round scorer, rebuilt when a parameter changed (training, `.to()`)."""
         key = tuple((p.data_ptr(), p._version) for p in self.parameters())
-        cached = self.__dict__.get("_folded_cache")
-        if cached is None or cached[0] != key:
-            cached = (key, _Folded(self))
-            self.__dict__["_folded_cache"] = cached
-        return cached[1]
+        if getattr(self, "_folded_cache", (None,))[0] != key:
+            self._folded_cache = (key, _Folded(self))
+        return self._folded_cache[1]
 
 
 def scalar_row(logq: list[float], entropy: list[float], t: int) -> list[float]:

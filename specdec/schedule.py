@@ -29,8 +29,8 @@ import time
 from typing import AsyncIterator, Callable, Protocol
 
 from specdec.errors import InvalidRequestError
-from specdec.request import (DEFAULT_POST_THRESHOLD, GenerationRequest, GenerationResult,  # noqa: F401 (re-exported)
-                             GenerationStats)
+from specdec.request import GenerationRequest, GenerationResult, GenerationStats  # generate's types, re-exported
+from specdec.request import DEFAULT_POST_THRESHOLD
 from specdec.sampling import SamplingParams
 from specdec.stop import StopSpec
 from specdec.verify import SparseDist
