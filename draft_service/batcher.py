@@ -4,9 +4,10 @@ Policy
 - Every Draft/DraftStream call becomes a `DraftCall` in the active set. Each step is ONE padded forward of the
   draft (`DraftWorker.advance`) in which every active call drafts one token; a finished call leaves at once and
   a newly arrived one joins at the next step boundary, so nobody waits for another session's whole draft.
-- A call alone runs the exact single-session forward, several tokens per model-thread hop (the step loop only
-  returns to the event loop when a block is complete or a new call arrived), so single-stream latency pays
-  nothing for batching.
+- A call alone runs the exact single-session forward. The model thread hands each completed block to its
+  consumer as it completes (`call_soon_threadsafe`) and drafts on; it returns to the event loop only when a call
+  finishes or the set of calls changes (one arrived, one was abandoned). So a block costs no thread hop: the
+  model thread never idles between the blocks of a call, exactly as in the in-process engine.
 - One call per session at a time: a newer call of a session waits until its older call has left (PEARL cuts the
   shadow draft and immediately drafts again; the cut lands at the older call's next step).
 - More than `max_queue` waiting calls → CapacityError (RESOURCE_EXHAUSTED). At most `max_batch_size` calls share
@@ -18,10 +19,16 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
+from specdec.drafting import DraftBlock
 from specdec.errors import CapacityError
 from specdec.server.runner import cancel_and_wait
 
 _END = object()
+
+
+def _join(a: DraftBlock, b: DraftBlock) -> DraftBlock:
+    """Two consecutive blocks of one call as one (b's end state: final, stop reason, score)."""
+    return DraftBlock(a.tokens + b.tokens, a.q + b.q, b.stop_reason, a.draft_ns + b.draft_ns, b.final, b.score)
 
 
 @dataclass(eq=False)
@@ -68,14 +75,23 @@ class DraftBatcher:
             self.metrics.queue_depth.set(len(self._pending))
 
     async def blocks(self, entry: DraftEntry):
-        """The call's DraftBlocks, the last one final. Leaving early abandons the call."""
+        """The call's DraftBlocks, the last one final. Blocks that completed while the consumer was busy come
+        as one (a message less on the wire; the tokens, their q and order are the same). Leaving early abandons
+        the call."""
+        held = None
         try:
             while True:
-                item = await entry.blocks.get()
+                item, held = (held, None) if held is not None else (await entry.blocks.get(), None)
                 if item is _END:
                     return
                 if isinstance(item, BaseException):
                     raise item
+                while not item.final and not entry.blocks.empty():
+                    nxt = entry.blocks.get_nowait()
+                    if not isinstance(nxt, DraftBlock):
+                        held = nxt  # an error or the end: after this block
+                        break
+                    item = _join(item, nxt)
                 yield item
                 if item.final:
                     return
@@ -101,9 +117,9 @@ class DraftBatcher:
         self._depth()
         return admitted
 
-    def _steps(self, new: list[DraftEntry], active: list[DraftEntry]):
-        """On the model thread: begin the new calls, then advance everyone until some block is complete (or a
-        call arrives or leaves). → ({entry: [blocks]}, {entry: exception})."""
+    def _steps(self, new: list[DraftEntry], active: list[DraftEntry], emit):
+        """On the model thread: begin the new calls, then advance everyone, handing each completed block to
+        `emit(entry, block)`, until some call finishes (or a call arrives or leaves). → {entry: exception}."""
         errors = {}
         for e in new:
             try:
@@ -111,18 +127,24 @@ class DraftBatcher:
                 active.append(e)
             except Exception as exc:  # noqa: BLE001 - reported to that call's consumer
                 errors[e] = exc
-        out: dict[DraftEntry, list] = {}
-        while active and not out:
+        finished = False
+        while active and not finished:
             if any(e.abandoned for e in active):
                 break  # someone left: free its place first
             for e, blocks in zip(active, self.worker.advance([e.call for e in active])):
-                if blocks:
-                    out[e] = blocks
+                for b in blocks:
+                    emit(e, b)
+                    finished = finished or b.final
             if self._pending:
                 break
-        return out, errors
+        return errors
 
     async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+
+        def emit(e: DraftEntry, block) -> None:  # on the model thread; the loop runs these in order, before
+            loop.call_soon_threadsafe(e.blocks.put_nowait, block)  # it sees the step's result
+
         while True:
             self._active = [e for e in self._active if not e.abandoned]
             new = self._admit()
@@ -133,15 +155,12 @@ class DraftBatcher:
                 continue
             active = list(self._active)
             try:
-                out, errors = await self.runner.run(self._steps, new, active)
+                errors = await self.runner.run(self._steps, new, active, emit)
             except Exception as exc:  # noqa: BLE001 - an unexpected failure fails every call in the step
-                out, errors = {}, {e: exc for e in new + active}
+                errors = {e: exc for e in new + active}
                 active = []
             for e, exc in errors.items():
                 e.blocks.put_nowait(exc)
-            for e, blocks in out.items():
-                for b in blocks:
-                    e.blocks.put_nowait(b)
             self._active = [e for e in active if not e.call.done and e not in errors]
             if self.metrics is not None and active:
                 self.metrics.batch_size.observe(len(active))

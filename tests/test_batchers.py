@@ -82,3 +82,79 @@ async def test_draft_queue_limit_is_reported():
     batcher.submit("s2", 0, [1], 4, None, 0)
     with pytest.raises(CapacityError, match="draft queue is full"):
         batcher.submit("s3", 0, [1], 4, None, 0)
+
+
+class BlockDraft:
+    """A fake draft: each call drafts `n` one-token blocks, one per `advance` (`step_s` each)."""
+
+    def __init__(self, n: int, step_s: float = 0.0):
+        self.n, self.step_s = n, step_s
+
+    def begin(self, session_id, base, append, gamma_max, stop, block_size, features=None):
+        from types import SimpleNamespace
+
+        return SimpleNamespace(done=False, made=0, base=base)
+
+    def advance(self, calls):
+        from specdec.workers import DraftBlock
+
+        time.sleep(self.step_s)
+        out = []
+        for c in calls:
+            c.made += 1
+            c.done = c.made >= self.n
+            out.append([DraftBlock([c.base + c.made], [], "gamma_max" if c.done else "", 1, final=c.done)])
+        return out
+
+
+class CountingThread(ModelThread):
+    def __init__(self):
+        super().__init__("fake-draft")
+        self.hops = 0
+
+    async def run(self, fn, *args, **kwargs):
+        self.hops += 1
+        return await super().run(fn, *args, **kwargs)
+
+
+@pytest.mark.asyncio
+async def test_draft_blocks_reach_the_consumer_without_a_thread_hop_each():
+    """A lone call's blocks stream out while the model thread drafts on: one hop for the whole call, and the
+    consumer still sees the first block before the call ends."""
+    from draft_service.batcher import DraftBatcher
+
+    runner = CountingThread()
+    batcher = DraftBatcher(BlockDraft(n=6, step_s=0.01), runner)
+    batcher.start()
+    try:
+        entry = batcher.submit("s", 100, [1], 6, None, 1)
+        got, first_at, t0 = [], None, time.monotonic()
+        async for blk in batcher.blocks(entry):
+            first_at = first_at if first_at is not None else time.monotonic() - t0
+            got.append(blk)
+        total = time.monotonic() - t0
+    finally:
+        await batcher.close()
+        runner.close()
+    assert [t for b in got for t in b.tokens] == [101, 102, 103, 104, 105, 106]
+    assert got[-1].final and got[-1].stop_reason == "gamma_max" and not any(b.final for b in got[:-1])
+    assert sum(b.draft_ns for b in got) == 6
+    assert runner.hops == 1, f"the model thread returned to the loop {runner.hops} times for one call"
+    assert first_at < total / 2, f"the first block came at {first_at:.3f}s of {total:.3f}s"
+
+
+@pytest.mark.asyncio
+async def test_draft_blocks_queued_behind_a_slow_consumer_come_as_one():
+    from draft_service.batcher import DraftBatcher
+
+    runner = ModelThread("fake-draft")
+    batcher = DraftBatcher(BlockDraft(n=5), runner)
+    batcher.start()
+    try:
+        entry = batcher.submit("s", 0, [1], 5, None, 1)
+        await asyncio.sleep(0.2)  # the whole call drafts before the consumer reads
+        got = [b async for b in batcher.blocks(entry)]
+    finally:
+        await batcher.close()
+        runner.close()
+    assert len(got) == 1 and got[0].tokens == [1, 2, 3, 4, 5] and got[0].final and got[0].draft_ns == 5
