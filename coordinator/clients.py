@@ -23,16 +23,14 @@ import grpc
 
 from specdec.pb import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from specdec.sampling import SamplingParams
-from specdec.server.convert import decode_q, encode_q, features_from_proto, features_to_proto
+from specdec.server.convert import (decode_q, draft_block, draft_request, encode_q, features_from_proto,
+                                   features_to_proto, sampling_to_proto)
 from specdec.stop import StopSpec
 from specdec.verify import SparseDist
 from specdec.workers import DraftBlock, TargetFeatures, VerifyOutcome
 
 log = logging.getLogger(__name__)
 MAX_FAILOVERS = 4
-_KIND = {"fixed": draft_pb2.STOP_KIND_FIXED, "pacer": draft_pb2.STOP_KIND_PREVERIFIER}
-_REASON = {draft_pb2.STOP_REASON_GAMMA_MAX: "gamma_max", draft_pb2.STOP_REASON_PREVERIFIER: "preverifier",
-           draft_pb2.STOP_REASON_CANCELLED: "cancelled"}
 _METHOD = {"greedy": common_pb2.VERIFY_METHOD_GREEDY, "token": common_pb2.VERIFY_METHOD_TOKEN,
            "block": common_pb2.VERIFY_METHOD_BLOCK}
 CHANNEL_OPTIONS = [("grpc.keepalive_time_ms", 30_000), ("grpc.keepalive_timeout_ms", 10_000),
@@ -89,10 +87,6 @@ class PoolView:
         return bool(live) and endpoint not in live  # an empty view (blip, startup) moves nothing
 
 
-def sampling_pb(p: SamplingParams) -> common_pb2.SamplingParams:
-    return common_pb2.SamplingParams(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=p.seed)
-
-
 def _retryable(e: BaseException) -> str | None:
     if isinstance(e, grpc.aio.AioRpcError):
         if e.code() == grpc.StatusCode.UNAVAILABLE:
@@ -127,7 +121,7 @@ class _Pinned:
                    else target_pb2.TargetServiceStartSessionRequest)
         t0 = time.perf_counter_ns()
         r = await stub.StartSession(req_cls(session_id=self.sid, prompt_ids=prompt_ids,
-                                            params=sampling_pb(self.params), **self.start_kw, **extra),
+                                            params=sampling_to_proto(self.params), **self.start_kw, **extra),
                                     timeout=self.timeout)
         self.network_ns += time.perf_counter_ns() - t0 - r.prefill_ns
         self.fed = list(prompt_ids[:-1])
@@ -242,17 +236,35 @@ class RemoteDraft(_Pinned):
         extra = {"features": [features_to_proto(f) for f in features]} if features else {}
         await super().start(session_id, prompt_ids, params, **extra)
 
+    async def draft(self, session_id: str, base_position: int, append: list[int], gamma_max: int, stop: StopSpec,
+                    block_size: int, features: list[TargetFeatures] | None = None) -> DraftBlock:
+        """The unary Draft: one message back, and the replica may draft it on its event loop (no thread hop)."""
+        req = draft_request(draft_pb2.DraftRequest, session_id, base_position, append, gamma_max, stop, block_size,
+                            features)
+
+        async def rebuild():
+            await self._start_on(self.fed[:base_position] + append[:1])
+
+        await self._move_if_gone(rebuild)
+        while True:
+            t0 = time.perf_counter_ns()
+            try:
+                r = await self._stub().Draft(req, timeout=self.timeout)
+            except grpc.aio.AioRpcError as e:
+                self.network_ns += time.perf_counter_ns() - t0
+                await self._recover(e)
+                await rebuild()
+                continue
+            self.network_ns += max(0, time.perf_counter_ns() - t0 - r.draft_ns)
+            blk = draft_block(r)
+            self.fed = self.fed[:base_position] + list(append) + blk.tokens[:-1]
+            return blk
+
     async def draft_stream(self, session_id: str, base_position: int, append: list[int], gamma_max: int,
                            stop: StopSpec, block_size: int,
                            features: list[TargetFeatures] | None = None) -> AsyncIterator[DraftBlock]:
-        rule = draft_pb2.StopRule(kind=_KIND[stop.kind])
-        if stop.threshold is not None:
-            rule.threshold = stop.threshold
-        if stop.skip_below is not None:
-            rule.skip_below = stop.skip_below
-        req = draft_pb2.DraftStreamRequest(session_id=session_id, base_position=base_position, append_ids=append,
-                                           gamma_max=gamma_max, stop=rule, block_size=block_size,
-                                           features=[features_to_proto(f) for f in features or []])
+        req = draft_request(draft_pb2.DraftStreamRequest, session_id, base_position, append, gamma_max, stop,
+                            block_size, features)
         got: list[int] = []  # tokens delivered to the schedule
         self._cancelled = False
 
@@ -276,9 +288,7 @@ class RemoteDraft(_Pinned):
                                 continue
                             q = decode_q(r.q)[n:]
                         got.extend(toks)
-                        yield DraftBlock(tokens=toks, q=q if q is not None else decode_q(r.q),
-                                         stop_reason=_REASON.get(r.stop_reason, ""), draft_ns=r.draft_ns,
-                                         final=r.last)
+                        yield draft_block(r, toks, q)
                     return
                 except asyncio.CancelledError:
                     task = asyncio.current_task()

@@ -4,6 +4,7 @@ Policy
 - Every Draft/DraftStream call becomes a `DraftCall` in the active set. Each step is ONE padded forward of the
   draft (`DraftWorker.advance`) in which every active call drafts one token; a finished call leaves at once and
   a newly arrived one joins at the next step boundary, so nobody waits for another session's whole draft.
+- A unary call alone, with one torch thread, is drafted on the event loop's thread (`draft_here`).
 - A call alone runs the exact single-session forward. The model thread hands each completed block to its
   consumer as it completes (`call_soon_threadsafe`) and drafts on; it returns to the event loop only when a call
   finishes or the set of calls changes (one arrived, one was abandoned). So a block costs no thread hop: the
@@ -69,6 +70,15 @@ class DraftBatcher:
         self._depth()
         self._arrived.set()
         return e
+
+    def draft_here(self, session_id: str, *args):
+        """A lone unary call, drafted right here on the event loop's thread: no hand-off to the model thread and
+        back, no block hops. Only when nothing else drafts or waits and the model thread is idle
+        (`ModelThread.can_run_here`); the loop is busy for the call's few tokens, and a call that arrives meanwhile
+        starts right after it. → the whole draft as one DraftBlock, or None: `submit` it instead."""
+        if self._active or self._pending or not self.runner.can_run_here():
+            return None
+        return self.worker.draft(session_id, *args)
 
     def _depth(self) -> None:
         if self.metrics is not None:  # the draft pool's HPA scales on this (deploy/base/draft/hpa.yaml)

@@ -10,19 +10,12 @@ from typing import AsyncIterator
 
 import grpc
 
-from specdec.pb import common_pb2, draft_pb2, draft_pb2_grpc
+from specdec.pb import draft_pb2, draft_pb2_grpc
 from specdec.sampling import SamplingParams
-from specdec.server.convert import decode_q, features_to_proto
+from specdec.server.convert import draft_block, draft_request, features_to_proto, sampling_to_proto
 from specdec.stop import StopSpec
 from specdec.workers import DraftBlock, TargetFeatures
 
-_KIND = {"fixed": draft_pb2.STOP_KIND_FIXED, "pacer": draft_pb2.STOP_KIND_PREVERIFIER}
-_REASON = {draft_pb2.STOP_REASON_GAMMA_MAX: "gamma_max", draft_pb2.STOP_REASON_PREVERIFIER: "preverifier",
-           draft_pb2.STOP_REASON_CANCELLED: "cancelled"}
-
-
-def sampling_pb(p: SamplingParams) -> common_pb2.SamplingParams:
-    return common_pb2.SamplingParams(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=p.seed)
 
 
 class DraftClient:
@@ -40,24 +33,24 @@ class DraftClient:
     async def start(self, session_id: str, prompt_ids: list[int], params: SamplingParams,
                     features: list[TargetFeatures] | None = None) -> None:
         await self.stub.StartSession(draft_pb2.DraftServiceStartSessionRequest(
-            session_id=session_id, prompt_ids=prompt_ids, params=sampling_pb(params),
+            session_id=session_id, prompt_ids=prompt_ids, params=sampling_to_proto(params),
             features=[features_to_proto(f) for f in features or []]), timeout=self.timeout)
+
+    async def draft(self, session_id: str, base_position: int, append: list[int], gamma_max: int, stop: StopSpec,
+                    block_size: int, features: list[TargetFeatures] | None = None) -> DraftBlock:
+        r = await self.stub.Draft(draft_request(draft_pb2.DraftRequest, session_id, base_position, append,
+                                                gamma_max, stop, block_size, features), timeout=self.timeout)
+        return draft_block(r)
 
     async def draft_stream(self, session_id: str, base_position: int, append: list[int], gamma_max: int,
                            stop: StopSpec, block_size: int,
                            features: list[TargetFeatures] | None = None) -> AsyncIterator[DraftBlock]:
-        rule = draft_pb2.StopRule(kind=_KIND[stop.kind])
-        if stop.threshold is not None:
-            rule.threshold = stop.threshold
-        call = self.stub.DraftStream(draft_pb2.DraftStreamRequest(
-            session_id=session_id, base_position=base_position, append_ids=append, gamma_max=gamma_max,
-            stop=rule, block_size=block_size, features=[features_to_proto(f) for f in features or []]),
-            timeout=self.timeout)
+        call = self.stub.DraftStream(draft_request(draft_pb2.DraftStreamRequest, session_id, base_position, append,
+                                                   gamma_max, stop, block_size, features), timeout=self.timeout)
         self._streams[session_id] = call
         try:
             async for r in call:
-                yield DraftBlock(tokens=list(r.token_ids), q=decode_q(r.q), stop_reason=_REASON.get(r.stop_reason, ""),
-                                 draft_ns=r.draft_ns, final=r.last)
+                yield draft_block(r)
         except (asyncio.CancelledError, grpc.aio.AioRpcError) as exc:
             # our cancel() ends the stream like the in-process backend's; anything else propagates
             ours = call in self._cancelled and (isinstance(exc, asyncio.CancelledError)

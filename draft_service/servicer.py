@@ -69,11 +69,15 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
 
     async def Draft(self, request, context) -> draft_pb2.DraftResponse:
         _, args = self._args(request)
-        entry = self.batcher.submit(*args)
-        try:
-            blocks = [b async for b in self.batcher.blocks(entry)]
-        finally:
-            entry.abandoned = True
+        blk = self.batcher.draft_here(*args)
+        if blk is not None:
+            blocks = [blk]
+        else:
+            entry = self.batcher.submit(*args)
+            try:
+                blocks = [b async for b in self.batcher.blocks(entry)]
+            finally:
+                entry.abandoned = True
         self.metrics.num_drafts.inc()
         tokens = [t for b in blocks for t in b.tokens]
         self._count(tokens)

@@ -115,6 +115,12 @@ class LocalDraft(_ThreadOwner):
                 raise item
             yield item
 
+    async def draft(self, session_id: str, base_position: int, append: list[int], gamma_max: int, stop: StopSpec,
+                    block_size: int, features: list[TargetFeatures] | None = None) -> DraftBlock:
+        rule = make_stop_rule(stop, self.worker.preverifier)
+        return await self.call(self.worker.draft, session_id, base_position, append, gamma_max, rule, block_size,
+                               features)
+
     async def cancel(self, session_id: str) -> None:
         self.worker.cancel(session_id)  # only bumps an epoch: safe from the event-loop thread
 

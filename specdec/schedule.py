@@ -50,6 +50,9 @@ class DraftBackend(Protocol):
     def draft_stream(self, session_id: str, base_position: int, append: list[int], gamma_max: int,
                      stop: StopSpec, block_size: int,
                      features: list[TargetFeatures] | None = None) -> AsyncIterator[DraftBlock]: ...
+    async def draft(self, session_id: str, base_position: int, append: list[int], gamma_max: int, stop: StopSpec,
+                    block_size: int, features: list[TargetFeatures] | None = None) -> DraftBlock:
+        """A draft nobody cuts (the stop rule or gamma_max ends it), returned whole: one message, no blocks."""
     async def cancel(self, session_id: str) -> None: ...
     async def end(self, session_id: str) -> None: ...
 
@@ -118,14 +121,17 @@ class _Run:
             self.features.append(out.features)
 
 
-async def _collect(stream: AsyncIterator[DraftBlock], run: _Run) -> DraftBlock:
-    blocks = [b async for b in stream]
-    blk = DraftBlock(tokens=[t for b in blocks for t in b.tokens], q=[d for b in blocks for d in b.q],
-                     stop_reason=blocks[-1].stop_reason if blocks else "cancelled",
-                     draft_ns=sum(b.draft_ns for b in blocks))
+def _drafted(blk: DraftBlock, run: _Run) -> DraftBlock:
     run.stats.draft_busy_s += blk.draft_ns / 1e9
     run.stats.draft_tokens += len(blk.tokens)
     return blk
+
+
+async def _collect(stream: AsyncIterator[DraftBlock], run: _Run) -> DraftBlock:
+    blocks = [b async for b in stream]
+    return _drafted(DraftBlock(tokens=[t for b in blocks for t in b.tokens], q=[d for b in blocks for d in b.q],
+                               stop_reason=blocks[-1].stop_reason if blocks else "cancelled",
+                               draft_ns=sum(b.draft_ns for b in blocks)), run)
 
 
 async def generate(req: GenerationRequest, draft: DraftBackend | None, target: TargetBackend,
@@ -240,8 +246,8 @@ async def _run_sd(run: _Run, draft: DraftBackend, target: TargetBackend) -> None
             continue
         base_d, append = run.draft_args()
         gamma = min(req.gamma, req.max_new_tokens - len(run.generated))
-        blk = await _collect(draft.draft_stream(req.session_id, base_d, append, gamma, stop, block,
-                                                run.take_features()), run)
+        blk = _drafted(await draft.draft(req.session_id, base_d, append, gamma, stop, block, run.take_features()),
+                       run)
         run.draft_fed = base_d + len(append) + len(blk.tokens) - 1
         base_t, feed = run.target_args()
         out = await target.verify(req.session_id, base_t, feed, blk.tokens, blk.q, req.method)
@@ -270,8 +276,8 @@ async def _run_pearl(run: _Run, draft: DraftBackend, target: TargetBackend) -> N
         if pending_block is None and draft_first:  # ---------------- PRE, draft first: wait for a short block
             base_d, append = run.draft_args()
             gamma = min(first_max, req.max_new_tokens - len(run.generated))
-            pending_block = await _collect(draft.draft_stream(sid, base_d, append, gamma, first_stop, first_bs,
-                                                              run.take_features()), run)
+            pending_block = _drafted(await draft.draft(sid, base_d, append, gamma, first_stop, first_bs,
+                                                       run.take_features()), run)
             run.draft_fed = base_d + len(append) + len(pending_block.tokens) - 1
             if not pending_block.tokens:  # nothing drafted (cancelled): an `ar` step
                 run.draft_fed = base_d + len(append)

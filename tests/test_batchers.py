@@ -158,3 +158,50 @@ async def test_draft_blocks_queued_behind_a_slow_consumer_come_as_one():
         await batcher.close()
         runner.close()
     assert len(got) == 1 and got[0].tokens == [1, 2, 3, 4, 5] and got[0].final and got[0].draft_ns == 5
+
+
+class ThreadRecordingTarget:
+    def __init__(self):
+        self.threads = []
+
+    def verify_batch(self, batch):
+        import threading
+
+        self.threads.append(threading.current_thread().name)
+        return [VerifyOutcome(0, 1) for _ in batch]
+
+
+@pytest.mark.asyncio
+async def test_lone_verify_runs_on_the_loop_thread_only_while_the_model_thread_is_idle():
+    """One session, one torch thread: the verify skips the hand-off to the model thread and back. While the model
+    thread still runs something (a prefill of another request, a cancelled call), it waits its turn there."""
+    import threading
+
+    import torch
+
+    from specdec.threads import set_thread_count
+
+    before = torch.get_num_threads()
+    set_thread_count(1)
+    worker, runner = ThreadRecordingTarget(), ModelThread("fake-target", threads=1)
+    batcher = VerifyBatcher(worker, runner, lambda: {"a": time.monotonic()}, window_ms=0)
+    batcher.start()
+    try:
+        await batcher.submit(VerifyArgs("a", 0, [1], []))
+        assert worker.threads == [threading.current_thread().name]
+        busy = asyncio.ensure_future(runner.run(time.sleep, 0.2))  # e.g. a StartSession prefill
+        await asyncio.sleep(0.02)
+        await batcher.submit(VerifyArgs("a", 1, [1], []))
+        assert worker.threads[-1].startswith("fake-target")
+        await busy
+        await batcher.submit(VerifyArgs("a", 2, [1], []))
+        assert worker.threads[-1] == threading.current_thread().name
+        runner2 = ModelThread("fake-target-2", threads=2)  # a multi-threaded model keeps its own thread
+        batcher.runner = runner2
+        await batcher.submit(VerifyArgs("a", 3, [1], []))
+        assert worker.threads[-1].startswith("fake-target-2")
+        runner2.close()
+    finally:
+        await batcher.close()
+        runner.close()
+        set_thread_count(before)

@@ -25,7 +25,8 @@ except ImportError:  # stubs are generated at install time (`make proto`); gener
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc  # noqa: E402
 
-from draft_service.client import DraftClient, sampling_pb  # noqa: E402
+from draft_service.client import DraftClient  # noqa: E402
+from specdec.server.convert import decode_q, sampling_to_proto as sampling_pb  # noqa: E402
 from draft_service.config import DraftSettings  # noqa: E402
 from draft_service.server import build_app as build_draft  # noqa: E402
 from specdec.engine import Engine  # noqa: E402
@@ -247,7 +248,6 @@ async def test_draft_stream_blocks_match_unary_and_retry_is_idempotent(stack):
     assert blocks[-1].stop_reason == draft_pb2.STOP_REASON_GAMMA_MAX
     unary = await d.Draft(draft_pb2.DraftRequest(**req))  # a retry of the same position
     assert list(unary.token_ids) == [t for b in blocks for t in b.token_ids]
-    from specdec.server.convert import decode_q
     q = decode_q(unary.q)
     assert len(q) == 6 and all(len(x.ids) <= 64 and abs(float(x.probs.sum()) - 1) < 1e-4 for x in q)
     assert all(int(t) in x.ids.tolist() for t, x in zip(unary.token_ids, q))
@@ -260,6 +260,45 @@ async def test_draft_stream_blocks_match_unary_and_retry_is_idempotent(stack):
     assert info.vocab_size == VOCAB and info.device == "cpu" and info.weight_quant == "none"  # an fp32 test draft
     assert (await d.EndSession(draft_pb2.DraftServiceEndSessionRequest(session_id="a"))).existed
     assert not (await d.EndSession(draft_pb2.DraftServiceEndSessionRequest(session_id="a"))).existed
+
+
+async def test_lone_calls_run_on_the_servers_event_loops_with_the_same_results(models):
+    """One torch thread per process: a lone unary Draft and a lone Verify run on the servers' event loops (no
+    hand-off to the model thread and back) and return what the model threads return."""
+    from specdec.threads import set_thread_count
+
+    before = torch.get_num_threads()
+    set_thread_count(1)
+    s = await make_stack(models, target_kw=dict(threads=1), draft_kw=dict(threads=1))
+    try:
+        d, t = s.dstub, s.tstub
+        drunner, trunner = s.draft_app.host.runner, s.target_app.host.runner
+        params = common_pb2.SamplingParams(temperature=1.0, seed=3)
+        await d.StartSession(draft_pb2.DraftServiceStartSessionRequest(session_id="x", prompt_ids=[3, 4, 5],
+                                                                       params=params))
+        await t.StartSession(target_pb2.TargetServiceStartSessionRequest(session_id="x", prompt_ids=[3, 4, 5],
+                                                                         params=params))
+        req = dict(session_id="x", base_position=2, append_ids=[5], gamma_max=4, block_size=2)
+        last = drunner._last
+        unary = await d.Draft(draft_pb2.DraftRequest(**req))
+        assert drunner._last is last, "the lone unary Draft should not go to the model thread"
+        streamed = [b async for b in d.DraftStream(draft_pb2.DraftStreamRequest(**req))]  # on the model thread
+        assert drunner._last is not last
+        assert list(unary.token_ids) == [x for b in streamed for x in b.token_ids]
+        assert decode_q(unary.q)[0].probs.tolist() == decode_q(streamed[0].q)[0].probs.tolist()
+
+        vreq = target_pb2.VerifyRequest(session_id="x", base_position=2, feed_ids=[5], draft_ids=unary.token_ids,
+                                        q=unary.q, method=common_pb2.VERIFY_METHOD_TOKEN)
+        last = trunner._last
+        here = await t.Verify(vreq)
+        assert trunner._last is last, "the lone Verify should not go to the model thread"
+        trunner._threads = 0  # now it cannot run there: the model thread verifies the same call
+        there = await t.Verify(vreq)
+        assert trunner._last is not last
+        assert (here.num_accepted, here.next_token) == (there.num_accepted, there.next_token)
+    finally:
+        await s.close()
+        set_thread_count(before)
 
 
 async def test_preverifier_stop_without_preverifier_is_invalid(stack):

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from specdec.errors import InvalidRequestError
-from specdec.pb import common_pb2
+from specdec.pb import common_pb2, draft_pb2
 
 _TO_PB = {torch.float32: common_pb2.DTYPE_FLOAT32, torch.float16: common_pb2.DTYPE_FLOAT16,
           torch.bfloat16: common_pb2.DTYPE_BFLOAT16, torch.int32: common_pb2.DTYPE_INT32,
@@ -121,3 +121,30 @@ def features_from_proto(msgs, field: str = "features") -> list:
                                       f"{rows.dtype} {list(rows.shape)}")
         out.append(TargetFeatures(int(m.start), rows))
     return out
+
+
+_STOP_KIND_PB = {"fixed": draft_pb2.STOP_KIND_FIXED, "pacer": draft_pb2.STOP_KIND_PREVERIFIER}
+_STOP_REASON = {draft_pb2.STOP_REASON_GAMMA_MAX: "gamma_max", draft_pb2.STOP_REASON_PREVERIFIER: "preverifier",
+                draft_pb2.STOP_REASON_CANCELLED: "cancelled"}
+
+
+def draft_request(msg, session_id: str, base_position: int, append: list[int], gamma_max: int, stop,
+                  block_size: int, features=None):
+    """A DraftRequest or DraftStreamRequest (`msg`) from a draft call's arguments (`stop`: a StopSpec)."""
+    rule = draft_pb2.StopRule(kind=_STOP_KIND_PB[stop.kind])
+    if stop.threshold is not None:
+        rule.threshold = stop.threshold
+    if stop.skip_below is not None:
+        rule.skip_below = stop.skip_below
+    return msg(session_id=session_id, base_position=base_position, append_ids=append, gamma_max=gamma_max,
+               stop=rule, block_size=block_size, features=[features_to_proto(f) for f in features or []])
+
+
+def draft_block(r, tokens: list[int] | None = None, q: list | None = None):
+    """A DraftResponse / DraftStreamResponse as a DraftBlock (`tokens`/`q`: override, e.g. a resumed stream's
+    undelivered part)."""
+    from specdec.workers import DraftBlock
+
+    return DraftBlock(tokens=list(r.token_ids) if tokens is None else tokens,
+                      q=decode_q(r.q) if q is None else q, stop_reason=_STOP_REASON.get(r.stop_reason, ""),
+                      draft_ns=r.draft_ns, final=getattr(r, "last", True))

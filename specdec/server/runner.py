@@ -1,14 +1,19 @@
-"""One dedicated thread per model: every model call runs there, never on the event loop.
+"""One dedicated thread per model: model calls run there, so the event loop keeps serving.
 
 torch releases the GIL inside kernels, so the loop keeps serving health checks and queueing RPCs while
 a forward runs. One thread (not a pool) serialises access to the model and its KV slots.
+
+The one exception (`can_run_here`): a single-stream call may run on the event loop's own thread while the model
+thread has nothing queued or running. A hand-off to a sleeping thread and back costs 0.2-0.6 ms on a loaded
+2-vCPU host (`scripts/handoff_latency.py`); a single stream has nothing to overlap with it. Only the loop
+submits work, and it is busy for the whole call, so the model is never driven from two threads at once.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import functools
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 
 class ModelThread:
@@ -16,6 +21,7 @@ class ModelThread:
         self._threads = threads
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name,
                                         initializer=self._init_thread)
+        self._last: Future | None = None  # the latest submission (the one thread runs them in order)
 
     def _init_thread(self):
         if self._threads:
@@ -24,8 +30,17 @@ class ModelThread:
             set_thread_count(self._threads)
 
     async def run(self, fn, *args, **kwargs):
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, functools.partial(fn, *args, **kwargs))
+        self._last = self._pool.submit(functools.partial(fn, *args, **kwargs))
+        return await asyncio.wrap_future(self._last)
+
+    def can_run_here(self) -> bool:
+        """The calling thread may run a model call now: the model thread is idle (nothing queued or still
+        running, also after a cancelled await) and both compute with one torch thread (a second OpenMP team in
+        the process would cost every parallel region a wake-up; specdec/threads.py)."""
+        import torch
+
+        return (self._threads == 1 and (self._last is None or self._last.done())
+                and torch.get_num_threads() == 1)
 
     def submit(self, fn, *args, **kwargs):
         """Blocking call from a synchronous context (startup, tests)."""
