@@ -106,9 +106,11 @@ class Pipeline:
             yield error_event(InvalidRequestError("request", str(e)))
             return
         rid = req.session_id
+        incremental = not request.get("final_only")  # False: the caller reads only the last event
 
         def on_tokens(new: list[int]) -> bool:
-            queue.put_nowait({"tokens": list(new)})
+            if incremental:
+                queue.put_nowait({"tokens": list(new)})
             return rid in self._stop
 
         task = asyncio.ensure_future(self._run(req, on_tokens))

@@ -165,10 +165,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         return Prepared(req, TextAssembler(self.tok, ids, list(r.stop)))
 
     # -- events → responses ---------------------------------------------------------------------------------
-    async def _run(self, r, context):
-        """Yields GenerateStreamResponse; the last one carries finish_reason and stats."""
+    async def _run(self, r, context, incremental: bool = True):
+        """Yields GenerateStreamResponse; the last one carries finish_reason and stats. `incremental=False`
+        (a unary call without stop strings: nothing to send or check before the end): the pipeline sends no
+        per-round events, only the final one, which carries every token."""
         p = self.prepare(r)
         asm, rid = p.assembler, p.request["request_id"]
+        p.request["final_only"] = not (incremental or asm.stop)
         t0, first = time.perf_counter(), True
         m = self.metrics
         if m:
@@ -192,8 +195,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                         code = getattr(grpc.StatusCode, ev["error"]["code"], grpc.StatusCode.INTERNAL)
                         await context.abort(code, ev["error"]["message"])
                     elif ev.get("done"):
+                        rest = ev["token_ids"][len(asm.token_ids):]  # what no per-round event carried
+                        text, ids = asm.push(rest) if rest and not asm.stopped else ("", [])
                         finish = "stop" if asm.stopped else ev["finish_reason"]
-                        tail = asm.finish()
+                        tail = text + asm.finish()
                         stats = dict(ev["stats"], completion_tokens=len(asm.token_ids))
                         if m:
                             m.requests.labels(finish).inc()
@@ -204,7 +209,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                             if stats.get("mode") != "ar":
                                 m.rounds.labels("speculative").inc(max(0, stats.get("rounds", 0) - off))
                         yield generation_pb2.GenerateStreamResponse(
-                            text_delta=tail, finish_reason=FINISH[finish], stats=stats_pb(stats))
+                            text_delta=tail, token_ids=ids, finish_reason=FINISH[finish], stats=stats_pb(stats))
                         return
         finally:
             if m:
@@ -217,7 +222,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     async def Generate(self, request, context) -> generation_pb2.GenerateResponse:
         out = generation_pb2.GenerateResponse()
         text = []
-        async for resp in self._run(request, context):
+        async for resp in self._run(request, context, incremental=False):
             text.append(resp.text_delta)
             out.token_ids.extend(resp.token_ids)
             if resp.finish_reason:

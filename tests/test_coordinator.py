@@ -135,9 +135,23 @@ async def test_pearl_first_block_both_ways_over_the_wire(stack):
 
 
 async def test_stream_concatenation_equals_unary(stack):
+    """Equal tokens either way; the unary call (no stop strings) gets one event from the pipeline, not one per
+    round."""
+    pipeline = stack.apps[0].router.pipeline
+    events = []
+    stream = pipeline.stream
+
+    async def counted(request):
+        async for ev in stream(request):
+            events.append(ev)
+            yield ev
+
+    pipeline.stream = counted
     for mode, temp in (("pearl", 0.0), ("sd", 1.0), ("ar", 0.7), ("pearl", 1.0)):
         r = req([2, 4, 6], mode, seed=11, temperature=temp, verify_method="token")
+        events.clear()
         unary = await stack.stubs["random"].Generate(r)
+        assert len(events) == 1 and events[0]["done"], [list(e) for e in events]
         ids, finals = [], []
         async for part in stack.stubs["random"].GenerateStream(r):
             ids.extend(part.token_ids)
@@ -145,6 +159,8 @@ async def test_stream_concatenation_equals_unary(stack):
                 finals.append(part)
         assert ids == list(unary.token_ids), mode
         assert len(finals) == 1 and finals[0].finish_reason == unary.finish_reason
+        assert len(events) > 2, "a stream gets the tokens of every round as they are verified"
+    pipeline.stream = stream
 
 
 async def test_text_stream_with_tokenizer_and_stop_string(tmp_path):
