@@ -200,6 +200,21 @@ class _Pinned:
         finally:
             await self.pool.release(self.kind, ep)
 
+    async def _unary(self, call, rebuild, compute):
+        """One unary RPC (`call()` makes it) with failover: after a retryable error, `rebuild` the session and
+        call again. Network time = wall time minus the `compute(response)` the replica reports."""
+        while True:
+            t0 = time.perf_counter_ns()
+            try:
+                r = await call()
+            except grpc.aio.AioRpcError as e:
+                self.network_ns += time.perf_counter_ns() - t0
+                await self._recover(e)
+                await rebuild()
+                continue
+            self.network_ns += max(0, time.perf_counter_ns() - t0 - compute(r))
+            return r
+
     async def _recover(self, e: BaseException) -> None:
         """After a retryable error: pin elsewhere (UNAVAILABLE) or stay (NOT_FOUND); the caller rebuilds."""
         why = _retryable(e)
@@ -246,19 +261,11 @@ class RemoteDraft(_Pinned):
             await self._start_on(self.fed[:base_position] + append[:1])
 
         await self._move_if_gone(rebuild)
-        while True:
-            t0 = time.perf_counter_ns()
-            try:
-                r = await self._stub().Draft(req, timeout=self.timeout)
-            except grpc.aio.AioRpcError as e:
-                self.network_ns += time.perf_counter_ns() - t0
-                await self._recover(e)
-                await rebuild()
-                continue
-            self.network_ns += max(0, time.perf_counter_ns() - t0 - r.draft_ns)
-            blk = draft_block(r)
-            self.fed = self.fed[:base_position] + list(append) + blk.tokens[:-1]
-            return blk
+        r = await self._unary(lambda: self._stub().Draft(req, timeout=self.timeout), rebuild,
+                              lambda r: r.draft_ns)
+        blk = draft_block(r)
+        self.fed = self.fed[:base_position] + list(append) + blk.tokens[:-1]
+        return blk
 
     async def draft_stream(self, session_id: str, base_position: int, append: list[int], gamma_max: int,
                            stop: StopSpec, block_size: int,
@@ -338,25 +345,19 @@ class RemoteTarget(_Pinned):
             else:
                 await self._start_on(fd[:1])
 
-        await self._move_if_gone(rebuild)
-        while True:
+        q_bytes = encode_q(q) if q else None
+
+        def call():  # built per try: a rebuild moves base and fd
             req = target_pb2.VerifyRequest(session_id=session_id, base_position=base, feed_ids=fd,
                                            draft_ids=draft, method=_METHOD[method], feed_draft=feed_draft,
-                                           sample_bonus=sample_bonus)
-            if q:
-                req.q = encode_q(q)
-            t0 = time.perf_counter_ns()
-            try:
-                r = await self._stub().Verify(req, timeout=self.timeout)
-            except grpc.aio.AioRpcError as e:
-                self.network_ns += time.perf_counter_ns() - t0
-                await self._recover(e)
-                await rebuild()
-                continue
-            self.network_ns += max(0, time.perf_counter_ns() - t0 - r.forward_ns - r.verify_ns - r.queue_ns)
-            kept = base + len(fd) + (r.num_accepted if feed_draft else 0)
-            self.fed = (self.fed[:base] + fd + (list(draft) if feed_draft else []))[:kept]
-            return VerifyOutcome(r.num_accepted, r.next_token if r.HasField("next_token") else None,
-                                 forward_ns=r.forward_ns, verify_ns=r.verify_ns, forwarded=r.forward_ns > 0,
-                                 batch_size=r.batch_size,
-                                 features=features_from_proto([r.features])[0] if r.HasField("features") else None)
+                                           sample_bonus=sample_bonus, q=q_bytes)
+            return self._stub().Verify(req, timeout=self.timeout)
+
+        await self._move_if_gone(rebuild)
+        r = await self._unary(call, rebuild, lambda r: r.forward_ns + r.verify_ns + r.queue_ns)
+        kept = base + len(fd) + (r.num_accepted if feed_draft else 0)
+        self.fed = (self.fed[:base] + fd + (list(draft) if feed_draft else []))[:kept]
+        return VerifyOutcome(r.num_accepted, r.next_token if r.HasField("next_token") else None,
+                             forward_ns=r.forward_ns, verify_ns=r.verify_ns, forwarded=r.forward_ns > 0,
+                             batch_size=r.batch_size,
+                             features=features_from_proto([r.features])[0] if r.HasField("features") else None)

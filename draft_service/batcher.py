@@ -91,7 +91,10 @@ class DraftBatcher:
         held = None
         try:
             while True:
-                item, held = (held, None) if held is not None else (await entry.blocks.get(), None)
+                if held is not None:
+                    item, held = held, None
+                else:
+                    item = await entry.blocks.get()
                 if item is _END:
                     return
                 if isinstance(item, BaseException):

@@ -17,7 +17,6 @@ from specdec.stop import StopSpec
 from specdec.workers import DraftBlock, TargetFeatures
 
 
-
 class DraftClient:
     def __init__(self, channel: grpc.aio.Channel, timeout: float = 30.0):
         self.stub = draft_pb2_grpc.DraftServiceStub(channel)
