@@ -406,3 +406,35 @@ def test_greedy_confidence_of_a_compact_head_draft_equals_the_full_row():
     logq, ent = worker._confidence(compact, int(compact.argmax()))  # what advance feeds it: the compact row
     assert logq == pytest.approx(float(lq[x]), abs=1e-6)
     assert ent == pytest.approx(float(torch.special.entr(lq.exp()).sum()), abs=1e-5)
+
+
+def test_oracle_stop_drafts_exactly_up_to_the_first_rejection():
+    """The ablation's perfect stop rule (`ablate --oracle`): every round drafts the accepted run plus the one
+    token the target rejects, so it wastes exactly one drafted token per round (the last round may end at the
+    token budget instead), and no fixed γ needs fewer target forwards."""
+    from specdec.pacer_train.bench import OracleStop
+
+    target = build_tiny_model(vocab_size=32, hidden_size=32, seed=0, logit_scale=2.0)
+    draft = build_tiny_model(vocab_size=32, hidden_size=32, seed=0, logit_scale=2.0)
+    with torch.no_grad():  # the target, perturbed: it agrees on ~40 % of tokens, so rounds end every which way
+        g = torch.Generator().manual_seed(1)
+        for p in draft.parameters():
+            p.add_(0.05 * p.std() * torch.randn(p.shape, generator=g))
+    oracle = OracleStop()
+    eng = Engine(target, draft, preverifier=oracle, max_sessions=2, max_context=160)
+    oracle.watch(eng.draft_worker)
+    try:
+        for i in range(3):
+            prompt = torch.randint(0, 32, (6 + i,), generator=torch.Generator().manual_seed(10 + i)).tolist()
+            ar = eng.generate(GenerationRequest(prompt, max_new_tokens=40, mode="ar")).token_ids
+            req = GenerationRequest(prompt, max_new_tokens=40, mode="pacer", gamma=12, block_size=1,
+                                    pacer_threshold=0.5)
+            assert oracle.settle(lambda: eng.generate(req).token_ids, prompt)
+            assert oracle.ref == prompt + ar  # fp32 tiny models: the same path as ar
+            st = eng.generate(req).stats
+            assert st.accepted_tokens > 0 and st.rounds - 1 <= st.draft_tokens - st.accepted_tokens <= st.rounds
+            for g in (1, 2, 4, 12):
+                sd = eng.generate(GenerationRequest(prompt, max_new_tokens=40, mode="sd", gamma=g))
+                assert sd.token_ids == ar and st.target_forwards <= sd.stats.target_forwards, g
+    finally:
+        eng.close()

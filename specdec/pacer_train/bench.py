@@ -90,6 +90,9 @@ def add_args(a) -> None:
                         "(0: PEARL's one-token pre-verify; 'pacer': PACER chooses), POST (pacer_pearl) the θ that "
                         "stops drafting in a verify's shadow, e.g. pearl:0 pearl:3 pacer_pearl:pacer "
                         "pacer_pearl:3:0.1; window --gamma-max")
+    a.add_argument("--oracle", action="store_true",
+                   help="also a perfect stop rule (greedy only): it knows the target's greedy continuation and stops "
+                        "after the first drafted token the target will reject, the ceiling of any pre-verifier")
     a.add_argument("--trees", nargs="*", default=[], metavar="K0,K1,...",
                    help="also greedy token trees (specdec/tree.py) of these shapes, e.g. 2,1,1 4,2,1 (T=0 only)")
 
@@ -130,7 +133,54 @@ def _configs(args, pv, quant: str = "auto", with_ar: bool = True) -> list[dict]:
                      "post_threshold": post_theta})
     cfgs += [{"name": f"tree {t}{tag}", "mode": "tree", "shape": t, "quant": quant}
              for t in getattr(args, "trees", [])]
+    if getattr(args, "oracle", False):
+        cfgs.append({"name": f"oracle stop{tag}", "mode": "pacer", "gamma": args.gamma_max, "block_size": 1,
+                     "threshold": 0.5, "quant": quant, "oracle": True})
     return cfgs
+
+
+class OracleStop:
+    """A perfect pre-verifier for the ablation (greedy only): it knows the target's greedy continuation `ref`
+    (prompt + output) and scores a block 1 when every token of it matches, else 0, so drafting stops right after
+    the first token the target will reject. Free to run: its speed is the ceiling of any learned stop rule's
+    (which pays for its features and its network on top). `watch` records each round's first drafted position."""
+
+    block_size, threshold, score_mode = 1, 0.5, "block"
+
+    def __init__(self):
+        self.ref: list[int] = []
+        self.start = 0
+
+    def watch(self, worker) -> None:
+        begin = worker.begin
+
+        def tracked(session_id, base_position, append, *a, **k):
+            self.start = base_position + len(append)
+            return begin(session_id, base_position, append, *a, **k)
+
+        worker.begin = tracked
+
+    def settle(self, generate, prompt_ids: list[int], tries: int = 4) -> bool:
+        """Find the reference for one prompt, untimed. The continuation to aim at is the one the target takes
+        *in this mode*: a bf16 target's verify of several rows rounds differently from a one-row step, so its
+        greedy path can leave `ar`'s at a near-tie (docs/benchmarks.md, "Target dtype"). Starting from no
+        reference, rerun with the last output as the reference until the output repeats it (a fixed point: the
+        oracle was right at every token). → whether it settled."""
+        self.ref = list(prompt_ids)
+        for _ in range(tries):
+            out = generate()
+            if self.ref[len(prompt_ids):] == out:
+                return True
+            self.ref = list(prompt_ids) + out
+        return False
+
+    def block_accept_prob(self, features) -> float:
+        p = self.start + int(features.block_start)
+        block = features.tokens[int(features.block_start):].tolist()
+        return float(block == self.ref[p:p + len(block)])
+
+    def config(self) -> dict:
+        return {"oracle": True}
 
 
 def _run_tree(engine, c, ids, n, eos) -> dict:
@@ -167,6 +217,18 @@ def run_ablation(args) -> dict:
     engines = {q: Engine(target, d, preverifier=pvs[q], max_sessions=2, max_context=ctx, threads_per_model=1)
                for q, d in drafts.items()}
     cfgs = [c for i, q in enumerate(args.draft_quants) for c in _configs(args, pvs[q], q, with_ar=i == 0)]
+    oracle = None
+    if getattr(args, "oracle", False):  # one more engine per draft, its pre-verifier the oracle
+        if args.temperatures.strip() not in ("0", "0.0"):
+            raise SystemExit("--oracle is greedy only: pass --temperatures 0")
+        oracle = OracleStop()
+        for q, d in list(drafts.items()):
+            engines[("oracle", q)] = Engine(target, d, preverifier=oracle, max_sessions=2, max_context=ctx,
+                                            threads_per_model=1)
+            oracle.watch(engines[("oracle", q)].draft_worker)
+        for c in cfgs:
+            if c.get("oracle"):
+                c["engine"] = ("oracle", c["quant"])
     temps = [float(t) for t in args.temperatures.split(",")]
     rows = []
     for temp in temps:
@@ -176,20 +238,25 @@ def run_ablation(args) -> dict:
             if c["mode"] == "tree":
                 _run_tree(engines[c["quant"]], c, prompts[0][1][:16], 8, eos)
             else:
-                engines[c["quant"]].generate(_req(c, prompts[0][1][:16], 8, temp, 0, eos))
+                engines[c.get("engine", c["quant"])].generate(_req(c, prompts[0][1][:16], 8, temp, 0, eos))
         for pi, (src, ids) in enumerate(prompts):
+            for c in cfgs if oracle is not None else []:  # the oracle's reference, untimed
+                if c.get("oracle"):
+                    oracle.settle(lambda: engines[c["engine"]].generate(
+                        _req(c, ids, args.max_new_tokens, temp, pi, eos)).token_ids, ids)
             order = cfgs[pi % len(cfgs):] + cfgs[:pi % len(cfgs)]
             for c in order:
                 if c["mode"] == "tree":
                     rows.append({"temperature": temp, "config": c["name"], "prompt": pi, "source": src,
                                  **_run_tree(engines[c["quant"]], c, ids, args.max_new_tokens, eos)})
                     continue
-                res = engines[c["quant"]].generate(_req(c, ids, args.max_new_tokens, temp, pi, eos))
+                res = engines[c.get("engine", c["quant"])].generate(_req(c, ids, args.max_new_tokens, temp, pi, eos))
                 st = res.stats
                 rows.append({"temperature": temp, "config": c["name"], "prompt": pi, "source": src,
                              "tokens": len(res.token_ids), "wall_s": st.wall_s, "target_forwards": st.target_forwards,
                              "draft_tokens": st.draft_tokens, "accepted_tokens": st.accepted_tokens,
-                             "output": res.token_ids if temp == 0 else None})
+                             "output": res.token_ids if temp == 0 else None,
+                             **({"oracle_exact": res.token_ids == oracle.ref[len(ids):]} if c.get("oracle") else {})})
             print(f"T={temp} prompt {pi + 1}/{len(prompts)} done", flush=True)
             out = _write(args, pv, rows, cfgs, [t for t in temps if any(r["temperature"] == t for r in rows)])
     for engine in engines.values():
@@ -244,7 +311,9 @@ def summarize(rows, cfgs, temps) -> list[dict]:
                         "ratio_to_ar": (tok / wall) / ar_tps, "median_prompt_ratio": statistics.median(per_prompt),
                         "mean_accepted_length": tok / max(fwd, 1), "target_forwards_per_token": fwd / max(tok, 1),
                         "wasted_draft_tokens_per_token": wasted / max(tok, 1), "wasted_draft_tokens": wasted,
-                        "greedy_output_equals_ar": same, "threshold": c.get("threshold")})
+                        "greedy_output_equals_ar": same, "threshold": c.get("threshold"),
+                        **({"oracle_exact_prompts": sum(bool(r.get("oracle_exact")) for r in rs)}
+                           if c.get("oracle") else {})})
     return out
 
 
