@@ -49,7 +49,7 @@ def cmd_collect(args) -> Path:
         print(f"teacher-forced collection on {len(rows)} continuations (excluded {len(exclude)} benchmark prompts), "
               f"temperatures {temps}, gamma_max {args.gamma_max}", flush=True)
         out = collect_tf(draft, rows, gamma_max=args.gamma_max, target_model=target, seed=args.seed,
-                         time_budget_s=args.time_budget, progress=progress)
+                         time_budget_s=args.time_budget, greedy_labels_from=args.greedy_labels, progress=progress)
         costs = measure_costs(draft, target, args.gamma_max)
         n_tokens = sum(len(r["completion_ids"]) for r in rows)
     else:
@@ -74,6 +74,7 @@ def cmd_collect(args) -> Path:
             "gamma_max": args.gamma_max, "temperatures": temps, "max_new_tokens": args.max_new_tokens,
             "num_prompts": args.num_prompts, "prompt_source": str(args.prompts), "skip": args.skip,
             "seed": args.seed, "excluded_benchmark_prompts": len(exclude), "seconds": time.time() - t_start,
+            "greedy_labels": getattr(args, "greedy_labels", "file"),
             "tokens": n_tokens, "threads": args.threads, "costs": costs}
     path = Path(args.out)
     D.save_rounds(out, path, meta)
@@ -287,6 +288,10 @@ def main(argv=None):
     c.add_argument("--temperatures", default="0,1")
     c.add_argument("--max-new-tokens", type=int, default=128)
     c.add_argument("--time-budget", type=float, default=None, help="seconds")
+    c.add_argument("--greedy-labels", choices=["file", "target"], default="file",
+                   help="tf, greedy rows: label against the file's continuation (exact when the served target wrote "
+                        "it greedily) or against the served target's argmax in one teacher-forced pass (text from "
+                        "elsewhere, e.g. another device's numerics)")
     c.add_argument("--out", default=str(D.CACHE_DIR / "rounds.pt"))
 
     t = sub.add_parser("train", help="train on collected rounds, report held-out metrics, write weights + card")
