@@ -74,7 +74,7 @@ def cmd_collect(args) -> Path:
             "gamma_max": args.gamma_max, "temperatures": temps, "max_new_tokens": args.max_new_tokens,
             "num_prompts": args.num_prompts, "prompt_source": str(args.prompts), "skip": args.skip,
             "seed": args.seed, "excluded_benchmark_prompts": len(exclude), "seconds": time.time() - t_start,
-            "greedy_labels": getattr(args, "greedy_labels", "file"),
+            "greedy_labels": args.greedy_labels,
             "tokens": n_tokens, "threads": args.threads, "costs": costs}
     path = Path(args.out)
     D.save_rounds(out, path, meta)

@@ -217,19 +217,19 @@ def run_ablation(args) -> dict:
     engines = {q: Engine(target, d, preverifier=pvs[q], max_sessions=2, max_context=ctx, threads_per_model=1)
                for q, d in drafts.items()}
     cfgs = [c for i, q in enumerate(args.draft_quants) for c in _configs(args, pvs[q], q, with_ar=i == 0)]
-    oracle = None
-    if getattr(args, "oracle", False):  # one more engine per draft, its pre-verifier the oracle
-        if args.temperatures.strip() not in ("0", "0.0"):
+    temps = [float(t) for t in args.temperatures.split(",")]
+    oracles = {}  # per draft: one more engine, its pre-verifier an oracle with its own reference
+    if getattr(args, "oracle", False):
+        if any(t != 0 for t in temps):
             raise SystemExit("--oracle is greedy only: pass --temperatures 0")
-        oracle = OracleStop()
         for q, d in list(drafts.items()):
-            engines[("oracle", q)] = Engine(target, d, preverifier=oracle, max_sessions=2, max_context=ctx,
+            oracles[q] = OracleStop()
+            engines[("oracle", q)] = Engine(target, d, preverifier=oracles[q], max_sessions=2, max_context=ctx,
                                             threads_per_model=1)
-            oracle.watch(engines[("oracle", q)].draft_worker)
+            oracles[q].watch(engines[("oracle", q)].draft_worker)
         for c in cfgs:
             if c.get("oracle"):
                 c["engine"] = ("oracle", c["quant"])
-    temps = [float(t) for t in args.temperatures.split(",")]
     rows = []
     for temp in temps:
         if getattr(args, "trees", None) and temp != 0:
@@ -240,10 +240,9 @@ def run_ablation(args) -> dict:
             else:
                 engines[c.get("engine", c["quant"])].generate(_req(c, prompts[0][1][:16], 8, temp, 0, eos))
         for pi, (src, ids) in enumerate(prompts):
-            for c in cfgs if oracle is not None else []:  # the oracle's reference, untimed
-                if c.get("oracle"):
-                    oracle.settle(lambda: engines[c["engine"]].generate(
-                        _req(c, ids, args.max_new_tokens, temp, pi, eos)).token_ids, ids)
+            for c in (c for c in cfgs if c.get("oracle")):  # each oracle's reference, untimed
+                oracles[c["quant"]].settle(lambda: engines[c["engine"]].generate(
+                    _req(c, ids, args.max_new_tokens, temp, pi, eos)).token_ids, ids)
             order = cfgs[pi % len(cfgs):] + cfgs[:pi % len(cfgs)]
             for c in order:
                 if c["mode"] == "tree":
@@ -256,7 +255,8 @@ def run_ablation(args) -> dict:
                              "tokens": len(res.token_ids), "wall_s": st.wall_s, "target_forwards": st.target_forwards,
                              "draft_tokens": st.draft_tokens, "accepted_tokens": st.accepted_tokens,
                              "output": res.token_ids if temp == 0 else None,
-                             **({"oracle_exact": res.token_ids == oracle.ref[len(ids):]} if c.get("oracle") else {})})
+                             **({"oracle_exact": res.token_ids == oracles[c["quant"]].ref[len(ids):]}
+                                if c.get("oracle") else {})})
             print(f"T={temp} prompt {pi + 1}/{len(prompts)} done", flush=True)
             out = _write(args, pv, rows, cfgs, [t for t in temps if any(r["temperature"] == t for r in rows)])
     for engine in engines.values():
