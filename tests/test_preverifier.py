@@ -438,3 +438,17 @@ def test_oracle_stop_drafts_exactly_up_to_the_first_rejection():
                 assert sd.token_ids == ar and st.target_forwards <= sd.stats.target_forwards, g
     finally:
         eng.close()
+
+
+def test_measured_costs_read_the_drafting_loop_with_the_preverifier():
+    """--measure-costs: the draft's cost comes from the worker's loop and the pre-verifier's from its calls there."""
+    from specdec.pacer_train.collect_tf import measure_costs
+
+    target, draft = _pair()
+    pv = build_random_preverifier(draft.config.hidden_size, seed=0)
+    plain = measure_costs(draft, target, gamma_max=4, ctx=16, reps=3)
+    assert "preverifier_s" not in plain and plain["draft_token_s"] > 0
+    loop = measure_costs(draft, target, gamma_max=4, ctx=16, reps=3, preverifier=pv, loop_tokens=4, loop_reps=3)
+    assert loop["draft_forward_s"] > 0 and loop["preverifier_s"] >= 0.0
+    # the worker's loop does more than the bare forward (sampling, bookkeeping)
+    assert loop["draft_token_s"] > 0.5 * loop["draft_forward_s"]

@@ -204,9 +204,9 @@ def main(argv=None):
     g.add_argument("--exclude-samples", action="append", default=[],
                    help="JSONL(.gz) whose prompts are skipped (repeatable): fresh text for pre-verifier labels")
     g.add_argument("--temperatures", default="0,0.7,1", help="cycled per batch")
-    g.add_argument("--style", choices=["chat", "self", "code"], default="chat",
+    g.add_argument("--style", choices=["chat", "self", "code", "chatcode"], default="chat",
                    help="chat: chat-templated templates x topics; self: user turns sampled from the target; "
-                   "code: raw Python stubs (no HumanEval prompt)")
+                   "code: raw Python stubs (no HumanEval prompt); chatcode: the same stubs asked for in a chat turn")
     g.set_defaults(fn=cmd_generate)
 
     t = sub.add_parser("teacher", help="top-k soft labels (sharded, resumable)")

@@ -1,4 +1,5 @@
-"""Raw code-completion prompts (a Python stub, no chat template) for `distill generate --style code`.
+"""Raw code-completion prompts (a Python stub, no chat template) for `distill generate --style code`, and the same
+stubs asked for in a chat turn (`--style chatcode`).
 
 HumanEval-style benchmarks give the target a function signature and docstring and let it write the body. Chat
 text alone leaves that register out of the draft's training data (per-token acceptance ~0.29 there vs 0.48 on
@@ -92,6 +93,17 @@ def code_prompts(rng: random.Random, n: int, exclude_names: set[str] = frozenset
         indent = rng.choice(['""" ', '"""'])
         out.append(f"{rng.choice(PREFIXES)}def {name}({params}) -> {ret}:\n    {indent}{doc}\n    \"\"\"\n")
     return out
+
+
+# how a user asks for the same stubs in a chat turn (`--style chatcode`): the register of a chat-templated
+# HumanEval-style benchmark (an instruction, the stub, the assistant's answer), on tasks that are not HumanEval's
+ASKS = ["Complete this Python function:\n\n", "Implement the following Python function.\n\n",
+        "Write the body of this function:\n\n", "Finish this code:\n\n", "Complete the function below.\n\n"]
+
+
+def chat_code_prompts(rng: random.Random, n: int, exclude_names: set[str] = frozenset()) -> list[str]:
+    """User turns asking for a stub of `code_prompts` to be completed (chat-templated by the caller)."""
+    return [rng.choice(ASKS) + stub for stub in code_prompts(rng, n, exclude_names)]
 
 
 def humaneval_entry_points() -> set[str]:

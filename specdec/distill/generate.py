@@ -116,7 +116,8 @@ def generate(model_dir, out_path, seconds: float = 600, seed: int = 0, batch_siz
     """`exclude_prompt_ids`: chat-templated prompt ids to avoid (e.g. everything a draft trained on, so that a
     pre-verifier sees the draft on text it has not memorised); then no prompt repeats within the run either.
     `style`: "chat" (templates x topics, chat-templated), "self" (user turns sampled from the target itself,
-    `online.self_instruct`: an open-ended supply of new prompts) or "code" (raw Python stubs, `code_prompts.py`)."""
+    `online.self_instruct`: an open-ended supply of new prompts), "code" (raw Python stubs, `code_prompts.py`) or
+    "chatcode" (the same stubs asked for in a chat turn, chat-templated)."""
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -130,10 +131,10 @@ def generate(model_dir, out_path, seconds: float = 600, seed: int = 0, batch_siz
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=resolve_dtype(dtype, "cpu", "target")).eval()
     t0, n_tok, batch_i = time.time(), 0, 0
     encode_chat = lambda p: tok(chat_text(tok, p))["input_ids"]  # noqa: E731 - the ids `complete` stores
-    if style == "code":
-        from .code_prompts import code_prompts, humaneval_entry_points
+    if style in ("code", "chatcode"):
+        from .code_prompts import chat_code_prompts, code_prompts, humaneval_entry_points
 
-        banned = humaneval_entry_points()
+        banned, used = humaneval_entry_points(), set()
     bar = tqdm(desc="generate", unit="tok", disable=not progress)
     Path(out_path).parent.mkdir(parents=True, exist_ok=True)
     with open(out_path, "a") as out:
@@ -142,6 +143,12 @@ def generate(model_dir, out_path, seconds: float = 600, seed: int = 0, batch_siz
             batch_i += 1
             if style == "code":
                 prompts = code_prompts(rng, batch_size, banned)
+            elif style == "chatcode":  # ~2,000 distinct turns: no repeats within a run
+                prompts = list(dict.fromkeys(p for p in chat_code_prompts(rng, batch_size, banned) if p not in used
+                                             and tuple(encode_chat(p)) not in (exclude_prompt_ids or ())))
+                used.update(prompts)
+                if not prompts:
+                    break
             elif style == "self":
                 from .online import self_instruct
 

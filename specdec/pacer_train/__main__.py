@@ -1,4 +1,4 @@
-"""python -m specdec.pacer_train {collect,train,run,ablate} ... (see --help and docs/pacer.md)."""
+"""python -m specdec.pacer_train {collect,train,eval,run,ablate} ... (see --help and docs/pacer.md)."""
 from __future__ import annotations
 
 import argparse
@@ -88,7 +88,10 @@ def cmd_train(args) -> dict:
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    rounds, metas = D.load_rounds(args.data)
+    for f in args.hash_split:
+        if f not in args.data:
+            sys.exit(f"--hash-split {f}: not one of the --data files")
+    rounds, metas = D.load_rounds(args.data, args.hash_split)
     shas = {m["draft_sha256"] for m in metas}
     if len(shas) != 1:
         sys.exit(f"the label files come from different drafts ({len(shas)} sha256s); train on one draft's data")
@@ -124,8 +127,12 @@ def cmd_train(args) -> dict:
         from specdec.model import load_model_dir
         from specdec.pacer_train.collect_tf import measure_costs
 
-        mc = measure_costs(load_model_dir(resolve_model(args.draft), dtype="auto", role="draft"),
-                           load_model_dir(resolve_model(args.target), dtype="auto", role="target"), gamma_max)
+        served_draft = load_model_dir(resolve_model(args.draft), dtype="auto", role="draft")
+        if use_head:
+            model.attach_draft(served_draft)
+        # the draft's costs in the worker's own loop, this pre-verifier's calls included
+        mc = measure_costs(served_draft, load_model_dir(resolve_model(args.target), dtype="auto", role="target"),
+                           gamma_max, preverifier=model.eval())
         print(f"measured costs of the served pair: {mc}", flush=True)
     if mc:
         costs = T.Costs(mc["draft_token_s"], mc["target_base_s"], mc["target_per_token_s"])
@@ -133,7 +140,8 @@ def cmd_train(args) -> dict:
         costs = T.fit_costs(parts["train"], gamma_max)
     if use_head:
         model.attach_draft(draft_model)
-    costs.preverifier_s = _time_preverifier(model, hidden_size, args.block_sizes[0])
+    costs.preverifier_s = (mc or {}).get("preverifier_s") or _time_preverifier(model, hidden_size,
+                                                                               args.block_sizes[0])
     tabs = {k: T.round_table(model, v) for k, v in sets.items() if len(v)}
     # acceptance statistics for the θ derivation
     dev = tabs["dev"]
@@ -194,6 +202,7 @@ def cmd_train(args) -> dict:
         "target": metas[0]["target"],
         "trained_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "training_data": {"files": [str(p) for p in args.data], "collection": metas,
+                          "split_by_prompt_hash": [str(p) for p in args.hash_split],
                           "rounds": {k: len(v) for k, v in parts.items()},
                           "tokens": {k: len(v) for k, v in sets.items()},
                           "benchmark_prompts_excluded": True},
@@ -238,6 +247,33 @@ def _time_preverifier(model, hidden_size: int, B: int, gamma: int = 12, reps: in
     for _ in range(reps):
         model.block_accept_prob(f)
     return (time.perf_counter() - t0) / reps
+
+
+def cmd_eval(args) -> None:
+    from specdec.model import load_model
+    from specdec.pacer_train import evaluate as E
+    from specdec.preverifier import load_preverifier
+
+    torch.set_num_threads(args.threads)
+    rounds, metas = D.load_rounds(args.data)
+    rounds = [r for r in rounds if args.split == "all" or r["split"] == args.split]
+    draft = load_model(args.draft, dtype="auto", role="draft")
+    out = {}
+    for path in args.preverifier:
+        pv = load_preverifier(path, draft_model=draft)
+        measured = None
+        if args.measure_costs:
+            from specdec.pacer_train.collect_tf import measure_costs
+
+            measured = measure_costs(draft, load_model(args.target, dtype="auto", role="target"), 12, preverifier=pv)
+        costs = E.costs_of(metas, measured, _time_preverifier(pv, pv.hidden_size, pv.block_size))
+        name = str(path or "shipped")
+        out[name] = E.evaluate(pv, rounds, costs) | {"costs": vars(costs)}
+        print(E.format_report(name, out[name]), flush=True)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({"data": [str(p) for p in args.data], "split": args.split,
+                                               "results": out}, indent=2) + "\n")
 
 
 def cmd_run(args) -> None:
@@ -296,6 +332,10 @@ def main(argv=None):
 
     t = sub.add_parser("train", help="train on collected rounds, report held-out metrics, write weights + card")
     t.add_argument("--data", nargs="+", type=Path, default=[D.CACHE_DIR / "rounds.pt"])
+    t.add_argument("--hash-split", nargs="*", type=Path, default=[], metavar="FILE",
+                   help="--data files to split by prompt hash alone (test 5 %%, dev 10 %%), their draft-held-out "
+                        "prompts too: for labels collected on prompts all new to the draft, such as its held-out set "
+                        "(specdec/data/distill_heldout.jsonl.gz), which the default split puts entirely in test")
     t.add_argument("--out", default=str(D.CACHE_DIR / "preverifier"))
     t.add_argument("--block-sizes", type=int, nargs="+", default=[1, 2, 3, 4])
     t.add_argument("--block-size", type=int, default=0, help="force B (default: best simulated on dev)")
@@ -327,6 +367,16 @@ def main(argv=None):
                         "data)")
     r.add_argument("--out", default=str(D.CACHE_DIR / "preverifier"), help="e.g. specdec/assets/default_preverifier")
 
+    e = sub.add_parser("eval", help="score saved pre-verifiers on label files (any domain): AUC, simulated gain "
+                                    "over the best fixed γ, a perfect stop rule's")
+    pair(e)
+    e.add_argument("--preverifier", nargs="+", default=[None], help="pre-verifier dirs (default: the shipped one)")
+    e.add_argument("--data", nargs="+", type=Path, required=True, help="label files from `collect`")
+    e.add_argument("--split", choices=["all", "train", "dev", "test"], default="all")
+    e.add_argument("--measure-costs", action="store_true",
+                   help="simulate with costs measured now (the drafting loop with each pre-verifier), not the files'")
+    e.add_argument("--json", default=None)
+
     a = sub.add_parser("ablate", help="fixed γ vs pacer, in-process, side by side")
     pair(a)
     from specdec.pacer_train.bench import add_args
@@ -337,6 +387,8 @@ def main(argv=None):
         cmd_collect(args)
     elif args.cmd == "train":
         cmd_train(args)
+    elif args.cmd == "eval":
+        cmd_eval(args)
     elif args.cmd == "run":
         cmd_run(args)
     elif args.cmd == "ablate":

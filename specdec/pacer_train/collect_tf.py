@@ -33,6 +33,16 @@ def _tf_forward(model, ids: list[int]):
     return logits[0], hidden[0]
 
 
+HISTORY_WINDOW = 16
+
+
+def _history(cum_agree: torch.Tensor, s: int, w: int = HISTORY_WINDOW) -> torch.Tensor:
+    """[agreement rate over the last w committed tokens before position s, how many there were / w]."""
+    lo = max(0, s - w)
+    n = s - lo
+    return torch.tensor([float(cum_agree[s] - cum_agree[lo]) / max(n, 1), n / w])
+
+
 @torch.inference_mode()
 def collect_tf(draft_model, rows: list[dict], gamma_max: int = 12, target_model=None, q_top_k: int = 64,
                seed: int = 0, time_budget_s: float | None = None, greedy_labels_from: str = "file",
@@ -77,6 +87,9 @@ def collect_tf(draft_model, rows: list[dict], gamma_max: int = 12, target_model=
             logq = qx.log()
             ent = torch.where(q > 0, -q * q.clamp_min(1e-30).log(), torch.zeros(())).sum(-1)
         aux = head_stats(dl, x)
+        # agreement history: did the draft's argmax equal each committed token (the text), over the last W
+        agree = (dl.argmax(-1) == torch.tensor(comp)).float()
+        cum_agree = torch.cat([torch.zeros(1), torch.cumsum(agree, 0)])
         s = 0
         seq_rounds = []
         while s + gamma_max <= C:
@@ -88,6 +101,7 @@ def collect_tf(draft_model, rows: list[dict], gamma_max: int = 12, target_model=
                 acc = int(torch.cumprod((torch.rand(gamma_max, generator=gen) < lab).float(), 0).sum())
             seq_rounds.append({"hidden": dh[sl].half().clone(), "tokens": x[sl].int().clone(), "logq": logq[sl].float().clone(),
                         "entropy": ent[sl].float().clone(), "aux": aux[sl].float().clone(),
+                        "hist": _history(cum_agree, s),
                         "label": lab.float().clone(), "temperature": temp,
                         "prompt": row.get("prompt", n), "num_accepted": acc, "draft_ns": 0, "forward_ns": 0,
                         "split": row.get("split", "train")})
@@ -103,15 +117,21 @@ def collect_tf(draft_model, rows: list[dict], gamma_max: int = 12, target_model=
 
 
 @torch.inference_mode()
-def measure_costs(draft_model, target_model, gamma_max: int = 12, ctx: int = 64, reps: int = 7) -> dict:
-    """Median KV-cached costs at 1 thread, interleaved: one draft token, one target verify of n+1 tokens (n=1, γ)."""
+def measure_costs(draft_model, target_model, gamma_max: int = 12, ctx: int = 64, reps: int = 7,
+                  preverifier=None, loop_tokens: int = 8, loop_reps: int = 15) -> dict:
+    """Median KV-cached costs at 1 thread, interleaved: one draft token, one target verify of n+1 tokens (n=1, γ).
+
+    With `preverifier`, the draft's costs are read in the DraftWorker's own drafting loop instead (greedy rounds of
+    `loop_tokens`, B = 1, θ = 0 so both ways draft the same tokens): `draft_token_s` without a stop rule (the
+    worker's bookkeeping included) and `preverifier_s`, what a pre-verifier call adds per block there. The bare
+    forward and an isolated call understate both (docs/pacer.md, "Pre-verifier cost"), which biases θ high."""
     import statistics
 
     def step(model, S):
         kv = model.new_kv_slots(1, ctx + 64)
-        model(torch.randint(0, 100, (1, ctx)), torch.arange(ctx)[None], torch.tensor([0]), kv)
+        model(torch.randint(0, min(100, model.config.vocab_size), (1, ctx)), torch.arange(ctx)[None], torch.tensor([0]), kv)
         t = time.perf_counter()
-        model(torch.randint(0, 100, (1, S)), torch.arange(ctx, ctx + S)[None], torch.tensor([0]), kv)
+        model(torch.randint(0, min(100, model.config.vocab_size), (1, S)), torch.arange(ctx, ctx + S)[None], torch.tensor([0]), kv)
         return time.perf_counter() - t
 
     d, t1, tg = [], [], []
@@ -120,6 +140,32 @@ def measure_costs(draft_model, target_model, gamma_max: int = 12, ctx: int = 64,
         t1.append(step(target_model, 2))
         tg.append(step(target_model, gamma_max + 1))
     m = statistics.median
-    return {"draft_token_s": m(d), "target_2_s": m(t1), f"target_{gamma_max + 1}_s": m(tg),
-            "target_base_s": m(t1) - (m(tg) - m(t1)) / max(gamma_max - 1, 1),
-            "target_per_token_s": max((m(tg) - m(t1)) / max(gamma_max - 1, 1), 0.0)}
+    out = {"draft_token_s": m(d), "target_2_s": m(t1), f"target_{gamma_max + 1}_s": m(tg),
+           "target_base_s": m(t1) - (m(tg) - m(t1)) / max(gamma_max - 1, 1),
+           "target_per_token_s": max((m(tg) - m(t1)) / max(gamma_max - 1, 1), 0.0)}
+    if preverifier is not None:
+        out["draft_forward_s"] = out["draft_token_s"]
+        out.update(_loop_costs(draft_model, preverifier, ctx, loop_tokens, loop_reps))
+    return out
+
+
+def _loop_costs(draft_model, preverifier, ctx: int, n: int, reps: int) -> dict:
+    import statistics
+
+    from specdec.stop import FixedLength, PreverifierStop
+    from specdec.workers import DraftWorker
+
+    worker = DraftWorker(draft_model, preverifier=preverifier, max_sessions=1, max_context=ctx + 2 * n + 8)
+    prompt = torch.randint(0, min(1000, draft_model.config.vocab_size), (ctx,), generator=torch.Generator().manual_seed(0)).tolist()
+    worker.start_session("cost", prompt, SamplingParams(temperature=0.0))
+    plain, pv = [], []
+    for rep in range(reps + 2):
+        for rule, acc in ((FixedLength(), plain), (PreverifierStop(preverifier, 0.0), pv)):
+            t = time.perf_counter()
+            blk = worker.draft("cost", ctx - 1, [prompt[-1]], n, rule, block_size=1)
+            if rep >= 2:  # warm-up
+                acc.append((time.perf_counter() - t) / len(blk.tokens))
+    worker.end_session("cost")
+    base = statistics.median(plain)
+    # B = 1 and θ = 0: one call per drafted token but the last (gamma_max closes the round unasked)
+    return {"draft_token_s": base, "preverifier_s": max(statistics.median(pv) - base, 0.0) * n / max(n - 1, 1), "loop_tokens": n}

@@ -19,12 +19,27 @@ def split_of(prompt_ids: list[int], dev: float = 0.1, test: float = 0.05) -> str
     prompts the draft never trained on either) plus another `test` fraction by an independent hash."""
     from specdec.distill.data import is_heldout
 
-    h = int(hashlib.sha256(json.dumps(list(prompt_ids)).encode()).hexdigest()[:8], 16) % 10_000
-    if is_heldout({"prompt_ids": list(prompt_ids)}) or h < test * 10_000:
+    if is_heldout({"prompt_ids": list(prompt_ids)}):
+        return "test"
+    return hash_split(json.dumps(list(prompt_ids)), dev, test)
+
+
+def hash_split(key: str, dev: float = 0.1, test: float = 0.05) -> str:
+    """train / dev / test by a hash of `key` alone (one key per prompt)."""
+    h = int(hashlib.sha256(key.encode()).hexdigest()[:8], 16) % 10_000
+    if h < test * 10_000:
         return "test"
     if h < (test + dev) * 10_000:
         return "dev"
     return "train"
+
+
+def resplit_by_hash(rounds: list[dict], file_key: str) -> None:
+    """Split a label file's rounds by prompt hash alone, its draft-held-out prompts too (`train --hash-split`):
+    for labels collected on prompts that are all new to the draft, e.g. its own held-out set, which `split_of`
+    would put entirely in test."""
+    for r in rounds:
+        r["split"] = hash_split(f"{file_key}:{r['prompt']}")
 
 
 def benchmark_prompt_ids(tok) -> set[tuple[int, ...]]:
@@ -88,10 +103,14 @@ def save_rounds(rounds, path: Path, meta: dict) -> None:
     tmp.replace(path)
 
 
-def load_rounds(paths) -> tuple[list[dict], list[dict]]:
+def load_rounds(paths, hash_split_files=()) -> tuple[list[dict], list[dict]]:
+    """Rounds and metadata of label files; the files in `hash_split_files` are re-split by prompt hash."""
     rounds, metas = [], []
+    resplit = {Path(p).resolve() for p in hash_split_files}
     for p in paths:
         d = torch.load(p, weights_only=False)
         metas.append(d["meta"])
+        if Path(p).resolve() in resplit:
+            resplit_by_hash(d["rounds"], Path(p).name)
         rounds.extend(d["rounds"])
     return rounds, metas

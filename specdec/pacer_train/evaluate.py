@@ -1,0 +1,74 @@
+"""`python -m specdec.pacer_train eval`: a trained pre-verifier on any label files, against fixed γ and a perfect
+stop rule, in the same simulation `train` tunes θ with (docs/pacer.md, "Evaluating on another domain").
+
+Training reports its metrics on its own test split; a pre-verifier is served on other text (the benchmark's code
+and chat turns). This scores a saved pre-verifier, unchanged, on rounds from elsewhere (e.g. a domain it did not
+train on), so that how its AUC and its simulated gain over the best fixed γ transfer can be read before a timed
+ablation. The θ that would have been best on these rounds is reported too, as a diagnosis of calibration drift,
+never as a choice (choose θ on the dev split).
+"""
+from __future__ import annotations
+
+import torch
+
+from specdec.pacer_train import train as T
+
+
+def oracle_sim(tab: T.RoundTable, costs: T.Costs, gamma: int) -> dict:
+    """A perfect stop rule in the simulation: draft exactly up to the first rejected token (or γ)."""
+    lab = (tab.label.clamp(0, 1) >= 0.5).float()
+    R, G = lab.shape
+    lead = torch.cumprod(lab, 1).sum(1)
+    n = torch.clamp(lead + 1, max=min(gamma, G))
+    acc = torch.minimum(lead, n)
+    time_s = n * costs.draft_token_s + costs.target_s(n)
+    return {"tokens_per_s": float((acc + 1).sum() / time_s.sum()), "mean_accepted_length": float((acc + 1).mean()),
+            "mean_draft_len": float(n.mean()), "wasted_per_round": float((n - acc).mean())}
+
+
+def evaluate(pv, rounds: list[dict], costs: T.Costs, gamma_max: int = 12,
+             gammas=(1, 2, 3, 4, 6, 8)) -> dict:
+    """Greedy rounds only (hard labels): AUC of the block score at the pre-verifier's B, the simulated
+    tokens/s at its own B / score mode / θ, the best fixed γ, the perfect stop rule, and the best θ here."""
+    rounds = [r for r in rounds if r["temperature"] == 0.0]
+    if not rounds:
+        raise ValueError("no greedy rounds in these files (eval simulates greedy decoding)")
+    head = pv if pv.use_head else None
+    tab = T.round_table(pv, T.to_tokenset(rounds, pv.use_head, head))
+    B, mode = pv.block_size, pv.score_mode
+    score, lab, reached = T.block_scores(tab, B, "block")
+    fixed = max((T.simulate(tab, costs, None, None, g) | {"gamma": g} for g in gammas),
+                key=lambda r: r["tokens_per_s"])
+    own = T.simulate(tab, costs, B, pv.threshold, gamma_max, mode)
+    best_theta, best = T.tune_threshold(tab, costs, B, gamma_max, mode)
+    oracle = oracle_sim(tab, costs, gamma_max)
+    ft = fixed["tokens_per_s"]
+    return {
+        "rounds": len(rounds), "tokens": int(sum(r["tokens"].shape[0] for r in rounds)),
+        "mean_token_label": float(tab.label.mean()),
+        "block_size": B, "score_mode": mode, "threshold": pv.threshold,
+        "auc_all_blocks": T.weighted_auc(score, lab), "auc_reached_blocks": T.weighted_auc(score, lab, reached),
+        "at_threshold": T.classification_report(score, lab, pv.threshold, reached),
+        "preverifier": own | {"gain_vs_best_fixed": own["tokens_per_s"] / ft},
+        "best_fixed": fixed,
+        "oracle_stop": oracle | {"gain_vs_best_fixed": oracle["tokens_per_s"] / ft},
+        "best_threshold_here": {"theta": best_theta, "gain_vs_best_fixed": best["tokens_per_s"] / ft},
+    }
+
+
+def costs_of(metas: list[dict], measured: dict | None, preverifier_s: float) -> T.Costs:
+    mc = measured or next((m["costs"] for m in metas if m.get("costs")), None)
+    if not mc:
+        raise ValueError("the label files record no costs; pass --measure-costs")
+    c = T.Costs(mc["draft_token_s"], mc["target_base_s"], mc["target_per_token_s"])
+    c.preverifier_s = mc.get("preverifier_s", preverifier_s)
+    return c
+
+
+def format_report(name: str, r: dict) -> str:
+    p, f, o = r["preverifier"], r["best_fixed"], r["oracle_stop"]
+    return (f"{name}: {r['rounds']} greedy rounds, mean token label {r['mean_token_label']:.3f} | AUC (B={r['block_size']}) "
+            f"all {r['auc_all_blocks']:.3f} reached {r['auc_reached_blocks']:.3f} | sim: best fixed γ={f['gamma']} "
+            f"τ={f['mean_accepted_length']:.2f}; pre-verifier θ={r['threshold']:.2f} τ={p['mean_accepted_length']:.2f} "
+            f"len={p['mean_draft_len']:.2f} ×{p['gain_vs_best_fixed']:.3f}; oracle ×{o['gain_vs_best_fixed']:.3f}; "
+            f"best θ here {r['best_threshold_here']['theta']:.2f} ×{r['best_threshold_here']['gain_vs_best_fixed']:.3f}")
