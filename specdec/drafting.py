@@ -83,6 +83,7 @@ class DraftCall:
     hids: list[torch.Tensor] = field(default_factory=list)
     logq: list[float] = field(default_factory=list)
     ent: list[float] = field(default_factory=list)
+    margin: list[float] = field(default_factory=list)
     block_start: int = 0
     block_ns: int = 0
     done: bool = False
@@ -208,7 +209,8 @@ class DraftWorker(Worker):
             c.qs.append(SparseDist.from_dense(probs))
         c.toks.append(x)
         if c.want_features:  # pre-verifier features; at T=0 q is one-hot: confidence from the untempered softmax
-            c.hids.append(row_hidden.float())
+            if getattr(c.stop, "needs_hidden", True):
+                c.hids.append(row_hidden.float())
             if s.params.greedy:
                 logq, ent = self._confidence(row, xr)
             else:
@@ -216,6 +218,9 @@ class DraftWorker(Worker):
                 logq, ent = float(lq[x]), float(torch.special.entr(lq.exp()).sum())
             c.logq.append(logq)
             c.ent.append(ent)
+            if getattr(c.stop, "needs_margin", False):  # top-1 - top-2 of the untempered row (head_stats' margin)
+                top = row.topk(2).values.float()
+                c.margin.append(min(float(top[0] - top[1]), 30.0))
         n = len(c.toks)
         block_done = n - c.block_start >= c.block_size
         skip_below = getattr(c.stop, "skip_below", 0.0) if c.block_start == 0 and c.want_features else 0.0
@@ -224,8 +229,10 @@ class DraftWorker(Worker):
         if not block_done and n < c.gamma_max:
             c.feed = [x]
             return None if s.epoch == c.epoch else self._close(c, "cancelled", None)
-        feats = DraftFeatures(hidden=torch.stack(c.hids), tokens=torch.tensor(c.toks), logq=torch.tensor(c.logq),
-                              entropy=torch.tensor(c.ent), block_start=c.block_start) if c.want_features else None
+        hidden = torch.stack(c.hids) if c.hids else torch.empty(n, 0)
+        feats = DraftFeatures(hidden=hidden, tokens=torch.tensor(c.toks), logq=torch.tensor(c.logq),
+                              entropy=torch.tensor(c.ent), block_start=c.block_start,
+                              margin=torch.tensor(c.margin) if c.margin else None) if c.want_features else None
         stop_now = c.stop.should_stop(feats)
         score = getattr(c.stop, "last_score", None)
         if skip_below and score is not None and score < skip_below:

@@ -44,8 +44,9 @@ class PreverifierMismatchError(ValueError):
     """The pre-verifier was trained for another draft model (its hidden states mean something else)."""
 
 
-def token_scalars(logq: torch.Tensor, entropy: torch.Tensor) -> torch.Tensor:
-    """[n] log q, [n] entropy → [n, N_SCALARS] per-token scalar features (all tokens of the round so far)."""
+def token_scalars(logq: torch.Tensor, entropy: torch.Tensor, margin: torch.Tensor | None = None) -> torch.Tensor:
+    """[n] log q, [n] entropy (, [n] margin) → [n, N_SCALARS (+1)] per-token scalar features (all tokens of the
+    round so far); the draft's top-1 − top-2 margin is the last column when given."""
     logq = logq.float().clamp_min(-30.0)
     entropy = entropy.float()
     n = logq.shape[0]
@@ -53,8 +54,10 @@ def token_scalars(logq: torch.Tensor, entropy: torch.Tensor) -> torch.Tensor:
     prev_logq = torch.cat([logq.new_zeros(1), logq[:-1]])
     prev_ent = torch.cat([entropy.new_zeros(1), entropy[:-1]])
     cum_before = torch.cumsum(logq, 0) - logq
-    return torch.stack([logq, entropy, logq.exp(), pos / 8.0, prev_logq, prev_ent, cum_before / 4.0,
-                        (pos == 0).float()], dim=-1)
+    cols = [logq, entropy, logq.exp(), pos / 8.0, prev_logq, prev_ent, cum_before / 4.0, (pos == 0).float()]
+    if margin is not None:
+        cols.append(margin.float().clamp_max(30.0) / 4.0)
+    return torch.stack(cols, dim=-1)
 
 
 def head_stats(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -73,7 +76,7 @@ class Preverifier(nn.Module):
 
     def __init__(self, hidden_size: int, dim: int = 64, hash_buckets: int = 4096, block_size: int = 2,
                  threshold: float = 0.5, score_mode: str = "block", dropout: float = 0.1, use_head: bool = False,
-                 head_rank: int = 0):
+                 head_rank: int = 0, use_hidden: bool = True, use_margin: bool = False):
         super().__init__()
         if score_mode not in ("block", "prefix"):
             raise ValueError(f"score_mode must be 'block' or 'prefix', got {score_mode!r}")
@@ -83,12 +86,15 @@ class Preverifier(nn.Module):
         self.score_mode = score_mode
         self.use_head = bool(use_head)
         self.head_rank = int(head_rank)  # >0: the draft head through its rank-r SVD (cheap); 0: the exact head
+        # use_hidden=False: no hidden-state projection (token + scalars only: a fraction of the cost per call);
+        # use_margin: the draft's top-1 − top-2 margin as one more scalar (DraftFeatures.margin, from its logits)
+        self.use_hidden, self.use_margin = bool(use_hidden), bool(use_margin)
         # the draft whose head gives the N_HEAD statistics (attach_draft): kept out of the module tree (not saved)
         object.__setattr__(self, "_draft", None)
         self._to_compact = None
-        n_scal = N_SCALARS + (N_HEAD if use_head else 0)
-        self.h_norm = nn.LayerNorm(hidden_size)
-        self.h_proj = nn.Linear(hidden_size, dim)
+        n_scal = N_SCALARS + (1 if use_margin else 0) + (N_HEAD if use_head else 0)
+        self.h_norm = nn.LayerNorm(hidden_size) if use_hidden else None
+        self.h_proj = nn.Linear(hidden_size, dim) if use_hidden else None
         self.tok_emb = nn.Embedding(hash_buckets, dim)
         self.s_norm = nn.LayerNorm(n_scal)
         self.s_proj = nn.Linear(n_scal, dim)
@@ -99,7 +105,8 @@ class Preverifier(nn.Module):
     def config(self) -> dict:
         return {"hidden_size": self.hidden_size, "dim": self.dim, "hash_buckets": self.hash_buckets,
                 "block_size": self.block_size, "threshold": self.threshold, "score_mode": self.score_mode,
-                "use_head": self.use_head, "head_rank": self.head_rank}
+                "use_head": self.use_head, "head_rank": self.head_rank, "use_hidden": self.use_hidden,
+                "use_margin": self.use_margin}
 
     def attach_draft(self, draft_model) -> "Preverifier":
         """Give a head-using pre-verifier the draft model (its output head turns h_t into the draft's logits)."""
@@ -129,7 +136,10 @@ class Preverifier(nn.Module):
         return logits, tokens
 
     def scalars(self, features: DraftFeatures, start: int = 0) -> torch.Tensor:
-        scal = token_scalars(features.logq, features.entropy)[start:]
+        if self.use_margin and features.margin is None:
+            raise ValueError("this pre-verifier reads the draft's top-1 − top-2 margin: the features carry none "
+                             "(a stop rule built on it sets needs_margin)")
+        scal = token_scalars(features.logq, features.entropy, features.margin if self.use_margin else None)[start:]
         if not self.use_head:
             return scal
         if self._draft is None:
@@ -144,8 +154,9 @@ class Preverifier(nn.Module):
 
     def token_logits(self, hidden: torch.Tensor, tokens: torch.Tensor, scalars: torch.Tensor) -> torch.Tensor:
         """[m, D], [m], [m, N_SCALARS] → [m] logits of P(token accepted | earlier tokens accepted)."""
-        x = self.h_proj(self.drop(self.h_norm(hidden.float()))) + self.drop(self.tok_emb(self.bucket(tokens))) \
-            + self.s_proj(self.s_norm(scalars.float()))
+        x = self.drop(self.tok_emb(self.bucket(tokens))) + self.s_proj(self.s_norm(scalars.float()))
+        if self.use_hidden:
+            x = x + self.h_proj(self.drop(self.h_norm(hidden.float())))
         return self.mlp(x).squeeze(-1)
 
     def forward(self, hidden, tokens, scalars):
@@ -173,12 +184,16 @@ class Preverifier(nn.Module):
         return self._folded_cache[1]
 
 
-def scalar_row(logq: list[float], entropy: list[float], t: int) -> list[float]:
-    """Token t's row of `token_scalars(logq, entropy)`, from plain floats (the draft loop's per-token path)."""
+def scalar_row(logq: list[float], entropy: list[float], t: int, margin: list[float] | None = None) -> list[float]:
+    """Token t's row of `token_scalars(logq, entropy, margin)`, from plain floats (the draft loop's per-token
+    path)."""
     lq = [max(v, -30.0) for v in logq[:t + 1]]
     first = t == 0
-    return [lq[t], entropy[t], math.exp(lq[t]), t / 8.0, 0.0 if first else lq[t - 1],
-            0.0 if first else entropy[t - 1], math.fsum(lq[:t]) / 4.0, 1.0 if first else 0.0]
+    row = [lq[t], entropy[t], math.exp(lq[t]), t / 8.0, 0.0 if first else lq[t - 1],
+           0.0 if first else entropy[t - 1], math.fsum(lq[:t]) / 4.0, 1.0 if first else 0.0]
+    if margin is not None:
+        row.append(min(margin[t], 30.0) / 4.0)
+    return row
 
 
 class _Folded:
@@ -193,17 +208,18 @@ class _Folded:
     def __init__(self, pv: "Preverifier"):
         with torch.no_grad():
             hn, sn = pv.h_norm, pv.s_norm
-            w_h = pv.h_proj.weight.double() * hn.weight.double()[None]
             w_s = pv.s_proj.weight.double() * sn.weight.double()[None]
-            b = (pv.h_proj.bias.double() + pv.h_proj.weight.double() @ hn.bias.double()
-                 + pv.s_proj.bias.double() + pv.s_proj.weight.double() @ sn.bias.double())
-            self.w_h = w_h.T.float().contiguous().numpy()  # [D, dim], float32: the largest matrix by far
+            b = pv.s_proj.bias.double() + pv.s_proj.weight.double() @ sn.bias.double()
+            self.w_h = None  # [D, dim], float32: the largest matrix by far (none without the hidden state)
+            if pv.use_hidden:
+                b = b + pv.h_proj.bias.double() + pv.h_proj.weight.double() @ hn.bias.double()
+                self.w_h = (pv.h_proj.weight.double() * hn.weight.double()[None]).T.float().contiguous().numpy()
             self.w_s = w_s.T.contiguous().numpy()  # [n_scal, dim]
             self.bias = (pv.tok_emb.weight.double() + b[None]).numpy()  # [buckets, dim]
             (l2, l4) = pv.mlp[2], pv.mlp[4]
             self.w2, self.b2 = l2.weight.double().T.contiguous().numpy(), l2.bias.double().numpy()
             self.w4, self.b4 = l4.weight.double()[0].numpy(), float(l4.bias.double()[0])
-        self.h_eps, self.s_eps = hn.eps, sn.eps
+        self.h_eps, self.s_eps = (hn.eps if hn is not None else 0.0), sn.eps
         self.buckets = pv.hash_buckets
 
     @staticmethod
@@ -211,13 +227,15 @@ class _Folded:
         return np.array([0.5 * v * (1.0 + math.erf(v * _SQRT1_2)) for v in x.tolist()])
 
     def token_logit(self, hidden: torch.Tensor, token: int, scalars: list[float]) -> float:
-        """One token: [D] hidden row, its id, its N_SCALARS floats → its logit (`Preverifier.token_logits`)."""
-        h = hidden.detach().float().numpy()
-        h = (h - h.mean()) / math.sqrt(float(h.var()) + self.h_eps)
+        """One token: [D] hidden row, its id, its scalar floats → its logit (`Preverifier.token_logits`)."""
         mean = sum(scalars) / len(scalars)
         inv = 1.0 / math.sqrt(sum((v - mean) ** 2 for v in scalars) / len(scalars) + self.s_eps)
         s = np.array([(v - mean) * inv for v in scalars])
-        x = (h @ self.w_h).astype(np.float64) + s @ self.w_s + self.bias[(token * _HASH_MULT) % self.buckets]
+        x = s @ self.w_s + self.bias[(token * _HASH_MULT) % self.buckets]
+        if self.w_h is not None:
+            h = hidden.detach().float().numpy()
+            h = (h - h.mean()) / math.sqrt(float(h.var()) + self.h_eps)
+            x = x + (h @ self.w_h).astype(np.float64)
         x = self._gelu(self._gelu(x) @ self.w2 + self.b2)
         return float(x @ self.w4) + self.b4
 
@@ -252,9 +270,14 @@ class RoundScorer:
                 self.logsig.extend(F.logsigmoid(logits.float()).tolist())
             else:
                 lq, ent, toks = features.logq.tolist(), features.entropy.tolist(), features.tokens.tolist()
+                mg = None
+                if pv.use_margin:
+                    if features.margin is None:
+                        pv.scalars(features)  # raises the explanation
+                    mg = features.margin.tolist()
                 self._folded = self._folded or pv.folded()
                 self.logsig.extend(_logsigmoid(self._folded.token_logit(features.hidden[t], toks[t],
-                                                                        scalar_row(lq, ent, t)))
+                                                                        scalar_row(lq, ent, t, mg)))
                                    for t in range(done, n))
         start = 0 if pv.score_mode == "prefix" else int(features.block_start)
         return math.exp(sum(self.logsig[start:n]))
@@ -262,12 +285,13 @@ class RoundScorer:
 
 # ----------------------------------------------------------------------------------------------------------------
 def build_random_preverifier(hidden_size: int, seed: int = 0, block_size: int = 2, threshold: float = 0.5,
-                             dim: int = 32, hash_buckets: int = 256, draft_model=None) -> Preverifier:
+                             dim: int = 32, hash_buckets: int = 256, draft_model=None, use_hidden: bool = True,
+                             use_margin: bool = False) -> Preverifier:
     """An untrained pre-verifier with seeded random weights (tests: it may only change speed, never output).
     With `draft_model` it also reads the draft's output head (use_head)."""
     g = torch.Generator().manual_seed(seed)
     pv = Preverifier(hidden_size, dim=dim, hash_buckets=hash_buckets, block_size=block_size, threshold=threshold,
-                     use_head=draft_model is not None)
+                     use_head=draft_model is not None, use_hidden=use_hidden, use_margin=use_margin)
     if draft_model is not None:
         pv.attach_draft(draft_model)
     with torch.no_grad():
@@ -366,7 +390,8 @@ def load_preverifier(path: str | Path | None = None, draft_model: nn.Module | No
             _mismatch(f"pre-verifier {path} was trained for another draft (sha256 of {draft_dir} differs)", strict)
     pv = Preverifier(cfg["hidden_size"], dim=cfg["dim"], hash_buckets=cfg["hash_buckets"],
                      block_size=cfg["block_size"], threshold=cfg["threshold"], score_mode=cfg.get("score_mode", "block"),
-                     use_head=cfg.get("use_head", False), head_rank=cfg.get("head_rank", 0))
+                     use_head=cfg.get("use_head", False), head_rank=cfg.get("head_rank", 0),
+                     use_hidden=cfg.get("use_hidden", True), use_margin=cfg.get("use_margin", False))
     pv.load_state_dict({k: v for k, v in load_file(str(path / "model.safetensors")).items()
                         if not k.startswith("_draft.")})
     if draft_model is not None:

@@ -15,11 +15,14 @@ import torch
 class DraftFeatures:
     """What the draft knows about the tokens it drafted this round (one row per drafted token)."""
 
-    hidden: torch.Tensor  # [n, D] draft hidden state that produced q_t (fp32)
+    hidden: torch.Tensor  # [n, D] draft hidden state that produced q_t (fp32); [n, 0] for rules without needs_hidden
     tokens: torch.Tensor  # [n] drafted token ids
     logq: torch.Tensor  # [n] log q_t(x_t)
     entropy: torch.Tensor  # [n] entropy of q_t (nats)
     block_start: int  # index of the first token of the block just finished
+    # [n] top-1 minus top-2 log-prob of the draft's untempered distribution at each row, filled only for stop rules
+    # that ask for it (`needs_margin`): the draft's confidence beyond log q, from logits it already has
+    margin: torch.Tensor | None = None
 
 
 class StopRule(Protocol):
@@ -52,12 +55,17 @@ class PreverifierStop:
     """PACER: stop when the pre-verifier's P(every token of this block is accepted) falls below `threshold`."""
 
     needs_features = True
+    needs_margin = False
+    needs_hidden = True
 
     def __init__(self, preverifier, threshold: float, skip_below: float = 0.0):
         self.preverifier = preverifier
         self.threshold = threshold
         self.skip_below = skip_below  # first block below this: draft nothing (see StopSpec.skip_below)
         self.block_size = int(getattr(preverifier, "block_size", 0) or 0)  # the B it was tuned for
+        self.needs_margin = bool(getattr(preverifier, "use_margin", False))
+        # a pre-verifier that reads neither the hidden state nor the draft head: the draft keeps no hidden rows
+        self.needs_hidden = bool(getattr(preverifier, "use_hidden", True) or getattr(preverifier, "use_head", False))
         self.last_score: float | None = None
         # one round's scorer (each drafted token scored once; specdec.preverifier.RoundScorer) where offered
         self._scorer = preverifier.round_scorer() if hasattr(preverifier, "round_scorer") else None

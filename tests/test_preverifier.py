@@ -25,7 +25,7 @@ def _features(n=6, d=32, block_start=4, seed=0):
     g = torch.Generator().manual_seed(seed)
     return DraftFeatures(hidden=torch.randn(n, d, generator=g), tokens=torch.randint(0, 32, (n,), generator=g),
                          logq=-torch.rand(n, generator=g), entropy=torch.rand(n, generator=g),
-                         block_start=block_start)
+                         block_start=block_start, margin=torch.rand(n, generator=g) * 3)
 
 
 def test_block_accept_prob_is_a_probability_and_block_local():
@@ -40,19 +40,19 @@ def test_block_accept_prob_is_a_probability_and_block_local():
 
 
 @pytest.mark.parametrize("mode", ["block", "prefix"])
-@pytest.mark.parametrize("head", [False, True])
-def test_round_scorer_equals_the_full_block_score(mode, head):
+@pytest.mark.parametrize("head,lite", [(False, False), (True, False), (False, True)])
+def test_round_scorer_equals_the_full_block_score(mode, head, lite):
     """The stop rule's incremental scorer gives block_accept_prob's score at every block boundary of a round,
-    also when one scorer sees a second round (it starts over)."""
+    also when one scorer sees a second round (it starts over). lite: no hidden state, the margin scalar."""
     draft = build_tiny_model(hidden_size=32, seed=3) if head else None
-    pv = build_random_preverifier(32, seed=5, draft_model=draft)
+    pv = build_random_preverifier(32, seed=5, draft_model=draft, use_hidden=not lite, use_margin=lite)
     pv.score_mode = mode
     scorer = pv.round_scorer()
     for rnd, (n, B) in enumerate([(7, 2), (5, 1), (9, 3)]):
         full = _features(n=n, block_start=0, seed=10 + rnd)
         for end in range(B, n + 1, B):
             f = DraftFeatures(full.hidden[:end], full.tokens[:end], full.logq[:end], full.entropy[:end],
-                              block_start=end - B)
+                              block_start=end - B, margin=full.margin[:end])
             assert scorer.score(f) == pytest.approx(pv.block_accept_prob(f), rel=1e-5, abs=1e-7)
     with torch.no_grad():  # a parameter changed in place (training): the folded weights follow
         for q in pv.parameters():
@@ -68,10 +68,12 @@ def test_scalar_rows_equal_token_scalars():
     logq = -torch.rand(9, generator=g) * 5
     logq[3] = -80.0  # clamped at -30
     entropy = torch.rand(9, generator=g) * 3
-    table = token_scalars(logq, entropy)
-    for t in range(9):
-        assert scalar_row(logq.tolist(), entropy.tolist(), t) == pytest.approx(table[t].tolist(), rel=1e-5,
-                                                                              abs=1e-6)
+    margin = torch.rand(9, generator=g) * 40  # clamped at 30
+    for m in (None, margin):
+        table = token_scalars(logq, entropy, m)
+        for t in range(9):
+            row = scalar_row(logq.tolist(), entropy.tolist(), t, None if m is None else m.tolist())
+            assert row == pytest.approx(table[t].tolist(), rel=1e-5, abs=1e-6)
 
 
 def test_stop_rule_uses_the_preverifier_threshold():
@@ -125,11 +127,12 @@ def _pair(vocab=32, hidden=32):
     return target, draft
 
 
-@pytest.mark.parametrize("block_size,threshold,head", [(1, 0.5, False), (2, 0.3, True), (3, 0.9, False)])
-def test_greedy_pacer_with_random_preverifier_equals_ar(block_size, threshold, head):
+@pytest.mark.parametrize("block_size,threshold,head,lite", [(1, 0.5, False, False), (2, 0.3, True, False),
+                                                            (3, 0.9, False, False), (1, 0.6, False, True)])
+def test_greedy_pacer_with_random_preverifier_equals_ar(block_size, threshold, head, lite):
     target, draft = _pair()
     pv = build_random_preverifier(32, seed=7, block_size=block_size, threshold=threshold,
-                                  draft_model=draft if head else None)
+                                  draft_model=draft if head else None, use_hidden=not lite, use_margin=lite)
     eng = Engine(target, draft, preverifier=pv, max_sessions=2, max_context=128)
     stops = 0
     try:
@@ -452,3 +455,66 @@ def test_measured_costs_read_the_drafting_loop_with_the_preverifier():
     assert loop["draft_forward_s"] > 0 and loop["preverifier_s"] >= 0.0
     # the worker's loop does more than the bare forward (sampling, bookkeeping)
     assert loop["draft_token_s"] > 0.5 * loop["draft_forward_s"]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_worker_margin_equals_the_collected_head_statistic(temperature):
+    """DraftFeatures.margin (drafting loop) is the margin the collectors store (head_stats' third column)."""
+    from specdec.preverifier import head_stats
+    from specdec.workers import DraftWorker
+
+    _, draft = _pair()
+    pv = build_random_preverifier(32, seed=2, block_size=1, threshold=0.0, use_hidden=False, use_margin=True)
+    seen = []
+
+    class Capture(PreverifierStop):
+        def should_stop(self, features):
+            seen.append(features)
+            return super().should_stop(features)
+
+    worker = DraftWorker(draft, preverifier=pv, max_sessions=1, max_context=64)
+    prompt = [3, 1, 4, 1, 5]
+    worker.start_session("s", prompt, SamplingParams(temperature=temperature, seed=1))
+    blk = worker.draft("s", len(prompt) - 1, [prompt[-1]], 6, Capture(pv, 0.0), block_size=1)
+    f = seen[-1]
+    assert f.margin is not None and f.margin.shape == (5,)  # asked after every token but the last
+    ids = prompt + blk.tokens
+    kv = draft.new_kv_slots(1, len(ids) + 1)
+    logits, _ = draft(torch.tensor([ids]), torch.arange(len(ids))[None], torch.tensor([0]), kv)
+    rows = logits[0, len(prompt) - 1:len(prompt) - 1 + 5]
+    want = head_stats(rows, torch.tensor(blk.tokens[:5]))[:, 2]
+    assert torch.allclose(f.margin, want, atol=1e-4)
+
+
+@pytest.mark.parametrize("lite", [False, True])
+def test_replay_walks_the_same_rounds_as_the_engine(lite):
+    """`collect --walk-gamma 0` + `train.replay`: the simulated decoder makes exactly the engine's rounds, for
+    fixed γ and for pacer with a (random) pre-verifier, so θ tuned by replay is tuned on real rounds."""
+    from specdec.pacer_train import train as T
+    from specdec.pacer_train.collect_tf import collect_tf
+
+    target, draft = _pair()
+    G, n_new = 6, 30
+    pv = build_random_preverifier(32, seed=11, block_size=1, threshold=0.5, use_hidden=not lite, use_margin=lite)
+    eng = Engine(target, draft, preverifier=pv, max_sessions=1, max_context=128)
+    prompts = [[3, 1, 4, 1, 5, 9], [2, 7, 1, 8], [6, 6, 0, 2, 2]]
+    try:
+        rows, engine_forwards = [], {}
+        for i, p in enumerate(prompts):
+            comp = eng.generate(GenerationRequest(p, max_new_tokens=n_new + G + 2, mode="ar")).token_ids
+            rows.append({"prompt_ids": p, "completion_ids": comp, "temperature": 0.0, "prompt": i})
+            for name, kw in (("sd3", dict(mode="sd", gamma=3)), ("pacer", dict(mode="pacer", gamma=G, block_size=1))):
+                out = eng.generate(GenerationRequest(p, max_new_tokens=n_new, **kw))
+                engine_forwards[name] = engine_forwards.get(name, 0) + out.stats.target_forwards
+    finally:
+        eng.close()
+    rounds = collect_tf(draft, rows, gamma_max=G, walk_gamma=0)
+    assert {r["start"] for r in rounds if r["prompt"] == 0} == set(range(n_new + 3))
+    tab = T.attach_starts(T.round_table(pv, T.to_tokenset(rounds, False, None, lite)), rounds)
+    assert tab.starts is not None
+    costs = T.Costs(draft_token_s=1e-3, target_base_s=5e-3, target_per_token_s=0.0)
+    sd3 = T.replay(tab, costs, None, None, 3, max_tokens=n_new)
+    pacer = T.replay(tab, costs, 1, pv.threshold, G, pv.score_mode, max_tokens=n_new)
+    assert sd3["rounds"] == engine_forwards["sd3"]
+    assert pacer["rounds"] == engine_forwards["pacer"]
+    assert T.replay(tab, costs, None, None, G, oracle=True, max_tokens=n_new)["rounds"] <= sd3["rounds"]

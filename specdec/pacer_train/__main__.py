@@ -49,6 +49,7 @@ def cmd_collect(args) -> Path:
         print(f"teacher-forced collection on {len(rows)} continuations (excluded {len(exclude)} benchmark prompts), "
               f"temperatures {temps}, gamma_max {args.gamma_max}", flush=True)
         out = collect_tf(draft, rows, gamma_max=args.gamma_max, target_model=target, seed=args.seed,
+                         walk_gamma=args.walk_gamma,
                          time_budget_s=args.time_budget, greedy_labels_from=args.greedy_labels, progress=progress)
         costs = measure_costs(draft, target, args.gamma_max)
         n_tokens = sum(len(r["completion_ids"]) for r in rows)
@@ -71,7 +72,9 @@ def cmd_collect(args) -> Path:
     src = Path(args.draft_source) if args.draft_source else ddir
     meta = {"method": args.method, "draft": str(src), "draft_sha256": draft_dir_sha256(src), "target": str(tdir),
             "draft_loaded_from": str(ddir), "draft_fingerprint": draft_fingerprint(draft),
-            "gamma_max": args.gamma_max, "temperatures": temps, "max_new_tokens": args.max_new_tokens,
+            "gamma_max": args.gamma_max, "temperatures": temps,
+            "walk_gamma": args.gamma_max if args.walk_gamma is None else args.walk_gamma,
+            "max_new_tokens": args.max_new_tokens,
             "num_prompts": args.num_prompts, "prompt_source": str(args.prompts), "skip": args.skip,
             "seed": args.seed, "excluded_benchmark_prompts": len(exclude), "seconds": time.time() - t_start,
             "greedy_labels": args.greedy_labels,
@@ -115,12 +118,13 @@ def cmd_train(args) -> dict:
         if args.head_rank > 0:
             head = Preverifier(draft_model.config.hidden_size, use_head=True, head_rank=args.head_rank)
             head.attach_draft(draft_model)
-    sets = {k: T.to_tokenset(v, use_head, head) for k, v in parts.items()}
+    sets = {k: T.to_tokenset(v, use_head, head, args.margin) for k, v in parts.items()}
     hidden_size = sets["train"].hidden.shape[1]
     model, info = T.train_preverifier(sets["train"], sets["dev"], hidden_size, dim=args.dim,
                                       hash_buckets=args.hash_buckets, epochs=args.epochs, lr=args.lr,
                                       seed=args.seed, use_head=use_head, dropout=args.dropout,
-                                      weight_decay=args.weight_decay, head_rank=args.head_rank)
+                                      weight_decay=args.weight_decay, head_rank=args.head_rank,
+                                      use_hidden=not args.no_hidden, use_margin=args.margin)
     mc = next((m["costs"] for m in metas if m.get("costs")), None)
     if args.measure_costs:  # the pair as served now (e.g. the draft's int8 weights), not as it was at collection
         from specdec.hub import resolve_model
@@ -142,7 +146,9 @@ def cmd_train(args) -> dict:
         model.attach_draft(draft_model)
     costs.preverifier_s = (mc or {}).get("preverifier_s") or _time_preverifier(model, hidden_size,
                                                                                args.block_sizes[0])
-    tabs = {k: T.round_table(model, v) for k, v in sets.items() if len(v)}
+    tabs = {k: T.attach_starts(T.round_table(model, v), parts[k]) for k, v in sets.items() if len(v)}
+    if tabs["dev"].starts is not None:
+        print("dev rounds at every position: θ is tuned by replaying the decoder exactly", flush=True)
     # acceptance statistics for the θ derivation
     dev = tabs["dev"]
     greedy_rows = dev.greedy
@@ -154,7 +160,7 @@ def cmd_train(args) -> dict:
             for sub, rows in (("greedy", dev.greedy), ("all", torch.ones_like(dev.greedy))):
                 if not rows.any():
                     continue
-                t = T.RoundTable(dev.logp[rows], dev.label[rows], dev.greedy[rows])
+                t = dev.subset(rows)
                 th, sim = T.tune_threshold(t, costs, B, args.gamma_max_runtime, mode)
                 fixed = max((T.simulate(t, costs, None, None, g) | {"gamma": g} for g in (1, 2, 3, 4, 6, 8)),
                             key=lambda r: r["tokens_per_s"])
@@ -183,7 +189,7 @@ def cmd_train(args) -> dict:
     for name, rows in (("greedy", tabs["test"].greedy), ("sampled_T1", ~tabs["test"].greedy)):
         if not rows.any():
             continue
-        t = T.RoundTable(tabs["test"].logp[rows], tabs["test"].label[rows], tabs["test"].greedy[rows])
+        t = tabs["test"].subset(rows)
         report[name] = {}
         for bs in sorted(set(args.block_sizes)):
             sc, lab, reached = T.block_scores(t, bs, "block")
@@ -240,7 +246,8 @@ def _time_preverifier(model, hidden_size: int, B: int, gamma: int = 12, reps: in
     from specdec.stop import DraftFeatures
 
     f = DraftFeatures(hidden=torch.randn(gamma, hidden_size), tokens=torch.randint(0, 1000, (gamma,)),
-                      logq=-torch.rand(gamma), entropy=torch.rand(gamma), block_start=gamma - B)
+                      logq=-torch.rand(gamma), entropy=torch.rand(gamma), block_start=gamma - B,
+                      margin=torch.rand(gamma))
     for _ in range(10):
         model.block_accept_prob(f)
     t0 = time.perf_counter()
@@ -321,6 +328,9 @@ def main(argv=None):
     c.add_argument("--num-prompts", type=int, default=400)
     c.add_argument("--skip", type=int, default=0, help="skip the first N prompts of the seeded order")
     c.add_argument("--gamma-max", type=int, default=12)
+    c.add_argument("--walk-gamma", type=int, default=None,
+                   help="tf: lay rounds out as sd with this γ walks the text (default: --gamma-max); each round "
+                        "still records --gamma-max tokens")
     c.add_argument("--temperatures", default="0,1")
     c.add_argument("--max-new-tokens", type=int, default=128)
     c.add_argument("--time-budget", type=float, default=None, help="seconds")
@@ -349,6 +359,9 @@ def main(argv=None):
     t.add_argument("--weight-decay", type=float, default=0.05)
     t.add_argument("--no-head", action="store_true", help="do not read the draft's output head (cheaper, weaker)")
     t.add_argument("--head-rank", type=int, default=64, help="read the head through its rank-r SVD (0: exact)")
+    t.add_argument("--no-hidden", action="store_true",
+                   help="no hidden-state projection: the token and the scalars only (a fraction of the cost per call)")
+    t.add_argument("--margin", action="store_true", help="the draft's top-1 - top-2 margin as one more scalar")
     t.add_argument("--threads", type=int, default=1)
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--measure-costs", action="store_true",

@@ -93,6 +93,8 @@ def add_args(a) -> None:
     a.add_argument("--oracle", action="store_true",
                    help="also a perfect stop rule (greedy only): it knows the target's greedy continuation and stops "
                         "after the first drafted token the target will reject, the ceiling of any pre-verifier")
+    a.add_argument("--compare-preverifier", nargs="*", default=[], metavar="DIR",
+                   help="also pacer with these pre-verifiers (each at its own B and θ), side by side with --preverifier")
     a.add_argument("--trees", nargs="*", default=[], metavar="K0,K1,...",
                    help="also greedy token trees (specdec/tree.py) of these shapes, e.g. 2,1,1 4,2,1 (T=0 only)")
 
@@ -230,6 +232,14 @@ def run_ablation(args) -> dict:
         for c in cfgs:
             if c.get("oracle"):
                 c["engine"] = ("oracle", c["quant"])
+    q0 = args.draft_quants[0]
+    for i, path in enumerate(getattr(args, "compare_preverifier", []) or []):  # one more engine per pre-verifier
+        other = load_preverifier(path, draft_model=drafts[q0], strict=False)
+        engines[("pv", i)] = Engine(target, drafts[q0], preverifier=other, max_sessions=2, max_context=ctx,
+                                    threads_per_model=1)
+        cfgs.append({"name": f"pacer B={other.block_size} [{Path(path).name}]", "mode": "pacer",
+                     "gamma": args.gamma_max, "block_size": other.block_size, "threshold": other.threshold,
+                     "quant": q0, "engine": ("pv", i)})
     rows = []
     for temp in temps:
         if getattr(args, "trees", None) and temp != 0:

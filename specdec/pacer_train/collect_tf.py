@@ -33,21 +33,17 @@ def _tf_forward(model, ids: list[int]):
     return logits[0], hidden[0]
 
 
-HISTORY_WINDOW = 16
-
-
-def _history(cum_agree: torch.Tensor, s: int, w: int = HISTORY_WINDOW) -> torch.Tensor:
-    """[agreement rate over the last w committed tokens before position s, how many there were / w]."""
-    lo = max(0, s - w)
-    n = s - lo
-    return torch.tensor([float(cum_agree[s] - cum_agree[lo]) / max(n, 1), n / w])
-
-
 @torch.inference_mode()
 def collect_tf(draft_model, rows: list[dict], gamma_max: int = 12, target_model=None, q_top_k: int = 64,
                seed: int = 0, time_budget_s: float | None = None, greedy_labels_from: str = "file",
-               rounds_per_token: float = 0.3, progress=None) -> list[dict]:
-    """rows: {prompt_ids, completion_ids, temperature, prompt} → round dicts (see collect.Round)."""
+               rounds_per_token: float = 0.3, progress=None, walk_gamma: int | None = None) -> list[dict]:
+    """rows: {prompt_ids, completion_ids, temperature, prompt} → round dicts (see collect.Round).
+
+    Each round records `gamma_max` tokens; the next round starts where `mode=sd` with γ = `walk_gamma` (default
+    gamma_max) would start it: after min(accepted, walk_gamma) tokens and the target's one. Where rounds start
+    matters: acceptance runs are correlated, so a long-γ walk starts most rounds right after a rejection, where
+    the draft does worse than where short drafts (the best fixed γ, a pacer) start theirs. walk_gamma=0 records
+    a round at every position (no subsampling either): what `evaluate.replay` needs to walk any policy exactly."""
     out = []
     t0 = time.perf_counter()
     gen = torch.Generator().manual_seed(seed)
@@ -87,9 +83,6 @@ def collect_tf(draft_model, rows: list[dict], gamma_max: int = 12, target_model=
             logq = qx.log()
             ent = torch.where(q > 0, -q * q.clamp_min(1e-30).log(), torch.zeros(())).sum(-1)
         aux = head_stats(dl, x)
-        # agreement history: did the draft's argmax equal each committed token (the text), over the last W
-        agree = (dl.argmax(-1) == torch.tensor(comp)).float()
-        cum_agree = torch.cat([torch.zeros(1), torch.cumsum(agree, 0)])
         s = 0
         seq_rounds = []
         while s + gamma_max <= C:
@@ -101,13 +94,12 @@ def collect_tf(draft_model, rows: list[dict], gamma_max: int = 12, target_model=
                 acc = int(torch.cumprod((torch.rand(gamma_max, generator=gen) < lab).float(), 0).sum())
             seq_rounds.append({"hidden": dh[sl].half().clone(), "tokens": x[sl].int().clone(), "logq": logq[sl].float().clone(),
                         "entropy": ent[sl].float().clone(), "aux": aux[sl].float().clone(),
-                        "hist": _history(cum_agree, s),
                         "label": lab.float().clone(), "temperature": temp,
-                        "prompt": row.get("prompt", n), "num_accepted": acc, "draft_ns": 0, "forward_ns": 0,
+                        "prompt": row.get("prompt", n), "start": s, "num_accepted": acc, "draft_ns": 0, "forward_ns": 0,
                         "split": row.get("split", "train")})
-            s += acc + 1
+            s += 1 if walk_gamma == 0 else min(acc, walk_gamma or gamma_max) + 1
         cap = max(1, int(rounds_per_token * C))
-        if len(seq_rounds) > cap:  # bound the memory: a uniform subsample of this sequence's rounds
+        if len(seq_rounds) > cap and walk_gamma != 0:  # bound the memory: a uniform subsample of this sequence's rounds
             keep = sorted(torch.randperm(len(seq_rounds), generator=gen)[:cap].tolist())
             seq_rounds = [seq_rounds[i] for i in keep]
         out.extend(seq_rounds)

@@ -112,5 +112,7 @@ def load_rounds(paths, hash_split_files=()) -> tuple[list[dict], list[dict]]:
         metas.append(d["meta"])
         if Path(p).resolve() in resplit:
             resplit_by_hash(d["rounds"], Path(p).name)
+        for r in d["rounds"]:
+            r["source_file"] = str(p)  # prompt indices are per file
         rounds.extend(d["rounds"])
     return rounds, metas

@@ -34,17 +34,18 @@ def evaluate(pv, rounds: list[dict], costs: T.Costs, gamma_max: int = 12,
     if not rounds:
         raise ValueError("no greedy rounds in these files (eval simulates greedy decoding)")
     head = pv if pv.use_head else None
-    tab = T.round_table(pv, T.to_tokenset(rounds, pv.use_head, head))
+    tab = T.attach_starts(T.round_table(pv, T.to_tokenset(rounds, pv.use_head, head, pv.use_margin)), rounds)
     B, mode = pv.block_size, pv.score_mode
     score, lab, reached = T.block_scores(tab, B, "block")
     fixed = max((T.simulate(tab, costs, None, None, g) | {"gamma": g} for g in gammas),
                 key=lambda r: r["tokens_per_s"])
     own = T.simulate(tab, costs, B, pv.threshold, gamma_max, mode)
     best_theta, best = T.tune_threshold(tab, costs, B, gamma_max, mode)
-    oracle = oracle_sim(tab, costs, gamma_max)
+    oracle = T.replay(tab, costs, None, None, gamma_max, oracle=True) if tab.starts else oracle_sim(tab, costs,
+                                                                                                     gamma_max)
     ft = fixed["tokens_per_s"]
     return {
-        "rounds": len(rounds), "tokens": int(sum(r["tokens"].shape[0] for r in rounds)),
+        "exact_replay": tab.starts is not None, "rounds": len(rounds), "tokens": int(sum(r["tokens"].shape[0] for r in rounds)),
         "mean_token_label": float(tab.label.mean()),
         "block_size": B, "score_mode": mode, "threshold": pv.threshold,
         "auc_all_blocks": T.weighted_auc(score, lab), "auc_reached_blocks": T.weighted_auc(score, lab, reached),

@@ -25,12 +25,13 @@ class TokenSet:
         return self.label.shape[0]
 
 
-def to_tokenset(rounds, use_head: bool = True, head=None) -> TokenSet:
+def to_tokenset(rounds, use_head: bool = True, head=None, use_margin: bool = False) -> TokenSet:
     """head: a Preverifier with the draft attached; its head statistics replace the stored exact ones (so training
-    sees exactly what the runtime computes, e.g. through the low-rank head)."""
+    sees exactly what the runtime computes, e.g. through the low-rank head). use_margin: the draft's top-1 − top-2
+    margin (the stored head statistics' third column, what `DraftFeatures.margin` carries) as one more scalar."""
     if not rounds:
         return TokenSet(torch.zeros(0, 1, dtype=torch.half), torch.zeros(0, dtype=torch.long),
-                        torch.zeros(0, 12 if use_head else 8),
+                        torch.zeros(0, 8 + (4 if use_head else 0) + (1 if use_margin else 0)),
                         torch.zeros(0), torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long),
                         torch.zeros(0, dtype=torch.bool))
     hs, ts, ss, ls, rs, ps, gs = [], [], [], [], [], [], []
@@ -38,7 +39,7 @@ def to_tokenset(rounds, use_head: bool = True, head=None) -> TokenSet:
         g = r["tokens"].shape[0]
         hs.append(r["hidden"].half())
         ts.append(r["tokens"].long())
-        sc = token_scalars(r["logq"], r["entropy"])
+        sc = token_scalars(r["logq"], r["entropy"], r["aux"][:, 2] if use_margin else None)
         if use_head and head is not None:
             with torch.inference_mode():
                 logits, idx = head._head_logits(r["hidden"].float(), r["tokens"])
@@ -57,11 +58,12 @@ def to_tokenset(rounds, use_head: bool = True, head=None) -> TokenSet:
 def train_preverifier(train: TokenSet, dev: TokenSet | None, hidden_size: int, dim: int = 64,
                       hash_buckets: int = 4096, epochs: int = 30, lr: float = 2e-3, weight_decay: float = 0.05,
                       batch_size: int = 2048, seed: int = 0, log=print, use_head: bool = True,
-                      dropout: float = 0.1, head_rank: int = 0) -> tuple[Preverifier, dict]:
+                      dropout: float = 0.1, head_rank: int = 0, use_hidden: bool = True,
+                      use_margin: bool = False) -> tuple[Preverifier, dict]:
     """Per-token BCE on P(x_t accepted | x_<t accepted) (soft labels allowed); early stopping on dev loss."""
     torch.manual_seed(seed)
     model = Preverifier(hidden_size, dim=dim, hash_buckets=hash_buckets, use_head=use_head, dropout=dropout,
-                        head_rank=head_rank)
+                        head_rank=head_rank, use_hidden=use_hidden, use_margin=use_margin)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
     n = len(train)
     steps = max(1, epochs * math.ceil(n / batch_size))
@@ -113,6 +115,26 @@ class RoundTable:
     logp: torch.Tensor  # [R, G] predicted log P(x_t accepted | x_<t accepted)
     label: torch.Tensor  # [R, G] label (hard or soft)
     greedy: torch.Tensor  # [R]
+    starts: list | None = None  # [(text, start)] per round when there is a round at every position (`replay`)
+
+    def subset(self, rows: torch.Tensor) -> "RoundTable":
+        starts = None if self.starts is None else [st for st, keep in zip(self.starts, rows.tolist()) if keep]
+        return RoundTable(self.logp[rows], self.label[rows], self.greedy[rows], starts)
+
+
+def attach_starts(tab: RoundTable, rounds: list[dict]) -> RoundTable:
+    """Give `tab` its rounds' (text, start) when every text has a round at every position from 0 (label files
+    from `collect --walk-gamma 0`): then `simulate` replays the decoder exactly. Otherwise leave it as is."""
+    keys = [(r.get("source_file"), r["prompt"], r["temperature"]) for r in rounds]
+    if not rounds or any("start" not in r for r in rounds):
+        return tab
+    per: dict = {}
+    for k, r in zip(keys, rounds):
+        per.setdefault(k, set()).add(int(r["start"]))
+    if any(st != set(range(max(st) + 1)) for st in per.values()):
+        return tab
+    tab.starts = [(k, int(r["start"])) for k, r in zip(keys, rounds)]
+    return tab
 
 
 def round_table(model: Preverifier, ds: TokenSet) -> RoundTable:
@@ -196,37 +218,82 @@ def fit_costs(rounds, gamma_max: int) -> Costs:
     return Costs(draft_token_s=med(d), target_base_s=med(t), target_per_token_s=0.0)
 
 
+def draft_lengths(tab: RoundTable, B: int | None, theta: float | None, gamma: int,
+                  mode: str = "block") -> tuple[torch.Tensor, torch.Tensor]:
+    """Per round: how many tokens fixed γ (B=None) or a pacer (block B, threshold θ) drafts, and how many times
+    the pacer asks its pre-verifier (it stops after the first block whose score < θ, or at γ, unasked)."""
+    R, G = tab.logp.shape
+    if B is None:
+        return torch.full((R,), min(gamma, G)), torch.zeros(R)
+    score, _, _ = block_scores(tab, B, mode)
+    K = min(score.shape[1], gamma // B)
+    n = torch.full((R,), K * B)
+    calls = torch.full((R,), float(max(K - 1, 0)))
+    stopped = torch.zeros(R, dtype=torch.bool)
+    for k in range(K - 1):  # the rule is not asked after the last block (gamma reached)
+        stop_now = (~stopped) & (score[:, k] < theta)
+        n = torch.where(stop_now, torch.full_like(n, (k + 1) * B), n)
+        calls = torch.where(stop_now, torch.full_like(calls, float(k + 1)), calls)
+        stopped |= stop_now
+    return n, calls
+
+
 def simulate(tab: RoundTable, costs: Costs, B: int | None, theta: float | None, gamma: int,
              mode: str = "block", hard: bool = True) -> dict:
     """Expected tokens/s of rounds drawn from `tab` for fixed γ (B=None) or pacer (block B, threshold θ).
 
     Per round: the draft proposes n tokens (pacer: stops after the first block whose score < θ, or at γ);
-    the expected number of accepted tokens is Σ_{i<n} Π_{j≤i} label_j, plus one recovered/bonus token."""
+    the expected number of accepted tokens is Σ_{i<n} Π_{j≤i} label_j, plus one recovered/bonus token.
+    With `tab.starts` (rounds at every position, `collect --walk-gamma 0`) it replays the decoder exactly instead
+    (`replay`): the rounds are the ones this policy would make, not ones laid out by another walk."""
+    if tab.starts is not None and bool(tab.greedy.all()):
+        return replay(tab, costs, B, theta, gamma, mode)
     R, G = tab.logp.shape
     lab = tab.label.clamp(0, 1)
     if hard:
         lab = (lab >= 0.5).float() if tab.greedy.all() else lab
     surv = torch.cumprod(lab, 1)  # P(first i+1 tokens accepted)
-    if B is None:
-        n = torch.full((R,), min(gamma, G))
-        calls = torch.zeros(R)
-    else:
-        score, _, _ = block_scores(tab, B, mode)
-        K = min(score.shape[1], gamma // B)
-        n = torch.full((R,), K * B)
-        calls = torch.full((R,), float(max(K - 1, 0)))
-        stopped = torch.zeros(R, dtype=torch.bool)
-        for k in range(K - 1):  # the rule is not asked after the last block (gamma reached)
-            stop_now = (~stopped) & (score[:, k] < theta)
-            n = torch.where(stop_now, torch.full_like(n, (k + 1) * B), n)
-            calls = torch.where(stop_now, torch.full_like(calls, float(k + 1)), calls)
-            stopped |= stop_now
+    n, calls = draft_lengths(tab, B, theta, gamma, mode)
     idx = torch.arange(G)[None, :]
     acc = (surv * (idx < n[:, None])).sum(1)
     tokens = acc + 1
     time_s = n * costs.draft_token_s + calls * costs.preverifier_s + costs.target_s(n)
     return {"tokens_per_s": float(tokens.sum() / time_s.sum()), "mean_accepted_length": float(tokens.mean()),
             "mean_draft_len": float(n.float().mean()), "wasted_per_round": float((n - acc).mean())}
+
+
+def replay(tab: RoundTable, costs: Costs, B: int | None, theta: float | None, gamma: int, mode: str = "block",
+           oracle: bool = False, max_tokens: int | None = None) -> dict:
+    """Greedy decoding walked exactly over each text: from the text's first round, the policy drafts n tokens,
+    the target accepts min(n, leading matches) plus one of its own, and the next round starts there. Needs a
+    round at every position (`tab.starts`: (text, start) per round; greedy rows only). oracle: draft exactly up
+    to the first rejected token (the perfect stop rule). max_tokens: stop a text there (max_new_tokens)."""
+    lab = (tab.label.clamp(0, 1) >= 0.5).float()
+    lead = torch.cumprod(lab, 1).sum(1).long().tolist()
+    if oracle:
+        n_t = [min(x + 1, gamma, lab.shape[1]) for x in lead]
+        calls_t = [0.0] * len(lead)
+    else:
+        n, calls = draft_lengths(tab, B, theta, gamma, mode)
+        n_t, calls_t = n.long().tolist(), calls.tolist()
+    at = {(t, s): i for i, (t, s) in enumerate(tab.starts)}
+    first: dict = {}
+    for t, s in tab.starts:
+        first[t] = min(first.get(t, s), s)
+    rounds = tokens = drafted = wasted = 0
+    time_s = 0.0
+    for t, s in first.items():
+        i, s0 = at.get((t, s)), s
+        while i is not None and (max_tokens is None or s - s0 < max_tokens):
+            n = n_t[i]
+            acc = min(lead[i], n)
+            rounds, tokens, drafted, wasted = rounds + 1, tokens + acc + 1, drafted + n, wasted + n - acc
+            time_s += n * costs.draft_token_s + calls_t[i] * costs.preverifier_s + costs.target_s(n)
+            s += acc + 1
+            i = at.get((t, s))
+    return {"tokens_per_s": tokens / max(time_s, 1e-12), "mean_accepted_length": tokens / max(rounds, 1),
+            "mean_draft_len": drafted / max(rounds, 1), "wasted_per_round": wasted / max(rounds, 1),
+            "rounds": rounds}
 
 
 def tune_threshold(tab: RoundTable, costs: Costs, B: int, gamma: int, mode: str = "block",
