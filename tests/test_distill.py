@@ -179,3 +179,18 @@ def test_warm_start_grows_depth_as_identity(target, rows):
     assert deep.model.layers[1].mlp.down_proj.weight.grad.abs().sum() > 0
     with pytest.raises(ValueError, match="shallower"):
         warm_start(build_from_target(target, subset, (0,)), deep.state_dict())
+
+
+def test_code_prompts_leave_out_the_benchmark_tasks():
+    """`generate --style code/chatcode`: stubs never use an excluded (HumanEval) function name; chatcode asks for
+    the same stubs in a user turn."""
+    import random
+
+    from specdec.distill.code_prompts import ASKS, TASKS, chat_code_prompts, code_prompts
+
+    banned = {TASKS[0][0], TASKS[1][0]}
+    stubs = code_prompts(random.Random(0), 200, banned)
+    assert all(f"def {name}(" not in s for s in stubs for name in banned)
+    turns = chat_code_prompts(random.Random(0), 50, banned)
+    assert all(any(t.startswith(a) for a in ASKS) and "def " in t for t in turns)
+    assert all(f"def {name}(" not in t for t in turns for name in banned)

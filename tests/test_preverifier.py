@@ -511,10 +511,15 @@ def test_replay_walks_the_same_rounds_as_the_engine(lite):
     rounds = collect_tf(draft, rows, gamma_max=G, walk_gamma=0)
     assert {r["start"] for r in rounds if r["prompt"] == 0} == set(range(n_new + 3))
     tab = T.attach_starts(T.round_table(pv, T.to_tokenset(rounds, False, None, lite)), rounds)
-    assert tab.starts is not None
+    assert tab.exact
     costs = T.Costs(draft_token_s=1e-3, target_base_s=5e-3, target_per_token_s=0.0)
     sd3 = T.replay(tab, costs, None, None, 3, max_tokens=n_new)
     pacer = T.replay(tab, costs, 1, pv.threshold, G, pv.score_mode, max_tokens=n_new)
     assert sd3["rounds"] == engine_forwards["sd3"]
     assert pacer["rounds"] == engine_forwards["pacer"]
     assert T.replay(tab, costs, None, None, G, oracle=True, max_tokens=n_new)["rounds"] <= sd3["rounds"]
+    from specdec.pacer_train.evaluate import evaluate  # `eval` walks the same decoder over whole texts
+
+    rep = evaluate(pv, rounds, costs, gamma_max=G)
+    assert rep["exact_replay"]
+    assert rep["preverifier"]["rounds"] == T.replay(tab, costs, 1, pv.threshold, G, pv.score_mode)["rounds"]

@@ -87,13 +87,14 @@ def cmd_collect(args) -> Path:
 
 def cmd_train(args) -> dict:
     from specdec.pacer_train import train as T
+    from specdec.pacer_train.evaluate import time_preverifier_call
     from specdec.preverifier import derive_threshold, save_preverifier
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    for f in args.hash_split:
+    for f in [*args.hash_split, *args.tune_data]:
         if f not in args.data:
-            sys.exit(f"--hash-split {f}: not one of the --data files")
+            sys.exit(f"--hash-split/--tune-data {f}: not one of the --data files")
     rounds, metas = D.load_rounds(args.data, args.hash_split)
     shas = {m["draft_sha256"] for m in metas}
     if len(shas) != 1:
@@ -144,13 +145,16 @@ def cmd_train(args) -> dict:
         costs = T.fit_costs(parts["train"], gamma_max)
     if use_head:
         model.attach_draft(draft_model)
-    costs.preverifier_s = (mc or {}).get("preverifier_s") or _time_preverifier(model, hidden_size,
-                                                                               args.block_sizes[0])
+    costs.preverifier_s = (mc or {}).get("preverifier_s") or time_preverifier_call(model, hidden_size,
+                                                                                   args.block_sizes[0])
     tabs = {k: T.attach_starts(T.round_table(model, v), parts[k]) for k, v in sets.items() if len(v)}
-    if tabs["dev"].starts is not None:
-        print("dev rounds at every position: θ is tuned by replaying the decoder exactly", flush=True)
+    if tabs["dev"].subset(tabs["dev"].greedy).exact:
+        print("greedy dev rounds at every position: θ is tuned by replaying the decoder exactly", flush=True)
     # acceptance statistics for the θ derivation
     dev = tabs["dev"]
+    if args.tune_data:  # choose on the text most like what will be served (e.g. not code the draft trained on)
+        tune = {str(f) for f in args.tune_data}
+        dev = dev.subset(torch.tensor([r["source_file"] in tune for r in parts["dev"]]))
     greedy_rows = dev.greedy
     mean_acc = float(dev.label[greedy_rows].mean()) if greedy_rows.any() else float(dev.label.mean())
     # choose B, score mode and θ on dev by simulated throughput (measured costs)
@@ -209,6 +213,7 @@ def cmd_train(args) -> dict:
         "trained_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "training_data": {"files": [str(p) for p in args.data], "collection": metas,
                           "split_by_prompt_hash": [str(p) for p in args.hash_split],
+                          "tuned_on": [str(p) for p in args.tune_data] or "all",
                           "rounds": {k: len(v) for k, v in parts.items()},
                           "tokens": {k: len(v) for k, v in sets.items()},
                           "benchmark_prompts_excluded": True},
@@ -240,47 +245,6 @@ def _fingerprint(ddir: Path) -> str:
     from specdec.preverifier import draft_fingerprint
 
     return draft_fingerprint(load_model_dir(ddir))
-
-
-def _time_preverifier(model, hidden_size: int, B: int, gamma: int = 12, reps: int = 200) -> float:
-    from specdec.stop import DraftFeatures
-
-    f = DraftFeatures(hidden=torch.randn(gamma, hidden_size), tokens=torch.randint(0, 1000, (gamma,)),
-                      logq=-torch.rand(gamma), entropy=torch.rand(gamma), block_start=gamma - B,
-                      margin=torch.rand(gamma))
-    for _ in range(10):
-        model.block_accept_prob(f)
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        model.block_accept_prob(f)
-    return (time.perf_counter() - t0) / reps
-
-
-def cmd_eval(args) -> None:
-    from specdec.model import load_model
-    from specdec.pacer_train import evaluate as E
-    from specdec.preverifier import load_preverifier
-
-    torch.set_num_threads(args.threads)
-    rounds, metas = D.load_rounds(args.data)
-    rounds = [r for r in rounds if args.split == "all" or r["split"] == args.split]
-    draft = load_model(args.draft, dtype="auto", role="draft")
-    out = {}
-    for path in args.preverifier:
-        pv = load_preverifier(path, draft_model=draft)
-        measured = None
-        if args.measure_costs:
-            from specdec.pacer_train.collect_tf import measure_costs
-
-            measured = measure_costs(draft, load_model(args.target, dtype="auto", role="target"), 12, preverifier=pv)
-        costs = E.costs_of(metas, measured, _time_preverifier(pv, pv.hidden_size, pv.block_size))
-        name = str(path or "shipped")
-        out[name] = E.evaluate(pv, rounds, costs) | {"costs": vars(costs)}
-        print(E.format_report(name, out[name]), flush=True)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"data": [str(p) for p in args.data], "split": args.split,
-                                               "results": out}, indent=2) + "\n")
 
 
 def cmd_run(args) -> None:
@@ -346,6 +310,8 @@ def main(argv=None):
                    help="--data files to split by prompt hash alone (test 5 %%, dev 10 %%), their draft-held-out "
                         "prompts too: for labels collected on prompts all new to the draft, such as its held-out set "
                         "(specdec/data/distill_heldout.jsonl.gz), which the default split puts entirely in test")
+    t.add_argument("--tune-data", nargs="*", type=Path, default=[], metavar="FILE",
+                   help="choose B, score mode and θ on the dev rounds of these --data files only (default: all)")
     t.add_argument("--out", default=str(D.CACHE_DIR / "preverifier"))
     t.add_argument("--block-sizes", type=int, nargs="+", default=[1, 2, 3, 4])
     t.add_argument("--block-size", type=int, default=0, help="force B (default: best simulated on dev)")
@@ -401,6 +367,7 @@ def main(argv=None):
     elif args.cmd == "train":
         cmd_train(args)
     elif args.cmd == "eval":
+        from specdec.pacer_train.evaluate import cmd_eval
         cmd_eval(args)
     elif args.cmd == "run":
         cmd_run(args)

@@ -9,6 +9,10 @@ never as a choice (choose θ on the dev split).
 """
 from __future__ import annotations
 
+import json
+import time
+from pathlib import Path
+
 import torch
 
 from specdec.pacer_train import train as T
@@ -41,11 +45,11 @@ def evaluate(pv, rounds: list[dict], costs: T.Costs, gamma_max: int = 12,
                 key=lambda r: r["tokens_per_s"])
     own = T.simulate(tab, costs, B, pv.threshold, gamma_max, mode)
     best_theta, best = T.tune_threshold(tab, costs, B, gamma_max, mode)
-    oracle = T.replay(tab, costs, None, None, gamma_max, oracle=True) if tab.starts else oracle_sim(tab, costs,
-                                                                                                     gamma_max)
+    oracle = T.replay(tab, costs, None, None, gamma_max, oracle=True) if tab.exact else oracle_sim(tab, costs,
+                                                                                                    gamma_max)
     ft = fixed["tokens_per_s"]
     return {
-        "exact_replay": tab.starts is not None, "rounds": len(rounds), "tokens": int(sum(r["tokens"].shape[0] for r in rounds)),
+        "exact_replay": tab.exact, "rounds": len(rounds), "tokens": int(sum(r["tokens"].shape[0] for r in rounds)),
         "mean_token_label": float(tab.label.mean()),
         "block_size": B, "score_mode": mode, "threshold": pv.threshold,
         "auc_all_blocks": T.weighted_auc(score, lab), "auc_reached_blocks": T.weighted_auc(score, lab, reached),
@@ -73,3 +77,46 @@ def format_report(name: str, r: dict) -> str:
             f"τ={f['mean_accepted_length']:.2f}; pre-verifier θ={r['threshold']:.2f} τ={p['mean_accepted_length']:.2f} "
             f"len={p['mean_draft_len']:.2f} ×{p['gain_vs_best_fixed']:.3f}; oracle ×{o['gain_vs_best_fixed']:.3f}; "
             f"best θ here {r['best_threshold_here']['theta']:.2f} ×{r['best_threshold_here']['gain_vs_best_fixed']:.3f}")
+
+
+def time_preverifier_call(model, hidden_size: int, B: int, gamma: int = 12, reps: int = 200) -> float:
+    """Seconds per `block_accept_prob` call in isolation (a lower bound: the drafting loop's is 2-4x)."""
+    from specdec.stop import DraftFeatures
+
+    f = DraftFeatures(hidden=torch.randn(gamma, hidden_size), tokens=torch.randint(0, 1000, (gamma,)),
+                      logq=-torch.rand(gamma), entropy=torch.rand(gamma), block_start=gamma - B,
+                      margin=torch.rand(gamma))
+    for _ in range(10):
+        model.block_accept_prob(f)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        model.block_accept_prob(f)
+    return (time.perf_counter() - t0) / reps
+
+
+def cmd_eval(args) -> None:
+    """`python -m specdec.pacer_train eval` (the parser is in __main__)."""
+    from specdec.model import load_model
+    from specdec.pacer_train import data as D
+    from specdec.preverifier import load_preverifier
+
+    torch.set_num_threads(args.threads)
+    rounds, metas = D.load_rounds(args.data)
+    rounds = [r for r in rounds if args.split == "all" or r["split"] == args.split]
+    draft = load_model(args.draft, dtype="auto", role="draft")
+    out = {}
+    for path in args.preverifier:
+        pv = load_preverifier(path, draft_model=draft)
+        measured = None
+        if args.measure_costs:
+            from specdec.pacer_train.collect_tf import measure_costs
+
+            measured = measure_costs(draft, load_model(args.target, dtype="auto", role="target"), 12, preverifier=pv)
+        costs = costs_of(metas, measured, time_preverifier_call(pv, pv.hidden_size, pv.block_size))
+        name = str(path or "shipped")
+        out[name] = evaluate(pv, rounds, costs) | {"costs": vars(costs)}
+        print(format_report(name, out[name]), flush=True)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({"data": [str(p) for p in args.data], "split": args.split,
+                                               "results": out}, indent=2) + "\n")

@@ -117,6 +117,11 @@ class RoundTable:
     greedy: torch.Tensor  # [R]
     starts: list | None = None  # [(text, start)] per round when there is a round at every position (`replay`)
 
+    @property
+    def exact(self) -> bool:
+        """Greedy rounds at every position of their texts: `replay` can walk the decoder exactly."""
+        return self.starts is not None and None not in self.starts and bool(self.greedy.all())
+
     def subset(self, rows: torch.Tensor) -> "RoundTable":
         starts = None if self.starts is None else [st for st, keep in zip(self.starts, rows.tolist()) if keep]
         return RoundTable(self.logp[rows], self.label[rows], self.greedy[rows], starts)
@@ -124,16 +129,14 @@ class RoundTable:
 
 def attach_starts(tab: RoundTable, rounds: list[dict]) -> RoundTable:
     """Give `tab` its rounds' (text, start) when every text has a round at every position from 0 (label files
-    from `collect --walk-gamma 0`): then `simulate` replays the decoder exactly. Otherwise leave it as is."""
+    from `collect --walk-gamma 0`): then `simulate` replays the decoder exactly on a table of such rounds."""
     keys = [(r.get("source_file"), r["prompt"], r["temperature"]) for r in rounds]
-    if not rounds or any("start" not in r for r in rounds):
-        return tab
     per: dict = {}
     for k, r in zip(keys, rounds):
-        per.setdefault(k, set()).add(int(r["start"]))
-    if any(st != set(range(max(st) + 1)) for st in per.values()):
-        return tab
-    tab.starts = [(k, int(r["start"])) for k, r in zip(keys, rounds)]
+        per.setdefault(k, set()).add(int(r.get("start", -1)))  # -1: a file from before starts were recorded
+    dense = {k for k, st in per.items() if st == set(range(max(st) + 1))}
+    if dense:  # None for the rounds of other texts (e.g. a subsampled T=1 file beside dense greedy ones)
+        tab.starts = [(k, int(r["start"])) if k in dense else None for k, r in zip(keys, rounds)]
     return tab
 
 
@@ -246,7 +249,7 @@ def simulate(tab: RoundTable, costs: Costs, B: int | None, theta: float | None, 
     the expected number of accepted tokens is Σ_{i<n} Π_{j≤i} label_j, plus one recovered/bonus token.
     With `tab.starts` (rounds at every position, `collect --walk-gamma 0`) it replays the decoder exactly instead
     (`replay`): the rounds are the ones this policy would make, not ones laid out by another walk."""
-    if tab.starts is not None and bool(tab.greedy.all()):
+    if tab.exact:
         return replay(tab, costs, B, theta, gamma, mode)
     R, G = tab.logp.shape
     lab = tab.label.clamp(0, 1)
