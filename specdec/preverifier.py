@@ -154,10 +154,10 @@ class Preverifier(nn.Module):
 
     def token_logits(self, hidden: torch.Tensor, tokens: torch.Tensor, scalars: torch.Tensor) -> torch.Tensor:
         """[m, D], [m], [m, N_SCALARS] → [m] logits of P(token accepted | earlier tokens accepted)."""
-        x = self.drop(self.tok_emb(self.bucket(tokens))) + self.s_proj(self.s_norm(scalars.float()))
-        if self.use_hidden:
-            x = x + self.h_proj(self.drop(self.h_norm(hidden.float())))
-        return self.mlp(x).squeeze(-1)
+        x = self.drop(self.tok_emb(self.bucket(tokens)))
+        if self.use_hidden:  # (hidden + token) + scalars: the order the shipped weights were evaluated in
+            x = self.h_proj(self.drop(self.h_norm(hidden.float()))) + x
+        return self.mlp(x + self.s_proj(self.s_norm(scalars.float()))).squeeze(-1)
 
     def forward(self, hidden, tokens, scalars):
         return self.token_logits(hidden, tokens, scalars)
@@ -231,11 +231,12 @@ class _Folded:
         mean = sum(scalars) / len(scalars)
         inv = 1.0 / math.sqrt(sum((v - mean) ** 2 for v in scalars) / len(scalars) + self.s_eps)
         s = np.array([(v - mean) * inv for v in scalars])
-        x = s @ self.w_s + self.bias[(token * _HASH_MULT) % self.buckets]
+        x = s @ self.w_s
         if self.w_h is not None:
             h = hidden.detach().float().numpy()
             h = (h - h.mean()) / math.sqrt(float(h.var()) + self.h_eps)
-            x = x + (h @ self.w_h).astype(np.float64)
+            x = (h @ self.w_h).astype(np.float64) + x
+        x = x + self.bias[(token * _HASH_MULT) % self.buckets]
         x = self._gelu(self._gelu(x) @ self.w2 + self.b2)
         return float(x @ self.w4) + self.b4
 
