@@ -45,7 +45,13 @@ def cmd_collect(args) -> Path:
     if args.method == "tf":
         from specdec.pacer_train.collect_tf import collect_tf, measure_costs
 
-        rows = D.training_rows(Path(args.prompts), exclude, temps, args.num_prompts, args.seed, args.skip)
+        if args.prompts == "benchmark":  # diagnosis only: `train` refuses these files
+            from specdec.pacer_train.evaluate import benchmark_rows
+
+            rows = benchmark_rows(target, draft, tok, args.benchmark_prompts, args.max_new_tokens)
+            exclude = set()
+        else:
+            rows = D.training_rows(Path(args.prompts), exclude, temps, args.num_prompts, args.seed, args.skip)
         print(f"teacher-forced collection on {len(rows)} continuations (excluded {len(exclude)} benchmark prompts), "
               f"temperatures {temps}, gamma_max {args.gamma_max}", flush=True)
         out = collect_tf(draft, rows, gamma_max=args.gamma_max, target_model=target, seed=args.seed,
@@ -77,7 +83,7 @@ def cmd_collect(args) -> Path:
             "max_new_tokens": args.max_new_tokens,
             "num_prompts": args.num_prompts, "prompt_source": str(args.prompts), "skip": args.skip,
             "seed": args.seed, "excluded_benchmark_prompts": len(exclude), "seconds": time.time() - t_start,
-            "greedy_labels": args.greedy_labels,
+            "greedy_labels": args.greedy_labels, "diagnostic_only": args.prompts == "benchmark",
             "tokens": n_tokens, "threads": args.threads, "costs": costs}
     path = Path(args.out)
     D.save_rounds(out, path, meta)
@@ -96,6 +102,8 @@ def cmd_train(args) -> dict:
         if f not in args.data:
             sys.exit(f"--hash-split/--tune-data {f}: not one of the --data files")
     rounds, metas = D.load_rounds(args.data, args.hash_split)
+    if any(m.get("diagnostic_only") for m in metas):
+        sys.exit("a --data file holds benchmark-prompt rounds (collect --prompts benchmark): never train on them")
     shas = {m["draft_sha256"] for m in metas}
     if len(shas) != 1:
         sys.exit(f"the label files come from different drafts ({len(shas)} sha256s); train on one draft's data")
@@ -286,7 +294,10 @@ def main(argv=None):
     pair(c)
     c.add_argument("--method", choices=["tf", "workers"], default="tf",
                    help="tf: teacher-forced (fast, exact for greedy); workers: real SD rounds with the workers")
-    c.add_argument("--prompts", default=str(D.SHARED_SAMPLES), help="JSONL(.gz) with prompt_ids rows")
+    c.add_argument("--prompts", default=str(D.SHARED_SAMPLES),
+                   help="JSONL(.gz) with prompt_ids rows, or `benchmark`: the ablation's prompts with the target's "
+                        "greedy continuation, for diagnosis only (`eval`; `train` refuses the file)")
+    c.add_argument("--benchmark-prompts", type=int, nargs=2, default=[8, 8], metavar=("HUMANEVAL", "CHAT"))
     c.add_argument("--draft-source", default=None,
                    help="the draft directory as shipped, when --draft is a converted copy (its sha256 goes in the card)")
     c.add_argument("--num-prompts", type=int, default=400)

@@ -79,6 +79,24 @@ def format_report(name: str, r: dict) -> str:
             f"best θ here {r['best_threshold_here']['theta']:.2f} ×{r['best_threshold_here']['gain_vs_best_fixed']:.3f}")
 
 
+def benchmark_rows(target, draft, tok, counts=(8, 8), max_new_tokens: int = 128) -> list[dict]:
+    """The ablation's prompts (`counts` = HumanEval, chat) with the target's greedy continuation, as `collect`
+    rows, for diagnosis only: how a saved pre-verifier and the replay fare on the benchmark's own text."""
+    from specdec.engine import Engine
+    from specdec.pacer_train.bench import benchmark_prompts, encode
+    from specdec.schedule import GenerationRequest
+
+    prompts = [encode(tok, item) for _, item in benchmark_prompts(*counts)]
+    engine = Engine(target, draft, max_sessions=1, max_context=max(map(len, prompts)) + max_new_tokens + 8)
+    try:
+        return [{"prompt_ids": ids, "prompt": i, "split": "test", "temperature": 0.0,
+                 "completion_ids": engine.generate(GenerationRequest(ids, max_new_tokens=max_new_tokens,
+                                                                     mode="ar")).token_ids}
+                for i, ids in enumerate(prompts)]
+    finally:
+        engine.close()
+
+
 def time_preverifier_call(model, hidden_size: int, B: int, gamma: int = 12, reps: int = 200) -> float:
     """Seconds per `block_accept_prob` call in isolation (a lower bound: the drafting loop's is 2-4x)."""
     from specdec.stop import DraftFeatures
