@@ -523,3 +523,14 @@ def test_replay_walks_the_same_rounds_as_the_engine(lite):
     rep = evaluate(pv, rounds, costs, gamma_max=G)
     assert rep["exact_replay"]
     assert rep["preverifier"]["rounds"] == T.replay(tab, costs, 1, pv.threshold, G, pv.score_mode)["rounds"]
+
+
+def test_train_refuses_benchmark_prompt_rounds(tmp_path):
+    """Rounds collected on the benchmark's prompts (`collect --prompts benchmark`) are for diagnosis only."""
+    from specdec.pacer_train import data as D
+    from specdec.pacer_train.__main__ import main
+
+    f = tmp_path / "bench.pt"
+    D.save_rounds([], f, {"draft_sha256": "x", "gamma_max": 4, "diagnostic_only": True})
+    with pytest.raises(SystemExit, match="never train"):
+        main(["train", "--data", str(f), "--out", str(tmp_path / "pv")])
