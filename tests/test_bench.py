@@ -32,7 +32,7 @@ def models(tmp_path_factory):
 
 def test_bench_end_to_end(models):
     root, tdir, ddir = models
-    out = root / "out"
+    out = root / "not" / "yet" / "out"  # the bench makes the folders (before the run, so results are never lost)
     cmd = [sys.executable, "-m", "specdec.bench", "--target-model", str(tdir), "--draft-model", str(ddir),
            "--preverifier", str(root / "pv"), "--prompts", str(root / "prompts.jsonl"), "--max-new-tokens", "12",
            "--repeats", "1", "--gammas", "2", "--concurrency", "1,2", "--no-ray", "--no-progress",

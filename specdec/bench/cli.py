@@ -10,6 +10,7 @@ import os
 import shlex
 import sys
 import time
+from pathlib import Path
 
 from specdec.bench.harness import ALL_MODES, Bench, BenchOptions, acceptance, aggregate
 from specdec.bench.report import machine_info, markdown, plot
@@ -64,6 +65,12 @@ def options(args) -> BenchOptions:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    for out in (args.json, args.markdown, args.plot):  # before the run: a missing folder must not lose its results
+        if out:
+            try:
+                Path(out).resolve().parent.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise SystemExit(f"cannot write {out}: {e}") from None
     opts = options(args)
     meta = {"machine": machine_info(), "command": "python -m specdec.bench " + shlex.join(argv)}
     t0 = time.time()
