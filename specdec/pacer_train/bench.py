@@ -94,7 +94,7 @@ def add_args(a) -> None:
                    help="also a perfect stop rule (greedy only): it knows the target's greedy continuation and stops "
                         "after the first drafted token the target will reject, the ceiling of any pre-verifier")
     a.add_argument("--compare-preverifier", nargs="*", default=[], metavar="DIR",
-                   help="also pacer with these pre-verifiers (each at its own B and θ), side by side with --preverifier")
+                   help="also pacer with these pre-verifiers (each at its own B and θ), beside --preverifier's")
     a.add_argument("--trees", nargs="*", default=[], metavar="K0,K1,...",
                    help="also greedy token trees (specdec/tree.py) of these shapes, e.g. 2,1,1 4,2,1 (T=0 only)")
 

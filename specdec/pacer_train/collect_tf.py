@@ -43,7 +43,7 @@ def collect_tf(draft_model, rows: list[dict], gamma_max: int = 12, target_model=
     gamma_max) would start it: after min(accepted, walk_gamma) tokens and the target's one. Where rounds start
     matters: acceptance runs are correlated, so a long-γ walk starts most rounds right after a rejection, where
     the draft does worse than where short drafts (the best fixed γ, a pacer) start theirs. walk_gamma=0 records
-    a round at every position (no subsampling either): what `evaluate.replay` needs to walk any policy exactly."""
+    a round at every position (no subsampling either): what `train.replay` needs to walk any policy exactly."""
     out = []
     t0 = time.perf_counter()
     gen = torch.Generator().manual_seed(seed)
@@ -95,11 +95,12 @@ def collect_tf(draft_model, rows: list[dict], gamma_max: int = 12, target_model=
             seq_rounds.append({"hidden": dh[sl].half().clone(), "tokens": x[sl].int().clone(), "logq": logq[sl].float().clone(),
                         "entropy": ent[sl].float().clone(), "aux": aux[sl].float().clone(),
                         "label": lab.float().clone(), "temperature": temp,
-                        "prompt": row.get("prompt", n), "start": s, "num_accepted": acc, "draft_ns": 0, "forward_ns": 0,
+                        "prompt": row.get("prompt", n), "start": s, "num_accepted": acc, "draft_ns": 0,
+                        "forward_ns": 0,
                         "split": row.get("split", "train")})
             s += 1 if walk_gamma == 0 else min(acc, walk_gamma or gamma_max) + 1
         cap = max(1, int(rounds_per_token * C))
-        if len(seq_rounds) > cap and walk_gamma != 0:  # bound the memory: a uniform subsample of this sequence's rounds
+        if len(seq_rounds) > cap and walk_gamma != 0:  # bound the memory: a uniform subsample of the rounds
             keep = sorted(torch.randperm(len(seq_rounds), generator=gen)[:cap].tolist())
             seq_rounds = [seq_rounds[i] for i in keep]
         out.extend(seq_rounds)
@@ -121,9 +122,10 @@ def measure_costs(draft_model, target_model, gamma_max: int = 12, ctx: int = 64,
 
     def step(model, S):
         kv = model.new_kv_slots(1, ctx + 64)
-        model(torch.randint(0, min(100, model.config.vocab_size), (1, ctx)), torch.arange(ctx)[None], torch.tensor([0]), kv)
+        vocab = min(100, model.config.vocab_size)
+        model(torch.randint(0, vocab, (1, ctx)), torch.arange(ctx)[None], torch.tensor([0]), kv)
         t = time.perf_counter()
-        model(torch.randint(0, min(100, model.config.vocab_size), (1, S)), torch.arange(ctx, ctx + S)[None], torch.tensor([0]), kv)
+        model(torch.randint(0, vocab, (1, S)), torch.arange(ctx, ctx + S)[None], torch.tensor([0]), kv)
         return time.perf_counter() - t
 
     d, t1, tg = [], [], []
@@ -148,7 +150,8 @@ def _loop_costs(draft_model, preverifier, ctx: int, n: int, reps: int) -> dict:
     from specdec.workers import DraftWorker
 
     worker = DraftWorker(draft_model, preverifier=preverifier, max_sessions=1, max_context=ctx + 2 * n + 8)
-    prompt = torch.randint(0, min(1000, draft_model.config.vocab_size), (ctx,), generator=torch.Generator().manual_seed(0)).tolist()
+    prompt = torch.randint(0, min(1000, draft_model.config.vocab_size), (ctx,),
+                           generator=torch.Generator().manual_seed(0)).tolist()
     worker.start_session("cost", prompt, SamplingParams(temperature=0.0))
     plain, pv = [], []
     for rep in range(reps + 2):
@@ -160,4 +163,5 @@ def _loop_costs(draft_model, preverifier, ctx: int, n: int, reps: int) -> dict:
     worker.end_session("cost")
     base = statistics.median(plain)
     # B = 1 and θ = 0: one call per drafted token but the last (gamma_max closes the round unasked)
-    return {"draft_token_s": base, "preverifier_s": max(statistics.median(pv) - base, 0.0) * n / max(n - 1, 1), "loop_tokens": n}
+    per_call = max(statistics.median(pv) - base, 0.0) * n / max(n - 1, 1)
+    return {"draft_token_s": base, "preverifier_s": per_call, "loop_tokens": n}

@@ -71,12 +71,13 @@ def costs_of(metas: list[dict], measured: dict | None, preverifier_s: float) -> 
 
 
 def format_report(name: str, r: dict) -> str:
-    p, f, o = r["preverifier"], r["best_fixed"], r["oracle_stop"]
-    return (f"{name}: {r['rounds']} greedy rounds, mean token label {r['mean_token_label']:.3f} | AUC (B={r['block_size']}) "
-            f"all {r['auc_all_blocks']:.3f} reached {r['auc_reached_blocks']:.3f} | sim: best fixed γ={f['gamma']} "
-            f"τ={f['mean_accepted_length']:.2f}; pre-verifier θ={r['threshold']:.2f} τ={p['mean_accepted_length']:.2f} "
-            f"len={p['mean_draft_len']:.2f} ×{p['gain_vs_best_fixed']:.3f}; oracle ×{o['gain_vs_best_fixed']:.3f}; "
-            f"best θ here {r['best_threshold_here']['theta']:.2f} ×{r['best_threshold_here']['gain_vs_best_fixed']:.3f}")
+    p, f, o, b = r["preverifier"], r["best_fixed"], r["oracle_stop"], r["best_threshold_here"]
+    return (f"{name}: {r['rounds']} greedy rounds ({'exact replay' if r['exact_replay'] else 'round average'}), "
+            f"mean token label {r['mean_token_label']:.3f} | AUC (B={r['block_size']}) all "
+            f"{r['auc_all_blocks']:.3f} reached {r['auc_reached_blocks']:.3f} | best fixed γ={f['gamma']} "
+            f"τ={f['mean_accepted_length']:.2f}; pre-verifier θ={r['threshold']:.2f} "
+            f"τ={p['mean_accepted_length']:.2f} len={p['mean_draft_len']:.2f} ×{p['gain_vs_best_fixed']:.3f}; "
+            f"oracle ×{o['gain_vs_best_fixed']:.3f}; best θ here {b['theta']:.2f} ×{b['gain_vs_best_fixed']:.3f}")
 
 
 def benchmark_rows(target, draft, tok, counts=(8, 8), max_new_tokens: int = 128) -> list[dict]:
