@@ -190,8 +190,8 @@ def _exact_continuation_dist(model, prompt, vocab, n_new, params):
     return probs
 
 
-@pytest.mark.parametrize("method", ["block"])
-def test_sampled_pacer_with_random_preverifier_matches_target_distribution(method):
+@pytest.mark.parametrize("method,lite", [("block", False), ("block", True)])
+def test_sampled_pacer_with_random_preverifier_matches_target_distribution(method, lite):
     """Chi-square: 5,000 seeded pacer runs at T=1 (vocab 8, 3-token continuations) against the exact target."""
     from scipy.stats import chisquare
 
@@ -199,7 +199,7 @@ def test_sampled_pacer_with_random_preverifier_matches_target_distribution(metho
     target = build_tiny_model(vocab_size=V, hidden_size=16, num_heads=2, num_kv_heads=1, seed=11, logit_scale=1.5)
     draft = build_tiny_model(vocab_size=V, hidden_size=16, num_heads=2, num_kv_heads=1, seed=12, num_layers=1,
                              logit_scale=1.5)
-    pv = build_random_preverifier(16, seed=13, block_size=1, threshold=0.5)
+    pv = build_random_preverifier(16, seed=13, block_size=1, threshold=0.5, use_hidden=not lite, use_margin=lite)
     prompt = [1, 5, 2]
     params = SamplingParams(temperature=1.0)
     exact = _exact_continuation_dist(target, prompt, V, n_new, params)
