@@ -265,7 +265,8 @@ def cmd_run(args) -> None:
     excl = [x for f in (args.exclude_samples or [str(D.SHARED_SAMPLES)]) for x in ("--exclude-samples", f)]
     data = []
     for name, temp, seed in (("g", "0", 101), ("s", "1", 202)):
-        text, rounds = work / f"fresh_{name}.jsonl", work / f"rounds_{name}.pt"
+        dense = args.exact_replay and temp == "0"  # greedy rounds at every position: θ tuned by exact replay
+        text, rounds = work / f"fresh_{name}.jsonl", work / f"rounds_{name}{'_w0' if dense else ''}.pt"
         if not text.exists():
             # self-instructed prompts: new to the draft, whose data covers most of the template x topic space
             distill_main(["--target", args.target, "--threads", str(args.threads), "--seed", str(seed), "generate",
@@ -273,7 +274,8 @@ def cmd_run(args) -> None:
                           "--temperatures", temp, *excl])
         if not rounds.exists():
             main(["collect", *common, "--prompts", str(text), "--num-prompts", "2000", "--time-budget",
-                  str(args.collect_seconds), "--temperatures", temp, "--out", str(rounds)])
+                  str(args.collect_seconds), "--temperatures", temp, "--out", str(rounds),
+                  *(["--walk-gamma", "0"] if dense else [])])
         data.append(str(rounds))
     main(["train", "--data", *data, "--out", args.out, "--no-head", "--epochs", "4", "--dropout", "0.3",
           "--weight-decay", "0.1", "--hash-buckets", "1024", "--block-sizes", "1", "2", "3", "4",
@@ -356,6 +358,9 @@ def main(argv=None):
                    help="the draft's training data (its prompts are kept out of the fresh text; default: the shared "
                         "data)")
     r.add_argument("--out", default=str(D.CACHE_DIR / "preverifier"), help="e.g. specdec/assets/default_preverifier")
+    r.add_argument("--exact-replay", action="store_true",
+                   help="collect the greedy rounds at every position, so θ is tuned by replaying the decoder exactly "
+                        "(docs/pacer.md, Session 15; the shipped weights predate it)")
 
     e = sub.add_parser("eval", help="score saved pre-verifiers on label files (any domain): AUC, simulated gain "
                                     "over the best fixed γ, a perfect stop rule's")
