@@ -114,10 +114,11 @@ def measure_costs(draft_model, target_model, gamma_max: int = 12, ctx: int = 64,
                   preverifier=None, loop_tokens: int = 8, loop_reps: int = 15) -> dict:
     """Median KV-cached costs at 1 thread, interleaved: one draft token, one target verify of n+1 tokens (n=1, γ).
 
-    With `preverifier`, the draft's costs are read in the DraftWorker's own drafting loop instead (greedy rounds of
-    `loop_tokens`, B = 1, θ = 0 so both ways draft the same tokens): `draft_token_s` without a stop rule (the
-    worker's bookkeeping included) and `preverifier_s`, what a pre-verifier call adds per block there. The bare
-    forward and an isolated call understate both (docs/pacer.md, "Pre-verifier cost"), which biases θ high."""
+    The draft's cost per token is read in the DraftWorker's own drafting loop (greedy rounds of `loop_tokens`,
+    no stop rule: `draft_token_s`, the worker's bookkeeping included; the bare forward is `draft_forward_s`).
+    With `preverifier`, also `preverifier_s`: what a call adds per block there (B = 1, θ = 0, so both ways draft
+    the same tokens). An isolated call understates it 2-4× (docs/pacer.md, "Pre-verifier cost"), which biases θ
+    high."""
     import statistics
 
     def step(model, S):
@@ -137,9 +138,8 @@ def measure_costs(draft_model, target_model, gamma_max: int = 12, ctx: int = 64,
     out = {"draft_token_s": m(d), "target_2_s": m(t1), f"target_{gamma_max + 1}_s": m(tg),
            "target_base_s": m(t1) - (m(tg) - m(t1)) / max(gamma_max - 1, 1),
            "target_per_token_s": max((m(tg) - m(t1)) / max(gamma_max - 1, 1), 0.0)}
-    if preverifier is not None:
-        out["draft_forward_s"] = out["draft_token_s"]
-        out.update(_loop_costs(draft_model, preverifier, ctx, loop_tokens, loop_reps))
+    out["draft_forward_s"] = out["draft_token_s"]
+    out.update(_loop_costs(draft_model, preverifier, ctx, loop_tokens, loop_reps))
     return out
 
 
@@ -155,13 +155,14 @@ def _loop_costs(draft_model, preverifier, ctx: int, n: int, reps: int) -> dict:
     worker.start_session("cost", prompt, SamplingParams(temperature=0.0))
     plain, pv = [], []
     for rep in range(reps + 2):
-        for rule, acc in ((FixedLength(), plain), (PreverifierStop(preverifier, 0.0), pv)):
+        ways = [(FixedLength(), plain)] + ([(PreverifierStop(preverifier, 0.0), pv)] if preverifier is not None else [])
+        for rule, acc in ways:
             t = time.perf_counter()
             blk = worker.draft("cost", ctx - 1, [prompt[-1]], n, rule, block_size=1)
             if rep >= 2:  # warm-up
                 acc.append((time.perf_counter() - t) / len(blk.tokens))
     worker.end_session("cost")
-    base = statistics.median(plain)
-    # B = 1 and θ = 0: one call per drafted token but the last (gamma_max closes the round unasked)
-    per_call = max(statistics.median(pv) - base, 0.0) * n / max(n - 1, 1)
-    return {"draft_token_s": base, "preverifier_s": per_call, "loop_tokens": n}
+    out = {"draft_token_s": statistics.median(plain), "loop_tokens": n}
+    if pv:  # B = 1 and θ = 0: one call per drafted token but the last (gamma_max closes the round unasked)
+        out["preverifier_s"] = max(statistics.median(pv) - out["draft_token_s"], 0.0) * n / max(n - 1, 1)
+    return out

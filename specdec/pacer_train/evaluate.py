@@ -123,6 +123,10 @@ def cmd_eval(args) -> None:
     rounds, metas = D.load_rounds(args.data)
     rounds = [r for r in rounds if args.split == "all" or r["split"] == args.split]
     draft = load_model(args.draft, dtype="auto", role="draft")
+    if not args.measure_costs:
+        print("costs: the label files' (measured at collection, with an isolated pre-verifier call); "
+              "--measure-costs times the drafting loop with each pre-verifier, which the replay needs to match "
+              "measured runs", flush=True)
     out = {}
     for path in args.preverifier:
         pv = load_preverifier(path, draft_model=draft)
