@@ -76,6 +76,8 @@ class DraftCall:
     stop: StopRule
     block_size: int
     want_features: bool
+    want_hidden: bool  # of the features: the draft's hidden rows (a rule with needs_hidden False reads none)
+    want_margin: bool  # of the features: the top-1 - top-2 margin (rules with needs_margin)
     pos: int  # position of feed[0]
     feed: list[int]  # tokens the next forward feeds (the append, then each drafted token)
     toks: list[int] = field(default_factory=list)
@@ -151,8 +153,9 @@ class DraftWorker(Worker):
                 self._truncate(s, redo)
                 base_position = redo
         # skip the feature work for rules that never read it
-        return DraftCall(s, s.epoch, gamma_max, stop, block_size, getattr(stop, "needs_features", True),
-                         base_position, feed)
+        want = getattr(stop, "needs_features", True)
+        return DraftCall(s, s.epoch, gamma_max, stop, block_size, want, want and getattr(stop, "needs_hidden", True),
+                         want and getattr(stop, "needs_margin", False), base_position, feed)
 
     def advance(self, calls: list[DraftCall]) -> list[list[DraftBlock]]:
         """One batched forward: each live call drafts one token. → the blocks each call completed (its last
@@ -209,7 +212,7 @@ class DraftWorker(Worker):
             c.qs.append(SparseDist.from_dense(probs))
         c.toks.append(x)
         if c.want_features:  # pre-verifier features; at T=0 q is one-hot: confidence from the untempered softmax
-            if getattr(c.stop, "needs_hidden", True):
+            if c.want_hidden:
                 c.hids.append(row_hidden.float())
             if s.params.greedy:
                 logq, ent = self._confidence(row, xr)
@@ -218,7 +221,7 @@ class DraftWorker(Worker):
                 logq, ent = float(lq[x]), float(torch.special.entr(lq.exp()).sum())
             c.logq.append(logq)
             c.ent.append(ent)
-            if getattr(c.stop, "needs_margin", False):  # top-1 - top-2 of the untempered row (head_stats' margin)
+            if c.want_margin:  # top-1 - top-2 of the untempered row (head_stats' margin)
                 top = row.topk(2).values.float()
                 c.margin.append(min(float(top[0] - top[1]), 30.0))
         n = len(c.toks)

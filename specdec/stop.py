@@ -67,7 +67,7 @@ class PreverifierStop:
         # a pre-verifier that reads neither the hidden state nor the draft head: the draft keeps no hidden rows
         self.needs_hidden = bool(getattr(preverifier, "use_hidden", True) or getattr(preverifier, "use_head", False))
         self.last_score: float | None = None
-        # one round's scorer (each drafted token scored once; specdec.preverifier.RoundScorer) where offered
+        # one round's scorer (each drafted token scored once; specdec.round_scorer.RoundScorer) where offered
         self._scorer = preverifier.round_scorer() if hasattr(preverifier, "round_scorer") else None
 
     def should_stop(self, features: DraftFeatures) -> bool:

@@ -18,18 +18,6 @@ import torch
 from specdec.pacer_train import train as T
 
 
-def oracle_sim(tab: T.RoundTable, costs: T.Costs, gamma: int) -> dict:
-    """A perfect stop rule in the simulation: draft exactly up to the first rejected token (or γ)."""
-    lab = (tab.label.clamp(0, 1) >= 0.5).float()
-    R, G = lab.shape
-    lead = torch.cumprod(lab, 1).sum(1)
-    n = torch.clamp(lead + 1, max=min(gamma, G))
-    acc = torch.minimum(lead, n)
-    time_s = n * costs.draft_token_s + costs.target_s(n)
-    return {"tokens_per_s": float((acc + 1).sum() / time_s.sum()), "mean_accepted_length": float((acc + 1).mean()),
-            "mean_draft_len": float(n.mean()), "wasted_per_round": float((n - acc).mean())}
-
-
 def evaluate(pv, rounds: list[dict], costs: T.Costs, gamma_max: int = 12,
              gammas=(1, 2, 3, 4, 6, 8)) -> dict:
     """Greedy rounds only (hard labels): AUC of the block score at the pre-verifier's B, the simulated
@@ -45,8 +33,7 @@ def evaluate(pv, rounds: list[dict], costs: T.Costs, gamma_max: int = 12,
                 key=lambda r: r["tokens_per_s"])
     own = T.simulate(tab, costs, B, pv.threshold, gamma_max, mode)
     best_theta, best = T.tune_threshold(tab, costs, B, gamma_max, mode)
-    oracle = T.replay(tab, costs, None, None, gamma_max, oracle=True) if tab.exact else oracle_sim(tab, costs,
-                                                                                                    gamma_max)
+    oracle = T.simulate(tab, costs, None, None, gamma_max, oracle=True)
     ft = fixed["tokens_per_s"]
     return {
         "exact_replay": tab.exact, "rounds": len(rounds), "tokens": int(sum(r["tokens"].shape[0] for r in rounds)),

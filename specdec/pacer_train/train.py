@@ -221,11 +221,15 @@ def fit_costs(rounds, gamma_max: int) -> Costs:
     return Costs(draft_token_s=med(d), target_base_s=med(t), target_per_token_s=0.0)
 
 
-def draft_lengths(tab: RoundTable, B: int | None, theta: float | None, gamma: int,
-                  mode: str = "block") -> tuple[torch.Tensor, torch.Tensor]:
+def draft_lengths(tab: RoundTable, B: int | None, theta: float | None, gamma: int, mode: str = "block",
+                  oracle: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Per round: how many tokens fixed γ (B=None) or a pacer (block B, threshold θ) drafts, and how many times
-    the pacer asks its pre-verifier (it stops after the first block whose score < θ, or at γ, unasked)."""
+    the pacer asks its pre-verifier (it stops after the first block whose score < θ, or at γ, unasked). oracle:
+    the perfect stop rule, free: exactly up to the first rejected token (hard labels), or γ."""
     R, G = tab.logp.shape
+    if oracle:
+        lead = torch.cumprod((tab.label.clamp(0, 1) >= 0.5).float(), 1).sum(1)
+        return torch.clamp(lead + 1, max=min(gamma, G)), torch.zeros(R)
     if B is None:
         return torch.full((R,), min(gamma, G)), torch.zeros(R)
     score, _, _ = block_scores(tab, B, mode)
@@ -242,7 +246,7 @@ def draft_lengths(tab: RoundTable, B: int | None, theta: float | None, gamma: in
 
 
 def simulate(tab: RoundTable, costs: Costs, B: int | None, theta: float | None, gamma: int,
-             mode: str = "block", hard: bool = True) -> dict:
+             mode: str = "block", hard: bool = True, oracle: bool = False) -> dict:
     """Expected tokens/s of rounds drawn from `tab` for fixed γ (B=None) or pacer (block B, threshold θ).
 
     Per round: the draft proposes n tokens (pacer: stops after the first block whose score < θ, or at γ);
@@ -250,13 +254,13 @@ def simulate(tab: RoundTable, costs: Costs, B: int | None, theta: float | None, 
     With `tab.starts` (rounds at every position, `collect --walk-gamma 0`) it replays the decoder exactly instead
     (`replay`): the rounds are the ones this policy would make, not ones laid out by another walk."""
     if tab.exact:
-        return replay(tab, costs, B, theta, gamma, mode)
+        return replay(tab, costs, B, theta, gamma, mode, oracle)
     R, G = tab.logp.shape
     lab = tab.label.clamp(0, 1)
     if hard:
         lab = (lab >= 0.5).float() if tab.greedy.all() else lab
     surv = torch.cumprod(lab, 1)  # P(first i+1 tokens accepted)
-    n, calls = draft_lengths(tab, B, theta, gamma, mode)
+    n, calls = draft_lengths(tab, B, theta, gamma, mode, oracle)
     idx = torch.arange(G)[None, :]
     acc = (surv * (idx < n[:, None])).sum(1)
     tokens = acc + 1
@@ -271,14 +275,9 @@ def replay(tab: RoundTable, costs: Costs, B: int | None, theta: float | None, ga
     the target accepts min(n, leading matches) plus one of its own, and the next round starts there. Needs a
     round at every position (`tab.starts`: (text, start) per round; greedy rows only). oracle: draft exactly up
     to the first rejected token (the perfect stop rule). max_tokens: stop a text there (max_new_tokens)."""
-    lab = (tab.label.clamp(0, 1) >= 0.5).float()
-    lead = torch.cumprod(lab, 1).sum(1).long().tolist()
-    if oracle:
-        n_t = [min(x + 1, gamma, lab.shape[1]) for x in lead]
-        calls_t = [0.0] * len(lead)
-    else:
-        n, calls = draft_lengths(tab, B, theta, gamma, mode)
-        n_t, calls_t = n.long().tolist(), calls.tolist()
+    lead = torch.cumprod((tab.label.clamp(0, 1) >= 0.5).float(), 1).sum(1).long().tolist()
+    n, calls = draft_lengths(tab, B, theta, gamma, mode, oracle)
+    n_t, calls_t = n.long().tolist(), calls.tolist()
     at = {(t, s): i for i, (t, s) in enumerate(tab.starts)}
     first: dict = {}
     for t, s in tab.starts:
