@@ -67,24 +67,25 @@ class RayPool:
 
 @ray.remote(num_cpus=0)
 class PipelineActor:
-    def __init__(self, pool_handle, rpc_timeout_s: float, view_refresh_s: float, tls: dict | None = None):
+    def __init__(self, pool_handle, rpc_timeout_s: float, view_refresh_s: float, tls: dict | None = None,
+                 replica_streams: bool = True):
         import logging
 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        self._args = (pool_handle, rpc_timeout_s, view_refresh_s, tls)
+        self._args = (pool_handle, rpc_timeout_s, view_refresh_s, tls, replica_streams)
         self.pipeline = None
 
     def _get(self):
         if self.pipeline is None:  # grpc.aio channels must be created inside the actor's event loop
             from coordinator.pipeline import Pipeline
 
-            handle, timeout, refresh, tls = self._args
+            handle, timeout, refresh, tls, streams = self._args
             creds = None
             if tls:
                 from specdec.server.tls import channel_credentials
 
                 creds = channel_credentials(**tls)
-            self.pipeline = Pipeline(RayPool(handle), creds, timeout, refresh)
+            self.pipeline = Pipeline(RayPool(handle), creds, timeout, refresh, streams)
         return self.pipeline
 
     async def stream(self, request: dict):

@@ -10,6 +10,9 @@ replica (chosen by the pool) and mirrors what that replica has fed, so the sessi
 - NOT_FOUND (the replica expired or evicted the session): rebuild on the same replica, retry.
 - The replica left the pool (scale-in; `PoolView` says so): move the session before the next call.
 
+Per-round calls (Draft, Verify) travel as messages on one open stream per session and replica
+(`coordinator/rounds.py`) unless `streams=False`; any trouble with a stream resends the call unary.
+
 network_ns = wall time inside calls minus the compute (and queueing) the replicas report.
 """
 from __future__ import annotations
@@ -29,6 +32,8 @@ from specdec.stop import StopSpec
 from specdec.verify import SparseDist
 from specdec.workers import DraftBlock, TargetFeatures, VerifyOutcome
 
+from coordinator.rounds import RoundStream
+
 log = logging.getLogger(__name__)
 MAX_FAILOVERS = 4
 _METHOD = {"greedy": common_pb2.VERIFY_METHOD_GREEDY, "token": common_pb2.VERIFY_METHOD_TOKEN,
@@ -44,6 +49,7 @@ class Channels:
     def __init__(self, credentials: grpc.ChannelCredentials | None = None):
         self.credentials = credentials
         self._ch: dict[str, grpc.aio.Channel] = {}
+        self._stubs: dict[tuple[str, str], object] = {}  # (kind, endpoint) -> stub, built once
         self._feature_size: dict[str, int] = {}  # draft endpoint -> ModelInfo.feature_size
 
     async def draft_feature_size(self, endpoint: str, timeout: float) -> int:
@@ -61,15 +67,23 @@ class Channels:
             self._ch[endpoint] = ch
         return ch
 
-    def draft(self, endpoint: str):
-        return draft_pb2_grpc.DraftServiceStub(self.channel(endpoint))
+    def draft(self, endpoint: str) -> draft_pb2_grpc.DraftServiceStub:
+        stub = self._stubs.get(("draft", endpoint))
+        if stub is None:
+            stub = self._stubs["draft", endpoint] = draft_pb2_grpc.DraftServiceStub(self.channel(endpoint))
+        return stub
 
-    def target(self, endpoint: str):
-        return target_pb2_grpc.TargetServiceStub(self.channel(endpoint))
+    def target(self, endpoint: str) -> target_pb2_grpc.TargetServiceStub:
+        stub = self._stubs.get(("target", endpoint))
+        if stub is None:
+            stub = self._stubs["target", endpoint] = target_pb2_grpc.TargetServiceStub(self.channel(endpoint))
+        return stub
 
     async def drop_except(self, keep: set[str]) -> None:
         for ep in [e for e in self._ch if e not in keep]:
             self._feature_size.pop(ep, None)
+            self._stubs.pop(("draft", ep), None)
+            self._stubs.pop(("target", ep), None)
             await self._ch.pop(ep).close()
 
     async def close(self) -> None:
@@ -99,8 +113,10 @@ def _retryable(e: BaseException) -> str | None:
 class _Pinned:
     kind = ""
 
-    def __init__(self, pool, channels: Channels, view: PoolView | None = None, timeout: float = 60.0):
+    def __init__(self, pool, channels: Channels, view: PoolView | None = None, timeout: float = 60.0,
+                 streams: bool = True):
         self.pool, self.channels, self.view, self.timeout = pool, channels, view or PoolView(), timeout
+        self.rounds = self._round_stream(streams)
         self.endpoint: str | None = None
         self.served: list[str] = []  # every replica this request used, in order
         self.failed: list[str] = []
@@ -110,6 +126,9 @@ class _Pinned:
         self.network_ns = 0
         self.failovers = 0
         self.start_kw: dict = {}  # extra StartSession fields (return_features), kept for rebuilds
+
+    def _round_stream(self, enabled: bool) -> RoundStream:
+        raise NotImplementedError
 
     async def _pin(self) -> None:
         self.endpoint = await self.pool.acquire(self.kind, self.failed)
@@ -195,13 +214,14 @@ class _Pinned:
         if self.endpoint is None:
             return
         ep, self.endpoint = self.endpoint, None
+        await self.rounds.aclose()
         try:
             await self._end_on(ep)
         finally:
             await self.pool.release(self.kind, ep)
 
-    async def _unary(self, call, rebuild, compute):
-        """One unary RPC (`call()` makes it) with failover: after a retryable error, `rebuild` the session and
+    async def _with_failover(self, call, rebuild, compute):
+        """One round call (`call()` makes it: a stream message or a unary RPC) with failover: after a retryable error, `rebuild` the session and
         call again. Network time = wall time minus the `compute(response)` the replica reports."""
         while True:
             t0 = time.perf_counter_ns()
@@ -236,6 +256,14 @@ class RemoteDraft(_Pinned):
         self._cancelled = False
         self.reads_features = False
 
+    def _round_stream(self, enabled: bool) -> RoundStream:
+        return RoundStream(lambda ep: self.channels.draft(ep).DraftRounds(),
+                           lambda req: draft_pb2.DraftRoundsRequest(draft=req), lambda m: m.draft,
+                           self.timeout, enabled)
+
+    def _unary_draft(self, req: draft_pb2.DraftRequest):
+        return self._stub().Draft(req, timeout=self.timeout)
+
     async def probe(self) -> None:
         """Pin a replica now and learn whether it reads target features (the schedule asks before starting)."""
         if self.endpoint is None:
@@ -261,7 +289,7 @@ class RemoteDraft(_Pinned):
             await self._start_on(self.fed[:base_position] + append[:1])
 
         await self._move_if_gone(rebuild)
-        r = await self._unary(lambda: self._stub().Draft(req, timeout=self.timeout), rebuild,
+        r = await self._with_failover(lambda: self.rounds.call(self.endpoint, req, self._unary_draft), rebuild,
                               lambda r: r.draft_ns)
         blk = draft_block(r)
         self.fed = self.fed[:base_position] + list(append) + blk.tokens[:-1]
@@ -323,6 +351,14 @@ class RemoteDraft(_Pinned):
 class RemoteTarget(_Pinned):
     kind = "target"
 
+    def _round_stream(self, enabled: bool) -> RoundStream:
+        return RoundStream(lambda ep: self.channels.target(ep).VerifyRounds(),
+                           lambda req: target_pb2.VerifyRoundsRequest(verify=req), lambda m: m.verify,
+                           self.timeout, enabled)
+
+    def _unary_verify(self, req: target_pb2.VerifyRequest):
+        return self._stub().Verify(req, timeout=self.timeout)
+
     async def start(self, session_id: str, prompt_ids: list[int], params: SamplingParams,
                     want_features: bool = False) -> TargetFeatures | None:
         if want_features:
@@ -351,10 +387,10 @@ class RemoteTarget(_Pinned):
             req = target_pb2.VerifyRequest(session_id=session_id, base_position=base, feed_ids=fd,
                                            draft_ids=draft, method=_METHOD[method], feed_draft=feed_draft,
                                            sample_bonus=sample_bonus, q=q_bytes)
-            return self._stub().Verify(req, timeout=self.timeout)
+            return self.rounds.call(self.endpoint, req, self._unary_verify)
 
         await self._move_if_gone(rebuild)
-        r = await self._unary(call, rebuild, lambda r: r.forward_ns + r.verify_ns + r.queue_ns)
+        r = await self._with_failover(call, rebuild, lambda r: r.forward_ns + r.verify_ns + r.queue_ns)
         kept = base + len(fd) + (r.num_accepted if feed_draft else 0)
         self.fed = (self.fed[:base] + fd + (list(draft) if feed_draft else []))[:kept]
         return VerifyOutcome(r.num_accepted, r.next_token if r.HasField("next_token") else None,

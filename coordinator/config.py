@@ -44,6 +44,9 @@ class CoordinatorSettings(ServerSettings):
                                                     "in a verify's shadow: high where draft and target share a host's "
                                                     "cores, low where they run on separate machines")
     rpc_timeout_s: float = Field(60.0, gt=0, description="timeout of one replica call")
+    replica_streams: bool = Field(True, description="send each session's Draft/Verify calls as messages on one "
+                                                    "open stream per replica (VerifyRounds/DraftRounds); off: "
+                                                    "unary calls")
     pool_view_refresh_s: float = Field(0.5, gt=0, description="how often pipelines refresh pool membership")
     grace_s: float = Field(30.0, ge=0, description="drain time for in-flight requests on shutdown")
 

@@ -77,11 +77,13 @@ class AsyncPool:
 
 
 class Pipeline:
-    def __init__(self, pool, credentials=None, rpc_timeout_s: float = 60.0, view_refresh_s: float = 0.5):
+    def __init__(self, pool, credentials=None, rpc_timeout_s: float = 60.0, view_refresh_s: float = 0.5,
+                 replica_streams: bool = True):
         self.pool = pool  # async acquire/release/report_failure/members (AsyncPool or the Ray facade)
         self.channels = Channels(credentials)
         self.view = PoolView()
         self.rpc_timeout_s, self.view_refresh_s = rpc_timeout_s, view_refresh_s
+        self.replica_streams = replica_streams  # per-round calls as stream messages (coordinator/rounds.py)
         self._tasks: dict[str, asyncio.Task] = {}
         self._stop: set[str] = set()
         self._view_task: asyncio.Task | None = None
@@ -133,7 +135,7 @@ class Pipeline:
             self._stop.discard(rid)
 
     async def _run(self, req: GenerationRequest, on_tokens) -> dict:
-        kw = dict(view=self.view, timeout=self.rpc_timeout_s)
+        kw = dict(view=self.view, timeout=self.rpc_timeout_s, streams=self.replica_streams)
         target = RemoteTarget(self.pool, self.channels, **kw)
         draft = RemoteDraft(self.pool, self.channels, **kw) if req.mode != "ar" else None
         try:

@@ -70,7 +70,8 @@ async def build_router(s: CoordinatorSettings, resolve=None, health_check=None):
                          s.health_timeout_s, health_check=health_check,
                          credentials_factory=(lambda: creds) if creds else None)
         await pm.start()
-        router = LocalRouter(Pipeline(AsyncPool(pm), creds, s.rpc_timeout_s, s.pool_view_refresh_s))
+        router = LocalRouter(Pipeline(AsyncPool(pm), creds, s.rpc_timeout_s, s.pool_view_refresh_s,
+                                      s.replica_streams))
         router.pool_manager = pm
         return router
     from coordinator.actor import PipelineActor, PoolManagerActor
@@ -82,7 +83,8 @@ async def build_router(s: CoordinatorSettings, resolve=None, health_check=None):
 
     def make_actor():
         return PipelineActor.options(scheduling_strategy="SPREAD").remote(pool, s.rpc_timeout_s,
-                                                                           s.pool_view_refresh_s, tls)
+                                                                           s.pool_view_refresh_s, tls,
+                                                                           s.replica_streams)
 
     router = RayRouter([], make_actor, fixed=s.pipelines or None)
     await router.grow()  # fail fast (and warm up) before serving

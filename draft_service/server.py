@@ -48,7 +48,7 @@ async def build_app(settings: DraftSettings, model=None, preverifier=None, warmu
         await host.close()
 
     app = ServerApp(settings, DRAFT_SERVICE_NAME, lambda server: add_to_server(servicer, server), metrics,
-                    on_stop=[_close])
+                    on_stop=[_close], on_drain=[host.begin_drain])
     app.servicer, app.host, app.batcher = servicer, host, batcher
     batcher.start()
     host.start_reaper()

@@ -85,6 +85,11 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                                        stop_reason=_REASONS.get(blocks[-1].stop_reason, 0),
                                        draft_ns=sum(b.draft_ns for b in blocks))
 
+    async def DraftRounds(self, request_iterator, context):
+        async for resp in self.host.rounds(request_iterator, context, self.Draft, "draft",
+                                           lambda r: draft_pb2.DraftRoundsResponse(draft=r)):
+            yield resp
+
     async def DraftStream(self, request, context):
         """Blocks are sent as the batcher completes them; drafting goes on while a block is on the wire."""
         token, args = self._args(request)

@@ -62,6 +62,11 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             resp.features.CopyFrom(features_to_proto(out.features))
         return resp
 
+    async def VerifyRounds(self, request_iterator, context):
+        async for resp in self.host.rounds(request_iterator, context, self.Verify, "verify",
+                                           lambda r: target_pb2.VerifyRoundsResponse(verify=r)):
+            yield resp
+
 
 def add_to_server(servicer: TargetServicer, server: grpc.aio.Server) -> None:
     target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, server)

@@ -3,7 +3,8 @@
 What every replica gets: the error interceptor, message-size limits, keepalive and connection-age
 options, the standard health servicer (`""` = liveness, the service name = readiness), reflection,
 optional TLS/mTLS, Prometheus metrics on a separate port, and SIGTERM/SIGINT handling:
-health -> NOT_SERVING, optional drain delay, `server.stop(grace)` (in-flight RPCs finish), close hooks.
+health -> NOT_SERVING (and the `on_drain` hooks: per-round streams end), optional drain delay,
+`server.stop(grace)` (in-flight RPCs finish), close hooks.
 """
 from __future__ import annotations
 
@@ -45,15 +46,18 @@ def server_options(s: ServerSettings) -> list[tuple[str, int]]:
 
 
 class ServerApp:
-    """One replica's server. `register(server)` adds the servicer; `on_stop` hooks run after the drain."""
+    """One replica's server. `register(server)` adds the servicer; `on_drain` hooks run when draining starts,
+    `on_stop` hooks after the drain."""
 
     def __init__(self, settings: ServerSettings, service_name: str,
                  register: Callable[[grpc.aio.Server], None], metrics: ServiceMetrics | None = None,
-                 on_stop: list[Callable[[], Awaitable[None] | None]] | None = None):
+                 on_stop: list[Callable[[], Awaitable[None] | None]] | None = None,
+                 on_drain: list[Callable[[], None]] | None = None):
         self.settings, self.service_name = settings, service_name
         self.metrics = metrics or ServiceMetrics()
         self._register = register
         self._on_stop = list(on_stop or [])
+        self._on_drain = list(on_drain or [])
         self.health = health.aio.HealthServicer()
         self.server: grpc.aio.Server | None = None
         self.port: int | None = None
@@ -90,6 +94,8 @@ class ServerApp:
         self.draining = True
         grace = self.settings.grace_s if grace is None else grace
         await self.health.enter_graceful_shutdown()
+        for hook in self._on_drain:
+            hook()
         log.info("%s draining (grace %.1fs)", self.service_name, grace)
         if self.settings.drain_delay_s:
             await asyncio.sleep(self.settings.drain_delay_s)

@@ -12,6 +12,7 @@ import time
 
 from specdec.pb import common_pb2
 from specdec.quant import weight_quant
+from specdec.server.interceptor import ServiceDraining
 from specdec.server.metrics import ServiceMetrics
 from specdec.server.runner import ModelThread, cancel_and_wait
 from specdec.server.sessions import SessionTable
@@ -32,6 +33,7 @@ class SessionHost:
             max_sessions=settings.max_sessions, feature_size=feature_size(worker.model),
             weight_quant=weight_quant(worker.model))
         self._reaper: asyncio.Task | None = None
+        self.draining = False  # set when the server starts draining: per-round streams end (UNAVAILABLE)
         self._reap_every = min(30.0, max(0.05, settings.session_ttl_s / 4))
 
     # -- sessions ------------------------------------------------------------------------------------------
@@ -55,6 +57,18 @@ class SessionHost:
         t0 = time.perf_counter_ns()
         out = self.worker.start_session(sid, prompt_ids, params, **kw)
         return self.worker.session_length(sid), time.perf_counter_ns() - t0, out
+
+    def begin_drain(self) -> None:
+        self.draining = True
+
+    async def rounds(self, request_iterator, context, handle, field: str, wrap):
+        """Serve a per-round stream: `handle` each request's `field` (the unary handler) and yield
+        `wrap(response)`, one per request, in order. Ends with UNAVAILABLE once the server drains, so the
+        caller moves its session (or resends the call unary) instead of holding the replica past its grace."""
+        async for request in request_iterator:
+            if self.draining:
+                raise ServiceDraining("this replica is draining; resend the call as a unary RPC or to another replica")
+            yield wrap(await handle(getattr(request, field), context))
 
     def touch(self, sid: str) -> None:
         """NOT_FOUND for unknown/expired ids; refreshes LRU order."""

@@ -2,7 +2,9 @@
 
 Core errors (specdec.errors) carry messages that say what to change; they are passed to the client
 verbatim. Anything else is an INTERNAL error with the exception type and message (the traceback is logged).
-Also records `specdec_rpc_latency_seconds{method}` for every call.
+Also records `specdec_rpc_latency_seconds{method}` for every call; for the bidirectional per-round streams
+(`VerifyRounds`, `DraftRounds`: one response per request, in order) it records every message's latency
+instead, from its request to its response.
 """
 from __future__ import annotations
 
@@ -66,7 +68,12 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                 wrap(behavior, method),
                 request_deserializer=handler.request_deserializer,
                 response_serializer=handler.response_serializer)
-        return handler  # client-streaming RPCs (reflection): left untouched
+        if handler.stream_stream and method.endswith("Rounds"):
+            return grpc.stream_stream_rpc_method_handler(
+                self._wrap_rounds(handler.stream_stream, method),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer)
+        return handler  # other client-streaming RPCs (reflection): left untouched
 
     async def _abort(self, context, exc: Exception, method: str):
         code, message = status_for(exc)
@@ -103,4 +110,26 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                 await self._abort(context, exc, method)
             finally:
                 self._observe(method, t0)
+        return wrapped
+
+    def _wrap_rounds(self, behavior, method):
+        """A per-round stream answers each request before reading the next, so a message's latency runs from
+        pulling its request off the stream to yielding its response."""
+        async def wrapped(request_iterator, context):
+            pulled: list[float] = []
+
+            async def timed():
+                async for req in request_iterator:
+                    pulled.append(time.perf_counter())
+                    yield req
+
+            try:
+                async for item in behavior(timed(), context):
+                    if pulled:
+                        self._observe(method, pulled.pop())
+                    yield item
+            except grpc.aio.AbortError:
+                raise
+            except Exception as exc:  # noqa: BLE001
+                await self._abort(context, exc, method)
         return wrapped

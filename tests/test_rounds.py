@@ -1,0 +1,202 @@
+"""Per-round streams (`VerifyRounds`, `DraftRounds`, `coordinator/rounds.py`): the same answers as the unary calls,
+the same statuses, an end on drain, and a client that falls back to unary on any trouble."""
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from coordinator.config import CoordinatorSettings
+from coordinator.rounds import RoundStream
+from coordinator.server import build_coordinator
+from specdec.pb import common_pb2, draft_pb2, generation_pb2 as g, generation_pb2_grpc as gg, target_pb2
+from tests.helpers_models import start_replica, target_greedy, tiny_pair
+from tests.test_services import VOCAB, expect, make_stack, models  # noqa: F401 - `models` is a fixture
+
+Code = grpc.StatusCode
+TIMING = ("forward_ns", "verify_ns", "queue_ns", "draft_ns", "batch_size")
+
+
+def _answer(msg) -> dict:
+    """A response without its timing fields."""
+    return {f.name: v for f, v in msg.ListFields() if f.name not in TIMING}
+
+
+@pytest.fixture
+async def stack(models):  # noqa: F811
+    s = await make_stack(models)
+    yield s
+    await s.close()
+
+
+async def test_rounds_answer_exactly_what_unary_calls_answer(stack):
+    """Sampled rounds of one session: each request sent unary, then again (same positions) as a stream message."""
+    params = common_pb2.SamplingParams(temperature=1.0, seed=11)
+    await stack.tstub.StartSession(target_pb2.TargetServiceStartSessionRequest(
+        session_id="s", prompt_ids=[3, 4, 5], params=params))
+    await stack.dstub.StartSession(draft_pb2.DraftServiceStartSessionRequest(
+        session_id="s", prompt_ids=[3, 4, 5], params=params))
+    verify_rounds, draft_rounds = stack.tstub.VerifyRounds(), stack.dstub.DraftRounds()
+    base, pending = 2, 5
+    for _ in range(5):
+        dreq = draft_pb2.DraftRequest(session_id="s", base_position=base, append_ids=[pending], gamma_max=3)
+        unary_d = await stack.dstub.Draft(dreq)
+        await draft_rounds.write(draft_pb2.DraftRoundsRequest(draft=dreq))
+        streamed_d = (await draft_rounds.read()).draft
+        assert _answer(streamed_d) == _answer(unary_d)
+        vreq = target_pb2.VerifyRequest(session_id="s", base_position=base, feed_ids=[pending],
+                                         draft_ids=unary_d.token_ids, q=unary_d.q,
+                                         method=common_pb2.VERIFY_METHOD_TOKEN)
+        unary_v = await stack.tstub.Verify(vreq)
+        await verify_rounds.write(target_pb2.VerifyRoundsRequest(verify=vreq))
+        streamed_v = (await verify_rounds.read()).verify
+        assert _answer(streamed_v) == _answer(unary_v)
+        base += 1 + unary_v.num_accepted
+        pending = unary_v.next_token
+    for call in (verify_rounds, draft_rounds):
+        await call.done_writing()
+        assert await call.code() == Code.OK
+    # every message was timed on its own, under the stream's method name
+    assert stack.target_app.metrics.value("specdec_rpc_latency_seconds_count", {"method": "VerifyRounds"}) == 5
+    assert stack.draft_app.metrics.value("specdec_rpc_latency_seconds_count", {"method": "DraftRounds"}) == 5
+
+
+async def test_a_bad_round_ends_the_stream_with_the_unary_status(stack):
+    await stack.tstub.StartSession(target_pb2.TargetServiceStartSessionRequest(session_id="a", prompt_ids=[1, 2, 3]))
+    call = stack.tstub.VerifyRounds()
+    await call.write(target_pb2.VerifyRoundsRequest(verify=target_pb2.VerifyRequest(
+        session_id="a", base_position=2, feed_ids=[3], draft_ids=[VOCAB + 7])))
+    await expect(Code.INVALID_ARGUMENT, call.read(), "vocabulary")
+    call = stack.dstub.DraftRounds()
+    await call.write(draft_pb2.DraftRoundsRequest(draft=draft_pb2.DraftRequest(
+        session_id="nope", append_ids=[1], gamma_max=2)))
+    await expect(Code.NOT_FOUND, call.read(), "'nope'", "StartSession")
+
+
+async def test_draining_ends_rounds_with_unavailable(models):  # noqa: F811
+    s = await make_stack(models, target_kw=dict(drain_delay_s=1.0))
+    try:
+        await s.tstub.StartSession(target_pb2.TargetServiceStartSessionRequest(session_id="a", prompt_ids=[1, 2]))
+        call = s.tstub.VerifyRounds()
+        vreq = target_pb2.VerifyRequest(session_id="a", base_position=1, feed_ids=[2], draft_ids=[3])
+        await call.write(target_pb2.VerifyRoundsRequest(verify=vreq))
+        await call.read()
+        drain = asyncio.ensure_future(s.target_app.shutdown(0.5))
+        await asyncio.sleep(0.2)  # inside the drain delay: NOT_SERVING, unary calls still served
+        assert s.target_app.host.draining
+        await call.write(target_pb2.VerifyRoundsRequest(verify=vreq))
+        await expect(Code.UNAVAILABLE, call.read(), "draining")
+        assert (await s.tstub.Verify(vreq)).num_accepted in (0, 1)
+        await drain
+    finally:
+        await s.close()
+
+
+# ---- the client: RoundStream ------------------------------------------------------------------------------------
+class _EchoServer:
+    """A bytes echo with an optional delay, a stream method that never answers, and no stream for "/e.E/Missing"."""
+
+    async def start(self):
+        async def unary(req, ctx):
+            self.unary_calls += 1
+            return req
+
+        async def rounds(it, ctx):
+            async for req in it:
+                await asyncio.sleep(self.delay)
+                yield req
+
+        async def mute(it, ctx):
+            async for _ in it:
+                await asyncio.sleep(3600)
+                yield b""
+
+        self.unary_calls, self.delay = 0, 0.0
+        self.server = grpc.aio.server()
+        self.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("e.E", {
+            "U": grpc.unary_unary_rpc_method_handler(unary),
+            "Rounds": grpc.stream_stream_rpc_method_handler(rounds),
+            "Mute": grpc.stream_stream_rpc_method_handler(mute)}),))
+        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        await self.server.start()
+        self.channel = grpc.aio.insecure_channel(f"127.0.0.1:{self.port}")
+        return self
+
+    def stream(self, method: str, timeout: float = 5.0) -> RoundStream:
+        return RoundStream(lambda ep: self.channel.stream_stream(f"/e.E/{method}")(), lambda b: b, lambda b: b,
+                           timeout)
+
+    def unary(self, req):
+        return self.channel.unary_unary("/e.E/U")(req)
+
+    async def stop(self):
+        await self.channel.close()
+        await self.server.stop(0)
+
+
+@pytest.fixture
+async def echo():
+    e = await _EchoServer().start()
+    yield e
+    await e.stop()
+
+
+async def test_round_stream_uses_one_stream_and_falls_back_when_the_replica_lacks_it(echo):
+    rs = echo.stream("Rounds")
+    assert [await rs.call("e", b"%d" % i, echo.unary) for i in range(3)] == [b"0", b"1", b"2"]
+    assert (rs.messages, rs.fallbacks, echo.unary_calls) == (3, 0, 0)
+    missing = echo.stream("Missing")  # an older replica: UNIMPLEMENTED, then unary for the rest of the request
+    assert await missing.call("e", b"x", echo.unary) == b"x"
+    assert await missing.call("e", b"y", echo.unary) == b"y"
+    assert (missing.messages, missing.fallbacks, missing.off, echo.unary_calls) == (0, 1, {"e"}, 2)
+    await rs.aclose()
+    await missing.aclose()
+
+
+async def test_round_stream_times_out_and_recovers_from_a_cancel(echo):
+    mute = echo.stream("Mute", timeout=0.3)
+    await expect(Code.DEADLINE_EXCEEDED, mute.call("e", b"x", echo.unary), "did not answer within 0.3 s")
+    assert echo.unary_calls == 0, "a timeout is not resent (it would wait as long again)"
+    rs = echo.stream("Rounds")
+    echo.delay = 0.5
+    task = asyncio.ensure_future(rs.call("e", b"slow", echo.unary))
+    await asyncio.sleep(0.1)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    echo.delay = 0.0  # the late answer to "slow" must not be read as the answer to the next call
+    assert await rs.call("e", b"next", echo.unary) == b"next"
+    assert (rs.messages, rs.fallbacks) == (1, 0)
+    await rs.aclose()
+
+
+# ---- through the coordinator ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("streams", [True, False])
+async def test_coordinator_rounds_travel_on_streams_unless_turned_off(streams):
+    target, draft = tiny_pair()
+    t = await start_replica("target", target)
+    d = await start_replica("draft", draft, preverifier="random")
+    s = CoordinatorSettings(host="127.0.0.1", port=0, metrics_port=0, ray=False, tokenizer="", pipelines=1,
+                            draft_endpoints=d.endpoint, target_endpoints=t.endpoint, log_level="WARNING",
+                            grace_s=0, replica_streams=streams)
+    app, _ = await build_coordinator(s)
+    await app.start()
+    ch = grpc.aio.insecure_channel(f"127.0.0.1:{app.port}")
+    try:
+        prompt = [5, 6, 7]
+        for mode in ("sd", "pacer"):
+            r = await gg.GenerationServiceStub(ch).Generate(g.GenerateRequest(
+                prompt_token_ids=prompt, max_new_tokens=20, mode=mode, gamma=3))
+            assert list(r.token_ids) == target_greedy(target, prompt, 20), mode
+        verifies = t.metrics.value("specdec_rpc_latency_seconds_count", {"method": "VerifyRounds"}) or 0
+        drafts = d.metrics.value("specdec_rpc_latency_seconds_count", {"method": "DraftRounds"}) or 0
+        unary = t.metrics.value("specdec_rpc_latency_seconds_count", {"method": "Verify"}) or 0
+        if streams:
+            assert verifies > 0 and drafts > 0 and unary == 0, (verifies, drafts, unary)
+        else:
+            assert verifies == drafts == 0 and unary > 0
+    finally:
+        await ch.close()
+        for a in (app, t, d):
+            await a.shutdown(0)
