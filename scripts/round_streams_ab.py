@@ -5,8 +5,9 @@
 One stack (draft and target servers, 1 thread each; the coordinator's pipeline in this process, `--no-ray`, so the
 switch `Pipeline.replica_streams` can flip between requests). For each prompt, every (mode, streams on / off,
 in-process) configuration runs once, in an order that rotates per prompt. Prints median tokens/s, the paired
-ratio streams on / off, and each stack configuration's slowdown against its in-process twin
-(1 - paired median of stack ÷ in-process, as `specdec.bench` reports it).
+ratio streams on / off, each stack configuration's slowdown against its in-process twin (1 - paired median of
+stack ÷ in-process, as `specdec.bench` reports it), and the network time per round the coordinator reports
+(wall time inside replica calls minus the compute the replicas report; `GenerationStats.network_s`).
 """
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ async def run(args) -> None:
                     max_context=max(map(len, prompts)) + args.max_new_tokens + 64, threads_per_model=1)
     configs = [(m, p) for m in args.modes for p in ("streams", "unary", "in-process")]
     tps: dict[tuple[str, str], list[float]] = {c: [] for c in configs}
+    net: dict[tuple[str, str], list[float]] = {c: [] for c in configs}  # network ms per round
     async with LocalStack(str(target_dir), str(draft_dir), str(DEFAULT_PREVERIFIER_DIR), threads=1,
                           use_ray=False) as stack:
         client = StackClient(stack.address)
@@ -60,6 +62,8 @@ async def run(args) -> None:
                         s = await client.generate(ids, mode, args.gamma if mode == "sd" else None, 0.0, rep,
                                                   args.max_new_tokens)
                     tps[mode, place].append(s.tokens_per_s)
+                    if place != "in-process":
+                        net[mode, place].append(1e3 * s.stats["network_s"] / max(1, s.stats["rounds"]))
                 print(f"prompt {i + 1}/{len(prompts)} of repeat {rep + 1} done", flush=True)
         await client.close()
     engine.close()
@@ -69,14 +73,16 @@ async def run(args) -> None:
 
     n = len(tps[configs[0]])
     print(f"\n| mode | streams tok/s | unary tok/s | in-process tok/s | streams ÷ unary (paired) | "
-          f"stack slowdown, streams | stack slowdown, unary |\n|---|---|---|---|---|---|---|")
+          f"stack slowdown, streams | stack slowdown, unary | network ms / round, streams | unary |\n"
+          f"|---|---|---|---|---|---|---|---|---|")
     for m in args.modes:
         med = {p: statistics.median(tps[m, p]) for p in ("streams", "unary", "in-process")}
         label = f"sd γ={args.gamma}" if m == "sd" else m
         print(f"| {label} | {med['streams']:.1f} | {med['unary']:.1f} | {med['in-process']:.1f} | "
               f"{paired((m, 'streams'), (m, 'unary')):.3f} | "
               f"{100 * (1 - paired((m, 'streams'), (m, 'in-process'))):+.1f} % | "
-              f"{100 * (1 - paired((m, 'unary'), (m, 'in-process'))):+.1f} % |")
+              f"{100 * (1 - paired((m, 'unary'), (m, 'in-process'))):+.1f} % | "
+              f"{statistics.median(net[m, 'streams']):.2f} | {statistics.median(net[m, 'unary']):.2f} |")
     print(f"\n{n} requests per configuration, {args.max_new_tokens} new tokens, greedy")
 
 
