@@ -10,7 +10,8 @@ import ray
 
 @ray.remote(num_cpus=0)
 class PoolManagerActor:
-    def __init__(self, specs: dict, refresh_s: float, health_timeout_s: float, tls: dict | None = None):
+    def __init__(self, specs: dict, refresh_s: float, health_timeout_s: float, tls: dict | None = None,
+                 wait_s: float = 60.0, max_waiting: int = 256):
         from coordinator.discovery import source_from_spec
         from coordinator.pool import PoolManager
 
@@ -20,7 +21,8 @@ class PoolManagerActor:
 
             factory = lambda: channel_credentials(**tls)  # noqa: E731 - built in this process (not picklable)
         self.pm = PoolManager({k: source_from_spec(v) for k, v in specs.items() if v}, refresh_s,
-                              health_timeout_s, credentials_factory=factory)
+                              health_timeout_s, credentials_factory=factory, wait_s=wait_s,
+                              max_waiting=max_waiting)
 
     async def start(self) -> dict:
         await self.pm.start()
@@ -38,6 +40,9 @@ class PoolManagerActor:
     async def members(self) -> dict:
         return self.pm.members()
 
+    async def waiting(self) -> dict:
+        return self.pm.waiting()
+
     async def refresh(self) -> dict:
         await self.pm.refresh()
         return self.pm.snapshot()
@@ -53,7 +58,11 @@ class RayPool:
         self.h = handle
 
     async def acquire(self, kind, exclude=()):
-        return await self.h.acquire.remote(kind, list(exclude))
+        try:
+            return await self.h.acquire.remote(kind, list(exclude))
+        except ray.exceptions.RayTaskError as e:  # the pool's own error: its message says what to change
+            cause = getattr(e, "cause", None)
+            raise (cause if isinstance(cause, Exception) else e) from None
 
     async def release(self, kind, endpoint):
         await self.h.release.remote(kind, endpoint)

@@ -124,6 +124,7 @@ class _Pinned:
         self.params: SamplingParams | None = None
         self.fed: list[int] = []  # mirror of the tokens the pinned replica holds fed
         self.network_ns = 0
+        self.queued_ns = 0  # time spent waiting for room in the pool (admission)
         self.failovers = 0
         self.start_kw: dict = {}  # extra StartSession fields (return_features), kept for rebuilds
 
@@ -131,7 +132,9 @@ class _Pinned:
         raise NotImplementedError
 
     async def _pin(self) -> None:
+        t0 = time.perf_counter_ns()
         self.endpoint = await self.pool.acquire(self.kind, self.failed)
+        self.queued_ns += time.perf_counter_ns() - t0
         self.served.append(self.endpoint)
 
     async def _start_on(self, prompt_ids: list[int], **extra):
@@ -221,8 +224,9 @@ class _Pinned:
             await self.pool.release(self.kind, ep)
 
     async def _with_failover(self, call, rebuild, compute):
-        """One round call (`call()` makes it: a stream message or a unary RPC) with failover: after a retryable error, `rebuild` the session and
-        call again. Network time = wall time minus the `compute(response)` the replica reports."""
+        """One round call (`call()` makes it: a stream message, or a unary RPC) with failover: after a retryable
+        error, `rebuild` the session and call again. Network time = wall time minus the `compute(response)` the
+        replica reports."""
         while True:
             t0 = time.perf_counter_ns()
             try:
@@ -290,7 +294,7 @@ class RemoteDraft(_Pinned):
 
         await self._move_if_gone(rebuild)
         r = await self._with_failover(lambda: self.rounds.call(self.endpoint, req, self._unary_draft), rebuild,
-                              lambda r: r.draft_ns)
+                                      lambda r: r.draft_ns)
         blk = draft_block(r)
         self.fed = self.fed[:base_position] + list(append) + blk.tokens[:-1]
         return blk

@@ -44,6 +44,11 @@ class CoordinatorSettings(ServerSettings):
                                                     "in a verify's shadow: high where draft and target share a host's "
                                                     "cores, low where they run on separate machines")
     rpc_timeout_s: float = Field(60.0, gt=0, description="timeout of one replica call")
+    queue_wait_s: float = Field(60.0, ge=0, description="how long a request waits for a free session when every "
+                                                        "replica of a pool holds its max_sessions (then "
+                                                        "RESOURCE_EXHAUSTED)")
+    max_waiting: int = Field(256, ge=0, description="requests that may wait for a free session at once; more get "
+                                                    "RESOURCE_EXHAUSTED at once")
     replica_streams: bool = Field(True, description="send each session's Draft/Verify calls as messages on one "
                                                     "open stream per replica (VerifyRounds/DraftRounds); off: "
                                                     "unary calls")

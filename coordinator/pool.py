@@ -9,6 +9,13 @@ Routing policy
 - A call that fails with UNAVAILABLE reports the replica (`report_failure`): it is skipped until a health check
   passes again. If nothing is routable, `acquire` refreshes once before giving up with `ReplicaUnavailableError`
   naming the addresses it tried (→ UNAVAILABLE).
+
+Admission (a pool at capacity queues, it does not fail)
+- Each replica's capacity is its `ModelInfo.max_sessions`, read with `GetInfo` when it turns healthy (0 when
+  unknown: no limit here, the replica's own RESOURCE_EXHAUSTED still applies).
+- When every routable replica holds as many sessions pinned by this coordinator as its capacity, `acquire` waits
+  for one to be released, first come first served, at most `wait_s`; then, or when `max_waiting` requests
+  already wait, it fails with `CapacityError` (→ RESOURCE_EXHAUSTED) saying how many wait and what to change.
 """
 from __future__ import annotations
 
@@ -16,9 +23,10 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
-from specdec.errors import SpecDecError
+from specdec.errors import CapacityError, SpecDecError
 
 log = logging.getLogger(__name__)
 KINDS = ("draft", "target")
@@ -37,6 +45,16 @@ class Member:
     last_pick: float = 0.0
     failures: int = 0
     last_error: str = ""
+    capacity: int | None = None  # ModelInfo.max_sessions; 0: unknown (no limit); None: not asked yet
+
+    def has_room(self) -> bool:
+        return not self.capacity or self.sessions < self.capacity
+
+
+@dataclass
+class Waiter:
+    exclude: set[str]
+    future: asyncio.Future  # set to the endpoint handed over by `release`
 
 
 @dataclass
@@ -44,9 +62,13 @@ class Pool:
     kind: str
     source: object  # discovery source: async resolve() -> list[str]
     members: dict[str, Member] = field(default_factory=dict)
+    waiters: deque[Waiter] = field(default_factory=deque)  # requests waiting for room, in arrival order
 
     def routable(self) -> list[str]:
         return [ep for ep, m in self.members.items() if m.healthy]
+
+    def any_routable(self, exclude: set[str]) -> bool:
+        return any(m.healthy and ep not in exclude for ep, m in self.members.items())
 
 
 async def grpc_health(endpoint: str, service: str, timeout: float, credentials=None) -> tuple[bool, str]:
@@ -67,15 +89,42 @@ async def grpc_health(endpoint: str, service: str, timeout: float, credentials=N
         await channel.close()
 
 
+async def grpc_capacity(kind: str, endpoint: str, timeout: float, credentials=None) -> int:
+    """A replica's `ModelInfo.max_sessions` via its `GetInfo` (0 if it cannot be read)."""
+    import grpc
+
+    from specdec.pb import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
+
+    channel = (grpc.aio.secure_channel(endpoint, credentials) if credentials is not None
+               else grpc.aio.insecure_channel(endpoint))
+    try:
+        if kind == "draft":
+            r = await draft_pb2_grpc.DraftServiceStub(channel).GetInfo(draft_pb2.DraftServiceGetInfoRequest(),
+                                                                       timeout=timeout)
+        else:
+            r = await target_pb2_grpc.TargetServiceStub(channel).GetInfo(target_pb2.TargetServiceGetInfoRequest(),
+                                                                         timeout=timeout)
+        return max(0, r.info.max_sessions)
+    except grpc.aio.AioRpcError as e:
+        log.warning("%s replica %s: GetInfo failed (%s); no session limit known for it", kind, endpoint, e.code())
+        return 0
+    finally:
+        await channel.close()
+
+
 class PoolManager:
-    """Owns the draft and target pools. `health_check(endpoint, service)` is injectable (tests)."""
+    """Owns the draft and target pools. `health_check(endpoint, service)` and `capacity_check(kind, endpoint)`
+    are injectable (tests); with an injected health check and no capacity check, capacities are unknown."""
 
     def __init__(self, sources: dict, refresh_s: float = 5.0, health_timeout_s: float = 1.0,
-                 health_check=None, credentials_factory=None):
+                 health_check=None, credentials_factory=None, capacity_check=None, wait_s: float = 60.0,
+                 max_waiting: int = 256):
         self.pools = {k: Pool(k, s) for k, s in sources.items() if s is not None}
         self.refresh_s = refresh_s
         self.health_timeout_s = health_timeout_s
+        self.wait_s, self.max_waiting = wait_s, max_waiting
         self._health = health_check
+        self._capacity = capacity_check
         self._credentials_factory = credentials_factory
         self._task: asyncio.Task | None = None
         self._lock = asyncio.Lock()
@@ -109,8 +158,16 @@ class PoolManager:
         creds = self._credentials_factory() if self._credentials_factory else None
         return await grpc_health(endpoint, SERVICE_NAMES[kind], self.health_timeout_s, creds)
 
+    async def _check_capacity(self, kind: str, endpoint: str) -> int:
+        if self._capacity is not None:
+            return await self._capacity(kind, endpoint)
+        if self._health is not None:
+            return 0
+        creds = self._credentials_factory() if self._credentials_factory else None
+        return await grpc_capacity(kind, endpoint, self.health_timeout_s, creds)
+
     async def refresh(self) -> None:
-        """Re-resolve every pool and health-check its members."""
+        """Re-resolve every pool, health-check its members, learn new members' capacity, serve waiters."""
         async with self._lock:
             for pool in self.pools.values():
                 found = await pool.source.resolve()
@@ -130,8 +187,15 @@ class PoolManager:
                         log.info("%s replica %s is %s%s", pool.kind, ep, "healthy" if ok else "unhealthy",
                                  f" ({err})" if err else "")
                     m.healthy, m.last_error = ok, err
+                    if not ok:
+                        m.capacity = None  # ask again when it is back (a restarted replica may hold more or fewer)
+                ask = [m for m in pool.members.values() if m.healthy and m.capacity is None]
+                caps = await asyncio.gather(*(self._check_capacity(pool.kind, m.endpoint) for m in ask))
+                for m, cap in zip(ask, caps):
+                    m.capacity = cap
                 if gone or any(not m.healthy for m in pool.members.values()):
                     self.generation += 1
+                self._serve_waiters(pool)
             self.generation += 1
 
     def members(self) -> dict[str, list[str]]:
@@ -139,8 +203,12 @@ class PoolManager:
         return {k: p.routable() for k, p in self.pools.items()}
 
     def snapshot(self) -> dict:
-        return {k: {ep: {"healthy": m.healthy, "sessions": m.sessions, "error": m.last_error}
-                    for ep, m in p.members.items()} for k, p in self.pools.items()}
+        return {k: {ep: {"healthy": m.healthy, "sessions": m.sessions, "capacity": m.capacity or 0,
+                         "error": m.last_error} for ep, m in p.members.items()} for k, p in self.pools.items()}
+
+    def waiting(self) -> dict[str, int]:
+        """Requests waiting for room, per pool."""
+        return {k: len(p.waiters) for k, p in self.pools.items()}
 
     # -- routing -----------------------------------------------------------------------------------------
     def _pool(self, kind: str) -> Pool:
@@ -150,7 +218,7 @@ class PoolManager:
         return self.pools[kind]
 
     def _pick(self, pool: Pool, exclude: set[str]) -> str | None:
-        cands = [m for ep, m in pool.members.items() if m.healthy and ep not in exclude]
+        cands = [m for ep, m in pool.members.items() if m.healthy and ep not in exclude and m.has_room()]
         if not cands:
             return None
         m = min(cands, key=lambda m: (m.sessions, m.last_pick))
@@ -159,25 +227,81 @@ class PoolManager:
         return m.endpoint
 
     async def acquire(self, kind: str, exclude: list[str] | tuple = ()) -> str:
-        """Pin a new session to the least-loaded routable replica of `kind`."""
-        pool = self._pool(kind)
-        ep = self._pick(pool, set(exclude))
-        if ep is None:
-            await self.refresh()
-            ep = self._pick(pool, set(exclude))
-        if ep is None:
-            tried = sorted(set(pool.members) | set(exclude))
-            detail = "; ".join(f"{e} ({pool.members[e].last_error or 'excluded'})" if e in pool.members
-                               else f"{e} (failed)" for e in tried)
-            raise ReplicaUnavailableError(
-                f"no {kind} replica reachable (pool {pool.source!r}; tried: {detail or 'none found'}); "
-                f"start a {kind} service or fix COORDINATOR_{kind.upper()}_DNS/_ENDPOINTS")
-        return ep
+        """Pin a new session to the least-loaded routable replica of `kind` with room; wait for room if all are
+        full (module docstring, "Admission")."""
+        pool, exclude = self._pool(kind), set(exclude)
+        # room is handed to waiters the moment it frees up, so room found here is room no waiter can use
+        ep = self._pick(pool, exclude)
+        if ep is None and not pool.any_routable(exclude):
+            await self.refresh()  # nothing routable: look again once
+            ep = self._pick(pool, exclude)
+        if ep is not None:
+            return ep
+        if not pool.any_routable(exclude):
+            raise self._unavailable(pool, exclude)
+        return await self._wait(pool, exclude)
+
+    def _unavailable(self, pool: Pool, exclude: set[str]) -> ReplicaUnavailableError:
+        tried = sorted(set(pool.members) | exclude)
+        detail = "; ".join(f"{e} ({pool.members[e].last_error or 'excluded'})" if e in pool.members
+                           else f"{e} (failed)" for e in tried)
+        return ReplicaUnavailableError(
+            f"no {pool.kind} replica reachable (pool {pool.source!r}; tried: {detail or 'none found'}); "
+            f"start a {pool.kind} service or fix COORDINATOR_{pool.kind.upper()}_DNS/_ENDPOINTS")
+
+    def _full(self, pool: Pool, what: str) -> CapacityError:
+        cap = sum(m.capacity or 0 for m in pool.members.values() if m.healthy)
+        return CapacityError(
+            f"{what}: every routable {pool.kind} replica holds its max_sessions ({cap} sessions in all) and "
+            f"{len(pool.waiters)} request(s) wait; retry later, add {pool.kind} replicas or raise their "
+            f"--max-sessions (the wait is COORDINATOR_QUEUE_WAIT_S, the queue COORDINATOR_MAX_WAITING)")
+
+    async def _wait(self, pool: Pool, exclude: set[str]) -> str:
+        if len(pool.waiters) >= self.max_waiting:
+            raise self._full(pool, f"the coordinator's queue is full ({self.max_waiting} waiting)")
+        w = Waiter(exclude, asyncio.get_running_loop().create_future())
+        pool.waiters.append(w)
+        try:
+            done, _ = await asyncio.wait({w.future}, timeout=self.wait_s)
+        except asyncio.CancelledError:  # the request went away while waiting
+            self._forget(pool, w)
+            raise
+        if not done:
+            self._forget(pool, w)
+            raise self._full(pool, f"no {pool.kind} session became free within {self.wait_s:g} s")
+        return w.future.result()  # the endpoint, or ReplicaUnavailableError if the pool emptied meanwhile
+
+    def _forget(self, pool: Pool, w: Waiter) -> None:
+        """A waiter gives up: leave the queue; a slot handed over at the same moment goes to the next one."""
+        with contextlib.suppress(ValueError):
+            pool.waiters.remove(w)
+        if w.future.done() and not w.future.cancelled() and w.future.exception() is None:
+            self.release(pool.kind, w.future.result())
+        w.future.cancel()
+
+    def _serve_waiters(self, pool: Pool) -> None:
+        """Hand free room to waiters in arrival order. A waiter that cannot use it (it excludes that replica
+        after a failover) keeps its place, and the room goes to the next one."""
+        for w in list(pool.waiters):
+            if not any(m.healthy and m.has_room() for m in pool.members.values()) and pool.any_routable(w.exclude):
+                return  # no room anywhere: everyone keeps waiting
+            if w.future.done():
+                pool.waiters.remove(w)
+            elif not pool.any_routable(w.exclude):
+                pool.waiters.remove(w)
+                w.future.set_exception(self._unavailable(pool, w.exclude))
+            elif (ep := self._pick(pool, w.exclude)) is not None:
+                pool.waiters.remove(w)
+                w.future.set_result(ep)
 
     def release(self, kind: str, endpoint: str) -> None:
-        m = self.pools.get(kind, Pool(kind, None)).members.get(endpoint)
+        pool = self.pools.get(kind)
+        if pool is None:
+            return
+        m = pool.members.get(endpoint)
         if m is not None and m.sessions > 0:
             m.sessions -= 1
+        self._serve_waiters(pool)
 
     def report_failure(self, kind: str, endpoint: str, error: str = "") -> None:
         m = self.pools.get(kind, Pool(kind, None)).members.get(endpoint)
@@ -185,4 +309,6 @@ class PoolManager:
             m.healthy = False
             m.failures += 1
             m.last_error = error or "call failed"
+            m.capacity = None
             self.generation += 1
+            self._serve_waiters(self.pools[kind])

@@ -204,6 +204,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                             m.requests.labels(finish).inc()
                             m.tokens.inc(len(asm.token_ids))
                             m.e2e.observe(time.perf_counter() - t0)
+                            m.queue_time.observe(stats.get("queued_s", 0.0))
                             off = stats.get("target_only_rounds", 0)
                             m.rounds.labels("target_only").inc(off)
                             if stats.get("mode") != "ar":

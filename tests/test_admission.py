@@ -1,0 +1,150 @@
+"""Admission: a pool at capacity queues requests (first come, first served, bounded, with a timeout) instead of
+failing them, and says what to change when the queue is full or the wait runs out."""
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from coordinator.config import CoordinatorSettings
+from coordinator.discovery import StaticSource
+from coordinator.pool import PoolManager, ReplicaUnavailableError
+from coordinator.server import build_coordinator
+from specdec.errors import CapacityError
+from specdec.pb import generation_pb2 as g, generation_pb2_grpc as gg
+from tests.helpers_models import start_replica, target_greedy, tiny_pair
+
+EP = "10.0.0.1:7"
+
+
+def pool(capacity: int, up: set[str] | None = None, endpoints=(EP,), **kw) -> PoolManager:
+    """Target replicas (EP) with `capacity` sessions each; `up` (mutable) holds the endpoints that pass health
+    checks (default: all)."""
+    up = set(endpoints) if up is None else up
+
+    async def health(endpoint, service):
+        return endpoint in up, "" if endpoint in up else "down"
+
+    async def capacity_check(kind, endpoint):
+        return capacity
+
+    return PoolManager({"target": StaticSource(list(endpoints))}, refresh_s=60, health_check=health,
+                       capacity_check=capacity_check, **kw)
+
+
+async def settle():
+    for _ in range(3):
+        await asyncio.sleep(0)
+
+
+async def test_a_full_pool_queues_in_arrival_order():
+    pm = pool(2)
+    await pm.start()
+    assert pm.snapshot()["target"][EP]["capacity"] == 2
+    held = [await pm.acquire("target"), await pm.acquire("target")]
+    waiters = [asyncio.ensure_future(pm.acquire("target")) for _ in range(3)]
+    await settle()
+    assert not any(w.done() for w in waiters) and pm.waiting() == {"target": 3}
+    pm.release("target", held.pop())
+    await settle()
+    assert [w.done() for w in waiters] == [True, False, False], "the first to arrive gets the first free session"
+    late = asyncio.ensure_future(pm.acquire("target"))  # arrives last, served last
+    pm.release("target", held.pop())
+    await settle()
+    assert [w.done() for w in waiters] == [True, True, False] and not late.done()
+    waiters[2].cancel()  # a request that goes away leaves the queue
+    await settle()
+    pm.release("target", await waiters[0])
+    await settle()
+    assert await late == EP and pm.waiting() == {"target": 0}
+    assert pm.snapshot()["target"][EP]["sessions"] == 2
+    await pm.stop()
+
+
+async def test_room_a_waiter_cannot_use_goes_to_the_next_one():
+    """After a failover a waiter excludes the replica it left; room there must not sit idle behind it."""
+    a, b = "10.0.0.1:7", "10.0.0.2:7"
+    pm = pool(1, endpoints=(a, b))
+    await pm.start()
+    held = {await pm.acquire("target"), await pm.acquire("target")}
+    assert held == {a, b}
+    moved = asyncio.ensure_future(pm.acquire("target", exclude=[b]))
+    fresh = asyncio.ensure_future(pm.acquire("target"))
+    await settle()
+    pm.release("target", b)
+    await settle()
+    assert not moved.done() and fresh.done() and await fresh == b
+    pm.release("target", a)
+    await settle()
+    assert await moved == a
+    await pm.stop()
+
+
+async def test_queue_bound_and_wait_timeout_say_what_to_change():
+    pm = pool(1, max_waiting=1, wait_s=0.2)
+    await pm.start()
+    await pm.acquire("target")
+    first = asyncio.ensure_future(pm.acquire("target"))
+    await settle()
+    with pytest.raises(CapacityError, match=r"queue is full \(1 waiting\).*COORDINATOR_MAX_WAITING"):
+        await pm.acquire("target")
+    with pytest.raises(CapacityError, match=r"no target session became free within 0.2 s.*--max-sessions"):
+        await first
+    assert pm.waiting() == {"target": 0} and pm.snapshot()["target"][EP]["sessions"] == 1
+    await pm.stop()
+
+
+async def test_unknown_capacity_means_no_limit_and_an_emptied_pool_fails_its_waiters():
+    unlimited = pool(0)
+    await unlimited.start()
+    assert len([await unlimited.acquire("target") for _ in range(50)]) == 50
+    up = {EP}
+    pm = pool(1, up=up)
+    await pm.start()
+    await pm.acquire("target")
+    waiter = asyncio.ensure_future(pm.acquire("target"))
+    await settle()
+    up.clear()
+    pm.report_failure("target", EP, "UNAVAILABLE")
+    with pytest.raises(ReplicaUnavailableError, match="no target replica reachable"):
+        await waiter
+
+
+async def test_requests_beyond_the_targets_sessions_wait_and_finish_exactly():
+    """A target replica with max_sessions=1 behind the coordinator: three concurrent requests all finish with the
+    target's greedy output, one after another (the replica would refuse a second session); with no queue allowed
+    the second fails at once with RESOURCE_EXHAUSTED."""
+    target, draft = tiny_pair()
+    t = await start_replica("target", target, max_sessions=1)
+    d = await start_replica("draft", draft)
+    apps, channels, routers = [], [], []
+    try:
+        stubs = []
+        for max_waiting in (8, 0):
+            s = CoordinatorSettings(host="127.0.0.1", port=0, metrics_port=0, ray=False, tokenizer="", pipelines=1,
+                                    draft_endpoints=d.endpoint, target_endpoints=t.endpoint, log_level="WARNING",
+                                    grace_s=0, max_waiting=max_waiting, queue_wait_s=60)
+            app, router = await build_coordinator(s)
+            await app.start()
+            apps.append(app)
+            routers.append(router)
+            channels.append(grpc.aio.insecure_channel(f"127.0.0.1:{app.port}"))
+            stubs.append(gg.GenerationServiceStub(channels[-1]))
+        prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
+        rs = await asyncio.gather(*(stubs[0].Generate(g.GenerateRequest(
+            prompt_token_ids=p, max_new_tokens=16, mode="sd", gamma=3)) for p in prompts))
+        for p, r in zip(prompts, rs):
+            assert list(r.token_ids) == target_greedy(target, p, 16)
+        assert max(r.stats.queued_s for r in rs) > 0.01, "two of them waited for the target's one session"
+        held = await routers[1].pool_manager.acquire("target")  # the replica's one session, pinned elsewhere
+        with pytest.raises(grpc.aio.AioRpcError) as ei:
+            await stubs[1].Generate(g.GenerateRequest(prompt_token_ids=[4, 5], max_new_tokens=4, mode="sd"))
+        assert ei.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "max_sessions (1 sessions in all)" in ei.value.details(), ei.value.details()
+        routers[1].pool_manager.release("target", held)
+    finally:
+        for ch in channels:
+            await ch.close()
+        for a in apps + [t, d]:
+            await a.shutdown(0)
