@@ -512,6 +512,19 @@ async def _ray_stack_check() -> None:
             break
         call.cancel()
         await until(lambda: s.sessions() == 0, timeout=10)
+        # the pool actor's errors reach the client as themselves, not as a Ray traceback
+        cs = CoordinatorSettings(host="127.0.0.1", port=0, metrics_port=0, ray=True, tokenizer="", pipelines=1,
+                                 draft_endpoints=s.d.endpoint, target_endpoints="127.0.0.1:1", log_level="WARNING",
+                                 grace_s=0, health_timeout_s=0.2)
+        app, _ = await build_coordinator(cs)
+        s.apps.append(app)
+        await app.start()
+        ch = grpc.aio.insecure_channel(f"127.0.0.1:{app.port}")
+        s.channels.append(ch)
+        with pytest.raises(grpc.aio.AioRpcError) as ei:
+            await gg.GenerationServiceStub(ch).Generate(req([1, 2], "sd"))
+        assert ei.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert ei.value.details().startswith("no target replica reachable"), ei.value.details()
     finally:
         await s.stop()
 
