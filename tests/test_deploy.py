@@ -295,6 +295,12 @@ def test_coordinator_matches_defaults(overlay):
     cfg = configmap_env(objs, "specdec-coordinator-config")
     assert cfg["COORDINATOR_PORT"] == str(defaults.COORDINATOR_PORT)
     assert cfg["COORDINATOR_METRICS_PORT"] == str(defaults.COORDINATOR_METRICS_PORT)
+    from coordinator.config import CoordinatorSettings
+
+    unknown = [k for k in cfg if k.removeprefix("COORDINATOR_").lower() not in CoordinatorSettings.model_fields]
+    assert not unknown, f"not coordinator settings (a typo is silently ignored): {unknown}"
+    settings = CoordinatorSettings(**{k.removeprefix("COORDINATOR_").lower(): v for k, v in cfg.items()})
+    assert (settings.queue_wait_s, settings.max_waiting) == (60.0, 256)
 
     (svc,) = find(objs, "Service", "coordinator")
     assert svc["spec"]["type"] == "ClusterIP"
