@@ -56,10 +56,8 @@ class RoundStream:
         self._busy = True
         try:
             try:
-                async with asyncio.timeout(self.timeout):
-                    await self._call.write(self._wrap(request))
-                    msg = await self._call.read()
-            except TimeoutError:
+                msg = await asyncio.wait_for(self._exchange(request), self.timeout)  # (asyncio.timeout: 3.11+)
+            except asyncio.TimeoutError:
                 self.close()
                 raise grpc.aio.AioRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, details=(
                     f"{endpoint} did not answer within {self.timeout} s (per-round stream); raise the coordinator's "
@@ -82,6 +80,10 @@ class RoundStream:
             return self._unwrap(msg)
         finally:
             self._busy = False
+
+    async def _exchange(self, request):
+        await self._call.write(self._wrap(request))
+        return await self._call.read()
 
     def close(self) -> None:
         """Drop the stream (the replica's handler sees a cancel and ends; its session is untouched)."""
