@@ -16,6 +16,8 @@ class CoordinatorMetrics:
                               buckets=_SECONDS, registry=r)
         # rounds by kind: `speculative` (draft + verify) or `target_only` (load-adaptive speculation switched off)
         self.rounds = Counter("specdec_rounds", "Decoding rounds of finished requests", ["kind"], registry=r)
+        self.waiting = Gauge("specdec_num_requests_waiting", "Requests waiting for free replica sessions",
+                             registry=r)
         # time a request waited for free replica sessions (pools at capacity; coordinator/pool.py, "Admission")
         self.queue_time = Histogram("specdec_request_queue_time_seconds", "Time waiting for free replica sessions",
                                     buckets=(0.001,) + _SECONDS, registry=r)

@@ -22,6 +22,11 @@ class LocalRouter:
     async def close(self) -> None:
         await self.pipeline.close()
 
+    def waiting_now(self) -> float:
+        """Requests waiting for free replica sessions (admission), for the metrics scrape."""
+        pm = getattr(self, "pool_manager", None)
+        return float(sum(pm.waiting().values())) if pm is not None else 0.0
+
 
 def wanted_pipelines() -> int:
     """One pipeline actor per CPU of the Ray cluster (at least 2): more Ray workers, more pipelines."""
@@ -90,6 +95,18 @@ class RayRouter:
         actor = self._owner.get(rid)
         if actor is not None:
             await actor.cancel.remote(rid)
+
+    def waiting_now(self) -> float:
+        """Requests waiting for free replica sessions (admission), for the metrics scrape (its own thread)."""
+        import ray
+
+        pool = getattr(self, "pool_actor", None)
+        if pool is None:
+            return 0.0
+        try:
+            return float(sum(ray.get(pool.waiting.remote(), timeout=1.0).values()))
+        except Exception:  # noqa: BLE001 - a scrape must not fail: report "unknown"
+            return float("nan")
 
     async def close(self) -> None:
         import ray

@@ -106,6 +106,7 @@ async def build_coordinator(s: CoordinatorSettings, tokenizer=None, eos_token_id
 
     def register(server):
         metrics = CoordinatorMetrics(holder["app"].metrics.registry)
+        metrics.waiting.set_function(router.waiting_now)
         servicer = GenerationServicer(router, tokenizer, eos_token_ids or (), s.max_new_tokens_cap, metrics,
                                     s.spec_off_batch, s.pacer_post_threshold)
         holder["app"].servicer = servicer

@@ -137,6 +137,17 @@ async def test_requests_beyond_the_targets_sessions_wait_and_finish_exactly():
         for p, r in zip(prompts, rs):
             assert list(r.token_ids) == target_greedy(target, p, 16)
         assert max(r.stats.queued_s for r in rs) > 0.01, "two of them waited for the target's one session"
+        held = await routers[0].pool_manager.acquire("target")
+        waiting = asyncio.ensure_future(stubs[0].Generate(g.GenerateRequest(prompt_token_ids=[4, 5],
+                                                                            max_new_tokens=4, mode="sd")))
+        metric = lambda: apps[0].metrics.value("specdec_num_requests_waiting")  # noqa: E731
+        for _ in range(100):
+            if metric() == 1:
+                break
+            await asyncio.sleep(0.02)
+        assert metric() == 1
+        routers[0].pool_manager.release("target", held)
+        assert list((await waiting).token_ids) == target_greedy(target, [4, 5], 4) and metric() == 0
         held = await routers[1].pool_manager.acquire("target")  # the replica's one session, pinned elsewhere
         with pytest.raises(grpc.aio.AioRpcError) as ei:
             await stubs[1].Generate(g.GenerateRequest(prompt_token_ids=[4, 5], max_new_tokens=4, mode="sd"))

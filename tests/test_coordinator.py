@@ -512,6 +512,7 @@ async def _ray_stack_check() -> None:
             break
         call.cancel()
         await until(lambda: s.sessions() == 0, timeout=10)
+        assert s.apps[0].metrics.value("specdec_num_requests_waiting") == 0.0  # asked of the pool actor
         # the pool actor's errors reach the client as themselves, not as a Ray traceback
         cs = CoordinatorSettings(host="127.0.0.1", port=0, metrics_port=0, ray=True, tokenizer="", pipelines=1,
                                  draft_endpoints=s.d.endpoint, target_endpoints="127.0.0.1:1", log_level="WARNING",
