@@ -447,3 +447,20 @@ def test_hadolint():
         pytest.skip(f"hadolint not found; {INSTALL_HINT}")
     out = subprocess.run([exe, "--no-color", str(DOCKERFILE)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_the_metrics_table_names_what_the_processes_export():
+    """docs/deploy.md's metrics table is what dashboards and alerts are built from: every name in it must exist,
+    and every specdec_* metric must be in it (counters as exported, with `_total`)."""
+    from prometheus_client import CollectorRegistry
+
+    from coordinator.metrics import CoordinatorMetrics
+    from specdec.server.metrics import ServiceMetrics
+
+    registry = CollectorRegistry()
+    CoordinatorMetrics(ServiceMetrics(registry).registry)
+    exported = {mf.name + ("_total" if mf.type == "counter" else "") for mf in registry.collect()}
+    text = (ROOT / "docs" / "deploy.md").read_text()
+    section = text[text.index("## Read the metrics"):text.index("Useful queries:")]
+    documented = set(re.findall(r"^\| `(specdec_[a-z0-9_]+)` \|", section, flags=re.M))
+    assert documented == exported, (sorted(documented - exported), sorted(exported - documented))
