@@ -86,10 +86,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # ---- output ---------------------------------------------------------------------------------------------------
-STAT_KEYS = ("mode", "rounds", "target_forwards", "draft_tokens", "accepted_tokens", "mean_accepted_length",
-             "draft_busy_s", "target_busy_s", "network_s", "wall_s", "wasted_draft_tokens")
-
-
 def stats_line(st: dict, n_tokens: int) -> str:
     wall = st.get("wall_s") or 0.0
     busy = (st.get("draft_busy_s") or 0.0) + (st.get("target_busy_s") or 0.0)
@@ -100,6 +96,8 @@ def stats_line(st: dict, n_tokens: int) -> str:
              f"busy: draft {st.get('draft_busy_s', 0.0):.2f}s + target {st.get('target_busy_s', 0.0):.2f}s"
              + (f" = {busy:.2f}s (wall {100 * wall / busy:.0f}% of it)" if busy else ""),
              f"network {st.get('network_s', 0.0):.2f}s"]
+    if (st.get("queued_s") or 0.0) >= 0.01:  # waited for free replica sessions (a pool at capacity)
+        parts.append(f"queued {st['queued_s']:.2f}s")
     return " | ".join(parts)
 
 

@@ -32,7 +32,8 @@ def test_parser_and_stats_line():
     assert (s.port, s.host, s.draft_model, s.target_model) == (6000, "0.0.0.0", "default-draft", "default-target")
     line = cli.stats_line({"mode": "pearl", "wall_s": 2.0, "draft_busy_s": 1.5, "target_busy_s": 1.5,
                            "rounds": 3, "target_forwards": 4, "mean_accepted_length": 2.5}, 10)
-    assert "[pearl] 10 tokens in 2.00s" in line and "wall 67% of it" in line
+    assert "[pearl] 10 tokens in 2.00s" in line and "wall 67% of it" in line and "queued" not in line
+    assert cli.stats_line({"mode": "sd", "wall_s": 1.0, "queued_s": 0.25}, 4).endswith("| queued 0.25s")
 
 
 def test_generate_in_process_json(pair, capsys):
