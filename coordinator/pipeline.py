@@ -24,7 +24,8 @@ from specdec.errors import (CapacityError, ContextOverflowError, InvalidRequestE
 from specdec.sampling import SamplingParams
 from specdec.schedule import GenerationRequest, generate
 
-from coordinator.clients import Channels, PoolView, RemoteDraft, RemoteTarget
+from coordinator.channels import Channels
+from coordinator.clients import PoolView, RemoteDraft, RemoteTarget
 from coordinator.pool import ReplicaUnavailableError
 
 log = logging.getLogger(__name__)

@@ -1,0 +1,57 @@
+"""One gRPC channel (and stub) per replica endpoint, shared by every request of a pipeline process."""
+from __future__ import annotations
+
+import grpc
+
+from specdec.pb import draft_pb2, draft_pb2_grpc, target_pb2_grpc
+
+CHANNEL_OPTIONS = [("grpc.keepalive_time_ms", 30_000), ("grpc.keepalive_timeout_ms", 10_000),
+                   ("grpc.max_receive_message_length", 16 * 1024 * 1024),
+                   ("grpc.max_send_message_length", 16 * 1024 * 1024)]
+
+
+class Channels:
+    """One channel (and stub) per replica, shared by all requests of a pipeline process."""
+
+    def __init__(self, credentials: grpc.ChannelCredentials | None = None):
+        self.credentials = credentials
+        self._ch: dict[str, grpc.aio.Channel] = {}
+        self._stubs: dict[tuple[str, str], object] = {}  # (kind, endpoint) -> stub, built once
+        self._feature_size: dict[str, int] = {}  # draft endpoint -> ModelInfo.feature_size
+
+    async def draft_feature_size(self, endpoint: str, timeout: float) -> int:
+        """Whether (and how wide) the draft replica reads target features; asked once per endpoint."""
+        if endpoint not in self._feature_size:
+            r = await self.draft(endpoint).GetInfo(draft_pb2.DraftServiceGetInfoRequest(), timeout=timeout)
+            self._feature_size[endpoint] = r.info.feature_size
+        return self._feature_size[endpoint]
+
+    def channel(self, endpoint: str) -> grpc.aio.Channel:
+        ch = self._ch.get(endpoint)
+        if ch is None:
+            ch = (grpc.aio.secure_channel(endpoint, self.credentials, options=CHANNEL_OPTIONS) if self.credentials
+                  else grpc.aio.insecure_channel(endpoint, options=CHANNEL_OPTIONS))
+            self._ch[endpoint] = ch
+        return ch
+
+    def draft(self, endpoint: str) -> draft_pb2_grpc.DraftServiceStub:
+        stub = self._stubs.get(("draft", endpoint))
+        if stub is None:
+            stub = self._stubs["draft", endpoint] = draft_pb2_grpc.DraftServiceStub(self.channel(endpoint))
+        return stub
+
+    def target(self, endpoint: str) -> target_pb2_grpc.TargetServiceStub:
+        stub = self._stubs.get(("target", endpoint))
+        if stub is None:
+            stub = self._stubs["target", endpoint] = target_pb2_grpc.TargetServiceStub(self.channel(endpoint))
+        return stub
+
+    async def drop_except(self, keep: set[str]) -> None:
+        for ep in [e for e in self._ch if e not in keep]:
+            self._feature_size.pop(ep, None)
+            self._stubs.pop(("draft", ep), None)
+            self._stubs.pop(("target", ep), None)
+            await self._ch.pop(ep).close()
+
+    async def close(self) -> None:
+        await self.drop_except(set())
