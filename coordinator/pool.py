@@ -63,6 +63,7 @@ class Pool:
     source: object  # discovery source: async resolve() -> list[str]
     members: dict[str, Member] = field(default_factory=dict)
     waiters: deque[Waiter] = field(default_factory=deque)  # requests waiting for room, in arrival order
+    full_since: float | None = None  # when requests started to queue (for the log), None while none waits
 
     def routable(self) -> list[str]:
         return [ep for ep, m in self.members.items() if m.healthy]
@@ -261,6 +262,10 @@ class PoolManager:
             raise self._full(pool, f"the coordinator's queue is full ({self.max_waiting} waiting)")
         w = Waiter(exclude, asyncio.get_running_loop().create_future())
         pool.waiters.append(w)
+        if pool.full_since is None:
+            pool.full_since = time.monotonic()
+            log.warning("%s pool at capacity (%d sessions): new requests wait for a free session", pool.kind,
+                        sum(m.capacity or 0 for m in pool.members.values() if m.healthy))
         try:
             done, _ = await asyncio.wait({w.future}, timeout=self.wait_s)
         except asyncio.CancelledError:  # the request went away while waiting
@@ -278,10 +283,17 @@ class PoolManager:
         if w.future.done() and not w.future.cancelled() and w.future.exception() is None:
             self.release(pool.kind, w.future.result())
         w.future.cancel()
+        self._serve_waiters(pool)
 
     def _serve_waiters(self, pool: Pool) -> None:
         """Hand free room to waiters in arrival order. A waiter that cannot use it (it excludes that replica
         after a failover) keeps its place, and the room goes to the next one."""
+        self._serve(pool)
+        if not pool.waiters and pool.full_since is not None:
+            log.info("%s pool: the queue drained after %.1f s", pool.kind, time.monotonic() - pool.full_since)
+            pool.full_since = None
+
+    def _serve(self, pool: Pool) -> None:
         for w in list(pool.waiters):
             if not any(m.healthy and m.has_room() for m in pool.members.values()) and pool.any_routable(w.exclude):
                 return  # no room anywhere: everyone keeps waiting

@@ -38,7 +38,8 @@ async def settle():
         await asyncio.sleep(0)
 
 
-async def test_a_full_pool_queues_in_arrival_order():
+async def test_a_full_pool_queues_in_arrival_order(caplog):
+    caplog.set_level("INFO", logger="coordinator.pool")
     pm = pool(2)
     await pm.start()
     assert pm.snapshot()["target"][EP]["capacity"] == 2
@@ -59,6 +60,9 @@ async def test_a_full_pool_queues_in_arrival_order():
     await settle()
     assert await late == EP and pm.waiting() == {"target": 0}
     assert pm.snapshot()["target"][EP]["sessions"] == 2
+    said = [r.getMessage() for r in caplog.records]
+    assert sum("target pool at capacity (2 sessions)" in m for m in said) == 1, said  # once, not per request
+    assert any("the queue drained after" in m for m in said), said
     await pm.stop()
 
 
