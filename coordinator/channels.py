@@ -34,17 +34,17 @@ class Channels:
             self._ch[endpoint] = ch
         return ch
 
-    def draft(self, endpoint: str) -> draft_pb2_grpc.DraftServiceStub:
-        stub = self._stubs.get(("draft", endpoint))
+    def _stub(self, kind: str, endpoint: str, cls):
+        stub = self._stubs.get((kind, endpoint))
         if stub is None:
-            stub = self._stubs["draft", endpoint] = draft_pb2_grpc.DraftServiceStub(self.channel(endpoint))
+            stub = self._stubs[kind, endpoint] = cls(self.channel(endpoint))
         return stub
 
+    def draft(self, endpoint: str) -> draft_pb2_grpc.DraftServiceStub:
+        return self._stub("draft", endpoint, draft_pb2_grpc.DraftServiceStub)
+
     def target(self, endpoint: str) -> target_pb2_grpc.TargetServiceStub:
-        stub = self._stubs.get(("target", endpoint))
-        if stub is None:
-            stub = self._stubs["target", endpoint] = target_pb2_grpc.TargetServiceStub(self.channel(endpoint))
-        return stub
+        return self._stub("target", endpoint, target_pb2_grpc.TargetServiceStub)
 
     async def drop_except(self, keep: set[str]) -> None:
         for ep in [e for e in self._ch if e not in keep]:

@@ -280,10 +280,12 @@ class PoolManager:
         """A waiter gives up: leave the queue; a slot handed over at the same moment goes to the next one."""
         with contextlib.suppress(ValueError):
             pool.waiters.remove(w)
-        if w.future.done() and not w.future.cancelled() and w.future.exception() is None:
-            self.release(pool.kind, w.future.result())
+        handed = w.future.done() and not w.future.cancelled() and w.future.exception() is None
+        if handed:
+            self.release(pool.kind, w.future.result())  # serves the next waiter
         w.future.cancel()
-        self._serve_waiters(pool)
+        if not handed:
+            self._serve_waiters(pool)  # the queue may be empty now (the drain log)
 
     def _serve_waiters(self, pool: Pool) -> None:
         """Hand free room to waiters in arrival order. A waiter that cannot use it (it excludes that replica

@@ -12,7 +12,7 @@ from coordinator.rounds import RoundStream
 from coordinator.server import build_coordinator
 from specdec.pb import common_pb2, draft_pb2, generation_pb2 as g, generation_pb2_grpc as gg, target_pb2
 from tests.helpers_models import start_replica, target_greedy, tiny_pair
-from tests.test_services import VOCAB, expect, make_stack, models  # noqa: F401 - `models` is a fixture
+from tests.test_services import VOCAB, expect, make_stack, models, stack  # noqa: F401 - fixtures
 
 Code = grpc.StatusCode
 TIMING = ("forward_ns", "verify_ns", "queue_ns", "draft_ns", "batch_size")
@@ -21,13 +21,6 @@ TIMING = ("forward_ns", "verify_ns", "queue_ns", "draft_ns", "batch_size")
 def _answer(msg) -> dict:
     """A response without its timing fields."""
     return {f.name: v for f, v in msg.ListFields() if f.name not in TIMING}
-
-
-@pytest.fixture
-async def stack(models):  # noqa: F811
-    s = await make_stack(models)
-    yield s
-    await s.close()
 
 
 async def test_rounds_answer_exactly_what_unary_calls_answer(stack):
