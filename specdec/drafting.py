@@ -9,12 +9,16 @@ from typing import Iterator
 import torch
 
 from specdec.errors import InvalidRequestError
+from specdec.lookup import PromptLookup
 from specdec.model import CausalLM
 from specdec.sampling import Purpose, keyed_generator, logits_to_probs, sample, truncate_top_k
 from specdec.stop import DraftFeatures, FixedLength, StopRule
 from specdec.verify import SparseDist
 from specdec.sampling import SamplingParams
 from specdec.worker_base import Session, TargetFeatures, Worker, feature_size
+
+
+LOGQ_FLOOR = -30.0  # the pre-verifier's log q(x) feature for a token the draft gives no mass (lookup proposals)
 
 
 @dataclass
@@ -25,6 +29,7 @@ class DraftBlock:
     draft_ns: int = 0  # compute time spent on this block
     final: bool = True  # last block of the call
     score: float | None = None  # pre-verifier's P(block accepted), when one ran
+    looked_up: int = 0  # of `tokens`, those prompt lookup proposed
 
 
 class FeatureState:
@@ -82,6 +87,7 @@ class DraftCall:
     feed: list[int]  # tokens the next forward feeds (the append, then each drafted token)
     toks: list[int] = field(default_factory=list)
     qs: list[SparseDist] = field(default_factory=list)
+    looked: list[bool] = field(default_factory=list)  # per drafted token: proposed by prompt lookup
     hids: list[torch.Tensor] = field(default_factory=list)
     logq: list[float] = field(default_factory=list)
     ent: list[float] = field(default_factory=list)
@@ -98,10 +104,15 @@ class DraftWorker(Worker):
     `advance(calls)` runs ONE padded forward for all of them and drafts one token each. A call alone runs the
     exact single-session forward. `draft_blocks` / `draft` are the one-session loops over the same steps."""
 
-    def __init__(self, model: CausalLM, preverifier=None, q_top_k: int = 64, **kw):
+    def __init__(self, model: CausalLM, preverifier=None, q_top_k: int = 64, lookup: PromptLookup | None = None,
+                 **kw):
         super().__init__(model, **kw)
         self.preverifier = preverifier
         self.q_top_k = q_top_k  # proposal truncation: q is exactly sparse on the wire (still lossless)
+        # prompt lookup (specdec/lookup.py): where the context's last n-gram occurred before, draft the token that
+        # followed it, with q one-hot; None: every token from the draft model
+        self.lookup = lookup
+        self.looked_up_tokens = 0  # drafted tokens that prompt lookup proposed, since start (metrics, tests)
 
     # ---- feature drafts (EAGLE-style): inputs are the target's features where known, zeros else (FeatureState) ----
     @property
@@ -186,35 +197,56 @@ class DraftWorker(Worker):
                 out[i].append(block)
         return out
 
-    def _confidence(self, row: torch.Tensor, x: int) -> tuple[float, float]:
-        """(log q(x), entropy of q) of the untempered softmax of a logits row; x indexes the row. `advance` feeds
-        a compact-head draft's rows compact (its subset's logits, -inf everywhere else in the full row, where q is
-        exactly 0): the same two numbers as on the full row at a sixth of the cost (8,192 entries, not 49,152)."""
+    @staticmethod
+    def _confidence(row: torch.Tensor, xr: int | None) -> tuple[float, float]:
+        """(log q(x), entropy of q) of the untempered softmax of a logits row; xr indexes the row (None: a
+        looked-up token the draft's compact head lacks, log q = LOGQ_FLOOR). `advance` feeds a compact-head
+        draft's rows compact (its subset's logits, -inf everywhere else in the full row, where q is exactly 0):
+        the same two numbers as on the full row at a sixth of the cost (8,192 entries, not 49,152)."""
         lq = torch.log_softmax(row.float(), -1)
-        return float(lq[x]), float(torch.special.entr(lq.exp()).sum())
+        ent = float(torch.special.entr(lq.exp()).sum())
+        return (LOGQ_FLOOR if xr is None else max(float(lq[xr]), LOGQ_FLOOR)), ent
+
+    @staticmethod
+    def _row_index(x: int, subset: torch.Tensor | None) -> int | None:
+        """Where token id x sits in a (compact) logits row; None if the compact head lacks it."""
+        if subset is None:
+            return x
+        i = int(torch.searchsorted(subset, x))  # the subset is sorted
+        return i if i < subset.numel() and int(subset[i]) == x else None
 
     def _close(self, c: DraftCall, reason: str, score: float | None) -> DraftBlock:
         c.done = True
-        return DraftBlock(c.toks[c.block_start:], c.qs[c.block_start:], reason, c.block_ns, final=True, score=score)
+        return DraftBlock(c.toks[c.block_start:], c.qs[c.block_start:], reason, c.block_ns, final=True, score=score,
+                          looked_up=sum(c.looked[c.block_start:]))
 
     def _draft_token(self, c: DraftCall, row: torch.Tensor, row_hidden: torch.Tensor) -> DraftBlock | None:
         """Draft the token at c.pos from its logits row; → the block it completes, if any."""
         s = c.s
         subset = getattr(self.model, "vocab_subset", None)  # not None: `row` is compact (advance)
-        if s.params.greedy:  # argmax of the row: logits_to_probs' one-hot, without building it
+        lk = self.lookup
+        looked = lk.propose(s.tokens) if lk is not None and (s.params.greedy or not lk.greedy_only) else None
+        probs = None
+        if looked is not None:  # proposed with certainty: q is one-hot, exact at any temperature
+            x = looked[0]
+            xr = self._row_index(x, subset) if c.want_features else None
+            c.qs.append(SparseDist(ids=torch.tensor([x]), probs=torch.ones(1)))
+            self.looked_up_tokens += 1
+        elif s.params.greedy:  # argmax of the row: logits_to_probs' one-hot, without building it
             xr = int(row.argmax())  # the subset is sorted, so ties resolve as on the full row
             x = xr if subset is None else int(subset[xr])
             c.qs.append(SparseDist(ids=torch.tensor([x]), probs=torch.ones(1)))
         else:
-            row = row if subset is None else self.model.expand_logits(row)
-            probs = truncate_top_k(logits_to_probs(row, s.params), self.q_top_k)
+            full = row if subset is None else self.model.expand_logits(row)
+            probs = truncate_top_k(logits_to_probs(full, s.params), self.q_top_k)
             x = sample(probs, keyed_generator(s.params.seed, c.pos, Purpose.DRAFT))
             c.qs.append(SparseDist.from_dense(probs))
         c.toks.append(x)
+        c.looked.append(looked is not None)
         if c.want_features:  # pre-verifier features; at T=0 q is one-hot: confidence from the untempered softmax
             if c.want_hidden:
                 c.hids.append(row_hidden.float())
-            if s.params.greedy:
+            if probs is None:
                 logq, ent = self._confidence(row, xr)
             else:
                 lq = probs.clamp_min(1e-30).log()
@@ -238,8 +270,14 @@ class DraftWorker(Worker):
                               margin=torch.tensor(c.margin) if c.margin else None) if c.want_features else None
         stop_now = c.stop.should_stop(feats)
         score = getattr(c.stop, "last_score", None)
+        if all(c.looked[c.block_start:]):
+            # a block prompt lookup proposed: the pre-verifier scores the draft model's own proposals, and it reads
+            # a looked-up token the draft disagrees with as a likely rejection, where such tokens are accepted far
+            # more often. Their predicted acceptance is lookup's measured precision (PromptLookup.accept_prob)
+            score = self.lookup.accept_prob ** (n - c.block_start)
+            stop_now = score < getattr(c.stop, "threshold", 0.0)
         if skip_below and score is not None and score < skip_below:
-            del c.toks[:], c.qs[:]  # draft length 0: the target takes a plain one-row step
+            del c.toks[:], c.qs[:], c.looked[:]  # draft length 0: the target takes a plain one-row step
             return self._close(c, "preverifier", score)
         if n == c.gamma_max:
             return self._close(c, "gamma_max", score)
@@ -247,7 +285,8 @@ class DraftWorker(Worker):
             return self._close(c, "preverifier", score)
         if s.epoch != c.epoch:
             return self._close(c, "cancelled", score)
-        block = DraftBlock(c.toks[c.block_start:], c.qs[c.block_start:], "", 0, final=False, score=score)
+        block = DraftBlock(c.toks[c.block_start:], c.qs[c.block_start:], "", 0, final=False, score=score,
+                           looked_up=sum(c.looked[c.block_start:]))
         c.block_start, c.feed = n, [x]
         return block
 
@@ -265,4 +304,4 @@ class DraftWorker(Worker):
         blocks = list(self.draft_blocks(session_id, base_position, append, gamma_max, stop, block_size, features))
         return DraftBlock(tokens=[t for b in blocks for t in b.tokens], q=[d for b in blocks for d in b.q],
                           stop_reason=blocks[-1].stop_reason, draft_ns=sum(b.draft_ns for b in blocks),
-                          score=blocks[-1].score)
+                          score=blocks[-1].score, looked_up=sum(b.looked_up for b in blocks))

@@ -21,6 +21,7 @@ import torch
 
 from specdec.errors import InvalidRequestError
 from specdec.linear import tune_linears
+from specdec.lookup import PromptLookup
 from specdec.sampling import SamplingParams
 from specdec.schedule import GenerationRequest, GenerationResult, generate
 from specdec.stop import FixedLength, PreverifierStop, StopRule, StopSpec
@@ -153,7 +154,7 @@ class Engine:
 
     def __init__(self, target_model, draft_model=None, preverifier=None, max_sessions: int = 4,
                  max_context: int | None = None, threads_per_model: int | None = None, q_top_k: int = 64,
-                 inline: bool | None = None):
+                 inline: bool | None = None, lookup: PromptLookup | None = None):
         """`inline`: True runs every call on the caller's thread (no overlap at all); False always uses the worker
         threads; None (default) lets `ar` / `sd` / `pacer` requests run inline when `threads_per_model` is 1 and
         the caller's thread computes with 1 torch thread too (module docstring)."""
@@ -167,7 +168,7 @@ class Engine:
             if draft_model.config.vocab_size != target_model.config.vocab_size:
                 raise ValueError(f"draft vocabulary ({draft_model.config.vocab_size}) differs from the target's "
                                  f"({target_model.config.vocab_size}); the pair must share a tokenizer")
-            self.draft_worker = DraftWorker(draft_model, preverifier=preverifier, q_top_k=q_top_k,
+            self.draft_worker = DraftWorker(draft_model, preverifier=preverifier, q_top_k=q_top_k, lookup=lookup,
                                             max_sessions=max_sessions, max_context=max_context)
             self.draft = LocalDraft(self.draft_worker, threads_per_model, inline)
         self._loop: asyncio.AbstractEventLoop | None = None
