@@ -47,8 +47,9 @@ class LocalStack:
                  port: int = 0, threads: int = 1, ray_cpus: int = 2, pipelines: int = 1, use_ray: bool = True,
                  start_timeout_s: float = 600.0, max_new_tokens_cap: int = 4096, quiet: bool = True,
                  draft_port: int = 0, target_port: int = 0, max_sessions: int = 8, max_context: int = 2048,
-                 metrics: bool = False, dtype: str = "auto"):
+                 metrics: bool = False, dtype: str = "auto", prompt_lookup_min_ngram: int | None = None):
         self.target, self.draft, self.preverifier = target, draft, preverifier
+        self.prompt_lookup_min_ngram = prompt_lookup_min_ngram  # the draft replica's (None: its default)
         self.dtype = dtype  # the replicas' --dtype
         self.host, self.port, self.threads = host, port, threads
         self.ray_cpus, self.pipelines, self.use_ray = ray_cpus, pipelines, use_ray
@@ -96,6 +97,8 @@ class LocalStack:
         if draft_dir:
             dport = self.draft_port or free_port()
             extra = ["--preverifier", self.preverifier] if self.preverifier else []
+            if self.prompt_lookup_min_ngram is not None:
+                extra += ["--prompt-lookup-min-ngram", str(self.prompt_lookup_min_ngram)]
             proc, logf = self._launch("draft", draft_dir, dport, extra)
             draft_ep = f"127.0.0.1:{dport}"
             waits.append((draft_ep, "specdec.v1.DraftService", proc, logf))

@@ -4,7 +4,7 @@ from __future__ import annotations
 from pydantic import Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
-from specdec.defaults import DEFAULT_DRAFT, DRAFT_METRICS_PORT, DRAFT_PORT, QUANT_MODES
+from specdec.defaults import DEFAULT_DRAFT, DRAFT_METRICS_PORT, DRAFT_PORT, PROMPT_LOOKUP_MIN_NGRAM, QUANT_MODES
 from specdec.server.settings import ServerSettings
 
 
@@ -24,8 +24,19 @@ class DraftSettings(ServerSettings):
         "pre-verifier's own, tuned on the host its card names). The best θ follows the host's draft/target cost "
         "ratio (docs/pacer.md, 'Choosing θ')")
     q_top_k: int = Field(64, ge=1, description="the draft samples from its top-k, so q is exactly sparse")
+    prompt_lookup_min_ngram: int = Field(
+        PROMPT_LOOKUP_MIN_NGRAM, ge=0, description="prompt lookup: where the context's last N tokens (N >= this) occurred before, draft "
+        "the token that followed them instead of the model's (q one-hot: lossless); 0 turns it off "
+        "(specdec/lookup.py)")
+    prompt_lookup_max_ngram: int = Field(6, ge=1, description="prompt lookup: the longest n-gram compared")
     max_batch_size: int = Field(16, ge=1, description="sessions drafting in one batched forward")
     max_queue: int = Field(256, ge=1, description="queued draft calls before RESOURCE_EXHAUSTED")
+
+    def prompt_lookup(self):
+        """The drafting's PromptLookup, or None when turned off."""
+        from specdec.lookup import prompt_lookup
+
+        return prompt_lookup(self.prompt_lookup_min_ngram, self.prompt_lookup_max_ngram)
 
     @field_validator("quant")
     @classmethod

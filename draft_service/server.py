@@ -34,8 +34,9 @@ async def build_app(settings: DraftSettings, model=None, preverifier=None, warmu
     if preverifier is not None and settings.pacer_threshold is not None:
         preverifier.threshold = float(settings.pacer_threshold)  # this host's θ for requests that set none
     worker = await runner.run(lambda: DraftWorker(
-        model, preverifier=preverifier, q_top_k=settings.q_top_k, max_sessions=settings.max_sessions + 1,
-        max_context=settings.max_context or None, session_ttl_s=settings.session_ttl_s))
+        model, preverifier=preverifier, q_top_k=settings.q_top_k, lookup=settings.prompt_lookup(),
+        max_sessions=settings.max_sessions + 1, max_context=settings.max_context or None,
+        session_ttl_s=settings.session_ttl_s))
     metrics = ServiceMetrics()
     host = SessionHost(worker, runner, settings, metrics, model_name=settings.model)
     if warmup:

@@ -64,8 +64,9 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         return token, (request.session_id, request.base_position, list(request.append_ids), request.gamma_max,
                        self._stop_rule(request.stop), request.block_size, feats)
 
-    def _count(self, tokens) -> None:
-        self.metrics.num_draft_tokens.inc(len(tokens))
+    def _count(self, blocks) -> None:
+        self.metrics.num_draft_tokens.inc(sum(len(b.tokens) for b in blocks))
+        self.metrics.num_lookup_tokens.inc(sum(b.looked_up for b in blocks))
 
     async def Draft(self, request, context) -> draft_pb2.DraftResponse:
         _, args = self._args(request)
@@ -80,7 +81,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                 entry.abandoned = True
         self.metrics.num_drafts.inc()
         tokens = [t for b in blocks for t in b.tokens]
-        self._count(tokens)
+        self._count(blocks)
         return draft_pb2.DraftResponse(token_ids=tokens, q=encode_q([d for b in blocks for d in b.q]),
                                        stop_reason=_REASONS.get(blocks[-1].stop_reason, 0),
                                        draft_ns=sum(b.draft_ns for b in blocks))
@@ -99,7 +100,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         self.metrics.num_drafts.inc()
         try:
             async for block in self.batcher.blocks(entry):
-                self._count(block.tokens)
+                self._count([block])
                 yield draft_pb2.DraftStreamResponse(
                     token_ids=block.tokens, q=encode_q(block.q), offset=offset, last=block.final,
                     stop_reason=_REASONS.get(block.stop_reason, 0), draft_ns=block.draft_ns)

@@ -17,7 +17,7 @@ import asyncio
 import json
 import sys
 
-from specdec.defaults import COORDINATOR_PORT, DEFAULT_DRAFT, DEFAULT_TARGET
+from specdec.defaults import COORDINATOR_PORT, DEFAULT_DRAFT, DEFAULT_TARGET, PROMPT_LOOKUP_MIN_NGRAM
 
 MODES = ("ar", "sd", "pacer", "pearl", "pacer_pearl")
 
@@ -45,6 +45,9 @@ def _add_models(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-sessions", type=int, default=8, help="session slots per model server (default: 8)")
     p.add_argument("--max-context", type=int, default=2048,
                    help="positions per session; KV memory is preallocated for all slots (default: 2048)")
+    p.add_argument("--prompt-lookup-min-ngram", type=int, default=PROMPT_LOOKUP_MIN_NGRAM,
+                   help="draft the token that followed the context's last N tokens where they occurred before "
+                        "(N >= this; lossless); 0: the draft model only (default: %(default)s)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -157,13 +160,15 @@ async def _generate_remote(args) -> dict:
     draft = None if args.mode == "ar" and args.draft_model == DEFAULT_DRAFT else args.draft_model
     async with LocalStack(args.target_model, draft, _default_preverifier(args), threads=args.threads,
                           ray_cpus=args.ray_cpus, max_sessions=args.max_sessions,
-                          max_context=args.max_context, dtype=args.dtype) as stack:
+                          max_context=args.max_context, dtype=args.dtype,
+                          prompt_lookup_min_ngram=args.prompt_lookup_min_ngram) as stack:
         return await _call(stack.address, args)
 
 
 def _generate_in_process(args) -> dict:
     from specdec.engine import Engine
     from specdec.hub import resolve_model
+    from specdec.lookup import prompt_lookup
     from specdec.model import load_model_dir
     from specdec.sampling import SamplingParams
     from specdec.schedule import GenerationRequest
@@ -185,8 +190,8 @@ def _generate_in_process(args) -> dict:
 
             pv = load_preverifier(pv_path, draft_model=draft)
     engine = Engine(load_model_dir(tdir, dtype=args.dtype, role="target"), draft, preverifier=pv,
-                    threads_per_model=args.threads, max_sessions=1,
-                    max_context=args.max_context)
+                    threads_per_model=args.threads, max_sessions=1, max_context=args.max_context,
+                    lookup=prompt_lookup(args.prompt_lookup_min_ngram))
     ids = encode_prompt(tok, prompt=args.prompt)
     kw = {k: getattr(args, k) for k in ("gamma", "block_size", "pacer_threshold") if getattr(args, k) is not None}
     req = GenerationRequest(prompt_ids=ids, max_new_tokens=args.max_new_tokens, mode=args.mode,
@@ -248,7 +253,8 @@ def cmd_serve(args) -> int:
         async with LocalStack(args.target_model, args.draft_model, _default_preverifier(args), host=args.host,
                               port=args.port, threads=args.threads, ray_cpus=args.ray_cpus,
                               pipelines=args.pipelines, quiet=False, max_sessions=args.max_sessions,
-                              max_context=args.max_context, dtype=args.dtype) as stack:
+                              max_context=args.max_context, dtype=args.dtype,
+                              prompt_lookup_min_ngram=args.prompt_lookup_min_ngram) as stack:
             print(f"specdec serving specdec.v1.GenerationService on {args.host}:{stack.app.port} "
                   f"(target {args.target_model}, draft {args.draft_model}); Ctrl-C stops", flush=True)
             await stop.wait()

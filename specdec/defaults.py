@@ -15,5 +15,8 @@ GENERATION_SERVICE_NAME = "specdec.v1.GenerationService"
 DEFAULT_TARGET = "default-target"
 DEFAULT_DRAFT = "default-draft"
 
+# prompt lookup beside the draft model (specdec/lookup.py): the shortest earlier n-gram match that proposes; 0: off
+PROMPT_LOOKUP_MIN_NGRAM = 3
+
 # draft weight quantization (specdec.quant): auto = int8 on a CPU serving bf16, else none
 QUANT_MODES = ("auto", "none", "int8")

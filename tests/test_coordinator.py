@@ -105,12 +105,15 @@ async def test_feature_draft_gets_the_targets_features_over_the_wire(stack):
     from specdec.engine import Engine
     from specdec.schedule import GenerationRequest
 
-    eng = Engine(stack.target, stack.feature_draft)
+    from draft_service.config import DraftSettings
+
+    served = DraftSettings().prompt_lookup()  # the replica's default
+    eng = Engine(stack.target, stack.feature_draft, lookup=served)
     for prompt, gamma in (([1, 2, 3], 3), ([7, 5, 9, 11, 2], 2)):
         local = (await eng.agenerate(GenerationRequest(prompt, N, mode="sd", gamma=gamma))).stats
         r = await stack.stubs["feature"].Generate(req(prompt, "sd", gamma=gamma))
         assert (r.stats.draft_tokens, r.stats.accepted_tokens) == (local.draft_tokens, local.accepted_tokens)
-    blind = Engine(stack.target, stack.feature_draft)
+    blind = Engine(stack.target, stack.feature_draft, lookup=served)
     blind.draft.reads_features = False  # the schedule sends nothing: the draft drafts on zeros
     s_blind = (await blind.agenerate(GenerationRequest([1, 2, 3], N, mode="sd", gamma=3))).stats
     s_seen = (await eng.agenerate(GenerationRequest([1, 2, 3], N, mode="sd", gamma=3))).stats

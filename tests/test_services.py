@@ -41,6 +41,7 @@ from target_service.server import build_app as build_target  # noqa: E402
 from tests.helpers_models import build_tiny_model  # noqa: E402
 
 VOCAB = 64
+SERVED_LOOKUP = DraftSettings().prompt_lookup()  # the draft replica's default prompt lookup
 Code = grpc.StatusCode
 
 
@@ -101,7 +102,7 @@ async def test_generation_over_grpc_equals_in_process(models, stack, mode, tempe
     target, draft = models
     base = GenerationRequest(prompt_ids=[5, 9, 2, 33, 7], max_new_tokens=24, mode=mode, gamma=4,
                              verify_method=method, params=SamplingParams(temperature=temperature, seed=7))
-    engine = Engine(target, draft, max_sessions=2)
+    engine = Engine(target, draft, max_sessions=2, lookup=SERVED_LOOKUP)  # as the draft replica drafts
     try:
         local = await engine.agenerate(dataclasses.replace(base, session_id="local"))
         ar = await engine.agenerate(dataclasses.replace(base, session_id="ar", mode="ar"))
@@ -131,7 +132,7 @@ async def test_pacer_over_grpc_equals_in_process(models):
     s = Stack(tapp, dapp)
     req = GenerationRequest(prompt_ids=[5, 9, 2, 33], max_new_tokens=20, mode="pacer", gamma=6, block_size=2,
                             params=SamplingParams(temperature=1.0, seed=11))
-    engine = Engine(target, draft, preverifier=pv, max_sessions=2)
+    engine = Engine(target, draft, preverifier=pv, max_sessions=2, lookup=SERVED_LOOKUP)
     try:
         local = await engine.agenerate(dataclasses.replace(req, session_id="local"))
         remote = await generate(dataclasses.replace(req, session_id="remote"), s.draft, s.target)
@@ -214,7 +215,7 @@ async def test_concurrent_draft_streams_share_forwards(models, stack):
     """4 sessions drafting at once go through shared (batched) draft steps and draft what each would alone."""
     from specdec.workers import DraftWorker
 
-    ref = DraftWorker(models[1], max_sessions=4)
+    ref = DraftWorker(models[1], max_sessions=4, lookup=SERVED_LOOKUP)
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11, 12], [16] * 10]
     for i, p in enumerate(prompts):
         params = SamplingParams(temperature=1.0, seed=40 + i)

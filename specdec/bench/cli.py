@@ -14,6 +14,7 @@ from pathlib import Path
 
 from specdec.bench.harness import ALL_MODES, Bench, BenchOptions, acceptance, aggregate
 from specdec.bench.report import machine_info, markdown, plot
+from specdec.defaults import PROMPT_LOOKUP_MIN_NGRAM
 
 QUICK = dict(n_per_set=2, repeats=1, gammas=(2, 4), temperatures=(0.0,), concurrency=(1, 2, 4, 8), concurrency_repeats=1)
 
@@ -41,6 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--target-model", default="default-target")
     ap.add_argument("--draft-model", default="default-draft")
     ap.add_argument("--preverifier", default=None, help="PACER pre-verifier dir (default: the shipped one)")
+    ap.add_argument("--prompt-lookup-min-ngram", type=int, default=PROMPT_LOOKUP_MIN_NGRAM,
+                    help="prompt lookup beside the draft model (specdec/lookup.py); 0: off (default: %(default)s)")
     ap.add_argument("--no-ray", action="store_true", help="coordinator pipelines in the driver (tests)")
     ap.add_argument("--json", default=None, help="write the rows (a JSON list) here")
     ap.add_argument("--markdown", default=None, help="write the tables here")
@@ -59,7 +62,8 @@ def options(args) -> BenchOptions:
         gammas=pick("gammas", (2, 3, 4, 6)), temperatures=tuple(pick("temperatures", (0.0, 1.0))),
         max_new_tokens=args.max_new_tokens, repeats=pick("repeats", 3),
         concurrency=pick("concurrency", (1, 2, 4, 8)), concurrency_repeats=pick("concurrency_repeats", 2),
-        use_ray=not args.no_ray, progress=not args.no_progress)
+        prompt_lookup_min_ngram=args.prompt_lookup_min_ngram, use_ray=not args.no_ray,
+        progress=not args.no_progress)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 import torch
 
 from specdec.bench.runners import Config, EngineRunner, HFModels, HFRunner, Sample, StackClient, StackRunner
+from specdec.defaults import PROMPT_LOOKUP_MIN_NGRAM
+from specdec.lookup import prompt_lookup
 
 ALL_MODES = ("ar", "hf", "sd", "pacer", "pearl", "pacer_pearl")
 AR_BASE = "ar (2 threads)"
@@ -37,6 +39,7 @@ class BenchOptions:
     concurrency: tuple[int, ...] = (1, 2, 4, 8)
     concurrency_mode: str = "pacer_pearl"
     concurrency_repeats: int = 2
+    prompt_lookup_min_ngram: int = PROMPT_LOOKUP_MIN_NGRAM  # in-process engines and the stack's draft replica
     use_ray: bool = True
     warmup_tokens: int = 8
     progress: bool = True
@@ -126,6 +129,7 @@ class Bench:
             key = c.threads if c.mode == "ar" else "spec"
             if key not in engines:
                 engines[key] = Engine(target, None if c.mode == "ar" else draft, preverifier=pv, max_sessions=2,
+                                      lookup=prompt_lookup(o.prompt_lookup_min_ngram),
                                       max_context=max_ctx, threads_per_model=c.threads)
             self.runners[c.name] = EngineRunner(engines[key], c, self.eos)
         self.engines = list(engines.values())
@@ -146,7 +150,8 @@ class Bench:
             self.log("starting the embedded stack (draft + target servers, 1 thread each; coordinator)")
             self.stack = LocalStack(str(self.target_dir), str(self.draft_dir), self.pv_path, threads=1,
                                     ray_cpus=2, pipelines=2, use_ray=o.use_ray,
-                                    max_sessions=max(8, max(o.concurrency or (1,))), max_context=max_ctx)
+                                    max_sessions=max(8, max(o.concurrency or (1,))), max_context=max_ctx,
+                                    prompt_lookup_min_ngram=o.prompt_lookup_min_ngram)
             self.loop.run_until_complete(self.stack.start())
             self.client = self.loop.run_until_complete(_client(self.stack.address))  # channel bound to this loop
             for c in self.configs:

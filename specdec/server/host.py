@@ -31,7 +31,8 @@ class SessionHost:
             model=model_name, vocab_size=worker.vocab_size, max_position_embeddings=worker.max_context,
             device=str(worker.model.device), dtype=str(worker.model.dtype).removeprefix("torch."),
             max_sessions=settings.max_sessions, feature_size=feature_size(worker.model),
-            weight_quant=weight_quant(worker.model))
+            weight_quant=weight_quant(worker.model),
+            prompt_lookup_min_ngram=getattr(getattr(worker, "lookup", None), "min_ngram", 0))
         self._reaper: asyncio.Task | None = None
         self.draining = False  # set when the server starts draining: per-round streams end (UNAVAILABLE)
         self._reap_every = min(30.0, max(0.05, settings.session_ttl_s / 4))

@@ -21,6 +21,8 @@ class ServiceMetrics:
         self.num_drafts = Counter("specdec_num_drafts", "Draft blocks proposed or verified", registry=r)
         self.num_draft_tokens = Counter("specdec_num_draft_tokens", "Draft tokens proposed or verified",
                                         registry=r)
+        self.num_lookup_tokens = Counter("specdec_num_lookup_tokens", "Draft tokens proposed by prompt lookup "
+                                         "(draft replicas; of specdec_num_draft_tokens)", registry=r)
         self.num_accepted_tokens = Counter("specdec_num_accepted_tokens", "Draft tokens accepted by the target",
                                            registry=r)
         self.batch_size = Histogram("specdec_batch_size", "Sessions per batched forward (target: verify; draft: step)",
