@@ -159,9 +159,8 @@ class DraftWorker(Worker):
             for f in features or []:
                 s.feats.add(f)
             redo = s.feats.first_refeed(base_position)
-            if redo < base_position:
+            if redo < base_position:  # re-fed by the call's first forward, which truncates to `redo` (advance)
                 feed = s.tokens[redo:] + feed
-                self._truncate(s, redo)
                 base_position = redo
         # skip the feature work for rules that never read it
         want = getattr(stop, "needs_features", True)
@@ -182,6 +181,11 @@ class DraftWorker(Worker):
                 live.append(i)
         if not live:
             return out
+        for i in live:
+            # a feature draft's re-feed (begin): the session keeps its tokens until this forward re-feeds them, so
+            # a call cancelled before it leaves the session holding what its caller assumes
+            if len(calls[i].s.tokens) > calls[i].pos:
+                self._truncate(calls[i].s, calls[i].pos)
         t0 = time.perf_counter_ns()
         rows = self._feed_many([(calls[i].s, calls[i].pos, calls[i].feed) for i in live],
                                compact=getattr(self.model, "vocab_subset", None) is not None)

@@ -90,6 +90,26 @@ def test_late_features_refeed_to_the_same_state():
         torch.testing.assert_close(late.kv.v[layer][sa.slot, :n], early.kv.v[layer][sb.slot, :n])
 
 
+def test_a_refeed_cancelled_before_its_forward_keeps_the_session():
+    """Features that arrive with a call make it re-feed older positions. If the call is cancelled before its first
+    forward (PEARL cuts a post-verify draft as soon as the verify returns), the session must still hold every
+    position its caller assumes: a draft truncated to the re-feed point left it short (FAILED_PRECONDITION on
+    the next call, seen under load in the coordinator's tests)."""
+    target, draft = _pair()
+    seq = PROMPT + [6, 2, 9, 4]
+    feats = _target_features(target, seq)
+    dw = DraftWorker(draft)
+    dw.start_session("a", PROMPT, SamplingParams())  # no features: the prompt is fed with guesses
+    base = len(PROMPT) - 1
+    call = dw.begin("a", base, [PROMPT[-1]], 3, features=[TargetFeatures(0, feats[:base])])
+    assert call.pos < base  # the call will re-feed
+    dw.cancel("a")
+    blocks = dw.advance([call])[0]
+    assert call.done and blocks[-1].stop_reason == "cancelled" and not blocks[-1].tokens
+    assert len(dw.sessions["a"].tokens) == base  # what the caller assumes the draft holds
+    assert dw.draft("a", base, [PROMPT[-1]], 2).tokens  # and the next call is served
+
+
 def test_bad_features_are_refused():
     _, draft = _pair()
     dw = DraftWorker(draft, max_context=64)
