@@ -49,7 +49,7 @@ def request_from_dict(d: dict) -> GenerationRequest:
     params = SamplingParams(temperature=float(d.get("temperature", 0.0)), top_k=int(d.get("top_k", 0)),
                             top_p=float(d.get("top_p", 1.0)), seed=int(d.get("seed", 0)))
     keys = ("max_new_tokens", "mode", "gamma", "block_size", "verify_method", "pacer_threshold", "pacer_skip_below",
-            "pearl_first_block", "spec_off_batch", "pacer_post_threshold")
+            "pearl_first_block", "spec_off_batch", "pacer_post_threshold", "pearl_overlap")
     kw = {k: d[k] for k in keys if d.get(k) is not None}
     req = GenerationRequest(prompt_ids=list(d["prompt_ids"]), params=params,
                             eos_token_ids=tuple(d.get("eos_token_ids", ())), **kw)

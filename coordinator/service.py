@@ -14,7 +14,7 @@ import grpc
 
 from specdec.errors import InvalidRequestError
 from specdec.pb import generation_pb2, generation_pb2_grpc
-from specdec.request import MAX_SPEC_OFF_BATCH, MODES
+from specdec.request import MAX_SPEC_OFF_BATCH, MODES, PEARL_OVERLAP
 
 FINISH = {"length": generation_pb2.FINISH_REASON_LENGTH, "stop": generation_pb2.FINISH_REASON_STOP,
           "cancelled": generation_pb2.FINISH_REASON_CANCELLED}
@@ -125,6 +125,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         if r.HasField("spec_off_batch") and not 0 <= r.spec_off_batch <= MAX_SPEC_OFF_BATCH:
             raise InvalidRequestError("spec_off_batch", f"must be in [0, {MAX_SPEC_OFF_BATCH}] (0: always speculate), "
                                                         f"got {r.spec_off_batch}")
+        if r.pearl_overlap and r.pearl_overlap not in PEARL_OVERLAP:
+            raise InvalidRequestError("pearl_overlap", f"use one of {', '.join(PEARL_OVERLAP)} (empty: auto), "
+                                                       f"got {r.pearl_overlap!r}")
         if r.HasField("gamma") and not 1 <= r.gamma <= 64:
             raise InvalidRequestError("gamma", f"must be in [1, 64], got {r.gamma}")
         if r.HasField("block_size") and r.block_size < 1:
@@ -161,7 +164,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                "spec_off_batch": r.spec_off_batch if r.HasField("spec_off_batch") else self.spec_off_batch,
                "pacer_post_threshold": (r.pacer_post_threshold if r.HasField("pacer_post_threshold")
                                         else self.pacer_post_threshold),
-               "eos_token_ids": list(self.eos)}
+               "pearl_overlap": r.pearl_overlap or None, "eos_token_ids": list(self.eos)}
         return Prepared(req, TextAssembler(self.tok, ids, list(r.stop)))
 
     # -- events → responses ---------------------------------------------------------------------------------

@@ -94,7 +94,9 @@ def stats_line(st: dict, n_tokens: int) -> str:
     busy = (st.get("draft_busy_s") or 0.0) + (st.get("target_busy_s") or 0.0)
     parts = [f"[{st.get('mode', '')}] {n_tokens} tokens in {wall:.2f}s"
              + (f" ({n_tokens / wall:.1f} tok/s)" if wall else ""),
-             f"{st.get('rounds', 0)} rounds, {st.get('target_forwards', 0)} target forwards, "
+             f"{st.get('rounds', 0)} rounds"
+             + (f" ({st['sequential_rounds']} sequential)" if st.get("sequential_rounds") else "")
+             + f", {st.get('target_forwards', 0)} target forwards, "
              f"{st.get('mean_accepted_length', 0.0):.2f} tokens/forward",
              f"busy: draft {st.get('draft_busy_s', 0.0):.2f}s + target {st.get('target_busy_s', 0.0):.2f}s"
              + (f" = {busy:.2f}s (wall {100 * wall / busy:.0f}% of it)" if busy else ""),

@@ -26,6 +26,7 @@ MAX_SPEC_OFF_BATCH = 1024  # largest spec_off_batch a request (or the coordinato
 # tie, 0.3 loses 6-17 % (docs/pacer.md, "Shadow drafting θ"). Replicas on machines of their own should set a low
 # value (COORDINATOR_PACER_POST_THRESHOLD, or per request).
 DEFAULT_POST_THRESHOLD = 0.6
+PEARL_OVERLAP = ("auto", "always")
 DEFAULT_GAMMA = {"ar": 4, "sd": 4, "pacer": 8, "pearl": 8, "pacer_pearl": 8}
 
 
@@ -46,6 +47,9 @@ class GenerationRequest:
     # the target's last forward batched at least this many sessions; speculation resumes when it batches fewer.
     # Lossless either way (an `ar` step samples from the target). None/0: always speculate
     spec_off_batch: int | None = None
+    # pearl, pacer_pearl (greedy, pearl_first_block unset): "auto" runs each round overlapped or sequentially,
+    # whichever has been faster in this request (specdec/overlap.py); "always" keeps PEARL's overlap
+    pearl_overlap: str = "auto"
     eos_token_ids: tuple[int, ...] = ()
     session_id: str = field(default_factory=lambda: uuid.uuid4().hex)
 
@@ -74,6 +78,9 @@ class GenerationRequest:
         if self.spec_off_batch is not None and not 0 <= self.spec_off_batch <= MAX_SPEC_OFF_BATCH:
             raise InvalidRequestError("spec_off_batch", f"must be in [0, {MAX_SPEC_OFF_BATCH}] (0: always speculate), "
                                       f"got {self.spec_off_batch}")
+        if self.pearl_overlap not in PEARL_OVERLAP:
+            raise InvalidRequestError("pearl_overlap", f"use one of {', '.join(PEARL_OVERLAP)}, got "
+                                      f"{self.pearl_overlap!r}")
         self.params.validate()
         return self
 
@@ -91,6 +98,7 @@ class GenerationStats:
     accepted_tokens: int = 0
     wasted_draft_tokens: int = 0  # proposed but never verified (cancelled or discarded speculation)
     target_only_rounds: int = 0  # rounds run as plain target steps because the target was busy (spec_off_batch)
+    sequential_rounds: int = 0  # PEARL modes: rounds that adaptive overlap ran sequentially (pearl_overlap auto)
     mean_accepted_length: float = 0.0  # generated tokens per target forward (counts the bonus/recovered token)
     draft_busy_s: float = 0.0
     target_busy_s: float = 0.0

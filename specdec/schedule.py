@@ -29,6 +29,7 @@ import time
 from typing import AsyncIterator, Callable, Protocol
 
 from specdec.errors import InvalidRequestError
+from specdec.overlap import OverlapChoice
 from specdec.request import GenerationRequest, GenerationResult, GenerationStats  # generate's types, re-exported
 from specdec.request import DEFAULT_POST_THRESHOLD
 from specdec.sampling import SamplingParams
@@ -244,17 +245,23 @@ async def _run_sd(run: _Run, draft: DraftBackend, target: TargetBackend) -> None
         if _target_busy(run):
             await _target_only_round(run, target)
             continue
-        base_d, append = run.draft_args()
-        gamma = min(req.gamma, req.max_new_tokens - len(run.generated))
-        blk = _drafted(await draft.draft(req.session_id, base_d, append, gamma, stop, block, run.take_features()),
-                       run)
-        run.draft_fed = base_d + len(append) + len(blk.tokens) - 1
-        base_t, feed = run.target_args()
-        out = await target.verify(req.session_id, base_t, feed, blk.tokens, blk.q, req.method)
-        run.stats.rounds += 1
-        run.on_verify(out, len(blk.tokens))
-        run.target_fed = base_t + len(feed) + out.num_accepted
-        run.commit(blk.tokens[:out.num_accepted] + [out.next_token])
+        await _sd_round(run, draft, target, req.gamma, stop, block)
+
+
+async def _sd_round(run: _Run, draft: DraftBackend, target: TargetBackend, gamma: int, stop: StopSpec,
+                    block: int) -> None:
+    """One sequential round: draft up to `gamma` tokens, then verify them (with the bonus token) and commit."""
+    req = run.req
+    base_d, append = run.draft_args()
+    gamma = min(gamma, req.max_new_tokens - len(run.generated))
+    blk = _drafted(await draft.draft(req.session_id, base_d, append, gamma, stop, block, run.take_features()), run)
+    run.draft_fed = base_d + len(append) + len(blk.tokens) - 1
+    base_t, feed = run.target_args()
+    out = await target.verify(req.session_id, base_t, feed, blk.tokens, blk.q, req.method)
+    run.stats.rounds += 1
+    run.on_verify(out, len(blk.tokens))
+    run.target_fed = base_t + len(feed) + out.num_accepted
+    run.commit(blk.tokens[:out.num_accepted] + [out.next_token])
 
 
 async def _run_pearl(run: _Run, draft: DraftBackend, target: TargetBackend) -> None:
@@ -267,10 +274,25 @@ async def _run_pearl(run: _Run, draft: DraftBackend, target: TargetBackend) -> N
     post_block = _pacer_block(req) if post_stop.kind == "pacer" else 1
     pending_block: DraftBlock | None = None  # POST: a block whose first token is already committed
     first_max, first_stop, first_bs = _first_block(req)
+    # adaptive overlap (specdec/overlap.py): greedy requests with PEARL's default PRE rounds
+    choice = OverlapChoice() if (req.pearl_overlap == "auto" and req.params.greedy
+                                 and req.pearl_first_block is None) else None
+    episode: tuple[int, float] | None = None  # an overlapped stretch's start: (tokens generated, time)
     while run.finish is None:
+        if episode is not None and pending_block is None:  # the overlapped stretch ended: score it
+            choice.record(True, len(run.generated) - episode[0], time.perf_counter() - episode[1])
+            episode = None
         if pending_block is None and _target_busy(run):
             await _target_only_round(run, target)
             continue
+        if pending_block is None and choice is not None:
+            if not choice.next_overlapped():
+                n0, t0 = len(run.generated), time.perf_counter()
+                await _sd_round(run, draft, target, first_max, first_stop, first_bs)
+                run.stats.sequential_rounds += 1
+                choice.record(False, len(run.generated) - n0, time.perf_counter() - t0)
+                continue
+            episode = (len(run.generated), time.perf_counter())
         run.stats.rounds += 1
         draft_first = first_max > 0 and (req.pearl_first_block is not None or run.last_batch <= 1)
         if pending_block is None and draft_first:  # ---------------- PRE, draft first: wait for a short block

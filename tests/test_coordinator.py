@@ -276,6 +276,7 @@ async def test_pearl_draft_and_target_really_overlap():
     (dict(prompt_token_ids=[1], mode="pearl", gamma=4, pearl_first_block=5), "pearl_first_block"),
     (dict(prompt_token_ids=[1], spec_off_batch=-1), "spec_off_batch"),
     (dict(prompt_token_ids=[1], mode="pacer_pearl", pacer_post_threshold=1.5), "pacer_post_threshold"),
+    (dict(prompt_token_ids=[1], mode="pearl", pearl_overlap="sometimes"), "pearl_overlap"),
 ])
 async def test_bad_requests_are_invalid_argument(stack, kw, field):
     with pytest.raises(grpc.aio.AioRpcError) as e:

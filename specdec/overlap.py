@@ -1,0 +1,39 @@
+"""Adaptive overlap for the PEARL modes: run a request's rounds overlapped (PEARL) or sequentially (sd/PACER),
+whichever has committed more tokens per second so far. Pure Python; no torch, no grpc.
+
+PEARL hides the draft behind the target's verify, which pays where the two compute on separate hardware. Where
+they share a host's cores and memory bandwidth, a draft decoding beside the verify slows it (+40 % per target
+step on the 2-vCPU dev host, `scripts/core_contention.py`), and the shadow drafting costs more than it hides.
+Which case holds is a property of the deployment, and it can change with load, so each greedy PEARL request
+measures it: it starts overlapped, tries a sequential round, then keeps the faster kind and re-tries the other
+every `explore_every` decisions. Both kinds are exact, so the choice changes speed, never the output; sampled
+requests keep PEARL's schedule throughout, so that a seed reproduces its output.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class OverlapChoice:
+    explore_every: int = 8  # every n-th decision takes the kind that is behind (it may have become faster)
+    tokens: list[int] = field(default_factory=lambda: [0, 0])  # [sequential, overlapped]
+    seconds: list[float] = field(default_factory=lambda: [0.0, 0.0])
+    decisions: int = 0
+
+    def rate(self, overlapped: bool) -> float:
+        return self.tokens[overlapped] / self.seconds[overlapped] if self.seconds[overlapped] > 0 else 0.0
+
+    def next_overlapped(self) -> bool:
+        """Whether the next round (at a point where no block is pending) runs overlapped."""
+        self.decisions += 1
+        if self.seconds[True] == 0:
+            return True  # the mode's own schedule first
+        if self.seconds[False] == 0:
+            return False
+        best = self.rate(True) >= self.rate(False)
+        return (not best) if self.decisions % self.explore_every == 0 else best
+
+    def record(self, overlapped: bool, tokens: int, seconds: float) -> None:
+        self.tokens[overlapped] += tokens
+        self.seconds[overlapped] += seconds

@@ -1,0 +1,70 @@
+"""Adaptive overlap (specdec/overlap.py): the choice itself, and PEARL rounds mixed with sequential ones."""
+import pytest
+
+import specdec.schedule
+from specdec.engine import Engine
+from specdec.errors import InvalidRequestError
+from specdec.overlap import OverlapChoice
+from specdec.preverifier import build_random_preverifier
+from specdec.request import GenerationRequest
+from specdec.sampling import SamplingParams
+from tests.helpers_models import build_tiny_model
+
+PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
+
+
+def test_choice_tries_both_then_keeps_the_faster_and_reexplores():
+    c = OverlapChoice(explore_every=4)
+    assert c.next_overlapped() is True  # the mode's own schedule first
+    c.record(True, 10, 1.0)  # 10 tok/s overlapped
+    assert c.next_overlapped() is False  # then a sequential round
+    c.record(False, 3, 0.1)  # 30 tok/s sequential
+    picks = [c.next_overlapped() for _ in range(8)]  # decisions 3..10: the 4th and 8th explore
+    assert picks == [False, True, False, False, False, True, False, False]
+    c.record(True, 100, 1.0)  # overlap turned faster (100 tok/s over 2 s in all: 55 tok/s)
+    assert c.next_overlapped() is True
+
+
+class Alternating(OverlapChoice):
+    """Deterministic for tests: overlapped and sequential stretches take turns."""
+
+    def next_overlapped(self) -> bool:
+        self.decisions += 1
+        return self.decisions % 2 == 1
+
+
+@pytest.fixture
+def pair():
+    target = build_tiny_model(vocab_size=32, seed=1, logit_scale=2.0)
+    draft = build_tiny_model(vocab_size=32, seed=2, logit_scale=2.0)
+    pv = build_random_preverifier(hidden_size=draft.config.hidden_size, seed=3, block_size=1)
+    return target, draft, pv
+
+
+@pytest.mark.parametrize("mode", ["pearl", "pacer_pearl"])
+@pytest.mark.parametrize("gamma", [2, 5])
+def test_mixed_rounds_keep_the_greedy_output(pair, monkeypatch, mode, gamma):
+    target, draft, pv = pair
+    monkeypatch.setattr(specdec.schedule, "OverlapChoice", Alternating)
+    eng = Engine(target, draft, preverifier=pv)
+    ref = eng.generate(GenerationRequest(PROMPT, 40, mode="ar")).token_ids
+    out = eng.generate(GenerationRequest(PROMPT, 40, mode=mode, gamma=gamma))
+    assert out.token_ids == ref
+    assert 0 < out.stats.sequential_rounds < out.stats.rounds  # both kinds ran
+    eng.close()
+
+
+def test_who_adapts(pair):
+    target, draft, pv = pair
+    eng = Engine(target, draft, preverifier=pv)
+    cases = [(dict(), True),  # greedy, defaults: adapts
+             (dict(pearl_overlap="always"), False),
+             (dict(pearl_first_block=2), False),  # a fixed PRE round is a request for PEARL's schedule
+             (dict(params=SamplingParams(temperature=1.0, seed=4)), False)]  # a seed must reproduce its output
+    for kw, adapts in cases:
+        st = eng.generate(GenerationRequest(PROMPT, 48, mode="pearl", gamma=4, **kw)).stats
+        # adapting tries a sequential round after the first overlapped stretch
+        assert (st.sequential_rounds > 0) == adapts, kw
+    with pytest.raises(InvalidRequestError, match="pearl_overlap"):
+        GenerationRequest(PROMPT, 8, mode="pearl", pearl_overlap="sometimes").validate()
+    eng.close()
