@@ -21,6 +21,9 @@ PEARL (ALGORITHMS.md §3.2), adapted to services:
   from its last token, assuming everything is accepted (post-verify). All accepted → the next block's first token
   is checked in the next round against the target's stored row (PEARL uses the "bonus" slot this way). A
   rejection → the speculative block is cancelled and discarded, both sides roll back, back to PRE.
+- Adaptive overlap (`pearl_overlap` = "auto", greedy requests with the default PRE rounds): where no block is
+  pending, the next round may instead be one sequential sd/PACER round, whichever kind has committed more
+  tokens per second in this request (`specdec/overlap.py`); overlap loses where draft and target share cores.
 """
 from __future__ import annotations
 
