@@ -15,17 +15,10 @@ import json
 import statistics
 from pathlib import Path
 
-import torch
-
-from specdec.engine import Engine
-from specdec.hub import resolve_model
+from ab_pair import default_pair_engine  # scripts/ab_pair.py
 from specdec.lookup import PromptLookup
-from specdec.model import load_model_dir
-from specdec.bench.prompts import load_prompt_sets
-from specdec.preverifier import load_preverifier
 from specdec.sampling import SamplingParams
 from specdec.schedule import GenerationRequest
-from specdec.tokenizer import eos_token_ids, load_tokenizer
 
 MODES = [("ar", 4), ("sd", 2), ("sd", 3), ("sd", 4), ("sd", 6), ("pacer", 8), ("pearl", 8), ("pacer_pearl", 8)]
 
@@ -44,18 +37,7 @@ def main() -> None:
     modes = [(m.split(":")[0], int(m.split(":")[1])) for m in args.modes] if args.modes else MODES
     if ("ar", 4) not in modes:
         modes = [("ar", 4)] + modes
-    torch.set_num_threads(1)
-    tdir, ddir = Path(resolve_model("default-target")), Path(resolve_model("default-draft"))
-    target = load_model_dir(tdir, dtype="auto", role="target")
-    draft = load_model_dir(ddir, dtype="auto", role="draft", quant="auto")
-    pv = load_preverifier(None, draft_model=draft, strict=False)
-    tok = load_tokenizer(tdir)
-    eos = tuple(eos_token_ids(tok))
-    # the benchmark's own prompts (specdec.bench): HumanEval raw, the chat set chat-templated
-    prompts = [p.ids for name, n in (("humaneval", args.humaneval), ("chat", args.chat)) if n
-               for p in load_prompt_sets(tok, [name], n)]
-    engine = Engine(target, draft, preverifier=pv, max_sessions=2,
-                    max_context=max(map(len, prompts)) + args.max_new_tokens + 16, threads_per_model=1)
+    engine, prompts, eos = default_pair_engine(args.humaneval, args.chat, args.max_new_tokens)
     lookup = PromptLookup(args.min_ngram, args.max_ngram)
 
     def run(mode: str, gamma: int, ids: list[int], n: int):

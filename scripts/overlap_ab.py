@@ -11,18 +11,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
-from pathlib import Path
 
-import torch
-
-from specdec.bench.prompts import load_prompt_sets
-from specdec.engine import Engine
-from specdec.hub import resolve_model
+from ab_pair import default_pair_engine  # scripts/ab_pair.py
 from specdec.lookup import PromptLookup
-from specdec.model import load_model_dir
-from specdec.preverifier import load_preverifier
 from specdec.schedule import GenerationRequest
-from specdec.tokenizer import eos_token_ids, load_tokenizer
 
 CONFIGS = [("ar", {}), ("sd", {"gamma": 2}), ("pacer", {}),
            ("pearl", {"pearl_overlap": "always"}), ("pearl", {"pearl_overlap": "auto"}),
@@ -39,17 +31,7 @@ def main() -> None:
     ap.add_argument("--chat", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     args = ap.parse_args()
-    torch.set_num_threads(1)
-    tdir, ddir = Path(resolve_model("default-target")), Path(resolve_model("default-draft"))
-    target = load_model_dir(tdir, dtype="auto", role="target")
-    draft = load_model_dir(ddir, dtype="auto", role="draft", quant="auto")
-    pv = load_preverifier(None, draft_model=draft, strict=False)
-    tok = load_tokenizer(tdir)
-    eos = tuple(eos_token_ids(tok))
-    prompts = [p.ids for n, k in (("humaneval", args.humaneval), ("chat", args.chat)) if k
-               for p in load_prompt_sets(tok, [n], k)]
-    engine = Engine(target, draft, preverifier=pv, max_sessions=2, threads_per_model=1, lookup=PromptLookup(),
-                    max_context=max(map(len, prompts)) + args.max_new_tokens + 16)
+    engine, prompts, eos = default_pair_engine(args.humaneval, args.chat, args.max_new_tokens, PromptLookup())
     res: dict[str, list] = {}
     for mode, kw in CONFIGS:  # warm-up
         engine.generate(GenerationRequest(prompt_ids=prompts[0][:20], max_new_tokens=8, mode=mode, **kw))

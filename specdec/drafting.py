@@ -277,7 +277,8 @@ class DraftWorker(Worker):
         if all(c.looked[c.block_start:]):
             # a block prompt lookup proposed: the pre-verifier scores the draft model's own proposals, and it reads
             # a looked-up token the draft disagrees with as a likely rejection, where such tokens are accepted far
-            # more often. Their predicted acceptance is lookup's measured precision (PromptLookup.accept_prob)
+            # more often. Their predicted acceptance is lookup's measured precision (PromptLookup.accept_prob).
+            # should_stop above still ran: a round scorer keeps per-token state that the next block reads
             score = self.lookup.accept_prob ** (n - c.block_start)
             stop_now = score < getattr(c.stop, "threshold", 0.0)
         if skip_below and score is not None and score < skip_below:

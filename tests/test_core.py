@@ -113,6 +113,18 @@ def test_batched_verify_equals_separate(tiny_pair):
         assert results[0] == results[1]
 
 
+def draft_all(dw: DraftWorker, args: list[tuple], batched: bool) -> list[list]:
+    """Each call's blocks: drafted together in shared forwards (`begin` / `advance`), or one call at a time."""
+    if not batched:
+        return [list(dw.draft_blocks(*a)) for a in args]
+    calls = [dw.begin(*a) for a in args]
+    blocks = [[] for _ in calls]
+    while not all(c.done for c in calls):
+        for i, bs in enumerate(dw.advance(calls)):
+            blocks[i].extend(bs)
+    return blocks
+
+
 def test_batched_drafting_equals_separate(tiny_pair):
     """Sessions drafting in shared forwards (different appends, lengths, block sizes, joining and leaving at
     different steps) draft what each would alone, and leave the same KV state behind."""
@@ -128,14 +140,7 @@ def test_batched_drafting_equals_separate(tiny_pair):
             for rnd in range(2):  # the second round truncates the first one's drafts, feeds 1-4 tokens (padding)
                 args = [(f"s{i}", len(pr) - 1, [pr[-1]] + [7, 8, 9][:rnd * i], g, None, b)
                         for i, (pr, (g, b)) in enumerate(zip(prompts, plan))]
-                if batched:
-                    calls = [dw.begin(*a) for a in args]
-                    blocks = [[] for _ in calls]
-                    while not all(c.done for c in calls):
-                        for i, bs in enumerate(dw.advance(calls)):
-                            blocks[i].extend(bs)
-                else:
-                    blocks = [list(dw.draft_blocks(*a)) for a in args]
+                blocks = draft_all(dw, args, batched)
                 runs.append([[(b.tokens, b.final, b.stop_reason, [d.ids.tolist() for d in b.q]) for b in bs]
                              for bs in blocks] + [dw.sessions[f"s{i}"].tokens for i in range(4)])
         assert runs[0] == runs[2] and runs[1] == runs[3], temp

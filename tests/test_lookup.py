@@ -134,6 +134,7 @@ def test_batched_drafting_with_lookup_equals_separate():
     """Sessions drafting in shared forwards draft what each would alone with lookup too: each session looks up in
     its own context, and its KV state after the calls is the same."""
     from specdec.workers import DraftWorker
+    from tests.test_core import draft_all
 
     draft = build_tiny_model(vocab_size=32, seed=2, logit_scale=2.0)
     prompts = [REPEATS, [1, 2, 3], REPEATS[:12] + [9, 2], [7, 7, 7, 7, 7]]
@@ -144,14 +145,7 @@ def test_batched_drafting_with_lookup_equals_separate():
         for i, pr in enumerate(prompts):
             dw.start_session(f"s{i}", pr, SamplingParams())
         args = [(f"s{i}", len(pr) - 1, [pr[-1]], g, None, b) for i, (pr, (g, b)) in enumerate(zip(prompts, plan))]
-        if batched:
-            calls = [dw.begin(*a) for a in args]
-            blocks = [[] for _ in calls]
-            while not all(c.done for c in calls):
-                for i, bs in enumerate(dw.advance(calls)):
-                    blocks[i].extend(bs)
-        else:
-            blocks = [list(dw.draft_blocks(*a)) for a in args]
+        blocks = draft_all(dw, args, batched)
         runs.append(([[(b.tokens, b.final, b.looked_up) for b in bs] for bs in blocks],
                      [dw.sessions[f"s{i}"].tokens for i in range(4)], dw.looked_up_tokens))
     assert runs[0] == runs[1]
