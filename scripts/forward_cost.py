@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from specdec.linear import Linear, set_plan
+from specdec.linear import Linear, padding, set_plan
 from specdec.model import load_model
 
 PLANS = {"gemm": ("gemm",) * 4, "gemv": ("gemv", "gemm", "gemm", "gemm"),
@@ -30,25 +30,25 @@ def main(argv=None) -> None:
     ap.add_argument("--context", type=int, default=300, help="KV positions already cached")
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--kernels", nargs="+", default=["tuned"], choices=list(PLANS) + ["tuned"],
+    ap.add_argument("--kernels", nargs="+", default=["tuned"], choices=list(PLANS) + ["tuned", "tuned-unpadded"],
                     help="bf16 linears (specdec/linear.py): gemm = F.linear always; gemv = torch.mv for one row, "
                          "F.linear for more; gemv+packed = gemv, prepacked oneDNN weights for more rows (the "
-                         "untuned default); packed = prepacked for every row count; tuned = measured on this host")
+                         "untuned default); packed = prepacked for every row count; tuned = measured on this host, "
+                         "with its row padding; tuned-unpadded = the same kernels without row padding")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     models = {dt: load_model(args.model, dtype=dt) for dt in args.dtypes}
-    tuned = {dt: {m: m.plan for m in models[dt].modules() if isinstance(m, Linear)} for dt in args.dtypes}
+    tuned = {dt: {m: (m.plan, m.pad_to) for m in models[dt].modules() if isinstance(m, Linear)} for dt in args.dtypes}
     kvs = {dt: m.new_kv_slots(1, args.context + max(args.rows) + 1) for dt, m in models.items()}
     slots = torch.tensor([0])
     variants = [(dt, k) for dt in args.dtypes for k in (args.kernels if dt == "bfloat16" else ["gemm"])]
 
     def once(variant: tuple[str, str], n: int) -> float:
         dt, kernel = variant
-        if kernel != "tuned":
+        for m, (plan, pad) in tuned[dt].items():
+            m.plan, m.pad_to = plan, pad if kernel == "tuned" else None
+        if kernel in PLANS:
             set_plan(models[dt], PLANS[kernel])
-        else:
-            for m, plan in tuned[dt].items():
-                m.plan = plan
         toks = torch.randint(0, 1000, (1, n))
         pos = torch.arange(args.context, args.context + n)[None]
         t = time.perf_counter()
@@ -67,7 +67,8 @@ def main(argv=None) -> None:
                 times[(v, n)].append(once(v, n))
     for dt, plans in tuned.items():
         if dt == "bfloat16":
-            print(f"tuned plans (kernel for 1 / 4 / 8 / more rows): {sorted({p for p in plans.values() if p})}\n")
+            print(f"tuned plans (kernel for 1 / 4 / 8 / more rows): {sorted({p for p, _ in plans.values() if p})}")
+            print(f"tuned row padding ((out, in) features: rows 1..8 run as): {padding(models[dt])}\n")
     print(f"model {args.model}, {args.threads} thread(s), context {args.context}, median (min) of {args.repeats} "
           f"(ms)\n")
     print("| dtype | kernels | " + " | ".join(f"{n} row{'s' if n > 1 else ''}" for n in args.rows)

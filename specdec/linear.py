@@ -12,9 +12,20 @@ one-row bf16 weight fastest, on another the prepacked oneDNN kernel does. The ca
 
 `tune_linears(model)` times the candidates per distinct layer shape for 1, 4 and 8 rows, interleaved, and keeps the
 fastest: a *plan*, one kernel per row class. Calls with more than 8 rows take `packed` where it exists, else
-`gemm`. Every kernel computes the same function up to float summation order, and a plan is fixed once tuned, so a
-model's outputs do not change while it serves. `SPECDEC_KERNEL_TUNE=0` skips the measurement and keeps each class's
-DEFAULT_PLAN (outputs then also repeat across processes). Measure the kernels with `scripts/forward_cost.py`.
+`gemm`.
+
+It then tunes *row padding*: oneDNN's kernels are not monotone in the row count. With weights streaming from memory
+(a forward over all layers), one or two rows can cost more than four (default target, AMD host, 1 thread: the
+gate/up projection 258 / 292 µs at 1 / 2 rows, 215 at 4; the head 4.0 / 4.4 ms against 3.2). So each group of
+same-shaped layers is timed at 1..PAD_MAX_ROWS rows, one pass over the whole group per repeat (as a forward streams
+them), and a call of r rows runs as the cheapest p ≥ r rows, zero rows appended and their outputs dropped, where that
+is at least PAD_MARGIN faster (`Linear.pad_to`). A zero row changes no other row's result beyond the kernel's own
+summation order.
+
+Every kernel computes the same function up to float summation order, and a plan (and padding) is fixed once tuned,
+so a model's outputs do not change while it serves. `SPECDEC_KERNEL_TUNE=0` skips the measurement and keeps each
+class's DEFAULT_PLAN, unpadded (outputs then also repeat across processes). Measure the kernels with
+`scripts/forward_cost.py`.
 """
 from __future__ import annotations
 
@@ -28,6 +39,9 @@ from torch import nn
 
 ROW_CLASSES = (1, 4, 8)  # the row counts a plan is tuned at: a call with r rows uses the first class >= r
 _TUNED: dict[tuple, tuple[str, ...]] = {}  # (class, shape, bias, threads) → plan, shared by same-shaped layers
+PAD_MAX_ROWS = 8  # calls of up to this many rows may run padded (Linear.pad_to)
+PAD_MARGIN = 0.05  # a padded row count is taken only where it measured at least this much faster
+_PADS: dict[tuple, tuple[int, ...]] = {}  # (class, shape, bias, threads, plan, layers) → pad_to
 
 
 def row_class(rows: int) -> int:
@@ -46,6 +60,7 @@ def tuning_enabled() -> bool:
 class Linear(nn.Linear):
     DEFAULT_PLAN: tuple[str, ...] = ("gemv", "packed", "packed", "packed")  # until tuned (or with tuning off)
     plan: tuple[str, ...] | None = None  # kernel per row class (see row_class); None: DEFAULT_PLAN
+    pad_to: tuple[int, ...] | None = None  # a call of r <= len(pad_to) rows runs as pad_to[r - 1] rows; None: r
     _packed: tuple[int, int, torch.Tensor] | None = None  # (weight data_ptr, weight version, packed weight)
 
     def prepack(self, rows_hint: int = 4) -> bool:
@@ -81,12 +96,18 @@ class Linear(nn.Linear):
                 return torch.ops.mkldnn._linear_pointwise(x2, pw, self.bias, "none", [], "")
         return F.linear(x2, self.weight, self.bias)
 
+    def kernel_for(self, rows: int) -> str:
+        return (self.plan or self.DEFAULT_PLAN)[row_class(rows)]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype is torch.bfloat16 and x.device.type == "cpu":
             rows = x.numel() // self.in_features
-            kernel = (self.plan or self.DEFAULT_PLAN)[row_class(rows)]
-            y = self.run_kernel(kernel, x.reshape(rows, self.in_features))
-            return y.view(*x.shape[:-1], self.out_features)
+            x2 = x.reshape(rows, self.in_features)
+            run = self.pad_to[rows - 1] if self.pad_to is not None and rows <= len(self.pad_to) else rows
+            if run > rows:  # zero rows appended: a row count this host's kernel runs faster (tune_padding)
+                x2 = torch.cat((x2, x2.new_zeros(run - rows, self.in_features)))
+            y = self.run_kernel(self.kernel_for(run), x2)
+            return (y[:rows] if run > rows else y).view(*x.shape[:-1], self.out_features)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -129,19 +150,75 @@ def tune_plan(layer: Linear) -> tuple[str, ...]:
     return _TUNED[key]
 
 
+def _time_rows(layers: list[Linear], budget_s: float = 0.6) -> list[dict[int, float]]:
+    """Seconds of one pass over `layers`, each on its plan's kernel, per row count 1..PAD_MAX_ROWS, one dict per
+    repeat. A pass reads every layer's own weight once, so the weights stream from memory as they do in a forward;
+    the row counts are interleaved within each repeat, so that drift between repeats cancels in their ratios."""
+    first = layers[0]
+    xs = {r: torch.randn(r, first.in_features).to(first.weight.dtype) for r in range(1, PAD_MAX_ROWS + 1)}
+
+    def one_pass(r: int) -> float:
+        t = time.perf_counter()
+        for m in layers:
+            m.run_kernel(m.kernel_for(r), xs[r])
+        return time.perf_counter() - t
+
+    with torch.inference_mode():
+        per_round = sum(one_pass(r) for r in xs)  # warm-up, and a cost estimate for the repeat count
+        reps = max(5, min(15, int(budget_s / max(per_round, 1e-6))))
+        return [{r: one_pass(r) for r in xs} for _ in range(reps)]
+
+
+def tune_padding(layers: list[Linear]) -> tuple[int, ...]:
+    """`pad_to` for a group of same-shaped layers with the same plan: per row count r, the row count p >= r with
+    the smallest median paired ratio t(p) / t(r), where that ratio is below 1 - PAD_MARGIN; else r (cached per
+    shape, plan, threads and group size)."""
+    m = layers[0]
+    key = (type(m).__name__, m.out_features, m.in_features, m.bias is not None, torch.get_num_threads(),
+           m.plan, len(layers))
+    if key not in _PADS:
+        reps = _time_rows(layers)
+        pad = []
+        for r in range(1, PAD_MAX_ROWS + 1):
+            ratio = {p: statistics.median(t[p] / t[r] for t in reps) for p in range(r, PAD_MAX_ROWS + 1)}
+            p = min(ratio, key=ratio.get)
+            pad.append(p if ratio[p] < 1.0 - PAD_MARGIN else r)
+        _PADS[key] = tuple(pad)
+    return _PADS[key]
+
+
 def tune_linears(model: nn.Module) -> dict[str, int]:
-    """Give every bf16 CPU `Linear` of `model` its measured plan (call where the model will run: the plan is per
-    thread count). → how many layers took each plan, e.g. {"packed/packed/packed/packed": 211}. No-op when tuning
-    is off (SPECDEC_KERNEL_TUNE=0), on other dtypes and devices."""
+    """Give every bf16 CPU `Linear` of `model` its measured plan and row padding (call where the model will run:
+    both are per thread count). → how many layers took each plan, e.g. {"packed/packed/packed/packed": 211}. No-op
+    when tuning is off (SPECDEC_KERNEL_TUNE=0), on other dtypes and devices."""
     counts: dict[str, int] = {}
     if not tuning_enabled():
         return counts
+    groups: dict[tuple, list[Linear]] = {}
     for m in model.modules():
         if isinstance(m, Linear) and m.weight.dtype is torch.bfloat16 and m.weight.device.type == "cpu":
             m.plan = tune_plan(m)
             name = "/".join(m.plan)
             counts[name] = counts.get(name, 0) + 1
+            groups.setdefault((type(m), m.out_features, m.in_features, m.bias is not None, m.plan), []).append(m)
+    for layers in groups.values():
+        pad = tune_padding(layers)
+        for m in layers:
+            m.pad_to = pad if any(p > r for r, p in enumerate(pad, 1)) else None
     return counts
+
+
+def padding(model: nn.Module) -> dict[tuple[int, int], tuple[int, ...]]:
+    """{(out_features, in_features): pad_to} of the padded bf16 `Linear`s of `model` (what tuning chose)."""
+    return {(m.out_features, m.in_features): m.pad_to for m in model.modules()
+            if isinstance(m, Linear) and m.pad_to is not None}
+
+
+def set_padding(model: nn.Module, pad_to: tuple[int, ...] | None) -> None:
+    """Fix every `Linear`'s row padding (None: unpadded); A/B measurements and tests."""
+    for m in model.modules():
+        if isinstance(m, Linear):
+            m.pad_to = pad_to
 
 
 def set_plan(model: nn.Module, plan: tuple[str, ...] | None) -> None:

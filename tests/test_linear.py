@@ -2,7 +2,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specdec.linear import Linear, prepack_linears, set_plan, tune_linears
+from specdec.linear import PAD_MAX_ROWS, Linear, prepack_linears, set_padding, set_plan, tune_linears
 from specdec.attention import attention
 from tests.helpers_models import build_tiny_model
 
@@ -35,6 +35,40 @@ def test_model_logits_do_not_depend_on_the_kernel_plan(plan):
     assert torch.equal(out.argmax(-1), ref.argmax(-1))
 
 
+@pytest.mark.parametrize("pad_to", [(4, 4, 4, 4, 5, 6, 7, 8), (8,) * 8, (2, 5, 3, 6, 5, 8, 7, 8)])
+def test_padded_calls_compute_the_unpadded_rows(pad_to):
+    """Row padding appends zero rows and drops their outputs: every shape keeps its real rows' values."""
+    torch.manual_seed(3)
+    lin = Linear(64, 48, bias=True).to(torch.bfloat16)
+    lin.prepack()
+    for shape in [(1, 1, 64), (64,), (2, 64), (1, 3, 64), (7, 64), (1, 8, 64), (12, 64)]:
+        x = torch.randn(shape).to(torch.bfloat16)
+        lin.pad_to = None
+        ref = lin(x)
+        lin.pad_to = pad_to
+        y = lin(x)
+        assert y.shape == ref.shape == (*shape[:-1], 48) and y.is_contiguous()
+        torch.testing.assert_close(y.float(), ref.float(), rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(y.float(), F.linear(x.float(), lin.weight.float(), lin.bias.float()),
+                                   rtol=2e-2, atol=2e-2)
+
+
+def test_model_logits_do_not_depend_on_row_padding():
+    m = build_tiny_model(vocab_size=32, seed=4).to(torch.bfloat16)
+    prepack_linears(m)
+    slots = torch.tensor([0])
+    outs = []
+    for pad in (None, (4, 4, 4, 4, 5, 6, 7, 8)):
+        set_padding(m, pad)
+        kv = m.new_kv_slots(1, 16)
+        m(torch.tensor([[1, 2, 3]]), torch.arange(3)[None], slots, kv)
+        outs.append((m(torch.tensor([[4, 5]]), torch.tensor([[3, 4]]), slots, kv)[0],
+                     m(torch.tensor([[6]]), torch.tensor([[5]]), slots, kv)[0]))
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
+        assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+
 def test_every_kernel_computes_the_linear():
     torch.manual_seed(2)
     lin = Linear(64, 48, bias=True).to(torch.bfloat16)
@@ -62,9 +96,13 @@ def test_tuning_gives_every_bf16_linear_a_plan_of_runnable_kernels(monkeypatch):
         for cls, rows in enumerate((1, 4, 8, 9)):
             assert x.plan[cls] in x.kernels(rows)
         assert isinstance(x, Int8Linear) or "int8" not in x.plan
+        # row padding: a call of r rows runs as p >= r rows, never more than PAD_MAX_ROWS
+        assert x.pad_to is None or (len(x.pad_to) == PAD_MAX_ROWS
+                                    and all(r <= p <= PAD_MAX_ROWS for r, p in enumerate(x.pad_to, 1)))
     monkeypatch.setenv("SPECDEC_KERNEL_TUNE", "0")  # off: no measurement, plans untouched
     set_plan(m, None)
-    assert tune_linears(m) == {} and all(x.plan is None for x in layers)
+    set_padding(m, None)
+    assert tune_linears(m) == {} and all(x.plan is None and x.pad_to is None for x in layers)
     assert tune_linears(build_tiny_model(vocab_size=32, seed=3)) == {}  # fp32: nothing to tune either way
 
 
