@@ -92,6 +92,8 @@ class DraftCall:
     logq: list[float] = field(default_factory=list)
     ent: list[float] = field(default_factory=list)
     margin: list[float] = field(default_factory=list)
+    deferred: int = 0  # the last `deferred` drafted tokens were looked up without a forward: features pending
+    looked_ahead: bool = False  # lookup already found nothing for the next position (no need to ask again)
     block_start: int = 0
     block_ns: int = 0
     done: bool = False
@@ -113,6 +115,9 @@ class DraftWorker(Worker):
         # followed it, with q one-hot; None: every token from the draft model
         self.lookup = lookup
         self.looked_up_tokens = 0  # drafted tokens that prompt lookup proposed, since start (metrics, tests)
+        # look up before the forward, and draft a looked-up token without one (`_lookup`); False: after every
+        # forward, as feature drafts do (the same tokens; A/B runs and tests)
+        self.lookup_without_forward = True
 
     # ---- feature drafts (EAGLE-style): inputs are the target's features where known, zeros else (FeatureState) ----
     @property
@@ -153,8 +158,12 @@ class DraftWorker(Worker):
         stop = stop or FixedLength()
         # 0: the stop rule's own block size (a pre-verifier's trained B), else one block of gamma_max
         block_size = block_size if block_size > 0 else (getattr(stop, "block_size", 0) or gamma_max)
-        self._truncate(s, base_position)
+        self._truncate(s, base_position)  # inside the session's unfed tokens (lookup): keeps those before it
         feed = list(append)
+        if s.pending:  # known but unfed positions up to base_position: the first forward feeds them too
+            feed, base_position = s.pending + feed, len(s.tokens)
+        if hasattr(stop, "reset"):
+            stop.reset()  # a new round: a stop rule's per-round state starts over
         if s.feats is not None:
             for f in features or []:
                 s.feats.add(f)
@@ -181,20 +190,37 @@ class DraftWorker(Worker):
                 live.append(i)
         if not live:
             return out
+        fwd = []
         for i in live:
+            c = calls[i]
             # a feature draft's re-feed (begin): the session keeps its tokens until this forward re-feeds them, so
             # a call cancelled before it leaves the session holding what its caller assumes
-            if len(calls[i].s.tokens) > calls[i].pos:
-                self._truncate(calls[i].s, calls[i].pos)
+            if len(c.s.tokens) > c.pos:
+                self._truncate(c.s, c.pos)
+            t1 = time.perf_counter_ns()
+            looked = self._lookup(c)
+            if looked is None:
+                fwd.append(i)
+                continue
+            block = self._draft_token(c, None, None, looked)  # a looked-up token needs no forward
+            c.block_ns += time.perf_counter_ns() - t1
+            if block is not None:
+                block.draft_ns, c.block_ns = c.block_ns, 0
+                out[i].append(block)
+        if not fwd:
+            return out
         t0 = time.perf_counter_ns()
-        rows = self._feed_many([(calls[i].s, calls[i].pos, calls[i].feed) for i in live],
+        rows = self._feed_many([(calls[i].s, calls[i].pos, calls[i].feed) for i in fwd],
                                compact=getattr(self.model, "vocab_subset", None) is not None)
         fwd_ns = time.perf_counter_ns() - t0
-        for i, (logits, hidden) in zip(live, rows):
+        for i, (logits, hidden) in zip(fwd, rows):
             t1 = time.perf_counter_ns()
             c = calls[i]
+            c.s.pending.clear()  # fed by this forward, if the feed carried them
             c.pos += len(c.feed)
-            block = self._draft_token(c, logits[-1], hidden[-1])
+            if c.deferred:
+                self._fill_deferred(c, logits, hidden)
+            block = self._draft_token(c, logits[-1], hidden[-1], None)
             c.block_ns += fwd_ns + time.perf_counter_ns() - t1  # each call is charged the shared forward
             if block is not None:
                 block.draft_ns, c.block_ns = c.block_ns, 0
@@ -221,19 +247,59 @@ class DraftWorker(Worker):
 
     def _close(self, c: DraftCall, reason: str, score: float | None) -> DraftBlock:
         c.done = True
+        if c.pos == len(c.s.tokens) and c.s.feats is None:
+            # the caller holds every token of the call but the last as fed: those not fed yet stay pending
+            c.s.pending = c.feed[:-1]
         return DraftBlock(c.toks[c.block_start:], c.qs[c.block_start:], reason, c.block_ns, final=True, score=score,
                           looked_up=sum(c.looked[c.block_start:]))
 
-    def _draft_token(self, c: DraftCall, row: torch.Tensor, row_hidden: torch.Tensor) -> DraftBlock | None:
-        """Draft the token at c.pos from its logits row; → the block it completes, if any."""
+    def _lookup_applies(self, s: Session) -> bool:
+        return self.lookup is not None and (s.params.greedy or not self.lookup.greedy_only)
+
+    def _lookup(self, c: DraftCall) -> tuple[int, int] | None:
+        """Prompt lookup's proposal for the call's next position, taken *before* any forward: a looked-up token
+        needs no draft logits, so its position is fed with the next forward (a run of k looked-up tokens costs one
+        multi-row forward, not k). Not for feature drafts, which re-feed positions as target features arrive
+        (they look up after the forward, `_draft_token`)."""
+        s = c.s
+        if not self.lookup_without_forward or s.feats is not None or not self._lookup_applies(s):
+            return None
+        if c.want_features and not all(c.looked[c.block_start:]):
+            return None  # a block mixing model and looked-up tokens is scored at once: its features are needed now
+        c.looked_ahead = True
+        return self.lookup.propose(s.tokens + c.feed)
+
+    def _fill_deferred(self, c: DraftCall, logits: torch.Tensor, hidden: torch.Tensor) -> None:
+        """The pre-verifier features of the looked-up tokens drafted without a forward, from the forward that fed
+        them: the feed ends with those tokens, and row r of the forward predicts feed[r + 1]."""
+        m, d = len(c.feed), c.deferred
+        subset = getattr(self.model, "vocab_subset", None)
+        for j in range(d):
+            r, t = m - d + j - 1, len(c.toks) - d + j
+            if c.want_features:
+                if c.want_hidden:
+                    c.hids[t] = hidden[r].float()
+                c.logq[t], c.ent[t] = self._confidence(logits[r], self._row_index(c.toks[t], subset))
+                if c.want_margin:
+                    top = logits[r].topk(2).values.float()
+                    c.margin[t] = min(float(top[0] - top[1]), 30.0)
+        c.deferred = 0
+
+    def _draft_token(self, c: DraftCall, row: torch.Tensor | None, row_hidden: torch.Tensor | None,
+                     looked: tuple[int, int] | None) -> DraftBlock | None:
+        """Draft the token at the call's next position; → the block it completes, if any. `looked`: prompt
+        lookup's proposal, drafted without a forward (`row` is None); else the token comes from `row`, the
+        logits the forward just computed (a feature draft may still look up here)."""
         s = c.s
         subset = getattr(self.model, "vocab_subset", None)  # not None: `row` is compact (advance)
-        lk = self.lookup
-        looked = lk.propose(s.tokens) if lk is not None and (s.params.greedy or not lk.greedy_only) else None
+        deferred = looked is not None
+        if looked is None and not c.looked_ahead and self._lookup_applies(s):
+            looked = self.lookup.propose(s.tokens)
+        c.looked_ahead = False
         probs = None
         if looked is not None:  # proposed with certainty: q is one-hot, exact at any temperature
             x = looked[0]
-            xr = self._row_index(x, subset) if c.want_features else None
+            xr = self._row_index(x, subset) if c.want_features and not deferred else None
             c.qs.append(SparseDist(ids=torch.tensor([x]), probs=torch.ones(1)))
             self.looked_up_tokens += 1
         elif s.params.greedy:  # argmax of the row: logits_to_probs' one-hot, without building it
@@ -247,40 +313,48 @@ class DraftWorker(Worker):
             c.qs.append(SparseDist.from_dense(probs))
         c.toks.append(x)
         c.looked.append(looked is not None)
+        if deferred:  # fed with the next forward, which also gives its features (_fill_deferred)
+            c.feed = c.feed + [x]
+            c.deferred += 1
+        else:
+            c.feed = [x]
         if c.want_features:  # pre-verifier features; at T=0 q is one-hot: confidence from the untempered softmax
-            if c.want_hidden:
-                c.hids.append(row_hidden.float())
-            if probs is None:
+            if deferred:
+                logq, ent = 0.0, 0.0
+            elif probs is None:
                 logq, ent = self._confidence(row, xr)
             else:
                 lq = probs.clamp_min(1e-30).log()
                 logq, ent = float(lq[x]), float(torch.special.entr(lq.exp()).sum())
+            if c.want_hidden:
+                c.hids.append(None if deferred else row_hidden.float())
             c.logq.append(logq)
             c.ent.append(ent)
             if c.want_margin:  # top-1 - top-2 of the untempered row (head_stats' margin)
-                top = row.topk(2).values.float()
-                c.margin.append(min(float(top[0] - top[1]), 30.0))
+                c.margin.append(0.0 if deferred else min(float((top := row.topk(2).values.float())[0] - top[1]),
+                                                         30.0))
         n = len(c.toks)
         block_done = n - c.block_start >= c.block_size
         skip_below = getattr(c.stop, "skip_below", 0.0) if c.block_start == 0 and c.want_features else 0.0
         if n == c.gamma_max and not skip_below:
             return self._close(c, "gamma_max", None)
         if not block_done and n < c.gamma_max:
-            c.feed = [x]
             return None if s.epoch == c.epoch else self._close(c, "cancelled", None)
-        hidden = torch.stack(c.hids) if c.hids else torch.empty(n, 0)
-        feats = DraftFeatures(hidden=hidden, tokens=torch.tensor(c.toks), logq=torch.tensor(c.logq),
-                              entropy=torch.tensor(c.ent), block_start=c.block_start,
-                              margin=torch.tensor(c.margin) if c.margin else None) if c.want_features else None
-        stop_now = c.stop.should_stop(feats)
-        score = getattr(c.stop, "last_score", None)
         if all(c.looked[c.block_start:]):
             # a block prompt lookup proposed: the pre-verifier scores the draft model's own proposals, and it reads
             # a looked-up token the draft disagrees with as a likely rejection, where such tokens are accepted far
             # more often. Their predicted acceptance is lookup's measured precision (PromptLookup.accept_prob).
-            # should_stop above still ran: a round scorer keeps per-token state that the next block reads
+            # The pre-verifier does not run: its round scorer scores these tokens with the next block it scores,
+            # by which time a forward has given their features (_fill_deferred)
             score = self.lookup.accept_prob ** (n - c.block_start)
             stop_now = score < getattr(c.stop, "threshold", 0.0)
+        else:
+            hidden = torch.stack(c.hids) if c.hids else torch.empty(n, 0)
+            feats = DraftFeatures(hidden=hidden, tokens=torch.tensor(c.toks), logq=torch.tensor(c.logq),
+                                  entropy=torch.tensor(c.ent), block_start=c.block_start,
+                                  margin=torch.tensor(c.margin) if c.margin else None) if c.want_features else None
+            stop_now = c.stop.should_stop(feats)
+            score = getattr(c.stop, "last_score", None)
         if skip_below and score is not None and score < skip_below:
             del c.toks[:], c.qs[:], c.looked[:]  # draft length 0: the target takes a plain one-row step
             return self._close(c, "preverifier", score)
@@ -292,7 +366,7 @@ class DraftWorker(Worker):
             return self._close(c, "cancelled", score)
         block = DraftBlock(c.toks[c.block_start:], c.qs[c.block_start:], "", 0, final=False, score=score,
                            looked_up=sum(c.looked[c.block_start:]))
-        c.block_start, c.feed = n, [x]
+        c.block_start = n
         return block
 
     def draft_blocks(self, session_id: str, base_position: int, append: list[int], gamma_max: int,

@@ -96,12 +96,15 @@ class RoundScorer:
         self.logsig: list[float] = []  # log P(token t accepted | earlier accepted), t = 0.. of this round
         self._folded: Folded | None = None
 
+    def reset(self) -> None:
+        self.logsig.clear()
+        self._folded = None  # and re-check the weights
+
     @torch.inference_mode()
     def score(self, features: DraftFeatures) -> float:
         pv, n = self.pv, int(features.tokens.shape[0])
         if features.block_start == 0 or n < len(self.logsig):  # a round's first block: start over
-            self.logsig.clear()
-            self._folded = None  # and re-check the weights
+            self.reset()
         done = len(self.logsig)
         if n > done:
             if pv.use_head:  # the head statistics need the draft: the full per-token path for the new tokens

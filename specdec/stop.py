@@ -70,6 +70,11 @@ class PreverifierStop:
         # one round's scorer (each drafted token scored once; specdec.round_scorer.RoundScorer) where offered
         self._scorer = preverifier.round_scorer() if hasattr(preverifier, "round_scorer") else None
 
+    def reset(self) -> None:
+        """A new drafting round (`DraftWorker.begin`): the round scorer's per-token scores start over."""
+        if self._scorer is not None:
+            self._scorer.reset()
+
     def should_stop(self, features: DraftFeatures) -> bool:
         self.last_score = float(self._scorer.score(features) if self._scorer is not None
                                 else self.preverifier.block_accept_prob(features))

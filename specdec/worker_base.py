@@ -45,6 +45,9 @@ class Session:
     epoch: int = 0  # bumped by cancel(); a draft loop stops when it changes
     want_features: bool = False  # target: return features with each result (a feature draft reads them)
     feats: object | None = None  # draft: a feature draft's per-position inputs (specdec.drafting.FeatureState)
+    # draft: tokens known to follow `tokens` but not fed yet (looked-up tokens drafted without a forward,
+    # specdec.drafting); the session holds them as it holds `tokens`, and the next forward feeds them
+    pending: list[int] = field(default_factory=list)
 
 
 class Worker:
@@ -125,20 +128,27 @@ class Worker:
             s.epoch += 1
 
     def rollback(self, session_id: str, position: int) -> int:
-        """Forget everything fed at or after `position`; returns the new length."""
+        """Forget everything held at or after `position`; returns the new length."""
         s = self._get(session_id)
         self._truncate(s, position)
-        return len(s.tokens)
+        return len(s.tokens) + len(s.pending)
 
     def session_length(self, session_id: str) -> int:
-        return len(self._get(session_id).tokens)
+        """Positions the session holds: fed, or known and fed by its next forward (`Session.pending`)."""
+        s = self._get(session_id)
+        return len(s.tokens) + len(s.pending)
 
     # ---- forward --------------------------------------------------------------------------------------------
     def _truncate(self, s: Session, base: int) -> None:
-        if base < 0 or base > len(s.tokens):
-            raise StalePositionError(f"base_position {base} is beyond the {len(s.tokens)} tokens this session holds; "
-                                     f"resend from position {len(s.tokens)} or earlier")
-        if base < len(s.tokens):
+        n = len(s.tokens)
+        if n < base <= n + len(s.pending):  # inside the known, unfed tokens: keep those before base
+            del s.pending[base - n:]
+            return
+        if base < 0 or base > n:
+            raise StalePositionError(f"base_position {base} is beyond the {n + len(s.pending)} tokens this session "
+                                     f"holds; resend from position {n + len(s.pending)} or earlier")
+        s.pending.clear()
+        if base < n:
             del s.tokens[base:]
             s.last_row = None
 

@@ -150,3 +150,99 @@ def test_batched_drafting_with_lookup_equals_separate():
                      [dw.sessions[f"s{i}"].tokens for i in range(4)], dw.looked_up_tokens))
     assert runs[0] == runs[1]
     assert runs[0][2] > 0
+
+
+class IntermittentLookup(PromptLookup):
+    """Proposes only at some context lengths. Prompt lookup itself never stops within a call once it proposes
+    (the match it copies from moves along with the context), so this is what makes a drafting call go on with
+    the draft model after looked-up tokens, whose features the next forward must then supply."""
+
+    def propose(self, context):
+        return super().propose(context) if len(context) % 5 < 3 else None
+
+
+def _counting_worker(draft, pv=None, lazy=True, lookup=None):
+    """A draft worker with lookup that counts its forwards; `lazy`: looked-up tokens drafted without one."""
+    from specdec.workers import DraftWorker
+
+    dw = DraftWorker(draft, preverifier=pv, max_sessions=2, lookup=lookup or PromptLookup(min_ngram=2, max_ngram=4))
+    dw.lookup_without_forward = lazy
+    dw.forwards = 0
+    feed_many = dw._feed_many
+
+    def counted(items, compact=False):
+        dw.forwards += 1
+        return feed_many(items, compact)
+
+    dw._feed_many = counted
+    return dw
+
+
+def _rounds(dw, stop_factory, block_size=1):
+    """Three drafting rounds as a coordinator runs them: all accepted plus a bonus, a rejection inside the
+    previous call's tokens, and a call cancelled before its first forward. → what each round returned and held."""
+    sid, prompt = "s", REPEATS[:20]
+    dw.start_session(sid, prompt, SamplingParams())
+    seen, scores = [], []
+    base, append = len(prompt) - 1, [prompt[-1]]
+    for rnd in range(3):
+        blocks = list(dw.draft_blocks(sid, base, append, 6, stop_factory(), block_size))
+        toks = [t for b in blocks for t in b.tokens]
+        held = base + len(append) + len(toks) - 1  # what the coordinator takes as fed
+        seen.append(([(b.tokens, b.looked_up, b.stop_reason) for b in blocks], dw.session_length(sid)))
+        scores.extend(b.score for b in blocks if b.score is not None)
+        assert dw.session_length(sid) >= held
+        if rnd == 0:  # everything accepted, then the target's bonus token
+            base, append = held, [toks[-1], 11]
+        else:  # the target rejected the third drafted token: resend from it
+            base, append = base + len(append) + 2 - 1, [13]
+    c = dw.begin(sid, base, append, 4, stop_factory(), block_size)  # cancelled before its first forward
+    dw.cancel(sid)
+    assert [b.stop_reason for b in dw.advance([c])[0]] == ["cancelled"]
+    assert dw.session_length(sid) >= base + len(append) - 1
+    blocks = list(dw.draft_blocks(sid, base, append, 4, stop_factory(), block_size))  # the session still serves it
+    seen.append(([(b.tokens, b.looked_up) for b in blocks], dw.sessions[sid].tokens[:base]))
+    return seen, scores
+
+
+@pytest.mark.parametrize("rule", ["fixed", "pacer"])
+@pytest.mark.parametrize("lookup", [PromptLookup(min_ngram=2, max_ngram=4), IntermittentLookup(min_ngram=1)])
+@pytest.mark.parametrize("block_size", [1, 3])
+def test_looked_up_tokens_are_drafted_without_a_forward(rule, lookup, block_size):
+    """A run of looked-up tokens costs one forward (the next one feeds them), not one each. The calls return
+    what drafting with a forward per token returns (tokens, lookup counts, and the pre-verifier's scores, which
+    read the looked-up tokens' features once a forward has computed them), and the session holds every position
+    its caller assumes, through accepted rounds, rejections and a call cancelled before its first forward. With
+    blocks of 3, a block that mixes model and looked-up tokens is scored at once, so its looked-up tokens take
+    the forward."""
+    from specdec.preverifier import build_random_preverifier
+    from specdec.stop import FixedLength, PreverifierStop
+
+    draft = build_tiny_model(vocab_size=32, seed=2, logit_scale=2.0)
+    pv = build_random_preverifier(hidden_size=draft.config.hidden_size, seed=3, block_size=1)
+    factory = FixedLength if rule == "fixed" else (lambda: PreverifierStop(pv, 0.3))
+    runs = {}
+    for lazy in (False, True):
+        dw = _counting_worker(draft, pv, lazy, lookup)
+        runs[lazy] = (_rounds(dw, factory, block_size), dw.forwards, dw.looked_up_tokens)
+    assert runs[True][0][0] == runs[False][0][0]
+    # scores equal up to float rounding: a multi-row forward sums in another order than one row at a time
+    assert runs[True][0][1] == pytest.approx(runs[False][0][1], rel=1e-5)
+    assert rule == "fixed" or len(runs[True][0][1]) >= (10 if block_size == 1 else 3)  # the pre-verifier ran
+    assert runs[True][2] == runs[False][2] > 4  # lookup proposed in every run
+    assert runs[True][1] < runs[False][1]
+
+
+def test_a_rollback_into_unfed_lookup_tokens_keeps_those_before_it():
+    draft = build_tiny_model(vocab_size=32, seed=2, logit_scale=2.0)
+    dw = _counting_worker(draft)
+    dw.start_session("s", REPEATS, SamplingParams())
+    blk = dw.draft("s", len(REPEATS) - 1, [REPEATS[-1]], 5)
+    assert blk.looked_up == 5  # REPEATS repeats: every token looked up, so nothing of the call was fed
+    n = len(REPEATS) - 1
+    assert len(dw.sessions["s"].tokens) == n and dw.session_length("s") == n + 5 and dw.forwards == 0
+    assert dw.rollback("s", n + 2) == n + 2
+    assert dw.sessions["s"].pending == [REPEATS[-1]] + blk.tokens[:1]
+    assert dw.draft("s", n + 2, [blk.tokens[1]], 3).tokens == blk.tokens[2:5]
+    with pytest.raises(Exception, match="beyond"):
+        dw.rollback("s", 10_000)
