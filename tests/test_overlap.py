@@ -14,7 +14,7 @@ PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
 
 
 def test_choice_tries_both_then_keeps_the_faster_and_reexplores():
-    c = OverlapChoice(explore_every=4)
+    c = OverlapChoice(explore_every=4, explore_rounds=1)
     assert c.next_overlapped() is True  # the mode's own schedule first
     c.record(True, 10, 1.0)  # 10 tok/s overlapped
     assert c.next_overlapped() is False  # then a sequential round
@@ -23,6 +23,23 @@ def test_choice_tries_both_then_keeps_the_faster_and_reexplores():
     assert picks == [False, True, False, False, False, True, False, False]
     c.record(True, 100, 1.0)  # overlap turned faster (100 tok/s over 2 s in all: 55 tok/s)
     assert c.next_overlapped() is True
+
+
+def test_sequential_rounds_are_tried_a_few_in_a_row():
+    """One sequential round says little (its tokens are the luck of its content): a try runs explore_rounds of
+    them before the rates are compared, also when the first one came out slow."""
+    c = OverlapChoice(explore_every=5, explore_rounds=3)
+    assert c.next_overlapped() is True
+    c.record(True, 30, 1.0)  # overlapped: 30 tok/s
+    picks = []
+    for tokens in (1, 8, 8):  # a first round rejected early (10 tok/s), then two good ones
+        picks.append(c.next_overlapped())
+        c.record(False, tokens, 0.1)
+    assert picks == [False, False, False] and c.rate(False) > c.rate(True)
+    assert c.next_overlapped() is True  # the 5th decision re-tries overlap (one stretch)...
+    c.record(True, 300, 1.0)  # ...which turned much faster
+    assert [c.next_overlapped() for _ in range(5)] == [True, True, True, True, False]  # the 10th: sequential...
+    assert [c.next_overlapped() for _ in range(3)] == [False, False, True]  # ...for 3 rounds in a row
 
 
 class Alternating(OverlapChoice):
