@@ -1,7 +1,7 @@
 """One serving switch on against off, in process, on the benchmark's prompts, every mode interleaved per prompt.
 
-    python scripts/switch_ab.py --switch lookup-forward --humaneval 4 --chat 4   # looked-up tokens: no forward / one each
-    python scripts/switch_ab.py --switch row-padding --humaneval 4 --chat 4      # tuned row padding / none
+    python scripts/switch_ab.py --switch lookup-forward --humaneval 4 --chat 4  # looked-up: no forward / one each
+    python scripts/switch_ab.py --switch row-padding --humaneval 4 --chat 4     # tuned row padding / none
 
 - `lookup-forward`: the draft drafts a looked-up token without a forward, the next forward feeding the run
   (`DraftWorker.lookup_without_forward`, on) against a forward per drafted token (off). Prompt lookup is on in

@@ -274,15 +274,14 @@ class DraftWorker(Worker):
         them: the feed ends with those tokens, and row r of the forward predicts feed[r + 1]."""
         m, d = len(c.feed), c.deferred
         subset = getattr(self.model, "vocab_subset", None)
-        for j in range(d):
+        for j in range(d if c.want_features else 0):
             r, t = m - d + j - 1, len(c.toks) - d + j
-            if c.want_features:
-                if c.want_hidden:
-                    c.hids[t] = hidden[r].float()
-                c.logq[t], c.ent[t] = self._confidence(logits[r], self._row_index(c.toks[t], subset))
-                if c.want_margin:
-                    top = logits[r].topk(2).values.float()
-                    c.margin[t] = min(float(top[0] - top[1]), 30.0)
+            if c.want_hidden:
+                c.hids[t] = hidden[r].float()
+            c.logq[t], c.ent[t] = self._confidence(logits[r], self._row_index(c.toks[t], subset))
+            if c.want_margin:
+                top = logits[r].topk(2).values.float()
+                c.margin[t] = min(float(top[0] - top[1]), 30.0)
         c.deferred = 0
 
     def _draft_token(self, c: DraftCall, row: torch.Tensor | None, row_hidden: torch.Tensor | None,
@@ -330,9 +329,11 @@ class DraftWorker(Worker):
                 c.hids.append(None if deferred else row_hidden.float())
             c.logq.append(logq)
             c.ent.append(ent)
-            if c.want_margin:  # top-1 - top-2 of the untempered row (head_stats' margin)
-                c.margin.append(0.0 if deferred else min(float((top := row.topk(2).values.float())[0] - top[1]),
-                                                         30.0))
+            if c.want_margin and deferred:
+                c.margin.append(0.0)
+            elif c.want_margin:  # top-1 - top-2 of the untempered row (head_stats' margin)
+                top = row.topk(2).values.float()
+                c.margin.append(min(float(top[0] - top[1]), 30.0))
         n = len(c.toks)
         block_done = n - c.block_start >= c.block_size
         skip_below = getattr(c.stop, "skip_below", 0.0) if c.block_start == 0 and c.want_features else 0.0
