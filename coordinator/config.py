@@ -33,9 +33,10 @@ class CoordinatorSettings(ServerSettings):
     pipelines: int = Field(0, ge=0, description="pipeline actors, requests round-robin (0: one per Ray CPU, "
                                                 "min 2, re-checked as Ray workers join)")
     max_new_tokens_cap: int = Field(4096, ge=1, description="largest max_new_tokens a request may ask for")
-    # measured on the default pair (2-core CPU, docs/benchmarks.md "Load-adaptive speculation"): at 4 and 8
-    # concurrent requests, plain batched target steps beat speculation once 2 sessions share a forward
-    spec_off_batch: int = Field(2, ge=0, le=MAX_SPEC_OFF_BATCH,
+    # measured on the default pair (2-core CPU, docs/benchmarks.md "Load-adaptive speculation"): since session 18
+    # (cheaper drafting) speculation still wins at 2-4 sessions per forward (c = 2: +25-35 %, c = 4: +25-35 %),
+    # plain batched target steps at 8
+    spec_off_batch: int = Field(4, ge=0, le=MAX_SPEC_OFF_BATCH,
                                 description="requests that leave spec_off_batch unset get this: rounds are plain "
                                             "target steps while the target batches at least this many sessions "
                                             "(0: always speculate)")
