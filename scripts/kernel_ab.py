@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-from pathlib import Path
 
 import torch
 
@@ -23,15 +22,13 @@ import specdec.attention
 import specdec.drafting
 import specdec.sampling
 import specdec.verify
+from ab_pair import load_default_pair  # scripts/ab_pair.py
 from specdec.engine import Engine
-from specdec.hub import resolve_model
 from specdec.linear import Linear, set_plan
-from specdec.model import load_model_dir
 from specdec.pacer_train.bench import benchmark_prompts, encode
-from specdec.preverifier import load_preverifier
 from specdec.sampling import SamplingParams
 from specdec.schedule import GenerationRequest
-from specdec.tokenizer import eos_token_ids, load_tokenizer
+from specdec.tokenizer import eos_token_ids
 
 PLANS = {"gemm": ("gemm",) * 4, "gemv+packed": ("gemv", "packed", "packed", "packed"), "packed": ("packed",) * 4}
 MODES = [("ar", 4), ("sd", 3), ("pacer", 8), ("pearl", 8), ("pacer_pearl", 8)]
@@ -53,12 +50,7 @@ def main() -> None:
     ap.add_argument("--chat", type=int, default=2)
     ap.add_argument("--max-new-tokens", type=int, default=96)
     args = ap.parse_args()
-    torch.set_num_threads(1)
-    tdir, ddir = Path(resolve_model("default-target")), Path(resolve_model("default-draft"))
-    target = load_model_dir(tdir, dtype="auto", role="target")
-    draft = load_model_dir(ddir, dtype="auto", role="draft", quant="auto")
-    pv = load_preverifier(None, draft_model=draft, strict=False)
-    tok = load_tokenizer(tdir)
+    target, draft, pv, tok = load_default_pair()
     eos = tuple(eos_token_ids(tok))
     prompts = [encode(tok, item) for _, item in benchmark_prompts(args.humaneval, args.chat)]
     engine = Engine(target, draft, preverifier=pv, max_sessions=2,
