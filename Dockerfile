@@ -25,7 +25,8 @@ FROM python:${PYTHON_VERSION}-slim-bookworm AS builder
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PYTHONDONTWRITEBYTECODE=1
-# make runs `make proto`; nothing is compiled (all dependencies ship wheels).
+# make runs `make proto`; nothing is compiled here (all dependencies ship wheels; the runtime stage's gcc builds
+# specdec's one C kernel on the node).
 # hadolint ignore=DL3008
 RUN apt-get update \
  && apt-get install -y --no-install-recommends make \
@@ -70,6 +71,12 @@ LABEL org.opencontainers.image.title="specdec" \
       org.opencontainers.image.description="Disaggregated speculative decoding: coordinator, draft and target services" \
       org.opencontainers.image.source="https://github.com/specdec/specdec" \
       io.specdec.variant="${VARIANT}"
+# gcc builds the native decode-attention kernel on the node, for its CPU, at the first model load (it lands in
+# the model cache volume, keyed by CPU: specdec/native.py); without a compiler the servers take the slower torch path.
+# hadolint ignore=DL3008
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends gcc libc6-dev \
+ && rm -rf /var/lib/apt/lists/*
 # Fixed numeric ids: the manifests set runAsUser/fsGroup 10001 and runAsNonRoot.
 RUN groupadd --system --gid 10001 specdec \
  && useradd --system --uid 10001 --gid 10001 --create-home --home-dir /home/specdec specdec \

@@ -2,6 +2,7 @@
 
     python scripts/forward_cost.py --model default-target --dtypes float32 bfloat16 --rows 1 2 4 8 16
     python scripts/forward_cost.py --dtypes bfloat16 --kernels gemm gemv gemv+packed packed tuned --rows 1 2 4 8 300
+    python scripts/forward_cost.py --dtypes bfloat16 --attention native torch --sessions 1 8 --rows 1 4
 
 Why it matters: a verify forwards 1 + (drafted tokens) rows. If that cost grows with the rows, long drafts are
 expensive and the best draft length shrinks. Dtypes and row counts are interleaved per repeat (machine drift hits
@@ -15,6 +16,7 @@ import time
 
 import torch
 
+from specdec import native
 from specdec.linear import Linear, padding, set_plan
 from specdec.model import load_model
 
@@ -35,51 +37,63 @@ def main(argv=None) -> None:
                          "F.linear for more; gemv+packed = gemv, prepacked oneDNN weights for more rows (the "
                          "untuned default); packed = prepacked for every row count; tuned = measured on this host, "
                          "with its row padding; tuned-unpadded = the same kernels without row padding")
+    ap.add_argument("--attention", nargs="+", default=["native"], choices=["native", "torch"],
+                    help="native = specdec/csrc's decode attention where it runs (the default); torch = the torch "
+                         "path (specdec/attention.py, row by row in a batch)")
+    ap.add_argument("--sessions", nargs="+", type=int, default=[1],
+                    help="sessions per forward (a batched step: each session's rows, contexts 8 positions apart)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     models = {dt: load_model(args.model, dtype=dt) for dt in args.dtypes}
     tuned = {dt: {m: (m.plan, m.pad_to) for m in models[dt].modules() if isinstance(m, Linear)} for dt in args.dtypes}
-    kvs = {dt: m.new_kv_slots(1, args.context + max(args.rows) + 1) for dt, m in models.items()}
-    slots = torch.tensor([0])
-    variants = [(dt, k) for dt in args.dtypes for k in (args.kernels if dt == "bfloat16" else ["gemm"])]
+    n_slots = max(args.sessions)
+    kvs = {dt: m.new_kv_slots(n_slots, args.context + 8 * n_slots + max(args.rows) + 1) for dt, m in models.items()}
+    variants = [(dt, k, a) for dt in args.dtypes for k in (args.kernels if dt == "bfloat16" else ["gemm"])
+                for a in args.attention]
+    shapes = [(b, n) for b in args.sessions for n in args.rows]
 
-    def once(variant: tuple[str, str], n: int) -> float:
-        dt, kernel = variant
+    def once(variant: tuple[str, str, str], shape: tuple[int, int]) -> float:
+        dt, kernel, attention = variant
+        (b, n), native.ENABLED = shape, attention == "native"
         for m, (plan, pad) in tuned[dt].items():
             m.plan, m.pad_to = plan, pad if kernel == "tuned" else None
         if kernel in PLANS:
             set_plan(models[dt], PLANS[kernel])
-        toks = torch.randint(0, 1000, (1, n))
-        pos = torch.arange(args.context, args.context + n)[None]
+        toks = torch.randint(0, 1000, (b, n))
+        pos = torch.stack([torch.arange(args.context + 8 * i, args.context + 8 * i + n) for i in range(b)])
         t = time.perf_counter()
-        models[dt](toks, pos, slots, kvs[dt])
+        models[dt](toks, pos, torch.arange(b), kvs[dt])
         return time.perf_counter() - t
 
     for dt in args.dtypes:  # fills the cache positions the timed forwards attend to
-        models[dt](torch.randint(0, 1000, (1, args.context)), torch.arange(args.context)[None], slots, kvs[dt])
+        for i in range(n_slots):
+            ctx = args.context + 8 * i
+            models[dt](torch.randint(0, 1000, (1, ctx)), torch.arange(ctx)[None], torch.tensor([i]), kvs[dt])
     for v in variants:  # warm-up
-        for n in args.rows:
-            once(v, n)
-    times = {(v, n): [] for v in variants for n in args.rows}
+        for shape in shapes:
+            once(v, shape)
+    times = {(v, shape): [] for v in variants for shape in shapes}
     for _ in range(args.repeats):
         for v in variants:
-            for n in args.rows:
-                times[(v, n)].append(once(v, n))
+            for shape in shapes:
+                times[(v, shape)].append(once(v, shape))
+    native.ENABLED = True
     for dt, plans in tuned.items():
         if dt == "bfloat16":
             print(f"tuned plans (kernel for 1 / 4 / 8 / more rows): {sorted({p for p, _ in plans.values() if p})}")
             print(f"tuned row padding ((out, in) features: rows 1..8 run as): {padding(models[dt])}\n")
     print(f"model {args.model}, {args.threads} thread(s), context {args.context}, median (min) of {args.repeats} "
           f"(ms)\n")
-    print("| dtype | kernels | " + " | ".join(f"{n} row{'s' if n > 1 else ''}" for n in args.rows)
+    print("| dtype | kernels | attention | sessions | " + " | ".join(f"{n} row{'s' if n > 1 else ''}" for n in args.rows)
           + " | cost(8)/cost(1) |")
-    print("|---|---|" + "---|" * (len(args.rows) + 1))
+    print("|---|---|---|---|" + "---|" * (len(args.rows) + 1))
     for v in variants:
-        med = {n: statistics.median(times[(v, n)]) * 1e3 for n in args.rows}
-        low = {n: min(times[(v, n)]) * 1e3 for n in args.rows}
-        ratio = f"{med[8] / med[1]:.2f}" if 8 in med and 1 in med else "-"
-        print(f"| {v[0]} | {v[1]} | " + " | ".join(f"{med[n]:.1f} ({low[n]:.1f})" for n in args.rows)
-              + f" | {ratio} |")
+        for b in args.sessions:
+            med = {n: statistics.median(times[(v, (b, n))]) * 1e3 for n in args.rows}
+            low = {n: min(times[(v, (b, n))]) * 1e3 for n in args.rows}
+            ratio = f"{med[8] / med[1]:.2f}" if 8 in med and 1 in med else "-"
+            print(f"| {v[0]} | {v[1]} | {v[2]} | {b} | " + " | ".join(f"{med[n]:.1f} ({low[n]:.1f})" for n in args.rows)
+                  + f" | {ratio} |")
 
 
 if __name__ == "__main__":

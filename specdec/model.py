@@ -21,7 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdec.attention import attention
+import specdec.attention
+from specdec import native
+from specdec.attention import SMALL_BLOCK_ROWS, attention
 from specdec.dtypes import auto_dtype, cpu_has_fast_bf16, resolve_dtype  # noqa: F401 (re-exported: their old home)
 from specdec.linear import Linear, prepack_linears, tune_linears
 
@@ -144,9 +146,10 @@ class Attention(nn.Module):
         self.o_proj = Linear(h * hd, cfg.hidden_size, bias=False)
         self.qkv_proj: Linear | None = None  # set by fuse_projections_, which drops q/k/v_proj
 
-    def forward(self, x, cos, sin, layer: int, kv: KVSlots, slots, positions, mask, kv_len: int):
+    def forward(self, x, cos, sin, layer: int, kv: KVSlots, slots, positions, mask, kv_len: int, visible=None):
         # x: [B, S, D]; cos/sin: [B, S, hd]; slots: [B]; positions: [B, S]; mask: [B, 1, S, kv_len] | None;
-        # kv_len: int for B == 1, else [(slot, kv_len)] per row
+        # kv_len: int for B == 1, else [(slot, kv_len)] per row; visible: [B, S] keys per query row, set where the
+        # native kernel runs the attention (CausalLM.forward)
         B, S, _ = x.shape
         cfg = self.cfg
         h, kvh, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -169,6 +172,9 @@ class Attention(nn.Module):
         else:
             kc[slots[:, None], positions] = k
             vc[slots[:, None], positions] = v
+        if visible is not None:  # every row of the batch in one native call, the cache read in place
+            return self.o_proj(native.decode_attention(q, kc, vc, slots, visible).to(x.dtype).view(B, S, -1))
+        if B > 1:
             return self.o_proj(self._per_row(q, kc, vc, mask, kv_len).transpose(1, 2).reshape(B, S, -1))
         q, keys, values = q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2)
         out = attention(q, keys, values, mask)
@@ -209,8 +215,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, layer, kv, slots, positions, mask, kv_len):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, layer, kv, slots, positions, mask, kv_len)
+    def forward(self, x, cos, sin, layer, kv, slots, positions, mask, kv_len, visible=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, layer, kv, slots, positions, mask, kv_len, visible)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -299,11 +305,18 @@ class CausalLM(nn.Module):
         kv_len = int(positions.max()) + 1
         if kv_len > kv.max_len:
             raise ValueError(f"position {kv_len - 1} is beyond the KV cache ({kv.max_len} positions)")
+        visible = None
+        if attn_mask is None and S <= SMALL_BLOCK_ROWS and specdec.attention.DECODE_ATTENTION \
+                and native.supports(kv.k[0]):
+            # a decode step or verify block: row s of sequence b sees positions 0..positions[b, s] of its slot
+            if int(positions.min()) < 0 or int(slots.min()) < 0 or int(slots.max()) >= kv.num_slots:
+                raise ValueError(f"slots must lie in [0, {kv.num_slots}) and positions be >= 0")
+            visible, slots = (positions + 1).to(torch.int64).contiguous(), slots.to(torch.int64).contiguous()
         mask = None if attn_mask is None else attn_mask[None, None]
-        if S > 1 and attn_mask is None:
+        if S > 1 and attn_mask is None and visible is None:
             key_pos = torch.arange(kv_len, device=tokens.device)
             mask = (key_pos[None, None, :] <= positions[:, :, None]).unsqueeze(1)  # [B, 1, S, kv_len]
-        if B > 1:  # per row: (slot, its own kv length); attention runs row by row (Attention._per_row)
+        if B > 1 and visible is None:  # per row: (slot, its own kv length); attention runs row by row (Attention._per_row)
             kv_len = list(zip(slots.tolist(), (positions.max(dim=1).values + 1).tolist()))
         x = self.model.embed_tokens(tokens if self.to_compact is None else self.to_compact[tokens])
         if self.fc is not None:
@@ -311,7 +324,7 @@ class CausalLM(nn.Module):
                 raise ValueError("a feature draft needs one target feature per input token")
             x = self.fc(torch.cat((x, features.to(x.dtype) * self.config.feature_scale), dim=-1))
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, i, kv, slots, positions, mask, kv_len)
+            x = layer(x, cos, sin, i, kv, slots, positions, mask, kv_len, visible)
         hidden = self.model.norm(x)
         rows = hidden if logits_rows is None else hidden[:, logits_rows]
         if compact_logits:
@@ -362,6 +375,8 @@ def load_model_dir(path: str | Path, device: str = "cpu", dtype: str | torch.dty
         quantize_int8_(model)
     prepack_linears(model)  # bf16 on a CPU: the packed kernel skips oneDNN's per-call weight reorder
     tune_linears(model)  # and each layer shape takes this host's fastest kernel per row count (specdec.linear)
+    if model.device.type == "cpu":
+        native.available()  # builds the decode-attention kernel now (once per host), not in the first request
     return model
 
 

@@ -1,0 +1,126 @@
+/* Decode attention for a CPU batch: a few query rows per sequence against its slot of the KV cache.
+ *
+ * One call covers a whole layer: every sequence of the batch, every K/V head and the G query heads that share it
+ * (GQA), every query row of the block. Query row s of sequence b sees the cache positions 0 .. vis[b, s] - 1 of its
+ * slot (causal by position: a decode step, a verify block, a padded row of a batched step). Keys and values are
+ * read in place (bf16 or fp32, converted per row), scores and softmax are fp32, the output is fp32.
+ *
+ * It replaces ~10 small torch ops per sequence and layer (specdec/attention.py), whose dispatch cost dominated a
+ * batched decode step: specdec/native.py builds it with the host's C compiler on first use and falls back to the
+ * torch path where there is none. No libc beyond string.h / math.h, no threads (the caller's process has one
+ * intra-op thread per model server).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline void load_row(const void *base, int64_t offset, int is_bf16, int D, float *dst) {
+    if (is_bf16) {
+        const uint16_t *p = (const uint16_t *)base + offset;
+        for (int d = 0; d < D; d++) dst[d] = bf16_to_f32(p[d]);
+    } else {
+        memcpy(dst, (const float *)base + offset, sizeof(float) * (size_t)D);
+    }
+}
+
+/* q:      [B, S, H, D], element strides qs_b, qs_s, qs_h (D contiguous)
+ * k, v:   [slots, max_len, KV, D] caches, element strides *_slot, *_pos, *_head (D contiguous)
+ * slots:  [B] int64, the cache slot of each sequence
+ * vis:    [B, S] int64, keys visible to each query row (>= 1)
+ * out:    [B, S, H, D] fp32, contiguous
+ * Returns 0, or 1 if a work buffer could not be allocated. */
+static inline __attribute__((always_inline)) int attend(
+        int is_bf16, int B, int S, int H, int KV, const int D,
+        const void *q, int64_t qs_b, int64_t qs_s, int64_t qs_h,
+        const void *k, int64_t ks_slot, int64_t ks_pos, int64_t ks_head,
+        const void *v, int64_t vs_slot, int64_t vs_pos, int64_t vs_head,
+        const int64_t *slots, const int64_t *vis, float scale, float *out) {
+    const int G = H / KV, R = G * S; /* the R query rows that read one K/V head: row r = (g, s), g = r / S */
+    int64_t n_max = 1;
+    for (int64_t i = 0; i < (int64_t)B * S; i++) n_max = vis[i] > n_max ? vis[i] : n_max;
+    float *restrict qf = malloc(sizeof(float) * (size_t)R * D);
+    float *restrict acc = malloc(sizeof(float) * (size_t)R * D);
+    float *restrict kv_row = malloc(sizeof(float) * (size_t)D);
+    float *restrict scores = malloc(sizeof(float) * (size_t)R * n_max);
+    if (!qf || !acc || !kv_row || !scores) {
+        free(qf); free(acc); free(kv_row); free(scores);
+        return 1;
+    }
+    for (int b = 0; b < B; b++) {
+        const int64_t slot = slots[b];
+        const int64_t *row_vis = vis + (int64_t)b * S;
+        int64_t n = 1;
+        for (int s = 0; s < S; s++) n = row_vis[s] > n ? row_vis[s] : n;
+        for (int kh = 0; kh < KV; kh++) {
+            for (int r = 0; r < R; r++) {
+                float *qr = qf + (int64_t)r * D;
+                load_row(q, b * qs_b + (r % S) * qs_s + (int64_t)(kh * G + r / S) * qs_h, is_bf16, D, qr);
+                for (int d = 0; d < D; d++) qr[d] *= scale;
+            }
+            for (int64_t j = 0; j < n; j++) { /* scores: each key row is loaded once for all R query rows */
+                load_row(k, slot * ks_slot + j * ks_pos + kh * ks_head, is_bf16, D, kv_row);
+                for (int r = 0; r < R; r++) {
+                    const float *qr = qf + (int64_t)r * D;
+                    float dot = 0.f;
+                    for (int d = 0; d < D; d++) dot += qr[d] * kv_row[d];
+                    scores[r * n + j] = dot;
+                }
+            }
+            for (int r = 0; r < R; r++) { /* softmax over the row's visible keys; the others weigh 0 */
+                float *sc = scores + r * n;
+                const int64_t nv = row_vis[r % S] < n ? row_vis[r % S] : n;
+                float m = sc[0], total = 0.f;
+                for (int64_t j = 1; j < nv; j++) m = sc[j] > m ? sc[j] : m;
+                for (int64_t j = 0; j < nv; j++) {
+                    /* exp(-80) = 2e-35 is below fp32 resolution next to the row's largest weight (1), so the
+                       clamp changes no output, and it keeps every input in the vector expf's fast range:
+                       far-negative inputs take a scalar fallback per lane, which doubled the kernel's time */
+                    const float x = sc[j] - m;
+                    sc[j] = expf(x > -80.f ? x : -80.f);
+                    total += sc[j];
+                }
+                const float inv = 1.f / total;
+                for (int64_t j = 0; j < nv; j++) sc[j] *= inv;
+                for (int64_t j = nv; j < n; j++) sc[j] = 0.f;
+            }
+            memset(acc, 0, sizeof(float) * (size_t)R * D);
+            for (int64_t j = 0; j < n; j++) {
+                load_row(v, slot * vs_slot + j * vs_pos + kh * vs_head, is_bf16, D, kv_row);
+                for (int r = 0; r < R; r++) {
+                    const float p = scores[r * n + j];
+                    float *ar = acc + (int64_t)r * D;
+                    for (int d = 0; d < D; d++) ar[d] += p * kv_row[d];
+                }
+            }
+            for (int r = 0; r < R; r++)
+                memcpy(out + (((int64_t)b * S + r % S) * H + kh * G + r / S) * D, acc + (int64_t)r * D,
+                       sizeof(float) * (size_t)D);
+        }
+    }
+    free(qf); free(acc); free(kv_row); free(scores);
+    return 0;
+}
+
+/* The kernel, specialised for the common head dims so their loops unroll into whole vectors. */
+int specdec_decode_attention(int is_bf16, int B, int S, int H, int KV, int D,
+                             const void *q, int64_t qs_b, int64_t qs_s, int64_t qs_h,
+                             const void *k, int64_t ks_slot, int64_t ks_pos, int64_t ks_head,
+                             const void *v, int64_t vs_slot, int64_t vs_pos, int64_t vs_head,
+                             const int64_t *slots, const int64_t *vis, float scale, float *out) {
+#define ATTEND(DIM) attend(is_bf16, B, S, H, KV, DIM, q, qs_b, qs_s, qs_h, k, ks_slot, ks_pos, ks_head, \
+                           v, vs_slot, vs_pos, vs_head, slots, vis, scale, out)
+    switch (D) {
+    case 64: return ATTEND(64);
+    case 128: return ATTEND(128);
+    default: return ATTEND(D);
+    }
+#undef ATTEND
+}

@@ -1,0 +1,124 @@
+"""Native CPU kernels: C sources in `specdec/csrc`, built with the host's C compiler on first use, called by ctypes.
+
+There is one kernel, `decode_attention` (`csrc/decode_attention.c`): a whole layer's attention for a batch of
+sequences with a few query rows each, reading the KV cache in place. The torch path it replaces runs ~10 small
+ops per sequence and layer, and at 8 sessions per target step their dispatch cost was a third of the step
+(docs/benchmarks.md, "Native decode attention").
+
+The build is a plain shared object (no torch or Python headers: it compiles in well under a second), tuned for
+this CPU (`-march=native`) and cached under `cache_root()/native/`, keyed by the source, the flags, the compiler
+and the CPU's feature flags, so a cache shared by different hosts never hands one host another's build. It is
+written to a temporary name and renamed into place, so processes that start together (a draft and a target
+server) never load a half-written file. Where there is no compiler, or `SPECDEC_NATIVE=0`, `decode_attention`
+returns None and callers take the torch path; the reason is logged once.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).resolve().parent / "csrc" / "decode_attention.c"
+# -ffast-math for the compile only: it lets the reductions and expf vectorize. Linked with it, gcc < 13 adds
+# crtfastmath.o, whose constructor sets flush-to-zero for the whole process on load and would change torch's
+# numerics; the link step runs without it (tests/test_native.py checks that subnormals survive the load).
+CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC")
+DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # the caches the kernel reads; others take the torch path
+ENABLED = True  # False: models take the torch path (in-process A/B: scripts/switch_ab.py --switch native-attention)
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _compiler() -> str | None:
+    return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc") or shutil.which("clang")
+
+
+def _build(cc: str) -> Path:
+    from specdec.hub import cache_root
+
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    key = hashlib.sha256("\0".join((SOURCE.read_text(), " ".join(CFLAGS), version, platform.machine(),
+                                    _cpu_flags())).encode()).hexdigest()[:24]
+    out = cache_root() / "native" / f"decode_attention-{key}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        obj, lib = os.path.join(tmp, "kernel.o"), os.path.join(tmp, "kernel.so")
+        for cmd in ([cc, *CFLAGS, "-c", str(SOURCE), "-o", obj], [cc, "-shared", obj, "-o", lib, "-lm"]):
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+            if done.returncode != 0:
+                raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr.strip()[-2000:]}")
+        os.replace(lib, out)  # atomic: a process starting beside this one loads a whole file or builds its own
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _library():
+    """The loaded kernel library, or None (logged once) where it cannot be built or is switched off."""
+    if os.environ.get("SPECDEC_NATIVE", "1") == "0":
+        log.info("native kernels are off (SPECDEC_NATIVE=0): attention takes the torch path")
+        return None
+    cc = _compiler()
+    if cc is None:
+        log.warning("no C compiler found (set CC): attention takes the slower torch path")
+        return None
+    try:
+        lib = ctypes.CDLL(str(_build(cc)))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        log.warning("native decode attention unavailable, attention takes the torch path: %s", e)
+        return None
+    fn = lib.specdec_decode_attention
+    i32, i64, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
+    fn.argtypes = [i32] * 6 + [ptr, i64, i64, i64] * 3 + [ptr, ptr, ctypes.c_float, ptr]
+    fn.restype = i32
+    return fn
+
+
+def available() -> bool:
+    """Whether the native decode attention is built and loaded (builds it on the first call)."""
+    return _library() is not None
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                     visible: torch.Tensor) -> torch.Tensor:
+    """q: [B, S, H, D]; k_cache/v_cache: [num_slots, max_len, KV, D] (same dtype as q, float32 or bfloat16);
+    slots: [B] int64; visible: [B, S] int64 contiguous, the keys each query row sees (its position + 1).
+    Returns [B, S, H, D] float32. The caller checks `available()` and the bounds (`check_bounds`) first."""
+    fn = _library()
+    B, S, H, D = q.shape
+    out = torch.empty((B, S, H, D), dtype=torch.float32)
+    rc = fn(DTYPES[q.dtype], B, S, H, k_cache.shape[2], D,
+            q.data_ptr(), q.stride(0), q.stride(1), q.stride(2),
+            k_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.data_ptr(), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            slots.data_ptr(), visible.data_ptr(), D ** -0.5, out.data_ptr())
+    if rc != 0:
+        raise MemoryError("native decode attention could not allocate its work buffers")
+    return out
+
+
+def supports(k_cache: torch.Tensor) -> bool:
+    """Whether `decode_attention` runs for a model with this cache (its queries share the cache's dtype): on, a
+    CPU cache of float32 or bfloat16 with unit stride on the head dim, and the kernel built."""
+    return (ENABLED and k_cache.device.type == "cpu" and k_cache.dtype in DTYPES and k_cache.stride(-1) == 1
+            and available())
