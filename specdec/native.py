@@ -87,6 +87,7 @@ def _library():
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         log.warning("native decode attention unavailable, attention takes the torch path: %s", e)
         return None
+    log.info("native decode attention loaded (%s)", lib._name)
     fn = lib.specdec_decode_attention
     i32, i64, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
     fn.argtypes = [i32] * 6 + [ptr, i64, i64, i64] * 3 + [ptr, ptr, ctypes.c_float, ptr]
