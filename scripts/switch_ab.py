@@ -2,11 +2,15 @@
 
     python scripts/switch_ab.py --switch lookup-forward --humaneval 4 --chat 4  # looked-up: no forward / one each
     python scripts/switch_ab.py --switch row-padding --humaneval 4 --chat 4     # tuned row padding / none
+    python scripts/switch_ab.py --switch native-attention --humaneval 4 --chat 4  # C decode attention / torch
 
 - `lookup-forward`: the draft drafts a looked-up token without a forward, the next forward feeding the run
   (`DraftWorker.lookup_without_forward`, on) against a forward per drafted token (off). Prompt lookup is on in
   both arms.
 - `row-padding`: every linear's tuned `pad_to` (specdec/linear.py, on) against none (off), target and draft.
+- `native-attention`: decode steps and verify blocks attend through the C kernel (specdec/native.py, on) against
+  the torch path (off), target and draft. bf16 rounding differs between the two, so a prompt's greedy output (and
+  its length) may differ between the arms at near-ties.
 
 Greedy, 1 thread per model, prompt lookup on (the served default). Every (mode, arm) runs on every prompt, in an
 order that rotates per prompt. Prints median tokens/s per arm, tokens per target forward, the draft's share of
@@ -18,6 +22,7 @@ import argparse
 import statistics
 
 from ab_pair import default_pair_engine  # scripts/ab_pair.py
+from specdec import native
 from specdec.linear import Linear
 from specdec.lookup import PromptLookup
 from specdec.schedule import GenerationRequest
@@ -27,7 +32,7 @@ MODES = [("ar", {}), ("sd", {"gamma": 3}), ("sd", {"gamma": 4}), ("pacer", {}), 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--switch", choices=("lookup-forward", "row-padding"), required=True)
+    ap.add_argument("--switch", choices=("lookup-forward", "row-padding", "native-attention"), required=True)
     ap.add_argument("--humaneval", type=int, default=4)
     ap.add_argument("--chat", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=128)
@@ -40,6 +45,8 @@ def main() -> None:
     def switch(on: bool) -> None:
         if args.switch == "lookup-forward":
             engine.draft_worker.lookup_without_forward = on
+        elif args.switch == "native-attention":
+            native.ENABLED = on
         else:
             for m in linears:
                 m.pad_to = tuned[id(m)] if on else None

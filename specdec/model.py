@@ -164,11 +164,9 @@ class Attention(nn.Module):
         q, k = qk.split((h, kvh), dim=2)
         kc, vc = kv.k[layer], kv.v[layer]
         if B == 1:
-            s = int(slots[0])
-            p0 = int(positions[0, 0])
+            s, p0 = int(slots[0]), int(positions[0, 0])
             kc[s, p0:p0 + S] = k[0]
             vc[s, p0:p0 + S] = v[0]
-            keys, values = kc[s:s + 1, :kv_len], vc[s:s + 1, :kv_len]
         else:
             kc[slots[:, None], positions] = k
             vc[slots[:, None], positions] = v
@@ -176,7 +174,7 @@ class Attention(nn.Module):
             return self.o_proj(native.decode_attention(q, kc, vc, slots, visible).to(x.dtype).view(B, S, -1))
         if B > 1:
             return self.o_proj(self._per_row(q, kc, vc, mask, kv_len).transpose(1, 2).reshape(B, S, -1))
-        q, keys, values = q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2)
+        q, keys, values = q.transpose(1, 2), kc[s:s + 1, :kv_len].transpose(1, 2), vc[s:s + 1, :kv_len].transpose(1, 2)
         out = attention(q, keys, values, mask)
         return self.o_proj(out.transpose(1, 2).reshape(B, S, -1))
 
@@ -316,7 +314,7 @@ class CausalLM(nn.Module):
         if S > 1 and attn_mask is None and visible is None:
             key_pos = torch.arange(kv_len, device=tokens.device)
             mask = (key_pos[None, None, :] <= positions[:, :, None]).unsqueeze(1)  # [B, 1, S, kv_len]
-        if B > 1 and visible is None:  # per row: (slot, its own kv length); attention runs row by row (Attention._per_row)
+        if B > 1 and visible is None:  # per row: (slot, its own kv length); attention row by row (Attention._per_row)
             kv_len = list(zip(slots.tolist(), (positions.max(dim=1).values + 1).tolist()))
         x = self.model.embed_tokens(tokens if self.to_compact is None else self.to_compact[tokens])
         if self.fc is not None:
