@@ -137,7 +137,10 @@ class TargetWorker(Worker):
         rows = rows[start:]
         g = len(a.draft)
         sample_bonus = a.sample_bonus and (a.feed_draft or g == 0)
-        p = logits_to_probs(rows[: g + (1 if sample_bonus else 0)], s.params)
+        checked = rows[: g + (1 if sample_bonus else 0)]
+        # greedy verification reads only each row's argmax: that of the logits is that of logits_to_probs' one-hot
+        # (first index among ties in both), without building a [rows, V] tensor per session per step
+        p = checked if s.params.greedy else logits_to_probs(checked, s.params)
         q = None
         if not s.params.greedy and g:
             q = torch.stack([d.to_dense(self.vocab_size) for d in a.q])
