@@ -17,6 +17,9 @@ from specdec.model import CausalLM
 from specdec.sampling import SamplingParams
 
 PAD_SLACK = 64  # extra KV positions per slot for padded rows of batched forwards
+# a prefill's logits are never read (the prompt's last token is fed by the first verify or draft call): the head,
+# a fifth of the default target's weights, runs on the last row only instead of every prompt position
+PREFILL_LOGITS = slice(-1, None)
 
 
 def feature_size(model) -> int:
@@ -92,7 +95,7 @@ class Worker:
     def start_session(self, session_id: str, prompt_ids: list[int], params: SamplingParams) -> Session:
         s = self._open_session(session_id, prompt_ids, params)
         if len(prompt_ids) > 1:
-            self._feed(s, 0, prompt_ids[:-1])
+            self._feed(s, 0, prompt_ids[:-1], logits_rows=PREFILL_LOGITS)
         return s
 
     def _open_session(self, session_id: str, prompt_ids: list[int], params: SamplingParams) -> Session:
@@ -159,9 +162,10 @@ class Worker:
     def _after_feed(self, s: Session, base: int, hidden: torch.Tensor) -> None:
         pass
 
-    def _feed(self, s: Session, base: int, ids: list[int], compact: bool = False):
+    def _feed(self, s: Session, base: int, ids: list[int], compact: bool = False, logits_rows: slice | None = None):
         """Forward `ids` at positions base.. → (logits [m, V] fp32, hidden [m, D]). `compact`: a compact-head
-        model's logits stay compact ([m, len(vocab_subset)], `CausalLM.forward`'s compact_logits)."""
+        model's logits stay compact ([m, len(vocab_subset)], `CausalLM.forward`'s compact_logits).
+        `logits_rows`: only these rows get logits (a prefill's are unused: PREFILL_LOGITS)."""
         dev = self.model.device
         tokens = torch.tensor([ids], device=dev)
         positions = torch.arange(base, base + len(ids), device=dev)[None]
@@ -169,6 +173,8 @@ class Worker:
         kw = {} if feats is None else {"features": feats[None]}
         if compact:
             kw["compact_logits"] = True
+        if logits_rows is not None:
+            kw["logits_rows"] = logits_rows
         logits, hidden = self.model(tokens, positions, torch.tensor([s.slot], device=dev), self.kv, **kw)
         s.tokens.extend(ids)
         self._after_feed(s, base, hidden[0])

@@ -19,7 +19,7 @@ from specdec.errors import InvalidRequestError, StalePositionError
 from specdec.model import CausalLM
 from specdec.sampling import SamplingParams, logits_to_probs
 from specdec.verify import SparseDist, verify
-from specdec.worker_base import PAD_SLACK, Session, TargetFeatures, Worker
+from specdec.worker_base import PAD_SLACK, PREFILL_LOGITS, Session, TargetFeatures, Worker
 
 @dataclass
 class VerifyArgs:
@@ -55,7 +55,7 @@ class TargetWorker(Worker):
         s = self._open_session(session_id, prompt_ids, params)
         s.want_features = want_features
         if len(prompt_ids) > 1:
-            _, hidden = self._feed(s, 0, prompt_ids[:-1])
+            _, hidden = self._feed(s, 0, prompt_ids[:-1], logits_rows=PREFILL_LOGITS)
             return TargetFeatures(0, hidden) if want_features else None
         return TargetFeatures(0, torch.zeros((0, self.model.config.hidden_size))) if want_features else None
 

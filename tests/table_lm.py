@@ -43,7 +43,7 @@ class TableLM(torch.nn.Module):
             hit = self._cache[prefix] = torch.randn(self.config.vocab_size, generator=gen) * self.scale
         return hit
 
-    def forward(self, tokens, positions, slots, kv: _TokenSlots):
+    def forward(self, tokens, positions, slots, kv: _TokenSlots, logits_rows: slice | None = None):
         B, S = tokens.shape
         logits = torch.empty(B, S, self.config.vocab_size)
         for b in range(B):
@@ -53,4 +53,4 @@ class TableLM(torch.nn.Module):
                 p = int(positions[b, j])
                 logits[b, j] = self.next_logits(tuple(kv.buf[s, :p + 1].tolist()))
         hidden = logits[..., :4].clone()
-        return logits, hidden
+        return (logits if logits_rows is None else logits[:, logits_rows]), hidden

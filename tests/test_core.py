@@ -244,3 +244,20 @@ def test_sample_draws_the_distribution_and_never_a_zero_probability_entry():
     big[[7, 40_000, 49_151]] = torch.tensor([0.2, 0.3, 0.5])
     assert {sample(big, gen) for _ in range(200)} == {7, 40_000, 49_151}
     assert sample(probs, None) == 1
+
+
+def test_prefill_runs_the_head_on_the_last_row_only():
+    """A prefill's logits are never read: both workers' heads see one row of a 20-token prompt, and the next
+    verify still checks drafts against the right rows (greedy output as target-only decoding)."""
+    target, draft = build_tiny_model(seed=1), build_tiny_model(hidden_size=16, num_layers=1, seed=2)
+    rows = {"target": [], "draft": []}
+    target.lm_head.register_forward_hook(lambda m, args, out: rows["target"].append(args[0].shape[-2]))
+    draft.lm_head.register_forward_hook(lambda m, args, out: rows["draft"].append(args[0].shape[-2]))
+    prompt = list(range(1, 21))
+    TargetWorker(target, max_sessions=1).start_session("t", prompt, SamplingParams())
+    DraftWorker(draft, max_sessions=1).start_session("d", prompt, SamplingParams())
+    assert rows == {"target": [1], "draft": [1]}
+    eng = Engine(target, draft)
+    spec = eng.generate(GenerationRequest(prompt_ids=prompt, max_new_tokens=12, mode="sd", gamma=3))
+    ar = eng.generate(GenerationRequest(prompt_ids=prompt, max_new_tokens=12, mode="ar"))
+    assert spec.token_ids == ar.token_ids
