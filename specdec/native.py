@@ -105,6 +105,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     """q: [B, S, H, D]; k_cache/v_cache: [num_slots, max_len, KV, D] (same dtype as q, float32 or bfloat16);
     slots: [B] int64; visible: [B, S] int64 contiguous, the keys each query row sees (its position + 1).
     Returns [B, S, H, D] float32. The caller checks `available()` and the bounds (`check_bounds`) first."""
+    if q.dtype != k_cache.dtype or q.stride(-1) != 1:
+        raise ValueError(f"decode_attention takes queries of the cache's dtype ({k_cache.dtype}) with a unit-stride "
+                         f"head dim; got {q.dtype}, stride {q.stride(-1)}")
     fn = _library()
     B, S, H, D = q.shape
     out = torch.empty((B, S, H, D), dtype=torch.float32)

@@ -259,6 +259,8 @@ async def test_draft_stream_blocks_match_unary_and_retry_is_idempotent(stack):
     assert (await d.Rollback(draft_pb2.RollbackRequest(session_id="a", position=5))).position == 5
     info = (await d.GetInfo(draft_pb2.DraftServiceGetInfoRequest())).info
     assert info.vocab_size == VOCAB and info.device == "cpu" and info.weight_quant == "none"  # an fp32 test draft
+    from specdec import native
+    assert info.attention_kernel == ("native" if native.available() else "torch")
     assert (await d.EndSession(draft_pb2.DraftServiceEndSessionRequest(session_id="a"))).existed
     assert not (await d.EndSession(draft_pb2.DraftServiceEndSessionRequest(session_id="a"))).existed
 

@@ -10,6 +10,7 @@ import asyncio
 import logging
 import time
 
+from specdec import native
 from specdec.pb import common_pb2
 from specdec.quant import weight_quant
 from specdec.server.interceptor import ServiceDraining
@@ -32,7 +33,8 @@ class SessionHost:
             device=str(worker.model.device), dtype=str(worker.model.dtype).removeprefix("torch."),
             max_sessions=settings.max_sessions, feature_size=feature_size(worker.model),
             weight_quant=weight_quant(worker.model),
-            prompt_lookup_min_ngram=getattr(getattr(worker, "lookup", None), "min_ngram", 0))
+            prompt_lookup_min_ngram=getattr(getattr(worker, "lookup", None), "min_ngram", 0),
+            attention_kernel="native" if native.supports(worker.kv.k[0]) else "torch")
         self._reaper: asyncio.Task | None = None
         self.draining = False  # set when the server starts draining: per-round streams end (UNAVAILABLE)
         self._reap_every = min(30.0, max(0.05, settings.session_ttl_s / 4))
