@@ -2,13 +2,13 @@
 
     python scripts/switch_ab.py --switch lookup-forward --humaneval 4 --chat 4  # looked-up: no forward / one each
     python scripts/switch_ab.py --switch row-padding --humaneval 4 --chat 4     # tuned row padding / none
-    python scripts/switch_ab.py --switch native-attention --humaneval 4 --chat 4  # C decode attention / torch
+    python scripts/switch_ab.py --switch native-kernels --humaneval 4 --chat 4  # C kernels / torch
 
 - `lookup-forward`: the draft drafts a looked-up token without a forward, the next forward feeding the run
   (`DraftWorker.lookup_without_forward`, on) against a forward per drafted token (off). Prompt lookup is on in
   both arms.
 - `row-padding`: every linear's tuned `pad_to` (specdec/linear.py, on) against none (off), target and draft.
-- `native-attention`: decode steps and verify blocks attend through the C kernel (specdec/native.py, on) against
+- `native-kernels`: specdec/native.py's C kernels (decode attention, RMSNorm with its residual add; on) against
   the torch path (off), target and draft. bf16 rounding differs between the two, so a prompt's greedy output (and
   its length) may differ between the arms at near-ties.
 
@@ -32,7 +32,7 @@ MODES = [("ar", {}), ("sd", {"gamma": 3}), ("sd", {"gamma": 4}), ("pacer", {}), 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--switch", choices=("lookup-forward", "row-padding", "native-attention"), required=True)
+    ap.add_argument("--switch", choices=("lookup-forward", "row-padding", "native-kernels"), required=True)
     ap.add_argument("--humaneval", type=int, default=4)
     ap.add_argument("--chat", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=128)
@@ -45,7 +45,7 @@ def main() -> None:
     def switch(on: bool) -> None:
         if args.switch == "lookup-forward":
             engine.draft_worker.lookup_without_forward = on
-        elif args.switch == "native-attention":
+        elif args.switch == "native-kernels":
             native.ENABLED = on
         else:
             for m in linears:

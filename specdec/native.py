@@ -1,16 +1,18 @@
 """Native CPU kernels: C sources in `specdec/csrc`, built with the host's C compiler on first use, called by ctypes.
 
-There is one kernel, `decode_attention` (`csrc/decode_attention.c`): a whole layer's attention for a batch of
-sequences with a few query rows each, reading the KV cache in place. The torch path it replaces runs ~10 small
-ops per sequence and layer, and at 8 sessions per target step their dispatch cost was a third of the step
-(docs/benchmarks.md, "Native decode attention").
+Two kernels, each replacing a run of small torch ops whose dispatch cost more than their arithmetic
+(docs/benchmarks.md, "Native decode attention"):
+- `decode_attention` (`csrc/decode_attention.c`): a whole layer's attention for a batch of sequences with a few
+  query rows each, reading the KV cache in place. The torch path runs ~10 small ops per sequence and layer; at 8
+  sessions per target step that was a third of the step.
+- `rms_norm` (`csrc/rms_norm.c`): an RMSNorm, optionally with the residual add before it, in one pass (~7 ops).
 
 The build is a plain shared object (no torch or Python headers: it compiles in well under a second), tuned for
-this CPU (`-march=native`) and cached under `cache_root()/native/`, keyed by the source, the flags, the compiler
+this CPU (`-march=native`) and cached under `cache_root()/native/`, keyed by the sources, the flags, the compiler
 and the CPU's feature flags, so a cache shared by different hosts never hands one host another's build. It is
 written to a temporary name and renamed into place, so processes that start together (a draft and a target
-server) never load a half-written file. Where there is no compiler, or `SPECDEC_NATIVE=0`, `decode_attention`
-returns None and callers take the torch path; the reason is logged once.
+server) never load a half-written file. Where there is no compiler, or `SPECDEC_NATIVE=0`, `available()` is
+False and callers take the torch path; the reason is logged once.
 """
 from __future__ import annotations
 
@@ -29,13 +31,13 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).resolve().parent / "csrc" / "decode_attention.c"
+SOURCES = tuple(Path(__file__).resolve().parent / "csrc" / f for f in ("decode_attention.c", "rms_norm.c"))
 # -ffast-math for the compile only: it lets the reductions and expf vectorize. Linked with it, gcc < 13 adds
 # crtfastmath.o, whose constructor sets flush-to-zero for the whole process on load and would change torch's
 # numerics; the link step runs without it (tests/test_native.py checks that subnormals survive the load).
 CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC")
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # the caches the kernel reads; others take the torch path
-ENABLED = True  # False: models take the torch path (in-process A/B: scripts/switch_ab.py --switch native-attention)
+ENABLED = True  # False: models take the torch path (in-process A/B: scripts/switch_ab.py --switch native-kernels)
 
 
 def _cpu_flags() -> str:
@@ -56,15 +58,17 @@ def _build(cc: str) -> Path:
     from specdec.hub import cache_root
 
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256("\0".join((SOURCE.read_text(), " ".join(CFLAGS), version, platform.machine(),
-                                    _cpu_flags())).encode()).hexdigest()[:24]
-    out = cache_root() / "native" / f"decode_attention-{key}.so"
+    key = hashlib.sha256("\0".join((*(f.read_text() for f in SOURCES), " ".join(CFLAGS), version,
+                                    platform.machine(), _cpu_flags())).encode()).hexdigest()[:24]
+    out = cache_root() / "native" / f"specdec-kernels-{key}.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        obj, lib = os.path.join(tmp, "kernel.o"), os.path.join(tmp, "kernel.so")
-        for cmd in ([cc, *CFLAGS, "-c", str(SOURCE), "-o", obj], [cc, "-shared", obj, "-o", lib, "-lm"]):
+        objs = [os.path.join(tmp, f.stem + ".o") for f in SOURCES]
+        lib = os.path.join(tmp, "kernels.so")
+        cmds = [[cc, *CFLAGS, "-c", str(f), "-o", o] for f, o in zip(SOURCES, objs)]
+        for cmd in cmds + [[cc, "-shared", *objs, "-o", lib, "-lm"]]:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
             if done.returncode != 0:
                 raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr.strip()[-2000:]}")
@@ -88,11 +92,12 @@ def _library():
         log.warning("native decode attention unavailable, attention takes the torch path: %s", e)
         return None
     log.info("native decode attention loaded (%s)", lib._name)
-    fn = lib.specdec_decode_attention
     i32, i64, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
-    fn.argtypes = [i32] * 6 + [ptr, i64, i64, i64] * 3 + [ptr, ptr, ctypes.c_float, ptr]
-    fn.restype = i32
-    return fn
+    lib.specdec_decode_attention.argtypes = [i32] * 6 + [ptr, i64, i64, i64] * 3 + [ptr, ptr, ctypes.c_float, ptr]
+    lib.specdec_decode_attention.restype = i32
+    lib.specdec_rms_norm.argtypes = [i32, i64, i64, ptr, ptr, ptr, ptr, ctypes.c_float, ptr]
+    lib.specdec_rms_norm.restype = None
+    return lib
 
 
 def available() -> bool:
@@ -108,7 +113,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if q.dtype != k_cache.dtype or q.stride(-1) != 1:
         raise ValueError(f"decode_attention takes queries of the cache's dtype ({k_cache.dtype}) with a unit-stride "
                          f"head dim; got {q.dtype}, stride {q.stride(-1)}")
-    fn = _library()
+    fn = _library().specdec_decode_attention
     B, S, H, D = q.shape
     out = torch.empty((B, S, H, D), dtype=torch.float32)
     rc = fn(DTYPES[q.dtype], B, S, H, k_cache.shape[2], D,
@@ -126,3 +131,24 @@ def supports(k_cache: torch.Tensor) -> bool:
     CPU cache of float32 or bfloat16 with unit stride on the head dim, and the kernel built."""
     return (ENABLED and k_cache.device.type == "cpu" and k_cache.dtype in DTYPES and k_cache.stride(-1) == 1
             and available())
+
+
+def rms_norm_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `rms_norm` takes these: on, inference (no autograd), CPU, float32 or bfloat16 alike, contiguous."""
+    return (ENABLED and not torch.is_grad_enabled() and x.device.type == "cpu" and x.dtype in DTYPES
+            and weight.dtype == x.dtype and x.is_contiguous() and available())
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    """RMSNorm over the last dim with Llama's rounding (csrc/rms_norm.c). Without `residual`: the normed x. With
+    it: (x + residual, the normed sum), the add and the norm in one pass. The caller checks `rms_norm_supported`."""
+    dim = x.shape[-1]
+    out = torch.empty_like(x)
+    total = None
+    if residual is not None:
+        residual = residual.contiguous()
+        total = torch.empty_like(x)
+    _library().specdec_rms_norm(DTYPES[x.dtype], x.numel() // dim, dim, x.data_ptr(),
+                                None if residual is None else residual.data_ptr(),
+                                None if total is None else total.data_ptr(), weight.data_ptr(), eps, out.data_ptr())
+    return out if residual is None else (total, out)
