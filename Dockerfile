@@ -26,7 +26,7 @@ ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PYTHONDONTWRITEBYTECODE=1
 # make runs `make proto`; nothing is compiled here (all dependencies ship wheels; the runtime stage's gcc builds
-# specdec's one C kernel on the node).
+# specdec's C kernels on the node).
 # hadolint ignore=DL3008
 RUN apt-get update \
  && apt-get install -y --no-install-recommends make \
@@ -71,7 +71,7 @@ LABEL org.opencontainers.image.title="specdec" \
       org.opencontainers.image.description="Disaggregated speculative decoding: coordinator, draft and target services" \
       org.opencontainers.image.source="https://github.com/specdec/specdec" \
       io.specdec.variant="${VARIANT}"
-# gcc builds the native decode-attention kernel on the node, for its CPU, at the first model load (it lands in
+# gcc builds the native kernels (decode attention, RMSNorm) on the node, for its CPU, at the first model load (in
 # the model cache volume, keyed by CPU: specdec/native.py); without a compiler the servers take the slower torch path.
 # hadolint ignore=DL3008
 RUN apt-get update \
