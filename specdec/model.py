@@ -105,7 +105,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """norm(x), or with `residual`: (x + residual, norm(x + residual)), the add as the model would run it."""
-        if native.rms_norm_supported(x, self.weight):  # one C pass instead of ~7 small ops (specdec/native.py)
+        if native.rms_norm_supported(x, self.weight, residual):  # one C pass, not ~7 small ops (specdec/native.py)
             return native.rms_norm(x, self.weight, self.eps, residual)
         if residual is not None:
             x = x + residual

@@ -80,18 +80,18 @@ def _build(cc: str) -> Path:
 def _library():
     """The loaded kernel library, or None (logged once) where it cannot be built or is switched off."""
     if os.environ.get("SPECDEC_NATIVE", "1") == "0":
-        log.info("native kernels are off (SPECDEC_NATIVE=0): attention takes the torch path")
+        log.info("native kernels are off (SPECDEC_NATIVE=0): attention and RMSNorm take the torch path")
         return None
     cc = _compiler()
     if cc is None:
-        log.warning("no C compiler found (set CC): attention takes the slower torch path")
+        log.warning("no C compiler found (set CC): attention and RMSNorm take the slower torch path")
         return None
     try:
         lib = ctypes.CDLL(str(_build(cc)))
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-        log.warning("native decode attention unavailable, attention takes the torch path: %s", e)
+        log.warning("native kernels unavailable, attention and RMSNorm take the torch path: %s", e)
         return None
-    log.info("native decode attention loaded (%s)", lib._name)
+    log.info("native kernels loaded (%s)", lib._name)
     i32, i64, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
     lib.specdec_decode_attention.argtypes = [i32] * 6 + [ptr, i64, i64, i64] * 3 + [ptr, ptr, ctypes.c_float, ptr]
     lib.specdec_decode_attention.restype = i32
@@ -101,7 +101,7 @@ def _library():
 
 
 def available() -> bool:
-    """Whether the native decode attention is built and loaded (builds it on the first call)."""
+    """Whether the native kernels are built and loaded (builds them on the first call)."""
     return _library() is not None
 
 
@@ -109,7 +109,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      visible: torch.Tensor) -> torch.Tensor:
     """q: [B, S, H, D]; k_cache/v_cache: [num_slots, max_len, KV, D] (same dtype as q, float32 or bfloat16);
     slots: [B] int64; visible: [B, S] int64 contiguous, the keys each query row sees (its position + 1).
-    Returns [B, S, H, D] float32. The caller checks `available()` and the bounds (`check_bounds`) first."""
+    Returns [B, S, H, D] float32. The caller checks `supports` first, and that slots lie in the cache and each
+    row's visible keys in [1, max_len] (`CausalLM.forward` does): the kernel reads what they point to."""
     if q.dtype != k_cache.dtype or q.stride(-1) != 1:
         raise ValueError(f"decode_attention takes queries of the cache's dtype ({k_cache.dtype}) with a unit-stride "
                          f"head dim; got {q.dtype}, stride {q.stride(-1)}")
@@ -133,10 +134,12 @@ def supports(k_cache: torch.Tensor) -> bool:
             and available())
 
 
-def rms_norm_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether `rms_norm` takes these: on, inference (no autograd), CPU, float32 or bfloat16 alike, contiguous."""
+def rms_norm_supported(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None) -> bool:
+    """Whether `rms_norm` takes these: on, inference (no autograd), CPU, float32 or bfloat16 alike, x contiguous,
+    a residual of x's shape."""
     return (ENABLED and not torch.is_grad_enabled() and x.device.type == "cpu" and x.dtype in DTYPES
-            and weight.dtype == x.dtype and x.is_contiguous() and available())
+            and weight.dtype == x.dtype and weight.shape == x.shape[-1:] and x.is_contiguous()
+            and (residual is None or (residual.dtype == x.dtype and residual.shape == x.shape)) and available())
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
