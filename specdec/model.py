@@ -381,7 +381,7 @@ def load_model_dir(path: str | Path, device: str = "cpu", dtype: str | torch.dty
     prepack_linears(model)  # bf16 on a CPU: the packed kernel skips oneDNN's per-call weight reorder
     tune_linears(model)  # and each layer shape takes this host's fastest kernel per row count (specdec.linear)
     if model.device.type == "cpu":
-        native.available()  # builds the decode-attention kernel now (once per host), not in the first request
+        native.available()  # builds the native kernels now (once per host and CPU), not in the first request
     return model
 
 
