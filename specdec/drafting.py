@@ -203,6 +203,10 @@ class DraftWorker(Worker):
                 fwd.append(i)
                 continue
             block = self._draft_token(c, None, None, looked)  # a looked-up token needs no forward
+            if c.pos == len(c.s.tokens):
+                # the caller takes every token streamed so far but the last as fed: the session holds them from
+                # now on, not from `_close`, which a cut stream dropped by the replica never reaches
+                c.s.pending = c.feed[:-1]
             c.block_ns += time.perf_counter_ns() - t1
             if block is not None:
                 block.draft_ns, c.block_ns = c.block_ns, 0

@@ -246,3 +246,23 @@ def test_a_rollback_into_unfed_lookup_tokens_keeps_those_before_it():
     assert dw.draft("s", n + 2, [blk.tokens[1]], 3).tokens == blk.tokens[2:5]
     with pytest.raises(Exception, match="beyond"):
         dw.rollback("s", 10_000)
+
+
+def test_a_cut_stream_of_looked_up_tokens_leaves_them_held():
+    """PEARL cuts a draft stream when the verify returns, keeping the blocks it got; the replica may drop the
+    cut call before advancing it again (so before `_close`). The session must already hold what the caller
+    takes as fed, every streamed token but the last, or the next call's base_position is refused (seen through
+    the stack at 4 concurrent requests: "base_position 241 is beyond the 238 tokens this session holds")."""
+    draft = build_tiny_model(vocab_size=32, seed=2, logit_scale=2.0)
+    dw = _counting_worker(draft)
+    dw.start_session("s", REPEATS, SamplingParams())
+    base, append = len(REPEATS) - 1, [REPEATS[-1]]
+    stream = dw.draft_blocks("s", base, append, 8, None, 1)
+    got = [next(stream).tokens[0] for _ in range(3)]  # three looked-up tokens streamed, no forward yet
+    assert dw.forwards == 0
+    dw.cancel("s")
+    stream.close()  # the cut call is dropped, never advanced again
+    held = base + len(append) + len(got) - 1
+    assert dw.session_length("s") == held
+    blk = dw.draft("s", held, [got[-1]], 2)  # the next round starts where the caller stands
+    assert blk.tokens and dw.session_length("s") >= held
