@@ -173,8 +173,10 @@ class DraftWorker(Worker):
                 base_position = redo
         # skip the feature work for rules that never read it
         want = getattr(stop, "needs_features", True)
-        return DraftCall(s, s.epoch, gamma_max, stop, block_size, want, want and getattr(stop, "needs_hidden", True),
-                         want and getattr(stop, "needs_margin", False), base_position, feed)
+        c = DraftCall(s, s.epoch, gamma_max, stop, block_size, want, want and getattr(stop, "needs_hidden", True),
+                      want and getattr(stop, "needs_margin", False), base_position, feed)
+        self._hold_unfed(c)  # a call cancelled before its first forward leaves what its caller assumes
+        return c
 
     def advance(self, calls: list[DraftCall]) -> list[list[DraftBlock]]:
         """One batched forward: each live call drafts one token. → the blocks each call completed (its last
@@ -203,10 +205,7 @@ class DraftWorker(Worker):
                 fwd.append(i)
                 continue
             block = self._draft_token(c, None, None, looked)  # a looked-up token needs no forward
-            if c.pos == len(c.s.tokens):
-                # the caller takes every token streamed so far but the last as fed: the session holds them from
-                # now on, not from `_close`, which a cut stream dropped by the replica never reaches
-                c.s.pending = c.feed[:-1]
+            self._hold_unfed(c)
             c.block_ns += time.perf_counter_ns() - t1
             if block is not None:
                 block.draft_ns, c.block_ns = c.block_ns, 0
@@ -249,11 +248,17 @@ class DraftWorker(Worker):
         i = int(torch.searchsorted(subset, x))  # the subset is sorted
         return i if i < subset.numel() and int(subset[i]) == x else None
 
+    @staticmethod
+    def _hold_unfed(c: DraftCall) -> None:
+        """The caller takes every token the call has streamed but the last as fed (and, before the first token,
+        its `append` but the last): the session holds the unfed ones as `pending` from the moment they exist, so
+        a call cancelled or dropped at any point (a cut PEARL stream the replica never advances again) leaves
+        the session holding what its caller assumes. A forward feeds them and clears `pending`."""
+        if c.pos == len(c.s.tokens) and c.s.feats is None:
+            c.s.pending = c.feed[:-1]
+
     def _close(self, c: DraftCall, reason: str, score: float | None) -> DraftBlock:
         c.done = True
-        if c.pos == len(c.s.tokens) and c.s.feats is None:
-            # the caller holds every token of the call but the last as fed: those not fed yet stay pending
-            c.s.pending = c.feed[:-1]
         return DraftBlock(c.toks[c.block_start:], c.qs[c.block_start:], reason, c.block_ns, final=True, score=score,
                           looked_up=sum(c.looked[c.block_start:]))
 
