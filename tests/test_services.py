@@ -9,6 +9,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -227,9 +228,20 @@ async def test_concurrent_draft_streams_share_forwards(models, stack):
                                            gamma_max=12, block_size=3)
         return [t for b in [b async for b in stack.dstub.DraftStream(req)] for t in b.token_ids]
 
-    got = await asyncio.gather(*[one(i, p) for i, p in enumerate(prompts)])
+    # Hold the model thread until all four calls are queued: otherwise a loaded host may run the first stream to
+    # its end before the others arrive, and nothing is left to share.
+    batcher, hold = stack.draft_app.batcher, threading.Event()
+    held = asyncio.ensure_future(stack.draft_app.host.runner.run(hold.wait))
+    streams = asyncio.gather(*[one(i, p) for i, p in enumerate(prompts)])
+    while len(batcher._pending) + len(batcher._active) < len(prompts) - 1:  # the first waits as `new`
+        await asyncio.sleep(0.005)
+    hold.set()
+    await held
+    got = await streams
     for i, p in enumerate(prompts):
         assert got[i] == ref.draft(f"c{i}", len(p) - 1, p[-1:], 12, block_size=3).tokens, i
+    while batcher._active or batcher._pending:  # the batch-size metric is observed after each model-thread run
+        await asyncio.sleep(0.005)
     m = stack.draft_app.metrics
     steps, sessions = m.value("specdec_batch_size_count"), m.value("specdec_batch_size_sum")
     assert sessions > steps, f"no draft step was shared ({sessions} session-steps in {steps} steps)"
