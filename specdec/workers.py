@@ -80,11 +80,14 @@ class TargetWorker(Worker):
         self._check_context(a.base_position + len(ids) + (0 if a.feed_draft else 1), "this verify")
         if a.base_position > len(s.tokens) or a.base_position < 0:
             self._truncate(s, a.base_position)  # raises StalePositionError
-        if not a.feed and a.draft and (a.base_position != len(s.tokens) or s.last_row is None):
+        if not ids and not a.draft and not a.sample_bonus:
+            raise InvalidRequestError("feed", "nothing to verify: send the pending token and/or draft tokens, or "
+                                              "ask for the bonus token")
+        # Nothing fed: the draft tokens, or the next token alone, are read off the row stored by the call that fed
+        # the last token (a post-verify that accepted its whole block without a bonus, then a target-only step).
+        if not a.feed and (a.base_position != len(s.tokens) or s.last_row is None):
             raise StalePositionError(f"no stored target row at position {a.base_position}; send the pending token "
                                      f"in feed")
-        if not ids and not a.draft:
-            raise InvalidRequestError("feed", "nothing to verify: send the pending token and/or draft tokens")
         return s, ids
 
     def verify_batch(self, batch: list[VerifyArgs]) -> list[VerifyOutcome | Exception]:

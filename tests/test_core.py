@@ -162,6 +162,26 @@ def test_kv_rollback_never_keeps_rejected_positions(tiny_pair):
     assert a.next_token == ref_out.next_token
 
 
+def test_the_next_token_alone_comes_from_the_stored_row(tiny_pair):
+    """A verify that feeds nothing and checks nothing returns the token after the last fed one, read off the row
+    the previous call stored (no forward); without such a row it asks for the pending token."""
+    target, _ = tiny_pair
+    tw, ref = TargetWorker(target, max_sessions=1), TargetWorker(target, max_sessions=1)
+    tw.start_session("s", PROMPT, SamplingParams())
+    ref.start_session("s", PROMPT, SamplingParams())
+    with pytest.raises(StalePositionError, match="send the pending token"):
+        tw.verify("s", len(PROMPT) - 1, [], [], None, "greedy")  # the prefill stored no row
+    greedy = [ref.verify("s", len(PROMPT) - 1, [PROMPT[-1]], [], None, "greedy").next_token]
+    for i in range(3):
+        greedy.append(ref.verify("s", len(PROMPT) + i, [greedy[-1]], [], None, "greedy").next_token)
+    out = tw.verify("s", len(PROMPT) - 1, [PROMPT[-1]], greedy[:3], None, "greedy", sample_bonus=False)
+    assert out.num_accepted == 3 and out.next_token is None
+    nxt = tw.verify("s", len(PROMPT) + 3, [], [], None, "greedy")
+    assert nxt.next_token == greedy[3] and not nxt.forwarded
+    with pytest.raises(InvalidRequestError, match="nothing to verify"):
+        tw.verify("s", len(PROMPT) + 3, [], [], None, "greedy", sample_bonus=False)
+
+
 def test_bad_input_errors(tiny_pair):
     target, draft = tiny_pair
     tw = TargetWorker(target, max_sessions=1, max_context=16)

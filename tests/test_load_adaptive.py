@@ -99,6 +99,53 @@ def test_sampling_stays_exact_when_rounds_switch(pair, mode):
     assert chi_square_pvalue(counts, exact, n) > 0.001
 
 
+class CutBeforeFirstToken:
+    """A draft backend whose streams end empty when cut: the cut always lands before their first token, as on a
+    loaded draft replica (PEARL's post-verify stream). Unary drafts are the wrapped backend's."""
+
+    def __init__(self, inner):
+        self.inner, self.reads_features, self._cut = inner, inner.reads_features, asyncio.Event()
+
+    async def start(self, *a, **kw):
+        return await self.inner.start(*a, **kw)
+
+    async def draft(self, *a, **kw):
+        return await self.inner.draft(*a, **kw)
+
+    async def draft_stream(self, *a, **kw):
+        await self._cut.wait()
+        self._cut.clear()
+        return
+        yield
+
+    async def cancel(self, sid):
+        self._cut.set()
+        await self.inner.cancel(sid)
+
+    async def end(self, *a, **kw):
+        return await self.inner.end(*a, **kw)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_target_step_after_a_fully_accepted_post_verify_reads_the_stored_row(pair, temperature):
+    """PEARL under load: a post-verify accepts its whole block (no bonus asked), the shadow stream was cut before
+    its first token, and the target turns busy, so the next round is a target-only step with nothing to feed.
+    The target samples it from its stored row (this failed with INVALID_ARGUMENT "nothing to verify")."""
+    target, _ = pair
+    eng = Engine(target, target, inline=True)  # draft == target: every block is accepted
+    params = SamplingParams(temperature=temperature, seed=5)
+    req = GenerationRequest(PROMPT, 12, params=params, mode="pearl", gamma=3, pearl_first_block=2, spec_off_batch=2)
+    ref = GenerationRequest(PROMPT, 12, params=params, mode="ar")
+    res = asyncio.run(generate(req, CutBeforeFirstToken(eng.draft), LoadedTarget(eng.target, [3, 1])))
+    alone = asyncio.run(generate(ref, None, eng.target))
+    eng.close()
+    st = res.stats
+    assert st.target_only_rounds > 0 and st.accepted_tokens > 0, st
+    assert st.target_forwards < st.rounds  # the stored row's steps ran no forward
+    if temperature == 0:
+        assert res.token_ids == alone.token_ids == target_greedy(target, PROMPT, 12)
+
+
 def test_bad_threshold_is_a_clear_error():
     with pytest.raises(InvalidRequestError, match="spec_off_batch"):
         GenerationRequest([1, 2], spec_off_batch=-1).validate()
