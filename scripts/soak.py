@@ -1,0 +1,190 @@
+"""Soak the embedded stack with a random mix of requests, cancels and deadlines; check every answer and the
+replicas' state afterwards.
+
+    python scripts/soak.py --seconds 600 --clients 6
+
+Each client loops: a random prompt (HumanEval + chat), mode (ar, sd, pacer, pearl, pacer_pearl), temperature (0 or
+1 with one of two seeds), length, gamma, spec_off_batch and pearl_overlap, as a unary `Generate` or a
+`GenerateStream`; some requests get a short deadline, some streams are dropped by the client after a few messages.
+Checked:
+- every greedy answer equals the prefix of target-only greedy decoding (`ar`) of that prompt (lossless);
+- sampled answers with the same prompt, mode, seed, gamma and overlap agree on their common prefix (a seed
+  reproduces its output, whatever the load);
+- a stream's concatenated deltas equal its token ids;
+- no status but OK, DEADLINE_EXCEEDED and CANCELLED (RESOURCE_EXHAUSTED is counted apart: a full queue);
+- afterwards, both replicas hold no session (`specdec_sessions_active`) and report no queued call; replica memory
+  (RSS) at the start and the end.
+Exits 1 when a check fails.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import json
+import random
+import sys
+import time
+
+from concurrency_probe import scrape
+
+MODES = ["ar", "sd", "pacer", "pearl", "pacer_pearl"]
+
+
+def rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+class Soak:
+    def __init__(self, stub, prompts, refs, args):
+        self.stub, self.prompts, self.refs, self.args = stub, prompts, refs, args
+        self.codes = collections.Counter()
+        self.kinds = collections.Counter()
+        self.failures: list[str] = []
+        self.sampled: dict[tuple, list[int]] = {}
+        self.tokens = 0
+
+    def request(self, rng: random.Random):
+        from specdec.pb import generation_pb2
+
+        p = rng.randrange(len(self.prompts))
+        mode = rng.choice(MODES)
+        greedy = rng.random() < self.args.greedy_share
+        r = generation_pb2.GenerateRequest(prompt_token_ids=self.prompts[p].ids, mode=mode,
+                                           max_new_tokens=rng.randint(4, self.args.max_new_tokens),
+                                           temperature=0.0 if greedy else 1.0, top_k=0,
+                                           seed=0 if greedy else rng.choice([11, 12]))
+        if mode != "ar" and rng.random() < 0.5:
+            r.gamma = rng.randint(1, 8)
+        if rng.random() < 0.3:
+            r.spec_off_batch = rng.choice([0, 2, 4])
+        if "pearl" in mode and rng.random() < 0.3:
+            r.pearl_overlap = "always"
+        key = (p, mode, r.seed, r.gamma if r.HasField("gamma") else None, r.pearl_overlap,
+               r.spec_off_batch if r.HasField("spec_off_batch") else None)
+        return p, r, key
+
+    def check(self, p: int, r, key, ids: list[int], what: str) -> None:
+        self.tokens += len(ids)
+        if r.temperature == 0:
+            ref = self.refs[p][:len(ids)]
+            if ids != ref:
+                self.failures.append(f"{what} {r.mode} greedy prompt {p}: {ids[:12]}... != ar {ref[:12]}...")
+            return
+        seen = self.sampled.setdefault(key, ids)
+        n = min(len(seen), len(ids))
+        if seen[:n] != ids[:n]:
+            self.failures.append(f"{what} {r.mode} T=1 seed {r.seed} prompt {p}: not reproduced ({key})")
+        if len(ids) > len(seen):
+            self.sampled[key] = ids
+
+    async def one(self, rng: random.Random) -> None:
+        import grpc
+
+        p, r, key = self.request(rng)
+        stream = rng.random() < 0.5
+        deadline = rng.uniform(0.2, 3.0) if rng.random() < self.args.deadline_share else None
+        drop_after = rng.randint(1, 4) if stream and rng.random() < self.args.drop_share else None
+        kind = f"{'stream' if stream else 'unary'}{'+deadline' if deadline else ''}{'+drop' if drop_after else ''}"
+        self.kinds[kind] += 1
+        try:
+            if not stream:
+                resp = await self.stub.Generate(r, timeout=deadline or 600)
+                self.check(p, r, key, list(resp.token_ids), kind)
+            else:
+                call = self.stub.GenerateStream(r, timeout=deadline or 600)
+                ids, n = [], 0
+                async for m in call:
+                    ids += list(m.token_ids)
+                    n += 1
+                    if drop_after is not None and n >= drop_after:
+                        call.cancel()
+                        self.codes["CANCELLED (client)"] += 1
+                        return
+                self.check(p, r, key, ids, kind)
+            self.codes["OK"] += 1
+        except grpc.aio.AioRpcError as e:
+            code = e.code().name
+            self.codes[code] += 1
+            if e.code() not in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
+                                grpc.StatusCode.RESOURCE_EXHAUSTED):
+                self.failures.append(f"{kind} {r.mode}: {code} {e.details()}")
+        except asyncio.CancelledError:
+            self.codes["CANCELLED (client)"] += 1
+
+    async def client(self, seed: int, until: float) -> None:
+        rng = random.Random(seed)
+        while time.monotonic() < until:
+            await self.one(rng)
+
+
+async def main(args) -> int:
+    import grpc
+
+    from coordinator.stack import LocalStack
+    from specdec.bench.harness import _default_preverifier
+    from specdec.bench.prompts import load_prompt_sets
+    from specdec.defaults import DEFAULT_DRAFT, DEFAULT_TARGET
+    from specdec.hub import resolve_model
+    from specdec.pb import generation_pb2, generation_pb2_grpc
+    from specdec.tokenizer import load_tokenizer
+
+    tdir = resolve_model(DEFAULT_TARGET)
+    prompts = load_prompt_sets(load_tokenizer(tdir), ["humaneval", "chat"], args.n_prompts)
+    stack = LocalStack(str(tdir), str(resolve_model(DEFAULT_DRAFT)), _default_preverifier(DEFAULT_DRAFT), threads=1,
+                       ray_cpus=2, pipelines=2, max_sessions=args.max_sessions, metrics=True)
+    await stack.start()
+    channel = grpc.aio.insecure_channel(stack.address)
+    stub = generation_pb2_grpc.GenerationServiceStub(channel)
+    pids = {p.args[2]: p.pid for p in stack.procs}
+    failures: list[str] = []
+    try:
+        refs = []
+        for pr in prompts:  # target-only greedy references (also warms both replicas up)
+            resp = await stub.Generate(generation_pb2.GenerateRequest(
+                prompt_token_ids=pr.ids, mode="ar", max_new_tokens=args.max_new_tokens, temperature=0.0))
+            refs.append(list(resp.token_ids))
+        rss0 = {k: rss_mb(v) for k, v in pids.items()}
+        soak = Soak(stub, prompts, refs, args)
+        t0 = time.monotonic()
+        await asyncio.gather(*(soak.client(args.seed + i, t0 + args.seconds) for i in range(args.clients)))
+        wall = time.monotonic() - t0
+        await asyncio.sleep(args.settle_s)  # cancelled sessions end; idle ones are reaped by then at the latest
+        state = {}
+        for kind, port in stack.metrics_ports.items():
+            for name in ("specdec_sessions_active", "specdec_queue_depth"):
+                for sample, v in scrape(port, name).items():
+                    state[f"{kind} {sample}"] = v
+                    if v != 0:
+                        failures.append(f"{kind} replica: {sample} = {v} after the soak")
+        rss1 = {k: rss_mb(v) for k, v in pids.items()}
+        failures = soak.failures + failures
+        report = {"seconds": round(wall, 1), "clients": args.clients, "requests": sum(soak.codes.values()),
+                  "tokens": soak.tokens, "codes": dict(soak.codes), "kinds": dict(soak.kinds),
+                  "sampled_keys": len(soak.sampled), "replica_state": state,
+                  "rss_mb_start": {k: round(v) for k, v in rss0.items()},
+                  "rss_mb_end": {k: round(v) for k, v in rss1.items()}, "failures": failures[:50]}
+        print(json.dumps(report, indent=1))
+    finally:
+        await channel.close()
+        await stack.stop()
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seconds", type=float, default=300)
+    ap.add_argument("--clients", type=int, default=6)
+    ap.add_argument("--max-sessions", type=int, default=8)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--n-prompts", type=int, default=4, help="per prompt set")
+    ap.add_argument("--greedy-share", type=float, default=0.7)
+    ap.add_argument("--deadline-share", type=float, default=0.15)
+    ap.add_argument("--drop-share", type=float, default=0.2, help="of streams: dropped after 1-4 messages")
+    ap.add_argument("--settle-s", type=float, default=3.0)
+    ap.add_argument("--seed", type=int, default=0)
+    sys.exit(asyncio.run(main(ap.parse_args())))
