@@ -7,9 +7,13 @@ Each client loops: a random prompt (HumanEval + chat), mode (ar, sd, pacer, pear
 1 with one of two seeds), length, gamma, spec_off_batch and pearl_overlap, as a unary `Generate` or a
 `GenerateStream`; some requests get a short deadline, some streams are dropped by the client after a few messages.
 Checked:
-- every greedy answer equals the prefix of target-only greedy decoding (`ar`) of that prompt (lossless);
-- sampled answers with the same prompt, mode, seed, gamma and overlap agree on their common prefix (a seed
-  reproduces its output, whatever the load);
+- every greedy answer equals the prefix of target-only greedy decoding (`ar`, alone) of that prompt (lossless).
+  With `--dtype float32` a difference is a failure. In bf16 (`auto`) a logit depends slightly on how many rows
+  its forward has, so under concurrent load a greedy near-tie may resolve differently than alone, in every mode
+  including `ar` (README, "Dtypes"): differences are counted, with the position of the first;
+- sampled answers with the same prompt, mode, seed and request fields are compared on their common prefix and
+  the pairs that differ are counted (reported, not a failure: a seed fixes each draw by position and purpose, but
+  which positions get a draft token depends on load and timing; see docs/coordinator.md, "Seeds");
 - a stream's concatenated deltas equal its token ids;
 - no status but OK, DEADLINE_EXCEEDED and CANCELLED (RESOURCE_EXHAUSTED is counted apart: a full queue);
 - afterwards, both replicas hold no session (`specdec_sessions_active`) and report no queued call; replica memory
@@ -46,6 +50,8 @@ class Soak:
         self.kinds = collections.Counter()
         self.failures: list[str] = []
         self.sampled: dict[tuple, list[int]] = {}
+        self.greedy_diff = collections.Counter()  # (prompt, first differing token) -> answers
+        self.same_seed = collections.Counter()  # True: a same-seed pair agreed on its common prefix
         self.tokens = 0
 
     def request(self, rng: random.Random):
@@ -73,12 +79,15 @@ class Soak:
         if r.temperature == 0:
             ref = self.refs[p][:len(ids)]
             if ids != ref:
-                self.failures.append(f"{what} {r.mode} greedy prompt {p}: {ids[:12]}... != ar {ref[:12]}...")
+                first = next(i for i, (a, b) in enumerate(zip(ids + [-1], ref + [-2])) if a != b)
+                self.greedy_diff[(p, first)] += 1
+                if self.args.dtype == "float32":
+                    self.failures.append(f"{what} {r.mode} greedy prompt {p}: differs from ar at token {first}")
             return
         seen = self.sampled.setdefault(key, ids)
         n = min(len(seen), len(ids))
-        if seen[:n] != ids[:n]:
-            self.failures.append(f"{what} {r.mode} T=1 seed {r.seed} prompt {p}: not reproduced ({key})")
+        if seen is not ids:
+            self.same_seed[seen[:n] == ids[:n]] += 1
         if len(ids) > len(seen):
             self.sampled[key] = ids
 
@@ -136,7 +145,8 @@ async def main(args) -> int:
     tdir = resolve_model(DEFAULT_TARGET)
     prompts = load_prompt_sets(load_tokenizer(tdir), ["humaneval", "chat"], args.n_prompts)
     stack = LocalStack(str(tdir), str(resolve_model(DEFAULT_DRAFT)), _default_preverifier(DEFAULT_DRAFT), threads=1,
-                       ray_cpus=2, pipelines=2, max_sessions=args.max_sessions, metrics=True)
+                       ray_cpus=2, pipelines=2, max_sessions=args.max_sessions, metrics=True,
+                       dtype=args.dtype)
     await stack.start()
     channel = grpc.aio.insecure_channel(stack.address)
     stub = generation_pb2_grpc.GenerationServiceStub(channel)
@@ -165,7 +175,10 @@ async def main(args) -> int:
         failures = soak.failures + failures
         report = {"seconds": round(wall, 1), "clients": args.clients, "requests": sum(soak.codes.values()),
                   "tokens": soak.tokens, "codes": dict(soak.codes), "kinds": dict(soak.kinds),
-                  "sampled_keys": len(soak.sampled), "replica_state": state,
+                  "greedy_differs_from_ar": {f"prompt {p} at token {i}": n
+                                             for (p, i), n in sorted(soak.greedy_diff.items())},
+                  "same_seed_pairs": {"agreed": soak.same_seed[True], "differed": soak.same_seed[False]},
+                  "replica_state": state,
                   "rss_mb_start": {k: round(v) for k, v in rss0.items()},
                   "rss_mb_end": {k: round(v) for k, v in rss1.items()}, "failures": failures[:50]}
         print(json.dumps(report, indent=1))
@@ -182,6 +195,8 @@ if __name__ == "__main__":
     ap.add_argument("--max-sessions", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--n-prompts", type=int, default=4, help="per prompt set")
+    ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+                    help="the replicas' dtype; float32 makes a greedy difference from ar a failure")
     ap.add_argument("--greedy-share", type=float, default=0.7)
     ap.add_argument("--deadline-share", type=float, default=0.15)
     ap.add_argument("--drop-share", type=float, default=0.2, help="of streams: dropped after 1-4 messages")

@@ -4,10 +4,12 @@ whichever has committed more tokens per second so far. Pure Python; no torch, no
 PEARL hides the draft behind the target's verify, which pays where the two compute on separate hardware. Where
 they share a host's cores and memory bandwidth, a draft decoding beside the verify slows it (+40 % per target
 step on the 2-vCPU dev host, `scripts/core_contention.py`), and the shadow drafting costs more than it hides.
-Which case holds is a property of the deployment, and it can change with load, so each greedy PEARL request
-measures it: it starts overlapped, tries sequential rounds, then keeps the faster kind and re-tries the other
-every `explore_every` decisions. Both kinds are exact, so the choice changes speed, never the output; sampled
-requests keep PEARL's schedule throughout, so that a seed reproduces its output.
+Which case holds is a property of the deployment, and it can change with load, so each PEARL request measures
+it: it starts overlapped, tries sequential rounds, then keeps the faster kind and re-tries the other every
+`explore_every` decisions. Both kinds are exact, so the choice changes speed, never the output distribution.
+Sampled requests adapt too: their rounds already depend on timing (where PEARL's shadow stream is cut, when the
+target's load switches speculation off), so a seed fixes each draw, not the whole text of a separate request
+(docs/coordinator.md, "Seeds").
 
 Sequential rounds are tried `explore_rounds` at a time. One round's rate is mostly the luck of its content (a
 round of 8 looked-up tokens against one rejected at its first token), while an overlapped stretch spans several

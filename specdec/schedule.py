@@ -21,7 +21,7 @@ PEARL (ALGORITHMS.md §3.2), adapted to services:
   from its last token, assuming everything is accepted (post-verify). All accepted → the next block's first token
   is checked in the next round against the target's stored row (PEARL uses the "bonus" slot this way). A
   rejection → the speculative block is cancelled and discarded, both sides roll back, back to PRE.
-- Adaptive overlap (`pearl_overlap` = "auto", greedy requests with the default PRE rounds): where no block is
+- Adaptive overlap (`pearl_overlap` = "auto", requests with the default PRE rounds): where no block is
   pending, the next round may instead be one sequential sd/PACER round, whichever kind has committed more
   tokens per second in this request (`specdec/overlap.py`); overlap loses where draft and target share cores.
 """
@@ -277,9 +277,8 @@ async def _run_pearl(run: _Run, draft: DraftBackend, target: TargetBackend) -> N
     post_block = _pacer_block(req) if post_stop.kind == "pacer" else 1
     pending_block: DraftBlock | None = None  # POST: a block whose first token is already committed
     first_max, first_stop, first_bs = _first_block(req)
-    # adaptive overlap (specdec/overlap.py): greedy requests with PEARL's default PRE rounds
-    choice = OverlapChoice() if (req.pearl_overlap == "auto" and req.params.greedy
-                                 and req.pearl_first_block is None) else None
+    # adaptive overlap (specdec/overlap.py): requests with PEARL's default PRE rounds
+    choice = OverlapChoice() if req.pearl_overlap == "auto" and req.pearl_first_block is None else None
     episode: tuple[int, float] | None = None  # an overlapped stretch's start: (tokens generated, time)
     while run.finish is None:
         if episode is not None and pending_block is None:  # the overlapped stretch ended: score it

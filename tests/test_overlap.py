@@ -71,13 +71,49 @@ def test_mixed_rounds_keep_the_greedy_output(pair, monkeypatch, mode, gamma):
     eng.close()
 
 
+@pytest.mark.parametrize("mode", ["pearl", "pacer_pearl"])
+def test_mixed_rounds_keep_the_target_distribution(monkeypatch, mode):
+    """T=1: 3-token continuations whose rounds alternate between overlapped and sequential ones are distributed
+    exactly as the target's (chi-square against the enumerated distribution)."""
+    import asyncio
+    import os
+    from collections import Counter
+
+    from specdec.schedule import generate
+    from tests.table_lm import TableLM
+    from tests.test_exactness import PROMPT as TABLE_PROMPT, V, chi_square_pvalue, exact_continuations
+
+    monkeypatch.setattr(specdec.schedule, "OverlapChoice", Alternating)
+    target, draft = TableLM(V, seed=31, scale=1.5), TableLM(V, seed=32, scale=1.5)
+    pv = build_random_preverifier(hidden_size=4, seed=3, block_size=1) if mode == "pacer_pearl" else None
+    eng = Engine(target, draft, preverifier=pv, inline=True)
+    params = SamplingParams(temperature=1.0)
+    exact = exact_continuations(target, TABLE_PROMPT, params)
+    n = int(os.environ.get("SPECDEC_EXACT_RUNS_TRUNC", "3000"))
+    counts, mixed = Counter(), 0
+
+    async def sample_all():
+        nonlocal mixed
+        for seed in range(n):
+            req = GenerationRequest(TABLE_PROMPT, 3, params=SamplingParams(temperature=1.0, seed=seed), mode=mode,
+                                    gamma=2)
+            res = await generate(req, eng.draft, eng.target)
+            counts[tuple(res.token_ids)] += 1
+            mixed += 0 < res.stats.sequential_rounds < res.stats.rounds
+
+    asyncio.run(sample_all())
+    eng.close()
+    assert mixed > n // 4, mixed  # both kinds ran in many requests
+    assert chi_square_pvalue(counts, exact, n) > 0.001
+
+
 def test_who_adapts(pair):
     target, draft, pv = pair
     eng = Engine(target, draft, preverifier=pv)
     cases = [(dict(), True),  # greedy, defaults: adapts
              (dict(pearl_overlap="always"), False),
              (dict(pearl_first_block=2), False),  # a fixed PRE round is a request for PEARL's schedule
-             (dict(params=SamplingParams(temperature=1.0, seed=4)), False)]  # a seed must reproduce its output
+             (dict(params=SamplingParams(temperature=1.0, seed=4)), True)]  # sampled: adapts too
     for kw, adapts in cases:
         st = eng.generate(GenerationRequest(PROMPT, 48, mode="pearl", gamma=4, **kw)).stats
         # adapting tries a sequential round after the first overlapped stretch
