@@ -17,7 +17,7 @@ Checked:
 - a stream's concatenated deltas equal its token ids;
 - no status but OK, DEADLINE_EXCEEDED and CANCELLED (RESOURCE_EXHAUSTED is counted apart: a full queue);
 - afterwards, both replicas hold no session (`specdec_sessions_active`) and report no queued call; replica memory
-  (RSS) at the start and the end.
+  (RSS) at the start, every `--rss-every` seconds, and at the end.
 Exits 1 when a check fails.
 """
 from __future__ import annotations
@@ -161,7 +161,17 @@ async def main(args) -> int:
         rss0 = {k: rss_mb(v) for k, v in pids.items()}
         soak = Soak(stub, prompts, refs, args)
         t0 = time.monotonic()
+        series = {k: [] for k in pids}  # RSS every --rss-every seconds: growth that goes on is a leak
+
+        async def sample_rss():
+            while True:
+                for k, v in pids.items():
+                    series[k].append(round(rss_mb(v)))
+                await asyncio.sleep(args.rss_every)
+
+        sampler = asyncio.ensure_future(sample_rss())
         await asyncio.gather(*(soak.client(args.seed + i, t0 + args.seconds) for i in range(args.clients)))
+        sampler.cancel()
         wall = time.monotonic() - t0
         await asyncio.sleep(args.settle_s)  # cancelled sessions end; idle ones are reaped by then at the latest
         state = {}
@@ -180,7 +190,8 @@ async def main(args) -> int:
                   "same_seed_pairs": {"agreed": soak.same_seed[True], "differed": soak.same_seed[False]},
                   "replica_state": state,
                   "rss_mb_start": {k: round(v) for k, v in rss0.items()},
-                  "rss_mb_end": {k: round(v) for k, v in rss1.items()}, "failures": failures[:50]}
+                  "rss_mb_end": {k: round(v) for k, v in rss1.items()}, "rss_mb_series": series,
+                  "failures": failures[:50]}
         print(json.dumps(report, indent=1))
     finally:
         await channel.close()
@@ -201,5 +212,6 @@ if __name__ == "__main__":
     ap.add_argument("--deadline-share", type=float, default=0.15)
     ap.add_argument("--drop-share", type=float, default=0.2, help="of streams: dropped after 1-4 messages")
     ap.add_argument("--settle-s", type=float, default=3.0)
+    ap.add_argument("--rss-every", type=float, default=30.0)
     ap.add_argument("--seed", type=int, default=0)
     sys.exit(asyncio.run(main(ap.parse_args())))

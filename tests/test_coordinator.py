@@ -379,6 +379,48 @@ async def test_client_cancel_and_deadline_free_both_sessions(stack):
     await until(lambda: stack.sessions() == 0)
 
 
+async def test_a_random_mix_under_load_stays_exact_and_frees_every_session(stack):
+    """scripts/soak.py in small: concurrent clients send every mode through two drafts (one equal to the target,
+    so whole blocks are accepted), unary and streamed, some with a short deadline, some streams dropped after a
+    message, with load-adaptive speculation on or off. Every greedy answer is target-only greedy decoding (fp32),
+    the only errors are the clients' own deadlines, and no replica holds a session afterwards."""
+    import random
+
+    prompts = [[1, 2, 3], [5, 9, 2, 6, 5], [7] * 6]
+    refs = [target_greedy(stack.target, p, 40) for p in prompts]
+    codes, checked = [], [0]
+
+    async def client(seed):
+        rng = random.Random(seed)
+        for _ in range(12):
+            i = rng.randrange(len(prompts))
+            r = req(prompts[i], rng.choice(MODES), n=rng.randint(4, 40), spec_off_batch=rng.choice([0, 2]))
+            stub = stack.stubs[rng.choice(["random", "same"])]
+            deadline = 0.05 if rng.random() < 0.15 else 30
+            try:
+                if rng.random() < 0.5:
+                    ids = list((await stub.Generate(r, timeout=deadline)).token_ids)
+                else:
+                    call, ids = stub.GenerateStream(r, timeout=deadline), []
+                    drop = rng.random() < 0.2
+                    async for part in call:
+                        ids += part.token_ids
+                        if drop:
+                            call.cancel()
+                            break
+                    if drop:
+                        continue
+                assert ids == refs[i][:len(ids)] and len(ids) == r.max_new_tokens, (r.mode, i)
+                checked[0] += 1
+            except grpc.aio.AioRpcError as e:
+                codes.append(e.code())
+
+    await asyncio.gather(*(client(k) for k in range(6)))
+    assert set(codes) <= {grpc.StatusCode.DEADLINE_EXCEEDED}, codes
+    assert checked[0] >= 20
+    await until(lambda: stack.sessions() == 0)
+
+
 @pytest.mark.parametrize("kind", ["target", "draft"])
 async def test_replica_dies_mid_request_output_exact(kind):
     target, draft = tiny_pair()
