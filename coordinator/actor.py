@@ -5,6 +5,9 @@ so Ray stays off the per-round path (STYLE A6.1: the actors are wrappers; the lo
 """
 from __future__ import annotations
 
+import asyncio
+import contextlib
+
 import ray
 
 
@@ -56,13 +59,32 @@ class RayPool:
 
     def __init__(self, handle):
         self.h = handle
+        self._giving_back: set[asyncio.Task] = set()  # referenced until done (the loop holds tasks weakly)
 
     async def acquire(self, kind, exclude=()):
+        ref = self.h.acquire.remote(kind, list(exclude))
         try:
-            return await self.h.acquire.remote(kind, list(exclude))
+            return await ref
         except ray.exceptions.RayTaskError as e:  # the pool's own error: its message says what to change
             cause = getattr(e, "cause", None)
             raise (cause if isinstance(cause, Exception) else e) from None
+        except asyncio.CancelledError:
+            # The request went away (client cancel, deadline) while the pool actor looked for room, maybe waiting
+            # for it. The actor does not see this cancel: room it hands over later would stay counted as used,
+            # and each such cancel would shrink the pools for good. Stop its wait, and give back what it hands.
+            with contextlib.suppress(Exception):
+                ray.cancel(ref)
+            task = asyncio.ensure_future(self._give_back(ref, kind))
+            self._giving_back.add(task)
+            task.add_done_callback(self._giving_back.discard)
+            raise
+
+    async def _give_back(self, ref, kind: str) -> None:
+        try:
+            endpoint = await ref
+        except (Exception, asyncio.CancelledError):  # noqa: BLE001 - cancelled or failed: nothing was handed
+            return
+        await self.release(kind, endpoint)
 
     async def release(self, kind, endpoint):
         await self.h.release.remote(kind, endpoint)
