@@ -26,9 +26,18 @@ Every kernel computes the same function up to float summation order, and a plan 
 so a model's outputs do not change while it serves. `SPECDEC_KERNEL_TUNE=0` skips the measurement and keeps each
 class's DEFAULT_PLAN, unpadded (outputs then also repeat across processes). Measure the kernels with
 `scripts/forward_cost.py`.
+
+Row invariance (`set_row_invariant`, the target's layers; `SPECDEC_ROW_INVARIANT=0` turns it off): a row's result
+must not depend on how many rows its call has, or a target's greedy output depends on the load (a decode step alone
+is one row, batched with other sessions it is one of many) and on what tuning chose in this process. The kernels
+differ there: `torch.mv` rounds unlike oneDNN, and oneDNN's one-row path rounds some rows unlike its multi-row one
+(default target, AMD host: 5 of 48 random rows of the 1536-wide down projection). So a row-invariant layer never
+takes `gemv` and never runs one row alone: a one-row call runs as at least MIN_INVARIANT_ROWS rows (a zero row
+appended). `check_row_invariance` verifies the result at load.
 """
 from __future__ import annotations
 
+import logging
 import os
 import statistics
 import time
@@ -37,10 +46,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+log = logging.getLogger(__name__)
+
 ROW_CLASSES = (1, 4, 8)  # the row counts a plan is tuned at: a call with r rows uses the first class >= r
 _TUNED: dict[tuple, tuple[str, ...]] = {}  # (class, shape, bias, threads) → plan, shared by same-shaped layers
 PAD_MAX_ROWS = 8  # calls of up to this many rows may run padded (Linear.pad_to)
 PAD_MARGIN = 0.05  # a padded row count is taken only where it measured at least this much faster
+MIN_INVARIANT_ROWS = 2  # a row-invariant layer's calls run as at least this many rows (see the module docstring)
 _PADS: dict[tuple, tuple[int, ...]] = {}  # (class, shape, bias, threads, plan, layers) → pad_to
 
 
@@ -59,8 +71,10 @@ def tuning_enabled() -> bool:
 
 class Linear(nn.Linear):
     DEFAULT_PLAN: tuple[str, ...] = ("gemv", "packed", "packed", "packed")  # until tuned (or with tuning off)
+    INVARIANT_PLAN: tuple[str, ...] = ("packed", "packed", "packed", "packed")  # the same, row-invariant
     plan: tuple[str, ...] | None = None  # kernel per row class (see row_class); None: DEFAULT_PLAN
     pad_to: tuple[int, ...] | None = None  # a call of r <= len(pad_to) rows runs as pad_to[r - 1] rows; None: r
+    row_invariant: bool = False  # every row rounds alike whatever its call's row count (set_row_invariant)
     _packed: tuple[int, int, torch.Tensor] | None = None  # (weight data_ptr, weight version, packed weight)
 
     def prepack(self, rows_hint: int = 4) -> bool:
@@ -82,7 +96,7 @@ class Linear(nn.Linear):
 
     def kernels(self, rows: int) -> list[str]:
         """The kernels that can run a bf16 CPU call of `rows` rows on this layer now."""
-        out = ["gemm"] + (["gemv"] if rows == 1 else [])
+        out = ["gemm"] + (["gemv"] if rows == 1 and not self.row_invariant else [])
         return out + (["packed"] if self._packed_weight() is not None else [])
 
     def run_kernel(self, kernel: str, x2: torch.Tensor) -> torch.Tensor:
@@ -97,13 +111,18 @@ class Linear(nn.Linear):
         return F.linear(x2, self.weight, self.bias)
 
     def kernel_for(self, rows: int) -> str:
-        return (self.plan or self.DEFAULT_PLAN)[row_class(rows)]
+        return (self.plan or (self.INVARIANT_PLAN if self.row_invariant else self.DEFAULT_PLAN))[row_class(rows)]
+
+    def rows_to_run(self, rows: int) -> int:
+        """The row count a call of `rows` rows runs as (row padding; a row-invariant layer never runs one)."""
+        run = self.pad_to[rows - 1] if self.pad_to is not None and rows <= len(self.pad_to) else rows
+        return max(run, MIN_INVARIANT_ROWS) if self.row_invariant else run
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype is torch.bfloat16 and x.device.type == "cpu":
             rows = x.numel() // self.in_features
             x2 = x.reshape(rows, self.in_features)
-            run = self.pad_to[rows - 1] if self.pad_to is not None and rows <= len(self.pad_to) else rows
+            run = self.rows_to_run(rows)
             if run > rows:  # zero rows appended: a row count this host's kernel runs faster (tune_padding)
                 x2 = torch.cat((x2, x2.new_zeros(run - rows, self.in_features)))
             y = self.run_kernel(self.kernel_for(run), x2)
@@ -137,7 +156,7 @@ def _time_kernels(layer: Linear, rows: int, kernels: list[str], budget_s: float 
 def tune_plan(layer: Linear) -> tuple[str, ...]:
     """The fastest kernel per row class for this layer's shape, measured now (cached per shape and thread count)."""
     key = (type(layer).__name__, layer.out_features, layer.in_features, layer.bias is not None,
-           torch.get_num_threads())
+           torch.get_num_threads(), layer.row_invariant)
     if key not in _TUNED:
         plan = []
         for rows in ROW_CLASSES:
@@ -175,27 +194,27 @@ def tune_padding(layers: list[Linear]) -> tuple[int, ...]:
     shape, plan, threads and group size)."""
     m = layers[0]
     key = (type(m).__name__, m.out_features, m.in_features, m.bias is not None, torch.get_num_threads(),
-           m.plan, len(layers))
+           m.plan, len(layers), m.row_invariant)
     if key not in _PADS:
         reps = _time_rows(layers)
         pad = []
         for r in range(1, PAD_MAX_ROWS + 1):
-            ratio = {p: statistics.median(t[p] / t[r] for t in reps) for p in range(r, PAD_MAX_ROWS + 1)}
+            low = max(r, MIN_INVARIANT_ROWS) if m.row_invariant else r  # the fewest rows this call may run as
+            ratio = {p: statistics.median(t[p] / t[low] for t in reps) for p in range(low, PAD_MAX_ROWS + 1)}
             p = min(ratio, key=ratio.get)
-            pad.append(p if ratio[p] < 1.0 - PAD_MARGIN else r)
+            pad.append(p if ratio[p] < 1.0 - PAD_MARGIN else low)
         _PADS[key] = tuple(pad)
     return _PADS[key]
 
 
 def tune_linears(model: nn.Module) -> dict[str, int]:
     """Give every bf16 CPU `Linear` of `model` its measured plan and row padding (call where the model will run:
-    both are per thread count). → how many layers took each plan, e.g. {"packed/packed/packed/packed": 211}. No-op
-    when tuning is off (SPECDEC_KERNEL_TUNE=0), on other dtypes and devices."""
+    both are per thread count). → how many layers took each plan, e.g. {"packed/packed/packed/packed": 211}. No
+    tuning when it is off (SPECDEC_KERNEL_TUNE=0), on other dtypes and devices. Row-invariant layers are checked
+    either way (`check_row_invariance`; a warning names the shapes that fail)."""
     counts: dict[str, int] = {}
-    if not tuning_enabled():
-        return counts
     groups: dict[tuple, list[Linear]] = {}
-    for m in model.modules():
+    for m in model.modules() if tuning_enabled() else ():
         if isinstance(m, Linear) and m.weight.dtype is torch.bfloat16 and m.weight.device.type == "cpu":
             m.plan = tune_plan(m)
             name = "/".join(m.plan)
@@ -205,7 +224,44 @@ def tune_linears(model: nn.Module) -> dict[str, int]:
         pad = tune_padding(layers)
         for m in layers:
             m.pad_to = pad if any(p > r for r, p in enumerate(pad, 1)) else None
+    bad = check_row_invariance(model)
+    if bad:
+        log.warning("row-invariant linears %s round some rows differently alone than in a batch on this host: a "
+                    "target's greedy output may depend on the load", bad)
     return counts
+
+
+def set_row_invariant(model: nn.Module, on: bool = True) -> None:
+    """Make every `Linear` of `model` row-invariant (the module docstring); call before `tune_linears`."""
+    for m in model.modules():
+        if isinstance(m, Linear):
+            m.row_invariant = on
+
+
+def row_invariance_enabled() -> bool:
+    return os.environ.get("SPECDEC_ROW_INVARIANT", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def check_row_invariance(model: nn.Module, max_rows: int = 16) -> list[tuple[int, int]]:
+    """The (out_features, in_features) of the row-invariant bf16 CPU `Linear`s of `model` whose rows, on random
+    inputs, differ between a call of one row and calls of 2..max_rows rows as they run now (plan and padding).
+    Empty: every row of every such layer rounds alike whatever its call's row count."""
+    bad, seen = [], set()
+    gen = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for m in model.modules():
+            if not (isinstance(m, Linear) and m.row_invariant and m.weight.dtype is torch.bfloat16
+                    and m.weight.device.type == "cpu"):
+                continue
+            key = (m.out_features, m.in_features, m.plan, m.pad_to)
+            if key in seen:
+                continue
+            seen.add(key)
+            x = torch.randn(max_rows, m.in_features, generator=gen).to(torch.bfloat16)
+            alone = torch.cat([m(x[i:i + 1]) for i in range(max_rows)])
+            if not all(torch.equal(m(x[:n]), alone[:n]) for n in range(2, max_rows + 1)):
+                bad.append((m.out_features, m.in_features))
+    return bad
 
 
 def padding(model: nn.Module) -> dict[tuple[int, int], tuple[int, ...]]:

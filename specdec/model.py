@@ -25,7 +25,7 @@ import specdec.attention
 from specdec import native
 from specdec.attention import SMALL_BLOCK_ROWS, attention
 from specdec.dtypes import auto_dtype, cpu_has_fast_bf16, resolve_dtype  # noqa: F401 (re-exported: their old home)
-from specdec.linear import Linear, prepack_linears, tune_linears
+from specdec.linear import Linear, prepack_linears, row_invariance_enabled, set_row_invariant, tune_linears
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 
@@ -378,6 +378,9 @@ def load_model_dir(path: str | Path, device: str = "cpu", dtype: str | torch.dty
         # a pre-verifier names its draft by the stored weights; keep that name across the quantization
         model.weights_fingerprint = draft_fingerprint(model)
         quantize_int8_(model)
+    if role == "target" and row_invariance_enabled():
+        # the output is the target's: a row must not round differently alone than batched (specdec.linear)
+        set_row_invariant(model)
     prepack_linears(model)  # bf16 on a CPU: the packed kernel skips oneDNN's per-call weight reorder
     tune_linears(model)  # and each layer shape takes this host's fastest kernel per row count (specdec.linear)
     if model.device.type == "cpu":

@@ -204,3 +204,72 @@ def test_fused_projections_compute_the_same_model(bias):
                                                                   s0.self_attn.k_proj.qweight,
                                                                   s0.self_attn.v_proj.qweight]))
     assert torch.equal(f0.mlp.gate_up_proj.scales, torch.cat([s0.mlp.gate_proj.scales, s0.mlp.up_proj.scales]))
+
+
+def _down_projection(seed: int = 0) -> Linear:
+    """A bf16 linear of the default target's down-projection shape (1536 → 576), packed."""
+    torch.manual_seed(seed)
+    lin = Linear(1536, 576, bias=False).to(torch.bfloat16).eval()
+    lin.prepack()
+    return lin
+
+
+@pytest.mark.parametrize("plan", ["tuned", "gemv", "packed"])
+def test_a_row_invariant_linear_rounds_every_row_alike_alone_or_batched(plan, monkeypatch):
+    """A target's row must round the same alone (a lone decode step) as among other sessions' rows (a batched step),
+    whatever tuning chose: no gemv, no one-row call."""
+    from specdec import linear
+
+    lin = _down_projection()
+    linear.set_row_invariant(lin)
+    monkeypatch.setattr(linear, "_TUNED", {})
+    monkeypatch.setattr(linear, "_PADS", {})
+    if plan == "tuned":
+        tune_linears(lin)
+        assert "gemv" not in lin.plan and lin.pad_to[0] >= linear.MIN_INVARIANT_ROWS
+    else:  # what a tuner may pick elsewhere, unpadded
+        lin.plan, lin.pad_to = (plan, "packed", "packed", "packed"), None
+    assert lin.kernels(1) == ["gemm", "packed"]
+    assert linear.check_row_invariance(lin) == []
+    x = torch.randn(48, 1536, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    with torch.inference_mode():
+        alone = torch.cat([lin(x[i:i + 1]) for i in range(48)])
+        assert torch.equal(lin(x), alone)
+        assert torch.equal(alone, F.linear(x, lin.weight))  # and it is still the linear
+
+
+def test_the_invariance_check_sees_a_one_row_path_that_rounds_differently(monkeypatch):
+    """With one-row calls allowed, oneDNN's one-row kernel rounds some rows of this shape unlike its multi-row one
+    on the dev hosts; the load-time check must report it (skipped where this host's kernels happen to agree)."""
+    from specdec import linear
+
+    lin = _down_projection()
+    lin.plan, lin.pad_to = ("packed",) * 4, None
+    x = torch.randn(48, 1536, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    with torch.inference_mode():
+        differs = not torch.equal(torch.cat([lin(x[i:i + 1]) for i in range(48)]), lin(x))
+    if not differs:
+        pytest.skip("this host's one-row and multi-row kernels round alike")
+    linear.set_row_invariant(lin)
+    monkeypatch.setattr(linear, "MIN_INVARIANT_ROWS", 1)
+    assert linear.check_row_invariance(lin, max_rows=48) == [(576, 1536)]
+    monkeypatch.setattr(linear, "MIN_INVARIANT_ROWS", 2)
+    assert linear.check_row_invariance(lin, max_rows=48) == []
+
+
+def test_only_the_target_is_row_invariant(tmp_path, monkeypatch):
+    """load_model_dir makes a target's linears row-invariant (unless SPECDEC_ROW_INVARIANT=0), not a draft's."""
+    from specdec.model import load_model_dir
+    from tests.helpers_models import save_model
+
+    path = save_model(build_tiny_model(vocab_size=64, hidden_size=32, seed=1), tmp_path / "m")
+
+    def invariant(role):
+        model = load_model_dir(path, dtype=torch.bfloat16, role=role, quant="none")
+        flags = {m.row_invariant for m in model.modules() if isinstance(m, Linear)}
+        assert len(flags) == 1
+        return flags.pop()
+
+    assert invariant("target") and not invariant("draft")
+    monkeypatch.setenv("SPECDEC_ROW_INVARIANT", "0")
+    assert not invariant("target")
