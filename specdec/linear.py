@@ -29,11 +29,12 @@ class's DEFAULT_PLAN, unpadded (outputs then also repeat across processes). Meas
 
 Row invariance (`set_row_invariant`, the target's layers; `SPECDEC_ROW_INVARIANT=0` turns it off): a row's result
 must not depend on how many rows its call has, or a target's greedy output depends on the load (a decode step alone
-is one row, batched with other sessions it is one of many) and on what tuning chose in this process. The kernels
-differ there: `torch.mv` rounds unlike oneDNN, and oneDNN's one-row path rounds some rows unlike its multi-row one
-(default target, AMD host: 5 of 48 random rows of the 1536-wide down projection). So a row-invariant layer never
-takes `gemv` and never runs one row alone: a one-row call runs as at least MIN_INVARIANT_ROWS rows (a zero row
-appended). `check_row_invariance` verifies the result at load.
+is one row, batched with other sessions it is one of many) and on what tuning chose in this process. oneDNN's
+one-row path rounds some rows unlike its multi-row one (default target, AMD host: 5 of 48 random rows of the
+1536-wide down projection; `scripts/row_invariance.py`). So a row-invariant layer never runs a one-row oneDNN call:
+one row runs as at least MIN_INVARIANT_ROWS rows (a zero row appended), or on `torch.mv` where that was tuned
+fastest. `tune_linears` then checks each shape (`check_row_invariance`) and moves a shape whose `torch.mv` rounds
+unlike its multi-row kernel to the padded oneDNN call.
 """
 from __future__ import annotations
 
@@ -96,7 +97,7 @@ class Linear(nn.Linear):
 
     def kernels(self, rows: int) -> list[str]:
         """The kernels that can run a bf16 CPU call of `rows` rows on this layer now."""
-        out = ["gemm"] + (["gemv"] if rows == 1 and not self.row_invariant else [])
+        out = ["gemm"] + (["gemv"] if rows == 1 else [])
         return out + (["packed"] if self._packed_weight() is not None else [])
 
     def run_kernel(self, kernel: str, x2: torch.Tensor) -> torch.Tensor:
@@ -114,9 +115,12 @@ class Linear(nn.Linear):
         return (self.plan or (self.INVARIANT_PLAN if self.row_invariant else self.DEFAULT_PLAN))[row_class(rows)]
 
     def rows_to_run(self, rows: int) -> int:
-        """The row count a call of `rows` rows runs as (row padding; a row-invariant layer never runs one)."""
+        """The row count a call of `rows` rows runs as (row padding; a row-invariant layer never makes a one-row
+        oneDNN call)."""
         run = self.pad_to[rows - 1] if self.pad_to is not None and rows <= len(self.pad_to) else rows
-        return max(run, MIN_INVARIANT_ROWS) if self.row_invariant else run
+        if self.row_invariant and run < MIN_INVARIANT_ROWS and self.kernel_for(run) != "gemv":
+            return MIN_INVARIANT_ROWS  # never a one-row oneDNN call
+        return run
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype is torch.bfloat16 and x.device.type == "cpu":
@@ -199,7 +203,7 @@ def tune_padding(layers: list[Linear]) -> tuple[int, ...]:
         reps = _time_rows(layers)
         pad = []
         for r in range(1, PAD_MAX_ROWS + 1):
-            low = max(r, MIN_INVARIANT_ROWS) if m.row_invariant else r  # the fewest rows this call may run as
+            low = r if not m.row_invariant or m.kernel_for(r) == "gemv" else max(r, MIN_INVARIANT_ROWS)
             ratio = {p: statistics.median(t[p] / t[low] for t in reps) for p in range(low, PAD_MAX_ROWS + 1)}
             p = min(ratio, key=ratio.get)
             pad.append(p if ratio[p] < 1.0 - PAD_MARGIN else low)
@@ -224,11 +228,26 @@ def tune_linears(model: nn.Module) -> dict[str, int]:
         pad = tune_padding(layers)
         for m in layers:
             m.pad_to = pad if any(p > r for r, p in enumerate(pad, 1)) else None
-    bad = check_row_invariance(model)
+    bad = enforce_row_invariance(model)
     if bad:
         log.warning("row-invariant linears %s round some rows differently alone than in a batch on this host: a "
                     "target's greedy output may depend on the load", bad)
     return counts
+
+
+def enforce_row_invariance(model: nn.Module) -> list[tuple[int, int]]:
+    """Check the row-invariant layers; a shape that fails while one row runs on `torch.mv` moves one-row calls to
+    the padded multi-row kernel, and is checked again. → the shapes that still fail (none expected)."""
+    bad = check_row_invariance(model)
+    if not bad:
+        return bad
+    for m in model.modules():
+        if isinstance(m, Linear) and m.row_invariant and (m.out_features, m.in_features) in bad \
+                and m.kernel_for(1) == "gemv":
+            m.plan = ("packed" if m._packed_weight() is not None else "gemm",) + tuple(m.plan or m.DEFAULT_PLAN)[1:]
+            if m.pad_to is not None and m.pad_to[0] < MIN_INVARIANT_ROWS:
+                m.pad_to = (MIN_INVARIANT_ROWS,) + m.pad_to[1:]
+    return check_row_invariance(model)
 
 
 def set_row_invariant(model: nn.Module, on: bool = True) -> None:
