@@ -5,6 +5,7 @@ empirical distribution of 20,000 seeded runs of `sd` (token and block verificati
 Block verification's expected accepted length on the toy example of ALGORITHMS.md §2.4 must be exactly 11/9
 (token-level: 10/9), by enumeration.
 """
+import asyncio
 import itertools
 import os
 from collections import Counter
@@ -17,7 +18,7 @@ from scipy.stats import chisquare
 from specdec.engine import Engine
 from specdec.preverifier import build_random_preverifier
 from specdec.sampling import SamplingParams, logits_to_probs
-from specdec.schedule import GenerationRequest
+from specdec.schedule import GenerationRequest, generate
 from specdec.verify import block_acceptance_weights
 from tests.table_lm import TableLM
 
@@ -56,6 +57,20 @@ def chi_square_pvalue(counts: Counter, exact: dict, n: int) -> float:
     total = sum(exp)
     exp = [e * n / total for e in exp]  # exact probabilities sum to 1 up to float rounding
     return float(chisquare(obs, exp).pvalue)
+
+
+def sample_continuations(backends, runs: int, **req_kw):
+    """T=1 3-token continuations of PROMPT with seeds 0..runs-1, each run on `backends()` → (draft, target).
+    → (Counter of continuations, each run's stats)."""
+    async def all_runs():
+        out = []
+        for seed in range(runs):
+            req = GenerationRequest(PROMPT, 3, params=SamplingParams(temperature=1.0, seed=seed), **req_kw)
+            out.append(await generate(req, *backends()))
+        return out
+
+    results = asyncio.run(all_runs())
+    return Counter(tuple(r.token_ids) for r in results), [r.stats for r in results]
 
 
 def run_many(engine, mode, method, params_kw, runs, gamma=3, **req_kw):

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections import Counter
 
 import pytest
 
@@ -16,7 +15,7 @@ from specdec.sampling import SamplingParams
 from specdec.schedule import GenerationRequest, generate
 from tests.helpers_models import target_greedy
 from tests.table_lm import TableLM
-from tests.test_exactness import PROMPT, V, chi_square_pvalue, exact_continuations
+from tests.test_exactness import PROMPT, V, chi_square_pvalue, exact_continuations, sample_continuations
 
 
 class LoadedTarget:
@@ -82,20 +81,10 @@ def test_sampling_stays_exact_when_rounds_switch(pair, mode):
     exact = exact_continuations(target, PROMPT, SamplingParams(temperature=1.0))
     eng = Engine(target, draft, inline=True)
     n = int(os.environ.get("SPECDEC_EXACT_RUNS_TRUNC", "3000"))
-    counts, switched = Counter(), 0
-
-    async def sample_all():
-        nonlocal switched
-        for seed in range(n):
-            req = GenerationRequest(PROMPT, 3, params=SamplingParams(temperature=1.0, seed=seed), mode=mode,
-                                    gamma=2, spec_off_batch=2)
-            res = await generate(req, eng.draft, LoadedTarget(eng.target, [3, 1]))  # every other verify busy
-            counts[tuple(res.token_ids)] += 1
-            switched += res.stats.target_only_rounds > 0
-
-    asyncio.run(sample_all())
+    counts, stats = sample_continuations(lambda: (eng.draft, LoadedTarget(eng.target, [3, 1])),  # every other
+                                         n, mode=mode, gamma=2, spec_off_batch=2)  # verify busy
     eng.close()
-    assert switched > n // 2
+    assert sum(st.target_only_rounds > 0 for st in stats) > n // 2
     assert chi_square_pvalue(counts, exact, n) > 0.001
 
 

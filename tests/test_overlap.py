@@ -75,13 +75,11 @@ def test_mixed_rounds_keep_the_greedy_output(pair, monkeypatch, mode, gamma):
 def test_mixed_rounds_keep_the_target_distribution(monkeypatch, mode):
     """T=1: 3-token continuations whose rounds alternate between overlapped and sequential ones are distributed
     exactly as the target's (chi-square against the enumerated distribution)."""
-    import asyncio
     import os
-    from collections import Counter
 
-    from specdec.schedule import generate
     from tests.table_lm import TableLM
-    from tests.test_exactness import PROMPT as TABLE_PROMPT, V, chi_square_pvalue, exact_continuations
+    from tests.test_exactness import PROMPT as TABLE_PROMPT, V, chi_square_pvalue, exact_continuations, \
+        sample_continuations
 
     monkeypatch.setattr(specdec.schedule, "OverlapChoice", Alternating)
     target, draft = TableLM(V, seed=31, scale=1.5), TableLM(V, seed=32, scale=1.5)
@@ -90,19 +88,9 @@ def test_mixed_rounds_keep_the_target_distribution(monkeypatch, mode):
     params = SamplingParams(temperature=1.0)
     exact = exact_continuations(target, TABLE_PROMPT, params)
     n = int(os.environ.get("SPECDEC_EXACT_RUNS_TRUNC", "3000"))
-    counts, mixed = Counter(), 0
-
-    async def sample_all():
-        nonlocal mixed
-        for seed in range(n):
-            req = GenerationRequest(TABLE_PROMPT, 3, params=SamplingParams(temperature=1.0, seed=seed), mode=mode,
-                                    gamma=2)
-            res = await generate(req, eng.draft, eng.target)
-            counts[tuple(res.token_ids)] += 1
-            mixed += 0 < res.stats.sequential_rounds < res.stats.rounds
-
-    asyncio.run(sample_all())
+    counts, stats = sample_continuations(lambda: (eng.draft, eng.target), n, mode=mode, gamma=2)
     eng.close()
+    mixed = sum(0 < st.sequential_rounds < st.rounds for st in stats)
     assert mixed > n // 4, mixed  # both kinds ran in many requests
     assert chi_square_pvalue(counts, exact, n) > 0.001
 
