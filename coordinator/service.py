@@ -134,6 +134,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             raise InvalidRequestError("block_size", f"must be >= 1, got {r.block_size}")
         if r.HasField("top_p") and not 0.0 < r.top_p <= 1.0:
             raise InvalidRequestError("top_p", f"must be in (0, 1] (1 disables it), got {r.top_p}")
+        if r.raw_prompt and not r.HasField("prompt"):
+            raise InvalidRequestError("raw_prompt", "applies to prompt (text) only; leave it unset with "
+                                                    f"{given[0]}")
         if r.top_k < 0:
             raise InvalidRequestError("top_k", f"must be >= 0 (0 disables it), got {r.top_k}")
         if r.prompt_token_ids:
@@ -147,7 +150,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             from specdec.tokenizer import encode_prompt
 
             try:
-                ids = (encode_prompt(self.tok, prompt=r.prompt) if r.HasField("prompt") else
+                ids = (encode_prompt(self.tok, prompt=r.prompt, raw=r.raw_prompt) if r.HasField("prompt") else
                        encode_prompt(self.tok, messages=[{"role": m.role, "content": m.content} for m in r.messages]))
             except ValueError as e:
                 raise InvalidRequestError(given[0], str(e)) from None
@@ -168,10 +171,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         return Prepared(req, TextAssembler(self.tok, ids, list(r.stop)))
 
     # -- events → responses ---------------------------------------------------------------------------------
-    async def _run(self, r, context, incremental: bool = True):
+    async def respond(self, r, context, incremental: bool = True):
         """Yields GenerateStreamResponse; the last one carries finish_reason and stats. `incremental=False`
         (a unary call without stop strings: nothing to send or check before the end): the pipeline sends no
-        per-round events, only the final one, which carries every token."""
+        per-round events, only the final one, which carries every token. Both front doors call it (gRPC here, HTTP
+        in coordinator/openai_http.py); `context` needs only `abort(code, message)`."""
         p = self.prepare(r)
         asm, rid = p.assembler, p.request["request_id"]
         p.request["final_only"] = not (incremental or asm.stop)
@@ -220,13 +224,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                 m.running.dec()
 
     async def GenerateStream(self, request, context):
-        async for resp in self._run(request, context):
+        async for resp in self.respond(request, context):
             yield resp
 
     async def Generate(self, request, context) -> generation_pb2.GenerateResponse:
         out = generation_pb2.GenerateResponse()
         text = []
-        async for resp in self._run(request, context, incremental=False):
+        async for resp in self.respond(request, context, incremental=False):
             text.append(resp.text_delta)
             out.token_ids.extend(resp.token_ids)
             if resp.finish_reason:
