@@ -55,6 +55,17 @@ class CoordinatorSettings(ServerSettings):
                                                     "unary calls")
     pool_view_refresh_s: float = Field(0.5, gt=0, description="how often pipelines refresh pool membership")
     grace_s: float = Field(30.0, ge=0, description="drain time for in-flight requests on shutdown")
+    http_port: int = Field(0, ge=0, le=65535, description="OpenAI-compatible HTTP API (/v1/chat/completions, "
+                                                          "/v1/completions, /v1/models) on this port of --host "
+                                                          "(0: off)")
+    served_model_name: str = Field("", description="the model id the HTTP API serves and lists ('': the "
+                                                   "tokenizer's model name)")
+    http_api_key: str = Field("", description="when set, HTTP requests to /v1/ must send 'Authorization: Bearer "
+                                              "<key>' (401 otherwise)")
+
+    def model_name(self) -> str:
+        """The model id the HTTP API serves: `served_model_name`, else the tokenizer spec's name."""
+        return self.served_model_name or served_name(self.tokenizer)
 
     def pool_spec(self, kind: str) -> str:
         """'dns:host:port' | 'static:a,b' | '' (no pool configured)."""
@@ -64,3 +75,15 @@ class CoordinatorSettings(ServerSettings):
             raise ValueError(f"set either COORDINATOR_{kind.upper()}_DNS or COORDINATOR_{kind.upper()}_ENDPOINTS, "
                              f"not both")
         return f"dns:{dns}" if dns else (f"static:{static}" if static else "")
+
+
+def served_name(spec: str) -> str:
+    """A model spec's id for the HTTP API: default-target's model name, else its last path part (no .gguf)."""
+    from pathlib import PurePath
+
+    from specdec.defaults import DEFAULT_TARGET_NAME
+
+    spec = spec.rstrip("/")
+    if spec == DEFAULT_TARGET:
+        return DEFAULT_TARGET_NAME
+    return PurePath(spec).name.removesuffix(".gguf") or "specdec"

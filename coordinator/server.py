@@ -112,7 +112,16 @@ async def build_coordinator(s: CoordinatorSettings, tokenizer=None, eos_token_id
         holder["app"].servicer = servicer
         add_to_server(servicer, server)
 
-    app = ServerApp(s, GENERATION_SERVICE_NAME, register, on_stop=[router.close])
+    on_start, on_drain, on_stop = [], [], [router.close]
+    if s.http_port:
+        from coordinator.openai_http import HttpFrontDoor
+
+        http = HttpFrontDoor(s, lambda: holder["app"])
+        on_start.append(http.start)
+        on_drain.append(http.begin_shutdown)
+        on_stop.insert(0, http.wait_closed)  # in-flight HTTP requests finish before the router closes
+    app = ServerApp(s, GENERATION_SERVICE_NAME, register, on_stop=on_stop, on_drain=on_drain, on_start=on_start)
     holder["app"] = app
     app.router = router
     return app, router
+

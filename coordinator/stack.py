@@ -47,10 +47,13 @@ class LocalStack:
                  port: int = 0, threads: int = 1, ray_cpus: int = 2, pipelines: int = 1, use_ray: bool = True,
                  start_timeout_s: float = 600.0, max_new_tokens_cap: int = 4096, quiet: bool = True,
                  draft_port: int = 0, target_port: int = 0, max_sessions: int = 8, max_context: int = 2048,
-                 metrics: bool = False, dtype: str = "auto", prompt_lookup_min_ngram: int | None = None):
+                 metrics: bool = False, dtype: str = "auto", prompt_lookup_min_ngram: int | None = None,
+                 http_port: int | None = None):
         self.target, self.draft, self.preverifier = target, draft, preverifier
         self.prompt_lookup_min_ngram = prompt_lookup_min_ngram  # the draft replica's (None: its default)
         self.dtype = dtype  # the replicas' --dtype
+        self.http_port = http_port  # the OpenAI-compatible HTTP API: None off, 0 a free port
+        self.http_address = ""
         self.host, self.port, self.threads = host, port, threads
         self.ray_cpus, self.pipelines, self.use_ray = ray_cpus, pipelines, use_ray
         self.start_timeout_s, self.cap, self.quiet = start_timeout_s, max_new_tokens_cap, quiet
@@ -83,7 +86,7 @@ class LocalStack:
     async def start(self) -> str:
         from specdec.hub import resolve_model
 
-        from coordinator.config import CoordinatorSettings
+        from coordinator.config import CoordinatorSettings, served_name
         from coordinator.server import build_coordinator, init_ray
 
         # resolve (download/convert, with a progress bar) here, once, before the replicas load
@@ -106,7 +109,7 @@ class LocalStack:
             host=self.host, port=self.port, metrics_port=0, tokenizer=target_dir, draft_endpoints=draft_ep,
             target_endpoints=f"127.0.0.1:{tport}", ray=self.use_ray, ray_num_cpus=self.ray_cpus,
             pipelines=self.pipelines, max_new_tokens_cap=self.cap, grace_s=1.0, dns_refresh_s=5.0,
-            log_level="WARNING")
+            log_level="WARNING", served_model_name=served_name(self.target), http_port=(free_port(self.host) if self.http_port == 0 else self.http_port or 0))
         if self.use_ray:  # starts while the replicas load their models
             import ray
 
@@ -121,7 +124,10 @@ class LocalStack:
         pool = getattr(self.router, "pool_actor", None)
         await (pool.refresh.remote() if pool is not None else self.router.pool_manager.refresh())
         port = await self.app.start()
-        self.address = f"{'127.0.0.1' if self.host in ('0.0.0.0', '::', '') else self.host}:{port}"
+        host = '127.0.0.1' if self.host in ('0.0.0.0', '::', '') else self.host
+        self.address = f"{host}:{port}"
+        if self.app.http_port:
+            self.http_address = f"http://{host}:{self.app.http_port}"
         return self.address
 
     async def stop(self) -> None:

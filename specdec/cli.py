@@ -17,7 +17,8 @@ import asyncio
 import json
 import sys
 
-from specdec.defaults import COORDINATOR_PORT, DEFAULT_DRAFT, DEFAULT_TARGET, PROMPT_LOOKUP_MIN_NGRAM
+from specdec.defaults import (COORDINATOR_HTTP_PORT, COORDINATOR_PORT, DEFAULT_DRAFT, DEFAULT_TARGET,
+                              PROMPT_LOOKUP_MIN_NGRAM)
 
 MODES = ("ar", "sd", "pacer", "pearl", "pacer_pearl")
 
@@ -56,7 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="run draft server, target server and coordinator on this machine")
     _add_models(s)
     s.add_argument("--host", default="0.0.0.0")
-    s.add_argument("--port", type=int, default=COORDINATOR_PORT)
+    s.add_argument("--port", type=int, default=COORDINATOR_PORT, help="gRPC port (default: %(default)s)")
+    s.add_argument("--http-port", type=int, default=COORDINATOR_HTTP_PORT,
+                   help="OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions); 0: off "
+                        "(default: %(default)s)")
     s.add_argument("--pipelines", type=int, default=2, help="pipeline actors (default: 2)")
     sub.add_parser("bench", help="run the benchmark suite (`specdec bench --help`)", add_help=False)
     sub.add_parser("distill-draft", help="distill a draft from the target (`specdec distill-draft --help`)",
@@ -256,8 +260,10 @@ def cmd_serve(args) -> int:
                               port=args.port, threads=args.threads, ray_cpus=args.ray_cpus,
                               pipelines=args.pipelines, quiet=False, max_sessions=args.max_sessions,
                               max_context=args.max_context, dtype=args.dtype,
-                              prompt_lookup_min_ngram=args.prompt_lookup_min_ngram) as stack:
-            print(f"specdec serving specdec.v1.GenerationService on {args.host}:{stack.app.port} "
+                              prompt_lookup_min_ngram=args.prompt_lookup_min_ngram,
+                              http_port=args.http_port or None) as stack:
+            http = f", OpenAI-compatible HTTP on {args.host}:{stack.app.http_port}" if stack.app.http_port else ""
+            print(f"specdec serving specdec.v1.GenerationService on {args.host}:{stack.app.port}{http} "
                   f"(target {args.target_model}, draft {args.draft_model}); Ctrl-C stops", flush=True)
             await stop.wait()
             print("stopping...", file=sys.stderr, flush=True)

@@ -3,6 +3,7 @@
 COORDINATOR_PORT = 50051
 DRAFT_PORT = 50061
 TARGET_PORT = 50071
+COORDINATOR_HTTP_PORT = 8000  # the OpenAI-compatible API of `specdec serve` and deploy/ (off by default otherwise)
 COORDINATOR_METRICS_PORT = 9400
 DRAFT_METRICS_PORT = 9401
 TARGET_METRICS_PORT = 9402
@@ -13,6 +14,7 @@ TARGET_SERVICE_NAME = "specdec.v1.TargetService"
 GENERATION_SERVICE_NAME = "specdec.v1.GenerationService"
 
 DEFAULT_TARGET = "default-target"
+DEFAULT_TARGET_NAME = "SmolLM2-135M-Instruct"  # the id the OpenAI-compatible API serves it as
 DEFAULT_DRAFT = "default-draft"
 
 # prompt lookup beside the draft model (specdec/lookup.py): the shortest earlier n-gram match that proposes; 0: off

@@ -46,21 +46,24 @@ def server_options(s: ServerSettings) -> list[tuple[str, int]]:
 
 
 class ServerApp:
-    """One replica's server. `register(server)` adds the servicer; `on_drain` hooks run when draining starts,
-    `on_stop` hooks after the drain."""
+    """One replica's server. `register(server)` adds the servicer; `on_start` hooks run once it serves (before
+    it reports SERVING), `on_drain` hooks when draining starts, `on_stop` hooks after the drain."""
 
     def __init__(self, settings: ServerSettings, service_name: str,
                  register: Callable[[grpc.aio.Server], None], metrics: ServiceMetrics | None = None,
                  on_stop: list[Callable[[], Awaitable[None] | None]] | None = None,
-                 on_drain: list[Callable[[], None]] | None = None):
+                 on_drain: list[Callable[[], None]] | None = None,
+                 on_start: list[Callable[[], Awaitable[None]]] | None = None):
         self.settings, self.service_name = settings, service_name
         self.metrics = metrics or ServiceMetrics()
         self._register = register
         self._on_stop = list(on_stop or [])
         self._on_drain = list(on_drain or [])
+        self._on_start = list(on_start or [])
         self.health = health.aio.HealthServicer()
         self.server: grpc.aio.Server | None = None
         self.port: int | None = None
+        self.http_port: int | None = None  # the coordinator's OpenAI-compatible HTTP API, when it serves one
         self.draining = False
         self._stopped = asyncio.Event()
         self._metrics_http = None
@@ -81,6 +84,8 @@ class ServerApp:
             raise RuntimeError(f"could not bind {address}; choose a free --port")
         await self.server.start()
         self._metrics_http = self.metrics.serve(s.metrics_port)
+        for hook in self._on_start:
+            await hook()
         await self.health.set("", SERVING)
         await self.health.set(self.service_name, SERVING)
         log.info("%s serving on %s:%d%s", self.service_name, s.host, self.port, " (TLS)" if creds else "")

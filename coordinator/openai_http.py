@@ -1,0 +1,350 @@
+"""The OpenAI-compatible HTTP front door, beside the gRPC one (`COORDINATOR_HTTP_PORT`, `specdec serve --http-port`).
+
+    POST /v1/chat/completions   chat (chat template applied), whole or streamed as server-sent events
+    POST /v1/completions        a plain completion of the prompt text (no chat template), or of token ids
+    GET  /v1/models             the one model served
+    GET  /health                200 while serving, 503 while draining
+
+A thin shell: a body is validated (coordinator/openai_schema.py), turned into a GenerateRequest and handed to the
+same GenerationServicer the gRPC API uses, in process. Errors come back in OpenAI's shape, `{"error": {"message",
+"type", "param", "code"}}`, with the HTTP status of the gRPC code (INVALID_ARGUMENT 400, RESOURCE_EXHAUSTED 429,
+UNAVAILABLE 503, ...). A client that disconnects cancels its generation, streamed or not.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import socket
+import time
+import uuid
+
+import grpc
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from coordinator import openai_schema as schema
+from specdec.server.interceptor import status_for
+
+log = logging.getLogger(__name__)
+
+HTTP_STATUS = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.OUT_OF_RANGE: 400,
+               grpc.StatusCode.FAILED_PRECONDITION: 400, grpc.StatusCode.NOT_FOUND: 404,
+               grpc.StatusCode.RESOURCE_EXHAUSTED: 429, grpc.StatusCode.CANCELLED: 499,
+               grpc.StatusCode.UNIMPLEMENTED: 501, grpc.StatusCode.UNAVAILABLE: 503,
+               grpc.StatusCode.DEADLINE_EXCEEDED: 504}
+CLIENT_CLOSED = 499  # nginx's code: the client went away before the answer
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    @classmethod
+    def from_grpc(cls, code: grpc.StatusCode, message: str) -> ApiError:
+        param = param_of(message)
+        head = message.split(":", 1)[0]
+        if param and head != param:  # "max_new_tokens: ..." reads "max_tokens: ..." here
+            message = param + message[len(head):]
+        return cls(HTTP_STATUS.get(code, 500), message, param, code.name.lower())
+
+    def body(self) -> dict:
+        kind = ("invalid_request_error" if self.status < 429 or self.status == CLIENT_CLOSED else
+                "rate_limit_error" if self.status == 429 else "server_error")
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+def param_of(message: str) -> str | None:
+    """The field a "field: what to change" message names, as an OpenAI client knows it."""
+    head = message.split(":", 1)[0] if ":" in message else ""
+    if not head or " " in head:
+        return None
+    return schema.PARAM_NAMES.get(head, head)
+
+
+class _Aborted(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+class _Context:
+    """What GenerationServicer.respond needs of a gRPC context."""
+
+    async def abort(self, code: grpc.StatusCode, message: str):
+        raise _Aborted(code, message)
+
+
+class ServicerBackend:
+    """Runs requests on the coordinator's GenerationServicer in this process; failures become ApiError."""
+
+    def __init__(self, servicer):
+        self.servicer = servicer
+
+    async def events(self, request, incremental: bool = True):
+        try:
+            async for resp in self.servicer.respond(request, _Context(), incremental):
+                yield resp
+        except _Aborted as e:
+            raise ApiError.from_grpc(e.code, e.message) from None
+        except Exception as e:  # noqa: BLE001 - the mapping point, as the gRPC interceptor's
+            code, message = status_for(e)
+            if code == grpc.StatusCode.INTERNAL:
+                log.exception("HTTP request failed")
+            raise ApiError.from_grpc(code, message) from None
+
+
+async def until_disconnected(request: Request, work):
+    """Await `work`; cancel it if the client disconnects first (then raise ApiError 499)."""
+    task = asyncio.ensure_future(work)
+
+    async def disconnected():
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watch = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in (task, watch):
+            if not t.done():
+                t.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watch
+    if not task.done() or task.cancelled():
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        raise ApiError(CLIENT_CLOSED, "the client disconnected")
+    return task.result()
+
+
+def _sse(body: dict | str) -> str:
+    return f"data: {body if isinstance(body, str) else json.dumps(body, separators=(',', ':'))}\n\n"
+
+
+class OpenAIFrontDoor:
+    def __init__(self, backend: ServicerBackend, model_name: str, api_key: str = "", max_body_bytes: int = 1 << 24,
+                 is_draining=lambda: False, registry=None):
+        self.backend, self.model_name, self.api_key = backend, model_name, api_key
+        self.max_body_bytes, self.is_draining = max_body_bytes, is_draining
+        self.requests = None
+        if registry is not None:
+            from prometheus_client import Counter
+
+            self.requests = Counter("specdec_http_requests", "OpenAI-compatible HTTP requests",
+                                    ["route", "status"], registry=registry)
+
+    # -- one generation ---------------------------------------------------------------------------------------
+    def _check(self, request: Request, body) -> None:
+        if self.api_key:
+            auth = request.headers.get("authorization", "")
+            if not hmac.compare_digest(auth.encode(), f"Bearer {self.api_key}".encode()):
+                raise ApiError(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
+                               code="invalid_api_key")
+        if body.model is not None and body.model != self.model_name:
+            raise ApiError(404, f"the model {body.model!r} does not exist here; this server serves "
+                                f"{self.model_name!r} (GET /v1/models)", "model", "model_not_found")
+
+    async def generate(self, request: Request, body, chat: bool):
+        self._check(request, body)
+        proto = body.to_proto()
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        created = int(time.time())
+        if not body.stream:
+            async def whole():
+                text, last = [], None
+                async for resp in self.backend.events(proto, incremental=False):
+                    text.append(resp.text_delta)
+                    last = resp
+                return "".join(text), last
+
+            text, last = await until_disconnected(request, whole())
+            return schema.completion_body(chat, rid, created, self.model_name, text,
+                                          schema.FINISH_REASON.get(last.finish_reason, "stop"), last.stats)
+        events = self.backend.events(proto)
+        # the first response before the headers: a request refused at once gets its HTTP status, not a 200 stream
+        try:
+            first = await until_disconnected(request, events.__anext__())
+        except StopAsyncIteration:
+            raise ApiError(500, "the generation ended without an answer") from None
+        except BaseException:
+            await events.aclose()
+            raise
+        usage = body.stream_options is not None and body.stream_options.include_usage
+        return StreamingResponse(self._stream(chat, rid, created, first, events, usage),
+                                 media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def _stream(self, chat, rid, created, first, events, with_usage):
+        name = self.model_name
+        async with contextlib.aclosing(events):  # a dropped client cancels here, and closing cancels the pipeline
+            try:
+                if chat:
+                    yield _sse(schema.chunk_body(True, rid, created, name, None, None, role=True,
+                                                 with_usage=with_usage))
+                resp = first
+                while True:
+                    finish = schema.FINISH_REASON.get(resp.finish_reason) if resp.finish_reason else None
+                    if resp.text_delta:
+                        yield _sse(schema.chunk_body(chat, rid, created, name, resp.text_delta, None,
+                                                     with_usage=with_usage))
+                    if finish:
+                        yield _sse(schema.chunk_body(chat, rid, created, name, None, finish, with_usage=with_usage))
+                        if with_usage:
+                            yield _sse(schema.usage_chunk(chat, rid, created, name, resp.stats))
+                        break
+                    resp = await events.__anext__()
+            except ApiError as e:  # after the headers: the error travels as an event, as OpenAI's does
+                yield _sse(e.body())
+        yield _sse("[DONE]")
+
+    # -- the app ----------------------------------------------------------------------------------------------
+    def app(self) -> FastAPI:
+        app = FastAPI(title="specdec (OpenAI-compatible)", docs_url=None, redoc_url=None, openapi_url=None)
+
+        @app.exception_handler(ApiError)
+        async def api_error(_request, exc: ApiError):
+            return exc.response()
+
+        @app.exception_handler(RequestValidationError)
+        async def invalid(_request, exc: RequestValidationError):
+            errs = exc.errors()
+            parts = []
+            for e in errs:
+                loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
+                msg = e.get("msg", "invalid").removeprefix("Value error, ")
+                parts.append(f"{loc}: {msg}" if loc and not msg.startswith(f"{loc}:") else msg)
+            param = next((str(e["loc"][1]) for e in errs if len(e.get("loc", ())) > 1), None) or param_of(parts[0] if parts else "")
+            return ApiError(400, "; ".join(parts) or "invalid request body", param, "invalid_request").response()
+
+        @app.exception_handler(StarletteHTTPException)
+        async def http_error(_request, exc: StarletteHTTPException):
+            return ApiError(exc.status_code, str(exc.detail)).response()
+
+        @app.post("/v1/chat/completions")
+        async def chat_completions(body: schema.ChatCompletionRequest, request: Request):
+            out = await self.generate(request, body, chat=True)
+            return out if isinstance(out, Response) else JSONResponse(out)
+
+        @app.post("/v1/completions")
+        async def completions(body: schema.CompletionRequest, request: Request):
+            out = await self.generate(request, body, chat=False)
+            return out if isinstance(out, Response) else JSONResponse(out)
+
+        @app.get("/v1/models")
+        async def models():
+            return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
+                                                "owned_by": "specdec"}]}
+
+        @app.get("/health")
+        async def health():
+            if self.is_draining():
+                return JSONResponse({"status": "draining"}, status_code=503)
+            return {"status": "serving"}
+
+        app.add_middleware(_Limits, door=self)
+        return app
+
+
+ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health")
+
+
+class _Limits:
+    """Body size and draining checks before a request reaches FastAPI, and the request counter after it."""
+
+    def __init__(self, app, door: OpenAIFrontDoor):
+        self.app, self.door = app, door
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        status = {"code": 500}
+
+        async def send_status(message):
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        door, path = self.door, scope["path"]
+        size = dict(scope["headers"]).get(b"content-length", b"")
+        error = None
+        if scope["method"] == "POST" and not size.isdigit():
+            error = ApiError(411, "send the body with a Content-Length header (chunked bodies are not accepted)")
+        elif size.isdigit() and int(size) > door.max_body_bytes:
+            error = ApiError(413, f"the body has {int(size)} bytes; the limit is {door.max_body_bytes} "
+                                  f"(COORDINATOR_MAX_MESSAGE_BYTES)")
+        elif door.is_draining() and path.startswith("/v1/"):
+            error = ApiError(503, "the coordinator is shutting down; retry on another replica")
+        try:
+            await (error.response() if error else self.app)(scope, receive, send_status)
+        finally:
+            if door.requests is not None:
+                door.requests.labels(path if path in ROUTES else "other", str(status["code"])).inc()
+
+
+class HttpFrontDoor:
+    """The HTTP API beside a coordinator's ServerApp: uvicorn in the same event loop, on a socket bound here (a taken
+    port is our error to report), with the ServerApp owning the signals. Hooks: `start` once the servicer exists,
+    `begin_shutdown` when draining starts (stop accepting), `wait_closed` before the router closes (in-flight
+    requests finish, up to the grace)."""
+
+    def __init__(self, settings, get_app):
+        self.settings, self.get_app = settings, get_app
+        self.server = None
+        self.task: asyncio.Task | None = None
+
+    async def start(self) -> int:
+        import uvicorn
+
+        class Server(uvicorn.Server):
+            @contextlib.contextmanager
+            def capture_signals(self):
+                yield
+
+        s, app = self.settings, self.get_app()
+        door = OpenAIFrontDoor(ServicerBackend(app.servicer), s.model_name(), s.http_api_key, s.max_message_bytes,
+                               is_draining=lambda: app.draining, registry=app.metrics.registry)
+        host = s.host or "0.0.0.0"
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, s.http_port))
+        except OSError as e:
+            sock.close()
+            raise RuntimeError(f"could not bind the HTTP port {host}:{s.http_port} ({e}); choose a free "
+                               f"--http-port") from None
+        tls = {}
+        if s.tls.enabled:  # the gRPC port's certificate; mTLS when it requires client certificates
+            import ssl
+
+            tls = {"ssl_certfile": s.tls.cert_file, "ssl_keyfile": s.tls.key_file, "ssl_ca_certs": s.tls.ca_file,
+                   "ssl_cert_reqs": ssl.CERT_REQUIRED if s.tls.require_client_auth else ssl.CERT_NONE}
+        self.server = Server(uvicorn.Config(door.app(), lifespan="off", log_config=None, access_log=False,
+                                            timeout_graceful_shutdown=max(1, int(s.grace_s)), **tls))
+        self.task = asyncio.ensure_future(self.server.serve(sockets=[sock]))
+        while not self.server.started:
+            if self.task.done():
+                self.task.result()
+                raise RuntimeError("the HTTP server stopped while starting")
+            await asyncio.sleep(0.01)
+        app.http_port = sock.getsockname()[1]
+        log.info("OpenAI-compatible HTTP API on %s:%d", host, app.http_port)
+        return app.http_port
+
+    def begin_shutdown(self) -> None:
+        if self.server is not None:
+            self.server.should_exit = True
+
+    async def wait_closed(self) -> None:
+        if self.task is not None:
+            self.begin_shutdown()
+            await self.task
+            self.task = None

@@ -1,0 +1,225 @@
+"""OpenAI-compatible request bodies (`/v1/chat/completions`, `/v1/completions`), their translation to a
+GenerateRequest, and the response bodies. Pure: pydantic and the generated proto, no web framework.
+
+- Fields OpenAI defines that specdec does not implement are accepted at their neutral values (n = 1, penalties 0,
+  no logprobs, no tools) and refused otherwise, with a message saying what to send instead.
+- Unknown fields are refused: a misspelt knob should fail, not silently change nothing.
+- specdec's own knobs ride along as extra body fields (the openai client's `extra_body`): `mode`, `gamma`,
+  `verify_method`, `top_k` (as in vLLM: 0 or -1 disables it), and the rest of GenerateRequest's.
+- Sampling defaults are OpenAI's: temperature 1.0, and a request without `seed` draws a fresh random one (on the
+  gRPC API an unset seed is 0).
+"""
+from __future__ import annotations
+
+import secrets
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from specdec.pb import generation_pb2
+
+MAX_STOP = 16
+FINISH_REASON = {generation_pb2.FINISH_REASON_LENGTH: "length", generation_pb2.FINISH_REASON_STOP: "stop",
+                 generation_pb2.FINISH_REASON_CANCELLED: "abort"}
+# GenerateRequest's field names in the servicer's messages, as an OpenAI client knows them
+PARAM_NAMES = {"max_new_tokens": "max_tokens", "prompt_token_ids": "prompt", "messages": "messages"}
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class SpecDecKnobs(_Body):
+    """GenerateRequest's specdec fields (proto/specdec/v1/generation.proto documents each); unset: its default."""
+
+    mode: str | None = None
+    gamma: int | None = None
+    verify_method: str | None = None
+    block_size: int | None = None
+    pacer_threshold: float | None = None
+    pacer_skip_below: float | None = None
+    pearl_first_block: int | None = None
+    spec_off_batch: int | None = None
+    pacer_post_threshold: float | None = None
+    pearl_overlap: str | None = None
+
+
+class _Sampling(SpecDecKnobs):
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=-1)
+    seed: int | None = Field(None, ge=0, lt=2**64)
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v):
+        stops = [v] if isinstance(v, str) else list(v or [])
+        if len(stops) > MAX_STOP:
+            raise ValueError(f"at most {MAX_STOP} stop strings, got {len(stops)}")
+        return stops
+
+    @model_validator(mode="after")
+    def _neutral(self):
+        unsupported = [("n", self.n != 1, "only n = 1 is supported; send n separate requests"),
+                       ("presence_penalty", self.presence_penalty != 0, "penalties are not supported; send 0"),
+                       ("frequency_penalty", self.frequency_penalty != 0, "penalties are not supported; send 0"),
+                       ("logit_bias", bool(self.logit_bias), "logit_bias is not supported; leave it out"),
+                       ("stream_options", self.stream_options is not None and not self.stream,
+                        "stream_options needs stream: true")]
+        for name, bad, why in unsupported:
+            if bad:
+                raise ValueError(f"{name}: {why}")
+        return self
+
+    def generate_request(self, max_tokens: int | None) -> generation_pb2.GenerateRequest:
+        r = generation_pb2.GenerateRequest(temperature=self.temperature, top_k=max(self.top_k, 0),
+                                           seed=secrets.randbits(63) if self.seed is None else self.seed,
+                                           stop=self.stop, mode=self.mode or "",
+                                           verify_method=self.verify_method or "",
+                                           pearl_overlap=self.pearl_overlap or "")
+        if self.top_p < 1.0:
+            r.top_p = self.top_p
+        if max_tokens is not None:
+            r.max_new_tokens = max_tokens
+        for name in ("gamma", "block_size", "pacer_threshold", "pacer_skip_below", "pearl_first_block",
+                     "spec_off_batch", "pacer_post_threshold"):
+            if (value := getattr(self, name)) is not None:
+                setattr(r, name, value)
+        return r
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[dict[str, Any]]
+    name: str | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _text_only(cls, v):
+        if isinstance(v, str):
+            return v
+        parts = []
+        for i, part in enumerate(v):
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ValueError(f"part {i}: only text parts ({{'type': 'text', 'text': ...}}) are supported, "
+                                 f"got type {part.get('type')!r}")
+            parts.append(part["text"])
+        return "\n".join(parts)
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+
+    @model_validator(mode="after")
+    def _chat_neutral(self):
+        if self.max_tokens is not None and self.max_completion_tokens is not None and \
+                self.max_tokens != self.max_completion_tokens:
+            raise ValueError("max_tokens and max_completion_tokens differ; send one of them")
+        if self.logprobs or self.top_logprobs:
+            raise ValueError("logprobs: not supported; leave logprobs and top_logprobs out")
+        if self.response_format and self.response_format.get("type") != "text":
+            raise ValueError("response_format: only {'type': 'text'} is supported")
+        if self.tools or self.tool_choice not in (None, "none"):
+            raise ValueError("tools: tool calls are not supported; leave tools and tool_choice out")
+        return self
+
+    def to_proto(self) -> generation_pb2.GenerateRequest:
+        r = self.generate_request(self.max_completion_tokens or self.max_tokens)
+        for m in self.messages:
+            r.messages.add(role="system" if m.role == "developer" else m.role, content=m.content)
+        return r
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+    logprobs: int | None = None
+
+    @model_validator(mode="after")
+    def _completion_neutral(self):
+        p = self.prompt
+        if isinstance(p, list):
+            if not p:
+                raise ValueError("prompt: empty; send a string or a list of token ids")
+            if isinstance(p[0], (str, list)):
+                if len(p) != 1:
+                    raise ValueError(f"prompt: one prompt per request (got {len(p)}); send separate requests")
+                self.prompt = p[0]
+        for name, bad in (("echo", self.echo), ("suffix", self.suffix), ("logprobs", self.logprobs),
+                          ("best_of", self.best_of not in (None, 1))):
+            if bad:
+                raise ValueError(f"{name}: not supported; leave it out")
+        return self
+
+    def to_proto(self) -> generation_pb2.GenerateRequest:
+        r = self.generate_request(self.max_tokens)
+        if isinstance(self.prompt, str):
+            r.prompt, r.raw_prompt = self.prompt, True  # a completion continues the text as is: no chat template
+        else:
+            r.prompt_token_ids.extend(self.prompt)
+        return r
+
+
+# -- responses (plain dicts: what the OpenAI API returns, plus `stats`, specdec's per-request statistics) --------
+def usage(stats: generation_pb2.GenerationStats) -> dict:
+    return {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.completion_tokens,
+            "total_tokens": stats.prompt_tokens + stats.completion_tokens}
+
+
+def stats_dict(stats: generation_pb2.GenerationStats) -> dict:
+    from google.protobuf.json_format import MessageToDict
+
+    return MessageToDict(stats, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+
+
+def completion_body(chat: bool, rid: str, created: int, model: str, text: str, finish: str,
+                    stats: generation_pb2.GenerationStats) -> dict:
+    choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+               "finish_reason": finish} if chat else
+              {"index": 0, "text": text, "logprobs": None, "finish_reason": finish})
+    return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
+            "model": model, "choices": [choice], "usage": usage(stats), "stats": stats_dict(stats)}
+
+
+def chunk_body(chat: bool, rid: str, created: int, model: str, text: str | None, finish: str | None,
+               role: bool = False, with_usage: bool = False) -> dict:
+    """One streamed chunk. Chat: `role` marks the first (delta carries the role). Every chunk has `usage: null`
+    when the client asked for usage (the last chunk, `usage_chunk`, carries it)."""
+    if chat:
+        delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+    else:
+        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+    body = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
+            "model": model, "choices": [choice]}
+    if with_usage:
+        body["usage"] = None
+    return body
+
+
+def usage_chunk(chat: bool, rid: str, created: int, model: str, stats: generation_pb2.GenerationStats) -> dict:
+    return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
+            "model": model, "choices": [], "usage": usage(stats), "stats": stats_dict(stats)}

@@ -1,0 +1,332 @@
+"""The OpenAI-compatible HTTP API (coordinator/openai_http.py) over a real coordinator and loopback replicas:
+the official `openai` client and raw HTTP, whole and streamed answers equal to the gRPC API's, the error shapes and
+statuses, the API key, and that a client that goes away frees its replica sessions.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import grpc
+import httpx
+import openai
+import pytest
+import pytest_asyncio
+
+from coordinator.config import CoordinatorSettings
+from coordinator.server import build_coordinator
+from coordinator.stack import free_port
+from specdec.pb import generation_pb2 as g, generation_pb2_grpc as gg
+from tests.helpers_models import start_replica, tiny_pair
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+MODEL = "tiny-target"
+KEY = "sk-test-key"
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }} {{ m['content'] }}.{% endfor %}"
+                 "{% if add_generation_prompt %}assistant {% endif %}")
+
+
+class Http:
+    async def start(self, tmp):
+        from specdec.tokenizer import load_tokenizer
+        from tests.helpers_models import save_tiny_tokenizer
+
+        self.tok = load_tokenizer(save_tiny_tokenizer(tmp / "tok"))
+        self.tok.chat_template = CHAT_TEMPLATE
+        target, draft = tiny_pair()
+        self.t = await start_replica("target", target)
+        self.d = await start_replica("draft", draft, preverifier="random")
+        self.apps = []
+        self.urls, self.stubs, self.channels = {}, {}, []
+        for name, key in (("open", ""), ("keyed", KEY)):
+            s = CoordinatorSettings(host="127.0.0.1", port=0, metrics_port=0, ray=False, tokenizer="", grace_s=0,
+                                    draft_endpoints=self.d.endpoint, target_endpoints=self.t.endpoint,
+                                    max_new_tokens_cap=64, log_level="WARNING", http_port=free_port(),
+                                    served_model_name=MODEL, http_api_key=key, max_message_bytes=64 * 1024)
+            app, _ = await build_coordinator(s, tokenizer=self.tok, eos_token_ids=set())
+            await app.start()
+            self.apps.append(app)
+            self.urls[name] = f"http://127.0.0.1:{app.http_port}"
+            ch = grpc.aio.insecure_channel(f"127.0.0.1:{app.port}")
+            self.channels.append(ch)
+            self.stubs[name] = gg.GenerationServiceStub(ch)
+        self.client = openai.AsyncOpenAI(base_url=self.urls["open"] + "/v1", api_key="unused", max_retries=0)
+        self.http = httpx.AsyncClient(base_url=self.urls["open"], timeout=60)
+        return self
+
+    def sessions(self) -> int:
+        return len(self.t.host.table) + len(self.d.host.table)
+
+    async def stop(self):
+        await self.client.close()
+        await self.http.aclose()
+        for ch in self.channels:
+            await ch.close()
+        for a in self.apps + [self.t, self.d]:
+            await a.shutdown(0)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def api(tmp_path_factory):
+    s = await Http().start(tmp_path_factory.mktemp("http"))
+    yield s
+    await s.stop()
+
+
+async def until(cond, timeout=10.0):
+    t0 = time.monotonic()
+    while not cond():
+        assert time.monotonic() - t0 < timeout, "condition not reached"
+        await asyncio.sleep(0.02)
+
+
+MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}]
+
+
+# ---- answers equal the gRPC API's ------------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", ["ar", "sd", "pacer_pearl"])
+async def test_chat_completion_equals_grpc_generate(api, mode):
+    grpc_req = g.GenerateRequest(max_new_tokens=20, mode=mode, temperature=0.0)
+    for m in MESSAGES:
+        grpc_req.messages.add(**m)
+    ref = await api.stubs["open"].Generate(grpc_req)
+    out = await api.client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0, max_tokens=20,
+                                                   extra_body={"mode": mode})
+    assert out.object == "chat.completion" and out.model == MODEL and out.id.startswith("chatcmpl-")
+    choice = out.choices[0]
+    assert choice.message.role == "assistant" and choice.message.content == ref.text
+    assert choice.finish_reason == "length"
+    assert out.usage.completion_tokens == 20 and out.usage.prompt_tokens == ref.stats.prompt_tokens
+    assert out.usage.total_tokens == out.usage.prompt_tokens + 20
+    stats = out.model_extra["stats"]
+    assert stats["mode"] == mode and stats["target_forwards"] > 0
+
+
+async def test_completion_continues_the_raw_text(api):
+    prompt = "once upon a"
+    raw = await api.stubs["open"].Generate(g.GenerateRequest(prompt=prompt, raw_prompt=True, max_new_tokens=16))
+    templated = await api.stubs["open"].Generate(g.GenerateRequest(prompt=prompt, max_new_tokens=16))
+    assert raw.stats.prompt_tokens == len(prompt) < templated.stats.prompt_tokens  # one token per character
+    out = await api.client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=16)
+    assert out.object == "text_completion" and out.choices[0].text == raw.text
+    ids = api.tok(prompt)["input_ids"]
+    by_ids = await api.client.completions.create(model=MODEL, prompt=ids, temperature=0, max_tokens=16)
+    assert by_ids.choices[0].text == raw.text
+
+
+async def test_streamed_chat_equals_the_whole_answer(api):
+    kw = dict(model=MODEL, messages=MESSAGES, temperature=0, max_tokens=24, extra_body={"mode": "pearl"})
+    whole = await api.client.chat.completions.create(**kw)
+    stream = await api.client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True})
+    chunks = [c async for c in stream]
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finals == ["length"]
+    assert not chunks[-1].choices and chunks[-1].usage.completion_tokens == 24
+    assert all(c.usage is None for c in chunks[:-1])
+    assert len({c.id for c in chunks}) == 1
+
+
+async def test_stream_ends_with_done_and_stop_strings_cut(api):
+    whole = await api.client.completions.create(model=MODEL, prompt="abc", temperature=0, max_tokens=30)
+    text = whole.choices[0].text
+    stop = text[8:10]
+    cut = await api.client.completions.create(model=MODEL, prompt="abc", temperature=0, max_tokens=30, stop=stop)
+    assert cut.choices[0].text == text[:text.index(stop)] and cut.choices[0].finish_reason == "stop"
+    body = {"model": MODEL, "prompt": "abc", "temperature": 0, "max_tokens": 30, "stop": [stop], "stream": True}
+    async with api.http.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        lines = [ln async for ln in r.aiter_lines() if ln]
+    assert lines[-1] == "data: [DONE]"
+    events = [json.loads(ln.removeprefix("data: ")) for ln in lines[:-1]]
+    assert "".join(e["choices"][0]["text"] for e in events) == cut.choices[0].text
+    assert events[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+async def test_seeds_repeat_and_no_seed_draws_fresh(api):
+    kw = dict(model=MODEL, prompt="hello", temperature=1.0, max_tokens=24, extra_body={"mode": "sd"})
+    a = await api.client.completions.create(**kw, seed=7)
+    b = await api.client.completions.create(**kw, seed=7)
+    assert a.choices[0].text == b.choices[0].text
+    unseeded = {(await api.client.completions.create(**kw)).choices[0].text for _ in range(3)}
+    assert len(unseeded) > 1, "a request without a seed draws a fresh one (OpenAI's behaviour)"
+
+
+async def test_models_and_health(api):
+    models = await api.client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    r = await api.http.get("/health")
+    assert r.status_code == 200 and r.json()["status"] == "serving"
+
+
+# ---- errors ----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("body,status,param,words", [
+    ({"n": 2}, 400, "n", "n = 1"),
+    ({"temperature": 3}, 400, "temperature", "less than or equal to 2"),
+    ({"max_tokens": 1000}, 400, "max_tokens", "cap"),
+    ({"mode": "fast"}, 400, "mode", "unknown mode"),
+    ({"frequency_penalty": 0.5}, 400, None, "penalties"),
+    ({"tools": [{"type": "function"}]}, 400, None, "tool calls"),
+    ({"bogus_knob": 1}, 400, "bogus_knob", "Extra inputs"),
+    ({"model": "gpt-4o"}, 404, "model", MODEL),
+    ({"messages": []}, 400, "messages", "at least 1"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, 400, "messages",
+     "only text parts"),
+])
+async def test_bad_bodies_get_openai_errors(api, body, status, param, words):
+    r = await api.http.post("/v1/chat/completions", json={"model": MODEL, "messages": MESSAGES, **body})
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert words in err["message"] and err["type"] == "invalid_request_error"
+    if param:
+        assert err["param"] == param, err
+
+
+async def test_the_openai_client_raises_typed_errors(api):
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        await api.client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=65)
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        await api.client.completions.create(model="other", prompt="x")
+
+
+async def test_transport_level_errors(api):
+    r = await api.http.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+    r = await api.http.post("/v1/completions", json={"model": MODEL, "prompt": "a" * 70_000})
+    assert r.status_code == 413 and "limit is 65536" in r.json()["error"]["message"]
+    r = await api.http.get("/v1/nothing")
+    assert r.status_code == 404 and "error" in r.json()
+    r = await api.http.post("/v1/completions", json={"model": MODEL, "prompt": ["a", "b"]})
+    assert r.status_code == 400 and "one prompt per request" in r.json()["error"]["message"]
+
+
+async def test_api_key(api):
+    url = api.urls["keyed"]
+    async with httpx.AsyncClient(base_url=url) as c:
+        body = {"model": MODEL, "prompt": "abc", "max_tokens": 4}
+        assert (await c.post("/v1/completions", json=body)).status_code == 401
+        wrong = await c.post("/v1/completions", json=body, headers={"Authorization": "Bearer nope"})
+        assert wrong.status_code == 401 and "Authorization: Bearer" in wrong.json()["error"]["message"]
+        assert (await c.get("/health")).status_code == 200  # probes need no key
+    keyed = openai.AsyncOpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
+    out = await keyed.completions.create(model=MODEL, prompt="abc", max_tokens=4)
+    assert out.usage.completion_tokens == 4
+    await keyed.close()
+
+
+# ---- a client that goes away frees its sessions ----------------------------------------------------------------
+def finished(api) -> float:
+    reg = api.apps[0].metrics.registry
+    return sum(reg.get_sample_value("specdec_request_success_total", {"finish_reason": f}) or 0.0
+               for f in ("length", "stop"))
+
+
+async def test_dropped_stream_and_dropped_request_cancel_the_generation(api):
+    await until(lambda: api.sessions() == 0)
+    body = {"model": MODEL, "prompt": "abc", "max_tokens": 64, "temperature": 0, "mode": "sd", "gamma": 1}
+    t0 = time.perf_counter()
+    await api.http.post("/v1/completions", json=body)
+    whole_s = time.perf_counter() - t0
+    done = finished(api)
+    async with httpx.AsyncClient(base_url=api.urls["open"]) as c:
+        async with c.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: "):
+                    break  # one chunk, then hang up
+    await until(lambda: api.sessions() == 0)
+    hang_up = min(0.05, whole_s / 4)
+    with pytest.raises(httpx.ReadTimeout):
+        async with httpx.AsyncClient(base_url=api.urls["open"], timeout=httpx.Timeout(60, read=hang_up)) as c:
+            await c.post("/v1/completions", json=body)
+    await until(lambda: api.sessions() == 0)
+    await asyncio.sleep(whole_s)  # past the time either would have taken to finish
+    assert finished(api) == done, "both generations were cancelled, not run to the end"
+
+
+# ---- the front door alone, over a scripted servicer ------------------------------------------------------------
+class ScriptedServicer:
+    """Answers every request with `script`: stream responses, then optionally a gRPC abort or an exception."""
+
+    def __init__(self, script):
+        self.script = script
+
+    async def respond(self, request, context, incremental=True):
+        for item in self.script:
+            if isinstance(item, tuple):
+                await context.abort(*item)
+            if isinstance(item, Exception):
+                raise item
+            yield item
+
+
+def door_client(script, draining=False):
+    from prometheus_client import CollectorRegistry
+
+    from coordinator.openai_http import OpenAIFrontDoor, ServicerBackend
+
+    reg = CollectorRegistry()
+    door = OpenAIFrontDoor(ServicerBackend(ScriptedServicer(script)), MODEL, is_draining=lambda: draining,
+                           registry=reg, max_body_bytes=1000)
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=door.app()), base_url="http://door"), reg
+
+
+DONE = g.GenerateStreamResponse(text_delta="!", finish_reason=g.FINISH_REASON_STOP,
+                                stats=g.GenerationStats(prompt_tokens=3, completion_tokens=2))
+BODY = {"model": MODEL, "prompt": "abc"}
+
+
+async def test_grpc_codes_become_http_statuses():
+    from specdec.errors import CapacityError
+
+    cases = [((grpc.StatusCode.RESOURCE_EXHAUSTED, "pools full: 256 requests wait"), 429, "rate_limit_error"),
+             ((grpc.StatusCode.UNAVAILABLE, "no target replica at 10.0.0.1:50071"), 503, "server_error"),
+             ((grpc.StatusCode.OUT_OF_RANGE, "prompt: 3000 tokens exceed max_context 2048"), 400,
+              "invalid_request_error"),
+             (CapacityError("queue full"), 429, "rate_limit_error"),
+             (RuntimeError("boom"), 500, "server_error")]
+    for failure, status, kind in cases:
+        client, _ = door_client([failure])
+        async with client:
+            for stream in (False, True):
+                r = await client.post("/v1/completions", json={**BODY, "stream": stream})
+                assert r.status_code == status and r.json()["error"]["type"] == kind, (failure, r.text)
+    assert r.json()["error"]["message"] == "RuntimeError: boom"
+
+
+async def test_an_error_after_the_first_chunk_is_an_event_then_done():
+    client, reg = door_client([g.GenerateStreamResponse(text_delta="ab"),
+                               (grpc.StatusCode.UNAVAILABLE, "the target replica went away")])
+    async with client:
+        r = await client.post("/v1/chat/completions", json={"messages": MESSAGES, "stream": True})
+    lines = [ln for ln in r.text.split("\n") if ln]
+    assert r.status_code == 200 and lines[-1] == "data: [DONE]"
+    events = [json.loads(ln.removeprefix("data: ")) for ln in lines[:-1]]
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert events[1]["choices"][0]["delta"] == {"content": "ab"}
+    assert events[2]["error"]["message"] == "the target replica went away"
+    assert reg.get_sample_value("specdec_http_requests_total",
+                                {"route": "/v1/chat/completions", "status": "200"}) == 1
+
+
+async def test_limits_draining_and_metrics():
+    client, reg = door_client([DONE])
+    async with client:
+        ok = await client.post("/v1/completions", json=BODY)
+        assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] == "stop"
+        assert ok.json()["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+        big = await client.post("/v1/completions", json={**BODY, "prompt": "x" * 2000})
+        assert big.status_code == 413 and "limit is 1000" in big.json()["error"]["message"]
+        async def body():
+            yield json.dumps(BODY).encode()
+
+        chunked = await client.post("/v1/completions", content=body())
+        assert chunked.status_code == 411
+        await client.get("/v1/../../etc/passwd")
+    assert reg.get_sample_value("specdec_http_requests_total", {"route": "other", "status": "404"}) == 1
+    client, _ = door_client([DONE], draining=True)
+    async with client:
+        assert (await client.post("/v1/completions", json=BODY)).status_code == 503
+        assert (await client.get("/health")).status_code == 503
