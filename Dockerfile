@@ -95,6 +95,6 @@ WORKDIR /home/specdec
 USER 10001:10001
 # gRPC: coordinator 50051, draft 50061, target 50071; Prometheus metrics 9400/9401/9402
 # (specdec/defaults.py; tests/test_deploy.py checks that they agree).
-EXPOSE 50051 50061 50071 9400 9401 9402
+EXPOSE 50051 8000 50061 50071 9400 9401 9402
 # No HEALTHCHECK: Kubernetes ignores it; the pods use native gRPC probes (deploy/).
 CMD ["python", "-m", "coordinator"]

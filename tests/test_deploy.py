@@ -284,6 +284,7 @@ def test_coordinator_matches_defaults(overlay):
     ports = {p["name"]: p["containerPort"] for p in head["ports"]}
     assert ports["grpc"] == defaults.COORDINATOR_PORT
     assert ports["metrics"] == defaults.COORDINATOR_METRICS_PORT
+    assert ports["http"] == defaults.COORDINATOR_HTTP_PORT
     assert head["image"].split(":")[0] == defaults.IMAGE_NAME
     assert "python -m coordinator" in " ".join(head["args"])
     assert probe_service(head["readinessProbe"]) == defaults.GENERATION_SERVICE_NAME
@@ -295,6 +296,7 @@ def test_coordinator_matches_defaults(overlay):
     cfg = configmap_env(objs, "specdec-coordinator-config")
     assert cfg["COORDINATOR_PORT"] == str(defaults.COORDINATOR_PORT)
     assert cfg["COORDINATOR_METRICS_PORT"] == str(defaults.COORDINATOR_METRICS_PORT)
+    assert cfg["COORDINATOR_HTTP_PORT"] == str(defaults.COORDINATOR_HTTP_PORT)
     from coordinator.config import CoordinatorSettings
 
     unknown = [k for k in cfg if k.removeprefix("COORDINATOR_").lower() not in CoordinatorSettings.model_fields]
@@ -304,7 +306,11 @@ def test_coordinator_matches_defaults(overlay):
 
     (svc,) = find(objs, "Service", "coordinator")
     assert svc["spec"]["type"] == "ClusterIP"
-    assert {p["name"]: p["port"] for p in svc["spec"]["ports"]}["grpc"] == defaults.COORDINATOR_PORT
+    svc_ports = {p["name"]: p["port"] for p in svc["spec"]["ports"]}
+    assert (svc_ports["grpc"], svc_ports["http"]) == (defaults.COORDINATOR_PORT, defaults.COORDINATOR_HTTP_PORT)
+    (policy,) = find(objs, "NetworkPolicy", "specdec-coordinator")
+    open_ports = {p["port"] for rule in policy["spec"]["ingress"] if "from" not in rule for p in rule["ports"]}
+    assert open_ports == {defaults.COORDINATOR_PORT, defaults.COORDINATOR_HTTP_PORT}, "clients reach both doors"
     assert svc["spec"]["selector"]["ray.io/node-type"] == "head"
 
 
@@ -412,7 +418,7 @@ def test_dockerfile_runtime_is_non_root_and_exposes_default_ports():
     assert users, "final stage must set USER"
     assert users[-1].split(":")[0] not in ("root", "0")
     exposed = {int(p.split("/")[0]) for op, arg in final if op == "EXPOSE" for p in arg.split()}
-    assert exposed == {defaults.COORDINATOR_PORT, defaults.DRAFT_PORT, defaults.TARGET_PORT,
+    assert exposed == {defaults.COORDINATOR_PORT, defaults.COORDINATOR_HTTP_PORT, defaults.DRAFT_PORT, defaults.TARGET_PORT,
                        defaults.COORDINATOR_METRICS_PORT, defaults.DRAFT_METRICS_PORT, defaults.TARGET_METRICS_PORT}
     assert not any(op == "HEALTHCHECK" for op, _ in ins), "Kubernetes ignores HEALTHCHECK; probes live in deploy/"
     env = " ".join(arg for op, arg in final if op == "ENV")
