@@ -1,0 +1,111 @@
+"""What the OpenAI-compatible HTTP API costs over the gRPC one, side by side on the embedded stack.
+
+    python scripts/http_overhead.py --repeats 5 [--mode sd] [--max-tokens 128]
+
+Starts the embedded stack (default pair, Ray, one thread per replica) with the HTTP API on, then sends the same
+greedy requests (the bench's chat and HumanEval prompts, as the bench's token ids) through four doors, interleaved
+round-robin: gRPC Generate, gRPC GenerateStream, HTTP whole (/v1/completions) and HTTP streamed (SSE). It
+checks that all four return the same text, and prints per door the median wall time per request, its ratio to
+gRPC Generate, and for the streamed doors the median time to the first text.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import time
+
+
+async def run(args) -> None:
+    import grpc
+    import httpx
+
+    from coordinator.stack import LocalStack
+    from specdec.bench.prompts import load_prompt_sets
+    from specdec.hub import resolve_model
+    from specdec.pb import generation_pb2 as g, generation_pb2_grpc as gg
+    from specdec.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(resolve_model("default-target"))
+    prompts = [p.ids for p in load_prompt_sets(tok, ["chat", "humaneval"], args.prompts)]
+    async with LocalStack("default-target", "default-draft", http_port=0) as stack:
+        stub = gg.GenerationServiceStub(ch := grpc.aio.insecure_channel(stack.address))
+        http = httpx.AsyncClient(base_url=stack.http_address, timeout=600)
+
+        def grpc_req(ids):
+            return g.GenerateRequest(prompt_token_ids=ids, max_new_tokens=args.max_tokens, mode=args.mode)
+
+        def body(ids, stream):
+            return {"prompt": ids, "max_tokens": args.max_tokens, "temperature": 0, "mode": args.mode,
+                    "stream": stream}
+
+        async def grpc_whole(msgs):
+            return (await stub.Generate(grpc_req(msgs))).text, None
+
+        async def grpc_stream(msgs):
+            t0, first, parts = time.perf_counter(), None, []
+            async for r in stub.GenerateStream(grpc_req(msgs)):
+                if r.text_delta and first is None:
+                    first = time.perf_counter() - t0
+                parts.append(r.text_delta)
+            return "".join(parts), first
+
+        async def http_whole(msgs):
+            r = await http.post("/v1/completions", json=body(msgs, False))
+            return r.json()["choices"][0]["text"], None
+
+        async def http_stream(msgs):
+            t0, first, parts = time.perf_counter(), None, []
+            async with http.stream("POST", "/v1/completions", json=body(msgs, True)) as r:
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: {"):
+                        continue
+                    text = json.loads(line[6:])["choices"][0]["text"]
+                    if text and first is None:
+                        first = time.perf_counter() - t0
+                    parts.append(text or "")
+            return "".join(parts), first
+
+        doors = {"gRPC Generate": grpc_whole, "gRPC GenerateStream": grpc_stream,
+                 "HTTP /v1/completions": http_whole, "HTTP /v1/completions, stream": http_stream}
+        wall = {d: [] for d in doors}
+        ttft = {d: [] for d in doors}
+        for msgs in prompts:  # warm-up
+            await grpc_whole(msgs)
+        for rep in range(args.repeats):
+            for msgs in prompts:
+                texts = set()
+                order = list(doors.items())
+                order = order[rep % 4:] + order[:rep % 4]  # rotate who goes first
+                for name, fn in order:
+                    t0 = time.perf_counter()
+                    text, first = await fn(msgs)
+                    wall[name].append(time.perf_counter() - t0)
+                    if first is not None:
+                        ttft[name].append(first)
+                    texts.add(text)
+                assert len(texts) == 1, f"the doors disagree: {texts}"
+        await http.aclose()
+        await ch.close()
+    base = statistics.median(wall["gRPC Generate"])
+    print(f"{len(prompts)} prompts x {args.repeats} repeats, mode {args.mode}, {args.max_tokens} new tokens, "
+          f"greedy; every door returned the same text\n")
+    print("| door | wall per request, median | vs gRPC Generate | first text, median |\n|---|---|---|---|")
+    for d in doors:
+        w = statistics.median(wall[d])
+        f = f"{statistics.median(ttft[d]) * 1e3:.0f} ms" if ttft[d] else "-"
+        print(f"| {d} | {w * 1e3:.0f} ms | {w / base:.3f}× | {f} |")
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--prompts", type=int, default=2, help="prompts per set (chat, HumanEval)")
+    ap.add_argument("--mode", default="sd")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    asyncio.run(run(ap.parse_args(argv)))
+
+
+if __name__ == "__main__":
+    main()
