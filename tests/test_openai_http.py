@@ -330,3 +330,39 @@ async def test_limits_draining_and_metrics():
     async with client:
         assert (await client.post("/v1/completions", json=BODY)).status_code == 503
         assert (await client.get("/health")).status_code == 503
+
+
+async def test_draining_finishes_the_streams_in_flight(tmp_path):
+    """SIGTERM's path (ServerApp.shutdown): the HTTP listener stops accepting, a stream in flight runs to its end,
+    then the coordinator stops."""
+    from specdec.tokenizer import load_tokenizer
+    from tests.helpers_models import save_tiny_tokenizer
+
+    tok = load_tokenizer(save_tiny_tokenizer(tmp_path / "tok"))
+    target, draft = tiny_pair()
+    t, d = await start_replica("target", target), await start_replica("draft", draft)
+    s = CoordinatorSettings(host="127.0.0.1", port=0, metrics_port=0, ray=False, tokenizer="", grace_s=5,
+                            draft_endpoints=d.endpoint, target_endpoints=t.endpoint, log_level="WARNING",
+                            http_port=free_port(), served_model_name=MODEL)
+    app, _ = await build_coordinator(s, tokenizer=tok, eos_token_ids=set())
+    await app.start()
+    url = f"http://127.0.0.1:{app.http_port}"
+    body = {"prompt": "abc", "max_tokens": 64, "temperature": 0, "mode": "sd", "gamma": 1, "stream": True}
+    try:
+        async with httpx.AsyncClient(base_url=url, timeout=30) as c:
+            whole = (await c.post("/v1/completions", json={**body, "stream": False})).json()["choices"][0]["text"]
+            async with c.stream("POST", "/v1/completions", json=body) as r:
+                lines = r.aiter_lines()
+                first = await anext(lines)
+                stopping = asyncio.ensure_future(app.shutdown())
+                await until(lambda: app.draining)
+                rest = [ln async for ln in lines]
+            events = [json.loads(ln[6:]) for ln in [first, *rest] if ln.startswith("data: {")]
+            assert "".join(e["choices"][0]["text"] for e in events) == whole
+            assert events[-1]["choices"][0]["finish_reason"] == "length" and rest[-2:] == ["data: [DONE]", ""]
+            await asyncio.wait_for(stopping, 10)
+            with pytest.raises(httpx.ConnectError):
+                await c.post("/v1/completions", json=body)
+    finally:
+        for a in (app, t, d):
+            await a.shutdown(0)
