@@ -6,6 +6,8 @@ replicas' state afterwards.
 Each client loops: a random prompt (HumanEval + chat), mode (ar, sd, pacer, pearl, pacer_pearl), temperature (0 or
 1 with one of two seeds), length, gamma, spec_off_batch and pearl_overlap, as a unary `Generate` or a
 `GenerateStream`; some requests get a short deadline, some streams are dropped by the client after a few messages.
+A share of the requests (`--http-share`) goes to the OpenAI-compatible HTTP API instead (/v1/completions with the
+prompt's token ids, whole or streamed; a deadline is the client giving up, a drop is the client hanging up).
 Checked:
 - every greedy answer equals the prefix of target-only greedy decoding (`ar`, alone) of that prompt (lossless).
   With `--dtype float32` a difference is a failure. In bf16 (`auto`) a logit depends slightly on how many rows
@@ -14,7 +16,8 @@ Checked:
 - sampled answers with the same prompt, mode, seed and request fields are compared on their common prefix and
   the pairs that differ are counted (reported, not a failure: a seed fixes each draw by position and purpose, but
   which positions get a draft token depends on load and timing; see docs/coordinator.md, "Seeds");
-- a stream's concatenated deltas equal its token ids;
+- a stream's concatenated deltas equal its token ids; over HTTP, greedy text equals the decoded `ar` prefix of the
+  answer's length, streamed or whole;
 - no status but OK, DEADLINE_EXCEEDED and CANCELLED (RESOURCE_EXHAUSTED is counted apart: a full queue);
 - afterwards, both replicas hold no session (`specdec_sessions_active`) and report no queued call; replica memory
   (RSS) at the start, every `--rss-every` seconds, and at the end.
@@ -44,13 +47,15 @@ def rss_mb(pid: int) -> float:
 
 
 class Soak:
-    def __init__(self, stub, prompts, refs, args):
+    def __init__(self, stub, prompts, refs, args, http=None, tok=None):
         self.stub, self.prompts, self.refs, self.args = stub, prompts, refs, args
+        self.http, self.tok = http, tok
         self.codes = collections.Counter()
         self.kinds = collections.Counter()
         self.failures: list[str] = []
         self.sampled: dict[tuple, list[int]] = {}
         self.greedy_diff = collections.Counter()  # (prompt, first differing token) -> answers
+        self.http_greedy_diff = collections.Counter()  # prompt -> HTTP greedy texts unlike ar's
         self.same_seed = collections.Counter()  # True: a same-seed pair agreed on its common prefix
         self.tokens = 0
 
@@ -99,6 +104,9 @@ class Soak:
         deadline = rng.uniform(0.2, 3.0) if rng.random() < self.args.deadline_share else None
         drop_after = rng.randint(1, 4) if stream and rng.random() < self.args.drop_share else None
         kind = f"{'stream' if stream else 'unary'}{'+deadline' if deadline else ''}{'+drop' if drop_after else ''}"
+        if self.http is not None and rng.random() < self.args.http_share:
+            self.kinds["http " + kind] += 1
+            return await self.one_http(p, r, stream, deadline, drop_after, "http " + kind)
         self.kinds[kind] += 1
         try:
             if not stream:
@@ -125,6 +133,67 @@ class Soak:
         except asyncio.CancelledError:
             self.codes["CANCELLED (client)"] += 1
 
+    async def one_http(self, p: int, r, stream: bool, deadline, drop_after, kind: str) -> None:
+        body = {"prompt": list(r.prompt_token_ids), "max_tokens": r.max_new_tokens, "temperature": r.temperature,
+                "seed": r.seed, "mode": r.mode, "stream": stream}
+        for f in ("gamma", "spec_off_batch"):
+            if r.HasField(f):
+                body[f] = getattr(r, f)
+        if r.pearl_overlap:
+            body["pearl_overlap"] = r.pearl_overlap
+        if stream:
+            body["stream_options"] = {"include_usage": True}
+        text, n = "", None
+        try:
+            async with asyncio.timeout(deadline or 600):
+                if not stream:
+                    resp = await self.http.post("/v1/completions", json=body)
+                    if not self._http_ok(resp, kind):
+                        return
+                    js = resp.json()
+                    text, n = js["choices"][0]["text"], js["usage"]["completion_tokens"]
+                else:
+                    async with self.http.stream("POST", "/v1/completions", json=body) as resp:
+                        if not self._http_ok(resp, kind, await resp.aread() if resp.status_code != 200 else b""):
+                            return
+                        chunks = 0
+                        async for line in resp.aiter_lines():
+                            if not line.startswith("data: {"):
+                                continue
+                            ev = json.loads(line[6:])
+                            if "error" in ev:
+                                self.failures.append(f"{kind} {r.mode}: error event {ev['error']}")
+                                return
+                            if ev.get("usage"):
+                                n = ev["usage"]["completion_tokens"]
+                            if ev["choices"]:
+                                text += ev["choices"][0]["text"]
+                                chunks += 1
+                            if drop_after is not None and chunks >= drop_after:
+                                self.codes["http hung up (client)"] += 1
+                                return
+        except TimeoutError:
+            self.codes["http deadline (client)"] += 1
+            return
+        self.codes["http 200"] += 1
+        self.tokens += n or 0
+        if r.temperature == 0 and n is not None:
+            ref = self.tok.decode(self.refs[p][:n], skip_special_tokens=True)
+            if text != ref:
+                self.http_greedy_diff[p] += 1
+                if self.args.dtype == "float32":
+                    self.failures.append(f"{kind} {r.mode} greedy prompt {p}: text differs from ar's")
+        elif n is None:
+            self.failures.append(f"{kind} {r.mode}: no usage in the answer")
+
+    def _http_ok(self, resp, kind: str, body: bytes = b"") -> bool:
+        if resp.status_code == 200:
+            return True
+        self.codes[f"http {resp.status_code}"] += 1
+        if resp.status_code != 429:
+            self.failures.append(f"{kind}: HTTP {resp.status_code} {body[:300] or resp.text[:300]}")
+        return False
+
     async def client(self, seed: int, until: float) -> None:
         rng = random.Random(seed)
         while time.monotonic() < until:
@@ -146,8 +215,13 @@ async def main(args) -> int:
     prompts = load_prompt_sets(load_tokenizer(tdir), ["humaneval", "chat"], args.n_prompts)
     stack = LocalStack(str(tdir), str(resolve_model(DEFAULT_DRAFT)), _default_preverifier(DEFAULT_DRAFT), threads=1,
                        ray_cpus=2, pipelines=2, max_sessions=args.max_sessions, metrics=True,
-                       dtype=args.dtype)
+                       dtype=args.dtype, http_port=0 if args.http_share > 0 else None)
     await stack.start()
+    import httpx
+
+    http = (httpx.AsyncClient(base_url=stack.http_address, timeout=600,
+                              limits=httpx.Limits(max_connections=4 * args.clients))
+            if stack.http_address else None)
     channel = grpc.aio.insecure_channel(stack.address)
     stub = generation_pb2_grpc.GenerationServiceStub(channel)
     pids = {p.args[2]: p.pid for p in stack.procs}
@@ -159,7 +233,7 @@ async def main(args) -> int:
                 prompt_token_ids=pr.ids, mode="ar", max_new_tokens=args.max_new_tokens, temperature=0.0))
             refs.append(list(resp.token_ids))
         rss0 = {k: rss_mb(v) for k, v in pids.items()}
-        soak = Soak(stub, prompts, refs, args)
+        soak = Soak(stub, prompts, refs, args, http, load_tokenizer(tdir))
         t0 = time.monotonic()
         series = {k: [] for k in pids}  # RSS every --rss-every seconds: growth that goes on is a leak
 
@@ -187,6 +261,7 @@ async def main(args) -> int:
                   "tokens": soak.tokens, "codes": dict(soak.codes), "kinds": dict(soak.kinds),
                   "greedy_differs_from_ar": {f"prompt {p} at token {i}": n
                                              for (p, i), n in sorted(soak.greedy_diff.items())},
+                  "http_greedy_text_differs_from_ar": {f"prompt {p}": n for p, n in sorted(soak.http_greedy_diff.items())},
                   "same_seed_pairs": {"agreed": soak.same_seed[True], "differed": soak.same_seed[False]},
                   "replica_state": state,
                   "rss_mb_start": {k: round(v) for k, v in rss0.items()},
@@ -194,6 +269,8 @@ async def main(args) -> int:
                   "failures": failures[:50]}
         print(json.dumps(report, indent=1))
     finally:
+        if http is not None:
+            await http.aclose()
         await channel.close()
         await stack.stop()
     return 1 if failures else 0
@@ -211,6 +288,7 @@ if __name__ == "__main__":
     ap.add_argument("--greedy-share", type=float, default=0.7)
     ap.add_argument("--deadline-share", type=float, default=0.15)
     ap.add_argument("--drop-share", type=float, default=0.2, help="of streams: dropped after 1-4 messages")
+    ap.add_argument("--http-share", type=float, default=0.3, help="of requests: sent to the HTTP API")
     ap.add_argument("--settle-s", type=float, default=3.0)
     ap.add_argument("--rss-every", type=float, default=30.0)
     ap.add_argument("--seed", type=int, default=0)
