@@ -205,6 +205,10 @@ def _first_block(req: GenerationRequest) -> tuple[int, StopSpec, int]:
     return k, StopSpec("fixed"), max(k, 1)
 
 
+async def _no_draft() -> DraftBlock:
+    return DraftBlock(tokens=[], q=[], stop_reason="gamma_max")
+
+
 async def _cut(draft: DraftBackend, sid: str, task: asyncio.Future) -> DraftBlock:
     """Stop a speculative draft stream now (PEARL: the target never waits for the draft) and keep what it wrote."""
     if not task.done():
@@ -313,8 +317,8 @@ async def _run_pearl(run: _Run, draft: DraftBackend, target: TargetBackend) -> N
             # the target forwards the pending token(s) while the draft writes its first token, then checks that
             # token against the stored row (no second forward): the draft's first token is off the critical path
             base_d, append = run.draft_args()
-            stream = draft.draft_stream(sid, base_d, append, req.gamma, post_stop, 1,
-                                        run.take_features()).__aiter__()
+            stream = draft.draft_stream(sid, base_d, append, min(req.gamma, req.max_new_tokens - len(run.generated)),
+                                        post_stop, 1, run.take_features()).__aiter__()
             first_task = asyncio.ensure_future(stream.__anext__())
             base_t, feed = run.target_args()
             fwd = None
@@ -359,8 +363,11 @@ async def _run_pearl(run: _Run, draft: DraftBackend, target: TargetBackend) -> N
                                                           feed_draft=True, sample_bonus=False))
         spec_base = run.draft_fed
         spec_append = [pending_block.tokens[-1]]
-        spec = asyncio.ensure_future(_collect(draft.draft_stream(sid, spec_base, spec_append, req.gamma, post_stop,
-                                                                 post_block, run.take_features()), run))
+        # what the request has left if `to_check` is accepted whole: no draft past its end (nor past the context)
+        room = req.max_new_tokens - len(run.generated) - len(to_check)
+        spec = asyncio.ensure_future(_collect(draft.draft_stream(sid, spec_base, spec_append, min(req.gamma, room),
+                                                                 post_stop, post_block, run.take_features()), run)
+                                     if room > 0 else _no_draft())
         out = await verify_task
         run.on_verify(out, len(to_check))
         run.target_fed = base_t + len(feed) + out.num_accepted
@@ -376,7 +383,8 @@ async def _run_pearl(run: _Run, draft: DraftBackend, target: TargetBackend) -> N
             if out.next_token is not None:  # cannot happen (no bonus asked); kept for safety
                 pending_block = None
         else:
-            await draft.cancel(sid)
+            if room > 0:
+                await draft.cancel(sid)
             wasted = await spec
             run.stats.wasted_draft_tokens += len(wasted.tokens) + len(to_check) - out.num_accepted
             run.commit(to_check[:out.num_accepted] + [out.next_token])
