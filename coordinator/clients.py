@@ -315,7 +315,7 @@ class RemoteTarget(_Pinned):
     async def start(self, session_id: str, prompt_ids: list[int], params: SamplingParams,
                     want_features: bool = False) -> TargetFeatures | None:
         if want_features:
-            self.start_kw = {"return_features": True}
+            self.start_kw["return_features"] = True
         r = await super().start(session_id, prompt_ids, params)
         return features_from_proto([r.features])[0] if r.HasField("features") else None
 

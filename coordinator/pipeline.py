@@ -139,6 +139,9 @@ class Pipeline:
         kw = dict(view=self.view, timeout=self.rpc_timeout_s, streams=self.replica_streams)
         target = RemoteTarget(self.pool, self.channels, **kw)
         draft = RemoteDraft(self.pool, self.channels, **kw) if req.mode != "ar" else None
+        for backend in (target, draft):  # a replica whose context is too small refuses before any work
+            if backend is not None:
+                backend.start_kw["reserve_positions"] = len(req.prompt_ids) + req.max_new_tokens
         try:
             if draft is not None:
                 await draft.probe()

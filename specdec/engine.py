@@ -180,6 +180,10 @@ class Engine:
                 and torch.get_num_threads() == 1)
 
     async def agenerate(self, req: GenerationRequest, on_tokens=None) -> GenerationResult:
+        need = len(req.prompt_ids) + req.max_new_tokens  # refused before any work, as the replicas do
+        for worker in (self.target_worker, self.draft_worker if req.mode != "ar" else None):
+            if worker is not None:
+                worker.check_reserve(need)
         token = _INLINE_OK.set(self.may_inline(req))
         try:
             return await generate(req, self.draft, self.target, on_tokens)

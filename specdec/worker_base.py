@@ -92,6 +92,14 @@ class Worker:
             raise ContextOverflowError(f"{what} needs {length} positions but the context holds {self.max_context}; "
                                        f"shorten the prompt or lower max_new_tokens / gamma")
 
+    def check_reserve(self, positions: int) -> None:
+        """Refuse up front a session that will need more positions than the context holds (StartSession's
+        reserve_positions: prompt + max_new_tokens), rather than fail it when it gets there."""
+        if positions > self.max_context:
+            raise ContextOverflowError(f"the request needs up to {positions} positions (prompt + max_new_tokens) but "
+                                       f"the context holds {self.max_context} (--max-context); lower max_new_tokens "
+                                       f"by {positions - self.max_context} or shorten the prompt")
+
     def start_session(self, session_id: str, prompt_ids: list[int], params: SamplingParams) -> Session:
         s = self._open_session(session_id, prompt_ids, params)
         if len(prompt_ids) > 1:

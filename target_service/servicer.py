@@ -25,6 +25,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
 
     async def StartSession(self, request, context) -> target_pb2.TargetServiceStartSessionResponse:
         params = sampling_from_proto(request.params)
+        if request.reserve_positions:
+            self.host.worker.check_reserve(request.reserve_positions)
         position, ns, feats = await self.host.start_session(request.session_id, list(request.prompt_ids), params,
                                                             want_features=request.return_features)
         resp = target_pb2.TargetServiceStartSessionResponse(position=position, prefill_ns=ns)

@@ -643,3 +643,37 @@ async def test_text_assembler_holds_back_a_possible_stop_string(tmp_path):
     assert text == "abc " and asm.stopped
     assert "".join(t for t, _ in sent[:6]) == "abc", "the last 3 characters (may begin 'stop') are held back"
     assert sum(len(i) for _, i in sent) == len("abc stop"), "token ids end with the one completing the stop"
+
+
+async def test_a_request_past_the_context_is_refused_before_any_work():
+    """Prompt + max_new_tokens up to the replicas' context runs in every mode (exact); one position more is
+    OUT_OF_RANGE from StartSession (reserve_positions), not a failure after the work is done."""
+    target, draft = tiny_pair()
+    t = await start_replica("target", target, max_context=40)
+    d = await start_replica("draft", draft, max_context=40, preverifier="random")
+    s = CoordinatorSettings(host="127.0.0.1", port=0, metrics_port=0, ray=False, tokenizer="", grace_s=0,
+                            draft_endpoints=d.endpoint, target_endpoints=t.endpoint, log_level="WARNING")
+    app, _ = await build_coordinator(s)
+    await app.start()
+    stub = gg.GenerationServiceStub(ch := grpc.aio.insecure_channel(f"127.0.0.1:{app.port}"))
+    prompt = [1, 2, 3, 4, 5]
+    ref = target_greedy(target, prompt, 35)
+    try:
+        for mode in MODES:
+            for gamma, temperature in ((1, 0.0), (4, 0.0), (8, 0.0), (8, 1.0)):
+                r = await stub.Generate(req(prompt, mode, n=35, gamma=gamma, temperature=temperature))
+                assert len(r.token_ids) == 35, (mode, gamma)
+                if temperature == 0:
+                    assert list(r.token_ids) == ref, (mode, gamma)
+            t0 = time.perf_counter()
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await stub.Generate(req(prompt, mode, n=36))
+            assert e.value.code() == grpc.StatusCode.OUT_OF_RANGE
+            assert "needs up to 41 positions (prompt + max_new_tokens)" in e.value.details()
+            assert "context holds 40" in e.value.details() and "lower max_new_tokens by 1" in e.value.details()
+            assert time.perf_counter() - t0 < 1.0
+        assert not t.host.table and not d.host.table
+    finally:
+        await ch.close()
+        for a in (app, t, d):
+            await a.shutdown(0)

@@ -281,3 +281,28 @@ def test_prefill_runs_the_head_on_the_last_row_only():
     spec = eng.generate(GenerationRequest(prompt_ids=prompt, max_new_tokens=12, mode="sd", gamma=3))
     ar = eng.generate(GenerationRequest(prompt_ids=prompt, max_new_tokens=12, mode="ar"))
     assert spec.token_ids == ar.token_ids
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_engine_fills_the_context_exactly_and_refuses_one_more(mode):
+    """prompt + max_new_tokens == max_context runs in every mode (PEARL's shadow drafts stop at the request's end);
+    one more is ContextOverflowError before any forward."""
+    from specdec.preverifier import build_random_preverifier
+
+    target = build_tiny_model(vocab_size=32, seed=1, logit_scale=2.0)
+    draft = build_tiny_model(vocab_size=32, seed=2, logit_scale=2.0)
+    pv = build_random_preverifier(draft.config.hidden_size, seed=5, block_size=2, threshold=0.5)
+    eng = Engine(target, draft, preverifier=pv, max_context=40)
+    n = 40 - len(PROMPT)
+    ref = eng.generate(GenerationRequest(PROMPT, n, mode="ar")).token_ids
+    for gamma in (1, 4, 8):
+        for temperature in (0.0, 1.0):
+            out = eng.generate(GenerationRequest(PROMPT, n, mode=mode, gamma=gamma,
+                                                 params=SamplingParams(temperature=temperature, seed=3)))
+            assert len(out.token_ids) == n, (gamma, temperature)
+            if temperature == 0:
+                assert out.token_ids == ref, gamma
+    with pytest.raises(ContextOverflowError, match="needs up to 41 positions"):
+        eng.generate(GenerationRequest(PROMPT, n + 1, mode=mode))
+    assert not eng.target_worker.sessions and not eng.draft_worker.sessions
+    eng.close()
