@@ -222,7 +222,8 @@ class OpenAIFrontDoor:
                 loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
                 msg = e.get("msg", "invalid").removeprefix("Value error, ")
                 parts.append(f"{loc}: {msg}" if loc and not msg.startswith(f"{loc}:") else msg)
-            param = next((str(e["loc"][1]) for e in errs if len(e.get("loc", ())) > 1), None) or param_of(parts[0] if parts else "")
+            param = next((str(e["loc"][1]) for e in errs if len(e.get("loc", ())) > 1), None)
+            param = param or param_of(parts[0] if parts else "")
             return ApiError(400, "; ".join(parts) or "invalid request body", param, "invalid_request").response()
 
         @app.exception_handler(StarletteHTTPException)

@@ -109,7 +109,8 @@ class LocalStack:
             host=self.host, port=self.port, metrics_port=0, tokenizer=target_dir, draft_endpoints=draft_ep,
             target_endpoints=f"127.0.0.1:{tport}", ray=self.use_ray, ray_num_cpus=self.ray_cpus,
             pipelines=self.pipelines, max_new_tokens_cap=self.cap, grace_s=1.0, dns_refresh_s=5.0,
-            log_level="WARNING", served_model_name=served_name(self.target), http_port=(free_port(self.host) if self.http_port == 0 else self.http_port or 0))
+            log_level="WARNING", served_model_name=served_name(self.target),
+            http_port=free_port(self.host) if self.http_port == 0 else self.http_port or 0)
         if self.use_ray:  # starts while the replicas load their models
             import ray
 

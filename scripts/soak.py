@@ -261,7 +261,8 @@ async def main(args) -> int:
                   "tokens": soak.tokens, "codes": dict(soak.codes), "kinds": dict(soak.kinds),
                   "greedy_differs_from_ar": {f"prompt {p} at token {i}": n
                                              for (p, i), n in sorted(soak.greedy_diff.items())},
-                  "http_greedy_text_differs_from_ar": {f"prompt {p}": n for p, n in sorted(soak.http_greedy_diff.items())},
+                  "http_greedy_text_differs_from_ar": {f"prompt {p}": n
+                                                       for p, n in sorted(soak.http_greedy_diff.items())},
                   "same_seed_pairs": {"agreed": soak.same_seed[True], "differed": soak.same_seed[False]},
                   "replica_state": state,
                   "rss_mb_start": {k: round(v) for k, v in rss0.items()},
