@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hmac
 import json
 import logging
@@ -126,6 +127,50 @@ async def until_disconnected(request: Request, work):
     return task.result()
 
 
+async def _merged(firsts, streams):
+    """(choice index, response) from every choice's stream as they come; the first error ends them all."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i, first, events):
+        try:
+            await queue.put((i, first))
+            async for resp in events:
+                await queue.put((i, resp))
+            await queue.put((i, None))
+        except ApiError as e:
+            await queue.put((i, e))
+
+    tasks = [asyncio.ensure_future(pump(i, f, e)) for i, (f, e) in enumerate(zip(firsts, streams))]
+    try:
+        open_ = len(tasks)
+        while open_:
+            i, item = await queue.get()
+            if item is None:
+                open_ -= 1
+            elif isinstance(item, ApiError):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for events in streams:
+            with contextlib.suppress(BaseException):
+                await events.aclose()
+
+
+async def _all(coros):
+    """Every result, in order; or the first error, with the others cancelled (asyncio.gather leaves them running)."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
 def _sse(body: dict | str) -> str:
     return f"data: {body if isinstance(body, str) else json.dumps(body, separators=(',', ':'))}\n\n"
 
@@ -155,55 +200,59 @@ class OpenAIFrontDoor:
 
     async def generate(self, request: Request, body, chat: bool):
         self._check(request, body)
-        proto = body.to_proto()
+        protos = body.choices()
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         created = int(time.time())
         if not body.stream:
-            async def whole():
+            async def whole(proto):
                 text, last = [], None
                 async for resp in self.backend.events(proto, incremental=False):
                     text.append(resp.text_delta)
                     last = resp
-                return "".join(text), last
+                return "".join(text), schema.FINISH_REASON.get(last.finish_reason, "stop"), last.stats
 
-            text, last = await until_disconnected(request, whole())
-            return schema.completion_body(chat, rid, created, self.model_name, text,
-                                          schema.FINISH_REASON.get(last.finish_reason, "stop"), last.stats)
-        events = self.backend.events(proto)
-        # the first response before the headers: a request refused at once gets its HTTP status, not a 200 stream
+            answers = await until_disconnected(request, _all(whole(p) for p in protos))
+            return schema.completion_body(chat, rid, created, self.model_name, answers)
+        streams = [self.backend.events(p) for p in protos]
+        # each choice's first response before the headers: a request refused at once gets its HTTP status, not a
+        # 200 stream
+        async def first(events):
+            try:
+                return await anext(events)
+            except StopAsyncIteration:
+                raise ApiError(500, "the generation ended without an answer") from None
+
         try:
-            first = await until_disconnected(request, events.__anext__())
-        except StopAsyncIteration:
-            raise ApiError(500, "the generation ended without an answer") from None
+            firsts = await until_disconnected(request, _all(first(e) for e in streams))
         except BaseException:
-            await events.aclose()
+            for events in streams:
+                with contextlib.suppress(BaseException):
+                    await events.aclose()
             raise
         usage = body.stream_options is not None and body.stream_options.include_usage
-        return StreamingResponse(self._stream(chat, rid, created, first, events, usage),
+        return StreamingResponse(self._stream(chat, rid, created, firsts, streams, usage),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-    async def _stream(self, chat, rid, created, first, events, with_usage):
+    async def _stream(self, chat, rid, created, firsts, streams, with_usage):
         name = self.model_name
-        async with contextlib.aclosing(events):  # a dropped client cancels here, and closing cancels the pipeline
-            try:
-                if chat:
-                    yield _sse(schema.chunk_body(True, rid, created, name, None, None, role=True,
-                                                 with_usage=with_usage))
-                resp = first
-                while True:
-                    finish = schema.FINISH_REASON.get(resp.finish_reason) if resp.finish_reason else None
-                    if resp.text_delta:
-                        yield _sse(schema.chunk_body(chat, rid, created, name, resp.text_delta, None,
-                                                     with_usage=with_usage))
-                    if finish:
-                        yield _sse(schema.chunk_body(chat, rid, created, name, None, finish, with_usage=with_usage))
-                        if with_usage:
-                            yield _sse(schema.usage_chunk(chat, rid, created, name, resp.stats))
-                        break
-                    resp = await events.__anext__()
-            except ApiError as e:  # after the headers: the error travels as an event, as OpenAI's does
-                yield _sse(e.body())
+        chunk = functools.partial(schema.chunk_body, chat, rid, created, name, with_usage=with_usage)
+        stats = [None] * len(streams)
+        try:
+            if chat:
+                for i in range(len(streams)):
+                    yield _sse(chunk(None, None, role=True, index=i))
+            async for i, resp in _merged(firsts, streams):  # a dropped client cancels here, and with it every choice
+                finish = schema.FINISH_REASON.get(resp.finish_reason) if resp.finish_reason else None
+                if resp.text_delta:
+                    yield _sse(chunk(resp.text_delta, None, index=i))
+                if finish:
+                    stats[i] = resp.stats
+                    yield _sse(chunk(None, finish, index=i, stats=resp.stats))
+            if with_usage:
+                yield _sse(schema.usage_chunk(chat, rid, created, name, stats))
+        except ApiError as e:  # after the headers: the error travels as an event, as OpenAI's does
+            yield _sse(e.body())
         yield _sse("[DONE]")
 
     # -- the app ----------------------------------------------------------------------------------------------

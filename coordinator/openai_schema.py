@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from specdec.pb import generation_pb2
 
 MAX_STOP = 16
+MAX_N = 16  # choices per request: each is its own generation (they batch on the target like separate requests)
 FINISH_REASON = {generation_pb2.FINISH_REASON_LENGTH: "length", generation_pb2.FINISH_REASON_STOP: "stop",
                  generation_pb2.FINISH_REASON_CANCELLED: "abort"}
 # GenerateRequest's field names in the servicer's messages, as an OpenAI client knows them
@@ -58,7 +59,7 @@ class _Sampling(SpecDecKnobs):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = 1
+    n: int = Field(1, ge=1, le=MAX_N)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
@@ -74,8 +75,7 @@ class _Sampling(SpecDecKnobs):
 
     @model_validator(mode="after")
     def _neutral(self):
-        unsupported = [("n", self.n != 1, "only n = 1 is supported; send n separate requests"),
-                       ("presence_penalty", self.presence_penalty != 0, "penalties are not supported; send 0"),
+        unsupported = [("presence_penalty", self.presence_penalty != 0, "penalties are not supported; send 0"),
                        ("frequency_penalty", self.frequency_penalty != 0, "penalties are not supported; send 0"),
                        ("logit_bias", bool(self.logit_bias), "logit_bias is not supported; leave it out"),
                        ("stream_options", self.stream_options is not None and not self.stream,
@@ -100,6 +100,17 @@ class _Sampling(SpecDecKnobs):
             if (value := getattr(self, name)) is not None:
                 setattr(r, name, value)
         return r
+
+    def choices(self) -> list[generation_pb2.GenerateRequest]:
+        """One GenerateRequest per choice: with a seed, choice i samples with seed + i; without, each draws its own."""
+        first = self.to_proto()
+        out = [first]
+        for i in range(1, self.n):
+            r = generation_pb2.GenerateRequest()
+            r.CopyFrom(first)
+            r.seed = (first.seed + i) % 2**64 if self.seed is not None else secrets.randbits(63)
+            out.append(r)
+        return out
 
 
 class ChatMessage(_Body):
@@ -183,10 +194,11 @@ class CompletionRequest(_Sampling):
         return r
 
 
-# -- responses (plain dicts: what the OpenAI API returns, plus `stats`, specdec's per-request statistics) --------
-def usage(stats: generation_pb2.GenerationStats) -> dict:
-    return {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.completion_tokens,
-            "total_tokens": stats.prompt_tokens + stats.completion_tokens}
+# -- responses (plain dicts: what the OpenAI API returns, plus `stats`, specdec's per-request statistics: each choice
+# carries its own, and the top level repeats choice 0's) --------------------------------------------------------
+def usage(stats: list[generation_pb2.GenerationStats]) -> dict:
+    prompt, completion = stats[0].prompt_tokens, sum(s.completion_tokens for s in stats)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 def stats_dict(stats: generation_pb2.GenerationStats) -> dict:
@@ -195,24 +207,31 @@ def stats_dict(stats: generation_pb2.GenerationStats) -> dict:
     return MessageToDict(stats, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
 
 
-def completion_body(chat: bool, rid: str, created: int, model: str, text: str, finish: str,
-                    stats: generation_pb2.GenerationStats) -> dict:
-    choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-               "finish_reason": finish} if chat else
-              {"index": 0, "text": text, "logprobs": None, "finish_reason": finish})
+def completion_body(chat: bool, rid: str, created: int, model: str,
+                    answers: list[tuple[str, str, generation_pb2.GenerationStats]]) -> dict:
+    """`answers`: (text, finish_reason, stats) per choice, in index order."""
+    choices = []
+    for i, (text, finish, stats) in enumerate(answers):
+        choice = {"index": i, "message": {"role": "assistant", "content": text}} if chat else {"index": i, "text": text}
+        choices.append({**choice, "logprobs": None, "finish_reason": finish, "stats": stats_dict(stats)})
     return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
-            "model": model, "choices": [choice], "usage": usage(stats), "stats": stats_dict(stats)}
+            "model": model, "choices": choices, "usage": usage([a[2] for a in answers]),
+            "stats": choices[0]["stats"]}
 
 
 def chunk_body(chat: bool, rid: str, created: int, model: str, text: str | None, finish: str | None,
-               role: bool = False, with_usage: bool = False) -> dict:
-    """One streamed chunk. Chat: `role` marks the first (delta carries the role). Every chunk has `usage: null`
-    when the client asked for usage (the last chunk, `usage_chunk`, carries it)."""
+               role: bool = False, with_usage: bool = False, index: int = 0,
+               stats: generation_pb2.GenerationStats | None = None) -> dict:
+    """One streamed chunk of choice `index`. Chat: `role` marks a choice's first chunk (its delta carries the
+    role). A choice's last chunk carries its finish_reason and stats. Every chunk has `usage: null` when the client
+    asked for usage (the last chunk, `usage_chunk`, carries it)."""
     if chat:
         delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
     else:
-        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+        choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish}
+    if stats is not None:
+        choice["stats"] = stats_dict(stats)
     body = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
             "model": model, "choices": [choice]}
     if with_usage:
@@ -220,6 +239,7 @@ def chunk_body(chat: bool, rid: str, created: int, model: str, text: str | None,
     return body
 
 
-def usage_chunk(chat: bool, rid: str, created: int, model: str, stats: generation_pb2.GenerationStats) -> dict:
+def usage_chunk(chat: bool, rid: str, created: int, model: str,
+                stats: list[generation_pb2.GenerationStats]) -> dict:
     return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
-            "model": model, "choices": [], "usage": usage(stats), "stats": stats_dict(stats)}
+            "model": model, "choices": [], "usage": usage(stats), "stats": stats_dict(stats[0])}

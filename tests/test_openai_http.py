@@ -155,6 +155,32 @@ async def test_seeds_repeat_and_no_seed_draws_fresh(api):
     assert len(unseeded) > 1, "a request without a seed draws a fresh one (OpenAI's behaviour)"
 
 
+async def test_n_choices_are_separate_seeded_generations(api):
+    kw = dict(model=MODEL, messages=MESSAGES, temperature=1.0, max_tokens=16, extra_body={"mode": "sd"})
+    out = await api.client.chat.completions.create(**kw, n=3, seed=7)
+    assert [c.index for c in out.choices] == [0, 1, 2]
+    for i, choice in enumerate(out.choices):  # choice i samples as a lone request with seed 7 + i
+        alone = await api.client.chat.completions.create(**kw, seed=7 + i)
+        assert choice.message.content == alone.choices[0].message.content
+        assert choice.model_extra["stats"]["completion_tokens"] == 16
+    assert len({c.message.content for c in out.choices}) > 1
+    assert out.usage.completion_tokens == 48 and out.usage.prompt_tokens == alone.usage.prompt_tokens
+    stream = await api.client.chat.completions.create(**kw, n=3, seed=7, stream=True,
+                                                      stream_options={"include_usage": True})
+    chunks = [c async for c in stream]
+    texts, roles, finishes = ["", "", ""], [], []
+    for c in chunks[:-1]:
+        (ch,) = c.choices
+        texts[ch.index] += ch.delta.content or ""
+        roles += [ch.index] if ch.delta.role else []
+        finishes += [ch.index] if ch.finish_reason else []
+    assert texts == [c.message.content for c in out.choices]
+    assert sorted(roles) == sorted(finishes) == [0, 1, 2]
+    assert chunks[-1].usage.completion_tokens == 48
+    greedy = await api.client.completions.create(model=MODEL, prompt="abc", temperature=0, max_tokens=8, n=2)
+    assert greedy.choices[0].text == greedy.choices[1].text
+
+
 async def test_models_and_health(api):
     models = await api.client.models.list()
     assert [m.id for m in models.data] == [MODEL]
@@ -164,7 +190,7 @@ async def test_models_and_health(api):
 
 # ---- errors ----------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("body,status,param,words", [
-    ({"n": 2}, 400, "n", "n = 1"),
+    ({"n": 17}, 400, "n", "less than or equal to 16"),
     ({"temperature": 3}, 400, "temperature", "less than or equal to 2"),
     ({"max_tokens": 1000}, 400, "max_tokens", "cap"),
     ({"mode": "fast"}, 400, "mode", "unknown mode"),
@@ -232,7 +258,7 @@ async def test_dropped_stream_and_dropped_request_cancel_the_generation(api):
     whole_s = time.perf_counter() - t0
     done = finished(api)
     async with httpx.AsyncClient(base_url=api.urls["open"]) as c:
-        async with c.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        async with c.stream("POST", "/v1/completions", json={**body, "stream": True, "n": 2}) as r:
             async for line in r.aiter_lines():
                 if line.startswith("data: "):
                     break  # one chunk, then hang up
@@ -240,10 +266,10 @@ async def test_dropped_stream_and_dropped_request_cancel_the_generation(api):
     hang_up = min(0.05, whole_s / 4)
     with pytest.raises(httpx.ReadTimeout):
         async with httpx.AsyncClient(base_url=api.urls["open"], timeout=httpx.Timeout(60, read=hang_up)) as c:
-            await c.post("/v1/completions", json=body)
+            await c.post("/v1/completions", json={**body, "n": 2})
     await until(lambda: api.sessions() == 0)
     await asyncio.sleep(whole_s)  # past the time either would have taken to finish
-    assert finished(api) == done, "both generations were cancelled, not run to the end"
+    assert finished(api) == done, "all four generations were cancelled, not run to the end"
 
 
 # ---- the front door alone, over a scripted servicer ------------------------------------------------------------
@@ -309,6 +335,11 @@ async def test_an_error_after_the_first_chunk_is_an_event_then_done():
     assert events[2]["error"]["message"] == "the target replica went away"
     assert reg.get_sample_value("specdec_http_requests_total",
                                 {"route": "/v1/chat/completions", "status": "200"}) == 1
+    async with door_client([g.GenerateStreamResponse(text_delta="ab"),
+                            (grpc.StatusCode.UNAVAILABLE, "the target replica went away")])[0] as client:
+        r = await client.post("/v1/completions", json={**BODY, "stream": True, "n": 3})
+    lines = [ln for ln in r.text.split("\n") if ln]
+    assert lines[-1] == "data: [DONE]" and sum("error" in ln for ln in lines) == 1, "the first error ends all choices"
 
 
 async def test_limits_draining_and_metrics():
