@@ -4,6 +4,7 @@
     POST /v1/completions        a plain completion of the prompt text (no chat template), or of token ids
     GET  /v1/models             the one model served
     GET  /health                200 while serving, 503 while draining
+    GET  /metrics               the coordinator's Prometheus metrics (also on COORDINATOR_METRICS_PORT)
 
 A thin shell: a body is validated (coordinator/openai_schema.py), turned into a GenerateRequest and handed to the
 same GenerationServicer the gRPC API uses, in process. Errors come back in OpenAI's shape, `{"error": {"message",
@@ -180,7 +181,7 @@ class OpenAIFrontDoor:
                  is_draining=lambda: False, registry=None):
         self.backend, self.model_name, self.api_key = backend, model_name, api_key
         self.max_body_bytes, self.is_draining = max_body_bytes, is_draining
-        self.requests = None
+        self.requests, self.registry = None, registry
         if registry is not None:
             from prometheus_client import Counter
 
@@ -300,11 +301,17 @@ class OpenAIFrontDoor:
                 return JSONResponse({"status": "draining"}, status_code=503)
             return {"status": "serving"}
 
+        if self.registry is not None:  # the coordinator's metrics here too, as vLLM serves them on its API port
+            from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+            @app.get("/metrics")
+            async def metrics():
+                return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
         app.add_middleware(_Limits, door=self)
         return app
 
 
-ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health")
+ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
 
 
 class _Limits:

@@ -186,6 +186,10 @@ async def test_models_and_health(api):
     assert [m.id for m in models.data] == [MODEL]
     r = await api.http.get("/health")
     assert r.status_code == 200 and r.json()["status"] == "serving"
+    metrics = await api.http.get("/metrics")
+    assert metrics.status_code == 200
+    assert 'specdec_http_requests_total{route="/health",status="200"}' in metrics.text
+    assert "specdec_request_success_total" in metrics.text  # the generation metrics both doors share
 
 
 # ---- errors ----------------------------------------------------------------------------------------------------
