@@ -207,7 +207,7 @@ def _generate_in_process(args) -> dict:
                                                   seed=args.seed), **kw)
     detok = IncrementalDetokenizer(tok, prefix_ids=ids)
 
-    def on_tokens(new):
+    def on_tokens(new, _logprobs=None):
         piece = detok.push(new)
         if piece and not args.json:
             sys.stdout.write(piece)

@@ -114,3 +114,5 @@ class GenerationResult:
     token_ids: list[int]
     finish_reason: str  # length | stop | cancelled
     stats: GenerationStats
+    # per token of token_ids: (logprob, top ids, top logprobs) under the target (SamplingParams.logprobs >= 0)
+    logprobs: list[tuple[float, list[int], list[float]]] | None = None

@@ -47,6 +47,8 @@ class SamplingParams:
     top_k: int = 0  # 0 → off
     top_p: float = 1.0  # 1 → off
     seed: int = 0
+    # committed tokens' log-probabilities (target_logprobs) with this many top alternatives each; -1: none
+    logprobs: int = -1
 
     @property
     def greedy(self) -> bool:
@@ -59,7 +61,35 @@ class SamplingParams:
             raise InvalidRequestError("top_k", f"must be >= 0 (0 disables it), got {self.top_k}")
         if not (0.0 < self.top_p <= 1.0):
             raise InvalidRequestError("top_p", f"must be in (0, 1] (1 disables it), got {self.top_p}")
+        if not -1 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidRequestError("logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}] top alternatives (unset: no "
+                                                  f"logprobs), got {self.logprobs}")
         return self
+
+
+MAX_TOP_LOGPROBS = 20
+
+
+@dataclass
+class TokenLogprobs:
+    """log p(token) under the target's raw distribution (its logits' softmax: temperature 1, no top-k / top-p, as
+    OpenAI's and vLLM's logprobs) for tokens at consecutive positions from `position`, with each position's `top`
+    most likely tokens. Speculative decoding commits exactly the target's tokens, so these are the target's
+    logprobs of the output whatever drafted it."""
+
+    position: int
+    token_ids: list[int]
+    logprobs: list[float]
+    top_ids: list[list[int]]
+    top_logprobs: list[list[float]]
+
+
+def target_logprobs(rows: torch.Tensor, token_ids: list[int], position: int, top: int) -> TokenLogprobs:
+    """rows[i]: the target's logits that decided token_ids[i] (at position + i)."""
+    lp = torch.log_softmax(rows[:len(token_ids)].float(), dim=-1)
+    chosen = lp.gather(-1, torch.tensor(token_ids, dtype=torch.long)[:, None])[:, 0]
+    vals, ids = lp.topk(top, dim=-1) if top > 0 else (lp[:, :0], lp[:, :0].long())
+    return TokenLogprobs(position, list(token_ids), chosen.tolist(), ids.tolist(), vals.tolist())
 
 
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -73,7 +73,7 @@ class TargetBackend(Protocol):
 class _Run:
     """The per-request state shared by the schedules: history, commit logic, stop conditions, stats."""
 
-    def __init__(self, req: GenerationRequest, on_tokens: Callable[[list[int]], bool] | None):
+    def __init__(self, req: GenerationRequest, on_tokens: Callable[[list[int], list | None], bool] | None):
         self.req = req
         self.history = list(req.prompt_ids)  # committed tokens; the last one is the pending token
         self.n_prompt = len(req.prompt_ids)
@@ -83,6 +83,10 @@ class _Run:
         self.draft_fed = self.target_fed = self.n_prompt - 1
         self.features: list[TargetFeatures] = []  # target features the (feature) draft has not been sent yet
         self.last_batch = 1  # sessions in the target forward of the last verify (PEARL's PRE round reads it)
+        # logprobs (req.params.logprobs >= 0): what verifies returned, by absolute position, until committed
+        self.wants_logprobs = req.params.logprobs >= 0
+        self.logprob_at: dict[int, tuple[int, tuple[float, list[int], list[float]]]] = {}
+        self.logprobs: list[tuple[float, list[int], list[float]]] = []
 
     def take_features(self) -> list[TargetFeatures] | None:
         out, self.features = self.features, []
@@ -100,11 +104,27 @@ class _Run:
             if t in self.req.eos_token_ids:
                 self.finish = "stop"
                 break
+        new_logprobs = self._take_logprobs(out) if self.wants_logprobs else None
         self.history.extend(out)
         if self.finish is None and len(self.generated) >= self.req.max_new_tokens:
             self.finish = "length"
-        if out and self.on_tokens is not None and self.on_tokens(out):
+        if out and self.on_tokens is not None and self.on_tokens(out, new_logprobs):
             self.finish = self.finish or "stop"
+
+    def _take_logprobs(self, tokens: list[int]) -> list:
+        """The logprobs of `tokens`, about to be committed at the next positions (every committed token came from a
+        verify that returned its logprob)."""
+        pos = len(self.history)
+        out = []
+        for i, t in enumerate(tokens):
+            token, entry = self.logprob_at.pop(pos + i, (None, None))
+            if token != t:
+                raise RuntimeError(f"no target logprob for token {t} at position {pos + i}")
+            out.append(entry)
+        for stale in [p for p in self.logprob_at if p < pos + len(tokens)]:
+            del self.logprob_at[stale]
+        self.logprobs.extend(out)
+        return out
 
     def draft_args(self) -> tuple[int, list[int]]:
         base = min(self.draft_fed, len(self.history) - 1)
@@ -123,6 +143,10 @@ class _Run:
             self.last_batch = out.batch_size
         if out.features is not None and len(out.features):
             self.features.append(out.features)
+        if self.wants_logprobs and out.logprobs is not None:
+            lp = out.logprobs
+            for i, t in enumerate(lp.token_ids):
+                self.logprob_at[lp.position + i] = (t, (lp.logprobs[i], lp.top_ids[i], lp.top_logprobs[i]))
 
 
 def _drafted(blk: DraftBlock, run: _Run) -> DraftBlock:
@@ -140,7 +164,8 @@ async def _collect(stream: AsyncIterator[DraftBlock], run: _Run) -> DraftBlock:
 
 async def generate(req: GenerationRequest, draft: DraftBackend | None, target: TargetBackend,
                    on_tokens: Callable[[list[int]], bool] | None = None) -> GenerationResult:
-    """Run one request to completion. `on_tokens(new)` sees tokens as they are committed; True stops."""
+    """Run one request to completion. `on_tokens(new, logprobs)` sees tokens as they are committed (logprobs: one
+    (logprob, top ids, top logprobs) per token when the request asked, else None); True stops."""
     req.validate()
     run = _Run(req, on_tokens)
     t0 = time.perf_counter()
@@ -173,7 +198,8 @@ async def generate(req: GenerationRequest, draft: DraftBackend | None, target: T
         st = run.stats
         st.wall_s = time.perf_counter() - t0
         st.mean_accepted_length = len(run.generated) / st.target_forwards if st.target_forwards else 0.0
-    return GenerationResult(run.generated, run.finish or "length", run.stats)
+    return GenerationResult(run.generated, run.finish or "length", run.stats,
+                            run.logprobs if run.wants_logprobs else None)
 
 
 def _stop_spec(req: GenerationRequest) -> StopSpec:

@@ -17,7 +17,7 @@ import torch
 from specdec.drafting import DraftBlock, DraftCall, DraftWorker
 from specdec.errors import InvalidRequestError, StalePositionError
 from specdec.model import CausalLM
-from specdec.sampling import SamplingParams, logits_to_probs
+from specdec.sampling import SamplingParams, TokenLogprobs, logits_to_probs, target_logprobs
 from specdec.verify import SparseDist, verify
 from specdec.worker_base import PAD_SLACK, PREFILL_LOGITS, Session, TargetFeatures, Worker
 
@@ -44,6 +44,8 @@ class VerifyOutcome:
     # the target's final hidden states at the positions this call committed (fed and kept), for a feature draft;
     # only when the session asked for them
     features: TargetFeatures | None = None
+    # the committed tokens' (accepted, then next_token) target logprobs; only when the session asked for them
+    logprobs: TokenLogprobs | None = None
 
 
 class TargetWorker(Worker):
@@ -155,7 +157,11 @@ class TargetWorker(Worker):
             s.last_row = rows[res.num_accepted] if rows.shape[0] > res.num_accepted else None
         else:
             s.last_row = rows[0] if rows.shape[0] else s.last_row
-        return VerifyOutcome(res.num_accepted, res.next_token)
+        out = VerifyOutcome(res.num_accepted, res.next_token)
+        committed = list(a.draft[:res.num_accepted]) + ([res.next_token] if res.next_token is not None else [])
+        if s.params.logprobs >= 0 and committed:  # rows[i] decided committed[i]
+            out.logprobs = target_logprobs(rows, committed, pos0, s.params.logprobs)
+        return out
 
 
 def kv_bytes_per_session(model: CausalLM, max_context: int) -> int:
