@@ -27,7 +27,7 @@ import grpc
 from specdec.pb import common_pb2, draft_pb2, target_pb2
 from specdec.sampling import SamplingParams
 from specdec.server.convert import (decode_q, draft_block, draft_request, encode_q, features_from_proto,
-                                   features_to_proto, sampling_to_proto)
+                                   features_to_proto, logprobs_from_proto, sampling_to_proto)
 from specdec.stop import StopSpec
 from specdec.verify import SparseDist
 from specdec.workers import DraftBlock, TargetFeatures, VerifyOutcome
@@ -349,4 +349,5 @@ class RemoteTarget(_Pinned):
         return VerifyOutcome(r.num_accepted, r.next_token if r.HasField("next_token") else None,
                              forward_ns=r.forward_ns, verify_ns=r.verify_ns, forwarded=r.forward_ns > 0,
                              batch_size=r.batch_size,
-                             features=features_from_proto([r.features])[0] if r.HasField("features") else None)
+                             features=features_from_proto([r.features])[0] if r.HasField("features") else None,
+                             logprobs=logprobs_from_proto(r.logprobs) if r.HasField("logprobs") else None)

@@ -8,7 +8,7 @@ import grpc
 
 from specdec.pb import common_pb2, target_pb2, target_pb2_grpc
 from specdec.sampling import SamplingParams
-from specdec.server.convert import encode_q, features_from_proto
+from specdec.server.convert import encode_q, features_from_proto, logprobs_from_proto
 from specdec.verify import SparseDist
 from specdec.workers import TargetFeatures, VerifyOutcome
 
@@ -48,7 +48,8 @@ class TargetClient:
         return VerifyOutcome(r.num_accepted, r.next_token if r.HasField("next_token") else None,
                              forward_ns=r.forward_ns, verify_ns=r.verify_ns, forwarded=r.forward_ns > 0,
                              batch_size=r.batch_size,
-                             features=features_from_proto([r.features])[0] if r.HasField("features") else None)
+                             features=features_from_proto([r.features])[0] if r.HasField("features") else None,
+                             logprobs=logprobs_from_proto(r.logprobs) if r.HasField("logprobs") else None)
 
     async def end(self, session_id: str) -> None:
         await self.stub.EndSession(target_pb2.TargetServiceEndSessionRequest(session_id=session_id),

@@ -5,8 +5,8 @@ import grpc
 
 from specdec.errors import InvalidRequestError
 from specdec.pb import common_pb2, target_pb2, target_pb2_grpc
-from specdec.server.convert import (decode_q, dense_q_to_sparse, features_to_proto, sampling_from_proto,
-                                   tensor_from_proto)
+from specdec.server.convert import (decode_q, dense_q_to_sparse, features_to_proto, logprobs_to_proto,
+                                   sampling_from_proto, tensor_from_proto)
 from specdec.server.host import SessionHost
 
 from target_service.batcher import VerifyBatcher
@@ -62,6 +62,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             resp.next_token = out.next_token
         if out.features is not None:
             resp.features.CopyFrom(features_to_proto(out.features))
+        if out.logprobs is not None:
+            resp.logprobs.CopyFrom(logprobs_to_proto(out.logprobs))
         return resp
 
     async def VerifyRounds(self, request_iterator, context):

@@ -96,11 +96,28 @@ def sampling_from_proto(msg: common_pb2.SamplingParams):
     from specdec.sampling import SamplingParams
 
     return SamplingParams(temperature=float(msg.temperature), top_k=int(msg.top_k),
-                          top_p=float(msg.top_p) if msg.HasField("top_p") else 1.0, seed=int(msg.seed))
+                          top_p=float(msg.top_p) if msg.HasField("top_p") else 1.0, seed=int(msg.seed),
+                          logprobs=int(msg.logprobs) if msg.HasField("logprobs") else -1)
 
 
 def sampling_to_proto(p) -> common_pb2.SamplingParams:
-    return common_pb2.SamplingParams(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=p.seed)
+    msg = common_pb2.SamplingParams(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=p.seed)
+    if p.logprobs >= 0:
+        msg.logprobs = p.logprobs
+    return msg
+
+
+def logprobs_to_proto(lp) -> common_pb2.TokenLogprobs:
+    return common_pb2.TokenLogprobs(position=lp.position, token_ids=lp.token_ids, logprobs=lp.logprobs,
+                                    top=[common_pb2.TopLogprobs(ids=i, logprobs=v)
+                                         for i, v in zip(lp.top_ids, lp.top_logprobs)])
+
+
+def logprobs_from_proto(msg: common_pb2.TokenLogprobs):
+    from specdec.sampling import TokenLogprobs
+
+    return TokenLogprobs(int(msg.position), list(msg.token_ids), list(msg.logprobs), [list(t.ids) for t in msg.top],
+                         [list(t.logprobs) for t in msg.top])
 
 
 
