@@ -47,7 +47,8 @@ def error_event(e: BaseException) -> dict:
 
 def request_from_dict(d: dict) -> GenerationRequest:
     params = SamplingParams(temperature=float(d.get("temperature", 0.0)), top_k=int(d.get("top_k", 0)),
-                            top_p=float(d.get("top_p", 1.0)), seed=int(d.get("seed", 0)))
+                            top_p=float(d.get("top_p", 1.0)), seed=int(d.get("seed", 0)),
+                            logprobs=int(d.get("logprobs", -1)))
     keys = ("max_new_tokens", "mode", "gamma", "block_size", "verify_method", "pacer_threshold", "pacer_skip_below",
             "pearl_first_block", "spec_off_batch", "pacer_post_threshold", "pearl_overlap")
     kw = {k: d[k] for k in keys if d.get(k) is not None}
@@ -111,9 +112,9 @@ class Pipeline:
         rid = req.session_id
         incremental = not request.get("final_only")  # False: the caller reads only the last event
 
-        def on_tokens(new: list[int]) -> bool:
+        def on_tokens(new: list[int], logprobs: list | None = None) -> bool:
             if incremental:
-                queue.put_nowait({"tokens": list(new)})
+                queue.put_nowait({"tokens": list(new), "logprobs": logprobs})
             return rid in self._stop
 
         task = asyncio.ensure_future(self._run(req, on_tokens))
@@ -160,7 +161,8 @@ class Pipeline:
         stats["draft_replica"] = ",".join(draft.served) if draft else ""
         stats["target_replica"] = ",".join(target.served)
         finish = "stop" if res.finish_reason == "stop" else res.finish_reason
-        return {"done": True, "token_ids": res.token_ids, "finish_reason": finish, "stats": stats}
+        return {"done": True, "token_ids": res.token_ids, "finish_reason": finish, "stats": stats,
+                "logprobs": res.logprobs}
 
     def stop(self, rid: str) -> None:
         """Finish the request after its current round (a stop string was seen downstream)."""

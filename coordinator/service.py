@@ -15,6 +15,7 @@ import grpc
 from specdec.errors import InvalidRequestError
 from specdec.pb import generation_pb2, generation_pb2_grpc
 from specdec.request import MAX_SPEC_OFF_BATCH, MODES, PEARL_OVERLAP
+from specdec.sampling import MAX_TOP_LOGPROBS
 
 FINISH = {"length": generation_pb2.FINISH_REASON_LENGTH, "stop": generation_pb2.FINISH_REASON_STOP,
           "cancelled": generation_pb2.FINISH_REASON_CANCELLED}
@@ -71,6 +72,16 @@ class TextAssembler:
         delta = self.text[self.sent:]
         self.sent = len(self.text)
         return delta
+
+
+def logprobs_pb(entries: list | None) -> generation_pb2.GeneratedLogprobs | None:
+    """(logprob, top ids, top logprobs) per token → the response's logprobs (None: not asked)."""
+    if entries is None:
+        return None
+    from specdec.pb import common_pb2
+
+    return generation_pb2.GeneratedLogprobs(logprobs=[e[0] for e in entries],
+                                            top=[common_pb2.TopLogprobs(ids=e[1], logprobs=e[2]) for e in entries])
 
 
 def stats_pb(stats: dict) -> generation_pb2.GenerationStats:
@@ -137,6 +148,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         if r.raw_prompt and not r.HasField("prompt"):
             raise InvalidRequestError("raw_prompt", "applies to prompt (text) only; leave it unset with "
                                                     f"{given[0]}")
+        if r.HasField("logprobs") and not 0 <= r.logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidRequestError("logprobs", f"top alternatives per token must be in [0, {MAX_TOP_LOGPROBS}] "
+                                                  f"(unset: no logprobs), got {r.logprobs}")
         if r.top_k < 0:
             raise InvalidRequestError("top_k", f"must be >= 0 (0 disables it), got {r.top_k}")
         if r.prompt_token_ids:
@@ -167,7 +181,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                "spec_off_batch": r.spec_off_batch if r.HasField("spec_off_batch") else self.spec_off_batch,
                "pacer_post_threshold": (r.pacer_post_threshold if r.HasField("pacer_post_threshold")
                                         else self.pacer_post_threshold),
-               "pearl_overlap": r.pearl_overlap or None, "eos_token_ids": list(self.eos)}
+               "pearl_overlap": r.pearl_overlap or None, "eos_token_ids": list(self.eos),
+               "logprobs": r.logprobs if r.HasField("logprobs") else -1}
         return Prepared(req, TextAssembler(self.tok, ids, list(r.stop)))
 
     # -- events → responses ---------------------------------------------------------------------------------
@@ -195,15 +210,19 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                             if first and m:
                                 m.ttft.observe(time.perf_counter() - t0)
                             first = False
-                            yield generation_pb2.GenerateStreamResponse(text_delta=text, token_ids=ids)
+                            lps = ev.get("logprobs")
+                            yield generation_pb2.GenerateStreamResponse(
+                                text_delta=text, token_ids=ids, logprobs=logprobs_pb(lps[:len(ids)] if lps else None))
                     elif "error" in ev:
                         if m:
                             m.requests.labels("error").inc()
                         code = getattr(grpc.StatusCode, ev["error"]["code"], grpc.StatusCode.INTERNAL)
                         await context.abort(code, ev["error"]["message"])
                     elif ev.get("done"):
-                        rest = ev["token_ids"][len(asm.token_ids):]  # what no per-round event carried
+                        done = len(asm.token_ids)
+                        rest = ev["token_ids"][done:]  # what no per-round event carried
                         text, ids = asm.push(rest) if rest and not asm.stopped else ("", [])
+                        lps = ev.get("logprobs")
                         finish = "stop" if asm.stopped else ev["finish_reason"]
                         tail = text + asm.finish()
                         stats = dict(ev["stats"], completion_tokens=len(asm.token_ids))
@@ -217,7 +236,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                             if stats.get("mode") != "ar":
                                 m.rounds.labels("speculative").inc(max(0, stats.get("rounds", 0) - off))
                         yield generation_pb2.GenerateStreamResponse(
-                            text_delta=tail, token_ids=ids, finish_reason=FINISH[finish], stats=stats_pb(stats))
+                            text_delta=tail, token_ids=ids, finish_reason=FINISH[finish], stats=stats_pb(stats),
+                            logprobs=logprobs_pb(lps[done:done + len(ids)] if lps is not None else None))
                         return
         finally:
             if m:
@@ -233,6 +253,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         async for resp in self.respond(request, context, incremental=False):
             text.append(resp.text_delta)
             out.token_ids.extend(resp.token_ids)
+            if resp.HasField("logprobs"):
+                out.logprobs.logprobs.extend(resp.logprobs.logprobs)
+                out.logprobs.top.extend(resp.logprobs.top)
             if resp.finish_reason:
                 out.finish_reason = resp.finish_reason
                 out.stats.CopyFrom(resp.stats)
