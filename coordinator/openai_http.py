@@ -30,6 +30,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from coordinator import openai_schema as schema
+from specdec.pb import generation_pb2
 from specdec.server.interceptor import status_for
 
 log = logging.getLogger(__name__)
@@ -90,6 +91,11 @@ class ServicerBackend:
 
     def __init__(self, servicer):
         self.servicer = servicer
+
+    def token_text(self, token_id: int) -> str:
+        """A token's text (logprobs entries); `<id>` where the coordinator has no tokenizer."""
+        tok = getattr(self.servicer, "tok", None)
+        return tok.decode([token_id]) if tok is not None else f"<{token_id}>"
 
     async def events(self, request, incremental: bool = True):
         try:
@@ -206,11 +212,16 @@ class OpenAIFrontDoor:
         created = int(time.time())
         if not body.stream:
             async def whole(proto):
-                text, last = [], None
+                text, ids, last = [], [], None
+                lps = generation_pb2.GeneratedLogprobs() if proto.HasField("logprobs") else None
                 async for resp in self.backend.events(proto, incremental=False):
                     text.append(resp.text_delta)
+                    ids.extend(resp.token_ids)
+                    if lps is not None:
+                        lps.MergeFrom(resp.logprobs)
                     last = resp
-                return "".join(text), schema.FINISH_REASON.get(last.finish_reason, "stop"), last.stats
+                return ("".join(text), schema.FINISH_REASON.get(last.finish_reason, "stop"), last.stats,
+                        schema.logprobs_body(chat, ids, lps, self.backend.token_text))
 
             answers = await until_disconnected(request, _all(whole(p) for p in protos))
             return schema.completion_body(chat, rid, created, self.model_name, answers)
@@ -245,7 +256,10 @@ class OpenAIFrontDoor:
                     yield _sse(chunk(None, None, role=True, index=i))
             async for i, resp in _merged(firsts, streams):  # a dropped client cancels here, and with it every choice
                 finish = schema.FINISH_REASON.get(resp.finish_reason) if resp.finish_reason else None
-                if resp.text_delta:
+                if resp.HasField("logprobs") and resp.token_ids:  # tokens whose text may still be held back
+                    yield _sse(chunk(resp.text_delta, None, index=i, logprobs=schema.logprobs_body(
+                        chat, resp.token_ids, resp.logprobs, self.backend.token_text)))
+                elif resp.text_delta:
                     yield _sse(chunk(resp.text_delta, None, index=i))
                 if finish:
                     stats[i] = resp.stats

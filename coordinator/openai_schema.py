@@ -2,7 +2,7 @@
 GenerateRequest, and the response bodies. Pure: pydantic and the generated proto, no web framework.
 
 - Fields OpenAI defines that specdec does not implement are accepted at their neutral values (n = 1, penalties 0,
-  no logprobs, no tools) and refused otherwise, with a message saying what to send instead.
+  no tools) and refused otherwise, with a message saying what to send instead.
 - Unknown fields are refused: a misspelt knob should fail, not silently change nothing.
 - specdec's own knobs ride along as extra body fields (the openai client's `extra_body`): `mode`, `gamma`,
   `verify_method`, `top_k` (as in vLLM: 0 or -1 disables it), and the rest of GenerateRequest's.
@@ -136,7 +136,7 @@ class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
     response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
@@ -147,8 +147,8 @@ class ChatCompletionRequest(_Sampling):
         if self.max_tokens is not None and self.max_completion_tokens is not None and \
                 self.max_tokens != self.max_completion_tokens:
             raise ValueError("max_tokens and max_completion_tokens differ; send one of them")
-        if self.logprobs or self.top_logprobs:
-            raise ValueError("logprobs: not supported; leave logprobs and top_logprobs out")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs: needs logprobs: true")
         if self.response_format and self.response_format.get("type") != "text":
             raise ValueError("response_format: only {'type': 'text'} is supported")
         if self.tools or self.tool_choice not in (None, "none"):
@@ -157,6 +157,8 @@ class ChatCompletionRequest(_Sampling):
 
     def to_proto(self) -> generation_pb2.GenerateRequest:
         r = self.generate_request(self.max_completion_tokens or self.max_tokens)
+        if self.logprobs:
+            r.logprobs = self.top_logprobs or 0
         for m in self.messages:
             r.messages.add(role="system" if m.role == "developer" else m.role, content=m.content)
         return r
@@ -167,7 +169,7 @@ class CompletionRequest(_Sampling):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=20)
 
     @model_validator(mode="after")
     def _completion_neutral(self):
@@ -179,7 +181,7 @@ class CompletionRequest(_Sampling):
                 if len(p) != 1:
                     raise ValueError(f"prompt: one prompt per request (got {len(p)}); send separate requests")
                 self.prompt = p[0]
-        for name, bad in (("echo", self.echo), ("suffix", self.suffix), ("logprobs", self.logprobs),
+        for name, bad in (("echo", self.echo), ("suffix", self.suffix),
                           ("best_of", self.best_of not in (None, 1))):
             if bad:
                 raise ValueError(f"{name}: not supported; leave it out")
@@ -187,6 +189,8 @@ class CompletionRequest(_Sampling):
 
     def to_proto(self) -> generation_pb2.GenerateRequest:
         r = self.generate_request(self.max_tokens)
+        if self.logprobs is not None:
+            r.logprobs = self.logprobs
         if isinstance(self.prompt, str):
             r.prompt, r.raw_prompt = self.prompt, True  # a completion continues the text as is: no chat template
         else:
@@ -207,13 +211,33 @@ def stats_dict(stats: generation_pb2.GenerationStats) -> dict:
     return MessageToDict(stats, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
 
 
-def completion_body(chat: bool, rid: str, created: int, model: str,
-                    answers: list[tuple[str, str, generation_pb2.GenerationStats]]) -> dict:
-    """`answers`: (text, finish_reason, stats) per choice, in index order."""
+def logprobs_body(chat: bool, token_ids, logprobs: generation_pb2.GeneratedLogprobs | None, token_text) -> dict | None:
+    """OpenAI's logprobs object for these tokens (chat: `content` entries; completions: parallel lists).
+    `token_text(id)` is a token's text."""
+    if logprobs is None:
+        return None
+    tokens = [token_text(t) for t in token_ids]
+    tops = [[(token_text(i), v) for i, v in zip(top.ids, top.logprobs)] for top in logprobs.top]
+    if chat:
+        def entry(text, lp):
+            return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+
+        return {"content": [{**entry(text, lp), "top_logprobs": [entry(a, v) for a, v in top]}
+                            for text, lp, top in zip(tokens, logprobs.logprobs, tops)]}
+    offsets, at = [], 0
+    for text in tokens:
+        offsets.append(at)
+        at += len(text)
+    return {"tokens": tokens, "token_logprobs": list(logprobs.logprobs), "top_logprobs": [dict(top) for top in tops],
+            "text_offset": offsets}
+
+
+def completion_body(chat: bool, rid: str, created: int, model: str, answers: list[tuple]) -> dict:
+    """`answers`: (text, finish_reason, stats, logprobs object or None) per choice, in index order."""
     choices = []
-    for i, (text, finish, stats) in enumerate(answers):
+    for i, (text, finish, stats, logprobs) in enumerate(answers):
         choice = {"index": i, "message": {"role": "assistant", "content": text}} if chat else {"index": i, "text": text}
-        choices.append({**choice, "logprobs": None, "finish_reason": finish, "stats": stats_dict(stats)})
+        choices.append({**choice, "logprobs": logprobs, "finish_reason": finish, "stats": stats_dict(stats)})
     return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
             "model": model, "choices": choices, "usage": usage([a[2] for a in answers]),
             "stats": choices[0]["stats"]}
@@ -221,15 +245,15 @@ def completion_body(chat: bool, rid: str, created: int, model: str,
 
 def chunk_body(chat: bool, rid: str, created: int, model: str, text: str | None, finish: str | None,
                role: bool = False, with_usage: bool = False, index: int = 0,
-               stats: generation_pb2.GenerationStats | None = None) -> dict:
+               stats: generation_pb2.GenerationStats | None = None, logprobs: dict | None = None) -> dict:
     """One streamed chunk of choice `index`. Chat: `role` marks a choice's first chunk (its delta carries the
     role). A choice's last chunk carries its finish_reason and stats. Every chunk has `usage: null` when the client
     asked for usage (the last chunk, `usage_chunk`, carries it)."""
     if chat:
-        delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
-        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+        delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text is not None else {})
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
     else:
-        choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish}
+        choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
     if stats is not None:
         choice["stats"] = stats_dict(stats)
     body = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,

@@ -181,6 +181,32 @@ async def test_n_choices_are_separate_seeded_generations(api):
     assert greedy.choices[0].text == greedy.choices[1].text
 
 
+async def test_logprobs_chat_and_completions_whole_and_streamed(api):
+    grpc_req = g.GenerateRequest(max_new_tokens=12, mode="pearl", temperature=0.0, logprobs=2)
+    for m in MESSAGES:
+        grpc_req.messages.add(**m)
+    ref = await api.stubs["open"].Generate(grpc_req)
+    kw = dict(model=MODEL, messages=MESSAGES, temperature=0, max_tokens=12, logprobs=True, top_logprobs=2,
+              extra_body={"mode": "pearl"})
+    out = await api.client.chat.completions.create(**kw)
+    content = out.choices[0].logprobs.content
+    assert "".join(e.token for e in content) == out.choices[0].message.content == ref.text
+    assert [e.logprob for e in content] == pytest.approx(list(ref.logprobs.logprobs), abs=1e-6)
+    assert all(len(e.top_logprobs) == 2 and e.top_logprobs[0].logprob >= e.logprob - 1e-6 for e in content)
+    assert all(bytes(e.bytes).decode() == e.token for e in content)
+    stream = await api.client.chat.completions.create(**kw, stream=True)
+    streamed = [e async for c in stream if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+
+    text = await api.client.completions.create(model=MODEL, prompt="abc", temperature=0, max_tokens=10, logprobs=1)
+    lp = text.choices[0].logprobs
+    assert "".join(lp.tokens) == text.choices[0].text and len(lp.token_logprobs) == 10
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(10)]
+    assert all(len(top) == 1 and max(top.values()) >= v - 1e-6 for top, v in zip(lp.top_logprobs, lp.token_logprobs))
+    plain = await api.client.completions.create(model=MODEL, prompt="abc", max_tokens=2)
+    assert plain.choices[0].logprobs is None
+
+
 async def test_models_and_health(api):
     models = await api.client.models.list()
     assert [m.id for m in models.data] == [MODEL]
@@ -200,6 +226,8 @@ async def test_models_and_health(api):
     ({"mode": "fast"}, 400, "mode", "unknown mode"),
     ({"frequency_penalty": 0.5}, 400, None, "penalties"),
     ({"tools": [{"type": "function"}]}, 400, None, "tool calls"),
+    ({"top_logprobs": 2}, 400, "top_logprobs", "needs logprobs: true"),
+    ({"logprobs": True, "top_logprobs": 21}, 400, "top_logprobs", "less than or equal to 20"),
     ({"bogus_knob": 1}, 400, "bogus_knob", "Extra inputs"),
     ({"model": "gpt-4o"}, 404, "model", MODEL),
     ({"messages": []}, 400, "messages", "at least 1"),
