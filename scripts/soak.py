@@ -16,7 +16,7 @@ Checked:
 - sampled answers with the same prompt, mode, seed and request fields are compared on their common prefix and
   the pairs that differ are counted (reported, not a failure: a seed fixes each draw by position and purpose, but
   which positions get a draft token depends on load and timing; see docs/coordinator.md, "Seeds");
-- a stream's concatenated deltas equal its token ids; over HTTP, greedy text equals the decoded `ar` prefix of the
+- a stream's concatenated deltas equal its token ids; a fifth of the requests ask for logprobs (one per token); over HTTP, greedy text equals the decoded `ar` prefix of the
   answer's length, streamed or whole;
 - no status but OK, DEADLINE_EXCEEDED and CANCELLED (RESOURCE_EXHAUSTED is counted apart: a full queue);
 - afterwards, both replicas hold no session (`specdec_sessions_active`) and report no queued call; replica memory
@@ -75,6 +75,8 @@ class Soak:
             r.spec_off_batch = rng.choice([0, 2, 4])
         if "pearl" in mode and rng.random() < 0.3:
             r.pearl_overlap = "always"
+        if rng.random() < 0.2:
+            r.logprobs = rng.randint(0, 3)
         key = (p, mode, r.seed, r.gamma if r.HasField("gamma") else None, r.pearl_overlap,
                r.spec_off_batch if r.HasField("spec_off_batch") else None)
         return p, r, key
@@ -112,6 +114,10 @@ class Soak:
             if not stream:
                 resp = await self.stub.Generate(r, timeout=deadline or 600)
                 self.check(p, r, key, list(resp.token_ids), kind)
+                if r.HasField("logprobs") and not (len(resp.logprobs.logprobs) == len(resp.logprobs.top)
+                                                   == len(resp.token_ids)):
+                    self.failures.append(f"{kind} {r.mode}: {len(resp.logprobs.logprobs)} logprobs for "
+                                         f"{len(resp.token_ids)} tokens")
             else:
                 call = self.stub.GenerateStream(r, timeout=deadline or 600)
                 ids, n = [], 0
@@ -136,6 +142,8 @@ class Soak:
     async def one_http(self, p: int, r, stream: bool, deadline, drop_after, kind: str) -> None:
         body = {"prompt": list(r.prompt_token_ids), "max_tokens": r.max_new_tokens, "temperature": r.temperature,
                 "seed": r.seed, "mode": r.mode, "stream": stream}
+        if r.HasField("logprobs"):
+            body["logprobs"] = r.logprobs
         for f in ("gamma", "spec_off_batch"):
             if r.HasField(f):
                 body[f] = getattr(r, f)
