@@ -5,7 +5,8 @@ GenerateRequest, and the response bodies. Pure: pydantic and the generated proto
   no tools) and refused otherwise, with a message saying what to send instead.
 - Unknown fields are refused: a misspelt knob should fail, not silently change nothing.
 - specdec's own knobs ride along as extra body fields (the openai client's `extra_body`): `mode`, `gamma`,
-  `verify_method`, `top_k` (as in vLLM: 0 or -1 disables it), and the rest of GenerateRequest's.
+  `verify_method`, `top_k` and `ignore_eos` (as in vLLM; top_k 0 or -1 disables it), and the rest of
+  GenerateRequest's.
 - Sampling defaults are OpenAI's: temperature 1.0, and a request without `seed` draws a fresh random one (on the
   gRPC API an unset seed is 0).
 """
@@ -47,6 +48,7 @@ class SpecDecKnobs(_Body):
     spec_off_batch: int | None = None
     pacer_post_threshold: float | None = None
     pearl_overlap: str | None = None
+    ignore_eos: bool = False
 
 
 class _Sampling(SpecDecKnobs):
@@ -90,7 +92,7 @@ class _Sampling(SpecDecKnobs):
                                            seed=secrets.randbits(63) if self.seed is None else self.seed,
                                            stop=self.stop, mode=self.mode or "",
                                            verify_method=self.verify_method or "",
-                                           pearl_overlap=self.pearl_overlap or "")
+                                           pearl_overlap=self.pearl_overlap or "", ignore_eos=self.ignore_eos)
         if self.top_p < 1.0:
             r.top_p = self.top_p
         if max_tokens is not None:

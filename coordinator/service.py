@@ -181,7 +181,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                "spec_off_batch": r.spec_off_batch if r.HasField("spec_off_batch") else self.spec_off_batch,
                "pacer_post_threshold": (r.pacer_post_threshold if r.HasField("pacer_post_threshold")
                                         else self.pacer_post_threshold),
-               "pearl_overlap": r.pearl_overlap or None, "eos_token_ids": list(self.eos),
+               "pearl_overlap": r.pearl_overlap or None, "eos_token_ids": [] if r.ignore_eos else list(self.eos),
                "logprobs": r.logprobs if r.HasField("logprobs") else -1}
         return Prepared(req, TextAssembler(self.tok, ids, list(r.stop)))
 

@@ -429,3 +429,13 @@ async def test_draining_finishes_the_streams_in_flight(tmp_path):
     finally:
         for a in (app, t, d):
             await a.shutdown(0)
+
+
+async def test_ignore_eos_reaches_the_request():
+    from coordinator.openai_schema import CompletionRequest
+    from coordinator.service import GenerationServicer
+
+    servicer = GenerationServicer(router=None, eos_token_ids={7})
+    for ignore in (False, True):
+        proto = CompletionRequest(prompt=[1, 2], max_tokens=4, ignore_eos=ignore).to_proto()
+        assert servicer.prepare(proto).request["eos_token_ids"] == ([] if ignore else [7])
