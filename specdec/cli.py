@@ -83,8 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--logprobs", type=int, default=None, metavar="K",
+                   help="with --json: each token's logprob under the target, with K top alternatives (0-20)")
     g.add_argument("--json", action="store_true", help="print one JSON object (text, token_ids, finish_reason, "
-                                                       "stats)")
+                                                       "stats, and logprobs with --logprobs)")
     g.add_argument("--coordinator", default=None, help="host:port of a running coordinator")
     g.add_argument("--in-process", action="store_true", help="run specdec.engine.Engine in this process")
     g.add_argument("--timeout", type=float, default=None, help="request deadline in seconds")
@@ -127,7 +129,7 @@ def _request(args):
     r = generation_pb2.GenerateRequest(prompt=args.prompt, max_new_tokens=args.max_new_tokens,
                                        temperature=args.temperature, top_k=args.top_k, seed=args.seed,
                                        stop=args.stop, mode=args.mode, verify_method=args.verify_method)
-    for name in ("top_p", "gamma", "block_size", "pacer_threshold"):
+    for name in ("top_p", "gamma", "block_size", "pacer_threshold", "logprobs"):
         if getattr(args, name) is not None:
             setattr(r, name, getattr(args, name))
     return r
@@ -145,17 +147,25 @@ async def _call(address: str, args) -> dict:
 
     async with grpc.aio.insecure_channel(address) as ch:
         stub = generation_pb2_grpc.GenerationServiceStub(ch)
-        text, ids, out = [], [], {}
+        text, ids, out, lps = [], [], {}, []
         async for resp in stub.GenerateStream(_request(args), timeout=args.timeout):
             text.append(resp.text_delta)
             ids.extend(resp.token_ids)
+            lps += [(lp, list(top.ids), list(top.logprobs)) for lp, top in zip(resp.logprobs.logprobs,
+                                                                              resp.logprobs.top)]
             if not args.json and resp.text_delta:
                 sys.stdout.write(resp.text_delta)
                 sys.stdout.flush()
             if resp.finish_reason:
                 out = {"finish_reason": FINISH_NAME.get(resp.finish_reason, "length"),
                        "stats": _stats_dict(resp.stats)}
+        if args.logprobs is not None:
+            out["logprobs"] = _logprobs_json(lps)
         return {"text": "".join(text), "token_ids": ids, **out}
+
+
+def _logprobs_json(entries) -> list[dict]:
+    return [{"logprob": lp, "top": [{"id": i, "logprob": v} for i, v in zip(ids, vals)]} for lp, ids, vals in entries]
 
 
 async def _generate_remote(args) -> dict:
@@ -204,7 +214,8 @@ def _generate_in_process(args) -> dict:
                             verify_method=args.verify_method, eos_token_ids=tuple(sorted(eos_token_ids(tdir))),
                             params=SamplingParams(temperature=args.temperature, top_k=args.top_k,
                                                   top_p=args.top_p if args.top_p is not None else 1.0,
-                                                  seed=args.seed), **kw)
+                                                  seed=args.seed,
+                                                  logprobs=args.logprobs if args.logprobs is not None else -1), **kw)
     detok = IncrementalDetokenizer(tok, prefix_ids=ids)
 
     def on_tokens(new, _logprobs=None):
@@ -223,8 +234,11 @@ def _generate_in_process(args) -> dict:
         sys.stdout.write(tail)
     from specdec.tokenizer import decode
 
-    return {"text": decode(tok, res.token_ids), "token_ids": res.token_ids, "finish_reason": res.finish_reason,
-            "stats": res.stats.to_dict()}
+    out = {"text": decode(tok, res.token_ids), "token_ids": res.token_ids, "finish_reason": res.finish_reason,
+           "stats": res.stats.to_dict()}
+    if res.logprobs is not None:
+        out["logprobs"] = _logprobs_json(res.logprobs)
+    return out
 
 
 def cmd_generate(args) -> int:

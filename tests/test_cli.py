@@ -45,7 +45,13 @@ def test_generate_in_process_json(pair, capsys):
         out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
         assert out["token_ids"] == ref and out["finish_reason"] == "length"
         assert out["text"] == "".join(TOKENIZER_CHARS[i] if i else "" for i in ref)
-        assert out["stats"]["mode"] == mode
+        assert out["stats"]["mode"] == mode and "logprobs" not in out
+    cli.main(["generate", PROMPT, "--in-process", "--mode", "sd", "--target-model", tdir, "--draft-model", ddir,
+              "--max-new-tokens", "12", "--json", "--dtype", "float32", "--logprobs", "2"])
+    lps = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["logprobs"]
+    assert len(lps) == 12 and all(len(e["top"]) == 2 and e["top"][0]["logprob"] >= e["logprob"] - 1e-6 for e in lps)
+    # greedy: the chosen token is the most likely one
+    assert all(e["top"][0]["logprob"] == pytest.approx(e["logprob"], abs=1e-5) for e in lps)
 
 
 async def test_generate_against_running_coordinator(pair):
@@ -72,6 +78,14 @@ async def test_generate_against_running_coordinator(pair):
         for k in ("rounds", "target_forwards", "draft_tokens", "accepted_tokens", "mean_accepted_length",
                   "draft_busy_s", "target_busy_s", "network_s", "wall_s"):
             assert k in res["stats"]
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "specdec.cli", "generate", PROMPT, "--coordinator", f"127.0.0.1:{app.port}",
+            "--mode", "pearl", "--max-new-tokens", "12", "--json", "--logprobs", "0", stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE)
+        out, err = await asyncio.wait_for(proc.communicate(), 120)
+        res = json.loads(out.decode().strip().splitlines()[-1])
+        assert res["token_ids"] == ref and len(res["logprobs"]) == 12
+        assert all(e["logprob"] <= 0 and e["top"] == [] for e in res["logprobs"])
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "specdec.cli", "generate", PROMPT, "--coordinator", f"127.0.0.1:{app.port}",
             "--mode", "sd", "--max-new-tokens", "0", stdout=subprocess.PIPE,
