@@ -114,7 +114,7 @@ async def build_coordinator(s: CoordinatorSettings, tokenizer=None, eos_token_id
 
     on_start, on_drain, on_stop = [], [], [router.close]
     if s.http_port:
-        from coordinator.openai_http import HttpFrontDoor
+        from coordinator.http_server import HttpFrontDoor
 
         http = HttpFrontDoor(s, lambda: holder["app"])
         on_start.append(http.start)

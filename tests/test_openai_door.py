@@ -1,0 +1,114 @@
+"""The OpenAI-compatible front door alone (coordinator/openai_http.py) over a scripted servicer: the HTTP status of
+each gRPC code, an error after the first chunk, the limits, draining and the request metric; and the schema's
+translation of specdec's extra fields."""
+from __future__ import annotations
+
+import json
+
+import grpc
+import httpx
+
+from specdec.pb import generation_pb2 as g
+
+MODEL = "tiny-target"
+MESSAGES = [{"role": "user", "content": "hello there"}]
+
+
+class ScriptedServicer:
+    """Answers every request with `script`: stream responses, then optionally a gRPC abort or an exception."""
+
+    def __init__(self, script):
+        self.script = script
+
+    async def respond(self, request, context, incremental=True):
+        for item in self.script:
+            if isinstance(item, tuple):
+                await context.abort(*item)
+            if isinstance(item, Exception):
+                raise item
+            yield item
+
+
+def door_client(script, draining=False):
+    from prometheus_client import CollectorRegistry
+
+    from coordinator.openai_http import OpenAIFrontDoor, ServicerBackend
+
+    reg = CollectorRegistry()
+    door = OpenAIFrontDoor(ServicerBackend(ScriptedServicer(script)), MODEL, is_draining=lambda: draining,
+                           registry=reg, max_body_bytes=1000)
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=door.app()), base_url="http://door"), reg
+
+
+DONE = g.GenerateStreamResponse(text_delta="!", finish_reason=g.FINISH_REASON_STOP,
+                                stats=g.GenerationStats(prompt_tokens=3, completion_tokens=2))
+BODY = {"model": MODEL, "prompt": "abc"}
+
+
+async def test_grpc_codes_become_http_statuses():
+    from specdec.errors import CapacityError
+
+    cases = [((grpc.StatusCode.RESOURCE_EXHAUSTED, "pools full: 256 requests wait"), 429, "rate_limit_error"),
+             ((grpc.StatusCode.UNAVAILABLE, "no target replica at 10.0.0.1:50071"), 503, "server_error"),
+             ((grpc.StatusCode.OUT_OF_RANGE, "prompt: 3000 tokens exceed max_context 2048"), 400,
+              "invalid_request_error"),
+             (CapacityError("queue full"), 429, "rate_limit_error"),
+             (RuntimeError("boom"), 500, "server_error")]
+    for failure, status, kind in cases:
+        client, _ = door_client([failure])
+        async with client:
+            for stream in (False, True):
+                r = await client.post("/v1/completions", json={**BODY, "stream": stream})
+                assert r.status_code == status and r.json()["error"]["type"] == kind, (failure, r.text)
+    assert r.json()["error"]["message"] == "RuntimeError: boom"
+
+
+async def test_an_error_after_the_first_chunk_is_an_event_then_done():
+    client, reg = door_client([g.GenerateStreamResponse(text_delta="ab"),
+                               (grpc.StatusCode.UNAVAILABLE, "the target replica went away")])
+    async with client:
+        r = await client.post("/v1/chat/completions", json={"messages": MESSAGES, "stream": True})
+    lines = [ln for ln in r.text.split("\n") if ln]
+    assert r.status_code == 200 and lines[-1] == "data: [DONE]"
+    events = [json.loads(ln.removeprefix("data: ")) for ln in lines[:-1]]
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert events[1]["choices"][0]["delta"] == {"content": "ab"}
+    assert events[2]["error"]["message"] == "the target replica went away"
+    assert reg.get_sample_value("specdec_http_requests_total",
+                                {"route": "/v1/chat/completions", "status": "200"}) == 1
+    async with door_client([g.GenerateStreamResponse(text_delta="ab"),
+                            (grpc.StatusCode.UNAVAILABLE, "the target replica went away")])[0] as client:
+        r = await client.post("/v1/completions", json={**BODY, "stream": True, "n": 3})
+    lines = [ln for ln in r.text.split("\n") if ln]
+    assert lines[-1] == "data: [DONE]" and sum("error" in ln for ln in lines) == 1, "the first error ends all choices"
+
+
+async def test_limits_draining_and_metrics():
+    client, reg = door_client([DONE])
+    async with client:
+        ok = await client.post("/v1/completions", json=BODY)
+        assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] == "stop"
+        assert ok.json()["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+        big = await client.post("/v1/completions", json={**BODY, "prompt": "x" * 2000})
+        assert big.status_code == 413 and "limit is 1000" in big.json()["error"]["message"]
+        async def body():
+            yield json.dumps(BODY).encode()
+
+        chunked = await client.post("/v1/completions", content=body())
+        assert chunked.status_code == 411
+        await client.get("/v1/../../etc/passwd")
+    assert reg.get_sample_value("specdec_http_requests_total", {"route": "other", "status": "404"}) == 1
+    client, _ = door_client([DONE], draining=True)
+    async with client:
+        assert (await client.post("/v1/completions", json=BODY)).status_code == 503
+        assert (await client.get("/health")).status_code == 503
+
+
+def test_ignore_eos_reaches_the_request():
+    from coordinator.openai_schema import CompletionRequest
+    from coordinator.service import GenerationServicer
+
+    servicer = GenerationServicer(router=None, eos_token_ids={7})
+    for ignore in (False, True):
+        proto = CompletionRequest(prompt=[1, 2], max_tokens=4, ignore_eos=ignore).to_proto()
+        assert servicer.prepare(proto).request["eos_token_ids"] == ([] if ignore else [7])
