@@ -1,6 +1,6 @@
 """What the OpenAI-compatible HTTP API costs over the gRPC one, side by side on the embedded stack.
 
-    python scripts/http_overhead.py --repeats 5 [--mode sd] [--max-tokens 128]
+    python scripts/http_overhead.py --repeats 5 [--mode sd] [--max-tokens 128] [--concurrency 8]
 
 Starts the embedded stack (default pair, Ray, one thread per replica) with the HTTP API on, then sends the same
 greedy requests (the bench's chat and HumanEval prompts, as the bench's token ids) through four doors, interleaved
@@ -29,7 +29,10 @@ async def run(args) -> None:
 
     tok = load_tokenizer(resolve_model("default-target"))
     prompts = [p.ids for p in load_prompt_sets(tok, ["chat", "humaneval"], args.prompts)]
-    async with LocalStack("default-target", "default-draft", http_port=0) as stack:
+    from specdec.bench.harness import _default_preverifier
+
+    async with LocalStack("default-target", "default-draft", _default_preverifier("default-draft"),
+                          http_port=0) as stack:
         stub = gg.GenerationServiceStub(ch := grpc.aio.insecure_channel(stack.address))
         http = httpx.AsyncClient(base_url=stack.http_address, timeout=600)
 
@@ -73,25 +76,28 @@ async def run(args) -> None:
         ttft = {d: [] for d in doors}
         for msgs in prompts:  # warm-up
             await grpc_whole(msgs)
+        c = args.concurrency  # requests at once: prompts cycled
+        batches = ([[i] for i in range(len(prompts))] if c == 1 else
+                   [[(b * c + j) % len(prompts) for j in range(c)] for b in range(max(1, len(prompts) // c))])
         for rep in range(args.repeats):
-            for msgs in prompts:
-                texts = set()
+            for batch in batches:
+                texts = []
                 order = list(doors.items())
                 order = order[rep % 4:] + order[:rep % 4]  # rotate who goes first
                 for name, fn in order:
                     t0 = time.perf_counter()
-                    text, first = await fn(msgs)
+                    outs = await asyncio.gather(*(fn(prompts[i]) for i in batch))
                     wall[name].append(time.perf_counter() - t0)
-                    if first is not None:
-                        ttft[name].append(first)
-                    texts.add(text)
-                assert len(texts) == 1, f"the doors disagree: {texts}"
+                    ttft[name] += [first for _, first in outs if first is not None]
+                    texts.append([text for text, _ in outs])
+                assert all(t == texts[0] for t in texts), "the doors disagree"
         await http.aclose()
         await ch.close()
     base = statistics.median(wall["gRPC Generate"])
-    print(f"{len(prompts)} prompts x {args.repeats} repeats, mode {args.mode}, {args.max_tokens} new tokens, "
-          f"greedy; every door returned the same text\n")
-    print("| door | wall per request, median | vs gRPC Generate | first text, median |\n|---|---|---|---|")
+    print(f"{len(prompts)} prompts x {args.repeats} repeats, {args.concurrency} at once, mode {args.mode}, "
+          f"{args.max_tokens} new tokens, greedy; every door returned the same text\n")
+    what = "wall per request" if args.concurrency == 1 else f"wall per {args.concurrency} concurrent requests"
+    print(f"| door | {what}, median | vs gRPC Generate | first text, median |\n|---|---|---|---|")
     for d in doors:
         w = statistics.median(wall[d])
         f = f"{statistics.median(ttft[d]) * 1e3:.0f} ms" if ttft[d] else "-"
@@ -104,6 +110,7 @@ def main(argv=None) -> None:
     ap.add_argument("--prompts", type=int, default=2, help="prompts per set (chat, HumanEval)")
     ap.add_argument("--mode", default="sd")
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--concurrency", type=int, default=1, help="requests sent at once (prompts cycled)")
     asyncio.run(run(ap.parse_args(argv)))
 
 
