@@ -60,6 +60,8 @@ class CoordinatorSettings(ServerSettings):
                                                           "(0: off)")
     served_model_name: str = Field("", description="the model id the HTTP API serves and lists ('': the "
                                                    "tokenizer's model name)")
+    http_max_in_flight: int = Field(1024, ge=1, description="HTTP requests answered at once (a stream counts until "
+                                                            "its end); more get 429")
     http_api_key: str = Field("", description="when set, HTTP requests to /v1/ must send 'Authorization: Bearer "
                                               "<key>' (401 otherwise)")
 

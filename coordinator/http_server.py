@@ -33,7 +33,8 @@ class HttpFrontDoor:
 
         s, app = self.settings, self.get_app()
         door = OpenAIFrontDoor(ServicerBackend(app.servicer), s.model_name(), s.http_api_key, s.max_message_bytes,
-                               is_draining=lambda: app.draining, registry=app.metrics.registry)
+                               is_draining=lambda: app.draining, registry=app.metrics.registry,
+                               max_in_flight=s.http_max_in_flight)
         host = s.host or "0.0.0.0"
         sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -49,8 +50,10 @@ class HttpFrontDoor:
 
             tls = {"ssl_certfile": s.tls.cert_file, "ssl_keyfile": s.tls.key_file, "ssl_ca_certs": s.tls.ca_file,
                    "ssl_cert_reqs": ssl.CERT_REQUIRED if s.tls.require_client_auth else ssl.CERT_NONE}
+        # connections past the requests in flight (idle keep-alives, probes) are capped too: plain 503s from uvicorn
         self.server = Server(uvicorn.Config(door.app(), lifespan="off", log_config=None, access_log=False,
-                                            timeout_graceful_shutdown=max(1, int(s.grace_s)), **tls))
+                                            timeout_graceful_shutdown=max(1, int(s.grace_s)),
+                                            limit_concurrency=2 * s.http_max_in_flight + 64, **tls))
         self.task = asyncio.ensure_future(self.server.serve(sockets=[sock]))
         while not self.server.started:
             if self.task.done():

@@ -183,9 +183,10 @@ def _sse(body: dict | str) -> str:
 
 class OpenAIFrontDoor:
     def __init__(self, backend: ServicerBackend, model_name: str, api_key: str = "", max_body_bytes: int = 1 << 24,
-                 is_draining=lambda: False, registry=None):
+                 is_draining=lambda: False, registry=None, max_in_flight: int = 1024):
         self.backend, self.model_name, self.api_key = backend, model_name, api_key
         self.max_body_bytes, self.is_draining = max_body_bytes, is_draining
+        self.max_in_flight, self.in_flight = max_in_flight, 0  # POSTs being answered (streams until their end)
         self.requests, self.registry = None, registry
         if registry is not None:
             from prometheus_client import Counter
@@ -328,7 +329,8 @@ ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/
 
 
 class _Limits:
-    """Body size and draining checks before a request reaches FastAPI, and the request counter after it."""
+    """Body size, requests in flight and draining checks before a request reaches FastAPI, and the request counter
+    after it."""
 
     def __init__(self, app, door: OpenAIFrontDoor):
         self.app, self.door = app, door
@@ -353,8 +355,14 @@ class _Limits:
                                   f"(COORDINATOR_MAX_MESSAGE_BYTES)")
         elif door.is_draining() and path.startswith("/v1/"):
             error = ApiError(503, "the coordinator is shutting down; retry on another replica")
+        elif scope["method"] == "POST" and door.in_flight >= door.max_in_flight:
+            error = ApiError(429, f"{door.in_flight} HTTP requests are in flight, the limit "
+                                  f"(COORDINATOR_HTTP_MAX_IN_FLIGHT); retry later", code="too_many_requests")
+        counted = error is None and scope["method"] == "POST"
+        door.in_flight += counted
         try:
             await (error.response() if error else self.app)(scope, receive, send_status)
         finally:
+            door.in_flight -= counted
             if door.requests is not None:
                 door.requests.labels(path if path in ROUTES else "other", str(status["code"])).inc()

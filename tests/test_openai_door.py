@@ -112,3 +112,31 @@ def test_ignore_eos_reaches_the_request():
     for ignore in (False, True):
         proto = CompletionRequest(prompt=[1, 2], max_tokens=4, ignore_eos=ignore).to_proto()
         assert servicer.prepare(proto).request["eos_token_ids"] == ([] if ignore else [7])
+
+
+async def test_requests_in_flight_are_bounded():
+    import asyncio
+
+    from prometheus_client import CollectorRegistry
+
+    from coordinator.openai_http import OpenAIFrontDoor, ServicerBackend
+
+    release = asyncio.Event()
+
+    class Held:
+        async def respond(self, request, context, incremental=True):
+            await release.wait()
+            yield DONE
+
+    door = OpenAIFrontDoor(ServicerBackend(Held()), MODEL, registry=CollectorRegistry(), max_in_flight=2)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=door.app()), base_url="http://door") as client:
+        held = [asyncio.ensure_future(client.post("/v1/completions", json=BODY)) for _ in range(2)]
+        while door.in_flight < 2:
+            await asyncio.sleep(0.01)
+        over = await client.post("/v1/completions", json=BODY)
+        assert over.status_code == 429 and "COORDINATOR_HTTP_MAX_IN_FLIGHT" in over.json()["error"]["message"]
+        assert (await client.get("/health")).status_code == 200  # probes are not counted
+        release.set()
+        assert [r.status_code for r in await asyncio.gather(*held)] == [200, 200]
+        assert door.in_flight == 0
+        assert (await client.post("/v1/completions", json=BODY)).status_code == 200
