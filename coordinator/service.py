@@ -97,11 +97,12 @@ class Prepared:
 
 class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     def __init__(self, router, tokenizer=None, eos_token_ids=(), max_new_tokens_cap: int = 4096, metrics=None,
-                 spec_off_batch: int = 0, pacer_post_threshold: float | None = None):
+                 spec_off_batch: int = 0, pacer_post_threshold: float | None = None, default_mode: str = "sd"):
         self.router, self.tok, self.eos = router, tokenizer, tuple(sorted(eos_token_ids))
         self.cap, self.metrics = max_new_tokens_cap, metrics
         self.spec_off_batch = spec_off_batch  # defaults for requests that leave them unset
         self.pacer_post_threshold = pacer_post_threshold
+        self.default_mode = default_mode
 
     # -- request → token ids --------------------------------------------------------------------------------
     def prepare(self, r: generation_pb2.GenerateRequest) -> Prepared:
@@ -112,7 +113,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         if len(given) > 1:
             raise InvalidRequestError(given[-1], f"send only one of prompt, messages, prompt_token_ids "
                                                  f"(got {' and '.join(given)})")
-        mode = r.mode or "sd"
+        mode = r.mode or self.default_mode
         if mode not in MODES:
             raise InvalidRequestError("mode", f"unknown mode {r.mode!r}; use one of {', '.join(MODES)}")
         if not r.temperature >= 0.0:

@@ -140,3 +140,17 @@ async def test_requests_in_flight_are_bounded():
         assert [r.status_code for r in await asyncio.gather(*held)] == [200, 200]
         assert door.in_flight == 0
         assert (await client.post("/v1/completions", json=BODY)).status_code == 200
+
+
+def test_the_coordinators_default_mode_applies_to_requests_without_one():
+    from coordinator.openai_schema import ChatCompletionRequest
+    from coordinator.service import GenerationServicer
+
+    body = ChatCompletionRequest(messages=MESSAGES)
+    servicer = GenerationServicer(router=None, tokenizer=None, default_mode="pacer_pearl")
+    proto = body.to_proto()
+    proto.ClearField("messages")
+    proto.prompt_token_ids.extend([1, 2])
+    assert servicer.prepare(proto).request["mode"] == "pacer_pearl"
+    proto.mode = "ar"
+    assert servicer.prepare(proto).request["mode"] == "ar"
