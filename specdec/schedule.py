@@ -163,7 +163,7 @@ async def _collect(stream: AsyncIterator[DraftBlock], run: _Run) -> DraftBlock:
 
 
 async def generate(req: GenerationRequest, draft: DraftBackend | None, target: TargetBackend,
-                   on_tokens: Callable[[list[int]], bool] | None = None) -> GenerationResult:
+                   on_tokens: Callable[[list[int], list | None], bool] | None = None) -> GenerationResult:
     """Run one request to completion. `on_tokens(new, logprobs)` sees tokens as they are committed (logprobs: one
     (logprob, top ids, top logprobs) per token when the request asked, else None); True stops."""
     req.validate()
