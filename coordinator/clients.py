@@ -18,6 +18,7 @@ network_ns = wall time inside calls minus the compute (and queueing) the replica
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from typing import AsyncIterator
@@ -303,6 +304,7 @@ class RemoteDraft(_Pinned):
 
 class RemoteTarget(_Pinned):
     kind = "target"
+    prompt_logprobs = None  # TokenLogprobs of the prompt, when the request asked (SamplingParams.prompt_logprobs)
 
     def _round_stream(self, enabled: bool) -> RoundStream:
         return RoundStream(lambda ep: self.channels.target(ep).VerifyRounds(),
@@ -317,6 +319,9 @@ class RemoteTarget(_Pinned):
         if want_features:
             self.start_kw["return_features"] = True
         r = await super().start(session_id, prompt_ids, params)
+        if r.HasField("prompt_logprobs"):
+            self.prompt_logprobs = logprobs_from_proto(r.prompt_logprobs)
+            self.params = dataclasses.replace(params, prompt_logprobs=-1)  # a rebuild need not recompute them
         return features_from_proto([r.features])[0] if r.HasField("features") else None
 
     async def verify(self, session_id: str, base_position: int, feed: list[int], draft: list[int],

@@ -91,6 +91,22 @@ class ServicerBackend:
     def __init__(self, servicer):
         self.servicer = servicer
 
+    def encode(self, text: str) -> list[int]:
+        """A completion prompt's token ids, as the servicer encodes it (raw: no chat template)."""
+        from specdec.tokenizer import encode_prompt
+
+        tok = getattr(self.servicer, "tok", None)
+        if tok is None:
+            raise ApiError(400, "prompt: this coordinator has no tokenizer; send token ids", "prompt")
+        try:
+            return encode_prompt(tok, prompt=text, raw=True)
+        except ValueError as e:
+            raise ApiError(400, str(e), "prompt") from None
+
+    def decode(self, ids: list[int]) -> str:
+        tok = getattr(self.servicer, "tok", None)
+        return tok.decode(ids) if tok is not None else "".join(f"<{t}>" for t in ids)
+
     def token_text(self, token_id: int) -> str:
         """A token's text (logprobs entries); `<id>` where the coordinator has no tokenizer."""
         tok = getattr(self.servicer, "tok", None)
@@ -207,6 +223,10 @@ class OpenAIFrontDoor:
 
     async def generate(self, request: Request, body, chat: bool):
         self._check(request, body)
+        echo = not chat and body.echo
+        echo_text = body.prompt if echo and isinstance(body.prompt, str) else None
+        if echo_text is not None:  # the prompt's own tokens come back: encode it here, as the servicer would (raw)
+            body.prompt = self.backend.encode(echo_text)
         protos = body.choices()
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         created = int(time.time())
@@ -220,8 +240,18 @@ class OpenAIFrontDoor:
                     if lps is not None:
                         lps.MergeFrom(resp.logprobs)
                     last = resp
-                return ("".join(text), schema.FINISH_REASON.get(last.finish_reason, "stop"), last.stats,
-                        schema.logprobs_body(chat, ids, lps, self.backend.token_text))
+                finish, stats = schema.FINISH_REASON.get(last.finish_reason, "stop"), last.stats
+                if not echo:
+                    return "".join(text), finish, stats, schema.logprobs_body(chat, ids, lps, self.backend.token_text)
+                if body.max_tokens == 0:  # the prompt alone: drop the one token generated
+                    text, ids, finish = [], [], "length"
+                    lps = generation_pb2.GeneratedLogprobs() if lps is not None else None
+                    stats = generation_pb2.GenerationStats(prompt_tokens=stats.prompt_tokens, mode=stats.mode)
+                prompt = list(proto.prompt_token_ids)
+                prefix = echo_text if echo_text is not None else self.backend.decode(prompt)
+                return (prefix + "".join(text), finish, stats,
+                        schema.echo_logprobs_body(prompt, last.prompt_logprobs if lps is not None else None, ids, lps,
+                                                  self.backend.token_text))
 
             answers = await until_disconnected(request, _all(whole(p) for p in protos))
             return schema.completion_body(chat, rid, created, self.model_name, answers)

@@ -53,7 +53,7 @@ class SpecDecKnobs(_Body):
 
 class _Sampling(SpecDecKnobs):
     model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=0)  # 0: completions with echo only (the prompt's logprobs)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=-1)
@@ -151,6 +151,8 @@ class ChatCompletionRequest(_Sampling):
             raise ValueError("max_tokens and max_completion_tokens differ; send one of them")
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs: needs logprobs: true")
+        if self.max_tokens == 0 or self.max_completion_tokens == 0:
+            raise ValueError("max_tokens: must be >= 1")
         if self.response_format and self.response_format.get("type") != "text":
             raise ValueError("response_format: only {'type': 'text'} is supported")
         if self.tools or self.tool_choice not in (None, "none"):
@@ -183,16 +185,21 @@ class CompletionRequest(_Sampling):
                 if len(p) != 1:
                     raise ValueError(f"prompt: one prompt per request (got {len(p)}); send separate requests")
                 self.prompt = p[0]
-        for name, bad in (("echo", self.echo), ("suffix", self.suffix),
-                          ("best_of", self.best_of not in (None, 1))):
+        for name, bad in (("suffix", self.suffix), ("best_of", self.best_of not in (None, 1)),
+                          ("echo", self.echo and self.stream)):
             if bad:
-                raise ValueError(f"{name}: not supported; leave it out")
+                raise ValueError(f"{name}: not supported{' with stream' if name == 'echo' else ''}; leave it out")
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens: must be >= 1 (0 only with echo: the prompt's logprobs alone)")
         return self
 
     def to_proto(self) -> generation_pb2.GenerateRequest:
-        r = self.generate_request(self.max_tokens)
+        # max_tokens 0 (echo): one token is generated and dropped (a request generates at least one)
+        r = self.generate_request(self.max_tokens or (1 if self.max_tokens == 0 else None))
         if self.logprobs is not None:
             r.logprobs = self.logprobs
+            if self.echo:
+                r.prompt_logprobs = self.logprobs
         if isinstance(self.prompt, str):
             r.prompt, r.raw_prompt = self.prompt, True  # a completion continues the text as is: no chat template
         else:
@@ -232,6 +239,22 @@ def logprobs_body(chat: bool, token_ids, logprobs: generation_pb2.GeneratedLogpr
         at += len(text)
     return {"tokens": tokens, "token_logprobs": list(logprobs.logprobs), "top_logprobs": [dict(top) for top in tops],
             "text_offset": offsets}
+
+
+def echo_logprobs_body(prompt_ids: list[int], prompt_lps: generation_pb2.GeneratedLogprobs | None, ids: list[int],
+                       lps: generation_pb2.GeneratedLogprobs | None, token_text) -> dict | None:
+    """Completions' logprobs with echo: the prompt's tokens first (the first has none, as in OpenAI's API)."""
+    if lps is None:
+        return None
+    merged = generation_pb2.GeneratedLogprobs()
+    merged.MergeFrom(prompt_lps or generation_pb2.GeneratedLogprobs())
+    merged.MergeFrom(lps)
+    body = logprobs_body(False, prompt_ids[1:] + ids, merged, token_text)
+    body["tokens"].insert(0, token_text(prompt_ids[0]))
+    body["token_logprobs"].insert(0, None)
+    body["top_logprobs"].insert(0, None)
+    body["text_offset"] = [0] + [o + len(body["tokens"][0]) for o in body["text_offset"]]
+    return body
 
 
 def completion_body(chat: bool, rid: str, created: int, model: str, answers: list[tuple]) -> dict:

@@ -48,7 +48,7 @@ def error_event(e: BaseException) -> dict:
 def request_from_dict(d: dict) -> GenerationRequest:
     params = SamplingParams(temperature=float(d.get("temperature", 0.0)), top_k=int(d.get("top_k", 0)),
                             top_p=float(d.get("top_p", 1.0)), seed=int(d.get("seed", 0)),
-                            logprobs=int(d.get("logprobs", -1)))
+                            logprobs=int(d.get("logprobs", -1)), prompt_logprobs=int(d.get("prompt_logprobs", -1)))
     keys = ("max_new_tokens", "mode", "gamma", "block_size", "verify_method", "pacer_threshold", "pacer_skip_below",
             "pearl_first_block", "spec_off_batch", "pacer_post_threshold", "pearl_overlap")
     kw = {k: d[k] for k in keys if d.get(k) is not None}
@@ -161,8 +161,10 @@ class Pipeline:
         stats["draft_replica"] = ",".join(draft.served) if draft else ""
         stats["target_replica"] = ",".join(target.served)
         finish = "stop" if res.finish_reason == "stop" else res.finish_reason
+        pl = target.prompt_logprobs
         return {"done": True, "token_ids": res.token_ids, "finish_reason": finish, "stats": stats,
-                "logprobs": res.logprobs}
+                "logprobs": res.logprobs,
+                "prompt_logprobs": list(zip(pl.logprobs, pl.top_ids, pl.top_logprobs)) if pl is not None else None}
 
     def stop(self, rid: str) -> None:
         """Finish the request after its current round (a stop string was seen downstream)."""

@@ -149,9 +149,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         if r.raw_prompt and not r.HasField("prompt"):
             raise InvalidRequestError("raw_prompt", "applies to prompt (text) only; leave it unset with "
                                                     f"{given[0]}")
-        if r.HasField("logprobs") and not 0 <= r.logprobs <= MAX_TOP_LOGPROBS:
-            raise InvalidRequestError("logprobs", f"top alternatives per token must be in [0, {MAX_TOP_LOGPROBS}] "
-                                                  f"(unset: no logprobs), got {r.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            if r.HasField(name) and not 0 <= getattr(r, name) <= MAX_TOP_LOGPROBS:
+                raise InvalidRequestError(name, f"top alternatives per token must be in [0, {MAX_TOP_LOGPROBS}] "
+                                                f"(unset: no logprobs), got {getattr(r, name)}")
         if r.top_k < 0:
             raise InvalidRequestError("top_k", f"must be >= 0 (0 disables it), got {r.top_k}")
         if r.prompt_token_ids:
@@ -183,7 +184,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                "pacer_post_threshold": (r.pacer_post_threshold if r.HasField("pacer_post_threshold")
                                         else self.pacer_post_threshold),
                "pearl_overlap": r.pearl_overlap or None, "eos_token_ids": [] if r.ignore_eos else list(self.eos),
-               "logprobs": r.logprobs if r.HasField("logprobs") else -1}
+               "logprobs": r.logprobs if r.HasField("logprobs") else -1,
+               "prompt_logprobs": r.prompt_logprobs if r.HasField("prompt_logprobs") else -1}
         return Prepared(req, TextAssembler(self.tok, ids, list(r.stop)))
 
     # -- events → responses ---------------------------------------------------------------------------------
@@ -238,7 +240,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                                 m.rounds.labels("speculative").inc(max(0, stats.get("rounds", 0) - off))
                         yield generation_pb2.GenerateStreamResponse(
                             text_delta=tail, token_ids=ids, finish_reason=FINISH[finish], stats=stats_pb(stats),
-                            logprobs=logprobs_pb(lps[done:done + len(ids)] if lps is not None else None))
+                            logprobs=logprobs_pb(lps[done:done + len(ids)] if lps is not None else None),
+                            prompt_logprobs=logprobs_pb(ev.get("prompt_logprobs")))
                         return
         finally:
             if m:
@@ -257,6 +260,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             if resp.HasField("logprobs"):
                 out.logprobs.logprobs.extend(resp.logprobs.logprobs)
                 out.logprobs.top.extend(resp.logprobs.top)
+            if resp.HasField("prompt_logprobs"):
+                out.prompt_logprobs.CopyFrom(resp.prompt_logprobs)
             if resp.finish_reason:
                 out.finish_reason = resp.finish_reason
                 out.stats.CopyFrom(resp.stats)

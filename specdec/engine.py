@@ -133,11 +133,15 @@ class LocalTarget(_ThreadOwner):
     def __init__(self, worker: TargetWorker, threads: int | None = None, inline: bool = False):
         super().__init__("target", threads, inline)
         self.worker = worker
+        self.prompt_logprobs: dict[str, object] = {}  # session id -> its prompt's TokenLogprobs, until generate ends
         self.pool.submit(tune_linears, worker.model).result()
 
     async def start(self, session_id: str, prompt_ids: list[int], params: SamplingParams,
                     want_features: bool = False) -> TargetFeatures | None:
-        return await self.call(self.worker.start_session, session_id, prompt_ids, params, want_features)
+        out = await self.call(self.worker.start_session, session_id, prompt_ids, params, want_features)
+        if params.prompt_logprobs >= 0:
+            self.prompt_logprobs[session_id] = self.worker.take_prompt_logprobs(session_id)
+        return out
 
     async def verify(self, session_id: str, base_position: int, feed: list[int], draft: list[int],
                      q: list[SparseDist] | None, method: str, feed_draft: bool = True,
@@ -186,8 +190,11 @@ class Engine:
                 worker.check_reserve(need)
         token = _INLINE_OK.set(self.may_inline(req))
         try:
-            return await generate(req, self.draft, self.target, on_tokens)
+            res = await generate(req, self.draft, self.target, on_tokens)
+            res.prompt_logprobs = self.target.prompt_logprobs.pop(req.session_id, None)
+            return res
         finally:
+            self.target.prompt_logprobs.pop(req.session_id, None)
             _INLINE_OK.reset(token)
 
     def generate(self, req: GenerationRequest, on_tokens=None) -> GenerationResult:

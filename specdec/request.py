@@ -116,3 +116,5 @@ class GenerationResult:
     stats: GenerationStats
     # per token of token_ids: (logprob, top ids, top logprobs) under the target (SamplingParams.logprobs >= 0)
     logprobs: list[tuple[float, list[int], list[float]]] | None = None
+    # the prompt's tokens after the first (SamplingParams.prompt_logprobs >= 0): a specdec.sampling.TokenLogprobs
+    prompt_logprobs: object | None = None

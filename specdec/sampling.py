@@ -49,6 +49,8 @@ class SamplingParams:
     seed: int = 0
     # committed tokens' log-probabilities (target_logprobs) with this many top alternatives each; -1: none
     logprobs: int = -1
+    # the same for the prompt's tokens after the first (the target's prefill); -1: none
+    prompt_logprobs: int = -1
 
     @property
     def greedy(self) -> bool:
@@ -61,9 +63,10 @@ class SamplingParams:
             raise InvalidRequestError("top_k", f"must be >= 0 (0 disables it), got {self.top_k}")
         if not (0.0 < self.top_p <= 1.0):
             raise InvalidRequestError("top_p", f"must be in (0, 1] (1 disables it), got {self.top_p}")
-        if not -1 <= self.logprobs <= MAX_TOP_LOGPROBS:
-            raise InvalidRequestError("logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}] top alternatives (unset: no "
-                                                  f"logprobs), got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            if not -1 <= getattr(self, name) <= MAX_TOP_LOGPROBS:
+                raise InvalidRequestError(name, f"must be in [0, {MAX_TOP_LOGPROBS}] top alternatives (unset: no "
+                                                f"logprobs), got {getattr(self, name)}")
         return self
 
 
@@ -82,6 +85,13 @@ class TokenLogprobs:
     logprobs: list[float]
     top_ids: list[list[int]]
     top_logprobs: list[list[float]]
+
+
+def concat_logprobs(parts: list[TokenLogprobs]) -> TokenLogprobs:
+    """Consecutive runs of positions → one."""
+    return TokenLogprobs(parts[0].position, [t for p in parts for t in p.token_ids],
+                         [v for p in parts for v in p.logprobs], [i for p in parts for i in p.top_ids],
+                         [v for p in parts for v in p.top_logprobs])
 
 
 def target_logprobs(rows: torch.Tensor, token_ids: list[int], position: int, top: int) -> TokenLogprobs:

@@ -51,6 +51,7 @@ class Session:
     # draft: tokens known to follow `tokens` but not fed yet (looked-up tokens drafted without a forward,
     # specdec.drafting); the session holds them as it holds `tokens`, and the next forward feeds them
     pending: list[int] = field(default_factory=list)
+    prompt_logprobs: object | None = None  # target: the prefill's TokenLogprobs (params.prompt_logprobs), until read
 
 
 class Worker:

@@ -17,7 +17,7 @@ import torch
 from specdec.drafting import DraftBlock, DraftCall, DraftWorker
 from specdec.errors import InvalidRequestError, StalePositionError
 from specdec.model import CausalLM
-from specdec.sampling import SamplingParams, TokenLogprobs, logits_to_probs, target_logprobs
+from specdec.sampling import SamplingParams, TokenLogprobs, concat_logprobs, logits_to_probs, target_logprobs
 from specdec.verify import SparseDist, verify
 from specdec.worker_base import PAD_SLACK, PREFILL_LOGITS, Session, TargetFeatures, Worker
 
@@ -48,6 +48,9 @@ class VerifyOutcome:
     logprobs: TokenLogprobs | None = None
 
 
+PROMPT_LOGPROBS_CHUNK = 256  # prompt positions per prefill forward when their logprobs are asked for
+
+
 class TargetWorker(Worker):
     """Hosts the target model: verifies draft blocks, batching sessions into one forward."""
 
@@ -57,9 +60,32 @@ class TargetWorker(Worker):
         s = self._open_session(session_id, prompt_ids, params)
         s.want_features = want_features
         if len(prompt_ids) > 1:
-            _, hidden = self._feed(s, 0, prompt_ids[:-1], logits_rows=PREFILL_LOGITS)
+            if params.prompt_logprobs >= 0:
+                hidden = self._prefill_with_logprobs(s, prompt_ids, params.prompt_logprobs)
+            else:
+                _, hidden = self._feed(s, 0, prompt_ids[:-1], logits_rows=PREFILL_LOGITS)
             return TargetFeatures(0, hidden) if want_features else None
         return TargetFeatures(0, torch.zeros((0, self.model.config.hidden_size))) if want_features else None
+
+    def take_prompt_logprobs(self, session_id: str) -> TokenLogprobs | None:
+        """The session's prompt logprobs from its prefill, handed out once."""
+        s = self.sessions.get(session_id)
+        if s is None:
+            return None
+        out, s.prompt_logprobs = s.prompt_logprobs, None
+        return out
+
+    def _prefill_with_logprobs(self, s: Session, prompt_ids: list[int], top: int) -> torch.Tensor:
+        """Prefill in chunks whose logits rows give the logprobs of prompt_ids[1:] (s.prompt_logprobs); a chunk's
+        fp32 rows stay within PROMPT_LOGPROBS_CHUNK x vocabulary."""
+        fed, parts, hidden = prompt_ids[:-1], [], []
+        for at in range(0, len(fed), PROMPT_LOGPROBS_CHUNK):
+            chunk = fed[at:at + PROMPT_LOGPROBS_CHUNK]
+            logits, h = self._feed(s, at, chunk, logits_rows=slice(None))
+            parts.append(target_logprobs(logits, prompt_ids[at + 1:at + 1 + len(chunk)], at + 1, top))
+            hidden.append(h)
+        s.prompt_logprobs = concat_logprobs(parts)
+        return torch.cat(hidden)
 
     def verify(self, session_id: str, base_position: int, feed: list[int], draft: list[int],
                q: list[SparseDist] | None = None, method: str = "greedy", feed_draft: bool = True,

@@ -32,6 +32,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         resp = target_pb2.TargetServiceStartSessionResponse(position=position, prefill_ns=ns)
         if feats is not None:
             resp.features.CopyFrom(features_to_proto(feats))
+        if params.prompt_logprobs >= 0 and (lp := self.host.worker.take_prompt_logprobs(request.session_id)):
+            resp.prompt_logprobs.CopyFrom(logprobs_to_proto(lp))
         return resp
 
     async def EndSession(self, request, context) -> target_pb2.TargetServiceEndSessionResponse:

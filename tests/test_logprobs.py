@@ -67,6 +67,24 @@ def test_draft_equal_to_target_and_no_alternatives():
     eng.close()
 
 
+@pytest.mark.parametrize("mode", ["ar", "pearl"])
+def test_prompt_logprobs_from_the_prefill(mode, monkeypatch):
+    import specdec.workers
+
+    monkeypatch.setattr(specdec.workers, "PROMPT_LOGPROBS_CHUNK", 3)  # several chunks: positions must line up
+    target = build_tiny_model(vocab_size=32, seed=1, logit_scale=2.0)
+    draft = build_tiny_model(vocab_size=32, seed=2, logit_scale=2.0)
+    eng = Engine(target, draft)
+    prompt = PROMPT + [7, 2, 9, 4]
+    res = eng.generate(GenerationRequest(prompt, 6, mode=mode, params=SamplingParams(prompt_logprobs=2)))
+    plain = eng.generate(GenerationRequest(prompt, 6, mode=mode))
+    assert res.token_ids == plain.token_ids and plain.prompt_logprobs is None and res.logprobs is None
+    lp = res.prompt_logprobs
+    assert lp.position == 1 and lp.token_ids == prompt[1:]
+    check(target, prompt[:1], prompt[1:], list(zip(lp.logprobs, lp.top_ids, lp.top_logprobs)), 2)
+    eng.close()
+
+
 def test_logprobs_bounds():
     from specdec.errors import InvalidRequestError
 
@@ -111,7 +129,13 @@ async def test_logprobs_over_the_wire_whole_streamed_and_cut_by_a_stop_string(tm
                     check(target, PROMPT, list(whole.token_ids), streamed, 2)
                     assert all(len(p.logprobs.logprobs) == len(p.token_ids) for p in parts)
         plain = await stub.Generate(g.GenerateRequest(prompt_token_ids=PROMPT, max_new_tokens=4))
-        assert not plain.HasField("logprobs")
+        assert not plain.HasField("logprobs") and not plain.HasField("prompt_logprobs")
+        for mode in ("ar", "pacer_pearl"):
+            r = g.GenerateRequest(prompt_token_ids=PROMPT, max_new_tokens=4, mode=mode, prompt_logprobs=2)
+            whole = await stub.Generate(r)
+            check(target, PROMPT[:1], PROMPT[1:], entries(whole.prompt_logprobs), 2)
+            parts = [p async for p in stub.GenerateStream(r)]
+            assert entries(parts[-1].prompt_logprobs) == entries(whole.prompt_logprobs)
         text_req = g.GenerateRequest(prompt="hello", max_new_tokens=30, mode="pearl", logprobs=0)
         full = await stub.Generate(text_req)
         stop = full.text[10:12]

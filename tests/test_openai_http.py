@@ -338,3 +338,28 @@ async def test_draining_finishes_the_streams_in_flight(tmp_path):
     finally:
         for a in (app, t, d):
             await a.shutdown(0)
+
+
+async def test_echo_returns_the_prompt_and_its_logprobs(api):
+    prompt = "hello world"
+    ref = await api.stubs["open"].Generate(g.GenerateRequest(prompt=prompt, raw_prompt=True, max_new_tokens=5,
+                                                             logprobs=1, prompt_logprobs=1))
+    out = await api.client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=5, echo=True,
+                                              logprobs=1)
+    choice = out.choices[0]
+    assert choice.text == prompt + ref.text
+    lp = choice.logprobs
+    assert "".join(lp.tokens) == choice.text and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    want = list(ref.prompt_logprobs.logprobs) + list(ref.logprobs.logprobs)
+    assert lp.token_logprobs[1:] == pytest.approx(want, abs=1e-6)
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    # max_tokens 0: the prompt's logprobs alone (lm-eval's loglikelihood requests)
+    alone = await api.client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=0, echo=True,
+                                                logprobs=0)
+    assert alone.choices[0].text == prompt and alone.usage.completion_tokens == 0
+    assert alone.choices[0].logprobs.token_logprobs[1:] == pytest.approx(list(ref.prompt_logprobs.logprobs),
+                                                                          abs=1e-6)
+    r = await api.http.post("/v1/completions", json={"model": MODEL, "prompt": "a", "max_tokens": 0})
+    assert r.status_code == 400 and "only with echo" in r.json()["error"]["message"]
+    r = await api.http.post("/v1/completions", json={"model": MODEL, "prompt": "a", "echo": True, "stream": True})
+    assert r.status_code == 400 and "echo" in r.json()["error"]["message"]
