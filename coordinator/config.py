@@ -6,7 +6,9 @@ a headless Service (`COORDINATOR_DRAFT_DNS=draft-headless.ns.svc.cluster.local:5
 """
 from __future__ import annotations
 
-from pydantic import Field, field_validator
+from typing import Literal
+
+from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
 from specdec.defaults import COORDINATOR_METRICS_PORT, COORDINATOR_PORT, DEFAULT_TARGET
@@ -32,7 +34,7 @@ class CoordinatorSettings(ServerSettings):
     ray: bool = Field(True, description="run pipelines in Ray actors (--no-ray: in the driver process, for tests)")
     pipelines: int = Field(0, ge=0, description="pipeline actors, requests round-robin (0: one per Ray CPU, "
                                                 "min 2, re-checked as Ray workers join)")
-    default_mode: str = Field("sd", description="the mode of requests that leave it unset (OpenAI clients send none): "
+    default_mode: Literal[MODES] = Field("sd", description="the mode of requests that leave it unset (OpenAI clients send none): "
                                                 "ar, sd, pacer, pearl or pacer_pearl")
     max_new_tokens_cap: int = Field(4096, ge=1, description="largest max_new_tokens a request may ask for")
     # measured on the default pair (2-core CPU, docs/benchmarks.md "Load-adaptive speculation"): since session 18
@@ -66,13 +68,6 @@ class CoordinatorSettings(ServerSettings):
                                                             "its end); more get 429")
     http_api_key: str = Field("", description="when set, HTTP requests to /v1/ must send 'Authorization: Bearer "
                                               "<key>' (401 otherwise)")
-
-    @field_validator("default_mode")
-    @classmethod
-    def _mode(cls, v: str) -> str:
-        if v not in MODES:
-            raise ValueError(f"default_mode must be one of {', '.join(MODES)}, got {v!r}")
-        return v
 
     def model_name(self) -> str:
         """The model id the HTTP API serves: `served_model_name`, else the tokenizer spec's name."""

@@ -90,12 +90,13 @@ class ServicerBackend:
 
     def __init__(self, servicer):
         self.servicer = servicer
+        self.tok = getattr(servicer, "tok", None)  # None: token-id prompts only
 
     def encode(self, text: str) -> list[int]:
         """A completion prompt's token ids, as the servicer encodes it (raw: no chat template)."""
         from specdec.tokenizer import encode_prompt
 
-        tok = getattr(self.servicer, "tok", None)
+        tok = self.tok
         if tok is None:
             raise ApiError(400, "prompt: this coordinator has no tokenizer; send token ids", "prompt")
         try:
@@ -104,13 +105,11 @@ class ServicerBackend:
             raise ApiError(400, str(e), "prompt") from None
 
     def decode(self, ids: list[int]) -> str:
-        tok = getattr(self.servicer, "tok", None)
-        return tok.decode(ids) if tok is not None else "".join(f"<{t}>" for t in ids)
+        return self.tok.decode(ids) if self.tok is not None else "".join(f"<{t}>" for t in ids)
 
     def token_text(self, token_id: int) -> str:
         """A token's text (logprobs entries); `<id>` where the coordinator has no tokenizer."""
-        tok = getattr(self.servicer, "tok", None)
-        return tok.decode([token_id]) if tok is not None else f"<{token_id}>"
+        return self.tok.decode([token_id]) if self.tok is not None else f"<{token_id}>"
 
     async def events(self, request, incremental: bool = True):
         try:

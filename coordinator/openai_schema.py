@@ -24,7 +24,7 @@ MAX_N = 16  # choices per request: each is its own generation (they batch on the
 FINISH_REASON = {generation_pb2.FINISH_REASON_LENGTH: "length", generation_pb2.FINISH_REASON_STOP: "stop",
                  generation_pb2.FINISH_REASON_CANCELLED: "abort"}
 # GenerateRequest's field names in the servicer's messages, as an OpenAI client knows them
-PARAM_NAMES = {"max_new_tokens": "max_tokens", "prompt_token_ids": "prompt", "messages": "messages"}
+PARAM_NAMES = {"max_new_tokens": "max_tokens", "prompt_token_ids": "prompt"}
 
 
 class _Body(BaseModel):

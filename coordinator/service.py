@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import grpc
 
 from specdec.errors import InvalidRequestError
-from specdec.pb import generation_pb2, generation_pb2_grpc
+from specdec.pb import common_pb2, generation_pb2, generation_pb2_grpc
 from specdec.request import MAX_SPEC_OFF_BATCH, MODES, PEARL_OVERLAP
 from specdec.sampling import MAX_TOP_LOGPROBS
 
@@ -78,8 +78,6 @@ def logprobs_pb(entries: list | None) -> generation_pb2.GeneratedLogprobs | None
     """(logprob, top ids, top logprobs) per token → the response's logprobs (None: not asked)."""
     if entries is None:
         return None
-    from specdec.pb import common_pb2
-
     return generation_pb2.GeneratedLogprobs(logprobs=[e[0] for e in entries],
                                             top=[common_pb2.TopLogprobs(ids=e[1], logprobs=e[2]) for e in entries])
 

@@ -191,11 +191,11 @@ class Engine:
         token = _INLINE_OK.set(self.may_inline(req))
         try:
             res = await generate(req, self.draft, self.target, on_tokens)
-            res.prompt_logprobs = self.target.prompt_logprobs.pop(req.session_id, None)
-            return res
         finally:
-            self.target.prompt_logprobs.pop(req.session_id, None)
+            prompt_logprobs = self.target.prompt_logprobs.pop(req.session_id, None)
             _INLINE_OK.reset(token)
+        res.prompt_logprobs = prompt_logprobs
+        return res
 
     def generate(self, req: GenerationRequest, on_tokens=None) -> GenerationResult:
         with self._lock:

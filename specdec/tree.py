@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 import torch
 
 from specdec.errors import InvalidRequestError
-from specdec.schedule import GenerationRequest, _Run
+from specdec.run_state import _Run
+from specdec.schedule import GenerationRequest
 from specdec.worker_base import Worker, feature_size
 
 
