@@ -305,6 +305,7 @@ class RemoteDraft(_Pinned):
 class RemoteTarget(_Pinned):
     kind = "target"
     prompt_logprobs = None  # TokenLogprobs of the prompt, when the request asked (SamplingParams.prompt_logprobs)
+    cached_tokens = 0  # prompt positions the replica reused from its prefix cache at the session's first start
 
     def _round_stream(self, enabled: bool) -> RoundStream:
         return RoundStream(lambda ep: self.channels.target(ep).VerifyRounds(),
@@ -319,6 +320,7 @@ class RemoteTarget(_Pinned):
         if want_features:
             self.start_kw["return_features"] = True
         r = await super().start(session_id, prompt_ids, params)
+        self.cached_tokens = r.cached_tokens
         if r.HasField("prompt_logprobs"):
             self.prompt_logprobs = logprobs_from_proto(r.prompt_logprobs)
             self.params = dataclasses.replace(params, prompt_logprobs=-1)  # a rebuild need not recompute them

@@ -245,7 +245,8 @@ class OpenAIFrontDoor:
                 if body.max_tokens == 0:  # the prompt alone: drop the one token generated
                     text, ids, finish = [], [], "length"
                     lps = generation_pb2.GeneratedLogprobs() if lps is not None else None
-                    stats = generation_pb2.GenerationStats(prompt_tokens=stats.prompt_tokens, mode=stats.mode)
+                    stats = generation_pb2.GenerationStats(prompt_tokens=stats.prompt_tokens, mode=stats.mode,
+                                                           cached_prompt_tokens=stats.cached_prompt_tokens)
                 prompt = list(proto.prompt_token_ids)
                 prefix = echo_text if echo_text is not None else self.backend.decode(prompt)
                 return (prefix + "".join(text), finish, stats,

@@ -210,8 +210,11 @@ class CompletionRequest(_Sampling):
 # -- responses (plain dicts: what the OpenAI API returns, plus `stats`, specdec's per-request statistics: each choice
 # carries its own, and the top level repeats choice 0's) --------------------------------------------------------
 def usage(stats: list[generation_pb2.GenerationStats]) -> dict:
+    """OpenAI's usage; `prompt_tokens_details.cached_tokens`: the prompt positions every choice's target session
+    reused from the prefix cache (OpenAI's and vLLM's name for them)."""
     prompt, completion = stats[0].prompt_tokens, sum(s.completion_tokens for s in stats)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": min(s.cached_prompt_tokens for s in stats)}}
 
 
 def stats_dict(stats: generation_pb2.GenerationStats) -> dict:

@@ -157,6 +157,7 @@ class Pipeline:
         stats["network_s"] = (target.network_ns + (draft.network_ns if draft else 0)) / 1e9
         stats["queued_s"] = (target.queued_ns + (draft.queued_ns if draft else 0)) / 1e9
         stats["prompt_tokens"] = len(req.prompt_ids)
+        stats["cached_prompt_tokens"] = target.cached_tokens
         stats["completion_tokens"] = len(res.token_ids)
         stats["draft_replica"] = ",".join(draft.served) if draft else ""
         stats["target_replica"] = ",".join(target.served)

@@ -30,10 +30,10 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         if request.reserve_positions:
             self.host.worker.check_reserve(request.reserve_positions)
         feats = features_from_proto(request.features) if self.worker.reads_features else None
-        position, ns, _ = await self.host.start_session(request.session_id, list(request.prompt_ids), params,
-                                                        features=feats)
+        position, ns, _, cached = await self.host.start_session(request.session_id, list(request.prompt_ids), params,
+                                                                features=feats)
         self.committed.pop(request.session_id, None)
-        return draft_pb2.DraftServiceStartSessionResponse(position=position, prefill_ns=ns)
+        return draft_pb2.DraftServiceStartSessionResponse(position=position, prefill_ns=ns, cached_tokens=cached)
 
     async def EndSession(self, request, context) -> draft_pb2.DraftServiceEndSessionResponse:
         self.committed.pop(request.session_id, None)

@@ -15,7 +15,7 @@ from specdec.sampling import Purpose, keyed_generator, logits_to_probs, sample, 
 from specdec.stop import DraftFeatures, FixedLength, StopRule
 from specdec.verify import SparseDist
 from specdec.sampling import SamplingParams
-from specdec.worker_base import PREFILL_LOGITS, Session, TargetFeatures, Worker, feature_size
+from specdec.worker_base import Session, TargetFeatures, Worker, feature_size
 
 
 LOGQ_FLOOR = -30.0  # the pre-verifier's log q(x) feature for a token the draft gives no mass (lookup proposals)
@@ -132,8 +132,7 @@ class DraftWorker(Worker):
                                    self.model.device)
             for f in features or []:
                 s.feats.add(f)
-        if len(prompt_ids) > 1:
-            self._feed(s, 0, prompt_ids[:-1], logits_rows=PREFILL_LOGITS)
+        self._prefill(s, prompt_ids)
         return s
 
     def _input_features(self, s: Session, base: int, ids: list[int]) -> torch.Tensor | None:

@@ -27,6 +27,7 @@ from specdec.schedule import GenerationRequest, GenerationResult, generate
 from specdec.stop import FixedLength, PreverifierStop, StopRule, StopSpec
 from specdec.threads import set_thread_count
 from specdec.verify import SparseDist
+from specdec.worker_base import PREFILL_CHUNK
 from specdec.workers import DraftBlock, DraftWorker, TargetFeatures, TargetWorker, VerifyOutcome
 
 DEFAULT_PACER_THRESHOLD = 0.5
@@ -134,11 +135,13 @@ class LocalTarget(_ThreadOwner):
         super().__init__("target", threads, inline)
         self.worker = worker
         self.prompt_logprobs: dict[str, object] = {}  # session id -> its prompt's TokenLogprobs, until generate ends
+        self.cached_tokens: dict[str, int] = {}  # session id -> prompt positions reused from the prefix cache
         self.pool.submit(tune_linears, worker.model).result()
 
     async def start(self, session_id: str, prompt_ids: list[int], params: SamplingParams,
                     want_features: bool = False) -> TargetFeatures | None:
         out = await self.call(self.worker.start_session, session_id, prompt_ids, params, want_features)
+        self.cached_tokens[session_id] = self.worker.sessions[session_id].cached_tokens
         if params.prompt_logprobs >= 0:
             self.prompt_logprobs[session_id] = self.worker.take_prompt_logprobs(session_id)
         return out
@@ -158,14 +161,16 @@ class Engine:
 
     def __init__(self, target_model, draft_model=None, preverifier=None, max_sessions: int = 4,
                  max_context: int | None = None, threads_per_model: int | None = None, q_top_k: int = 64,
-                 inline: bool | None = None, lookup: PromptLookup | None = None):
+                 inline: bool | None = None, lookup: PromptLookup | None = None, prefix_cache: bool = True,
+                 prefill_chunk: int = PREFILL_CHUNK):
         """`inline`: True runs every call on the caller's thread (no overlap at all); False always uses the worker
         threads; None (default) lets `ar` / `sd` / `pacer` requests run inline when `threads_per_model` is 1 and
         the caller's thread computes with 1 torch thread too (module docstring)."""
         self.threads_per_model = threads_per_model
         self.auto_inline = inline is None
         inline = bool(inline)
-        self.target_worker = TargetWorker(target_model, max_sessions=max_sessions, max_context=max_context)
+        cache = {"prefix_cache": prefix_cache, "prefill_chunk": prefill_chunk}  # both workers (specdec/prefix_cache.py)
+        self.target_worker = TargetWorker(target_model, max_sessions=max_sessions, max_context=max_context, **cache)
         self.target = LocalTarget(self.target_worker, threads_per_model, inline)
         self.draft_worker = self.draft = None
         if draft_model is not None:
@@ -173,7 +178,7 @@ class Engine:
                 raise ValueError(f"draft vocabulary ({draft_model.config.vocab_size}) differs from the target's "
                                  f"({target_model.config.vocab_size}); the pair must share a tokenizer")
             self.draft_worker = DraftWorker(draft_model, preverifier=preverifier, q_top_k=q_top_k, lookup=lookup,
-                                            max_sessions=max_sessions, max_context=max_context)
+                                            max_sessions=max_sessions, max_context=max_context, **cache)
             self.draft = LocalDraft(self.draft_worker, threads_per_model, inline)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._lock = threading.Lock()
@@ -193,8 +198,10 @@ class Engine:
             res = await generate(req, self.draft, self.target, on_tokens)
         finally:
             prompt_logprobs = self.target.prompt_logprobs.pop(req.session_id, None)
+            cached = self.target.cached_tokens.pop(req.session_id, 0)
             _INLINE_OK.reset(token)
         res.prompt_logprobs = prompt_logprobs
+        res.stats.cached_prompt_tokens = cached
         return res
 
     def generate(self, req: GenerationRequest, on_tokens=None) -> GenerationResult:

@@ -134,6 +134,11 @@ class KVSlots:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
+    def copy_prefix(self, src: int, dst: int, n: int) -> None:
+        """Copy the K/V of positions [0, n) of slot `src` into slot `dst`, every layer (a reused prompt prefix)."""
+        for t in self.k + self.v:
+            t[dst, :n] = t[src, :n]
+
     def move(self, slot: int, src: list[int], dst: list[int]) -> None:
         """Copy the K/V at cache indices `src` of a slot to `dst` in every layer (an accepted tree path)."""
         if src != dst:

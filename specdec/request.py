@@ -103,6 +103,7 @@ class GenerationStats:
     draft_busy_s: float = 0.0
     target_busy_s: float = 0.0
     network_s: float = 0.0  # filled by remote backends: time in calls minus compute reported by servers
+    cached_prompt_tokens: int = 0  # prompt positions the target reused from its prefix cache (not prefilled)
     wall_s: float = 0.0
 
     def to_dict(self) -> dict:

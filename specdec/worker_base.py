@@ -14,9 +14,11 @@ import torch
 from specdec.errors import (CapacityError, ContextOverflowError, InvalidRequestError, SessionNotFoundError,
                             StalePositionError)
 from specdec.model import CausalLM
+from specdec.prefix_cache import SlotPrefixes
 from specdec.sampling import SamplingParams
 
 PAD_SLACK = 64  # extra KV positions per slot for padded rows of batched forwards
+PREFILL_CHUNK = 128  # positions per prefill forward, aligned to absolute positions (specdec/prefix_cache.py)
 # a prefill's logits are never read (the prompt's last token is fed by the first verify or draft call): the head,
 # a fifth of the default target's weights, runs on the last row only instead of every prompt position
 PREFILL_LOGITS = slice(-1, None)
@@ -52,11 +54,13 @@ class Session:
     # specdec.drafting); the session holds them as it holds `tokens`, and the next forward feeds them
     pending: list[int] = field(default_factory=list)
     prompt_logprobs: object | None = None  # target: the prefill's TokenLogprobs (params.prompt_logprobs), until read
+    cached_tokens: int = 0  # prompt positions whose K/V came from the prefix cache instead of the prefill
+    chunked: int = 0  # positions [0, chunked) hold K/V from whole aligned prefill chunks: reusable by others
 
 
 class Worker:
     def __init__(self, model: CausalLM, max_sessions: int = 8, max_context: int | None = None,
-                 session_ttl_s: float = 600.0):
+                 session_ttl_s: float = 600.0, prefix_cache: bool = True, prefill_chunk: int = PREFILL_CHUNK):
         self.model = model
         self.vocab_size = model.config.vocab_size
         self.max_context = min(max_context or model.config.max_position_embeddings,
@@ -65,7 +69,17 @@ class Worker:
         self.session_ttl_s = session_ttl_s
         self.kv = model.new_kv_slots(max_sessions, self.max_context + PAD_SLACK)
         self.sessions: OrderedDict[str, Session] = OrderedDict()  # LRU order: oldest first
-        self.free_slots = list(range(max_sessions - 1, -1, -1))
+        # free slots, oldest released first, with the tokens whose K/V each still holds (specdec/prefix_cache.py)
+        self.free_slots = SlotPrefixes(max_sessions)
+        # a prefill runs in aligned chunks of `prefill_chunk` positions (0: the whole prompt in one forward), and a
+        # new session reuses the longest run of whole chunks of its prompt that some slot holds. A feature draft's
+        # K/V also depends on the target's features, so it never reuses any
+        if prefill_chunk < 0:
+            raise ValueError(f"prefill_chunk must be >= 0, got {prefill_chunk}")
+        self.prefill_chunk = prefill_chunk
+        self.prefix_cache = prefix_cache and prefill_chunk > 0 and not feature_size(model)
+        self.prefix_queries = 0  # prompt positions a prefill would feed, since start (metrics)
+        self.prefix_hits = 0  # of those, positions reused from the prefix cache
 
     # ---- sessions -------------------------------------------------------------------------------------------
     def evict_expired(self, now: float | None = None) -> list[str]:
@@ -103,11 +117,31 @@ class Worker:
 
     def start_session(self, session_id: str, prompt_ids: list[int], params: SamplingParams) -> Session:
         s = self._open_session(session_id, prompt_ids, params)
-        if len(prompt_ids) > 1:
-            self._feed(s, 0, prompt_ids[:-1], logits_rows=PREFILL_LOGITS)
+        self._prefill(s, prompt_ids)
         return s
 
-    def _open_session(self, session_id: str, prompt_ids: list[int], params: SamplingParams) -> Session:
+    def _prefill(self, s: Session, prompt_ids: list[int], logits_rows: slice | None = PREFILL_LOGITS,
+                 step: int | None = None):
+        """Feed prompt_ids[:-1] after the reused prefix, in aligned chunks (the last prompt token is fed by the
+        session's first verify or draft call; `step` bounds a chunk where prefill_chunk is 0). → [(logits,
+        hidden)] per chunk forward (none when all was reused)."""
+        fed, n = prompt_ids[:-1], s.cached_tokens
+        step = self.prefill_chunk or step or max(len(fed), 1)
+        rows = [self._feed(s, at, fed[at:at + step], logits_rows=logits_rows) for at in range(n, len(fed), step)]
+        s.chunked = len(fed) // self.prefill_chunk * self.prefill_chunk if self.prefill_chunk else 0
+        return rows
+
+    def _hidden(self, rows) -> torch.Tensor:
+        """The hidden states [m, D] of `_prefill`'s chunks, in order."""
+        if not rows:
+            return torch.zeros((0, self.model.config.hidden_size), device=self.model.device, dtype=self.model.dtype)
+        return torch.cat([h for _, h in rows])
+
+    def _open_session(self, session_id: str, prompt_ids: list[int], params: SamplingParams,
+                      reuse: bool = True) -> Session:
+        """A session in a free slot, holding (`Session.cached_tokens`) the longest prefix of prompt_ids[:-1]
+        that some slot's K/V holds, unless the prefix cache is off or `reuse` is False (the caller needs the
+        prefill's rows of every position: prompt logprobs, features)."""
         if not session_id:
             raise InvalidRequestError("session_id", "must be a non-empty string")
         if not prompt_ids:
@@ -122,8 +156,15 @@ class Worker:
         if not self.free_slots:
             raise CapacityError(f"all {self.max_sessions} session slots are busy; retry later, end idle sessions, "
                                 f"or raise max_sessions")
-        s = Session(slot=self.free_slots.pop(), params=params)
+        want = prompt_ids[:-1] if reuse and self.prefix_cache else None
+        got = self.free_slots.take(want, {o.slot: o.tokens[:o.chunked] for o in self.sessions.values()},
+                                   align=self.prefill_chunk or 1)
+        if got.copy:
+            self.kv.copy_prefix(got.source, got.slot, got.tokens)
+        s = Session(slot=got.slot, params=params, tokens=list(prompt_ids[:got.tokens]), cached_tokens=got.tokens)
         self.sessions[session_id] = s
+        self.prefix_queries += len(prompt_ids) - 1
+        self.prefix_hits += got.tokens
         return s
 
     def end_session(self, session_id: str) -> bool:
@@ -131,7 +172,7 @@ class Worker:
         if s is None:
             return False
         s.epoch += 1
-        self.free_slots.append(s.slot)
+        self.free_slots.release(s.slot, s.tokens[:s.chunked])
         return True
 
     def cancel(self, session_id: str) -> None:

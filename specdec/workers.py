@@ -19,7 +19,7 @@ from specdec.errors import InvalidRequestError, StalePositionError
 from specdec.model import CausalLM
 from specdec.sampling import SamplingParams, TokenLogprobs, concat_logprobs, logits_to_probs, target_logprobs
 from specdec.verify import SparseDist, verify
-from specdec.worker_base import PAD_SLACK, PREFILL_LOGITS, Session, TargetFeatures, Worker
+from specdec.worker_base import PAD_SLACK, Session, TargetFeatures, Worker
 
 @dataclass
 class VerifyArgs:
@@ -48,7 +48,7 @@ class VerifyOutcome:
     logprobs: TokenLogprobs | None = None
 
 
-PROMPT_LOGPROBS_CHUNK = 256  # prompt positions per prefill forward when their logprobs are asked for
+PROMPT_LOGPROBS_CHUNK = 256  # prompt positions per prefill forward with logprobs, where prefill_chunk is 0 (whole)
 
 
 class TargetWorker(Worker):
@@ -57,15 +57,15 @@ class TargetWorker(Worker):
     def start_session(self, session_id: str, prompt_ids: list[int], params: SamplingParams,
                       want_features: bool = False) -> TargetFeatures | None:
         """Prefill prompt_ids[:-1]; with `want_features`, return their features and every verify's too."""
-        s = self._open_session(session_id, prompt_ids, params)
+        # prompt logprobs and features need the prefill's rows of every prompt position: nothing is reused for them
+        reuse = params.prompt_logprobs < 0 and not want_features
+        s = self._open_session(session_id, prompt_ids, params, reuse=reuse)
         s.want_features = want_features
-        if len(prompt_ids) > 1:
-            if params.prompt_logprobs >= 0:
-                hidden = self._prefill_with_logprobs(s, prompt_ids, params.prompt_logprobs)
-            else:
-                _, hidden = self._feed(s, 0, prompt_ids[:-1], logits_rows=PREFILL_LOGITS)
-            return TargetFeatures(0, hidden) if want_features else None
-        return TargetFeatures(0, torch.zeros((0, self.model.config.hidden_size))) if want_features else None
+        if params.prompt_logprobs >= 0:
+            hidden = self._prefill_with_logprobs(s, prompt_ids, params.prompt_logprobs)
+        else:
+            hidden = self._hidden(self._prefill(s, prompt_ids))
+        return TargetFeatures(0, hidden) if want_features else None
 
     def take_prompt_logprobs(self, session_id: str) -> TokenLogprobs | None:
         """The session's prompt logprobs from its prefill, handed out once."""
@@ -76,16 +76,15 @@ class TargetWorker(Worker):
         return out
 
     def _prefill_with_logprobs(self, s: Session, prompt_ids: list[int], top: int) -> torch.Tensor:
-        """Prefill in chunks whose logits rows give the logprobs of prompt_ids[1:] (s.prompt_logprobs); a chunk's
-        fp32 rows stay within PROMPT_LOGPROBS_CHUNK x vocabulary."""
-        fed, parts, hidden = prompt_ids[:-1], [], []
-        for at in range(0, len(fed), PROMPT_LOGPROBS_CHUNK):
-            chunk = fed[at:at + PROMPT_LOGPROBS_CHUNK]
-            logits, h = self._feed(s, at, chunk, logits_rows=slice(None))
-            parts.append(target_logprobs(logits, prompt_ids[at + 1:at + 1 + len(chunk)], at + 1, top))
-            hidden.append(h)
+        """Prefill (in the same chunks as any prefill, so its K/V is the same) with every row's logits: those give
+        the logprobs of prompt_ids[1:] (s.prompt_logprobs). → the hidden states of prompt_ids[:-1]."""
+        rows = self._prefill(s, prompt_ids, logits_rows=slice(None), step=PROMPT_LOGPROBS_CHUNK)
+        parts, at = [], 0
+        for logits, _ in rows:
+            parts.append(target_logprobs(logits, prompt_ids[at + 1:at + 1 + logits.shape[0]], at + 1, top))
+            at += logits.shape[0]
         s.prompt_logprobs = concat_logprobs(parts)
-        return torch.cat(hidden)
+        return self._hidden(rows)
 
     def verify(self, session_id: str, base_position: int, feed: list[int], draft: list[int],
                q: list[SparseDist] | None = None, method: str = "greedy", feed_draft: bool = True,

@@ -27,9 +27,9 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         params = sampling_from_proto(request.params)
         if request.reserve_positions:
             self.host.worker.check_reserve(request.reserve_positions)
-        position, ns, feats = await self.host.start_session(request.session_id, list(request.prompt_ids), params,
-                                                            want_features=request.return_features)
-        resp = target_pb2.TargetServiceStartSessionResponse(position=position, prefill_ns=ns)
+        position, ns, feats, cached = await self.host.start_session(request.session_id, list(request.prompt_ids),
+                                                                    params, want_features=request.return_features)
+        resp = target_pb2.TargetServiceStartSessionResponse(position=position, prefill_ns=ns, cached_tokens=cached)
         if feats is not None:
             resp.features.CopyFrom(features_to_proto(feats))
         if params.prompt_logprobs >= 0 and (lp := self.host.worker.take_prompt_logprobs(request.session_id)):

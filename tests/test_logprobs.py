@@ -68,13 +68,10 @@ def test_draft_equal_to_target_and_no_alternatives():
 
 
 @pytest.mark.parametrize("mode", ["ar", "pearl"])
-def test_prompt_logprobs_from_the_prefill(mode, monkeypatch):
-    import specdec.workers
-
-    monkeypatch.setattr(specdec.workers, "PROMPT_LOGPROBS_CHUNK", 3)  # several chunks: positions must line up
+def test_prompt_logprobs_from_the_prefill(mode):
     target = build_tiny_model(vocab_size=32, seed=1, logit_scale=2.0)
     draft = build_tiny_model(vocab_size=32, seed=2, logit_scale=2.0)
-    eng = Engine(target, draft)
+    eng = Engine(target, draft, prefill_chunk=3)  # several chunks: positions must line up
     prompt = PROMPT + [7, 2, 9, 4]
     res = eng.generate(GenerationRequest(prompt, 6, mode=mode, params=SamplingParams(prompt_logprobs=2)))
     plain = eng.generate(GenerationRequest(prompt, 6, mode=mode))

@@ -88,7 +88,8 @@ async def test_limits_draining_and_metrics():
     async with client:
         ok = await client.post("/v1/completions", json=BODY)
         assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] == "stop"
-        assert ok.json()["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+        assert ok.json()["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5,
+                                      "prompt_tokens_details": {"cached_tokens": 0}}
         big = await client.post("/v1/completions", json={**BODY, "prompt": "x" * 2000})
         assert big.status_code == 413 and "limit is 1000" in big.json()["error"]["message"]
         async def body():
@@ -154,3 +155,21 @@ def test_the_coordinators_default_mode_applies_to_requests_without_one():
     assert servicer.prepare(proto).request["mode"] == "pacer_pearl"
     proto.mode = "ar"
     assert servicer.prepare(proto).request["mode"] == "ar"
+
+
+async def test_usage_reports_the_prefix_cache_hits():
+    """usage.prompt_tokens_details.cached_tokens (OpenAI's and vLLM's field) is the target's reused prompt
+    positions: the fewest any choice reused, since every choice processes the prompt."""
+    hit = g.GenerateStreamResponse(text_delta="!", finish_reason=g.FINISH_REASON_STOP,
+                                   stats=g.GenerationStats(prompt_tokens=300, completion_tokens=2,
+                                                           cached_prompt_tokens=256))
+    async with door_client([hit])[0] as client:
+        one = await client.post("/v1/completions", json=BODY)
+        three = await client.post("/v1/completions", json={**BODY, "n": 3})
+        streamed = await client.post("/v1/chat/completions", json={"messages": MESSAGES, "stream": True,
+                                                                   "stream_options": {"include_usage": True}})
+    assert one.json()["usage"]["prompt_tokens_details"] == {"cached_tokens": 256}
+    assert three.json()["usage"] == {"prompt_tokens": 300, "completion_tokens": 6, "total_tokens": 306,
+                                     "prompt_tokens_details": {"cached_tokens": 256}}
+    last = json.loads([ln for ln in streamed.text.split("\n") if ln][-2].removeprefix("data: "))
+    assert last["usage"]["prompt_tokens_details"] == {"cached_tokens": 256}

@@ -40,9 +40,9 @@ class SessionHost:
         self._reap_every = min(30.0, max(0.05, settings.session_ttl_s / 4))
 
     # -- sessions ------------------------------------------------------------------------------------------
-    async def start_session(self, sid: str, prompt_ids: list[int], params, **kw) -> tuple[int, int, object]:
+    async def start_session(self, sid: str, prompt_ids: list[int], params, **kw) -> tuple[int, int, object, int]:
         """Admit (maybe evicting), then prefill on the model thread (`kw` go to the worker's start_session).
-        Returns (position, prefill_ns, what start_session returned)."""
+        Returns (position, prefill_ns, what start_session returned, positions reused from the prefix cache)."""
         existed = sid in self.table
         evicted = self.table.admit(sid)
         try:
@@ -59,7 +59,11 @@ class SessionHost:
             self.worker.end_session(e)
         t0 = time.perf_counter_ns()
         out = self.worker.start_session(sid, prompt_ids, params, **kw)
-        return self.worker.session_length(sid), time.perf_counter_ns() - t0, out
+        ns = time.perf_counter_ns() - t0
+        cached = self.worker.sessions[sid].cached_tokens
+        self.metrics.prefix_cache_queries.inc(len(prompt_ids) - 1)
+        self.metrics.prefix_cache_hits.inc(cached)
+        return self.worker.session_length(sid), ns, out, cached
 
     def begin_drain(self) -> None:
         self.draining = True

@@ -25,6 +25,11 @@ class ServiceMetrics:
                                          "(draft replicas; of specdec_num_draft_tokens)", registry=r)
         self.num_accepted_tokens = Counter("specdec_num_accepted_tokens", "Draft tokens accepted by the target",
                                            registry=r)
+        # vLLM's prefix_cache_queries / _hits: prompt positions a prefill would feed, and those reused instead
+        self.prefix_cache_queries = Counter("specdec_prefix_cache_queries", "Prompt positions looked up in the prefix "
+                                            "cache (each session's prompt but its last token)", registry=r)
+        self.prefix_cache_hits = Counter("specdec_prefix_cache_hits", "Prompt positions reused from the prefix "
+                                         "cache instead of prefilled (of specdec_prefix_cache_queries)", registry=r)
         self.batch_size = Histogram("specdec_batch_size", "Sessions per batched forward (target: verify; draft: step)",
                                     buckets=(1, 2, 4, 8, 16, 32, 64), registry=r)
 

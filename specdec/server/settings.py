@@ -43,6 +43,12 @@ class ServerSettings(BaseSettings):
     threads: int = Field(0, ge=0, description="torch intra-op threads (0 keeps torch's default)")
     max_sessions: int = Field(16, ge=1, description="session slots (KV memory bound: each holds max_context positions)")
     session_ttl_s: float = Field(600.0, gt=0, description="idle sessions expire after this")
+    prefix_cache: bool = Field(True, description="a new session reuses the K/V of the longest run of whole prefill "
+                               "chunks of its prompt that a slot holds (a live session's, or an ended one's until its "
+                               "slot is reused); bitwise the same K/V as a prefill")
+    prefill_chunk: int = Field(128, ge=0, description="positions per prefill forward, aligned to absolute positions; "
+                               "the prefix cache reuses whole chunks (0: the whole prompt in one forward, no prefix "
+                               "cache)")
     lru_min_idle_s: float = Field(5.0, ge=0, description="when full, evict the LRU session if idle this long")
     max_message_bytes: int = Field(16 * 1024 * 1024, ge=1024, description="gRPC send/receive limit")
     keepalive_time_ms: int = 30_000
