@@ -14,7 +14,7 @@ import ray
 @ray.remote(num_cpus=0)
 class PoolManagerActor:
     def __init__(self, specs: dict, refresh_s: float, health_timeout_s: float, tls: dict | None = None,
-                 wait_s: float = 60.0, max_waiting: int = 256):
+                 wait_s: float = 60.0, max_waiting: int = 256, affinity_slack: int | None = 2):
         from coordinator.discovery import source_from_spec
         from coordinator.pool import PoolManager
 
@@ -25,14 +25,14 @@ class PoolManagerActor:
             factory = lambda: channel_credentials(**tls)  # noqa: E731 - built in this process (not picklable)
         self.pm = PoolManager({k: source_from_spec(v) for k, v in specs.items() if v}, refresh_s,
                               health_timeout_s, credentials_factory=factory, wait_s=wait_s,
-                              max_waiting=max_waiting)
+                              max_waiting=max_waiting, affinity_slack=affinity_slack)
 
     async def start(self) -> dict:
         await self.pm.start()
         return self.pm.snapshot()
 
-    async def acquire(self, kind: str, exclude: list[str]) -> str:
-        return await self.pm.acquire(kind, exclude)
+    async def acquire(self, kind: str, exclude: list[str], keys: list[bytes] = ()) -> str:
+        return await self.pm.acquire(kind, exclude, keys)
 
     async def release(self, kind: str, endpoint: str) -> None:
         self.pm.release(kind, endpoint)
@@ -61,8 +61,8 @@ class RayPool:
         self.h = handle
         self._giving_back: set[asyncio.Task] = set()  # referenced until done (the loop holds tasks weakly)
 
-    async def acquire(self, kind, exclude=()):
-        ref = self.h.acquire.remote(kind, list(exclude))
+    async def acquire(self, kind, exclude=(), keys=()):
+        ref = self.h.acquire.remote(kind, list(exclude), list(keys))
         try:
             return await ref
         except ray.exceptions.RayTaskError as e:  # the pool's own error: its message says what to change
@@ -99,24 +99,24 @@ class RayPool:
 @ray.remote(num_cpus=0)
 class PipelineActor:
     def __init__(self, pool_handle, rpc_timeout_s: float, view_refresh_s: float, tls: dict | None = None,
-                 replica_streams: bool = True):
+                 replica_streams: bool = True, affinity_chunk: int = 128):
         import logging
 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        self._args = (pool_handle, rpc_timeout_s, view_refresh_s, tls, replica_streams)
+        self._args = (pool_handle, rpc_timeout_s, view_refresh_s, tls, replica_streams, affinity_chunk)
         self.pipeline = None
 
     def _get(self):
         if self.pipeline is None:  # grpc.aio channels must be created inside the actor's event loop
             from coordinator.pipeline import Pipeline
 
-            handle, timeout, refresh, tls, streams = self._args
+            handle, timeout, refresh, tls, streams, affinity_chunk = self._args
             creds = None
             if tls:
                 from specdec.server.tls import channel_credentials
 
                 creds = channel_credentials(**tls)
-            self.pipeline = Pipeline(RayPool(handle), creds, timeout, refresh, streams)
+            self.pipeline = Pipeline(RayPool(handle), creds, timeout, refresh, streams, affinity_chunk)
         return self.pipeline
 
     async def stream(self, request: dict):

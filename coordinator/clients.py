@@ -77,13 +77,14 @@ class _Pinned:
         self.queued_ns = 0  # time spent waiting for room in the pool (admission)
         self.failovers = 0
         self.start_kw: dict = {}  # extra StartSession fields (return_features), kept for rebuilds
+        self.prefix_keys: list[bytes] = []  # the prompt's prefix keys: the pool prefers the replica they went to
 
     def _round_stream(self, enabled: bool) -> RoundStream:
         raise NotImplementedError
 
     async def _pin(self) -> None:
         t0 = time.perf_counter_ns()
-        self.endpoint = await self.pool.acquire(self.kind, self.failed)
+        self.endpoint = await self.pool.acquire(self.kind, self.failed, self.prefix_keys)
         self.queued_ns += time.perf_counter_ns() - t0
         self.served.append(self.endpoint)
 

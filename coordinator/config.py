@@ -58,6 +58,12 @@ class CoordinatorSettings(ServerSettings):
                                                     "open stream per replica (VerifyRounds/DraftRounds); off: "
                                                     "unary calls")
     pool_view_refresh_s: float = Field(0.5, gt=0, description="how often pipelines refresh pool membership")
+    prefix_affinity_chunk: int = Field(128, ge=0, description="prefix-aware routing: a request goes to the replica "
+                                       "its prompt's longest whole-chunk prefix went to (its prefix cache reuses it); "
+                                       "positions per chunk, set to the replicas' --prefill-chunk (0: least loaded "
+                                       "only)")
+    prefix_affinity_slack: int = Field(2, ge=0, description="prefix-aware routing yields to the least-loaded replica "
+                                       "when the preferred one holds more than this many sessions beyond it")
     grace_s: float = Field(30.0, ge=0, description="drain time for in-flight requests on shutdown")
     http_port: int = Field(0, ge=0, le=65535, description="OpenAI-compatible HTTP API (/v1/chat/completions, "
                                                           "/v1/completions, /v1/models) on this port of --host "

@@ -23,7 +23,9 @@ from specdec.errors import (CapacityError, ContextOverflowError, InvalidRequestE
                             SpecDecError, StalePositionError)
 from specdec.sampling import SamplingParams
 from specdec.schedule import GenerationRequest, generate
+from specdec.worker_base import PREFILL_CHUNK
 
+from coordinator.affinity import prefix_keys
 from coordinator.channels import Channels
 from coordinator.clients import PoolView, RemoteDraft, RemoteTarget
 from coordinator.pool import ReplicaUnavailableError
@@ -65,8 +67,8 @@ class AsyncPool:
     def __init__(self, manager):
         self.manager = manager
 
-    async def acquire(self, kind, exclude=()):
-        return await self.manager.acquire(kind, list(exclude))
+    async def acquire(self, kind, exclude=(), keys=()):
+        return await self.manager.acquire(kind, list(exclude), list(keys))
 
     async def release(self, kind, endpoint):
         self.manager.release(kind, endpoint)
@@ -80,12 +82,13 @@ class AsyncPool:
 
 class Pipeline:
     def __init__(self, pool, credentials=None, rpc_timeout_s: float = 60.0, view_refresh_s: float = 0.5,
-                 replica_streams: bool = True):
+                 replica_streams: bool = True, affinity_chunk: int = PREFILL_CHUNK):
         self.pool = pool  # async acquire/release/report_failure/members (AsyncPool or the Ray facade)
         self.channels = Channels(credentials)
         self.view = PoolView()
         self.rpc_timeout_s, self.view_refresh_s = rpc_timeout_s, view_refresh_s
         self.replica_streams = replica_streams  # per-round calls as stream messages (coordinator/rounds.py)
+        self.affinity_chunk = affinity_chunk  # positions per prefix key: the replicas' prefill chunk (0: no keys)
         self._tasks: dict[str, asyncio.Task] = {}
         self._stop: set[str] = set()
         self._view_task: asyncio.Task | None = None
@@ -140,9 +143,11 @@ class Pipeline:
         kw = dict(view=self.view, timeout=self.rpc_timeout_s, streams=self.replica_streams)
         target = RemoteTarget(self.pool, self.channels, **kw)
         draft = RemoteDraft(self.pool, self.channels, **kw) if req.mode != "ar" else None
+        keys = prefix_keys(req.prompt_ids, self.affinity_chunk)  # prefix-aware routing (coordinator/affinity.py)
         for backend in (target, draft):  # a replica whose context is too small refuses before any work
             if backend is not None:
                 backend.start_kw["reserve_positions"] = len(req.prompt_ids) + req.max_new_tokens
+                backend.prefix_keys = keys
         try:
             if draft is not None:
                 await draft.probe()

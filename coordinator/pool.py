@@ -5,7 +5,9 @@ Routing policy
 - A replica is routable when discovery lists it and its last health check said SERVING (a draining replica
   reports NOT_SERVING, so it stops receiving new sessions while its in-flight calls finish).
 - New sessions go to the routable replica with the fewest sessions pinned by this coordinator (ties: the one
-  used least recently, so a new replica fills up first).
+  used least recently, so a new replica fills up first), unless prefix affinity prefers another: the replica the
+  longest whole-chunk prefix of the prompt was last sent to, while it holds at most `affinity_slack` sessions more
+  than the least loaded (coordinator/affinity.py; its prefix cache then reuses that prefix).
 - A call that fails with UNAVAILABLE reports the replica (`report_failure`): it is skipped until a health check
   passes again. If nothing is routable, `acquire` refreshes once before giving up with `ReplicaUnavailableError`
   naming the addresses it tried (→ UNAVAILABLE).
@@ -26,6 +28,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from coordinator.affinity import PrefixAffinity
 from specdec.errors import CapacityError, SpecDecError
 
 log = logging.getLogger(__name__)
@@ -55,6 +58,7 @@ class Member:
 class Waiter:
     exclude: set[str]
     future: asyncio.Future  # set to the endpoint handed over by `release`
+    keys: list[bytes] = field(default_factory=list)  # the prompt's prefix keys (prefix affinity)
 
 
 @dataclass
@@ -64,6 +68,7 @@ class Pool:
     members: dict[str, Member] = field(default_factory=dict)
     waiters: deque[Waiter] = field(default_factory=deque)  # requests waiting for room, in arrival order
     full_since: float | None = None  # when requests started to queue (for the log), None while none waits
+    affinity: PrefixAffinity | None = None  # which replica each prompt prefix went to (None: least loaded only)
 
     def routable(self) -> list[str]:
         return [ep for ep, m in self.members.items() if m.healthy]
@@ -119,8 +124,11 @@ class PoolManager:
 
     def __init__(self, sources: dict, refresh_s: float = 5.0, health_timeout_s: float = 1.0,
                  health_check=None, credentials_factory=None, capacity_check=None, wait_s: float = 60.0,
-                 max_waiting: int = 256):
-        self.pools = {k: Pool(k, s) for k, s in sources.items() if s is not None}
+                 max_waiting: int = 256, affinity_slack: int | None = 2):
+        """`affinity_slack`: sessions a replica may hold beyond the least loaded one and still get the requests
+        whose prefixes it was sent (None: no prefix affinity)."""
+        self.pools = {k: Pool(k, s, affinity=None if affinity_slack is None else PrefixAffinity(affinity_slack))
+                      for k, s in sources.items() if s is not None}
         self.refresh_s = refresh_s
         self.health_timeout_s = health_timeout_s
         self.wait_s, self.max_waiting = wait_s, max_waiting
@@ -177,6 +185,8 @@ class PoolManager:
                     log.info("%s replica %s left the pool (%d sessions pinned)", pool.kind, ep,
                              pool.members[ep].sessions)
                     del pool.members[ep]
+                    if pool.affinity is not None:
+                        pool.affinity.forget(ep)
                 for ep in found:
                     if ep not in pool.members:
                         log.info("%s replica %s joined the pool", pool.kind, ep)
@@ -218,29 +228,32 @@ class PoolManager:
                                           f"COORDINATOR_{kind.upper()}_ENDPOINTS")
         return self.pools[kind]
 
-    def _pick(self, pool: Pool, exclude: set[str]) -> str | None:
-        cands = [m for ep, m in pool.members.items() if m.healthy and ep not in exclude and m.has_room()]
+    def _pick(self, pool: Pool, exclude: set[str], keys: list[bytes] = ()) -> str | None:
+        cands = {ep: m for ep, m in pool.members.items() if m.healthy and ep not in exclude and m.has_room()}
         if not cands:
             return None
-        m = min(cands, key=lambda m: (m.sessions, m.last_pick))
+        ep = pool.affinity.prefer(keys, {e: m.sessions for e, m in cands.items()}) if pool.affinity else None
+        m = cands[ep] if ep is not None else min(cands.values(), key=lambda m: (m.sessions, m.last_pick))
         m.sessions += 1
         m.last_pick = time.monotonic()
+        if pool.affinity is not None:
+            pool.affinity.record(keys, m.endpoint)
         return m.endpoint
 
-    async def acquire(self, kind: str, exclude: list[str] | tuple = ()) -> str:
-        """Pin a new session to the least-loaded routable replica of `kind` with room; wait for room if all are
-        full (module docstring, "Admission")."""
-        pool, exclude = self._pool(kind), set(exclude)
+    async def acquire(self, kind: str, exclude: list[str] | tuple = (), keys: list[bytes] = ()) -> str:
+        """Pin a new session to a routable replica of `kind` with room (the least loaded, or the one its prompt's
+        prefix `keys` went to: module docstring); wait for room if all are full ("Admission")."""
+        pool, exclude, keys = self._pool(kind), set(exclude), list(keys)
         # room is handed to waiters the moment it frees up, so room found here is room no waiter can use
-        ep = self._pick(pool, exclude)
+        ep = self._pick(pool, exclude, keys)
         if ep is None and not pool.any_routable(exclude):
             await self.refresh()  # nothing routable: look again once
-            ep = self._pick(pool, exclude)
+            ep = self._pick(pool, exclude, keys)
         if ep is not None:
             return ep
         if not pool.any_routable(exclude):
             raise self._unavailable(pool, exclude)
-        return await self._wait(pool, exclude)
+        return await self._wait(pool, exclude, keys)
 
     def _unavailable(self, pool: Pool, exclude: set[str]) -> ReplicaUnavailableError:
         tried = sorted(set(pool.members) | exclude)
@@ -257,10 +270,10 @@ class PoolManager:
             f"{len(pool.waiters)} request(s) wait; retry later, add {pool.kind} replicas or raise their "
             f"--max-sessions (the wait is COORDINATOR_QUEUE_WAIT_S, the queue COORDINATOR_MAX_WAITING)")
 
-    async def _wait(self, pool: Pool, exclude: set[str]) -> str:
+    async def _wait(self, pool: Pool, exclude: set[str], keys: list[bytes]) -> str:
         if len(pool.waiters) >= self.max_waiting:
             raise self._full(pool, f"the coordinator's queue is full ({self.max_waiting} waiting)")
-        w = Waiter(exclude, asyncio.get_running_loop().create_future())
+        w = Waiter(exclude, asyncio.get_running_loop().create_future(), keys)
         pool.waiters.append(w)
         if pool.full_since is None:
             pool.full_since = time.monotonic()
@@ -304,7 +317,7 @@ class PoolManager:
             elif not pool.any_routable(w.exclude):
                 pool.waiters.remove(w)
                 w.future.set_exception(self._unavailable(pool, w.exclude))
-            elif (ep := self._pick(pool, w.exclude)) is not None:
+            elif (ep := self._pick(pool, w.exclude, w.keys)) is not None:
                 pool.waiters.remove(w)
                 w.future.set_result(ep)
 
@@ -324,5 +337,8 @@ class PoolManager:
             m.failures += 1
             m.last_error = error or "call failed"
             m.capacity = None
+            pool = self.pools[kind]
+            if pool.affinity is not None:  # a restarted replica's prefix cache is empty
+                pool.affinity.forget(endpoint)
             self.generation += 1
-            self._serve_waiters(self.pools[kind])
+            self._serve_waiters(pool)

@@ -54,6 +54,7 @@ def init_ray(s: CoordinatorSettings, log_to_driver: bool = True) -> None:
 
 async def build_router(s: CoordinatorSettings, resolve=None, health_check=None):
     specs = {k: s.pool_spec(k) for k in ("draft", "target")}
+    affinity_slack = s.prefix_affinity_slack if s.prefix_affinity_chunk else None  # None: least loaded only
     tls = client_tls(s)
     if not s.ray:
         from coordinator.discovery import source_from_spec
@@ -69,23 +70,25 @@ async def build_router(s: CoordinatorSettings, resolve=None, health_check=None):
         pm = PoolManager({k: source_from_spec(v, resolve) for k, v in specs.items() if v}, s.dns_refresh_s,
                          s.health_timeout_s, health_check=health_check,
                          credentials_factory=(lambda: creds) if creds else None, wait_s=s.queue_wait_s,
-                         max_waiting=s.max_waiting)
+                         max_waiting=s.max_waiting, affinity_slack=affinity_slack)
         await pm.start()
         router = LocalRouter(Pipeline(AsyncPool(pm), creds, s.rpc_timeout_s, s.pool_view_refresh_s,
-                                      s.replica_streams))
+                                      s.replica_streams, s.prefix_affinity_chunk))
         router.pool_manager = pm
         return router
     from coordinator.actor import PipelineActor, PoolManagerActor
     from coordinator.router import RayRouter
 
-    pool = PoolManagerActor.remote(specs, s.dns_refresh_s, s.health_timeout_s, tls, s.queue_wait_s, s.max_waiting)
+    pool = PoolManagerActor.remote(specs, s.dns_refresh_s, s.health_timeout_s, tls, s.queue_wait_s, s.max_waiting,
+                                   affinity_slack)
     snap = await pool.start.remote()
     log.info("pools: %s", snap)
 
     def make_actor():
         return PipelineActor.options(scheduling_strategy="SPREAD").remote(pool, s.rpc_timeout_s,
                                                                            s.pool_view_refresh_s, tls,
-                                                                           s.replica_streams)
+                                                                           s.replica_streams,
+                                                                           s.prefix_affinity_chunk)
 
     router = RayRouter([], make_actor, fixed=s.pipelines or None)
     await router.grow()  # fail fast (and warm up) before serving
