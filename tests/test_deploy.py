@@ -303,6 +303,10 @@ def test_coordinator_matches_defaults(overlay):
     assert not unknown, f"not coordinator settings (a typo is silently ignored): {unknown}"
     settings = CoordinatorSettings(**{k.removeprefix("COORDINATOR_").lower(): v for k, v in cfg.items()})
     assert (settings.queue_wait_s, settings.max_waiting) == (60.0, 256)
+    # prefix-aware routing keys prompts by the replicas' prefill chunks: the same size, or affinity misses
+    for comp, d in POOLS.items():
+        pool_env = configmap_env(objs, f"specdec-{comp}-config")
+        assert pool_env[d["env"] + "PREFILL_CHUNK"] == str(settings.prefix_affinity_chunk), comp
 
     (svc,) = find(objs, "Service", "coordinator")
     assert svc["spec"]["type"] == "ClusterIP"
