@@ -4,7 +4,7 @@
 
 Two chat workloads, each request sent to both stacks in turn (which goes first alternates), greedy, streamed
 (GenerateStream), so the time to the first token is measured as a client sees it:
-- shared system prompt: one long system prompt (~460 tokens) with `--questions` different user questions;
+- shared system prompt: one long system prompt (~390 tokens) with `--questions` different user questions;
 - multi-turn: `--conversations` conversations of `--turns` turns, each turn's prompt the whole conversation so
   far (the answers the stack gave, then a new question).
 Prints, per workload, the median time to first token and wall time per request of each stack, their ratios, the

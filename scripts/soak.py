@@ -19,6 +19,8 @@ Checked:
 - a stream's concatenated deltas equal its token ids; a fifth of the requests ask for logprobs (one per token); over HTTP, greedy text equals the decoded `ar` prefix of the
   answer's length, streamed or whole;
 - no status but OK, DEADLINE_EXCEEDED and CANCELLED (RESOURCE_EXHAUSTED is counted apart: a full queue);
+- every prompt is also sent behind one shared ~380-token prefix (`--no-shared-prefix`: not), so sessions reuse
+  prompt chunks from the prefix cache, live and ended sessions' alike; their greedy answers are checked the same way;
 - afterwards, both replicas hold no session (`specdec_sessions_active`) and report no queued call; replica memory
   (RSS) at the start, every `--rss-every` seconds, and at the end.
 Exits 1 when a check fails.
@@ -220,7 +222,15 @@ async def main(args) -> int:
     from specdec.tokenizer import load_tokenizer
 
     tdir = resolve_model(DEFAULT_TARGET)
-    prompts = load_prompt_sets(load_tokenizer(tdir), ["humaneval", "chat"], args.n_prompts)
+    tok = load_tokenizer(tdir)
+    prompts = load_prompt_sets(tok, ["humaneval", "chat"], args.n_prompts)
+    if not args.no_shared_prefix:  # each prompt again behind one long shared prefix: the prefix cache's hits
+        from prefix_cache_ab import SYSTEM
+
+        from specdec.bench.prompts import Prompt
+
+        shared = [int(t) for t in tok(SYSTEM + "\n\n")["input_ids"]]
+        prompts += [Prompt(p.prompt_set, p.key + "+shared", shared + p.ids) for p in prompts]
     stack = LocalStack(str(tdir), str(resolve_model(DEFAULT_DRAFT)), _default_preverifier(DEFAULT_DRAFT), threads=1,
                        ray_cpus=2, pipelines=2, max_sessions=args.max_sessions, metrics=True,
                        dtype=args.dtype, http_port=0 if args.http_share > 0 else None)
@@ -258,10 +268,11 @@ async def main(args) -> int:
         await asyncio.sleep(args.settle_s)  # cancelled sessions end; idle ones are reaped by then at the latest
         state = {}
         for kind, port in stack.metrics_ports.items():
-            for name in ("specdec_sessions_active", "specdec_queue_depth"):
+            for name in ("specdec_sessions_active", "specdec_queue_depth", "specdec_prefix_cache_hits_total",
+                         "specdec_prefix_cache_queries_total"):
                 for sample, v in scrape(port, name).items():
                     state[f"{kind} {sample}"] = v
-                    if v != 0:
+                    if v != 0 and "prefix_cache" not in name:  # counters, reported
                         failures.append(f"{kind} replica: {sample} = {v} after the soak")
         rss1 = {k: rss_mb(v) for k, v in pids.items()}
         failures = soak.failures + failures
@@ -292,6 +303,8 @@ if __name__ == "__main__":
     ap.add_argument("--max-sessions", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--n-prompts", type=int, default=4, help="per prompt set")
+    ap.add_argument("--no-shared-prefix", action="store_true",
+                    help="without the copies of every prompt behind one shared ~380-token prefix (prefix cache hits)")
     ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
                     help="the replicas' dtype; float32 makes a greedy difference from ar a failure")
     ap.add_argument("--greedy-share", type=float, default=0.7)

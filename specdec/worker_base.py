@@ -203,6 +203,7 @@ class Worker:
         s.pending.clear()
         if base < n:
             del s.tokens[base:]
+            s.chunked = min(s.chunked, base)  # what is fed again there comes from decode steps, not prefill chunks
             s.last_row = None
 
     # feature drafts (specdec/drafting.py) supply each fed token's input feature and record what they computed

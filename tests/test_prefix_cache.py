@@ -209,3 +209,13 @@ async def test_over_the_wire_a_chat_turn_reuses_the_first_turns_chunks():
             await app.shutdown(0)
             await t.shutdown(0)
             await d.shutdown(0)
+
+
+def test_a_rollback_into_the_prompt_shrinks_what_others_may_reuse():
+    model = build_tiny_model(vocab_size=40, seed=1)
+    w = TargetWorker(model, max_sessions=3, prefill_chunk=CHUNK)
+    w.start_session("a", SYSTEM + [7, 8, 9], SamplingParams())  # 12 prefilled positions: 3 whole chunks
+    w.rollback("a", 6)
+    w.verify("a", 6, SYSTEM[6:10] + [7, 8], [], method="greedy")  # the same tokens again, by a verify forward
+    w.start_session("b", SYSTEM + [7, 8, 1], SamplingParams())
+    assert w.sessions["a"].chunked == 6 and w.sessions["b"].cached_tokens == 4  # not 8: positions 6-11 are re-fed

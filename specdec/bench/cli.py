@@ -44,6 +44,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--preverifier", default=None, help="PACER pre-verifier dir (default: the shipped one)")
     ap.add_argument("--prompt-lookup-min-ngram", type=int, default=PROMPT_LOOKUP_MIN_NGRAM,
                     help="prompt lookup beside the draft model (specdec/lookup.py); 0: off (default: %(default)s)")
+    ap.add_argument("--prefix-cache", action="store_true",
+                    help="let requests reuse prompt prefixes (off by default: every request prefills its whole "
+                         "prompt, as the HF baseline does, so the suite compares generation; "
+                         "scripts/prefix_cache_ab.py measures the prefix cache)")
     ap.add_argument("--no-ray", action="store_true", help="coordinator pipelines in the driver (tests)")
     ap.add_argument("--json", default=None, help="write the rows (a JSON list) here")
     ap.add_argument("--markdown", default=None, help="write the tables here")
@@ -62,7 +66,7 @@ def options(args) -> BenchOptions:
         gammas=pick("gammas", (2, 3, 4, 6)), temperatures=tuple(pick("temperatures", (0.0, 1.0))),
         max_new_tokens=args.max_new_tokens, repeats=pick("repeats", 3),
         concurrency=pick("concurrency", (1, 2, 4, 8)), concurrency_repeats=pick("concurrency_repeats", 2),
-        prompt_lookup_min_ngram=args.prompt_lookup_min_ngram, use_ray=not args.no_ray,
+        prompt_lookup_min_ngram=args.prompt_lookup_min_ngram, use_ray=not args.no_ray, prefix_cache=args.prefix_cache,
         progress=not args.no_progress)
 
 

@@ -41,6 +41,9 @@ class BenchOptions:
     concurrency_repeats: int = 2
     prompt_lookup_min_ngram: int = PROMPT_LOOKUP_MIN_NGRAM  # in-process engines and the stack's draft replica
     use_ray: bool = True
+    # off: every request prefills its whole prompt (the HF baseline has no prefix cache, and with one the mode that
+    # runs a prompt first would pay the prefill the others skip); scripts/prefix_cache_ab.py measures the cache
+    prefix_cache: bool = False
     warmup_tokens: int = 8
     progress: bool = True
     seed: int = 0
@@ -89,7 +92,8 @@ class Bench:
         self.stack = self.client = self.hf = None
         self.engines: list = []
         self.runners: dict[str, object] = {}
-        self.notes: list[str] = []
+        self.notes: list[str] = [] if opts.prefix_cache else [
+            "prefix cache off (every request prefills its whole prompt, as the HF baseline does; --prefix-cache)"]
 
     # ---- setup ------------------------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -130,7 +134,8 @@ class Bench:
             if key not in engines:
                 engines[key] = Engine(target, None if c.mode == "ar" else draft, preverifier=pv, max_sessions=2,
                                       lookup=prompt_lookup(o.prompt_lookup_min_ngram),
-                                      max_context=max_ctx, threads_per_model=c.threads)
+                                      max_context=max_ctx, threads_per_model=c.threads,
+                                      prefix_cache=o.prefix_cache)
             self.runners[c.name] = EngineRunner(engines[key], c, self.eos)
         self.engines = list(engines.values())
         if "hf" in kinds:
@@ -151,7 +156,7 @@ class Bench:
             self.stack = LocalStack(str(self.target_dir), str(self.draft_dir), self.pv_path, threads=1,
                                     ray_cpus=2, pipelines=2, use_ray=o.use_ray,
                                     max_sessions=max(8, max(o.concurrency or (1,))), max_context=max_ctx,
-                                    prompt_lookup_min_ngram=o.prompt_lookup_min_ngram)
+                                    prompt_lookup_min_ngram=o.prompt_lookup_min_ngram, prefix_cache=o.prefix_cache)
             self.loop.run_until_complete(self.stack.start())
             self.client = self.loop.run_until_complete(_client(self.stack.address))  # channel bound to this loop
             for c in self.configs:
