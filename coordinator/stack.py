@@ -48,11 +48,13 @@ class LocalStack:
                  start_timeout_s: float = 600.0, max_new_tokens_cap: int = 4096, quiet: bool = True,
                  draft_port: int = 0, target_port: int = 0, max_sessions: int = 8, max_context: int = 2048,
                  metrics: bool = False, dtype: str = "auto", prompt_lookup_min_ngram: int | None = None,
-                 http_port: int | None = None, default_mode: str = "sd", prefix_cache: bool = True):
+                 http_port: int | None = None, default_mode: str = "sd", prefix_cache: bool = True,
+                 replica_args: tuple[str, ...] = ()):
         self.target, self.draft, self.preverifier = target, draft, preverifier
         self.prompt_lookup_min_ngram = prompt_lookup_min_ngram  # the draft replica's (None: its default)
         self.dtype = dtype  # the replicas' --dtype
         self.prefix_cache = prefix_cache  # the replicas' --prefix-cache (A/B runs: scripts/prefix_cache_ab.py)
+        self.replica_args = tuple(replica_args)  # more flags for both replicas (A/B runs)
         self.http_port = http_port  # the OpenAI-compatible HTTP API: None off, 0 a free port
         self.http_address = ""
         self.default_mode = default_mode  # the mode of requests that name none (OpenAI clients)
@@ -79,7 +81,7 @@ class LocalStack:
                "--threads", str(self.threads), "--log-level", "WARNING", "--grace-s", "1",
                "--max-sessions", str(self.max_sessions), "--max-context", str(self.max_context),
                "--dtype", self.dtype, "--prefix-cache" if self.prefix_cache else "--no-prefix-cache",
-               "--exit-with-parent", str(os.getpid()), *extra]  # a parent killed without cleanup: no orphans
+               "--exit-with-parent", str(os.getpid()), *self.replica_args, *extra]  # a parent killed without cleanup: no orphans
         env = dict(os.environ, OMP_NUM_THREADS=str(self.threads), MKL_NUM_THREADS=str(self.threads))
         proc = subprocess.Popen(cmd, stdout=logf.open("w"), stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True)

@@ -34,7 +34,7 @@ def main(argv=None) -> None:
     params, rng = SamplingParams(), random.Random(0)
 
     def prefill(sid, toks, cuts):
-        s = w._open_session(sid, toks + [1], params, reuse=False)
+        s = w.open_session(sid, toks + [1], params, reuse=False)
         t0 = time.perf_counter()
         for a, b in zip([0] + cuts, cuts + [len(toks)]):
             w._feed(s, a, toks[a:b], logits_rows=slice(-1, None))

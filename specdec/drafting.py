@@ -126,7 +126,7 @@ class DraftWorker(Worker):
 
     def start_session(self, session_id: str, prompt_ids: list[int], params: SamplingParams,
                       features: list[TargetFeatures] | None = None) -> Session:
-        s = self._open_session(session_id, prompt_ids, params)
+        s = self.open_session(session_id, prompt_ids, params)
         if self.reads_features:
             s.feats = FeatureState(self.kv.max_len, feature_size(self.model), self.model.dtype,
                                    self.model.device)

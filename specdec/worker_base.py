@@ -56,6 +56,7 @@ class Session:
     prompt_logprobs: object | None = None  # target: the prefill's TokenLogprobs (params.prompt_logprobs), until read
     cached_tokens: int = 0  # prompt positions whose K/V came from the prefix cache instead of the prefill
     chunked: int = 0  # positions [0, chunked) hold K/V from whole aligned prefill chunks: reusable by others
+    sid: str = ""
 
 
 class Worker:
@@ -116,7 +117,7 @@ class Worker:
                                        f"by {positions - self.max_context} or shorten the prompt")
 
     def start_session(self, session_id: str, prompt_ids: list[int], params: SamplingParams) -> Session:
-        s = self._open_session(session_id, prompt_ids, params)
+        s = self.open_session(session_id, prompt_ids, params)
         self._prefill(s, prompt_ids)
         return s
 
@@ -125,11 +126,25 @@ class Worker:
         """Feed prompt_ids[:-1] after the reused prefix, in aligned chunks (the last prompt token is fed by the
         session's first verify or draft call; `step` bounds a chunk where prefill_chunk is 0). → [(logits,
         hidden)] per chunk forward (none when all was reused)."""
-        fed, n = prompt_ids[:-1], s.cached_tokens
-        step = self.prefill_chunk or step or max(len(fed), 1)
-        rows = [self._feed(s, at, fed[at:at + step], logits_rows=logits_rows) for at in range(n, len(fed), step)]
-        s.chunked = len(fed) // self.prefill_chunk * self.prefill_chunk if self.prefill_chunk else 0
-        return rows
+        ranges = self.prefill_ranges(s, prompt_ids, step)
+        return [self.prefill_chunk_of(s, prompt_ids, a, b, logits_rows) for a, b in ranges]
+
+    def prefill_ranges(self, s: Session, prompt_ids: list[int], step: int | None = None) -> list[tuple[int, int]]:
+        """The [start, end) positions of each prefill forward of the session: aligned chunks after the reuse."""
+        fed, step = len(prompt_ids) - 1, self.prefill_chunk or step or max(len(prompt_ids) - 1, 1)
+        return [(at, min(at + step, fed)) for at in range(s.cached_tokens, fed, step)]
+
+    def prefill_chunk_of(self, s: Session, prompt_ids: list[int], start: int, end: int,
+                         logits_rows: slice | None = PREFILL_LOGITS):
+        """One prefill forward: positions [start, end) of prompt_ids. → (logits, hidden). A caller that runs the
+        chunks as separate calls (SessionHost, between other sessions' steps) passes the Session it opened: a
+        session ended or restarted meanwhile is refused."""
+        if self.sessions.get(s.sid) is not s:
+            raise SessionNotFoundError("the session was ended or restarted during its prefill; start it again")
+        out = self._feed(s, start, prompt_ids[start:end], logits_rows=logits_rows)
+        if self.prefill_chunk:  # whole aligned chunks a prefill wrote: other sessions may reuse them
+            s.chunked = max(s.chunked, end // self.prefill_chunk * self.prefill_chunk)
+        return out
 
     def _hidden(self, rows) -> torch.Tensor:
         """The hidden states [m, D] of `_prefill`'s chunks, in order."""
@@ -137,7 +152,7 @@ class Worker:
             return torch.zeros((0, self.model.config.hidden_size), device=self.model.device, dtype=self.model.dtype)
         return torch.cat([h for _, h in rows])
 
-    def _open_session(self, session_id: str, prompt_ids: list[int], params: SamplingParams,
+    def open_session(self, session_id: str, prompt_ids: list[int], params: SamplingParams,
                       reuse: bool = True) -> Session:
         """A session in a free slot, holding (`Session.cached_tokens`) the longest prefix of prompt_ids[:-1]
         that some slot's K/V holds, unless the prefix cache is off or `reuse` is False (the caller needs the
@@ -161,7 +176,8 @@ class Worker:
                                    align=self.prefill_chunk or 1)
         if got.copy:
             self.kv.copy_prefix(got.source, got.slot, got.tokens)
-        s = Session(slot=got.slot, params=params, tokens=list(prompt_ids[:got.tokens]), cached_tokens=got.tokens)
+        s = Session(slot=got.slot, params=params, tokens=list(prompt_ids[:got.tokens]), cached_tokens=got.tokens,
+                    chunked=got.tokens, sid=session_id)
         self.sessions[session_id] = s
         self.prefix_queries += len(prompt_ids) - 1
         self.prefix_hits += got.tokens

@@ -59,7 +59,7 @@ class TargetWorker(Worker):
         """Prefill prompt_ids[:-1]; with `want_features`, return their features and every verify's too."""
         # prompt logprobs and features need the prefill's rows of every prompt position: nothing is reused for them
         reuse = params.prompt_logprobs < 0 and not want_features
-        s = self._open_session(session_id, prompt_ids, params, reuse=reuse)
+        s = self.open_session(session_id, prompt_ids, params, reuse=reuse)
         s.want_features = want_features
         if params.prompt_logprobs >= 0:
             hidden = self._prefill_with_logprobs(s, prompt_ids, params.prompt_logprobs)

@@ -32,7 +32,7 @@ async def build_app(settings: TargetSettings, model=None, warmup: bool = True) -
     host = SessionHost(worker, runner, settings, metrics, model_name=settings.model)
     if warmup:
         await runner.run(host.warmup_sync)
-    batcher = VerifyBatcher(worker, runner, host.table.last_used, settings.batch_window_ms,
+    batcher = VerifyBatcher(worker, runner, host.open_sessions, settings.batch_window_ms,
                             settings.max_batch_size, settings.max_queue, metrics)
     servicer = TargetServicer(host, batcher)
 

@@ -38,21 +38,44 @@ class SessionHost:
         self._reaper: asyncio.Task | None = None
         self.draining = False  # set when the server starts draining: per-round streams end (UNAVAILABLE)
         self._reap_every = min(30.0, max(0.05, settings.session_ttl_s / 4))
+        self.interleave_prefill = settings.interleave_prefill
+        self.prefilling: set[str] = set()  # sessions whose StartSession is running: they cannot verify or draft yet
 
     # -- sessions ------------------------------------------------------------------------------------------
     async def start_session(self, sid: str, prompt_ids: list[int], params, **kw) -> tuple[int, int, object, int]:
         """Admit (maybe evicting), then prefill on the model thread (`kw` go to the worker's start_session).
-        Returns (position, prefill_ns, what start_session returned, positions reused from the prefix cache)."""
+        Returns (position, prefill_ns, what start_session returned, positions reused from the prefix cache).
+
+        A plain prefill runs chunk by chunk, each chunk its own model-thread call (`interleave_prefill`): other
+        sessions' verify and draft steps queued meanwhile run between the chunks, so a long prompt delays running
+        streams by one chunk's forward at a time, not by its whole prefill (vLLM's chunked prefill)."""
         existed = sid in self.table
         evicted = self.table.admit(sid)
+        self.prefilling.add(sid)
         try:
-            return await self.runner.run(self._start, sid, evicted, prompt_ids, params, kw)
+            # prompt logprobs, features and feature drafts need the worker's own start_session
+            if (self.interleave_prefill and not any(kw.values()) and params.prompt_logprobs < 0
+                    and not feature_size(self.worker.model)):
+                out = await self._start_interleaved(sid, evicted, prompt_ids, params)
+            else:
+                out = await self.runner.run(self._start, sid, evicted, prompt_ids, params, kw)
+            self.metrics.prefix_cache_queries.inc(len(prompt_ids) - 1)
+            self.metrics.prefix_cache_hits.inc(out[3])
+            return out
         except BaseException:
-            if not existed:
+            if not existed:  # a refused, failed or cancelled start leaves nothing behind, KV slot included
                 self.table.remove(sid)
+                self.runner.post(self.worker.end_session, sid)
             raise
         finally:
+            self.prefilling.discard(sid)
             self.metrics.sessions_active.set(len(self.table))
+
+    def open_sessions(self):
+        """{session id: last use} of the sessions that may call soon: those in the table, less those still in
+        StartSession (the target's batcher waits for the former, and must not for a prefill)."""
+        last = self.table.last_used()
+        return {k: v for k, v in last.items() if k not in self.prefilling} if self.prefilling else last
 
     def _start(self, sid, evicted, prompt_ids, params, kw):
         for e in evicted:
@@ -60,10 +83,26 @@ class SessionHost:
         t0 = time.perf_counter_ns()
         out = self.worker.start_session(sid, prompt_ids, params, **kw)
         ns = time.perf_counter_ns() - t0
-        cached = self.worker.sessions[sid].cached_tokens
-        self.metrics.prefix_cache_queries.inc(len(prompt_ids) - 1)
-        self.metrics.prefix_cache_hits.inc(cached)
-        return self.worker.session_length(sid), ns, out, cached
+        return self.worker.session_length(sid), ns, out, self.worker.sessions[sid].cached_tokens
+
+    async def _start_interleaved(self, sid, evicted, prompt_ids, params):
+        def open_():
+            for e in evicted:
+                self.worker.end_session(e)
+            t0 = time.perf_counter_ns()
+            s = self.worker.open_session(sid, prompt_ids, params)
+            return s, self.worker.prefill_ranges(s, prompt_ids), time.perf_counter_ns() - t0
+
+        def chunk(s, start, end):
+            t0 = time.perf_counter_ns()
+            self.worker.prefill_chunk_of(s, prompt_ids, start, end)
+            return time.perf_counter_ns() - t0
+
+        s, ranges, ns = await self.runner.run(open_)
+        for start, end in ranges:
+            self.table.touch(sid)  # a long prefill is use: LRU eviction must not pick this session meanwhile
+            ns += await self.runner.run(chunk, s, start, end)
+        return self.worker.session_length(sid), ns, None, s.cached_tokens
 
     def begin_drain(self) -> None:
         self.draining = True

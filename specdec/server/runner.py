@@ -42,6 +42,10 @@ class ModelThread:
         return (self._threads == 1 and (self._last is None or self._last.done())
                 and torch.get_num_threads() == 1)
 
+    def post(self, fn, *args, **kwargs) -> None:
+        """Queue a call and do not wait for it (clean-up from a cancelled coroutine)."""
+        self._last = self._pool.submit(fn, *args, **kwargs)
+
     def submit(self, fn, *args, **kwargs):
         """Blocking call from a synchronous context (startup, tests)."""
         return self._pool.submit(fn, *args, **kwargs).result()

@@ -49,6 +49,9 @@ class ServerSettings(BaseSettings):
     prefill_chunk: int = Field(128, ge=0, description="positions per prefill forward, aligned to absolute positions; "
                                "the prefix cache reuses whole chunks (0: the whole prompt in one forward, no prefix "
                                "cache)")
+    interleave_prefill: bool = Field(True, description="run a prefill chunk by chunk, each chunk its own model-thread "
+                                     "call, so other sessions' steps run between chunks (a long prompt stalls running "
+                                     "streams by one chunk at a time); off: one call per prefill")
     lru_min_idle_s: float = Field(5.0, ge=0, description="when full, evict the LRU session if idle this long")
     max_message_bytes: int = Field(16 * 1024 * 1024, ge=1024, description="gRPC send/receive limit")
     keepalive_time_ms: int = 30_000

@@ -1,0 +1,93 @@
+"""Interleaved prefill (SessionHost): a prefill runs chunk by chunk on the model thread, so other sessions' steps run
+between its chunks; a start that fails or is cancelled midway leaves no session and no KV slot behind."""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import grpc
+import pytest
+
+from specdec.pb import common_pb2, target_pb2, target_pb2_grpc
+from tests.helpers_models import build_tiny_model, start_replica
+
+CHUNK = 4
+
+
+async def replica(**kw):
+    model = build_tiny_model(vocab_size=40, seed=1, max_position_embeddings=256)
+    app = await start_replica("target", model, prefill_chunk=CHUNK, **kw)
+    ch = grpc.aio.insecure_channel(app.endpoint)
+    return app, ch, target_pb2_grpc.TargetServiceStub(ch)
+
+
+def slow_chunks(app, log: list, started: threading.Event, delay_s: float = 0.03):
+    """Make each prefill chunk take `delay_s` and log the model thread's calls in order."""
+    worker = app.host.worker
+    chunk_of, verify_batch = worker.prefill_chunk_of, worker.verify_batch
+
+    def chunk(s, prompt, start, end, *a, **k):
+        log.append(("chunk", start))
+        started.set()
+        time.sleep(delay_s)
+        return chunk_of(s, prompt, start, end, *a, **k)
+
+    def verify(batch):
+        log.append(("verify", batch[0].session_id))
+        return verify_batch(batch)
+
+    worker.prefill_chunk_of, worker.verify_batch = chunk, verify
+    app.host.runner._threads = 0  # every call on the model thread, none on the event loop
+
+
+@pytest.mark.parametrize("interleave", [True, False])
+async def test_a_long_prefill_lets_other_sessions_verify_between_its_chunks(interleave):
+    app, ch, stub = await replica(interleave_prefill=interleave)
+    try:
+        params = common_pb2.SamplingParams(temperature=0.0)
+        await stub.StartSession(target_pb2.TargetServiceStartSessionRequest(session_id="run", prompt_ids=[1, 2, 3],
+                                                                            params=params))
+        log, started = [], threading.Event()
+        slow_chunks(app, log, started)
+        long = asyncio.ensure_future(stub.StartSession(target_pb2.TargetServiceStartSessionRequest(
+            session_id="long", prompt_ids=list(range(1, 30)), params=params)))  # 28 prefilled: 7 chunks
+        while not started.is_set():
+            await asyncio.sleep(0.005)
+        await stub.Verify(target_pb2.VerifyRequest(session_id="run", base_position=2, feed_ids=[3]))
+        resp = await long
+        chunks = [i for i, (what, _) in enumerate(log) if what == "chunk"]
+        at = log.index(("verify", "run"))
+        assert len(chunks) == 7 and resp.position == 28
+        if interleave:
+            assert chunks[0] < at < chunks[-1], log  # ran between the chunks, not after the whole prefill
+        else:
+            assert at > chunks[-1], log
+    finally:
+        await ch.close()
+        await app.shutdown(0)
+
+
+async def test_a_start_cancelled_mid_prefill_leaves_no_session_behind():
+    app, ch, stub = await replica()
+    try:
+        log, started = [], threading.Event()
+        slow_chunks(app, log, started, delay_s=0.05)
+        call = stub.StartSession(target_pb2.TargetServiceStartSessionRequest(session_id="gone",
+                                                                             prompt_ids=list(range(1, 30))))
+        while not started.is_set():
+            await asyncio.sleep(0.005)
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        for _ in range(100):
+            if "gone" not in app.host.worker.sessions and len(log) < 7:
+                break
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.2)
+        assert "gone" not in app.host.table and "gone" not in app.host.worker.sessions
+        assert len(app.host.worker.free_slots) == app.host.worker.max_sessions, "its KV slot is free again"
+        assert len(log) < 7, "the remaining chunks were not run"
+    finally:
+        await ch.close()
+        await app.shutdown(0)
