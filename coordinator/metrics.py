@@ -23,3 +23,12 @@ class CoordinatorMetrics:
                                     buckets=(0.001,) + _SECONDS, registry=r)
         self.e2e = Histogram("specdec_e2e_request_latency_seconds", "Request latency", buckets=_SECONDS,
                              registry=r)
+        self.prompt_tokens = Counter("specdec_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.cached_prompt_tokens = Counter("specdec_cached_prompt_tokens", "Of the prompt tokens, those the target "
+                                            "replica reused from its prefix cache", registry=r)
+        # vLLM's time_per_output_token: a streamed request's (e2e - TTFT) / (tokens - 1); speculation delivers
+        # tokens in bursts, so this is the rate a reader sees, not the gap between two deliveries
+        self.tpot = Histogram("specdec_time_per_output_token_seconds", "Time per generated token after the first "
+                              "(streamed requests of 2+ tokens)",
+                              buckets=(0.005, 0.01, 0.02, 0.03, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0),
+                              registry=r)

@@ -195,7 +195,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         p = self.prepare(r)
         asm, rid = p.assembler, p.request["request_id"]
         p.request["final_only"] = not (incremental or asm.stop)
-        t0, first = time.perf_counter(), True
+        t0, first, ttft = time.perf_counter(), True, None
         m = self.metrics
         if m:
             m.running.inc()
@@ -209,7 +209,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                             await self.router.stop(rid)  # finish after this round; the rest is dropped
                         if text or ids:
                             if first and m:
-                                m.ttft.observe(time.perf_counter() - t0)
+                                ttft = time.perf_counter() - t0
+                                m.ttft.observe(ttft)
                             first = False
                             lps = ev.get("logprobs")
                             yield generation_pb2.GenerateStreamResponse(
@@ -230,7 +231,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                         if m:
                             m.requests.labels(finish).inc()
                             m.tokens.inc(len(asm.token_ids))
-                            m.e2e.observe(time.perf_counter() - t0)
+                            e2e = time.perf_counter() - t0
+                            m.e2e.observe(e2e)
+                            n = len(asm.token_ids)
+                            if ttft is not None and n > 1:
+                                m.tpot.observe((e2e - ttft) / (n - 1))
+                            m.prompt_tokens.inc(stats.get("prompt_tokens", 0))
+                            m.cached_prompt_tokens.inc(stats.get("cached_prompt_tokens", 0))
                             m.queue_time.observe(stats.get("queued_s", 0.0))
                             off = stats.get("target_only_rounds", 0)
                             m.rounds.labels("target_only").inc(off)

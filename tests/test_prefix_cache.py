@@ -196,10 +196,17 @@ async def test_over_the_wire_a_chat_turn_reuses_the_first_turns_chunks():
             first = SYSTEM + [7, 8, 9]
             one = await stub.Generate(g.GenerateRequest(prompt_token_ids=first, max_new_tokens=9, mode="sd"))
             second = first + list(one.token_ids) + [21, 22]
-            two = await stub.Generate(g.GenerateRequest(prompt_token_ids=second, max_new_tokens=9, mode="sd"))
+            parts = [r async for r in stub.GenerateStream(g.GenerateRequest(prompt_token_ids=second, max_new_tokens=9,
+                                                                           mode="sd"))]
+            two = parts[-1]
+            two.token_ids[:] = [t for r in parts for t in r.token_ids]
             assert list(one.token_ids) == target_greedy(target, first, 9)
             assert list(two.token_ids) == target_greedy(target, second, 9)
             assert (one.stats.cached_prompt_tokens, two.stats.cached_prompt_tokens) == ((0, 12) if cache else (0, 0))
+            reg = app.metrics.registry  # the coordinator's: what the clients got
+            assert reg.get_sample_value("specdec_prompt_tokens_total") == len(first) + len(second)
+            assert reg.get_sample_value("specdec_cached_prompt_tokens_total") == (12 if cache else 0)
+            assert reg.get_sample_value("specdec_time_per_output_token_seconds_count") == 1  # the streamed one
             for replica in (t, d):
                 m = replica.host.metrics
                 assert m.value("specdec_prefix_cache_queries_total") == len(first) - 1 + len(second) - 1
