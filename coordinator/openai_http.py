@@ -3,6 +3,7 @@
     POST /v1/chat/completions   chat (chat template applied), whole or streamed as server-sent events
     POST /v1/completions        a plain completion of the prompt text (no chat template), or of token ids
     GET  /v1/models             the one model served
+    POST /tokenize, /detokenize vLLM's: a prompt's token ids (as either route encodes it), or the text of ids
     GET  /health                200 while serving, 503 while draining
     GET  /metrics               the coordinator's Prometheus metrics (also on COORDINATOR_METRICS_PORT)
 
@@ -18,110 +19,17 @@ import contextlib
 import functools
 import hmac
 import json
-import logging
 import time
 import uuid
 
-import grpc
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from coordinator import openai_schema as schema
+from coordinator.openai_backend import CLIENT_CLOSED, ApiError, ServicerBackend, param_of  # noqa: F401 (re-exported)
 from specdec.pb import generation_pb2
-from specdec.server.interceptor import status_for
-
-log = logging.getLogger(__name__)
-
-HTTP_STATUS = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.OUT_OF_RANGE: 400,
-               grpc.StatusCode.FAILED_PRECONDITION: 400, grpc.StatusCode.NOT_FOUND: 404,
-               grpc.StatusCode.RESOURCE_EXHAUSTED: 429, grpc.StatusCode.CANCELLED: 499,
-               grpc.StatusCode.UNIMPLEMENTED: 501, grpc.StatusCode.UNAVAILABLE: 503,
-               grpc.StatusCode.DEADLINE_EXCEEDED: 504}
-CLIENT_CLOSED = 499  # nginx's code: the client went away before the answer
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-
-    @classmethod
-    def from_grpc(cls, code: grpc.StatusCode, message: str) -> ApiError:
-        param = param_of(message)
-        head = message.split(":", 1)[0]
-        if param and head != param:  # "max_new_tokens: ..." reads "max_tokens: ..." here
-            message = param + message[len(head):]
-        return cls(HTTP_STATUS.get(code, 500), message, param, code.name.lower())
-
-    def body(self) -> dict:
-        kind = ("invalid_request_error" if self.status < 429 or self.status == CLIENT_CLOSED else
-                "rate_limit_error" if self.status == 429 else "server_error")
-        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
-
-
-def param_of(message: str) -> str | None:
-    """The field a "field: what to change" message names, as an OpenAI client knows it."""
-    head = message.split(":", 1)[0] if ":" in message else ""
-    if not head or " " in head:
-        return None
-    return schema.PARAM_NAMES.get(head, head)
-
-
-class _Aborted(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str):
-        super().__init__(message)
-        self.code, self.message = code, message
-
-
-class _Context:
-    """What GenerationServicer.respond needs of a gRPC context."""
-
-    async def abort(self, code: grpc.StatusCode, message: str):
-        raise _Aborted(code, message)
-
-
-class ServicerBackend:
-    """Runs requests on the coordinator's GenerationServicer in this process; failures become ApiError."""
-
-    def __init__(self, servicer):
-        self.servicer = servicer
-        self.tok = getattr(servicer, "tok", None)  # None: token-id prompts only
-
-    def encode(self, text: str) -> list[int]:
-        """A completion prompt's token ids, as the servicer encodes it (raw: no chat template)."""
-        from specdec.tokenizer import encode_prompt
-
-        tok = self.tok
-        if tok is None:
-            raise ApiError(400, "prompt: this coordinator has no tokenizer; send token ids", "prompt")
-        try:
-            return encode_prompt(tok, prompt=text, raw=True)
-        except ValueError as e:
-            raise ApiError(400, str(e), "prompt") from None
-
-    def decode(self, ids: list[int]) -> str:
-        return self.tok.decode(ids) if self.tok is not None else "".join(f"<{t}>" for t in ids)
-
-    def token_text(self, token_id: int) -> str:
-        """A token's text (logprobs entries); `<id>` where the coordinator has no tokenizer."""
-        return self.tok.decode([token_id]) if self.tok is not None else f"<{token_id}>"
-
-    async def events(self, request, incremental: bool = True):
-        try:
-            async for resp in self.servicer.respond(request, _Context(), incremental):
-                yield resp
-        except _Aborted as e:
-            raise ApiError.from_grpc(e.code, e.message) from None
-        except Exception as e:  # noqa: BLE001 - the mapping point, as the gRPC interceptor's
-            code, message = status_for(e)
-            if code == grpc.StatusCode.INTERNAL:
-                log.exception("HTTP request failed")
-            raise ApiError.from_grpc(code, message) from None
 
 
 async def until_disconnected(request: Request, work):
@@ -339,6 +247,17 @@ class OpenAIFrontDoor:
             return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
                                                 "owned_by": "specdec"}]}
 
+        @app.post("/tokenize")
+        async def tokenize(body: schema.TokenizeRequest, request: Request):
+            self._check(request, body)
+            ids = self.backend.tokenize(body)
+            return {"count": len(ids), "tokens": ids}
+
+        @app.post("/detokenize")
+        async def detokenize(body: schema.DetokenizeRequest, request: Request):
+            self._check(request, body)
+            return {"prompt": self.backend.detokenize(body.tokens)}
+
         @app.get("/health")
         async def health():
             if self.is_draining():
@@ -355,7 +274,7 @@ class OpenAIFrontDoor:
         return app
 
 
-ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
+ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/tokenize", "/detokenize", "/health", "/metrics")
 
 
 class _Limits:

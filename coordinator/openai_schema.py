@@ -207,6 +207,32 @@ class CompletionRequest(_Sampling):
         return r
 
 
+class TokenizeRequest(_Body):
+    """vLLM's POST /tokenize: the ids a prompt becomes, as the chat (`messages`) or completions (`prompt`) route
+    encodes it."""
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True  # what the chat route does; False is refused
+    add_special_tokens: bool = True  # what the completions route does; False is refused
+
+    @model_validator(mode="after")
+    def _one_prompt(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("prompt: send exactly one of prompt (as /v1/completions) or messages (as "
+                             "/v1/chat/completions)")
+        for name in ("add_generation_prompt", "add_special_tokens"):
+            if not getattr(self, name):
+                raise ValueError(f"{name}: only true is supported (what the generation routes do); leave it out")
+        return self
+
+
+class DetokenizeRequest(_Body):
+    """vLLM's POST /detokenize."""
+    model: str | None = None
+    tokens: list[int] = Field(min_length=1)
+
+
 # -- responses (plain dicts: what the OpenAI API returns, plus `stats`, specdec's per-request statistics: each choice
 # carries its own, and the top level repeats choice 0's) --------------------------------------------------------
 def usage(stats: list[generation_pb2.GenerationStats]) -> dict:

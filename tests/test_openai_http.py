@@ -218,6 +218,28 @@ async def test_models_and_health(api):
     assert "specdec_request_success_total" in metrics.text  # the generation metrics both doors share
 
 
+async def test_tokenize_and_detokenize_match_what_the_routes_generate_from(api):
+    """vLLM's /tokenize counts a prompt as the routes encode it: `prompt` raw (completions), `messages` through the
+    chat template (chat), equal to the usage's prompt_tokens; /detokenize inverts it."""
+    raw = await api.http.post("/tokenize", json={"model": MODEL, "prompt": "hello there"})
+    assert raw.status_code == 200 and raw.json() == {"count": 11, "tokens": api.tok("hello there")["input_ids"]}
+    chat = (await api.http.post("/tokenize", json={"messages": MESSAGES})).json()
+    out = await api.client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0, max_tokens=2)
+    assert chat["count"] == out.usage.prompt_tokens == len(chat["tokens"])
+    back = await api.http.post("/detokenize", json={"tokens": raw.json()["tokens"]})
+    assert back.status_code == 200 and back.json() == {"prompt": "hello there"}
+    for path, body, param in [("/tokenize", {"prompt": "a", "messages": MESSAGES}, "prompt"),
+                              ("/tokenize", {"prompt": "a", "add_special_tokens": False}, "add_special_tokens"),
+                              ("/detokenize", {"tokens": [1, 10_000]}, "tokens"), ("/detokenize", {"tokens": []}, "tokens"),
+                              ("/tokenize", {"model": "other", "prompt": "a"}, "model")]:
+        r = await api.http.post(path, json=body)
+        assert r.status_code in (400, 404) and r.json()["error"]["param"] == param, (path, body, r.text)
+    async with httpx.AsyncClient(base_url=api.urls["keyed"]) as keyed:  # the API key guards them too
+        assert (await keyed.post("/tokenize", json={"prompt": "a"})).status_code == 401
+        ok = await keyed.post("/detokenize", json={"tokens": [1]}, headers={"Authorization": f"Bearer {KEY}"})
+        assert ok.status_code == 200
+
+
 # ---- errors ----------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("body,status,param,words", [
     ({"n": 17}, 400, "n", "less than or equal to 16"),
