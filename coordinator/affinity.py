@@ -15,12 +15,12 @@ from collections import OrderedDict
 MAX_KEYS = 200_000  # remembered prefixes per pool (~100 bytes each): the oldest are forgotten first
 
 
-def prefix_keys(prompt_ids: list[int], chunk: int) -> list[bytes]:
+def prefix_keys(prompt_ids: list[int], chunk: int, salt: str = "") -> list[bytes]:
     """One key per whole chunk of the prompt's prefilled part (prompt_ids[:-1]), shortest prefix first; key i
-    names the prefix prompt_ids[:(i + 1) * chunk]."""
+    names the prefix prompt_ids[:(i + 1) * chunk] under the request's cache salt (which the replicas match too)."""
     if chunk <= 0:
         return []
-    keys, h = [], hashlib.blake2b(digest_size=16)
+    keys, h = [], hashlib.blake2b(hashlib.blake2b(salt.encode()).digest(), digest_size=16)  # a fixed-size salt
     fed = prompt_ids[:-1]
     for at in range(0, len(fed) - chunk + 1, chunk):
         h.update(b"".join(t.to_bytes(4, "little", signed=True) for t in fed[at:at + chunk]))

@@ -49,6 +49,7 @@ class SpecDecKnobs(_Body):
     pacer_post_threshold: float | None = None
     pearl_overlap: str | None = None
     ignore_eos: bool = False
+    cache_salt: str | None = Field(None, max_length=256)  # vLLM's: prefix caching only among the same salt
 
 
 class _Sampling(SpecDecKnobs):
@@ -92,7 +93,8 @@ class _Sampling(SpecDecKnobs):
                                            seed=secrets.randbits(63) if self.seed is None else self.seed,
                                            stop=self.stop, mode=self.mode or "",
                                            verify_method=self.verify_method or "",
-                                           pearl_overlap=self.pearl_overlap or "", ignore_eos=self.ignore_eos)
+                                           pearl_overlap=self.pearl_overlap or "", ignore_eos=self.ignore_eos,
+                                           cache_salt=self.cache_salt or "")
         if self.top_p < 1.0:
             r.top_p = self.top_p
         if max_tokens is not None:

@@ -50,7 +50,8 @@ def error_event(e: BaseException) -> dict:
 def request_from_dict(d: dict) -> GenerationRequest:
     params = SamplingParams(temperature=float(d.get("temperature", 0.0)), top_k=int(d.get("top_k", 0)),
                             top_p=float(d.get("top_p", 1.0)), seed=int(d.get("seed", 0)),
-                            logprobs=int(d.get("logprobs", -1)), prompt_logprobs=int(d.get("prompt_logprobs", -1)))
+                            logprobs=int(d.get("logprobs", -1)), prompt_logprobs=int(d.get("prompt_logprobs", -1)),
+                            cache_salt=str(d.get("cache_salt", "")))
     keys = ("max_new_tokens", "mode", "gamma", "block_size", "verify_method", "pacer_threshold", "pacer_skip_below",
             "pearl_first_block", "spec_off_batch", "pacer_post_threshold", "pearl_overlap")
     kw = {k: d[k] for k in keys if d.get(k) is not None}
@@ -143,7 +144,8 @@ class Pipeline:
         kw = dict(view=self.view, timeout=self.rpc_timeout_s, streams=self.replica_streams)
         target = RemoteTarget(self.pool, self.channels, **kw)
         draft = RemoteDraft(self.pool, self.channels, **kw) if req.mode != "ar" else None
-        keys = prefix_keys(req.prompt_ids, self.affinity_chunk)  # prefix-aware routing (coordinator/affinity.py)
+        # prefix-aware routing (coordinator/affinity.py)
+        keys = prefix_keys(req.prompt_ids, self.affinity_chunk, req.params.cache_salt)
         for backend in (target, draft):  # a replica whose context is too small refuses before any work
             if backend is not None:
                 backend.start_kw["reserve_positions"] = len(req.prompt_ids) + req.max_new_tokens

@@ -15,7 +15,7 @@ import grpc
 from specdec.errors import InvalidRequestError
 from specdec.pb import common_pb2, generation_pb2, generation_pb2_grpc
 from specdec.request import MAX_SPEC_OFF_BATCH, MODES, PEARL_OVERLAP
-from specdec.sampling import MAX_TOP_LOGPROBS
+from specdec.sampling import MAX_CACHE_SALT, MAX_TOP_LOGPROBS
 
 FINISH = {"length": generation_pb2.FINISH_REASON_LENGTH, "stop": generation_pb2.FINISH_REASON_STOP,
           "cancelled": generation_pb2.FINISH_REASON_CANCELLED}
@@ -153,6 +153,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                                                 f"(unset: no logprobs), got {getattr(r, name)}")
         if r.top_k < 0:
             raise InvalidRequestError("top_k", f"must be >= 0 (0 disables it), got {r.top_k}")
+        if len(r.cache_salt) > MAX_CACHE_SALT:
+            raise InvalidRequestError("cache_salt", f"is {len(r.cache_salt)} characters; use at most {MAX_CACHE_SALT} "
+                                                    f"(e.g. a hash of the tenant's id)")
         if r.prompt_token_ids:
             ids = list(r.prompt_token_ids)
             if any(t < 0 for t in ids):
@@ -183,7 +186,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                                         else self.pacer_post_threshold),
                "pearl_overlap": r.pearl_overlap or None, "eos_token_ids": [] if r.ignore_eos else list(self.eos),
                "logprobs": r.logprobs if r.HasField("logprobs") else -1,
-               "prompt_logprobs": r.prompt_logprobs if r.HasField("prompt_logprobs") else -1}
+               "prompt_logprobs": r.prompt_logprobs if r.HasField("prompt_logprobs") else -1,
+               "cache_salt": r.cache_salt}
         return Prepared(req, TextAssembler(self.tok, ids, list(r.stop)))
 
     # -- events → responses ---------------------------------------------------------------------------------

@@ -58,34 +58,39 @@ class SlotPrefixes:
     """The free slots, oldest released first, each with the tokens whose K/V it still holds."""
 
     def __init__(self, num_slots: int):
-        self._free: OrderedDict[int, list[int]] = OrderedDict((slot, []) for slot in range(num_slots))
+        # slot -> (cache salt, tokens): a prefix is reused only by a session with the same salt
+        self._free: OrderedDict[int, tuple[str, list[int]]] = OrderedDict((slot, ("", [])) for slot in range(num_slots))
 
     def __len__(self) -> int:
         return len(self._free)
 
-    def release(self, slot: int, tokens: list[int]) -> None:
-        """A session ended: its slot is free and still holds the K/V of `tokens`."""
-        self._free[slot] = list(tokens)
+    def release(self, slot: int, tokens: list[int], salt: str = "") -> None:
+        """A session ended: its slot is free and still holds the K/V of `tokens` (its session's cache salt)."""
+        self._free[slot] = (salt, list(tokens))
 
     def held(self, slot: int) -> list[int]:
-        return self._free.get(slot, [])
+        return self._free.get(slot, ("", []))[1]
 
-    def take(self, want: list[int] | None, live: dict[int, list[int]], align: int = 1) -> Reuse:
+    def take(self, want: list[int] | None, live: dict[int, tuple[str, list[int]]], align: int = 1,
+             salt: str = "") -> Reuse:
         """Hand out a free slot for a session whose prefill is `want` (None: reuse nothing), reusing the longest
-        prefix of it, in whole multiples of `align` positions, that a slot holds; `live` maps the live sessions'
-        slots to their reusable tokens. Raises IndexError when no slot is free."""
+        prefix of it, in whole multiples of `align` positions, that a slot of a session with the same `salt`
+        holds; `live` maps the live sessions' slots to their (salt, reusable tokens). Raises IndexError when no
+        slot is free."""
         if not self._free:
             raise IndexError("no free slot")
         best, best_len = None, 0
         if want:
-            for slot, held in list(self._free.items()) + list(live.items()):
+            for slot, (their_salt, held) in list(self._free.items()) + list(live.items()):
+                if their_salt != salt:
+                    continue
                 n = common_prefix_len(want, held) // align * align
                 # on a tie a free slot wins (no copy); among free ones the most recently released
                 if n > best_len or (n == best_len and n and slot in self._free):
                     best, best_len = slot, n
         if best is None or best_len == 0:
             return Reuse(self._pop_oldest(), None, 0)
-        if best in self._free and (best_len == len(self._free[best]) or len(self._free) == 1):
+        if best in self._free and (best_len == len(self._free[best][1]) or len(self._free) == 1):
             del self._free[best]  # it holds nothing beyond the match, or nothing else is free: take it as it is
             return Reuse(best, best, best_len)
         # copy, so that what the source holds beyond the match stays reusable (a copy costs ~1 % of a prefill)

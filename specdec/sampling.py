@@ -51,6 +51,8 @@ class SamplingParams:
     logprobs: int = -1
     # the same for the prompt's tokens after the first (the target's prefill); -1: none
     prompt_logprobs: int = -1
+    # prefix caching: reuse cached prompt prefixes only of sessions with the same salt (specdec/prefix_cache.py)
+    cache_salt: str = ""
 
     @property
     def greedy(self) -> bool:
@@ -63,6 +65,9 @@ class SamplingParams:
             raise InvalidRequestError("top_k", f"must be >= 0 (0 disables it), got {self.top_k}")
         if not (0.0 < self.top_p <= 1.0):
             raise InvalidRequestError("top_p", f"must be in (0, 1] (1 disables it), got {self.top_p}")
+        if len(self.cache_salt) > MAX_CACHE_SALT:
+            raise InvalidRequestError("cache_salt", f"is {len(self.cache_salt)} characters; use at most "
+                                                    f"{MAX_CACHE_SALT} (e.g. a hash of the tenant's id)")
         for name in ("logprobs", "prompt_logprobs"):
             if not -1 <= getattr(self, name) <= MAX_TOP_LOGPROBS:
                 raise InvalidRequestError(name, f"must be in [0, {MAX_TOP_LOGPROBS}] top alternatives (unset: no "
@@ -71,6 +76,7 @@ class SamplingParams:
 
 
 MAX_TOP_LOGPROBS = 20
+MAX_CACHE_SALT = 256
 
 
 @dataclass

@@ -172,8 +172,8 @@ class Worker:
             raise CapacityError(f"all {self.max_sessions} session slots are busy; retry later, end idle sessions, "
                                 f"or raise max_sessions")
         want = prompt_ids[:-1] if reuse and self.prefix_cache else None
-        got = self.free_slots.take(want, {o.slot: o.tokens[:o.chunked] for o in self.sessions.values()},
-                                   align=self.prefill_chunk or 1)
+        live = {o.slot: (o.params.cache_salt, o.tokens[:o.chunked]) for o in self.sessions.values()}
+        got = self.free_slots.take(want, live, align=self.prefill_chunk or 1, salt=params.cache_salt)
         if got.copy:
             self.kv.copy_prefix(got.source, got.slot, got.tokens)
         s = Session(slot=got.slot, params=params, tokens=list(prompt_ids[:got.tokens]), cached_tokens=got.tokens,
@@ -188,7 +188,7 @@ class Worker:
         if s is None:
             return False
         s.epoch += 1
-        self.free_slots.release(s.slot, s.tokens[:s.chunked])
+        self.free_slots.release(s.slot, s.tokens[:s.chunked], s.params.cache_salt)
         return True
 
     def cancel(self, session_id: str) -> None:

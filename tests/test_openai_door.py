@@ -173,3 +173,16 @@ async def test_usage_reports_the_prefix_cache_hits():
                                      "prompt_tokens_details": {"cached_tokens": 256}}
     last = json.loads([ln for ln in streamed.text.split("\n") if ln][-2].removeprefix("data: "))
     assert last["usage"]["prompt_tokens_details"] == {"cached_tokens": 256}
+
+
+def test_the_schema_passes_cache_salt_and_bounds_it():
+    import pytest
+    from pydantic import ValidationError
+
+    from coordinator.openai_schema import ChatCompletionRequest
+
+    body = ChatCompletionRequest(messages=MESSAGES, cache_salt="tenant-a")
+    assert body.to_proto().cache_salt == "tenant-a"
+    assert ChatCompletionRequest(messages=MESSAGES).to_proto().cache_salt == ""
+    with pytest.raises(ValidationError, match="cache_salt"):
+        ChatCompletionRequest(messages=MESSAGES, cache_salt="x" * 300)

@@ -32,10 +32,10 @@ def test_slot_choice():
     free = SlotPrefixes(4)
     a = free.take(None, {})
     assert (a.slot, a.source, a.tokens) == (0, None, 0)  # oldest first
-    b = free.take([1, 2, 3, 4, 5], {a.slot: [1, 2, 3, 4, 9]}, align=2)
+    b = free.take([1, 2, 3, 4, 5], {a.slot: ("", [1, 2, 3, 4, 9])}, align=2)
     assert (b.slot, b.source, b.tokens, b.copy) == (1, 0, 4, True)  # from a live slot, in whole chunks: a copy
     free.release(b.slot, [1, 2, 3, 4])
-    c = free.take([1, 2, 3, 4, 5, 6], {a.slot: [1, 2, 3, 4]}, align=2)
+    c = free.take([1, 2, 3, 4, 5, 6], {a.slot: ("", [1, 2, 3, 4])}, align=2)
     assert (c.slot, c.source, c.tokens, c.copy) == (1, 1, 4, False)  # a tie: the free slot that holds just it
     free.release(c.slot, [1, 2, 3, 4, 5, 6])
     d = free.take([1, 2, 3, 4, 7], {}, align=2)  # slot 1 holds more than the match: copied, so it keeps it all
@@ -211,6 +211,13 @@ async def test_over_the_wire_a_chat_turn_reuses_the_first_turns_chunks():
                 m = replica.host.metrics
                 assert m.value("specdec_prefix_cache_queries_total") == len(first) - 1 + len(second) - 1
                 assert m.value("specdec_prefix_cache_hits_total") == (12 if cache else 0)
+            # another tenant's salt: nothing reused, the same answer; a salt too long is refused with its field
+            salted = await stub.Generate(g.GenerateRequest(prompt_token_ids=second, max_new_tokens=9, mode="sd",
+                                                           cache_salt="tenant-b"))
+            assert list(salted.token_ids) == list(two.token_ids) and salted.stats.cached_prompt_tokens == 0
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await stub.Generate(g.GenerateRequest(prompt_token_ids=second, cache_salt="x" * 300))
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "cache_salt" in e.value.details()
         finally:
             await ch.close()
             await app.shutdown(0)
@@ -226,3 +233,27 @@ def test_a_rollback_into_the_prompt_shrinks_what_others_may_reuse():
     w.verify("a", 6, SYSTEM[6:10] + [7, 8], [], method="greedy")  # the same tokens again, by a verify forward
     w.start_session("b", SYSTEM + [7, 8, 1], SamplingParams())
     assert w.sessions["a"].chunked == 6 and w.sessions["b"].cached_tokens == 4  # not 8: positions 6-11 are re-fed
+
+
+def test_a_cache_salt_keeps_prefixes_apart():
+    """Sessions reuse only prefixes of sessions with the same salt (a tenant's cache is not another's)."""
+    model = build_tiny_model(vocab_size=40, seed=1)
+    w = TargetWorker(model, max_sessions=4, prefill_chunk=CHUNK)
+    prompt = SYSTEM + [7, 8, 9]
+    w.start_session("a", prompt, SamplingParams(cache_salt="tenant-a"))
+    w.start_session("b", prompt, SamplingParams(cache_salt="tenant-b"))
+    w.start_session("shared", prompt, SamplingParams())
+    w.start_session("a2", prompt, SamplingParams(cache_salt="tenant-a"))
+    assert [w.sessions[s].cached_tokens for s in ("a", "b", "shared", "a2")] == [0, 0, 0, 12]
+    w.end_session("b")
+    w.start_session("b2", prompt, SamplingParams(cache_salt="tenant-b"))  # from b's free slot
+    assert w.sessions["b2"].cached_tokens == 12
+    with pytest.raises(Exception, match="cache_salt"):
+        w.start_session("long", prompt, SamplingParams(cache_salt="x" * 300))
+
+
+def test_affinity_keys_depend_on_the_salt():
+    from coordinator.affinity import prefix_keys
+
+    p = list(range(20))
+    assert prefix_keys(p, 4) == prefix_keys(p, 4, "") != prefix_keys(p, 4, "t1") != prefix_keys(p, 4, "t2")

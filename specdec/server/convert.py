@@ -98,11 +98,13 @@ def sampling_from_proto(msg: common_pb2.SamplingParams):
     return SamplingParams(temperature=float(msg.temperature), top_k=int(msg.top_k),
                           top_p=float(msg.top_p) if msg.HasField("top_p") else 1.0, seed=int(msg.seed),
                           logprobs=int(msg.logprobs) if msg.HasField("logprobs") else -1,
-                          prompt_logprobs=int(msg.prompt_logprobs) if msg.HasField("prompt_logprobs") else -1)
+                          prompt_logprobs=int(msg.prompt_logprobs) if msg.HasField("prompt_logprobs") else -1,
+                          cache_salt=msg.cache_salt)
 
 
 def sampling_to_proto(p) -> common_pb2.SamplingParams:
-    msg = common_pb2.SamplingParams(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=p.seed)
+    msg = common_pb2.SamplingParams(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=p.seed,
+                                    cache_salt=p.cache_salt)
     if p.logprobs >= 0:
         msg.logprobs = p.logprobs
     if p.prompt_logprobs >= 0:
