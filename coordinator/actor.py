@@ -31,8 +31,8 @@ class PoolManagerActor:
         await self.pm.start()
         return self.pm.snapshot()
 
-    async def acquire(self, kind: str, exclude: list[str], keys: list[bytes] = ()) -> str:
-        return await self.pm.acquire(kind, exclude, keys)
+    async def acquire(self, kind: str, exclude: list[str], keys: list[bytes] = (), priority: int = 0) -> str:
+        return await self.pm.acquire(kind, exclude, keys, priority)
 
     async def release(self, kind: str, endpoint: str) -> None:
         self.pm.release(kind, endpoint)
@@ -61,8 +61,8 @@ class RayPool:
         self.h = handle
         self._giving_back: set[asyncio.Task] = set()  # referenced until done (the loop holds tasks weakly)
 
-    async def acquire(self, kind, exclude=(), keys=()):
-        ref = self.h.acquire.remote(kind, list(exclude), list(keys))
+    async def acquire(self, kind, exclude=(), keys=(), priority=0):
+        ref = self.h.acquire.remote(kind, list(exclude), list(keys), priority)
         try:
             return await ref
         except ray.exceptions.RayTaskError as e:  # the pool's own error: its message says what to change

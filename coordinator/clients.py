@@ -78,13 +78,14 @@ class _Pinned:
         self.failovers = 0
         self.start_kw: dict = {}  # extra StartSession fields (return_features), kept for rebuilds
         self.prefix_keys: list[bytes] = []  # the prompt's prefix keys: the pool prefers the replica they went to
+        self.priority = 0  # the request's: a full pool serves lower values first
 
     def _round_stream(self, enabled: bool) -> RoundStream:
         raise NotImplementedError
 
     async def _pin(self) -> None:
         t0 = time.perf_counter_ns()
-        self.endpoint = await self.pool.acquire(self.kind, self.failed, self.prefix_keys)
+        self.endpoint = await self.pool.acquire(self.kind, self.failed, self.prefix_keys, self.priority)
         self.queued_ns += time.perf_counter_ns() - t0
         self.served.append(self.endpoint)
 

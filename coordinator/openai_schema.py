@@ -50,6 +50,7 @@ class SpecDecKnobs(_Body):
     pearl_overlap: str | None = None
     ignore_eos: bool = False
     cache_salt: str | None = Field(None, max_length=256)  # vLLM's: prefix caching only among the same salt
+    priority: int = Field(0, ge=-2**31, lt=2**31)  # vLLM's: a full pool serves lower values first
 
 
 class _Sampling(SpecDecKnobs):
@@ -94,7 +95,7 @@ class _Sampling(SpecDecKnobs):
                                            stop=self.stop, mode=self.mode or "",
                                            verify_method=self.verify_method or "",
                                            pearl_overlap=self.pearl_overlap or "", ignore_eos=self.ignore_eos,
-                                           cache_salt=self.cache_salt or "")
+                                           cache_salt=self.cache_salt or "", priority=self.priority)
         if self.top_p < 1.0:
             r.top_p = self.top_p
         if max_tokens is not None:

@@ -53,7 +53,7 @@ def request_from_dict(d: dict) -> GenerationRequest:
                             logprobs=int(d.get("logprobs", -1)), prompt_logprobs=int(d.get("prompt_logprobs", -1)),
                             cache_salt=str(d.get("cache_salt", "")))
     keys = ("max_new_tokens", "mode", "gamma", "block_size", "verify_method", "pacer_threshold", "pacer_skip_below",
-            "pearl_first_block", "spec_off_batch", "pacer_post_threshold", "pearl_overlap")
+            "pearl_first_block", "spec_off_batch", "pacer_post_threshold", "pearl_overlap", "priority")
     kw = {k: d[k] for k in keys if d.get(k) is not None}
     req = GenerationRequest(prompt_ids=list(d["prompt_ids"]), params=params,
                             eos_token_ids=tuple(d.get("eos_token_ids", ())), **kw)
@@ -68,8 +68,8 @@ class AsyncPool:
     def __init__(self, manager):
         self.manager = manager
 
-    async def acquire(self, kind, exclude=(), keys=()):
-        return await self.manager.acquire(kind, list(exclude), list(keys))
+    async def acquire(self, kind, exclude=(), keys=(), priority=0):
+        return await self.manager.acquire(kind, list(exclude), list(keys), priority)
 
     async def release(self, kind, endpoint):
         self.manager.release(kind, endpoint)
@@ -149,7 +149,7 @@ class Pipeline:
         for backend in (target, draft):  # a replica whose context is too small refuses before any work
             if backend is not None:
                 backend.start_kw["reserve_positions"] = len(req.prompt_ids) + req.max_new_tokens
-                backend.prefix_keys = keys
+                backend.prefix_keys, backend.priority = keys, req.priority
         try:
             if draft is not None:
                 await draft.probe()

@@ -16,7 +16,7 @@ Admission (a pool at capacity queues, it does not fail)
 - Each replica's capacity is its `ModelInfo.max_sessions`, read with `GetInfo` when it turns healthy (0 when
   unknown: no limit here, the replica's own RESOURCE_EXHAUSTED still applies).
 - When every routable replica holds as many sessions pinned by this coordinator as its capacity, `acquire` waits
-  for one to be released, first come first served, at most `wait_s`; then, or when `max_waiting` requests
+  for one to be released, first come first served within a request's `priority` (lower first), at most `wait_s`; then, or when `max_waiting` requests
   already wait, it fails with `CapacityError` (→ RESOURCE_EXHAUSTED) saying how many wait and what to change.
 """
 from __future__ import annotations
@@ -59,6 +59,7 @@ class Waiter:
     exclude: set[str]
     future: asyncio.Future  # set to the endpoint handed over by `release`
     keys: list[bytes] = field(default_factory=list)  # the prompt's prefix keys (prefix affinity)
+    priority: int = 0  # lower is served first; equal priorities in arrival order
 
 
 @dataclass
@@ -240,9 +241,11 @@ class PoolManager:
             pool.affinity.record(keys, m.endpoint)
         return m.endpoint
 
-    async def acquire(self, kind: str, exclude: list[str] | tuple = (), keys: list[bytes] = ()) -> str:
+    async def acquire(self, kind: str, exclude: list[str] | tuple = (), keys: list[bytes] = (),
+                      priority: int = 0) -> str:
         """Pin a new session to a routable replica of `kind` with room (the least loaded, or the one its prompt's
-        prefix `keys` went to: module docstring); wait for room if all are full ("Admission")."""
+        prefix `keys` went to: module docstring); wait for room if all are full ("Admission"), served before
+        waiters of a larger `priority`."""
         pool, exclude, keys = self._pool(kind), set(exclude), list(keys)
         # room is handed to waiters the moment it frees up, so room found here is room no waiter can use
         ep = self._pick(pool, exclude, keys)
@@ -253,7 +256,7 @@ class PoolManager:
             return ep
         if not pool.any_routable(exclude):
             raise self._unavailable(pool, exclude)
-        return await self._wait(pool, exclude, keys)
+        return await self._wait(pool, exclude, keys, priority)
 
     def _unavailable(self, pool: Pool, exclude: set[str]) -> ReplicaUnavailableError:
         tried = sorted(set(pool.members) | exclude)
@@ -270,10 +273,10 @@ class PoolManager:
             f"{len(pool.waiters)} request(s) wait; retry later, add {pool.kind} replicas or raise their "
             f"--max-sessions (the wait is COORDINATOR_QUEUE_WAIT_S, the queue COORDINATOR_MAX_WAITING)")
 
-    async def _wait(self, pool: Pool, exclude: set[str], keys: list[bytes]) -> str:
+    async def _wait(self, pool: Pool, exclude: set[str], keys: list[bytes], priority: int) -> str:
         if len(pool.waiters) >= self.max_waiting:
             raise self._full(pool, f"the coordinator's queue is full ({self.max_waiting} waiting)")
-        w = Waiter(exclude, asyncio.get_running_loop().create_future(), keys)
+        w = Waiter(exclude, asyncio.get_running_loop().create_future(), keys, priority)
         pool.waiters.append(w)
         if pool.full_since is None:
             pool.full_since = time.monotonic()
@@ -309,7 +312,7 @@ class PoolManager:
             pool.full_since = None
 
     def _serve(self, pool: Pool) -> None:
-        for w in list(pool.waiters):
+        for w in sorted(pool.waiters, key=lambda w: w.priority):  # stable: arrival order within a priority
             if not any(m.healthy and m.has_room() for m in pool.members.values()) and pool.any_routable(w.exclude):
                 return  # no room anywhere: everyone keeps waiting
             if w.future.done():

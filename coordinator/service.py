@@ -187,7 +187,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                "pearl_overlap": r.pearl_overlap or None, "eos_token_ids": [] if r.ignore_eos else list(self.eos),
                "logprobs": r.logprobs if r.HasField("logprobs") else -1,
                "prompt_logprobs": r.prompt_logprobs if r.HasField("prompt_logprobs") else -1,
-               "cache_salt": r.cache_salt}
+               "cache_salt": r.cache_salt, "priority": r.priority}
         return Prepared(req, TextAssembler(self.tok, ids, list(r.stop)))
 
     # -- events → responses ---------------------------------------------------------------------------------

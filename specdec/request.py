@@ -51,6 +51,7 @@ class GenerationRequest:
     # whichever has been faster in this request (specdec/overlap.py); "always" keeps PEARL's overlap
     pearl_overlap: str = "auto"
     eos_token_ids: tuple[int, ...] = ()
+    priority: int = 0  # services: while the pools are full, waiting requests are served lower values first
     session_id: str = field(default_factory=lambda: uuid.uuid4().hex)
 
     def validate(self) -> "GenerationRequest":

@@ -66,6 +66,28 @@ async def test_a_full_pool_queues_in_arrival_order(caplog):
     await pm.stop()
 
 
+async def test_waiters_are_served_by_priority_then_arrival():
+    """A full pool serves waiting requests lower priority first (vLLM's), equal priorities in arrival order."""
+    pm = pool(1)
+    await pm.start()
+    held = await pm.acquire("target")
+    order = []
+
+    async def wait(name, priority):
+        order.append((name, await pm.acquire("target", priority=priority)))
+
+    tasks = []
+    for name, priority in (("batch", 5), ("chat-1", 0), ("urgent", -1), ("chat-2", 0)):
+        tasks.append(asyncio.ensure_future(wait(name, priority)))
+        await settle()
+    for _ in range(4):
+        pm.release("target", held)
+        await settle()
+    await asyncio.gather(*tasks)
+    assert [n for n, _ in order] == ["urgent", "chat-1", "chat-2", "batch"]
+    await pm.stop()
+
+
 async def test_room_a_waiter_cannot_use_goes_to_the_next_one():
     """After a failover a waiter excludes the replica it left; room there must not sit idle behind it."""
     a, b = "10.0.0.1:7", "10.0.0.2:7"
@@ -152,6 +174,25 @@ async def test_requests_beyond_the_targets_sessions_wait_and_finish_exactly():
         assert metric() == 1
         routers[0].pool_manager.release("target", held)
         assert list((await waiting).token_ids) == target_greedy(target, [4, 5], 4) and metric() == 0
+
+        async def waiters(n):
+            for _ in range(100):
+                if metric() == n:
+                    return
+                await asyncio.sleep(0.02)
+            raise AssertionError(f"{metric()} waiting, not {n}")
+
+        held = await routers[0].pool_manager.acquire("target")  # GenerateRequest.priority: the lower goes first
+        low = asyncio.ensure_future(stubs[0].Generate(g.GenerateRequest(prompt_token_ids=[1, 2, 3], max_new_tokens=4,
+                                                                        mode="sd", priority=5)))
+        await waiters(1)
+        high = asyncio.ensure_future(stubs[0].Generate(g.GenerateRequest(prompt_token_ids=[6, 7], max_new_tokens=4,
+                                                                         mode="sd", priority=-1)))
+        await waiters(2)
+        routers[0].pool_manager.release("target", held)
+        done, _ = await asyncio.wait({low, high}, return_when=asyncio.FIRST_COMPLETED)
+        assert done == {high}, "the later request of lower priority value ran first"
+        assert list((await low).token_ids) == target_greedy(target, [1, 2, 3], 4)
         held = await routers[1].pool_manager.acquire("target")  # the replica's one session, pinned elsewhere
         with pytest.raises(grpc.aio.AioRpcError) as ei:
             await stubs[1].Generate(g.GenerateRequest(prompt_token_ids=[4, 5], max_new_tokens=4, mode="sd"))
