@@ -35,7 +35,7 @@ async def build_app(settings: DraftSettings, model=None, preverifier=None, warmu
         preverifier.threshold = float(settings.pacer_threshold)  # this host's θ for requests that set none
     worker = await runner.run(lambda: DraftWorker(
         model, preverifier=preverifier, q_top_k=settings.q_top_k, lookup=settings.prompt_lookup(),
-        max_sessions=settings.max_sessions + 1, max_context=settings.max_context or None,
+        max_sessions=settings.worker_slots(), max_context=settings.max_context or None,
         session_ttl_s=settings.session_ttl_s, prefix_cache=settings.prefix_cache,
         prefill_chunk=settings.prefill_chunk))
     metrics = ServiceMetrics()

@@ -25,7 +25,7 @@ async def build_app(settings: TargetSettings, model=None, warmup: bool = True) -
         dtype = resolve_dtype(settings.dtype, device, "target")
         model = await runner.run(load_model, settings.model, device, dtype)
     worker = await runner.run(lambda: TargetWorker(
-        model, max_sessions=settings.max_sessions + 1, max_context=settings.max_context or None,
+        model, max_sessions=settings.worker_slots(), max_context=settings.max_context or None,
         session_ttl_s=settings.session_ttl_s, prefix_cache=settings.prefix_cache,
         prefill_chunk=settings.prefill_chunk))
     metrics = ServiceMetrics()

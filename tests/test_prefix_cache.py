@@ -2,6 +2,8 @@
 and its K/V, rows and outputs are bitwise those of a cold prefill."""
 import random
 
+import grpc
+
 import pytest
 import torch
 
@@ -174,8 +176,6 @@ async def test_over_the_wire_a_chat_turn_reuses_the_first_turns_chunks():
     """Through the coordinator (in-process pipelines, loopback replicas with 4-position chunks): the second turn of
     a conversation reports the target's reused positions in its stats, both replicas count them in their
     metrics, every answer equals target-only decoding, and `--no-prefix-cache` replicas reuse nothing."""
-    import grpc
-
     from coordinator.config import CoordinatorSettings
     from coordinator.server import build_coordinator
     from specdec.pb import generation_pb2 as g, generation_pb2_grpc as gg
@@ -257,3 +257,39 @@ def test_affinity_keys_depend_on_the_salt():
 
     p = list(range(20))
     assert prefix_keys(p, 4) == prefix_keys(p, 4, "") != prefix_keys(p, 4, "t1") != prefix_keys(p, 4, "t2")
+
+
+@pytest.mark.parametrize("extra", [0, 2])
+async def test_prefix_cache_slots_keep_ended_conversations_while_the_replica_is_full(extra):
+    """A replica of 2 sessions: a conversation ends, two other requests come and go, then its next turn arrives.
+    The spare slots (`prefix_cache_slots`) still hold its prompt; without them the newcomers overwrote it."""
+    from specdec.pb import target_pb2, target_pb2_grpc
+    from tests.helpers_models import start_replica
+
+    app = await start_replica("target", build_tiny_model(vocab_size=40, seed=1), max_sessions=2, prefill_chunk=CHUNK,
+                              prefix_cache_slots=extra)
+    ch = grpc.aio.insecure_channel(app.endpoint)
+    try:
+        assert app.host.worker.kv.num_slots == 2 + 1 + extra
+        stub = target_pb2_grpc.TargetServiceStub(ch)
+
+        async def start(sid, prompt):
+            return await stub.StartSession(target_pb2.TargetServiceStartSessionRequest(session_id=sid,
+                                                                                       prompt_ids=prompt))
+
+        async def end(sid):
+            await stub.EndSession(target_pb2.TargetServiceEndSessionRequest(session_id=sid))
+
+        first = SYSTEM + [7, 8, 9]
+        await start("turn-1", first)
+        await start("x1", [30] * 13)
+        await end("turn-1")
+        await start("x2", [31] * 13)
+        await end("x1")
+        await start("x3", [32] * 13)
+        await end("x2")
+        again = await start("turn-2", first + [11, 12, 13, 14])
+        assert again.cached_tokens == (12 if extra else 0)
+    finally:
+        await ch.close()
+        await app.shutdown(0)

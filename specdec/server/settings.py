@@ -49,6 +49,9 @@ class ServerSettings(BaseSettings):
     prefill_chunk: int = Field(128, ge=0, description="positions per prefill forward, aligned to absolute positions; "
                                "the prefix cache reuses whole chunks (0: the whole prompt in one forward, no prefix "
                                "cache)")
+    prefix_cache_slots: int = Field(2, ge=0, description="KV slots beyond max_sessions that keep recently ended "
+                                    "sessions' prompts for the prefix cache while every session slot is busy (each "
+                                    "costs a slot's KV memory)")
     interleave_prefill: bool = Field(True, description="run a prefill chunk by chunk, each chunk its own model-thread "
                                      "call, so other sessions' steps run between chunks (a long prompt stalls running "
                                      "streams by one chunk at a time); off: one call per prefill")
@@ -64,6 +67,11 @@ class ServerSettings(BaseSettings):
                                   "without cleanup leaves no orphan servers")
     tls: TLSSettings = TLSSettings()
     log_level: str = "INFO"
+
+    def worker_slots(self) -> int:
+        """KV slots a worker allocates: the sessions', one for warm-up (never competing with them), and the prefix
+        cache's own."""
+        return self.max_sessions + 1 + (self.prefix_cache_slots if self.prefix_cache else 0)
 
     @field_validator("device")
     @classmethod
