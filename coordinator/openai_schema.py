@@ -1,8 +1,8 @@
 """OpenAI-compatible request bodies (`/v1/chat/completions`, `/v1/completions`), their translation to a
 GenerateRequest, and the response bodies. Pure: pydantic and the generated proto, no web framework.
 
-- Fields OpenAI defines that specdec does not implement are accepted at their neutral values (n = 1, penalties 0,
-  no tools) and refused otherwise, with a message saying what to send instead.
+- Fields OpenAI defines that specdec does not implement are accepted at their neutral values (no tools, no
+  suffix) and refused otherwise, with a message saying what to send instead.
 - Unknown fields are refused: a misspelt knob should fail, not silently change nothing.
 - specdec's own knobs ride along as extra body fields (the openai client's `extra_body`): `mode`, `gamma`,
   `verify_method`, `top_k` and `ignore_eos` (as in vLLM; top_k 0 or -1 disables it), and the rest of
@@ -64,9 +64,10 @@ class _Sampling(SpecDecKnobs):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=MAX_N)
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)  # vLLM's
+    logit_bias: dict[str, float] | None = None  # OpenAI's: token id (as a string) -> bias in [-100, 100]
     user: str | None = None
 
     @field_validator("stop")
@@ -79,11 +80,12 @@ class _Sampling(SpecDecKnobs):
 
     @model_validator(mode="after")
     def _neutral(self):
-        unsupported = [("presence_penalty", self.presence_penalty != 0, "penalties are not supported; send 0"),
-                       ("frequency_penalty", self.frequency_penalty != 0, "penalties are not supported; send 0"),
-                       ("logit_bias", bool(self.logit_bias), "logit_bias is not supported; leave it out"),
-                       ("stream_options", self.stream_options is not None and not self.stream,
-                        "stream_options needs stream: true")]
+        bias = self.logit_bias or {}
+        unsupported = [("stream_options", self.stream_options is not None and not self.stream,
+                        "stream_options needs stream: true"),
+                       ("logit_bias", any(not k.isdigit() for k in bias), "keys are token ids, as strings ('50256')"),
+                       ("logit_bias", any(not -100 <= v <= 100 for v in bias.values()), "biases lie in [-100, 100]"),
+                       ("logit_bias", len(bias) > 300, "at most 300 entries")]
         for name, bad, why in unsupported:
             if bad:
                 raise ValueError(f"{name}: {why}")
@@ -95,9 +97,14 @@ class _Sampling(SpecDecKnobs):
                                            stop=self.stop, mode=self.mode or "",
                                            verify_method=self.verify_method or "",
                                            pearl_overlap=self.pearl_overlap or "", ignore_eos=self.ignore_eos,
-                                           cache_salt=self.cache_salt or "", priority=self.priority)
+                                           cache_salt=self.cache_salt or "", priority=self.priority,
+                                           presence_penalty=self.presence_penalty,
+                                           frequency_penalty=self.frequency_penalty,
+                                           logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()})
         if self.top_p < 1.0:
             r.top_p = self.top_p
+        if self.repetition_penalty != 1.0:
+            r.repetition_penalty = self.repetition_penalty
         if max_tokens is not None:
             r.max_new_tokens = max_tokens
         for name in ("gamma", "block_size", "pacer_threshold", "pacer_skip_below", "pearl_first_block",

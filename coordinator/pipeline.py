@@ -51,7 +51,11 @@ def request_from_dict(d: dict) -> GenerationRequest:
     params = SamplingParams(temperature=float(d.get("temperature", 0.0)), top_k=int(d.get("top_k", 0)),
                             top_p=float(d.get("top_p", 1.0)), seed=int(d.get("seed", 0)),
                             logprobs=int(d.get("logprobs", -1)), prompt_logprobs=int(d.get("prompt_logprobs", -1)),
-                            cache_salt=str(d.get("cache_salt", "")))
+                            cache_salt=str(d.get("cache_salt", "")),
+                            presence_penalty=float(d.get("presence_penalty", 0.0)),
+                            frequency_penalty=float(d.get("frequency_penalty", 0.0)),
+                            repetition_penalty=float(d.get("repetition_penalty", 1.0)),
+                            logit_bias=tuple((int(t), float(b)) for t, b in d.get("logit_bias", ())))
     keys = ("max_new_tokens", "mode", "gamma", "block_size", "verify_method", "pacer_threshold", "pacer_skip_below",
             "pearl_first_block", "spec_off_batch", "pacer_post_threshold", "pearl_overlap", "priority")
     kw = {k: d[k] for k in keys if d.get(k) is not None}
@@ -150,6 +154,7 @@ class Pipeline:
             if backend is not None:
                 backend.start_kw["reserve_positions"] = len(req.prompt_ids) + req.max_new_tokens
                 backend.prefix_keys, backend.priority = keys, req.priority
+        target.start_kw["output_start"] = len(req.prompt_ids)  # a rebuilt session's history holds output too
         try:
             if draft is not None:
                 await draft.probe()

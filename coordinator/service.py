@@ -187,7 +187,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                "pearl_overlap": r.pearl_overlap or None, "eos_token_ids": [] if r.ignore_eos else list(self.eos),
                "logprobs": r.logprobs if r.HasField("logprobs") else -1,
                "prompt_logprobs": r.prompt_logprobs if r.HasField("prompt_logprobs") else -1,
-               "cache_salt": r.cache_salt, "priority": r.priority}
+               "cache_salt": r.cache_salt, "priority": r.priority, "presence_penalty": r.presence_penalty,
+               "frequency_penalty": r.frequency_penalty,
+               "repetition_penalty": r.repetition_penalty if r.HasField("repetition_penalty") else 1.0,
+               "logit_bias": sorted((int(k), float(v)) for k, v in r.logit_bias.items())}
         return Prepared(req, TextAssembler(self.tok, ids, list(r.stop)))
 
     # -- events → responses ---------------------------------------------------------------------------------

@@ -53,6 +53,11 @@ class SamplingParams:
     prompt_logprobs: int = -1
     # prefix caching: reuse cached prompt prefixes only of sessions with the same salt (specdec/prefix_cache.py)
     cache_salt: str = ""
+    # the target's logits adjustments (specdec/penalties.py), before temperature: OpenAI's and vLLM's
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs
 
     @property
     def greedy(self) -> bool:
@@ -65,6 +70,18 @@ class SamplingParams:
             raise InvalidRequestError("top_k", f"must be >= 0 (0 disables it), got {self.top_k}")
         if not (0.0 < self.top_p <= 1.0):
             raise InvalidRequestError("top_p", f"must be in (0, 1] (1 disables it), got {self.top_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise InvalidRequestError(name, f"must be in [-2, 2] (0 disables it), got {getattr(self, name)}")
+        if not 0.0 < self.repetition_penalty <= 10.0:
+            raise InvalidRequestError("repetition_penalty", f"must be in (0, 10] (1 disables it), got "
+                                                            f"{self.repetition_penalty}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise InvalidRequestError("logit_bias", f"has {len(self.logit_bias)} entries; at most {MAX_LOGIT_BIAS}")
+        for tok, bias in self.logit_bias:
+            if not -100.0 <= bias <= 100.0 or tok < 0:
+                raise InvalidRequestError("logit_bias", f"token {tok}: a bias must be in [-100, 100] for a token id "
+                                                        f">= 0, got {bias}")
         if len(self.cache_salt) > MAX_CACHE_SALT:
             raise InvalidRequestError("cache_salt", f"is {len(self.cache_salt)} characters; use at most "
                                                     f"{MAX_CACHE_SALT} (e.g. a hash of the tenant's id)")
@@ -77,6 +94,7 @@ class SamplingParams:
 
 MAX_TOP_LOGPROBS = 20
 MAX_CACHE_SALT = 256
+MAX_LOGIT_BIAS = 300  # OpenAI's limit
 
 
 @dataclass

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specdec.errors import InvalidRequestError
+from specdec.penalties import adjusts
 from specdec.run_state import _Run
 from specdec.schedule import GenerationRequest
 from specdec.worker_base import Worker, feature_size
@@ -96,6 +97,8 @@ def _require_greedy(worker: Worker, session_id: str):
         raise InvalidRequestError("mode", "tree drafting verifies greedily; use sd/pacer for temperature > 0")
     if feature_size(worker.model):
         raise InvalidRequestError("mode", "tree drafting does not feed a feature draft's features; use sd")
+    if adjusts(s.params):
+        raise InvalidRequestError("mode", "tree drafting verifies raw argmaxes: no penalties or logit_bias; use sd")
     return s
 
 

@@ -57,6 +57,7 @@ class Session:
     cached_tokens: int = 0  # prompt positions whose K/V came from the prefix cache instead of the prefill
     chunked: int = 0  # positions [0, chunked) hold K/V from whole aligned prefill chunks: reusable by others
     sid: str = ""
+    output_start: int = 0  # position of the first output token: the prompt's length (penalties count the output)
 
 
 class Worker:
@@ -153,7 +154,7 @@ class Worker:
         return torch.cat([h for _, h in rows])
 
     def open_session(self, session_id: str, prompt_ids: list[int], params: SamplingParams,
-                      reuse: bool = True) -> Session:
+                     reuse: bool = True, output_start: int = 0) -> Session:
         """A session in a free slot, holding (`Session.cached_tokens`) the longest prefix of prompt_ids[:-1]
         that some slot's K/V holds, unless the prefix cache is off or `reuse` is False (the caller needs the
         prefill's rows of every position: prompt logprobs, features)."""
@@ -164,6 +165,10 @@ class Worker:
         self._check_tokens("prompt_ids", prompt_ids)
         self._check_context(len(prompt_ids), "the prompt")
         params.validate()
+        self._check_tokens("logit_bias", [t for t, _ in params.logit_bias])
+        if not 0 <= output_start <= len(prompt_ids):
+            raise InvalidRequestError("output_start", f"must be in [0, {len(prompt_ids)}] (0: the prompt's end), got "
+                                                      f"{output_start}")
         if session_id in self.sessions:  # idempotent restart: same id → fresh state
             self.end_session(session_id)
         if not self.free_slots:
@@ -177,7 +182,7 @@ class Worker:
         if got.copy:
             self.kv.copy_prefix(got.source, got.slot, got.tokens)
         s = Session(slot=got.slot, params=params, tokens=list(prompt_ids[:got.tokens]), cached_tokens=got.tokens,
-                    chunked=got.tokens, sid=session_id)
+                    chunked=got.tokens, sid=session_id, output_start=output_start or len(prompt_ids))
         self.sessions[session_id] = s
         self.prefix_queries += len(prompt_ids) - 1
         self.prefix_hits += got.tokens

@@ -17,6 +17,7 @@ import torch
 from specdec.drafting import DraftBlock, DraftCall, DraftWorker
 from specdec.errors import InvalidRequestError, StalePositionError
 from specdec.model import CausalLM
+from specdec.penalties import adjust_logits, adjusts
 from specdec.sampling import SamplingParams, TokenLogprobs, concat_logprobs, logits_to_probs, target_logprobs
 from specdec.verify import SparseDist, verify
 from specdec.worker_base import PAD_SLACK, Session, TargetFeatures, Worker
@@ -55,11 +56,13 @@ class TargetWorker(Worker):
     """Hosts the target model: verifies draft blocks, batching sessions into one forward."""
 
     def start_session(self, session_id: str, prompt_ids: list[int], params: SamplingParams,
-                      want_features: bool = False) -> TargetFeatures | None:
-        """Prefill prompt_ids[:-1]; with `want_features`, return their features and every verify's too."""
+                      want_features: bool = False, output_start: int = 0) -> TargetFeatures | None:
+        """Prefill prompt_ids[:-1]; with `want_features`, return their features and every verify's too.
+        `output_start`: where the output begins in prompt_ids (a session rebuilt from a request's history; 0: at
+        its end), for the penalties that count the output."""
         # prompt logprobs and features need the prefill's rows of every prompt position: nothing is reused for them
         reuse = params.prompt_logprobs < 0 and not want_features
-        s = self.open_session(session_id, prompt_ids, params, reuse=reuse)
+        s = self.open_session(session_id, prompt_ids, params, reuse=reuse, output_start=output_start)
         s.want_features = want_features
         if params.prompt_logprobs >= 0:
             hidden = self._prefill_with_logprobs(s, prompt_ids, params.prompt_logprobs)
@@ -170,6 +173,9 @@ class TargetWorker(Worker):
         checked = rows[: g + (1 if sample_bonus else 0)]
         # greedy verification reads only each row's argmax: that of the logits is that of logits_to_probs' one-hot
         # (first index among ties in both), without building a [rows, V] tensor per session per step
+        if adjusts(s.params):  # penalties and logit_bias: p is the adjusted target (specdec/penalties.py)
+            checked = adjust_logits(checked, s.tokens[:a.base_position + nf], s.output_start, list(a.draft),
+                                    s.params)
         p = checked if s.params.greedy else logits_to_probs(checked, s.params)
         q = None
         if not s.params.greedy and g:

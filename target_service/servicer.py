@@ -28,7 +28,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         if request.reserve_positions:
             self.host.worker.check_reserve(request.reserve_positions)
         position, ns, feats, cached = await self.host.start_session(request.session_id, list(request.prompt_ids),
-                                                                    params, want_features=request.return_features)
+                                                                    params, want_features=request.return_features,
+                                                                    output_start=request.output_start)
         resp = target_pb2.TargetServiceStartSessionResponse(position=position, prefill_ns=ns, cached_tokens=cached)
         if feats is not None:
             resp.features.CopyFrom(features_to_proto(feats))

@@ -186,3 +186,19 @@ def test_the_schema_passes_cache_salt_and_bounds_it():
     assert ChatCompletionRequest(messages=MESSAGES).to_proto().cache_salt == ""
     with pytest.raises(ValidationError, match="cache_salt"):
         ChatCompletionRequest(messages=MESSAGES, cache_salt="x" * 300)
+
+
+def test_the_schema_passes_penalties_and_logit_bias():
+    import pytest
+    from pydantic import ValidationError
+
+    from coordinator.openai_schema import CompletionRequest
+
+    r = CompletionRequest(prompt="abc", presence_penalty=0.5, frequency_penalty=-0.25, repetition_penalty=1.5,
+                          logit_bias={"3": 2.0, "17": -100}).to_proto()
+    assert (r.presence_penalty, r.frequency_penalty, r.repetition_penalty) == (0.5, -0.25, 1.5)
+    assert dict(r.logit_bias) == {3: 2.0, 17: -100.0}
+    assert not CompletionRequest(prompt="abc").to_proto().HasField("repetition_penalty")
+    for bad in ({"logit_bias": {"x": 1}}, {"logit_bias": {"3": 101}}, {"presence_penalty": 3}):
+        with pytest.raises(ValidationError):
+            CompletionRequest(prompt="abc", **bad)

@@ -99,12 +99,19 @@ def sampling_from_proto(msg: common_pb2.SamplingParams):
                           top_p=float(msg.top_p) if msg.HasField("top_p") else 1.0, seed=int(msg.seed),
                           logprobs=int(msg.logprobs) if msg.HasField("logprobs") else -1,
                           prompt_logprobs=int(msg.prompt_logprobs) if msg.HasField("prompt_logprobs") else -1,
-                          cache_salt=msg.cache_salt)
+                          cache_salt=msg.cache_salt, presence_penalty=float(msg.presence_penalty),
+                          frequency_penalty=float(msg.frequency_penalty),
+                          repetition_penalty=(float(msg.repetition_penalty) if msg.HasField("repetition_penalty")
+                                              else 1.0),
+                          logit_bias=tuple(sorted((int(k), float(v)) for k, v in msg.logit_bias.items())))
 
 
 def sampling_to_proto(p) -> common_pb2.SamplingParams:
     msg = common_pb2.SamplingParams(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=p.seed,
-                                    cache_salt=p.cache_salt)
+                                    cache_salt=p.cache_salt, presence_penalty=p.presence_penalty,
+                                    frequency_penalty=p.frequency_penalty, logit_bias=dict(p.logit_bias))
+    if p.repetition_penalty != 1.0:
+        msg.repetition_penalty = p.repetition_penalty
     if p.logprobs >= 0:
         msg.logprobs = p.logprobs
     if p.prompt_logprobs >= 0:

@@ -54,9 +54,10 @@ class SessionHost:
         self.prefilling.add(sid)
         try:
             # prompt logprobs, features and feature drafts need the worker's own start_session
-            if (self.interleave_prefill and not any(kw.values()) and params.prompt_logprobs < 0
+            plain = not any(v for k, v in kw.items() if k != "output_start")
+            if (self.interleave_prefill and plain and params.prompt_logprobs < 0
                     and not feature_size(self.worker.model)):
-                out = await self._start_interleaved(sid, evicted, prompt_ids, params)
+                out = await self._start_interleaved(sid, evicted, prompt_ids, params, kw.get("output_start", 0))
             else:
                 out = await self.runner.run(self._start, sid, evicted, prompt_ids, params, kw)
             self.metrics.prefix_cache_queries.inc(len(prompt_ids) - 1)
@@ -85,12 +86,12 @@ class SessionHost:
         ns = time.perf_counter_ns() - t0
         return self.worker.session_length(sid), ns, out, self.worker.sessions[sid].cached_tokens
 
-    async def _start_interleaved(self, sid, evicted, prompt_ids, params):
+    async def _start_interleaved(self, sid, evicted, prompt_ids, params, output_start: int = 0):
         def open_():
             for e in evicted:
                 self.worker.end_session(e)
             t0 = time.perf_counter_ns()
-            s = self.worker.open_session(sid, prompt_ids, params)
+            s = self.worker.open_session(sid, prompt_ids, params, output_start=output_start)
             return s, self.worker.prefill_ranges(s, prompt_ids), time.perf_counter_ns() - t0
 
         def chunk(s, start, end):
