@@ -154,7 +154,9 @@ class Pipeline:
             if backend is not None:
                 backend.start_kw["reserve_positions"] = len(req.prompt_ids) + req.max_new_tokens
                 backend.prefix_keys, backend.priority = keys, req.priority
-        target.start_kw["output_start"] = len(req.prompt_ids)  # a rebuilt session's history holds output too
+        for backend in (target, draft):  # a rebuilt session's history holds output too: penalties count only it
+            if backend is not None:
+                backend.start_kw["output_start"] = len(req.prompt_ids)
         try:
             if draft is not None:
                 await draft.probe()

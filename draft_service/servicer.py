@@ -31,7 +31,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             self.host.worker.check_reserve(request.reserve_positions)
         feats = features_from_proto(request.features) if self.worker.reads_features else None
         position, ns, _, cached = await self.host.start_session(request.session_id, list(request.prompt_ids), params,
-                                                                features=feats)
+                                                                features=feats, output_start=request.output_start)
         self.committed.pop(request.session_id, None)
         return draft_pb2.DraftServiceStartSessionResponse(position=position, prefill_ns=ns, cached_tokens=cached)
 

@@ -3,9 +3,10 @@
     python scripts/penalties_cost.py [--modes sd pacer] [--repeats 3]
 
 Default pair, the bench's first two chat and HumanEval prompts, 128 greedy tokens; each request without and with
-presence 0.5, frequency 0.25 and repetition 1.25 (scripts/soak.py's), alternating which goes first. The target
-applies them; the draft proposes unadjusted (specdec/penalties.py), so they cost acceptance where they change the
-target's choice. Prints per mode the medians of tokens per target forward and of wall time.
+presence 0.5, frequency 0.25 and repetition 1.25 (scripts/soak.py's), alternating which goes first. Both the
+target and the draft apply them (specdec/penalties.py); what is left of their cost is acceptance where the draft
+still guesses wrong, and the adjustments' own time. Prints per mode the medians of tokens per target forward and
+of wall time.
 """
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ def main(argv=None) -> None:
     ap.add_argument("--modes", nargs="+", default=["sd", "pacer"])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--n-prompts", type=int, default=2, help="per prompt set")
+    ap.add_argument("--lookup", type=int, default=0, help="prompt lookup's min n-gram (0: off; the draft replica's "
+                                                          "default is 3)")
     args = ap.parse_args(argv)
 
     import torch
@@ -38,7 +41,10 @@ def main(argv=None) -> None:
     target = load_model_dir(tdir, dtype="auto", role="target")
     draft = load_model_dir(ddir, dtype="auto", role="draft")
     pv = load_preverifier(_default_preverifier("default-draft"), draft_model=draft)
-    eng = Engine(target, draft, preverifier=pv, threads_per_model=1, prefix_cache=False)
+    from specdec.lookup import prompt_lookup
+
+    eng = Engine(target, draft, preverifier=pv, threads_per_model=1, prefix_cache=False,
+                 lookup=prompt_lookup(args.lookup))
     prompts = load_prompt_sets(load_tokenizer(tdir), ["chat", "humaneval"], args.n_prompts)
     kinds = {"plain": SamplingParams(), "penalties": SamplingParams(presence_penalty=0.5, frequency_penalty=0.25,
                                                                      repetition_penalty=1.25)}

@@ -11,6 +11,7 @@ import torch
 from specdec.errors import InvalidRequestError
 from specdec.lookup import PromptLookup
 from specdec.model import CausalLM
+from specdec.penalties import adjust_logits, adjusts
 from specdec.sampling import Purpose, keyed_generator, logits_to_probs, sample, truncate_top_k
 from specdec.stop import DraftFeatures, FixedLength, StopRule
 from specdec.verify import SparseDist
@@ -125,8 +126,8 @@ class DraftWorker(Worker):
         return feature_size(self.model) > 0
 
     def start_session(self, session_id: str, prompt_ids: list[int], params: SamplingParams,
-                      features: list[TargetFeatures] | None = None) -> Session:
-        s = self.open_session(session_id, prompt_ids, params)
+                      features: list[TargetFeatures] | None = None, output_start: int = 0) -> Session:
+        s = self.open_session(session_id, prompt_ids, params, output_start=output_start)
         if self.reads_features:
             s.feats = FeatureState(self.kv.max_len, feature_size(self.model), self.model.dtype,
                                    self.model.device)
@@ -309,15 +310,22 @@ class DraftWorker(Worker):
             xr = self._row_index(x, subset) if c.want_features and not deferred else None
             c.qs.append(SparseDist(ids=torch.tensor([x]), probs=torch.ones(1)))
             self.looked_up_tokens += 1
-        elif s.params.greedy:  # argmax of the row: logits_to_probs' one-hot, without building it
+        elif s.params.greedy and not adjusts(s.params):  # argmax of the row: logits_to_probs' one-hot, unbuilt
             xr = int(row.argmax())  # the subset is sorted, so ties resolve as on the full row
             x = xr if subset is None else int(subset[xr])
             c.qs.append(SparseDist(ids=torch.tensor([x]), probs=torch.ones(1)))
         else:
             full = row if subset is None else self.model.expand_logits(row)
-            probs = truncate_top_k(logits_to_probs(full, s.params), self.q_top_k)
-            x = sample(probs, keyed_generator(s.params.seed, c.pos, Purpose.DRAFT))
-            c.qs.append(SparseDist.from_dense(probs))
+            if adjusts(s.params):  # the target's penalties and bias on this position's history: accepted more often
+                full = adjust_logits(full[None], s.tokens, s.output_start, [], s.params)[0]
+            if s.params.greedy:
+                x = int(full.argmax())
+                xr = self._row_index(x, subset)
+                c.qs.append(SparseDist(ids=torch.tensor([x]), probs=torch.ones(1)))
+            else:
+                probs = truncate_top_k(logits_to_probs(full, s.params), self.q_top_k)
+                x = sample(probs, keyed_generator(s.params.seed, c.pos, Purpose.DRAFT))
+                c.qs.append(SparseDist.from_dense(probs))
         c.toks.append(x)
         c.looked.append(looked is not None)
         if deferred:  # fed with the next forward, which also gives its features (_fill_deferred)

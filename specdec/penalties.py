@@ -1,11 +1,11 @@
-"""OpenAI's and vLLM's logits adjustments on the target: logit_bias, then the repetition, frequency and presence
-penalties, before temperature / top-k / top-p (specdec/sampling.py).
+"""OpenAI's and vLLM's logits adjustments: logit_bias, then the repetition, frequency and presence penalties,
+before temperature / top-k / top-p (specdec/sampling.py).
 
-Lossless by construction: they change only p, the distribution the output must follow. Verification accepts a
-draft token against the adjusted p of its own position (that position's history: the output so far plus the
-draft tokens before it), and the draft keeps proposing from its own q, which is all the speculative-sampling proof
-asks of it (ALGORITHMS.md). The draft could apply them too, to be accepted more often; it does not, so a penalty
-costs acceptance where it bites (repeats), never exactness.
+Lossless by construction: p, the distribution the output must follow, is the adjusted target. Verification
+accepts a draft token against the adjusted p of its own position (that position's history: the output so far plus
+the draft tokens before it), and q is whatever the draft sampled from, which is all the speculative-sampling proof
+asks of q (ALGORITHMS.md). The draft applies the same adjustments to its proposals (DraftWorker._draft_token) only
+to be accepted more often: with draft == target every draft token is accepted (tests/test_penalties.py).
 
 Definitions (vLLM's):
 - logit_bias: logit[t] += bias[t];
@@ -28,33 +28,39 @@ def adjusts(params: SamplingParams) -> bool:
 def adjust_logits(rows: torch.Tensor, history: list[int], output_start: int, appended: list[int],
                   params: SamplingParams) -> torch.Tensor:
     """rows [n, V]: row i predicts the token after `history` + appended[:i] (history: every token before row 0's
-    position; the output begins at `output_start`). → the adjusted rows, fp32 (the input is left as it is)."""
+    position; the output begins at `output_start`). → the adjusted rows, fp32 (the input is left as it is).
+
+    Only the tokens the history, the appended tokens and the bias name can change: those K columns are gathered,
+    adjusted for every row at once ([n, K]), and scattered back (a full-vocabulary pass per row cost 0.4 ms)."""
     out = rows.float().clone()
     if not adjusts(params) or out.shape[0] == 0:
         return out
-    vocab = out.shape[-1]
-    counts = torch.bincount(torch.tensor(history[output_start:], dtype=torch.long), minlength=vocab)[:vocab]
-    counts = counts.to(out.dtype)
-    seen = torch.zeros(vocab, dtype=torch.bool)
-    if params.repetition_penalty != 1.0 and history:
-        seen[torch.tensor(history, dtype=torch.long)] = True
-    bias = None
-    if params.logit_bias:
-        bias = torch.zeros(vocab, dtype=out.dtype)
-        ids, values = zip(*params.logit_bias)
-        bias[torch.tensor(ids, dtype=torch.long)] = torch.tensor(values, dtype=out.dtype)
-    for i in range(out.shape[0]):
-        if i > 0:
-            counts[appended[i - 1]] += 1
-            seen[appended[i - 1]] = True
-        row = out[i]
-        if bias is not None:
-            row += bias
-        if params.repetition_penalty != 1.0:
-            r = params.repetition_penalty
-            row[seen] = torch.where(row[seen] > 0, row[seen] / r, row[seen] * r)
-        if params.frequency_penalty != 0.0:
-            row -= params.frequency_penalty * counts
-        if params.presence_penalty != 0.0:
-            row -= params.presence_penalty * (counts > 0).to(out.dtype)
+    n = out.shape[0]
+    bias = dict(params.logit_bias)
+    ids = sorted(set(history) | set(appended[:n - 1]) | set(bias))
+    if not ids:
+        return out
+    col = {t: j for j, t in enumerate(ids)}
+    k = len(ids)
+    counts = torch.zeros((n, k), dtype=out.dtype)
+    seen = torch.zeros((n, k), dtype=torch.bool)
+    if output_start < len(history):
+        counts += torch.bincount(torch.tensor([col[t] for t in history[output_start:]]), minlength=k).to(out.dtype)
+    if history:
+        seen[:, torch.tensor(sorted({col[t] for t in history}))] = True
+    for i, t in enumerate(appended[:n - 1]):  # row i sees appended[:i]
+        counts[i + 1:, col[t]] += 1
+        seen[i + 1:, col[t]] = True
+    index = torch.tensor(ids, dtype=torch.long)
+    vals = out[:, index]
+    if bias:
+        vals += torch.tensor([bias.get(t, 0.0) for t in ids], dtype=out.dtype)
+    if params.repetition_penalty != 1.0:
+        r = params.repetition_penalty
+        vals = torch.where(seen, torch.where(vals > 0, vals / r, vals * r), vals)
+    if params.frequency_penalty != 0.0:
+        vals -= params.frequency_penalty * counts
+    if params.presence_penalty != 0.0:
+        vals -= params.presence_penalty * (counts > 0).to(out.dtype)
+    out[:, index] = vals
     return out

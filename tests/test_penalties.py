@@ -77,9 +77,10 @@ def test_every_mode_equals_adjusted_target_only_greedy(mode):
     for gamma in (1, 4):
         res = eng.generate(GenerationRequest(PROMPT, 24, mode=mode, gamma=gamma, params=params))
         assert res.token_ids == want, (mode, gamma)
-    same = Engine(target, target)  # draft == target: the unadjusted draft is rejected exactly where they bite
-    res = same.generate(GenerationRequest(PROMPT, 24, mode="sd", gamma=4, params=params))
-    assert res.token_ids == want and res.stats.accepted_tokens < res.stats.draft_tokens
+    same = Engine(target, target)  # draft == target, adjusting its proposals alike: every draft token accepted
+    for p in (params, SamplingParams(temperature=1.0, seed=3, **ADJUST)):
+        res = same.generate(GenerationRequest(PROMPT, 24, mode="sd", gamma=4, params=p))
+        assert res.stats.accepted_tokens == res.stats.draft_tokens > 0, p
     eng.close()
     same.close()
 
