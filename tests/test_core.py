@@ -131,12 +131,13 @@ def test_batched_drafting_equals_separate(tiny_pair):
     _, draft = tiny_pair
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9], [10, 11, 12, 13]]
     plan = [(5, 0), (2, 1), (7, 3), (1, 0)]  # (gamma_max, block_size) per session
-    for temp in (0.0, 1.0):
+    adjust = dict(presence_penalty=0.5, repetition_penalty=1.5, logit_bias=((3, 1.0),))  # the target's, drafted too
+    for temp, extra in ((0.0, {}), (1.0, {}), (0.0, adjust), (1.0, adjust)):
         runs = []
         for batched in (False, True):
             dw = DraftWorker(draft, max_sessions=4)
             for i, pr in enumerate(prompts):
-                dw.start_session(f"s{i}", pr, SamplingParams(temperature=temp, seed=11 + i))
+                dw.start_session(f"s{i}", pr, SamplingParams(temperature=temp, seed=11 + i, **extra))
             for rnd in range(2):  # the second round truncates the first one's drafts, feeds 1-4 tokens (padding)
                 args = [(f"s{i}", len(pr) - 1, [pr[-1]] + [7, 8, 9][:rnd * i], g, None, b)
                         for i, (pr, (g, b)) in enumerate(zip(prompts, plan))]
