@@ -91,3 +91,28 @@ async def test_a_start_cancelled_mid_prefill_leaves_no_session_behind():
     finally:
         await ch.close()
         await app.shutdown(0)
+
+
+async def test_a_restart_cancelled_mid_prefill_leaves_no_half_session():
+    """A StartSession that restarts an existing id and is cancelled between chunks: the id is gone (its next call
+    gets NOT_FOUND and the coordinator rebuilds it), never half prefilled."""
+    app, ch, stub = await replica()
+    try:
+        await stub.StartSession(target_pb2.TargetServiceStartSessionRequest(session_id="a", prompt_ids=[1, 2, 3]))
+        log, started = [], threading.Event()
+        slow_chunks(app, log, started, delay_s=0.05)
+        call = stub.StartSession(target_pb2.TargetServiceStartSessionRequest(session_id="a",
+                                                                             prompt_ids=list(range(1, 30))))
+        while not started.is_set():
+            await asyncio.sleep(0.005)
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        await asyncio.sleep(0.3)
+        assert "a" not in app.host.table and "a" not in app.host.worker.sessions
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await stub.Verify(target_pb2.VerifyRequest(session_id="a", base_position=28, feed_ids=[29]))
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND
+    finally:
+        await ch.close()
+        await app.shutdown(0)

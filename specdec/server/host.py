@@ -49,7 +49,6 @@ class SessionHost:
         A plain prefill runs chunk by chunk, each chunk its own model-thread call (`interleave_prefill`): other
         sessions' verify and draft steps queued meanwhile run between the chunks, so a long prompt delays running
         streams by one chunk's forward at a time, not by its whole prefill (vLLM's chunked prefill)."""
-        existed = sid in self.table
         evicted = self.table.admit(sid)
         self.prefilling.add(sid)
         try:
@@ -64,9 +63,11 @@ class SessionHost:
             self.metrics.prefix_cache_hits.inc(out[3])
             return out
         except BaseException:
-            if not existed:  # a refused, failed or cancelled start leaves nothing behind, KV slot included
-                self.table.remove(sid)
-                self.runner.post(self.worker.end_session, sid)
+            # a refused, failed or cancelled start leaves no session with this id, KV slot included (a restart
+            # stopped between chunks would otherwise leave a half-prefilled one; its next call gets NOT_FOUND and
+            # the caller starts it again)
+            self.table.remove(sid)
+            self.runner.post(self.worker.end_session, sid)
             raise
         finally:
             self.prefilling.discard(sid)
