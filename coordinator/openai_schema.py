@@ -51,6 +51,7 @@ class SpecDecKnobs(_Body):
     ignore_eos: bool = False
     cache_salt: str | None = Field(None, max_length=256)  # vLLM's: prefix caching only among the same salt
     priority: int = Field(0, ge=-2**31, lt=2**31)  # vLLM's: a full pool serves lower values first
+    stop_token_ids: list[int] | None = Field(None, max_length=64)  # vLLM's: more tokens that end it as EOS does
 
 
 class _Sampling(SpecDecKnobs):
@@ -100,7 +101,8 @@ class _Sampling(SpecDecKnobs):
                                            cache_salt=self.cache_salt or "", priority=self.priority,
                                            presence_penalty=self.presence_penalty,
                                            frequency_penalty=self.frequency_penalty,
-                                           logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()})
+                                           logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
+                                           stop_token_ids=self.stop_token_ids or [])
         if self.top_p < 1.0:
             r.top_p = self.top_p
         if self.repetition_penalty != 1.0:

@@ -17,6 +17,8 @@ from specdec.pb import common_pb2, generation_pb2, generation_pb2_grpc
 from specdec.request import MAX_SPEC_OFF_BATCH, MODES, PEARL_OVERLAP
 from specdec.sampling import MAX_CACHE_SALT, MAX_TOP_LOGPROBS
 
+MAX_STOP_TOKEN_IDS = 64
+
 FINISH = {"length": generation_pb2.FINISH_REASON_LENGTH, "stop": generation_pb2.FINISH_REASON_STOP,
           "cancelled": generation_pb2.FINISH_REASON_CANCELLED}
 FINISH_NAME = {v: k for k, v in FINISH.items()}
@@ -153,6 +155,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                                                 f"(unset: no logprobs), got {getattr(r, name)}")
         if r.top_k < 0:
             raise InvalidRequestError("top_k", f"must be >= 0 (0 disables it), got {r.top_k}")
+        if len(r.stop_token_ids) > MAX_STOP_TOKEN_IDS or any(t < 0 for t in r.stop_token_ids):
+            raise InvalidRequestError("stop_token_ids", f"send at most {MAX_STOP_TOKEN_IDS} token ids, each >= 0")
         if len(r.cache_salt) > MAX_CACHE_SALT:
             raise InvalidRequestError("cache_salt", f"is {len(r.cache_salt)} characters; use at most {MAX_CACHE_SALT} "
                                                     f"(e.g. a hash of the tenant's id)")
@@ -184,7 +188,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                "spec_off_batch": r.spec_off_batch if r.HasField("spec_off_batch") else self.spec_off_batch,
                "pacer_post_threshold": (r.pacer_post_threshold if r.HasField("pacer_post_threshold")
                                         else self.pacer_post_threshold),
-               "pearl_overlap": r.pearl_overlap or None, "eos_token_ids": [] if r.ignore_eos else list(self.eos),
+               "pearl_overlap": r.pearl_overlap or None,
+               "eos_token_ids": sorted(set(() if r.ignore_eos else self.eos) | set(r.stop_token_ids)),
                "logprobs": r.logprobs if r.HasField("logprobs") else -1,
                "prompt_logprobs": r.prompt_logprobs if r.HasField("prompt_logprobs") else -1,
                "cache_salt": r.cache_salt, "priority": r.priority, "presence_penalty": r.presence_penalty,

@@ -261,6 +261,20 @@ async def test_pearl_draft_and_target_really_overlap():
 
 
 # ---- errors ----------------------------------------------------------------------------------------------------
+async def test_stop_token_ids_end_the_request_as_eos_does(stack):
+    """GenerateRequest.stop_token_ids (vLLM's): the first one generated ends the request, returned last, with
+    finish_reason STOP, in every mode, also with ignore_eos."""
+    prompt = [1, 2, 3]
+    ref = target_greedy(stack.target, prompt, N)
+    stop = ref[5]
+    end = ref.index(stop) + 1
+    for mode in MODES:
+        for ignore in (False, True):
+            r = await stack.stubs["random"].Generate(req(prompt, mode, stop_token_ids=[stop], ignore_eos=ignore))
+            assert list(r.token_ids) == ref[:end] and r.finish_reason == g.FINISH_REASON_STOP, (mode, ignore)
+    await until(lambda: stack.sessions() == 0)
+
+
 @pytest.mark.parametrize("kw,field", [
     (dict(prompt="hi", prompt_token_ids=[1, 2]), "prompt"),
     (dict(prompt_token_ids=[1], mode="fast"), "mode"),
@@ -277,6 +291,8 @@ async def test_pearl_draft_and_target_really_overlap():
     (dict(prompt_token_ids=[1], spec_off_batch=-1), "spec_off_batch"),
     (dict(prompt_token_ids=[1], mode="pacer_pearl", pacer_post_threshold=1.5), "pacer_post_threshold"),
     (dict(prompt_token_ids=[1], mode="pearl", pearl_overlap="sometimes"), "pearl_overlap"),
+    (dict(prompt_token_ids=[1], stop_token_ids=list(range(65))), "stop_token_ids"),
+    (dict(prompt_token_ids=[1], presence_penalty=2.5), "presence_penalty"),
 ])
 async def test_bad_requests_are_invalid_argument(stack, kw, field):
     with pytest.raises(grpc.aio.AioRpcError) as e:

@@ -199,6 +199,7 @@ def test_the_schema_passes_penalties_and_logit_bias():
     assert (r.presence_penalty, r.frequency_penalty, r.repetition_penalty) == (0.5, -0.25, 1.5)
     assert dict(r.logit_bias) == {3: 2.0, 17: -100.0}
     assert not CompletionRequest(prompt="abc").to_proto().HasField("repetition_penalty")
+    assert list(CompletionRequest(prompt="abc", stop_token_ids=[5, 9]).to_proto().stop_token_ids) == [5, 9]
     for bad in ({"logit_bias": {"x": 1}}, {"logit_bias": {"3": 101}}, {"presence_penalty": 3}):
         with pytest.raises(ValidationError):
             CompletionRequest(prompt="abc", **bad)
