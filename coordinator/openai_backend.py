@@ -91,7 +91,8 @@ class ServicerBackend:
         if self.tok is None:
             raise ApiError(400, "messages: this coordinator has no tokenizer", "messages")
         try:
-            return encode_prompt(self.tok, messages=[m.model_dump(exclude_none=True) for m in body.messages])
+            return encode_prompt(self.tok, messages=[{"role": m.template_role, "content": m.content}
+                                                     for m in body.messages])
         except ValueError as e:
             raise ApiError(400, str(e), "messages") from None
 

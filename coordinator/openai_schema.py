@@ -132,6 +132,11 @@ class ChatMessage(_Body):
     content: str | list[dict[str, Any]]
     name: str | None = None
 
+    @property
+    def template_role(self) -> str:
+        """The role the chat template gets: OpenAI's `developer` is the templates' `system`."""
+        return "system" if self.role == "developer" else self.role
+
     @field_validator("content")
     @classmethod
     def _text_only(cls, v):
@@ -176,7 +181,7 @@ class ChatCompletionRequest(_Sampling):
         if self.logprobs:
             r.logprobs = self.top_logprobs or 0
         for m in self.messages:
-            r.messages.add(role="system" if m.role == "developer" else m.role, content=m.content)
+            r.messages.add(role=m.template_role, content=m.content)
         return r
 
 

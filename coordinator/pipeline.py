@@ -150,13 +150,13 @@ class Pipeline:
         draft = RemoteDraft(self.pool, self.channels, **kw) if req.mode != "ar" else None
         # prefix-aware routing (coordinator/affinity.py)
         keys = prefix_keys(req.prompt_ids, self.affinity_chunk, req.params.cache_salt)
-        for backend in (target, draft):  # a replica whose context is too small refuses before any work
+        for backend in (target, draft):
             if backend is not None:
-                backend.start_kw["reserve_positions"] = len(req.prompt_ids) + req.max_new_tokens
+                # a replica whose context is too small refuses before any work; a session rebuilt from the history
+                # holds output too, and the penalties count only the output
+                backend.start_kw.update(reserve_positions=len(req.prompt_ids) + req.max_new_tokens,
+                                        output_start=len(req.prompt_ids))
                 backend.prefix_keys, backend.priority = keys, req.priority
-        for backend in (target, draft):  # a rebuilt session's history holds output too: penalties count only it
-            if backend is not None:
-                backend.start_kw["output_start"] = len(req.prompt_ids)
         try:
             if draft is not None:
                 await draft.probe()

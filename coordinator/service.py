@@ -15,7 +15,7 @@ import grpc
 from specdec.errors import InvalidRequestError
 from specdec.pb import common_pb2, generation_pb2, generation_pb2_grpc
 from specdec.request import MAX_SPEC_OFF_BATCH, MODES, PEARL_OVERLAP
-from specdec.sampling import MAX_CACHE_SALT, MAX_TOP_LOGPROBS
+from specdec.sampling import MAX_TOP_LOGPROBS
 
 MAX_STOP_TOKEN_IDS = 64
 
@@ -157,9 +157,6 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             raise InvalidRequestError("top_k", f"must be >= 0 (0 disables it), got {r.top_k}")
         if len(r.stop_token_ids) > MAX_STOP_TOKEN_IDS or any(t < 0 for t in r.stop_token_ids):
             raise InvalidRequestError("stop_token_ids", f"send at most {MAX_STOP_TOKEN_IDS} token ids, each >= 0")
-        if len(r.cache_salt) > MAX_CACHE_SALT:
-            raise InvalidRequestError("cache_salt", f"is {len(r.cache_salt)} characters; use at most {MAX_CACHE_SALT} "
-                                                    f"(e.g. a hash of the tenant's id)")
         if r.prompt_token_ids:
             ids = list(r.prompt_token_ids)
             if any(t < 0 for t in ids):

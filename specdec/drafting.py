@@ -12,10 +12,9 @@ from specdec.errors import InvalidRequestError
 from specdec.lookup import PromptLookup
 from specdec.model import CausalLM
 from specdec.penalties import adjust_logits, adjusts
-from specdec.sampling import Purpose, keyed_generator, logits_to_probs, sample, truncate_top_k
+from specdec.sampling import Purpose, SamplingParams, keyed_generator, logits_to_probs, sample, truncate_top_k
 from specdec.stop import DraftFeatures, FixedLength, StopRule
 from specdec.verify import SparseDist
-from specdec.sampling import SamplingParams
 from specdec.worker_base import Session, TargetFeatures, Worker, feature_size
 
 

@@ -177,7 +177,7 @@ class Worker:
             raise CapacityError(f"all {self.max_sessions} session slots are busy; retry later, end idle sessions, "
                                 f"or raise max_sessions")
         want = prompt_ids[:-1] if reuse and self.prefix_cache else None
-        live = {o.slot: (o.params.cache_salt, o.tokens[:o.chunked]) for o in self.sessions.values()}
+        live = {o.slot: (o.params.cache_salt, o.tokens[:o.chunked]) for o in self.sessions.values()} if want else {}
         got = self.free_slots.take(want, live, align=self.prefill_chunk or 1, salt=params.cache_salt)
         if got.copy:
             self.kv.copy_prefix(got.source, got.slot, got.tokens)

@@ -68,18 +68,25 @@ async def test_a_long_prefill_lets_other_sessions_verify_between_its_chunks(inte
         await app.shutdown(0)
 
 
+async def cancel_mid_prefill(app, stub, sid: str) -> list:
+    """Start `sid` with a 7-chunk prompt of slow chunks and cancel the call once its prefill has begun. → the log
+    of the model thread's calls."""
+    log, started = [], threading.Event()
+    slow_chunks(app, log, started, delay_s=0.05)
+    call = stub.StartSession(target_pb2.TargetServiceStartSessionRequest(session_id=sid,
+                                                                         prompt_ids=list(range(1, 30))))
+    while not started.is_set():
+        await asyncio.sleep(0.005)
+    call.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    return log
+
+
 async def test_a_start_cancelled_mid_prefill_leaves_no_session_behind():
     app, ch, stub = await replica()
     try:
-        log, started = [], threading.Event()
-        slow_chunks(app, log, started, delay_s=0.05)
-        call = stub.StartSession(target_pb2.TargetServiceStartSessionRequest(session_id="gone",
-                                                                             prompt_ids=list(range(1, 30))))
-        while not started.is_set():
-            await asyncio.sleep(0.005)
-        call.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await call
+        log = await cancel_mid_prefill(app, stub, "gone")
         for _ in range(100):
             if "gone" not in app.host.worker.sessions and len(log) < 7:
                 break
@@ -99,15 +106,7 @@ async def test_a_restart_cancelled_mid_prefill_leaves_no_half_session():
     app, ch, stub = await replica()
     try:
         await stub.StartSession(target_pb2.TargetServiceStartSessionRequest(session_id="a", prompt_ids=[1, 2, 3]))
-        log, started = [], threading.Event()
-        slow_chunks(app, log, started, delay_s=0.05)
-        call = stub.StartSession(target_pb2.TargetServiceStartSessionRequest(session_id="a",
-                                                                             prompt_ids=list(range(1, 30))))
-        while not started.is_set():
-            await asyncio.sleep(0.005)
-        call.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await call
+        await cancel_mid_prefill(app, stub, "a")
         await asyncio.sleep(0.3)
         assert "a" not in app.host.table and "a" not in app.host.worker.sessions
         with pytest.raises(grpc.aio.AioRpcError) as e:
