@@ -12,10 +12,11 @@ GenerateRequest, and the response bodies. Pure: pydantic and the generated proto
 """
 from __future__ import annotations
 
+import json
 import secrets
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from specdec.pb import generation_pb2
 
@@ -69,7 +70,10 @@ class _Sampling(SpecDecKnobs):
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)  # vLLM's
     logit_bias: dict[str, float] | None = None  # OpenAI's: token id (as a string) -> bias in [-100, 100]
+    # vLLM's: exactly one of json (a schema), regex, choice (a list of strings), grammar (Lark), json_object (true)
+    structured_outputs: dict[str, Any] | None = None
     user: str | None = None
+    _structured: Any = PrivateAttr(default=None)  # the StructuredOutput the validators made
 
     @field_validator("stop")
     @classmethod
@@ -90,6 +94,7 @@ class _Sampling(SpecDecKnobs):
         for name, bad, why in unsupported:
             if bad:
                 raise ValueError(f"{name}: {why}")
+        self._structured = structured_output_pb(self.structured_outputs)
         return self
 
     def generate_request(self, max_tokens: int | None) -> generation_pb2.GenerateRequest:
@@ -109,6 +114,8 @@ class _Sampling(SpecDecKnobs):
             r.repetition_penalty = self.repetition_penalty
         if max_tokens is not None:
             r.max_new_tokens = max_tokens
+        if self._structured is not None:
+            r.structured_output.CopyFrom(self._structured)
         for name in ("gamma", "block_size", "pacer_threshold", "pacer_skip_below", "pearl_first_block",
                      "spec_off_batch", "pacer_post_threshold"):
             if (value := getattr(self, name)) is not None:
@@ -125,6 +132,52 @@ class _Sampling(SpecDecKnobs):
             r.seed = (first.seed + i) % 2**64 if self.seed is not None else secrets.randbits(63)
             out.append(r)
         return out
+
+
+_STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+def structured_output_pb(so: dict[str, Any] | None) -> generation_pb2.StructuredOutput | None:
+    """vLLM's `structured_outputs` body field → StructuredOutput (None: not set)."""
+    if not so:
+        return None
+    given = {k: v for k, v in so.items() if v not in (None, False)}
+    unknown = sorted(set(given) - set(_STRUCTURED_KEYS))
+    if unknown:
+        raise ValueError(f"structured_outputs: unknown key {unknown[0]!r}; use one of {', '.join(_STRUCTURED_KEYS)}")
+    if len(given) != 1:
+        raise ValueError(f"structured_outputs: set exactly one of {', '.join(_STRUCTURED_KEYS)}")
+    (key, value), = given.items()
+    out = generation_pb2.StructuredOutput()
+    if key == "json":
+        out.json_schema = value if isinstance(value, str) else json.dumps(value)
+    elif key == "json_object":
+        out.json_object = True
+    elif key == "choice":
+        if not isinstance(value, list) or not all(isinstance(c, str) for c in value):
+            raise ValueError("structured_outputs.choice: a list of strings")
+        out.choice.choices.extend(value)
+    elif not isinstance(value, str):
+        raise ValueError(f"structured_outputs.{key}: a string")
+    else:
+        setattr(out, "regex" if key == "regex" else "grammar", value)
+    return out
+
+
+def response_format_pb(fmt: dict[str, Any] | None) -> generation_pb2.StructuredOutput | None:
+    """OpenAI's `response_format` → StructuredOutput (None: text)."""
+    kind = (fmt or {}).get("type", "text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return generation_pb2.StructuredOutput(json_object=True)
+    if kind != "json_schema":
+        raise ValueError(f"response_format: type {kind!r} is not supported; use text, json_object or json_schema")
+    spec = fmt.get("json_schema")
+    schema = spec.get("schema") if isinstance(spec, dict) else None
+    if not isinstance(schema, dict):
+        raise ValueError("response_format: json_schema needs {'name': ..., 'schema': {...}}")
+    return generation_pb2.StructuredOutput(json_schema=json.dumps(schema))
 
 
 class ChatMessage(_Body):
@@ -170,8 +223,10 @@ class ChatCompletionRequest(_Sampling):
             raise ValueError("top_logprobs: needs logprobs: true")
         if self.max_tokens == 0 or self.max_completion_tokens == 0:
             raise ValueError("max_tokens: must be >= 1")
-        if self.response_format and self.response_format.get("type") != "text":
-            raise ValueError("response_format: only {'type': 'text'} is supported")
+        fmt = response_format_pb(self.response_format)
+        if fmt is not None and self._structured is not None:
+            raise ValueError("response_format: send it or structured_outputs, not both")
+        self._structured = fmt if fmt is not None else self._structured
         if self.tools or self.tool_choice not in (None, "none"):
             raise ValueError("tools: tool calls are not supported; leave tools and tool_choice out")
         return self

@@ -55,7 +55,8 @@ def request_from_dict(d: dict) -> GenerationRequest:
                             presence_penalty=float(d.get("presence_penalty", 0.0)),
                             frequency_penalty=float(d.get("frequency_penalty", 0.0)),
                             repetition_penalty=float(d.get("repetition_penalty", 1.0)),
-                            logit_bias=tuple((int(t), float(b)) for t, b in d.get("logit_bias", ())))
+                            logit_bias=tuple((int(t), float(b)) for t, b in d.get("logit_bias", ())),
+                            grammar=str(d.get("grammar", "")))
     keys = ("max_new_tokens", "mode", "gamma", "block_size", "verify_method", "pacer_threshold", "pacer_skip_below",
             "pearl_first_block", "spec_off_batch", "pacer_post_threshold", "pearl_overlap", "priority")
     kw = {k: d[k] for k in keys if d.get(k) is not None}

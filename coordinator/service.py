@@ -103,6 +103,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         self.spec_off_batch = spec_off_batch  # defaults for requests that leave them unset
         self.pacer_post_threshold = pacer_post_threshold
         self.default_mode = default_mode
+        self._vocab = None  # structured output's GrammarVocab of this tokenizer, built on first use (False: none)
 
     # -- request → token ids --------------------------------------------------------------------------------
     def prepare(self, r: generation_pb2.GenerateRequest) -> Prepared:
@@ -192,8 +193,32 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                "cache_salt": r.cache_salt, "priority": r.priority, "presence_penalty": r.presence_penalty,
                "frequency_penalty": r.frequency_penalty,
                "repetition_penalty": r.repetition_penalty if r.HasField("repetition_penalty") else 1.0,
-               "logit_bias": sorted((int(k), float(v)) for k, v in r.logit_bias.items())}
+               "logit_bias": sorted((int(k), float(v)) for k, v in r.logit_bias.items()),
+               "grammar": self._grammar(r)}
         return Prepared(req, TextAssembler(self.tok, ids, list(r.stop)))
+
+    def _grammar(self, r: generation_pb2.GenerateRequest) -> str:
+        """The llguidance grammar of r.structured_output ("" if unset), checked against this tokenizer."""
+        if not r.HasField("structured_output"):
+            return ""
+        from specdec.server.convert import structured_from_proto
+
+        form = structured_from_proto(r.structured_output)
+        if r.ignore_eos or not self.eos:
+            raise InvalidRequestError("ignore_eos" if r.ignore_eos else "structured_output",
+                                      "structured output ends with the model's EOS token; leave ignore_eos unset"
+                                      if r.ignore_eos else "this model names no EOS token, which ends the output")
+        grammar = form.grammar()
+        if self._vocab is None and self.tok is not None:
+            from specdec.grammar import GrammarVocab
+
+            try:
+                self._vocab = GrammarVocab(self.tok.backend_tokenizer.to_str(), len(self.tok), self.eos)
+            except Exception:  # noqa: BLE001 - the replicas check the grammar too
+                self._vocab = False
+        if self._vocab:
+            self._vocab.check(grammar)
+        return grammar
 
     # -- events → responses ---------------------------------------------------------------------------------
     async def respond(self, r, context, incremental: bool = True):

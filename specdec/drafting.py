@@ -9,6 +9,7 @@ from typing import Iterator
 import torch
 
 from specdec.errors import InvalidRequestError
+from specdec.feature_state import FeatureState
 from specdec.lookup import PromptLookup
 from specdec.model import CausalLM
 from specdec.penalties import adjust_logits, adjusts
@@ -19,6 +20,7 @@ from specdec.worker_base import Session, TargetFeatures, Worker, feature_size
 
 
 LOGQ_FLOOR = -30.0  # the pre-verifier's log q(x) feature for a token the draft gives no mass (lookup proposals)
+FORCED_ACCEPT_PROB = 0.9  # a grammar-forced token's predicted acceptance where prompt lookup (its own figure) is off
 
 
 @dataclass
@@ -30,46 +32,6 @@ class DraftBlock:
     final: bool = True  # last block of the call
     score: float | None = None  # pre-verifier's P(block accepted), when one ran
     looked_up: int = 0  # of `tokens`, those prompt lookup proposed
-
-
-class FeatureState:
-    """A feature draft's inputs by position: the target's features received so far, and whether each cached
-    position was fed with the target's feature. Position p is fed with the feature of p - 1, or zeros where that
-    is not known (p = 0, drafted tokens): the draft is trained for both. A cached position fed with zeros whose
-    feature has arrived since is re-fed by the next call (`first_refeed`)."""
-
-    def __init__(self, max_len: int, dim: int, dtype, device):
-        self.true = torch.zeros((max_len, dim), dtype=dtype, device=device)
-        self.known = torch.zeros(max_len, dtype=torch.bool, device=device)
-        self.fed_true = torch.zeros(max_len, dtype=torch.bool, device=device)
-
-    def add(self, f: TargetFeatures) -> None:
-        n = len(f)
-        if f.rows.ndim != 2 or f.rows.shape[1] != self.true.shape[1]:
-            raise InvalidRequestError("features", f"rows must be [n, {self.true.shape[1]}], got {tuple(f.rows.shape)}")
-        if f.start < 0 or f.start + n > self.true.shape[0]:
-            raise InvalidRequestError("features", f"positions {f.start}..{f.start + n - 1} lie outside the context")
-        self.true[f.start:f.start + n] = f.rows.to(self.true.dtype)
-        self.known[f.start:f.start + n] = True
-
-    def inputs(self, base: int, n: int) -> torch.Tensor:
-        prev = torch.arange(base - 1, base + n - 1, device=self.true.device).clamp_min(0)
-        rows = self.true[prev] * self.known[prev, None]
-        if base == 0:
-            rows[0] = 0
-        return rows
-
-    def fed(self, base: int, n: int) -> None:
-        prev = torch.arange(base - 1, base + n - 1, device=self.true.device).clamp_min(0)
-        self.fed_true[base:base + n] = self.known[prev]
-        if base == 0:
-            self.fed_true[0] = True
-
-    def first_refeed(self, length: int) -> int:
-        """The first cached position (< length) fed with zeros whose feature has arrived since, else length."""
-        redo = ~self.fed_true[1:length] & self.known[:max(length - 1, 0)]
-        hit = redo.nonzero()
-        return int(hit[0, 0]) + 1 if hit.numel() else length
 
 
 @dataclass
@@ -97,6 +59,7 @@ class DraftCall:
     block_start: int = 0
     block_ns: int = 0
     done: bool = False
+    start: int = -1  # `pos` at begin: keys the call's samples (specdec/sampling.py: a new call draws anew)
 
 
 class DraftWorker(Worker):
@@ -118,6 +81,8 @@ class DraftWorker(Worker):
         # look up before the forward, and draft a looked-up token without one (`_lookup`); False: after every
         # forward, as feature drafts do (the same tokens; A/B runs and tests)
         self.lookup_without_forward = True
+        self.grammar_required = False  # without a tokenizer.json it drafts unmasked (specdec/grammar.py)
+        self.grammar_forced = True  # propose the tokens a grammar forces without a forward (False: A/B runs)
 
     # ---- feature drafts (EAGLE-style): inputs are the target's features where known, zeros else (FeatureState) ----
     @property
@@ -173,7 +138,7 @@ class DraftWorker(Worker):
         # skip the feature work for rules that never read it
         want = getattr(stop, "needs_features", True)
         c = DraftCall(s, s.epoch, gamma_max, stop, block_size, want, want and getattr(stop, "needs_hidden", True),
-                      want and getattr(stop, "needs_margin", False), base_position, feed)
+                      want and getattr(stop, "needs_margin", False), base_position, feed, start=base_position)
         self._hold_unfed(c)  # a call cancelled before its first forward leaves what its caller assumes
         return c
 
@@ -262,7 +227,14 @@ class DraftWorker(Worker):
                           looked_up=sum(c.looked[c.block_start:]))
 
     def _lookup_applies(self, s: Session) -> bool:
-        return self.lookup is not None and (s.params.greedy or not self.lookup.greedy_only)
+        return self.lookup is not None and (s.params.greedy or not self.lookup.greedy_only) and s.grammar is None
+
+    @staticmethod
+    def _grammar_masked(s: Session, full: torch.Tensor) -> torch.Tensor:
+        try:
+            return s.grammar.mask_rows(full[None], s.tokens[s.output_start:], [])[0]
+        except InvalidRequestError:  # the draft's history left the grammar: propose unmasked, the target decides
+            return full
 
     def _lookup(self, c: DraftCall) -> tuple[int, int] | None:
         """Prompt lookup's proposal for the call's next position, taken *before* any forward: a looked-up token
@@ -270,11 +242,18 @@ class DraftWorker(Worker):
         multi-row forward, not k). Not for feature drafts, which re-feed positions as target features arrive
         (they look up after the forward, `_draft_token`)."""
         s = c.s
-        if not self.lookup_without_forward or s.feats is not None or not self._lookup_applies(s):
+        if not self.lookup_without_forward or s.feats is not None:
+            return None
+        if s.grammar is None and not self._lookup_applies(s):
             return None
         if c.want_features and not all(c.looked[c.block_start:]):
             return None  # a block mixing model and looked-up tokens is scored at once: its features are needed now
         c.looked_ahead = True
+        if s.grammar is not None:  # structured output: the token the grammar forces here, if it forces one
+            if not self.grammar_forced:
+                return None
+            forced = s.grammar.forced((s.tokens + c.feed)[s.output_start:], 1)
+            return (forced[0], 0) if forced else None
         return self.lookup.propose(s.tokens + c.feed)
 
     def _fill_deferred(self, c: DraftCall, logits: torch.Tensor, hidden: torch.Tensor) -> None:
@@ -309,7 +288,7 @@ class DraftWorker(Worker):
             xr = self._row_index(x, subset) if c.want_features and not deferred else None
             c.qs.append(SparseDist(ids=torch.tensor([x]), probs=torch.ones(1)))
             self.looked_up_tokens += 1
-        elif s.params.greedy and not adjusts(s.params):  # argmax of the row: logits_to_probs' one-hot, unbuilt
+        elif s.params.greedy and not adjusts(s.params) and s.grammar is None:  # argmax: logits_to_probs' one-hot
             xr = int(row.argmax())  # the subset is sorted, so ties resolve as on the full row
             x = xr if subset is None else int(subset[xr])
             c.qs.append(SparseDist(ids=torch.tensor([x]), probs=torch.ones(1)))
@@ -317,13 +296,15 @@ class DraftWorker(Worker):
             full = row if subset is None else self.model.expand_logits(row)
             if adjusts(s.params):  # the target's penalties and bias on this position's history: accepted more often
                 full = adjust_logits(full[None], s.tokens, s.output_start, [], s.params)[0]
+            if s.grammar is not None:  # the target's grammar mask (specdec/grammar.py): accepted more often
+                full = self._grammar_masked(s, full)
             if s.params.greedy:
                 x = int(full.argmax())
                 xr = self._row_index(x, subset)
                 c.qs.append(SparseDist(ids=torch.tensor([x]), probs=torch.ones(1)))
             else:
                 probs = truncate_top_k(logits_to_probs(full, s.params), self.q_top_k)
-                x = sample(probs, keyed_generator(s.params.seed, c.pos, Purpose.DRAFT))
+                x = sample(probs, keyed_generator(s.params.seed, c.pos, Purpose.DRAFT, stream=c.start + 1))
                 c.qs.append(SparseDist.from_dense(probs))
         c.toks.append(x)
         c.looked.append(looked is not None)
@@ -362,7 +343,7 @@ class DraftWorker(Worker):
             # more often. Their predicted acceptance is lookup's measured precision (PromptLookup.accept_prob).
             # The pre-verifier does not run: its round scorer scores these tokens with the next block it scores,
             # by which time a forward has given their features (_fill_deferred)
-            score = self.lookup.accept_prob ** (n - c.block_start)
+            score = getattr(self.lookup, "accept_prob", FORCED_ACCEPT_PROB) ** (n - c.block_start)
             stop_now = score < getattr(c.stop, "threshold", 0.0)
         else:
             hidden = torch.stack(c.hids) if c.hids else torch.empty(n, 0)

@@ -375,6 +375,7 @@ def load_model_dir(path: str | Path, device: str = "cpu", dtype: str | torch.dty
         raise ValueError(f"checkpoint {path} does not match the model: missing={missing[:5]} unexpected={unexpected[:5]}")
     dtype = resolve_dtype(dtype, device, role)
     model = model.to(device=device, dtype=dtype).eval()
+    model.source_dir = path  # its tokenizer.json, for structured output (specdec/grammar.py)
     if os.environ.get("SPECDEC_FUSE", "1") != "0":  # SPECDEC_FUSE=0: the checkpoint's layout (for A/B runs)
         fuse_projections_(model)
     if resolve_quant(quant, role, device, dtype) == "int8":

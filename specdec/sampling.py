@@ -8,6 +8,14 @@ Randomness is keyed, not streamed: every draw uses a fresh `torch.Generator` see
 (request seed, absolute position, purpose). A retried call replays the same draws, a rolled-back position draws
 again with the same key but a new context, and the draft's sample and the acceptance uniform of one position
 are independent streams (vLLM keys its Philox state on position for the same reason).
+
+Position alone is not enough where a verify's outcome depends on draws past the tokens it keeps. Block
+verification tests every η_i and reads every draft token of its block to choose how many to keep, so the η's and
+draft samples at the positions after the kept prefix are conditioned on that choice; the next round drafts and
+tests those positions again, and must not redraw the same numbers. Block verification keys its draws by the
+block's start position too, and the draft its samples by its call's start (a new call after each verify that
+rejects). Token verification stops at its first rejection and never reads later positions, so its keys stay
+per-position (the draft's extra key is harmless there). A retried call has the same starts: it still replays.
 """
 from __future__ import annotations
 
@@ -36,8 +44,13 @@ def _splitmix64(x: int) -> int:
     return x ^ (x >> 31)
 
 
-def keyed_generator(seed: int, position: int, purpose: Purpose, device: str | torch.device = "cpu") -> torch.Generator:
+def keyed_generator(seed: int, position: int, purpose: Purpose, device: str | torch.device = "cpu",
+                    stream: int = 0) -> torch.Generator:
+    """`stream` (non-zero) keys the draw by more than its position: block verification keys its uniforms by the
+    block's start, and the draft its samples by its call's start (module docstring)."""
     key = _splitmix64(_splitmix64(_splitmix64(seed & _MASK64) ^ position) ^ int(purpose))
+    if stream:
+        key = _splitmix64(key ^ (stream & _MASK64))
     return torch.Generator(device=device).manual_seed(key & ((1 << 63) - 1))
 
 
@@ -58,6 +71,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs
+    # structured output (specdec/grammar.py): an llguidance grammar the output must match; "": none
+    grammar: str = ""
 
     @property
     def greedy(self) -> bool:
@@ -85,6 +100,9 @@ class SamplingParams:
         if len(self.cache_salt) > MAX_CACHE_SALT:
             raise InvalidRequestError("cache_salt", f"is {len(self.cache_salt)} characters; use at most "
                                                     f"{MAX_CACHE_SALT} (e.g. a hash of the tenant's id)")
+        if len(self.grammar) > MAX_GRAMMAR_CHARS:
+            raise InvalidRequestError("structured_output", f"the grammar is {len(self.grammar)} characters; at most "
+                                                           f"{MAX_GRAMMAR_CHARS}")
         for name in ("logprobs", "prompt_logprobs"):
             if not -1 <= getattr(self, name) <= MAX_TOP_LOGPROBS:
                 raise InvalidRequestError(name, f"must be in [0, {MAX_TOP_LOGPROBS}] top alternatives (unset: no "
@@ -95,6 +113,7 @@ class SamplingParams:
 MAX_TOP_LOGPROBS = 20
 MAX_CACHE_SALT = 256
 MAX_LOGIT_BIAS = 300  # OpenAI's limit
+MAX_GRAMMAR_CHARS = 512 * 1024  # a compiled grammar (a schema's, with the choices or Lark text inside)
 
 
 @dataclass

@@ -97,8 +97,9 @@ def _require_greedy(worker: Worker, session_id: str):
         raise InvalidRequestError("mode", "tree drafting verifies greedily; use sd/pacer for temperature > 0")
     if feature_size(worker.model):
         raise InvalidRequestError("mode", "tree drafting does not feed a feature draft's features; use sd")
-    if adjusts(s.params):
-        raise InvalidRequestError("mode", "tree drafting verifies raw argmaxes: no penalties or logit_bias; use sd")
+    if adjusts(s.params) or s.params.grammar:
+        raise InvalidRequestError("mode", "tree drafting verifies raw argmaxes: no penalties, logit_bias or "
+                                          "structured output; use sd")
     return s
 
 

@@ -126,13 +126,14 @@ def verify_block(draft: list[int], q: torch.Tensor, p: torch.Tensor, seed: int, 
     run, h = block_acceptance_weights(draft, q, p)
     tau = 0
     for i in range(g, 0, -1):  # scanning down and stopping at the first pass = taking the largest passing index
-        if float(uniform(keyed_generator(seed, pos0 + i - 1, Purpose.ACCEPT))) <= h[i]:
+        if float(uniform(keyed_generator(seed, pos0 + i - 1, Purpose.ACCEPT, stream=pos0 + 1))) <= h[i]:
             tau = i
             break
     if tau == g:
-        bonus = sample(p[g], keyed_generator(seed, pos0 + g, Purpose.RESAMPLE)) if sample_bonus else None
+        bonus = sample(p[g], keyed_generator(seed, pos0 + g, Purpose.RESAMPLE, stream=pos0 + 1)) if sample_bonus else None
         return VerifyResult(g, bonus)
-    return VerifyResult(tau, _residual_token(p[tau], q[tau], run[tau], keyed_generator(seed, pos0 + tau, Purpose.RESAMPLE)))
+    gen = keyed_generator(seed, pos0 + tau, Purpose.RESAMPLE, stream=pos0 + 1)
+    return VerifyResult(tau, _residual_token(p[tau], q[tau], run[tau], gen))
 
 
 def verify(method: str, draft: list[int], q: torch.Tensor | None, p: torch.Tensor, params: SamplingParams,

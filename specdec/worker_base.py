@@ -13,6 +13,7 @@ import torch
 
 from specdec.errors import (CapacityError, ContextOverflowError, InvalidRequestError, SessionNotFoundError,
                             StalePositionError)
+from specdec.grammar import GrammarState, GrammarVocab
 from specdec.model import CausalLM
 from specdec.prefix_cache import SlotPrefixes
 from specdec.sampling import SamplingParams
@@ -49,7 +50,7 @@ class Session:
     last_used: float = field(default_factory=time.monotonic)
     epoch: int = 0  # bumped by cancel(); a draft loop stops when it changes
     want_features: bool = False  # target: return features with each result (a feature draft reads them)
-    feats: object | None = None  # draft: a feature draft's per-position inputs (specdec.drafting.FeatureState)
+    feats: object | None = None  # draft: a feature draft's per-position inputs (specdec.feature_state.FeatureState)
     # draft: tokens known to follow `tokens` but not fed yet (looked-up tokens drafted without a forward,
     # specdec.drafting); the session holds them as it holds `tokens`, and the next forward feeds them
     pending: list[int] = field(default_factory=list)
@@ -58,6 +59,7 @@ class Session:
     chunked: int = 0  # positions [0, chunked) hold K/V from whole aligned prefill chunks: reusable by others
     sid: str = ""
     output_start: int = 0  # position of the first output token: the prompt's length (penalties count the output)
+    grammar: GrammarState | None = None  # structured output: the matcher of params.grammar (specdec/grammar.py)
 
 
 class Worker:
@@ -82,6 +84,32 @@ class Worker:
         self.prefix_cache = prefix_cache and prefill_chunk > 0 and not feature_size(model)
         self.prefix_queries = 0  # prompt positions a prefill would feed, since start (metrics)
         self.prefix_hits = 0  # of those, positions reused from the prefix cache
+        self._grammar_vocab: GrammarVocab | None | bool = False  # built on first use (`grammar_vocab`)
+        self.grammar_required = True  # False (drafts): a grammar this worker cannot read is ignored
+
+    @property
+    def grammar_vocab(self) -> GrammarVocab | None:
+        """The vocabulary structured output reads (the model directory's tokenizer.json), built on first use;
+        None: the model has none, and requests with a grammar are refused."""
+        if self._grammar_vocab is False:
+            src = getattr(self.model, "source_dir", None)
+            self._grammar_vocab = GrammarVocab.from_dir(src, self.vocab_size) if src else None
+        return self._grammar_vocab  # type: ignore[return-value]
+
+    @grammar_vocab.setter
+    def grammar_vocab(self, vocab: GrammarVocab | None) -> None:
+        self._grammar_vocab = vocab
+
+    def _grammar_state(self, params: SamplingParams) -> GrammarState | None:
+        if not params.grammar:
+            return None
+        if self.grammar_vocab is None:
+            if not self.grammar_required:  # a draft's masks only raise acceptance: it drafts unmasked
+                return None
+            raise InvalidRequestError("structured_output", "this replica's model directory has no usable "
+                                                           "tokenizer.json, which structured output reads; serve a "
+                                                           "model with one, or leave structured output out")
+        return self.grammar_vocab.state(params.grammar)
 
     # ---- sessions -------------------------------------------------------------------------------------------
     def evict_expired(self, now: float | None = None) -> list[str]:
@@ -169,6 +197,7 @@ class Worker:
         if not 0 <= output_start <= len(prompt_ids):
             raise InvalidRequestError("output_start", f"must be in [0, {len(prompt_ids)}] (0: the prompt's end), got "
                                                       f"{output_start}")
+        grammar = self._grammar_state(params)
         if session_id in self.sessions:  # idempotent restart: same id → fresh state
             self.end_session(session_id)
         if not self.free_slots:
@@ -182,7 +211,8 @@ class Worker:
         if got.copy:
             self.kv.copy_prefix(got.source, got.slot, got.tokens)
         s = Session(slot=got.slot, params=params, tokens=list(prompt_ids[:got.tokens]), cached_tokens=got.tokens,
-                    chunked=got.tokens, sid=session_id, output_start=output_start or len(prompt_ids))
+                    chunked=got.tokens, sid=session_id, output_start=output_start or len(prompt_ids),
+                    grammar=grammar)
         self.sessions[session_id] = s
         self.prefix_queries += len(prompt_ids) - 1
         self.prefix_hits += got.tokens

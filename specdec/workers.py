@@ -176,6 +176,8 @@ class TargetWorker(Worker):
         if adjusts(s.params):  # penalties and logit_bias: p is the adjusted target (specdec/penalties.py)
             checked = adjust_logits(checked, s.tokens[:a.base_position + nf], s.output_start, list(a.draft),
                                     s.params)
+        if s.grammar is not None:  # structured output: p is the target masked by the grammar (specdec/grammar.py)
+            checked = s.grammar.mask_rows(checked, s.tokens[s.output_start:a.base_position + nf], a.draft)
         p = checked if s.params.greedy else logits_to_probs(checked, s.params)
         q = None
         if not s.params.greedy and g:

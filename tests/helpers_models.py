@@ -93,17 +93,22 @@ async def start_replica(kind: str, model, host: str = "127.0.0.1", port: int = 0
 TOKENIZER_CHARS = "<abcdefghijklmnopqrstuvwxyz .,!?"  # 32 symbols: id i is TOKENIZER_CHARS[i]; 0 is <unk>
 
 
-def save_tiny_tokenizer(path: Path) -> Path:
-    """A character-level fast tokenizer over VOCAB symbols, so text prompts work with tiny models."""
+def tiny_tokenizer(chars: str = TOKENIZER_CHARS):
+    """A character-level fast tokenizer: id i is chars[i], and id 0 is <unk>."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
-    vocab = {c: i for i, c in enumerate(TOKENIZER_CHARS) if i}
+    vocab = {c: i for i, c in enumerate(chars) if i}
     vocab["<unk>"] = 0
     tk = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tk.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tk.decoder = decoders.Fuse()
+    return tk
+
+
+def save_tiny_tokenizer(path: Path) -> Path:
+    """The character-level tokenizer over TOKENIZER_CHARS, so text prompts work with tiny models."""
     path.mkdir(parents=True, exist_ok=True)
-    tk.save(str(path / "tokenizer.json"))
+    tiny_tokenizer().save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast",
                                                             "unk_token": "<unk>"}))
     return path

@@ -51,8 +51,9 @@ def chi_square_pvalue(counts: Counter, exact: dict, n: int) -> float:
         else:
             rest_o += counts.get(key, 0)
             rest_e += e
-    obs.append(rest_o)
-    exp.append(rest_e)
+    if rest_e > 0:
+        obs.append(rest_o)
+        exp.append(rest_e)
     assert sum(counts.values()) == n and all(len(k) == 3 for k in counts)
     total = sum(exp)
     exp = [e * n / total for e in exp]  # exact probabilities sum to 1 up to float rounding

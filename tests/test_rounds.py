@@ -31,9 +31,9 @@ async def test_rounds_answer_exactly_what_unary_calls_answer(stack):
     await stack.dstub.StartSession(draft_pb2.DraftServiceStartSessionRequest(
         session_id="s", prompt_ids=[3, 4, 5], params=params))
     verify_rounds, draft_rounds = stack.tstub.VerifyRounds(), stack.dstub.DraftRounds()
-    base, pending = 2, 5
+    base, pending, dbase, append = 2, 5, 2, [5]
     for _ in range(5):
-        dreq = draft_pb2.DraftRequest(session_id="s", base_position=base, append_ids=[pending], gamma_max=3)
+        dreq = draft_pb2.DraftRequest(session_id="s", base_position=dbase, append_ids=append, gamma_max=3)
         unary_d = await stack.dstub.Draft(dreq)
         await draft_rounds.write(draft_pb2.DraftRoundsRequest(draft=dreq))
         streamed_d = (await draft_rounds.read()).draft
@@ -47,6 +47,9 @@ async def test_rounds_answer_exactly_what_unary_calls_answer(stack):
         assert _answer(streamed_v) == _answer(unary_v)
         base += 1 + unary_v.num_accepted
         pending = unary_v.next_token
+        # the draft has not fed its last token: after a whole block is accepted, it is sent back with the bonus
+        whole = unary_v.num_accepted == len(unary_d.token_ids)
+        dbase, append = (base - 1, [unary_d.token_ids[-1], pending]) if whole else (base, [pending])
     for call in (verify_rounds, draft_rounds):
         await call.done_writing()
         assert await call.code() == Code.OK

@@ -103,13 +103,15 @@ def sampling_from_proto(msg: common_pb2.SamplingParams):
                           frequency_penalty=float(msg.frequency_penalty),
                           repetition_penalty=(float(msg.repetition_penalty) if msg.HasField("repetition_penalty")
                                               else 1.0),
-                          logit_bias=tuple(sorted((int(k), float(v)) for k, v in msg.logit_bias.items())))
+                          logit_bias=tuple(sorted((int(k), float(v)) for k, v in msg.logit_bias.items())),
+                          grammar=msg.grammar)
 
 
 def sampling_to_proto(p) -> common_pb2.SamplingParams:
     msg = common_pb2.SamplingParams(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=p.seed,
                                     cache_salt=p.cache_salt, presence_penalty=p.presence_penalty,
-                                    frequency_penalty=p.frequency_penalty, logit_bias=dict(p.logit_bias))
+                                    frequency_penalty=p.frequency_penalty, logit_bias=dict(p.logit_bias),
+                                    grammar=p.grammar)
     if p.repetition_penalty != 1.0:
         msg.repetition_penalty = p.repetition_penalty
     if p.logprobs >= 0:
@@ -177,3 +179,19 @@ def draft_block(r, tokens: list[int] | None = None, q: list | None = None):
     return DraftBlock(tokens=list(r.token_ids) if tokens is None else tokens,
                       q=decode_q(r.q) if q is None else q, stop_reason=_STOP_REASON.get(r.stop_reason, ""),
                       draft_ns=r.draft_ns, final=getattr(r, "last", True))
+
+
+def structured_from_proto(msg):
+    """GenerateRequest.structured_output → specdec.grammar.StructuredOutput."""
+    import json
+
+    from specdec.grammar import StructuredOutput
+
+    kind = msg.WhichOneof("kind")
+    if kind is None or (kind == "json_object" and not msg.json_object):
+        raise InvalidRequestError("structured_output", "set one of json_schema, json_object (true), regex, choice, "
+                                                       "grammar")
+    if kind == "choice":
+        return StructuredOutput("choice", json.dumps(list(msg.choice.choices)))
+    return StructuredOutput(kind, "" if kind == "json_object" else getattr(msg, kind))
+

@@ -1,0 +1,109 @@
+"""Structured output under speculation, measured: JSON-schema requests in each mode against `ar` with the same
+schema (in process, default pair, greedy).
+
+    python scripts/structured_output_bench.py [--modes ar sd pacer] [--repeats 2] [--max-new-tokens 128]
+
+Each prompt asks for a JSON object and carries a schema (specdec/grammar.py). Per mode: tokens/s (median over
+prompts and repeats), tokens per target forward, the share of drafted tokens the grammar forced (proposed without a
+draft forward), whether every answer parses and has the schema's required keys, and whether it equals `ar`'s
+(greedy: it must). `--no-forced` A/Bs the forced-token proposals. Modes run round-robin per prompt.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+PERSON = {"type": "object", "properties": {
+    "name": {"type": "string"}, "age": {"type": "integer"}, "city": {"type": "string"},
+    "hobbies": {"type": "array", "items": {"type": "string"}, "maxItems": 4}},
+    "required": ["name", "age", "city", "hobbies"], "additionalProperties": False}
+BOOK = {"type": "object", "properties": {
+    "title": {"type": "string"}, "author": {"type": "string"}, "year": {"type": "integer"},
+    "genres": {"type": "array", "items": {"type": "string"}, "maxItems": 3}, "summary": {"type": "string"}},
+    "required": ["title", "author", "year", "genres", "summary"], "additionalProperties": False}
+WEATHER = {"type": "object", "properties": {
+    "city": {"type": "string"}, "temperature_c": {"type": "number"},
+    "conditions": {"enum": ["sunny", "cloudy", "rain", "snow"]}, "wind_kph": {"type": "number"}},
+    "required": ["city", "temperature_c", "conditions", "wind_kph"], "additionalProperties": False}
+PROMPTS = [
+    ("Describe a fictional person as JSON with name, age, city and hobbies.", PERSON),
+    ("Invent a person who lives in Lisbon and loves music; answer in JSON.", PERSON),
+    ("Give me a classic novel as JSON: title, author, year, genres and a one-sentence summary.", BOOK),
+    ("Recommend a science fiction book, as JSON.", BOOK),
+    ("Report today's weather in Paris as JSON.", WEATHER),
+    ("What is the weather like in Oslo in winter? Answer as JSON.", WEATHER),
+]
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--modes", nargs="+", default=["ar", "sd", "pacer"])
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--no-forced", action="store_true", help="the draft proposes no grammar-forced tokens")
+    args = ap.parse_args(argv)
+
+    import torch
+
+    from specdec.bench.harness import _default_preverifier
+    from specdec.engine import Engine
+    from specdec.grammar import StructuredOutput
+    from specdec.hub import resolve_model
+    from specdec.lookup import prompt_lookup
+    from specdec.model import load_model_dir
+    from specdec.preverifier import load_preverifier
+    from specdec.request import GenerationRequest
+    from specdec.sampling import SamplingParams
+    from specdec.tokenizer import encode_prompt, eos_token_ids, load_tokenizer
+
+    torch.set_num_threads(1)
+    tdir, ddir = resolve_model("default-target"), resolve_model("default-draft")
+    target = load_model_dir(tdir, dtype="auto", role="target")
+    draft = load_model_dir(ddir, dtype="auto", role="draft")
+    pv = load_preverifier(_default_preverifier("default-draft"), draft_model=draft)
+    eng = Engine(target, draft, preverifier=pv, threads_per_model=1, prefix_cache=False, lookup=prompt_lookup(3))
+    eng.draft_worker.grammar_forced = not args.no_forced
+    tok = load_tokenizer(tdir)
+    eos = tuple(sorted(eos_token_ids(tdir)))
+    reqs = [(encode_prompt(tok, messages=[{"role": "user", "content": p}]), schema,
+             StructuredOutput("json_schema", json.dumps(schema)).grammar()) for p, schema in PROMPTS]
+    rows = {m: {"tps": [], "tpf": [], "forced": [], "valid": 0, "same": 0, "n": 0} for m in args.modes}
+    ar_out: dict[int, list[int]] = {}
+    for rep in range(args.repeats):
+        for i, (ids, schema, grammar) in enumerate(reqs):
+            order = args.modes if (rep + i) % 2 == 0 else args.modes[::-1]
+            for mode in order:
+                looked0 = eng.draft_worker.looked_up_tokens
+                t0 = time.perf_counter()
+                res = eng.generate(GenerationRequest(ids, args.max_new_tokens, mode=mode, eos_token_ids=eos,
+                                                     params=SamplingParams(grammar=grammar)))
+                wall = time.perf_counter() - t0
+                r = rows[mode]
+                r["n"] += 1
+                r["tps"].append(len(res.token_ids) / wall)
+                r["tpf"].append(len(res.token_ids) / max(res.stats.target_forwards, 1))
+                r["forced"].append((eng.draft_worker.looked_up_tokens - looked0) / max(res.stats.draft_tokens, 1))
+                try:
+                    obj = json.loads(tok.decode(res.token_ids, skip_special_tokens=True))
+                    r["valid"] += isinstance(obj, dict) and all(k in obj for k in schema["required"])
+                except ValueError:
+                    pass
+                if mode == "ar":
+                    ar_out[i] = res.token_ids
+                r["same"] += ar_out.get(i, res.token_ids) == res.token_ids
+    base = statistics.median(rows["ar"]["tps"]) if "ar" in rows else None
+    print(f"forced-token proposals: {'off' if args.no_forced else 'on'}")
+    print("| mode | tokens/s | vs ar (same schema) | tokens per target forward | drafted tokens forced | "
+          "valid JSON | equal to ar |")
+    print("|---|---|---|---|---|---|---|")
+    for mode, r in rows.items():
+        tps = statistics.median(r["tps"])
+        print(f"| {mode} | {tps:.1f} | {f'{tps / base:.2f}x' if base else '-'} | {statistics.median(r['tpf']):.2f} | "
+              f"{statistics.median(r['forced']):.2f} | {r['valid']}/{r['n']} | {r['same']}/{r['n']} |")
+    eng.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,133 @@
+"""Structured output over the wire: GenerateRequest.structured_output and the HTTP API's response_format /
+structured_outputs reach both replicas, the answer equals target-only decoding under the grammar, and bad forms get
+INVALID_ARGUMENT / 400 naming the field."""
+from __future__ import annotations
+
+import json
+import re
+
+import grpc
+import httpx
+import pytest
+import pytest_asyncio
+
+from coordinator.config import CoordinatorSettings
+from coordinator.openai_schema import response_format_pb, structured_output_pb
+from coordinator.server import build_coordinator
+from coordinator.stack import free_port
+from specdec.pb import generation_pb2 as g, generation_pb2_grpc as gg
+from tests.helpers_models import save_tiny_pair, save_tiny_tokenizer, start_replica
+from tests.test_grammar import EOS, PROMPT, SENTENCE, grammar_of, masked_greedy, text
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+
+
+class Stack:
+    async def start(self, tmp):
+        from specdec.model import load_model_dir
+        from specdec.tokenizer import load_tokenizer
+
+        tdir, ddir = save_tiny_pair(tmp)
+        save_tiny_tokenizer(ddir)
+        for d in (tdir, ddir):  # the tiny tokenizer's <unk> serves as EOS
+            (d / "generation_config.json").write_text(json.dumps({"eos_token_id": EOS}))
+        self.target = load_model_dir(tdir)
+        self.t = await start_replica("target", self.target)
+        self.d = await start_replica("draft", load_model_dir(ddir), preverifier="random")
+        tok = load_tokenizer(tdir)
+        tok.chat_template = TEMPLATE
+        s = CoordinatorSettings(host="127.0.0.1", port=0, metrics_port=0, ray=False, tokenizer="", grace_s=0,
+                                draft_endpoints=self.d.endpoint, target_endpoints=self.t.endpoint,
+                                max_new_tokens_cap=64, log_level="WARNING", http_port=free_port(),
+                                served_model_name="tiny")
+        self.app, _ = await build_coordinator(s, tokenizer=tok, eos_token_ids={EOS})
+        await self.app.start()
+        self.ch = grpc.aio.insecure_channel(f"127.0.0.1:{self.app.port}")
+        self.stub = gg.GenerationServiceStub(self.ch)
+        self.http = httpx.AsyncClient(base_url=f"http://127.0.0.1:{self.app.http_port}", timeout=60)
+        return self
+
+    async def stop(self):
+        await self.http.aclose()
+        await self.ch.close()
+        for a in (self.app, self.t, self.d):
+            await a.shutdown(0)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def stack(tmp_path_factory):
+    s = await Stack().start(tmp_path_factory.mktemp("grammar"))
+    yield s
+    await s.stop()
+
+
+@pytest.mark.parametrize("mode", ["ar", "sd", "pacer", "pearl", "pacer_pearl"])
+async def test_every_mode_over_the_wire_equals_masked_greedy(stack, mode):
+    vocab = stack.t.host.worker.grammar_vocab
+    assert vocab is not None and stack.d.host.worker.grammar_vocab is not None
+    want = masked_greedy(stack.target, vocab, grammar_of("regex", SENTENCE), PROMPT, 40)
+    r = g.GenerateRequest(prompt_token_ids=PROMPT, max_new_tokens=40, mode=mode,
+                          structured_output=g.StructuredOutput(regex=SENTENCE))
+    got = await stack.stub.Generate(r)
+    assert list(got.token_ids) == want and re.fullmatch(SENTENCE, got.text), got.text
+    assert got.finish_reason == g.FINISH_REASON_STOP
+    streamed = [t async for part in stack.stub.GenerateStream(r) for t in part.token_ids]
+    assert streamed == want
+
+
+async def test_sampled_choices_stay_in_the_grammar(stack):
+    choices = ["yes.", "no!", "maybe so."]
+    for seed in range(6):
+        r = g.GenerateRequest(prompt_token_ids=PROMPT, max_new_tokens=20, mode="sd", temperature=1.0, seed=seed,
+                              structured_output=g.StructuredOutput(choice=g.Choices(choices=choices)))
+        assert (await stack.stub.Generate(r)).text in choices
+
+
+@pytest.mark.parametrize("form, field, words", [
+    (g.StructuredOutput(regex="(unclosed"), "structured_output", "does not compile"),
+    (g.StructuredOutput(json_schema="{oops"), "structured_output.json_schema", "not valid JSON"),
+    (g.StructuredOutput(), "structured_output", "set one of"),
+])
+async def test_bad_forms_are_invalid_argument(stack, form, field, words):
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await stack.stub.Generate(g.GenerateRequest(prompt_token_ids=PROMPT, structured_output=form))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert field in e.value.details() and words in e.value.details(), e.value.details()
+
+
+async def test_ignore_eos_is_refused_with_a_grammar(stack):
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await stack.stub.Generate(g.GenerateRequest(prompt_token_ids=PROMPT, ignore_eos=True,
+                                                    structured_output=g.StructuredOutput(json_object=True)))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "ignore_eos" in e.value.details()
+
+
+async def test_http_structured_outputs_and_response_format(stack):
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 20, "temperature": 0}
+    r = await stack.http.post("/v1/chat/completions",
+                              json={**body, "structured_outputs": {"choice": ["yes.", "no!"]}})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] in ("yes.", "no!")
+    r = await stack.http.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 40,
+                                                       "temperature": 0, "structured_outputs": {"regex": SENTENCE}})
+    assert r.status_code == 200 and re.fullmatch(SENTENCE, r.json()["choices"][0]["text"]), r.text
+    for bad, param in (({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "exactly one"),
+                       ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "schema"),
+                       ({"response_format": {"type": "xml"}}, "not supported"),
+                       ({"structured_outputs": {"regex": "(bad"}}, "does not compile")):
+        r = await stack.http.post("/v1/chat/completions", json={**body, **bad})
+        assert r.status_code == 400 and param in r.json()["error"]["message"], r.text
+
+
+async def test_http_forms_translate_to_structured_output():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    fmt = response_format_pb({"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+    assert json.loads(fmt.json_schema) == schema
+    assert response_format_pb({"type": "json_object"}).json_object and response_format_pb({"type": "text"}) is None
+    assert structured_output_pb({"json": schema}).json_schema == json.dumps(schema)
+    assert list(structured_output_pb({"choice": ["a", "b"]}).choice.choices) == ["a", "b"]
+    assert structured_output_pb({"grammar": 'start: "x"'}).grammar == 'start: "x"'
+    assert structured_output_pb({"json_object": True}).json_object and structured_output_pb(None) is None
+    with pytest.raises(ValueError, match="unknown key"):
+        structured_output_pb({"xml": "<a/>"})
