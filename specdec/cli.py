@@ -16,6 +16,7 @@ import argparse
 import asyncio
 import json
 import sys
+from pathlib import Path
 
 from specdec.defaults import (COORDINATOR_HTTP_PORT, COORDINATOR_PORT, DEFAULT_DRAFT, DEFAULT_TARGET,
                               PROMPT_LOOKUP_MIN_NGRAM)
@@ -87,6 +88,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--logprobs", type=int, default=None, metavar="K",
                    help="with --json: each token's logprob under the target, with K top alternatives (0-20)")
+    so = g.add_mutually_exclusive_group()  # structured output (specdec/grammar.py)
+    so.add_argument("--json-schema", default=None, metavar="SCHEMA",
+                    help="the answer is JSON following this schema (JSON text, or @file)")
+    so.add_argument("--json-object", action="store_true", help="the answer is a JSON object")
+    so.add_argument("--regex", default=None, help="the answer matches this regex")
+    so.add_argument("--choice", action="append", default=None, help="the answer is one of these (repeatable)")
+    so.add_argument("--grammar", default=None, metavar="LARK", help="the answer follows this Lark grammar (or @file)")
     g.add_argument("--json", action="store_true", help="print one JSON object (text, token_ids, finish_reason, "
                                                        "stats, and logprobs with --logprobs)")
     g.add_argument("--coordinator", default=None, help="host:port of a running coordinator")
@@ -134,7 +142,33 @@ def _request(args):
     for name in ("top_p", "gamma", "block_size", "pacer_threshold", "logprobs"):
         if getattr(args, name) is not None:
             setattr(r, name, getattr(args, name))
+    form = _structured(args)
+    if form is not None:
+        if form.kind == "choice":  # the proto's fields are named as the kinds
+            r.structured_output.choice.choices.extend(args.choice)
+        else:
+            setattr(r.structured_output, form.kind, True if form.kind == "json_object" else form.value)
     return r
+
+
+def _structured(args):
+    """The --json-schema / --json-object / --regex / --choice / --grammar form, or None."""
+    from specdec.grammar import StructuredOutput
+
+    def text(v: str) -> str:
+        return Path(v[1:]).read_text() if v.startswith("@") else v
+
+    if args.json_schema is not None:
+        return StructuredOutput("json_schema", text(args.json_schema))
+    if args.json_object:
+        return StructuredOutput("json_object")
+    if args.regex is not None:
+        return StructuredOutput("regex", args.regex)
+    if args.choice:
+        return StructuredOutput("choice", json.dumps(args.choice))
+    if args.grammar is not None:
+        return StructuredOutput("grammar", text(args.grammar))
+    return None
 
 
 def _stats_dict(st) -> dict:
@@ -212,11 +246,12 @@ def _generate_in_process(args) -> dict:
                     lookup=prompt_lookup(args.prompt_lookup_min_ngram))
     ids = encode_prompt(tok, prompt=args.prompt)
     kw = {k: getattr(args, k) for k in ("gamma", "block_size", "pacer_threshold") if getattr(args, k) is not None}
+    form = _structured(args)
     req = GenerationRequest(prompt_ids=ids, max_new_tokens=args.max_new_tokens, mode=args.mode,
                             verify_method=args.verify_method, eos_token_ids=tuple(sorted(eos_token_ids(tdir))),
                             params=SamplingParams(temperature=args.temperature, top_k=args.top_k,
                                                   top_p=args.top_p if args.top_p is not None else 1.0,
-                                                  seed=args.seed,
+                                                  seed=args.seed, grammar=form.grammar() if form else "",
                                                   logprobs=args.logprobs if args.logprobs is not None else -1), **kw)
     detok = IncrementalDetokenizer(tok, prefix_ids=ids)
 

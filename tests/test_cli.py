@@ -36,6 +36,22 @@ def test_parser_and_stats_line():
     assert cli.stats_line({"mode": "sd", "wall_s": 1.0, "queued_s": 0.25}, 4).endswith("| queued 0.25s")
 
 
+def test_structured_output_flags_become_the_request_field(tmp_path):
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    (tmp_path / "s.json").write_text(json.dumps(schema))
+    parse = cli.build_parser().parse_args
+    r = cli._request(parse(["generate", "x", "--json-schema", f"@{tmp_path / 's.json'}"]))
+    assert json.loads(r.structured_output.json_schema) == schema
+    assert cli._request(parse(["generate", "x", "--json-object"])).structured_output.json_object
+    assert cli._request(parse(["generate", "x", "--regex", "[ab]+"])).structured_output.regex == "[ab]+"
+    r = cli._request(parse(["generate", "x", "--choice", "yes", "--choice", "no"]))
+    assert list(r.structured_output.choice.choices) == ["yes", "no"]
+    assert cli._request(parse(["generate", "x", "--grammar", 'start: "a"'])).structured_output.grammar == 'start: "a"'
+    assert not cli._request(parse(["generate", "x"])).HasField("structured_output")
+    with pytest.raises(SystemExit):  # one form at a time
+        parse(["generate", "x", "--regex", "a", "--json-object"])
+
+
 def test_generate_in_process_json(pair, capsys):
     tdir, ddir, ref = pair
     for mode in ("ar", "sd"):
