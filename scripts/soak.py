@@ -10,7 +10,8 @@ A share of the requests (`--http-share`) goes to the OpenAI-compatible HTTP API 
 prompt's token ids, whole or streamed; a deadline is the client giving up, a drop is the client hanging up).
 Checked:
 - every greedy answer equals the prefix of target-only greedy decoding (`ar`, alone) of that prompt (lossless); a
-  share of them (`--penalty-share`) carries penalties and is checked against `ar` with the same penalties.
+  share of them (`--penalty-share`) carries penalties and is checked against `ar` with the same penalties, and
+  another (`--json-share`) asks for a JSON object (structured output) and is checked against `ar` asking the same.
   With `--dtype float32` a difference is a failure. In bf16 (`auto`) a logit depends slightly on how many rows
   its forward has, so under concurrent load a greedy near-tie may resolve differently than alone, in every mode
   including `ar` (README, "Dtypes"): differences are counted, with the position of the first;
@@ -51,10 +52,17 @@ def rss_mb(pid: int) -> float:
     return float("nan")
 
 
+def variant(r) -> str:
+    """Which `ar` reference a greedy request must equal: "penalties", "json" (structured output) or "" (plain)."""
+    return "penalties" if r.presence_penalty else "json" if r.HasField("structured_output") else ""
+
+
 class Soak:
     def __init__(self, stub, prompts, refs, args, http=None, tok=None):
         self.stub, self.prompts, self.refs, self.args = stub, prompts, refs, args
-        self.penalized_refs = refs  # `ar` with PENALTIES, per prompt (main sets them)
+        # `ar` answers per prompt, by variant: "" plain, "penalties" with PENALTIES, "json" as a JSON object
+        # (structured output); main sets them
+        self.refs_by = {"": refs, "penalties": refs, "json": refs}
         self.http, self.tok = http, tok
         self.codes = collections.Counter()
         self.kinds = collections.Counter()
@@ -86,6 +94,8 @@ class Soak:
         if greedy and rng.random() < self.args.penalty_share:
             for name, value in PENALTIES.items():
                 setattr(r, name, value)
+        elif greedy and rng.random() < self.args.json_share:
+            r.structured_output.json_object = True
         key = (p, mode, r.seed, r.gamma if r.HasField("gamma") else None, r.pearl_overlap,
                r.spec_off_batch if r.HasField("spec_off_batch") else None)
         return p, r, key
@@ -93,7 +103,7 @@ class Soak:
     def check(self, p: int, r, key, ids: list[int], what: str) -> None:
         self.tokens += len(ids)
         if r.temperature == 0:
-            ref = (self.penalized_refs if r.presence_penalty else self.refs)[p][:len(ids)]
+            ref = self.refs_by[variant(r)][p][:len(ids)]
             if ids != ref:
                 first = next(i for i, (a, b) in enumerate(zip(ids + [-1], ref + [-2])) if a != b)
                 self.greedy_diff[(p, first)] += 1
@@ -115,7 +125,7 @@ class Soak:
         deadline = rng.uniform(0.2, 3.0) if rng.random() < self.args.deadline_share else None
         drop_after = rng.randint(1, 4) if stream and rng.random() < self.args.drop_share else None
         kind = (f"{'stream' if stream else 'unary'}{'+deadline' if deadline else ''}{'+drop' if drop_after else ''}"
-                f"{'+penalties' if r.presence_penalty else ''}")
+                f"{'+' + variant(r) if variant(r) else ''}")
         if self.http is not None and rng.random() < self.args.http_share:
             self.kinds["http " + kind] += 1
             return await self.one_http(p, r, stream, deadline, drop_after, "http " + kind)
@@ -156,6 +166,8 @@ class Soak:
             body["logprobs"] = r.logprobs
         if r.presence_penalty:
             body.update(PENALTIES)
+        if variant(r) == "json":
+            body["structured_outputs"] = {"json_object": True}
         for f in ("gamma", "spec_off_batch"):
             if r.HasField(f):
                 body[f] = getattr(r, f)
@@ -198,8 +210,7 @@ class Soak:
         self.codes["http 200"] += 1
         self.tokens += n or 0
         if r.temperature == 0 and n is not None:
-            ref = self.tok.decode((self.penalized_refs if r.presence_penalty else self.refs)[p][:n],
-                                  skip_special_tokens=True)
+            ref = self.tok.decode(self.refs_by[variant(r)][p][:n], skip_special_tokens=True)
             if text != ref:
                 self.http_greedy_diff[p] += 1
                 if self.args.dtype == "float32":
@@ -261,14 +272,16 @@ async def main(args) -> int:
             resp = await stub.Generate(generation_pb2.GenerateRequest(
                 prompt_token_ids=pr.ids, mode="ar", max_new_tokens=args.max_new_tokens, temperature=0.0))
             refs.append(list(resp.token_ids))
-        penalized_refs = []
-        for pr in prompts:  # the same with the penalties
-            resp = await stub.Generate(generation_pb2.GenerateRequest(
-                prompt_token_ids=pr.ids, mode="ar", max_new_tokens=args.max_new_tokens, temperature=0.0, **PENALTIES))
-            penalized_refs.append(list(resp.token_ids))
+        refs_by = {"": refs, "penalties": [], "json": []}
+        for pr in prompts:  # the same with the penalties, and as JSON objects
+            for name, kw in (("penalties", PENALTIES),
+                             ("json", {"structured_output": generation_pb2.StructuredOutput(json_object=True)})):
+                resp = await stub.Generate(generation_pb2.GenerateRequest(
+                    prompt_token_ids=pr.ids, mode="ar", max_new_tokens=args.max_new_tokens, temperature=0.0, **kw))
+                refs_by[name].append(list(resp.token_ids))
         rss0 = {k: rss_mb(v) for k, v in pids.items()}
         soak = Soak(stub, prompts, refs, args, http, load_tokenizer(tdir))
-        soak.penalized_refs = penalized_refs
+        soak.refs_by = refs_by
         t0 = time.monotonic()
         series = {k: [] for k in pids}  # RSS every --rss-every seconds: growth that goes on is a leak
 
@@ -330,6 +343,8 @@ if __name__ == "__main__":
     ap.add_argument("--http-share", type=float, default=0.3, help="of requests: sent to the HTTP API")
     ap.add_argument("--penalty-share", type=float, default=0.2,
                     help="of greedy requests: with presence, frequency and repetition penalties")
+    ap.add_argument("--json-share", type=float, default=0.15,
+                    help="of greedy requests without penalties: structured output, a JSON object")
     ap.add_argument("--settle-s", type=float, default=3.0)
     ap.add_argument("--rss-every", type=float, default=30.0)
     ap.add_argument("--seed", type=int, default=0)

@@ -1,12 +1,14 @@
 """Structured output under speculation, measured: JSON-schema requests in each mode against `ar` with the same
-schema (in process, default pair, greedy).
+schema (in process, default pair, greedy, one thread per model).
 
-    python scripts/structured_output_bench.py [--modes ar sd pacer] [--repeats 2] [--max-new-tokens 128]
+    python scripts/structured_output_bench.py [--modes ar ar:free sd sd:noforced pacer pacer:noforced] [--repeats 2]
 
-Each prompt asks for a JSON object and carries a schema (specdec/grammar.py). Per mode: tokens/s (median over
-prompts and repeats), tokens per target forward, the share of drafted tokens the grammar forced (proposed without a
-draft forward), whether every answer parses and has the schema's required keys, and whether it equals `ar`'s
-(greedy: it must). `--no-forced` A/Bs the forced-token proposals. Modes run round-robin per prompt.
+Each prompt asks for a JSON object and carries a schema (specdec/grammar.py). A mode may carry a flag: `:free`
+runs it without the schema (what the grammar costs), `:noforced` without the draft's grammar-forced proposals. Per
+mode: tokens/s (median over prompts and repeats), tokens per target forward, the share of drafted tokens the
+grammar forced (proposed without a draft forward), how many answers parse with the schema's required keys out of
+those that ended (not cut by --max-new-tokens), and how many equal `ar`'s (greedy, same schema: all must). The
+modes run round-robin per prompt, alternating the order.
 """
 from __future__ import annotations
 
@@ -39,10 +41,9 @@ PROMPTS = [
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--modes", nargs="+", default=["ar", "sd", "pacer"])
+    ap.add_argument("--modes", nargs="+", default=["ar", "ar:free", "sd", "sd:noforced", "pacer", "pacer:noforced"])
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--no-forced", action="store_true", help="the draft proposes no grammar-forced tokens")
+    ap.add_argument("--max-new-tokens", type=int, default=160)
     args = ap.parse_args(argv)
 
     import torch
@@ -64,44 +65,49 @@ def main(argv=None) -> None:
     draft = load_model_dir(ddir, dtype="auto", role="draft")
     pv = load_preverifier(_default_preverifier("default-draft"), draft_model=draft)
     eng = Engine(target, draft, preverifier=pv, threads_per_model=1, prefix_cache=False, lookup=prompt_lookup(3))
-    eng.draft_worker.grammar_forced = not args.no_forced
     tok = load_tokenizer(tdir)
     eos = tuple(sorted(eos_token_ids(tdir)))
     reqs = [(encode_prompt(tok, messages=[{"role": "user", "content": p}]), schema,
              StructuredOutput("json_schema", json.dumps(schema)).grammar()) for p, schema in PROMPTS]
-    rows = {m: {"tps": [], "tpf": [], "forced": [], "valid": 0, "same": 0, "n": 0} for m in args.modes}
+    rows = {m: {"tps": [], "tpf": [], "forced": [], "valid": 0, "ended": 0, "same": 0, "n": 0} for m in args.modes}
     ar_out: dict[int, list[int]] = {}
     for rep in range(args.repeats):
         for i, (ids, schema, grammar) in enumerate(reqs):
             order = args.modes if (rep + i) % 2 == 0 else args.modes[::-1]
-            for mode in order:
+            for name in order:
+                mode, _, flag = name.partition(":")
+                eng.draft_worker.grammar_forced = flag != "noforced"
                 looked0 = eng.draft_worker.looked_up_tokens
                 t0 = time.perf_counter()
                 res = eng.generate(GenerationRequest(ids, args.max_new_tokens, mode=mode, eos_token_ids=eos,
-                                                     params=SamplingParams(grammar=grammar)))
+                                                     params=SamplingParams(grammar="" if flag == "free" else grammar)))
                 wall = time.perf_counter() - t0
-                r = rows[mode]
+                r = rows[name]
                 r["n"] += 1
                 r["tps"].append(len(res.token_ids) / wall)
                 r["tpf"].append(len(res.token_ids) / max(res.stats.target_forwards, 1))
                 r["forced"].append((eng.draft_worker.looked_up_tokens - looked0) / max(res.stats.draft_tokens, 1))
-                try:
-                    obj = json.loads(tok.decode(res.token_ids, skip_special_tokens=True))
-                    r["valid"] += isinstance(obj, dict) and all(k in obj for k in schema["required"])
-                except ValueError:
-                    pass
+                if res.finish_reason == "stop":
+                    r["ended"] += 1
+                    try:
+                        obj = json.loads(tok.decode(res.token_ids, skip_special_tokens=True))
+                        r["valid"] += isinstance(obj, dict) and all(k in obj for k in schema["required"])
+                    except ValueError:
+                        pass
+                if flag == "free":
+                    continue
                 if mode == "ar":
                     ar_out[i] = res.token_ids
                 r["same"] += ar_out.get(i, res.token_ids) == res.token_ids
     base = statistics.median(rows["ar"]["tps"]) if "ar" in rows else None
-    print(f"forced-token proposals: {'off' if args.no_forced else 'on'}")
     print("| mode | tokens/s | vs ar (same schema) | tokens per target forward | drafted tokens forced | "
-          "valid JSON | equal to ar |")
+          "valid JSON / ended | equal to ar |")
     print("|---|---|---|---|---|---|---|")
-    for mode, r in rows.items():
+    for name, r in rows.items():
         tps = statistics.median(r["tps"])
-        print(f"| {mode} | {tps:.1f} | {f'{tps / base:.2f}x' if base else '-'} | {statistics.median(r['tpf']):.2f} | "
-              f"{statistics.median(r['forced']):.2f} | {r['valid']}/{r['n']} | {r['same']}/{r['n']} |")
+        same = "-" if name.endswith(":free") else f"{r['same']}/{r['n']}"
+        print(f"| {name} | {tps:.1f} | {f'{tps / base:.2f}x' if base else '-'} | {statistics.median(r['tpf']):.2f} | "
+              f"{statistics.median(r['forced']):.2f} | {r['valid']}/{r['ended']} | {same} |")
     eng.close()
 
 
