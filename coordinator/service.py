@@ -5,6 +5,7 @@ only turns a GenerateRequest into a token-id request, forwards it, and turns the
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 import uuid
@@ -208,7 +209,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             raise InvalidRequestError("ignore_eos" if r.ignore_eos else "structured_output",
                                       "structured output ends with the model's EOS token; leave ignore_eos unset"
                                       if r.ignore_eos else "this model names no EOS token, which ends the output")
-        grammar = form.grammar()
+        return form.grammar()
+
+    def _check_grammar(self, grammar: str) -> None:
+        """Compile the grammar against this tokenizer (INVALID_ARGUMENT saying why it does not), off the event loop:
+        a large schema can take 100 ms or more, once (GrammarVocab caches compiled grammars)."""
         if self._vocab is None and self.tok is not None:
             from specdec.grammar import GrammarVocab
 
@@ -218,7 +223,6 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                 self._vocab = False
         if self._vocab:
             self._vocab.check(grammar)
-        return grammar
 
     # -- events → responses ---------------------------------------------------------------------------------
     async def respond(self, r, context, incremental: bool = True):
@@ -227,6 +231,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         per-round events, only the final one, which carries every token. Both front doors call it (gRPC here, HTTP
         in coordinator/openai_http.py); `context` needs only `abort(code, message)`."""
         p = self.prepare(r)
+        if p.request["grammar"]:
+            await asyncio.to_thread(self._check_grammar, p.request["grammar"])
         asm, rid = p.assembler, p.request["request_id"]
         p.request["final_only"] = not (incremental or asm.stop)
         t0, first, ttft = time.perf_counter(), True, None

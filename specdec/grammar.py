@@ -20,6 +20,8 @@ import logging
 import os
 import pathlib
 import re
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
@@ -32,6 +34,7 @@ log = logging.getLogger(__name__)
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 MAX_GRAMMAR_CHARS = 256 * 1024
 MAX_CHOICES = 1024
+GRAMMAR_CACHE = 64  # compiled grammars kept per vocabulary
 
 
 @dataclass(frozen=True)
@@ -98,6 +101,26 @@ class _TokenBytes:
                                add_special_tokens=False).ids
 
 
+def _eos_ids(d: pathlib.Path, tokenizer_json: str) -> set[int]:
+    """EOS ids a model directory names (its configs' eos_token_id, tokenizer_config.json's eos_token), read without
+    transformers (which a replica would otherwise import for this alone: ~130 MB)."""
+    from specdec.tokenizer import eos_token_ids
+
+    out: set[int] = set()
+    for name in ("generation_config.json", "config.json"):
+        if (d / name).is_file():
+            out |= eos_token_ids(json.loads((d / name).read_text()))
+    if (d / "tokenizer_config.json").is_file():
+        eos = json.loads((d / "tokenizer_config.json").read_text()).get("eos_token")
+        eos = eos.get("content") if isinstance(eos, dict) else eos
+        if isinstance(eos, str):
+            from tokenizers import Tokenizer
+
+            tid = Tokenizer.from_str(tokenizer_json).token_to_id(eos)
+            out |= {tid} if tid is not None else set()
+    return out
+
+
 class GrammarVocab:
     """One model's vocabulary as llguidance sees it (token bytes, EOS ids): checks grammars and makes matchers.
     `vocab_size` is the model's logits width (it may pad past the tokenizer's)."""
@@ -122,37 +145,48 @@ class GrammarVocab:
         self.words = (n_vocab + 31) // 32  # the bitmask's int32 words
         self._bit = (1 << torch.arange(8, dtype=torch.uint8))
         self.eos_words = torch.zeros(self.words, dtype=torch.int32)  # the bitmask allowing EOS alone
+        self._compiled: OrderedDict[str, object] = OrderedDict()  # grammar -> an unused LLMatcher (`state`)
+        self._lock = threading.Lock()  # the coordinator checks grammars on worker threads
         for t in eos:
             self.eos_words.view(torch.uint8)[t // 8] |= 1 << (t % 8)
 
     @classmethod
     def from_dir(cls, path: os.PathLike | str, vocab_size: int) -> "GrammarVocab | None":
         """The vocabulary of a model directory with a tokenizer.json, else None (structured output refused)."""
-        from specdec.tokenizer import eos_token_ids
-
         d = pathlib.Path(path)
         if not (d / "tokenizer.json").is_file():
             return None
         try:
-            return cls((d / "tokenizer.json").read_text(), vocab_size, eos_token_ids(d))
+            text = (d / "tokenizer.json").read_text()
+            return cls(text, vocab_size, _eos_ids(d, text))
         except Exception as e:  # noqa: BLE001 - the replica still serves every other request
             log.warning("structured output is off for %s: %s", d, e)
             return None
 
     def check(self, grammar: str) -> None:
-        from llguidance import LLMatcher
-
-        bad, msgs = LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer)
-        if bad:
-            raise InvalidRequestError("structured_output", f"the grammar does not compile: {msgs[0][:500]}")
+        """Raises InvalidRequestError, with llguidance's reason, if `grammar` does not compile."""
+        self.state(grammar)
 
     def state(self, grammar: str) -> "GrammarState":
+        """A fresh matcher of `grammar`. Compiled grammars are kept (LRU, GRAMMAR_CACHE): a schema that many requests
+        share compiles once, and each session gets a copy (compiling a large schema can take 100 ms or more)."""
         from llguidance import LLMatcher
 
-        m = LLMatcher(self.tokenizer, grammar, log_level=0)
-        if m.is_error():
-            raise InvalidRequestError("structured_output", f"the grammar does not compile: {m.get_error()[:500]}")
-        return GrammarState(self, m)
+        pristine = self._compiled.get(grammar)
+        if pristine is None:
+            pristine = LLMatcher(self.tokenizer, grammar, log_level=0)
+            if pristine.is_error():
+                raise InvalidRequestError("structured_output", f"the grammar does not compile: "
+                                                               f"{pristine.get_error()[:500]}")
+            with self._lock:
+                self._compiled[grammar] = pristine
+                while len(self._compiled) > GRAMMAR_CACHE:
+                    self._compiled.popitem(last=False)
+        else:
+            with self._lock:
+                if grammar in self._compiled:
+                    self._compiled.move_to_end(grammar)
+        return GrammarState(self, pristine.deep_copy())
 
     def unpack(self, words: torch.Tensor) -> torch.Tensor:
         """int32 bitmask words [n, W] → allowed [n, vocab_size] (bool)."""

@@ -271,3 +271,14 @@ def test_a_rebuilt_session_continues_the_grammar(tiny):
     w.start_session("rebuilt", history, SamplingParams(grammar=grammar), output_start=len(PROMPT))
     out = w.verify("rebuilt", len(history) - 1, [history[-1]], [])
     assert out.next_token == want[5]
+
+
+def test_compiled_grammars_are_cached_and_each_session_gets_its_own_matcher(tiny):
+    _, _, vocab = tiny
+    grammar = grammar_of("choice", json.dumps(["ab", "ba"]))
+    a, b = vocab.state(grammar), vocab.state(grammar)
+    assert grammar in vocab._compiled and a.matcher is not b.matcher
+    assert a.sync([TOKENIZER_CHARS.index("a")]) and b.sync([TOKENIZER_CHARS.index("b")])
+    assert a.forced(a.consumed, 5) == [TOKENIZER_CHARS.index("b")]
+    assert b.forced(b.consumed, 5) == [TOKENIZER_CHARS.index("a")]
+    assert vocab.state(grammar).consumed == []  # the cached matcher is never advanced

@@ -49,6 +49,9 @@ class SessionHost:
         A plain prefill runs chunk by chunk, each chunk its own model-thread call (`interleave_prefill`): other
         sessions' verify and draft steps queued meanwhile run between the chunks, so a long prompt delays running
         streams by one chunk's forward at a time, not by its whole prefill (vLLM's chunked prefill)."""
+        vocab = self.worker.grammar_vocab if params.grammar else None
+        if vocab is not None:  # compile off the model thread (cached): a large schema must not stall other sessions
+            await asyncio.to_thread(vocab.check, params.grammar)
         evicted = self.table.admit(sid)
         self.prefilling.add(sid)
         try:
