@@ -69,6 +69,8 @@ class _Sampling(SpecDecKnobs):
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)  # vLLM's
+    min_p: float = Field(0.0, ge=0.0, le=1.0)  # vLLM's
+    min_tokens: int = Field(0, ge=0)  # vLLM's
     logit_bias: dict[str, float] | None = None  # OpenAI's: token id (as a string) -> bias in [-100, 100]
     # vLLM's: exactly one of json (a schema), regex, choice (a list of strings), grammar (Lark), json_object (true)
     structured_outputs: dict[str, Any] | None = None
@@ -107,7 +109,8 @@ class _Sampling(SpecDecKnobs):
                                            presence_penalty=self.presence_penalty,
                                            frequency_penalty=self.frequency_penalty,
                                            logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
-                                           stop_token_ids=self.stop_token_ids or [])
+                                           stop_token_ids=self.stop_token_ids or [], min_p=self.min_p,
+                                           min_tokens=self.min_tokens)
         if self.top_p < 1.0:
             r.top_p = self.top_p
         if self.repetition_penalty != 1.0:

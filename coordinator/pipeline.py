@@ -56,7 +56,9 @@ def request_from_dict(d: dict) -> GenerationRequest:
                             frequency_penalty=float(d.get("frequency_penalty", 0.0)),
                             repetition_penalty=float(d.get("repetition_penalty", 1.0)),
                             logit_bias=tuple((int(t), float(b)) for t, b in d.get("logit_bias", ())),
-                            grammar=str(d.get("grammar", "")))
+                            grammar=str(d.get("grammar", "")), min_p=float(d.get("min_p", 0.0)),
+                            min_tokens=int(d.get("min_tokens", 0)),
+                            stop_ids=tuple(d.get("eos_token_ids", ())) if d.get("min_tokens") else ())
     keys = ("max_new_tokens", "mode", "gamma", "block_size", "verify_method", "pacer_threshold", "pacer_skip_below",
             "pearl_first_block", "spec_off_batch", "pacer_post_threshold", "pearl_overlap", "priority")
     kw = {k: d[k] for k in keys if d.get(k) is not None}

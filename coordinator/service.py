@@ -30,7 +30,8 @@ DEFAULT_MAX_NEW_TOKENS = 128
 class TextAssembler:
     """Incremental text for a growing token list; holds back text that could still become a stop string."""
 
-    def __init__(self, tok, prompt_ids: list[int], stop: list[str]):
+    def __init__(self, tok, prompt_ids: list[int], stop: list[str], min_tokens: int = 0):
+        """`min_tokens`: a stop string must end in the text of the min_tokens-th token or later (vLLM's)."""
         from specdec.tokenizer import IncrementalDetokenizer
 
         self.detok = IncrementalDetokenizer(tok, prefix_ids=prompt_ids) if tok is not None else None
@@ -39,10 +40,14 @@ class TextAssembler:
         self.text, self.sent = "", 0
         self.token_ids: list[int] = []
         self.stopped = False
+        self.min_tokens = min_tokens
+        self.armed_at = 0 if min_tokens <= 1 else None  # text length before the min_tokens-th token
 
     def _find_stop(self) -> int:
+        if self.armed_at is None:
+            return -1
         start = max(0, self.sent - self.hold)
-        hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+        hits = [i for i in (self.text.find(s, max(start, self.armed_at - len(s) + 1)) for s in self.stop) if i >= 0]
         return min(hits) if hits else -1
 
     def push(self, ids: list[int]) -> tuple[str, list[int]]:
@@ -56,6 +61,8 @@ class TextAssembler:
         for t in (ids if self.stop else [ids]):  # per token when a stop string may end the text mid-chunk
             chunk = [t] if self.stop else list(t)
             taken.extend(chunk)
+            if self.armed_at is None and len(self.token_ids) + len(taken) >= self.min_tokens:
+                self.armed_at = len(self.text)
             self.text += self.detok.push(chunk)
             if self.stop and (idx := self._find_stop()) >= 0:
                 self.stopped = True
@@ -157,6 +164,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                                                 f"(unset: no logprobs), got {getattr(r, name)}")
         if r.top_k < 0:
             raise InvalidRequestError("top_k", f"must be >= 0 (0 disables it), got {r.top_k}")
+        if not 0.0 <= r.min_p <= 1.0:
+            raise InvalidRequestError("min_p", f"must be in [0, 1] (0 disables it), got {r.min_p}")
+        if not 0 <= r.min_tokens <= max_new:
+            raise InvalidRequestError("min_tokens", f"must be in [0, max_new_tokens={max_new}], got {r.min_tokens}")
         if len(r.stop_token_ids) > MAX_STOP_TOKEN_IDS or any(t < 0 for t in r.stop_token_ids):
             raise InvalidRequestError("stop_token_ids", f"send at most {MAX_STOP_TOKEN_IDS} token ids, each >= 0")
         if r.prompt_token_ids:
@@ -195,8 +206,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                "frequency_penalty": r.frequency_penalty,
                "repetition_penalty": r.repetition_penalty if r.HasField("repetition_penalty") else 1.0,
                "logit_bias": sorted((int(k), float(v)) for k, v in r.logit_bias.items()),
-               "grammar": self._grammar(r)}
-        return Prepared(req, TextAssembler(self.tok, ids, list(r.stop)))
+               "grammar": self._grammar(r), "min_p": r.min_p, "min_tokens": r.min_tokens}
+        return Prepared(req, TextAssembler(self.tok, ids, list(r.stop), r.min_tokens))
 
     def _grammar(self, r: generation_pb2.GenerateRequest) -> str:
         """The llguidance grammar of r.structured_output ("" if unset), checked against this tokenizer."""

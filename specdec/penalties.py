@@ -11,7 +11,8 @@ Definitions (vLLM's):
 - logit_bias: logit[t] += bias[t];
 - repetition_penalty r: for every token in the prompt or the output so far, logit /= r if positive, else *= r;
 - frequency_penalty f, presence_penalty e: logit[t] -= f * count[t] + e * (count[t] > 0), count over the output
-  so far (not the prompt).
+  so far (not the prompt);
+- min_tokens m: a row deciding one of the first m output tokens gets -inf at `stop_ids` (EOS and stop token ids).
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from specdec.sampling import SamplingParams
 
 def adjusts(params: SamplingParams) -> bool:
     return bool(params.logit_bias) or params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0 \
-        or params.presence_penalty != 0.0
+        or params.presence_penalty != 0.0 or bool(params.min_tokens and params.stop_ids)
 
 
 def adjust_logits(rows: torch.Tensor, history: list[int], output_start: int, appended: list[int],
@@ -36,6 +37,9 @@ def adjust_logits(rows: torch.Tensor, history: list[int], output_start: int, app
     if not adjusts(params) or out.shape[0] == 0:
         return out
     n = out.shape[0]
+    held = params.min_tokens - (len(history) - output_start)  # rows [0, held) decide output tokens < min_tokens
+    if held > 0 and params.stop_ids:
+        out[:held, torch.tensor(params.stop_ids)] = float("-inf")
     bias = dict(params.logit_bias)
     ids = sorted(set(history) | set(appended[:n - 1]) | set(bias))
     if not ids:

@@ -73,6 +73,12 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs
     # structured output (specdec/grammar.py): an llguidance grammar the output must match; "": none
     grammar: str = ""
+    # vLLM's min_p: after temperature, drop tokens less likely than min_p times the most likely one; 0: off
+    min_p: float = 0.0
+    # vLLM's min_tokens: the first min_tokens output tokens are never one of stop_ids (EOS, stop token ids), which
+    # the coordinator fills (specdec/penalties.py)
+    min_tokens: int = 0
+    stop_ids: tuple[int, ...] = ()
 
     @property
     def greedy(self) -> bool:
@@ -100,6 +106,10 @@ class SamplingParams:
         if len(self.cache_salt) > MAX_CACHE_SALT:
             raise InvalidRequestError("cache_salt", f"is {len(self.cache_salt)} characters; use at most "
                                                     f"{MAX_CACHE_SALT} (e.g. a hash of the tenant's id)")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise InvalidRequestError("min_p", f"must be in [0, 1] (0 disables it), got {self.min_p}")
+        if self.min_tokens < 0:
+            raise InvalidRequestError("min_tokens", f"must be >= 0, got {self.min_tokens}")
         if len(self.grammar) > MAX_GRAMMAR_CHARS:
             raise InvalidRequestError("structured_output", f"the grammar is {len(self.grammar)} characters; at most "
                                                            f"{MAX_GRAMMAR_CHARS}")
@@ -151,6 +161,9 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     if params.greedy:
         return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
     logits = logits / params.temperature
+    if params.min_p > 0.0:  # vLLM's order: after temperature, before top-k / top-p
+        probs = logits.softmax(-1)
+        logits = logits.masked_fill(probs < params.min_p * probs.amax(-1, keepdim=True), float("-inf"))
     if params.top_k and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))

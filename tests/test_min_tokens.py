@@ -1,0 +1,144 @@
+"""vLLM's min_p and min_tokens, exact under speculation: min_p is part of the one logits→probabilities transform
+draft and target share (specdec/sampling.py), min_tokens masks EOS and stop token ids in the target's rows that
+decide the first min_tokens output tokens (specdec/penalties.py)."""
+import itertools
+import os
+
+import pytest
+import torch
+
+from coordinator.service import TextAssembler
+from specdec.engine import Engine
+from specdec.errors import InvalidRequestError
+from specdec.preverifier import build_random_preverifier
+from specdec.request import MODES, GenerationRequest
+from specdec.sampling import SamplingParams, logits_to_probs
+from tests.helpers_models import TOKENIZER_CHARS, build_tiny_model, target_greedy
+from tests.table_lm import TableLM
+from tests.test_exactness import PROMPT as TABLE_PROMPT, V as TABLE_V, chi_square_pvalue, run_many
+
+def test_min_p_keeps_tokens_at_least_min_p_times_the_top_one():
+    row = torch.tensor([2.0, 1.0, 0.0, -1.0, 3.0])
+    for t, min_p in ((1.0, 0.2), (0.5, 0.05), (2.0, 0.6)):
+        probs = logits_to_probs(row, SamplingParams(temperature=t, min_p=min_p))
+        p = torch.softmax(row / t, -1)
+        keep = p >= min_p * p.max()
+        want = torch.where(keep, p, torch.zeros_like(p))
+        torch.testing.assert_close(probs, want / want.sum())
+    with pytest.raises(InvalidRequestError, match="min_p"):
+        SamplingParams(min_p=1.5).validate()
+
+
+@pytest.mark.parametrize("method", ["token", "block"])
+def test_sampling_with_min_p_matches_the_exact_distribution(method):
+    target, draft = TableLM(TABLE_V, seed=21, scale=1.5), TableLM(TABLE_V, seed=22, scale=1.5)
+    kw = dict(temperature=1.0, min_p=0.15)
+    params = SamplingParams(**kw)
+    exact = {}
+    for seq in itertools.product(range(TABLE_V), repeat=3):
+        prob = 1.0
+        for i in range(3):
+            prob *= float(logits_to_probs(target.next_logits(tuple(TABLE_PROMPT + list(seq[:i]))), params)
+                          .double()[seq[i]])
+        if prob > 0:
+            exact[seq] = prob
+    eng = Engine(target, draft, inline=True)
+    n = int(os.environ.get("SPECDEC_EXACT_RUNS_TRUNC", "3000"))
+    counts = run_many(eng, "sd", method, kw, n)
+    eng.close()
+    assert set(counts) <= set(exact)  # nothing min_p drops is ever generated
+    assert chi_square_pvalue(counts, exact, n) > 0.001
+
+
+def held_greedy(model, prompt, n, eos: set[int], min_tokens: int) -> list[int]:
+    """Target-only greedy decoding that never picks an EOS id among the first min_tokens tokens, stopping at EOS."""
+    ids = list(prompt)
+    kv = model.new_kv_slots(1, len(prompt) + n + 8)
+    with torch.no_grad():
+        for k in range(n):
+            logits, _ = model(torch.tensor([ids]), torch.arange(len(ids))[None], torch.tensor([0]), kv)
+            row = logits[0, -1].float().clone()
+            if k < min_tokens:
+                row[list(eos)] = float("-inf")
+            ids.append(int(row.argmax()))
+            if ids[-1] in eos:
+                break
+    return ids[len(prompt):]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_min_tokens_holds_back_eos_in_every_mode(mode):
+    target = build_tiny_model(vocab_size=32, seed=1, logit_scale=2.0)
+    draft = build_tiny_model(vocab_size=32, seed=2, logit_scale=2.0)
+    prompt = [5, 17, 2, 8, 30, 12]
+    free = target_greedy(target, prompt, 24)  # 27 23 7 11 4 5 28 27 ...
+    eos = {free[2], free[5]}  # greedy would end at its third token
+    want = held_greedy(target, prompt, 24, eos, 8)
+    assert len(want) > 8 and not eos & set(want[:8]), want
+    pv = build_random_preverifier(draft.config.hidden_size, seed=5, block_size=2, threshold=0.5)
+    eng = Engine(target, draft, preverifier=pv)
+    for gamma in (1, 4):
+        res = eng.generate(GenerationRequest(prompt, 24, mode=mode, gamma=gamma, eos_token_ids=tuple(sorted(eos)),
+                                             params=SamplingParams(min_tokens=8, stop_ids=tuple(sorted(eos)))))
+        assert res.token_ids == want, (mode, gamma)
+    plain = eng.generate(GenerationRequest(prompt, 24, mode=mode, eos_token_ids=tuple(sorted(eos))))
+    assert plain.token_ids == free[:3]
+    same = Engine(target, target)  # draft == target holds the same tokens back: every draft token accepted
+    res = same.generate(GenerationRequest(prompt, 24, mode="sd", gamma=4, eos_token_ids=tuple(sorted(eos)),
+                                          params=SamplingParams(min_tokens=8, stop_ids=tuple(sorted(eos)))))
+    assert res.token_ids == want and res.stats.accepted_tokens >= res.stats.draft_tokens - 4
+    eng.close()
+    same.close()
+
+
+def test_stop_strings_count_only_from_the_min_tokens_th_token():
+    from specdec.tokenizer import load_tokenizer
+    from tests.helpers_models import save_tiny_tokenizer
+    import tempfile
+    import pathlib
+
+    tok = load_tokenizer(save_tiny_tokenizer(pathlib.Path(tempfile.mkdtemp())))
+    ids = [TOKENIZER_CHARS.index(c) for c in "ab.cd.ef.gh"]
+    for min_tokens, want in ((0, "ab"), (2, "ab"), (3, "ab"), (4, "ab.cd"), (6, "ab.cd"), (7, "ab.cd.ef")):
+        asm = TextAssembler(tok, [1], ["."], min_tokens)
+        text = "".join(asm.push([t])[0] for t in ids) + asm.finish()
+        assert text == want, (min_tokens, text)
+
+
+async def test_over_the_wire_and_in_the_http_body():
+    import grpc
+
+    from coordinator.config import CoordinatorSettings
+    from coordinator.openai_schema import CompletionRequest
+    from coordinator.server import build_coordinator
+    from specdec.pb import generation_pb2 as g, generation_pb2_grpc as gg
+    from tests.helpers_models import start_replica, tiny_pair
+
+    target, draft = tiny_pair()
+    prompt = [5, 17, 2, 8, 30, 12]
+    free = target_greedy(target, prompt, 24)
+    eos = {free[2], free[5]}
+    want = held_greedy(target, prompt, 24, eos, 8)
+    t, d = await start_replica("target", target), await start_replica("draft", draft)
+    app, _ = await build_coordinator(CoordinatorSettings(
+        host="127.0.0.1", port=0, metrics_port=0, ray=False, tokenizer="", grace_s=0, log_level="WARNING",
+        draft_endpoints=d.endpoint, target_endpoints=t.endpoint), eos_token_ids=eos)
+    await app.start()
+    stub = gg.GenerationServiceStub(ch := grpc.aio.insecure_channel(f"127.0.0.1:{app.port}"))
+    try:
+        for mode in ("sd", "pearl"):
+            r = g.GenerateRequest(prompt_token_ids=prompt, max_new_tokens=24, mode=mode, min_tokens=8)
+            assert list((await stub.Generate(r)).token_ids) == want
+        r = g.GenerateRequest(prompt_token_ids=prompt, max_new_tokens=24, mode="sd", temperature=1.0, seed=3,
+                              min_p=0.3, min_tokens=24)
+        assert len((await stub.Generate(r)).token_ids) == 24
+        for bad, field in ((dict(min_tokens=30, max_new_tokens=24), "min_tokens"), (dict(min_p=1.5), "min_p")):
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await stub.Generate(g.GenerateRequest(prompt_token_ids=prompt, **bad))
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in e.value.details()
+    finally:
+        await ch.close()
+        for a in (app, t, d):
+            await a.shutdown(0)
+    body = CompletionRequest(prompt=[1, 2], min_tokens=5, min_p=0.1, max_tokens=8).to_proto()
+    assert body.min_tokens == 5 and body.min_p == pytest.approx(0.1)
