@@ -1,10 +1,11 @@
 """Structured output under speculation, measured: JSON-schema requests in each mode against `ar` with the same
-schema (in process, default pair, greedy, one thread per model).
+schema (in process, default pair, greedy, one thread per model, prompt lookup as the draft replica's default).
 
     python scripts/structured_output_bench.py [--modes ar ar:free sd sd:noforced pacer pacer:noforced] [--repeats 2]
 
 Each prompt asks for a JSON object and carries a schema (specdec/grammar.py). A mode may carry a flag: `:free`
-runs it without the schema (what the grammar costs), `:noforced` without the draft's grammar-forced proposals. Per
+runs it without the schema (what the grammar costs), `:noforced` without the draft's grammar-forced proposals,
+`:nolookup` without prompt lookup. Per
 mode: tokens/s (median over prompts and repeats), tokens per target forward, the share of drafted tokens the
 grammar forced (proposed without a draft forward), how many answers parse with the schema's required keys out of
 those that ended (not cut by --max-new-tokens), and how many equal `ar`'s (greedy, same schema: all must). The
@@ -64,7 +65,8 @@ def main(argv=None) -> None:
     target = load_model_dir(tdir, dtype="auto", role="target")
     draft = load_model_dir(ddir, dtype="auto", role="draft")
     pv = load_preverifier(_default_preverifier("default-draft"), draft_model=draft)
-    eng = Engine(target, draft, preverifier=pv, threads_per_model=1, prefix_cache=False, lookup=prompt_lookup(3))
+    lookup = prompt_lookup(3)
+    eng = Engine(target, draft, preverifier=pv, threads_per_model=1, prefix_cache=False, lookup=lookup)
     tok = load_tokenizer(tdir)
     eos = tuple(sorted(eos_token_ids(tdir)))
     reqs = [(encode_prompt(tok, messages=[{"role": "user", "content": p}]), schema,
@@ -77,6 +79,7 @@ def main(argv=None) -> None:
             for name in order:
                 mode, _, flag = name.partition(":")
                 eng.draft_worker.grammar_forced = flag != "noforced"
+                eng.draft_worker.lookup = None if flag == "nolookup" else lookup
                 looked0 = eng.draft_worker.looked_up_tokens
                 t0 = time.perf_counter()
                 res = eng.generate(GenerationRequest(ids, args.max_new_tokens, mode=mode, eos_token_ids=eos,

@@ -227,7 +227,15 @@ class DraftWorker(Worker):
                           looked_up=sum(c.looked[c.block_start:]))
 
     def _lookup_applies(self, s: Session) -> bool:
-        return self.lookup is not None and (s.params.greedy or not self.lookup.greedy_only) and s.grammar is None
+        return self.lookup is not None and (s.params.greedy or not self.lookup.greedy_only)
+
+    def _propose_lookup(self, s: Session, context: list[int]) -> tuple[int, int] | None:
+        """Prompt lookup's proposal after `context`, unless the session's grammar forbids it there."""
+        looked = self.lookup.propose(context)
+        if looked is not None and s.grammar is not None and not s.grammar.allows(context[s.output_start:],
+                                                                                looked[0]):
+            return None
+        return looked
 
     @staticmethod
     def _grammar_masked(s: Session, full: torch.Tensor) -> torch.Tensor:
@@ -244,17 +252,18 @@ class DraftWorker(Worker):
         s = c.s
         if not self.lookup_without_forward or s.feats is not None:
             return None
-        if s.grammar is None and not self._lookup_applies(s):
+        forcing = s.grammar is not None and self.grammar_forced
+        if not forcing and not self._lookup_applies(s):
             return None
         if c.want_features and not all(c.looked[c.block_start:]):
             return None  # a block mixing model and looked-up tokens is scored at once: its features are needed now
+        context = s.tokens + c.feed
+        if forcing:  # structured output: the token the grammar forces here, if it forces one
+            forced = s.grammar.forced(context[s.output_start:], 1)
+            if forced:
+                return forced[0], 0
         c.looked_ahead = True
-        if s.grammar is not None:  # structured output: the token the grammar forces here, if it forces one
-            if not self.grammar_forced:
-                return None
-            forced = s.grammar.forced((s.tokens + c.feed)[s.output_start:], 1)
-            return (forced[0], 0) if forced else None
-        return self.lookup.propose(s.tokens + c.feed)
+        return self._propose_lookup(s, context) if self._lookup_applies(s) else None
 
     def _fill_deferred(self, c: DraftCall, logits: torch.Tensor, hidden: torch.Tensor) -> None:
         """The pre-verifier features of the looked-up tokens drafted without a forward, from the forward that fed
@@ -280,7 +289,7 @@ class DraftWorker(Worker):
         subset = getattr(self.model, "vocab_subset", None)  # not None: `row` is compact (advance)
         deferred = looked is not None
         if looked is None and not c.looked_ahead and self._lookup_applies(s):
-            looked = self.lookup.propose(s.tokens)
+            looked = self._propose_lookup(s, s.tokens)
         c.looked_ahead = False
         probs = None
         if looked is not None:  # proposed with certainty: q is one-hot, exact at any temperature

@@ -265,6 +265,14 @@ class GrammarState:
             allowed[dead.nonzero()[:, 0][:, None], torch.tensor(self.vocab.eos_ids)] = True
         return rows.float().masked_fill(~allowed, float("-inf"))
 
+    def allows(self, output: Sequence[int], token: int) -> bool:
+        """Whether the grammar allows `token` after `output`."""
+        if not self.sync(output):
+            return False
+        if self.ended:
+            return token in self.vocab.eos_ids
+        return self.matcher.validate_tokens([int(token)]) == 1
+
     def forced(self, output: Sequence[int], limit: int) -> list[int]:
         """Up to `limit` tokens the grammar forces after `output` (one continuation only); [] if the output leaves
         the grammar or has ended."""

@@ -282,3 +282,38 @@ def test_compiled_grammars_are_cached_and_each_session_gets_its_own_matcher(tiny
     assert a.forced(a.consumed, 5) == [TOKENIZER_CHARS.index("b")]
     assert b.forced(b.consumed, 5) == [TOKENIZER_CHARS.index("a")]
     assert vocab.state(grammar).consumed == []  # the cached matcher is never advanced
+
+
+def test_prompt_lookup_proposes_only_what_the_grammar_allows(tiny):
+    """Prompt lookup stays on for grammar requests; its proposals the grammar forbids are dropped (the draft model
+    drafts there), so every looked-up token the target sees is one it may accept."""
+    from specdec.lookup import PromptLookup
+
+    target, draft, vocab = tiny
+    grammar = grammar_of("regex", r"(ab|ba)( (ab|ba)){3,8}\.")
+    want = masked_greedy(target, vocab, grammar, PROMPT, 40)
+    class Recording:  # the lookup, recording every context it is asked about
+        def __init__(self, inner):
+            self.inner, self.calls = inner, []
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        def propose(self, ctx):
+            self.calls.append(list(ctx))
+            return self.inner.propose(ctx)
+
+    eng = engine(target, draft, vocab)
+    eng.draft_worker.lookup = rec = Recording(PromptLookup(min_ngram=1))
+    eng.draft_worker.grammar_forced = False
+    proposed, propose = rec.calls, rec.inner.propose
+    res = eng.generate(GenerationRequest(PROMPT, 40, mode="sd", gamma=4, eos_token_ids=(EOS,),
+                                         params=SamplingParams(grammar=grammar)))
+    assert res.token_ids == want and eng.draft_worker.looked_up_tokens > 0
+    state = vocab.state(grammar)
+    offered = [(ctx[len(PROMPT):], propose(ctx)) for ctx in proposed]
+    kept = [(out, p[0]) for out, p in offered if p is not None and state.allows(out, p[0])]
+    dropped = [(out, p[0]) for out, p in offered if p is not None and not state.allows(out, p[0])]
+    assert kept and dropped, "lookup proposed tokens the grammar allows and tokens it forbids"
+    assert eng.draft_worker.looked_up_tokens <= len(kept)
+    eng.close()
