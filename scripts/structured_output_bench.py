@@ -6,8 +6,8 @@ schema (in process, default pair, greedy, one thread per model, prompt lookup as
 Each prompt asks for a JSON object and carries a schema (specdec/grammar.py). A mode may carry a flag: `:free`
 runs it without the schema (what the grammar costs), `:noforced` without the draft's grammar-forced proposals,
 `:nolookup` without prompt lookup. Per
-mode: tokens/s (median over prompts and repeats), tokens per target forward, the share of drafted tokens the
-grammar forced (proposed without a draft forward), how many answers parse with the schema's required keys out of
+mode: tokens/s (median over prompts and repeats), tokens per target forward, the share of drafted tokens proposed
+without a draft forward (forced by the grammar or looked up), how many answers parse with the schema's required keys out of
 those that ended (not cut by --max-new-tokens), and how many equal `ar`'s (greedy, same schema: all must). The
 modes run round-robin per prompt, alternating the order.
 """
@@ -103,7 +103,7 @@ def main(argv=None) -> None:
                     ar_out[i] = res.token_ids
                 r["same"] += ar_out.get(i, res.token_ids) == res.token_ids
     base = statistics.median(rows["ar"]["tps"]) if "ar" in rows else None
-    print("| mode | tokens/s | vs ar (same schema) | tokens per target forward | drafted tokens forced | "
+    print("| mode | tokens/s | vs ar (same schema) | tokens per target forward | drafted without a forward | "
           "valid JSON / ended | equal to ar |")
     print("|---|---|---|---|---|---|---|")
     for name, r in rows.items():
