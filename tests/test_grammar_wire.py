@@ -131,3 +131,37 @@ async def test_http_forms_translate_to_structured_output():
     assert structured_output_pb({"json_object": True}).json_object and structured_output_pb(None) is None
     with pytest.raises(ValueError, match="unknown key"):
         structured_output_pb({"xml": "<a/>"})
+
+
+async def test_the_grammar_survives_a_target_failover(tmp_path):
+    """The pinned target replica dies mid-request; the session is rebuilt on the other from its history, its
+    matcher resumes from StartSession.output_start, and the answer still equals masked greedy decoding."""
+    from specdec.model import load_model_dir
+
+    tdir, ddir = save_tiny_pair(tmp_path)
+    save_tiny_tokenizer(ddir)
+    for d in (tdir, ddir):
+        (d / "generation_config.json").write_text(json.dumps({"eos_token_id": EOS}))
+    target = load_model_dir(tdir)
+    r1, r2 = await start_replica("target", target), await start_replica("target", target)
+    d = await start_replica("draft", load_model_dir(ddir))
+    app, _ = await build_coordinator(CoordinatorSettings(
+        host="127.0.0.1", port=0, metrics_port=0, ray=False, tokenizer="", grace_s=0, log_level="WARNING",
+        draft_endpoints=d.endpoint, target_endpoints=f"{r1.endpoint},{r2.endpoint}"), eos_token_ids={EOS})
+    await app.start()
+    stub = gg.GenerationServiceStub(ch := grpc.aio.insecure_channel(f"127.0.0.1:{app.port}"))
+    try:
+        want = masked_greedy(target, r1.host.worker.grammar_vocab, grammar_of("regex", SENTENCE), PROMPT, 40)
+        request = g.GenerateRequest(prompt_token_ids=PROMPT, max_new_tokens=40, mode="sd", gamma=2,
+                                    structured_output=g.StructuredOutput(regex=SENTENCE))
+        ids, last = [], None
+        async for part in stub.GenerateStream(request):
+            ids.extend(part.token_ids)
+            last = part
+            if len(ids) >= 6 and not r1.draining and not r2.draining:
+                await (r1 if len(r1.host.table) else r2).shutdown(0)  # the pinned replica dies mid-request
+        assert ids == want and "," in last.stats.target_replica, "the session moved and kept its grammar"
+    finally:
+        await ch.close()
+        for a in (app, r1, r2, d):
+            await a.shutdown(0)
