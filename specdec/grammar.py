@@ -172,21 +172,20 @@ class GrammarVocab:
         share compiles once, and each session gets a copy (compiling a large schema can take 100 ms or more)."""
         from llguidance import LLMatcher
 
-        pristine = self._compiled.get(grammar)
-        if pristine is None:
-            pristine = LLMatcher(self.tokenizer, grammar, log_level=0)
-            if pristine.is_error():
-                raise InvalidRequestError("structured_output", f"the grammar does not compile: "
-                                                               f"{pristine.get_error()[:500]}")
-            with self._lock:
-                self._compiled[grammar] = pristine
-                while len(self._compiled) > GRAMMAR_CACHE:
-                    self._compiled.popitem(last=False)
-        else:
-            with self._lock:
-                if grammar in self._compiled:
-                    self._compiled.move_to_end(grammar)
-        return GrammarState(self, pristine.deep_copy())
+        with self._lock:  # copies are taken under the lock: a matcher is not shared across threads while in use
+            pristine = self._compiled.get(grammar)
+            if pristine is not None:
+                self._compiled.move_to_end(grammar)
+                return GrammarState(self, pristine.deep_copy())
+        pristine = LLMatcher(self.tokenizer, grammar, log_level=0)  # outside the lock: it may take a while
+        if pristine.is_error():
+            raise InvalidRequestError("structured_output", f"the grammar does not compile: "
+                                                           f"{pristine.get_error()[:500]}")
+        with self._lock:
+            self._compiled[grammar] = pristine
+            while len(self._compiled) > GRAMMAR_CACHE:
+                self._compiled.popitem(last=False)
+            return GrammarState(self, pristine.deep_copy())
 
     def unpack(self, words: torch.Tensor) -> torch.Tensor:
         """int32 bitmask words [n, W] → allowed [n, vocab_size] (bool)."""
