@@ -91,7 +91,7 @@ class ServicerBackend:
         if self.tok is None:
             raise ApiError(400, "messages: this coordinator has no tokenizer", "messages")
         try:
-            return encode_prompt(self.tok, messages=[{"role": m.template_role, "content": m.content}
+            return encode_prompt(self.tok, messages=[{"role": m.template_role, "content": m.text}
                                                      for m in body.messages])
         except ValueError as e:
             raise ApiError(400, str(e), "messages") from None

@@ -162,7 +162,7 @@ class OpenAIFrontDoor:
                                                   self.backend.token_text))
 
             answers = await until_disconnected(request, _all(whole(p) for p in protos))
-            return schema.completion_body(chat, rid, created, self.model_name, answers)
+            return schema.completion_body(chat, rid, created, self.model_name, answers, body.tool if chat else None)
         streams = [self.backend.events(p) for p in protos]
         # each choice's first response before the headers: a request refused at once gets its HTTP status, not a
         # 200 stream
@@ -180,21 +180,31 @@ class OpenAIFrontDoor:
                     await events.aclose()
             raise
         usage = body.stream_options is not None and body.stream_options.include_usage
-        return StreamingResponse(self._stream(chat, rid, created, firsts, streams, usage),
+        return StreamingResponse(self._stream(chat, rid, created, firsts, streams, usage, body.tool if chat else None),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-    async def _stream(self, chat, rid, created, firsts, streams, with_usage):
+    async def _stream(self, chat, rid, created, firsts, streams, with_usage, tool=None):
+        """`tool`: a forced tool choice: a choice's calls come whole in one chunk when it ends (its text is held)."""
         name = self.model_name
         chunk = functools.partial(schema.chunk_body, chat, rid, created, name, with_usage=with_usage)
         stats = [None] * len(streams)
+        held = [[] for _ in streams]
         try:
             if chat:
                 for i in range(len(streams)):
                     yield _sse(chunk(None, None, role=True, index=i))
             async for i, resp in _merged(firsts, streams):  # a dropped client cancels here, and with it every choice
                 finish = schema.FINISH_REASON.get(resp.finish_reason) if resp.finish_reason else None
-                if resp.HasField("logprobs") and resp.token_ids:  # tokens whose text may still be held back
+                if tool is not None:
+                    held[i].append(resp.text_delta)
+                    if not finish:
+                        continue
+                    message, finish = tool.message("".join(held[i]), finish)
+                    calls = [{"index": k, **c} for k, c in enumerate(message.get("tool_calls") or [])]
+                    yield _sse(chunk(None, None, index=i, delta={"tool_calls": calls} if calls else
+                                     {"content": message["content"]}))
+                elif resp.HasField("logprobs") and resp.token_ids:  # tokens whose text may still be held back
                     yield _sse(chunk(resp.text_delta, None, index=i, logprobs=schema.logprobs_body(
                         chat, resp.token_ids, resp.logprobs, self.backend.token_text)))
                 elif resp.text_delta:

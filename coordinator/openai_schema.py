@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
+from coordinator.openai_structured import ToolChoice, response_format_pb, structured_output_pb, tool_choice
 from specdec.pb import generation_pb2
 
 MAX_STOP = 16
@@ -137,56 +138,25 @@ class _Sampling(SpecDecKnobs):
         return out
 
 
-_STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object")
-
-
-def structured_output_pb(so: dict[str, Any] | None) -> generation_pb2.StructuredOutput | None:
-    """vLLM's `structured_outputs` body field → StructuredOutput (None: not set)."""
-    if not so:
-        return None
-    given = {k: v for k, v in so.items() if v not in (None, False)}
-    unknown = sorted(set(given) - set(_STRUCTURED_KEYS))
-    if unknown:
-        raise ValueError(f"structured_outputs: unknown key {unknown[0]!r}; use one of {', '.join(_STRUCTURED_KEYS)}")
-    if len(given) != 1:
-        raise ValueError(f"structured_outputs: set exactly one of {', '.join(_STRUCTURED_KEYS)}")
-    (key, value), = given.items()
-    out = generation_pb2.StructuredOutput()
-    if key == "json":
-        out.json_schema = value if isinstance(value, str) else json.dumps(value)
-    elif key == "json_object":
-        out.json_object = True
-    elif key == "choice":
-        if not isinstance(value, list) or not all(isinstance(c, str) for c in value):
-            raise ValueError("structured_outputs.choice: a list of strings")
-        out.choice.choices.extend(value)
-    elif not isinstance(value, str):
-        raise ValueError(f"structured_outputs.{key}: a string")
-    else:
-        setattr(out, "regex" if key == "regex" else "grammar", value)
-    return out
-
-
-def response_format_pb(fmt: dict[str, Any] | None) -> generation_pb2.StructuredOutput | None:
-    """OpenAI's `response_format` → StructuredOutput (None: text)."""
-    kind = (fmt or {}).get("type", "text")
-    if kind == "text":
-        return None
-    if kind == "json_object":
-        return generation_pb2.StructuredOutput(json_object=True)
-    if kind != "json_schema":
-        raise ValueError(f"response_format: type {kind!r} is not supported; use text, json_object or json_schema")
-    spec = fmt.get("json_schema")
-    schema = spec.get("schema") if isinstance(spec, dict) else None
-    if not isinstance(schema, dict):
-        raise ValueError("response_format: json_schema needs {'name': ..., 'schema': {...}}")
-    return generation_pb2.StructuredOutput(json_schema=json.dumps(schema))
-
-
 class ChatMessage(_Body):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[dict[str, Any]]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None  # None: an assistant message with tool_calls
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an earlier assistant turn's calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
+
+    @model_validator(mode="after")
+    def _has_content(self):
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content: needed (only an assistant message with tool_calls may leave it out)")
+        return self
+
+    @property
+    def text(self) -> str:
+        """What the chat template gets as content: an assistant turn's tool calls as their JSON."""
+        if self.content is None:
+            return json.dumps([c.get("function", c) for c in self.tool_calls or []])
+        return self.content
 
     @property
     def template_role(self) -> str:
@@ -196,7 +166,7 @@ class ChatMessage(_Body):
     @field_validator("content")
     @classmethod
     def _text_only(cls, v):
-        if isinstance(v, str):
+        if v is None or isinstance(v, str):
             return v
         parts = []
         for i, part in enumerate(v):
@@ -216,6 +186,7 @@ class ChatCompletionRequest(_Sampling):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    _tool: Any = PrivateAttr(default=None)  # the forced tool choice (coordinator/openai_structured.py)
 
     @model_validator(mode="after")
     def _chat_neutral(self):
@@ -230,16 +201,26 @@ class ChatCompletionRequest(_Sampling):
         if fmt is not None and self._structured is not None:
             raise ValueError("response_format: send it or structured_outputs, not both")
         self._structured = fmt if fmt is not None else self._structured
-        if self.tools or self.tool_choice not in (None, "none"):
-            raise ValueError("tools: tool calls are not supported; leave tools and tool_choice out")
+        self._tool = tool_choice(self.tools, self.tool_choice, self.parallel_tool_calls)
+        if self._tool is not None:
+            if self._structured is not None:
+                raise ValueError("tool_choice: a forced tool call fixes the answer's form already; leave "
+                                 "response_format and structured_outputs out")
+            self._structured = self._tool.structured()
         return self
+
+    @property
+    def tool(self) -> ToolChoice | None:
+        return self._tool
 
     def to_proto(self) -> generation_pb2.GenerateRequest:
         r = self.generate_request(self.max_completion_tokens or self.max_tokens)
         if self.logprobs:
             r.logprobs = self.top_logprobs or 0
         for m in self.messages:
-            r.messages.add(role=m.template_role, content=m.content)
+            r.messages.add(role=m.template_role, content=m.text)
+        if self.tools and self.tool_choice != "none":  # the chat template shows them to the model
+            r.tools = json.dumps(self.tools)
         return r
 
 
@@ -361,11 +342,18 @@ def echo_logprobs_body(prompt_ids: list[int], prompt_lps: generation_pb2.Generat
     return body
 
 
-def completion_body(chat: bool, rid: str, created: int, model: str, answers: list[tuple]) -> dict:
-    """`answers`: (text, finish_reason, stats, logprobs object or None) per choice, in index order."""
+def completion_body(chat: bool, rid: str, created: int, model: str, answers: list[tuple],
+                    tool: ToolChoice | None = None) -> dict:
+    """`answers`: (text, finish_reason, stats, logprobs object or None) per choice, in index order. `tool`: a forced
+    tool choice, whose answers come back as the message's tool_calls."""
     choices = []
     for i, (text, finish, stats, logprobs) in enumerate(answers):
-        choice = {"index": i, "message": {"role": "assistant", "content": text}} if chat else {"index": i, "text": text}
+        if tool is not None:
+            message, finish = tool.message(text, finish)
+            choice = {"index": i, "message": message}
+        else:
+            choice = {"index": i, "message": {"role": "assistant", "content": text}} if chat else {"index": i,
+                                                                                                   "text": text}
         choices.append({**choice, "logprobs": logprobs, "finish_reason": finish, "stats": stats_dict(stats)})
     return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
             "model": model, "choices": choices, "usage": usage([a[2] for a in answers]),
@@ -374,12 +362,14 @@ def completion_body(chat: bool, rid: str, created: int, model: str, answers: lis
 
 def chunk_body(chat: bool, rid: str, created: int, model: str, text: str | None, finish: str | None,
                role: bool = False, with_usage: bool = False, index: int = 0,
-               stats: generation_pb2.GenerationStats | None = None, logprobs: dict | None = None) -> dict:
+               stats: generation_pb2.GenerationStats | None = None, logprobs: dict | None = None,
+               delta: dict | None = None) -> dict:
     """One streamed chunk of choice `index`. Chat: `role` marks a choice's first chunk (its delta carries the
     role). A choice's last chunk carries its finish_reason and stats. Every chunk has `usage: null` when the client
     asked for usage (the last chunk, `usage_chunk`, carries it)."""
     if chat:
-        delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text is not None else {})
+        if delta is None:  # `delta`: a chat chunk's own (tool calls)
+            delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text is not None else {})
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
     else:
         choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 import uuid
 from dataclasses import dataclass
@@ -181,8 +182,15 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             from specdec.tokenizer import encode_prompt
 
             try:
+                tools = json.loads(r.tools) if r.tools else None
+            except ValueError:
+                tools = None
+            if r.tools and not isinstance(tools, list):
+                raise InvalidRequestError("tools", "must be a JSON list of tool definitions (OpenAI's)")
+            try:
                 ids = (encode_prompt(self.tok, prompt=r.prompt, raw=r.raw_prompt) if r.HasField("prompt") else
-                       encode_prompt(self.tok, messages=[{"role": m.role, "content": m.content} for m in r.messages]))
+                       encode_prompt(self.tok, messages=[{"role": m.role, "content": m.content} for m in r.messages],
+                                     tools=tools))
             except ValueError as e:
                 raise InvalidRequestError(given[0], str(e)) from None
             if not ids:

@@ -30,7 +30,7 @@ def load_tokenizer(model_dir: os.PathLike | str):
 
 
 def encode_prompt(tok, prompt: str | None = None, messages: Sequence[dict] | None = None,
-                  raw: bool = False) -> list[int]:
+                  raw: bool = False, tools: list[dict] | None = None) -> list[int]:
     """Token ids for a prompt string or a list of chat messages ``[{"role": ..., "content": ...}]``.
 
     Chat messages go through the chat template (with the generation prompt). A plain string is wrapped as one
@@ -51,7 +51,8 @@ def encode_prompt(tok, prompt: str | None = None, messages: Sequence[dict] | Non
     if messages is not None:
         if not has_template:
             raise ValueError("this tokenizer has no chat template: pass prompt= instead of messages=")
-        ids = tok.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
+        kw = {"tools": tools} if tools else {}  # OpenAI's tool definitions, for templates that render them
+        ids = tok.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True, **kw)
         if isinstance(ids, dict) or hasattr(ids, "keys"):  # BatchEncoding in newer transformers
             ids = ids["input_ids"]
         return [int(t) for t in ids]

@@ -12,7 +12,7 @@ import pytest
 import pytest_asyncio
 
 from coordinator.config import CoordinatorSettings
-from coordinator.openai_schema import response_format_pb, structured_output_pb
+from coordinator.openai_structured import response_format_pb, structured_output_pb
 from coordinator.server import build_coordinator
 from coordinator.stack import free_port
 from specdec.pb import generation_pb2 as g, generation_pb2_grpc as gg
@@ -24,14 +24,18 @@ TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
 
 
 class Stack:
-    async def start(self, tmp):
+    async def start(self, tmp, chars: str = ""):
+        """`chars`: the character vocabulary (TOKENIZER_CHARS by default)."""
         from specdec.model import load_model_dir
         from specdec.tokenizer import load_tokenizer
+        from tests.helpers_models import tiny_tokenizer
 
         tdir, ddir = save_tiny_pair(tmp)
         save_tiny_tokenizer(ddir)
         for d in (tdir, ddir):  # the tiny tokenizer's <unk> serves as EOS
             (d / "generation_config.json").write_text(json.dumps({"eos_token_id": EOS}))
+            if chars:
+                tiny_tokenizer(chars).save(str(d / "tokenizer.json"))
         self.target = load_model_dir(tdir)
         self.t = await start_replica("target", self.target)
         self.d = await start_replica("draft", load_model_dir(ddir), preverifier="random")
@@ -165,3 +169,80 @@ async def test_the_grammar_survives_a_target_failover(tmp_path):
         await ch.close()
         for a in (app, r1, r2, d):
             await a.shutdown(0)
+
+
+JSON_CHARS = "<abdefikmnprst{}[]\":, 0123456789"  # 32 symbols: enough for tool calls' JSON
+TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {
+             "type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9},
+                                              "b": {"type": "integer", "minimum": 0, "maximum": 9}},
+             "required": ["a", "b"], "additionalProperties": False}}},
+         {"type": "function", "function": {"name": "find", "parameters": {
+             "type": "object", "properties": {"kind": {"enum": ["fast", "best"]}}, "required": ["kind"],
+             "additionalProperties": False}}}]
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def json_stack(tmp_path_factory):
+    assert len(JSON_CHARS) == 32
+    s = await Stack().start(tmp_path_factory.mktemp("tools"), JSON_CHARS)
+    yield s
+    await s.stop()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_forced_tool_calls_come_back_as_tool_calls(json_stack, stream):
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "add"}], "max_tokens": 60, "temperature": 0,
+            "tools": TOOLS, "stream": stream}
+
+    async def answer(**kw) -> tuple[dict, str]:
+        if not stream:
+            r = await json_stack.http.post("/v1/chat/completions", json={**body, **kw})
+            assert r.status_code == 200, r.text
+            choice = r.json()["choices"][0]
+            return choice["message"], choice["finish_reason"]
+        calls, content, finish = [], "", None
+        async with json_stack.http.stream("POST", "/v1/chat/completions", json={**body, **kw}) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    ch = json.loads(line[6:])["choices"][0]
+                    calls += ch["delta"].get("tool_calls") or []
+                    content += ch["delta"].get("content") or ""
+                    finish = ch["finish_reason"] or finish
+        return {"tool_calls": calls or None, "content": content or None}, finish
+
+    message, finish = await answer(tool_choice={"type": "function", "function": {"name": "add"}})
+    (call,) = message["tool_calls"]
+    args = json.loads(call["function"]["arguments"])
+    assert call["function"]["name"] == "add" and set(args) == {"a", "b"} and finish == "stop", message
+    assert call["id"].startswith("call_") and call["type"] == "function" and message["content"] is None
+    message, finish = await answer(tool_choice="required")
+    assert finish == "tool_calls" and message["tool_calls"], message
+    for call in message["tool_calls"]:
+        args = json.loads(call["function"]["arguments"])
+        assert (call["function"]["name"], set(args)) in (("add", {"a", "b"}), ("find", {"kind"}))
+
+
+async def test_tool_choice_refusals(json_stack):
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "add"}], "max_tokens": 8}
+    for extra, words in (({"tools": TOOLS}, "auto"), ({"tools": TOOLS, "tool_choice": "auto"}, "auto"),
+                         ({"tool_choice": "required"}, "needs tools"),
+                         ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "mul"}}},
+                          "names no tool"),
+                         ({"tools": [{"type": "function", "function": {"name": "bad name"}}],
+                           "tool_choice": "required"}, "letters, digits"),
+                         ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+                          "fixes the answer")):
+        r = await json_stack.http.post("/v1/chat/completions", json={**body, **extra})
+        assert r.status_code == 400 and words in r.json()["error"]["message"], (extra, r.text)
+    r = await json_stack.http.post("/v1/chat/completions", json={**body, "tools": TOOLS, "tool_choice": "none"})
+    assert r.status_code == 200, r.text
+    history = [{"role": "user", "content": "add"},
+               {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function",
+                                                                      "function": {"name": "add",
+                                                                                   "arguments": "{}"}}]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "5"}]
+    r = await json_stack.http.post("/v1/chat/completions", json={**body, "messages": history})
+    assert r.status_code == 200, r.text
+    r = await json_stack.http.post("/v1/chat/completions", json={**body, "messages": [{"role": "user"}]})
+    assert r.status_code == 400 and "content" in r.text

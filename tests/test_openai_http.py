@@ -249,7 +249,7 @@ async def test_tokenize_and_detokenize_match_what_the_routes_generate_from(api):
     ({"frequency_penalty": 2.5}, 400, "frequency_penalty", "less than or equal to 2"),
     ({"logit_bias": {"a": 1}}, 400, None, "token ids"),
     ({"logit_bias": {"9999": 1}}, 400, "logit_bias", "outside the vocabulary"),
-    ({"tools": [{"type": "function"}]}, 400, None, "tool calls"),
+    ({"tools": [{"type": "function"}]}, 400, None, "tool 0 must be"),
     ({"top_logprobs": 2}, 400, "top_logprobs", "needs logprobs: true"),
     ({"logprobs": True, "top_logprobs": 21}, 400, "top_logprobs", "less than or equal to 20"),
     ({"bogus_knob": 1}, 400, "bogus_knob", "Extra inputs"),

@@ -1,0 +1,133 @@
+"""The HTTP API's structured-output forms → GenerateRequest.structured_output (specdec/grammar.py): OpenAI's
+`response_format`, vLLM's `structured_outputs`, and tool calls with a forced choice.
+
+Tool calls (OpenAI's `tools` + `tool_choice`): with `"required"` or a named function the answer is constrained to
+the tools' argument schemas, as vLLM does it, so it always parses: a named function's answer is its arguments
+object; "required" answers a JSON array of `{"name", "parameters"}` calls, one or more. The answer comes back as
+the message's `tool_calls`. `"auto"` would need a parser of each model's own tool-call text: it is refused.
+"""
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from specdec.pb import generation_pb2
+
+_STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+def structured_output_pb(so: dict[str, Any] | None) -> generation_pb2.StructuredOutput | None:
+    """vLLM's `structured_outputs` body field → StructuredOutput (None: not set)."""
+    if not so:
+        return None
+    given = {k: v for k, v in so.items() if v not in (None, False)}
+    unknown = sorted(set(given) - set(_STRUCTURED_KEYS))
+    if unknown:
+        raise ValueError(f"structured_outputs: unknown key {unknown[0]!r}; use one of {', '.join(_STRUCTURED_KEYS)}")
+    if len(given) != 1:
+        raise ValueError(f"structured_outputs: set exactly one of {', '.join(_STRUCTURED_KEYS)}")
+    (key, value), = given.items()
+    out = generation_pb2.StructuredOutput()
+    if key == "json":
+        out.json_schema = value if isinstance(value, str) else json.dumps(value)
+    elif key == "json_object":
+        out.json_object = True
+    elif key == "choice":
+        if not isinstance(value, list) or not all(isinstance(c, str) for c in value):
+            raise ValueError("structured_outputs.choice: a list of strings")
+        out.choice.choices.extend(value)
+    elif not isinstance(value, str):
+        raise ValueError(f"structured_outputs.{key}: a string")
+    else:
+        setattr(out, "regex" if key == "regex" else "grammar", value)
+    return out
+
+
+def response_format_pb(fmt: dict[str, Any] | None) -> generation_pb2.StructuredOutput | None:
+    """OpenAI's `response_format` → StructuredOutput (None: text)."""
+    kind = (fmt or {}).get("type", "text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return generation_pb2.StructuredOutput(json_object=True)
+    if kind != "json_schema":
+        raise ValueError(f"response_format: type {kind!r} is not supported; use text, json_object or json_schema")
+    spec = fmt.get("json_schema")
+    schema = spec.get("schema") if isinstance(spec, dict) else None
+    if not isinstance(schema, dict):
+        raise ValueError("response_format: json_schema needs {'name': ..., 'schema': {...}}")
+    return generation_pb2.StructuredOutput(json_schema=json.dumps(schema))
+
+
+_TOOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
+
+
+@dataclass
+class ToolChoice:
+    """A forced tool choice: `name` (one function) or every tool ("required"); `params` name → arguments schema."""
+    params: dict[str, dict]
+    name: str = ""
+    parallel: bool = True  # OpenAI's parallel_tool_calls: False allows "required" one call only
+
+    def structured(self) -> generation_pb2.StructuredOutput:
+        """The answer's schema, written as json.dumps writes (`{"a": 1, "b": 2}`, no other whitespace): a model left
+        free to add whitespace may add it until max_tokens, and a tool call's arguments are read by a program."""
+        if self.name:
+            schema = dict(self.params[self.name])
+        else:
+            calls = [{"type": "object", "properties": {"name": {"type": "string", "enum": [n]}, "parameters": p},
+                      "required": ["name", "parameters"], "additionalProperties": False}
+                     for n, p in self.params.items()]
+            schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+            if not self.parallel:
+                schema["maxItems"] = 1
+        schema["x-guidance"] = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+        return generation_pb2.StructuredOutput(json_schema=json.dumps(schema))
+
+    def message(self, text: str, finish: str) -> tuple[dict, str]:
+        """The answer's text → (assistant message, finish_reason). An answer cut short (finish "length") does not
+        parse and comes back as content."""
+        try:
+            value = json.loads(text)
+        except ValueError:
+            return {"role": "assistant", "content": text}, finish
+        calls = [(self.name, value)] if self.name else [(c["name"], c["parameters"]) for c in value]
+        tool_calls = [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                       "function": {"name": n, "arguments": json.dumps(args)}} for n, args in calls]
+        # OpenAI's finish_reason: "stop" for a named function, "tool_calls" when the model chose
+        return {"role": "assistant", "content": None, "tool_calls": tool_calls}, "stop" if self.name else "tool_calls"
+
+
+def tool_choice(tools: list[dict[str, Any]] | None, choice: str | dict[str, Any] | None,
+                parallel: bool | None = None) -> ToolChoice | None:
+    """OpenAI's `tools` and `tool_choice` → the forced choice (None: no tool call). Raises ValueError naming the
+    field."""
+    if not tools:
+        if choice not in (None, "none"):
+            raise ValueError("tool_choice: needs tools")
+        return None
+    params = {}
+    for i, t in enumerate(tools):
+        fn = t.get("function") if isinstance(t, dict) and t.get("type") == "function" else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not _TOOL_NAME.match(fn["name"]):
+            raise ValueError(f"tools: tool {i} must be {{'type': 'function', 'function': {{'name': ..., "
+                             f"'parameters': {{...}}}}}} with a name of 1-64 letters, digits, _ or -")
+        p = fn.get("parameters") or {"type": "object", "properties": {}}
+        if not isinstance(p, dict):
+            raise ValueError(f"tools: tool {i}'s parameters must be a JSON schema object")
+        params[fn["name"]] = p
+    if choice == "none":
+        return None
+    if choice == "required":
+        return ToolChoice(params, parallel=parallel is not False)
+    if isinstance(choice, dict):
+        name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
+        if name not in params:
+            raise ValueError(f"tool_choice: names no tool of tools ({', '.join(params)})")
+        return ToolChoice(params, name)
+    raise ValueError("tool_choice: 'auto' (the default with tools) needs a parser of this model's tool-call text, "
+                     "which specdec does not have; send 'required', {'type': 'function', 'function': {'name': ...}} "
+                     "or 'none'")
