@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator,
 
 from coordinator.openai_structured import ToolChoice, response_format_pb, structured_output_pb, tool_choice
 from specdec.pb import generation_pb2
+from specdec.sampling import MAX_ALLOWED_TOKEN_IDS
 
 MAX_STOP = 16
 MAX_N = 16  # choices per request: each is its own generation (they batch on the target like separate requests)
@@ -75,6 +76,12 @@ class _Sampling(SpecDecKnobs):
     logit_bias: dict[str, float] | None = None  # OpenAI's: token id (as a string) -> bias in [-100, 100]
     # vLLM's: exactly one of json (a schema), regex, choice (a list of strings), grammar (Lark), json_object (true)
     structured_outputs: dict[str, Any] | None = None
+    # vLLM's older names for structured_outputs' json, regex, choice and grammar
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    allowed_token_ids: list[int] | None = Field(None, max_length=MAX_ALLOWED_TOKEN_IDS)  # vLLM's
     user: str | None = None
     _structured: Any = PrivateAttr(default=None)  # the StructuredOutput the validators made
 
@@ -97,7 +104,11 @@ class _Sampling(SpecDecKnobs):
         for name, bad, why in unsupported:
             if bad:
                 raise ValueError(f"{name}: {why}")
-        self._structured = structured_output_pb(self.structured_outputs)
+        legacy = {k: v for k, v in (("json", self.guided_json), ("regex", self.guided_regex),
+                                     ("choice", self.guided_choice), ("grammar", self.guided_grammar)) if v is not None}
+        if legacy and self.structured_outputs:
+            raise ValueError("structured_outputs: send it or the guided_* fields, not both")
+        self._structured = structured_output_pb(self.structured_outputs or legacy)
         return self
 
     def generate_request(self, max_tokens: int | None) -> generation_pb2.GenerateRequest:
@@ -111,7 +122,8 @@ class _Sampling(SpecDecKnobs):
                                            frequency_penalty=self.frequency_penalty,
                                            logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
                                            stop_token_ids=self.stop_token_ids or [], min_p=self.min_p,
-                                           min_tokens=self.min_tokens)
+                                           min_tokens=self.min_tokens,
+                                           allowed_token_ids=self.allowed_token_ids or [])
         if self.top_p < 1.0:
             r.top_p = self.top_p
         if self.repetition_penalty != 1.0:

@@ -214,7 +214,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                "frequency_penalty": r.frequency_penalty,
                "repetition_penalty": r.repetition_penalty if r.HasField("repetition_penalty") else 1.0,
                "logit_bias": sorted((int(k), float(v)) for k, v in r.logit_bias.items()),
-               "grammar": self._grammar(r), "min_p": r.min_p, "min_tokens": r.min_tokens}
+               "grammar": self._grammar(r), "min_p": r.min_p, "min_tokens": r.min_tokens,
+               "allowed_token_ids": sorted(set(r.allowed_token_ids))}
         return Prepared(req, TextAssembler(self.tok, ids, list(r.stop), r.min_tokens))
 
     def _grammar(self, r: generation_pb2.GenerateRequest) -> str:

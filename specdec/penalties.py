@@ -12,7 +12,8 @@ Definitions (vLLM's):
 - repetition_penalty r: for every token in the prompt or the output so far, logit /= r if positive, else *= r;
 - frequency_penalty f, presence_penalty e: logit[t] -= f * count[t] + e * (count[t] > 0), count over the output
   so far (not the prompt);
-- min_tokens m: a row deciding one of the first m output tokens gets -inf at `stop_ids` (EOS and stop token ids).
+- min_tokens m: a row deciding one of the first m output tokens gets -inf at `stop_ids` (EOS and stop token ids);
+- allowed_token_ids: every other token gets -inf.
 """
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ from specdec.sampling import SamplingParams
 
 def adjusts(params: SamplingParams) -> bool:
     return bool(params.logit_bias) or params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0 \
-        or params.presence_penalty != 0.0 or bool(params.min_tokens and params.stop_ids)
+        or params.presence_penalty != 0.0 or bool(params.min_tokens and params.stop_ids) \
+        or bool(params.allowed_token_ids)
 
 
 def adjust_logits(rows: torch.Tensor, history: list[int], output_start: int, appended: list[int],
@@ -40,6 +42,10 @@ def adjust_logits(rows: torch.Tensor, history: list[int], output_start: int, app
     held = params.min_tokens - (len(history) - output_start)  # rows [0, held) decide output tokens < min_tokens
     if held > 0 and params.stop_ids:
         out[:held, torch.tensor(params.stop_ids)] = float("-inf")
+    if params.allowed_token_ids:
+        keep = torch.zeros(out.shape[-1], dtype=torch.bool)
+        keep[torch.tensor(params.allowed_token_ids)] = True
+        out[:, ~keep] = float("-inf")
     bias = dict(params.logit_bias)
     ids = sorted(set(history) | set(appended[:n - 1]) | set(bias))
     if not ids:

@@ -79,6 +79,8 @@ class SamplingParams:
     # the coordinator fills (specdec/penalties.py)
     min_tokens: int = 0
     stop_ids: tuple[int, ...] = ()
+    # vLLM's allowed_token_ids: the output only ever holds these tokens (specdec/penalties.py); (): any
+    allowed_token_ids: tuple[int, ...] = ()
 
     @property
     def greedy(self) -> bool:
@@ -108,6 +110,8 @@ class SamplingParams:
                                                     f"{MAX_CACHE_SALT} (e.g. a hash of the tenant's id)")
         if not 0.0 <= self.min_p <= 1.0:
             raise InvalidRequestError("min_p", f"must be in [0, 1] (0 disables it), got {self.min_p}")
+        if len(self.allowed_token_ids) > MAX_ALLOWED_TOKEN_IDS or any(t < 0 for t in self.allowed_token_ids):
+            raise InvalidRequestError("allowed_token_ids", f"send at most {MAX_ALLOWED_TOKEN_IDS} token ids, each >= 0")
         if self.min_tokens < 0:
             raise InvalidRequestError("min_tokens", f"must be >= 0, got {self.min_tokens}")
         if len(self.grammar) > MAX_GRAMMAR_CHARS:
@@ -123,6 +127,7 @@ class SamplingParams:
 MAX_TOP_LOGPROBS = 20
 MAX_CACHE_SALT = 256
 MAX_LOGIT_BIAS = 300  # OpenAI's limit
+MAX_ALLOWED_TOKEN_IDS = 4096
 MAX_GRAMMAR_CHARS = 512 * 1024  # a compiled grammar (a schema's, with the choices or Lark text inside)
 
 

@@ -99,7 +99,7 @@ def _require_greedy(worker: Worker, session_id: str):
         raise InvalidRequestError("mode", "tree drafting does not feed a feature draft's features; use sd")
     if adjusts(s.params) or s.params.grammar:
         raise InvalidRequestError("mode", "tree drafting verifies raw argmaxes: no penalties, logit_bias, "
-                                          "min_tokens or structured output; use sd")
+                                          "min_tokens, allowed_token_ids or structured output; use sd")
     return s
 
 

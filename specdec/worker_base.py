@@ -194,6 +194,7 @@ class Worker:
         self._check_context(len(prompt_ids), "the prompt")
         params.validate()
         self._check_tokens("logit_bias", [t for t, _ in params.logit_bias])
+        self._check_tokens("allowed_token_ids", list(params.allowed_token_ids))
         if not 0 <= output_start <= len(prompt_ids):
             raise InvalidRequestError("output_start", f"must be in [0, {len(prompt_ids)}] (0: the prompt's end), got "
                                                       f"{output_start}")

@@ -1,6 +1,7 @@
-"""vLLM's min_p and min_tokens, exact under speculation: min_p is part of the one logits→probabilities transform
-draft and target share (specdec/sampling.py), min_tokens masks EOS and stop token ids in the target's rows that
-decide the first min_tokens output tokens (specdec/penalties.py)."""
+"""vLLM's min_p, min_tokens and allowed_token_ids, exact under speculation: min_p is part of the one
+logits→probabilities transform draft and target share (specdec/sampling.py); min_tokens masks EOS and stop token
+ids in the target's rows that decide the first min_tokens output tokens, and allowed_token_ids every other token
+in every row (specdec/penalties.py)."""
 import itertools
 import os
 
@@ -132,7 +133,10 @@ async def test_over_the_wire_and_in_the_http_body():
         r = g.GenerateRequest(prompt_token_ids=prompt, max_new_tokens=24, mode="sd", temperature=1.0, seed=3,
                               min_p=0.3, min_tokens=24)
         assert len((await stub.Generate(r)).token_ids) == 24
-        for bad, field in ((dict(min_tokens=30, max_new_tokens=24), "min_tokens"), (dict(min_p=1.5), "min_p")):
+        r = g.GenerateRequest(prompt_token_ids=prompt, max_new_tokens=12, mode="pearl", allowed_token_ids=[3, 7, 11])
+        assert set((await stub.Generate(r)).token_ids) <= {3, 7, 11}
+        for bad, field in ((dict(min_tokens=30, max_new_tokens=24), "min_tokens"), (dict(min_p=1.5), "min_p"),
+                           (dict(allowed_token_ids=[3, 500]), "allowed_token_ids")):
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 await stub.Generate(g.GenerateRequest(prompt_token_ids=prompt, **bad))
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in e.value.details()
@@ -142,3 +146,45 @@ async def test_over_the_wire_and_in_the_http_body():
             await a.shutdown(0)
     body = CompletionRequest(prompt=[1, 2], min_tokens=5, min_p=0.1, max_tokens=8).to_proto()
     assert body.min_tokens == 5 and body.min_p == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_allowed_token_ids_restrict_every_mode_exactly(mode):
+    target = build_tiny_model(vocab_size=32, seed=1, logit_scale=2.0)
+    draft = build_tiny_model(vocab_size=32, seed=2, logit_scale=2.0)
+    prompt = [5, 17, 2, 8, 30, 12]
+    allowed = (3, 7, 11, 19, 23, 29)
+    ids = list(prompt)
+    kv = target.new_kv_slots(1, 64)
+    with torch.no_grad():
+        for _ in range(20):  # target-only greedy decoding over the allowed tokens
+            logits, _ = target(torch.tensor([ids]), torch.arange(len(ids))[None], torch.tensor([0]), kv)
+            ids.append(max(allowed, key=lambda t: float(logits[0, -1, t])))
+    want = ids[len(prompt):]
+    assert set(want) <= set(allowed) and want != target_greedy(target, prompt, 20)
+    pv = build_random_preverifier(draft.config.hidden_size, seed=5, block_size=2, threshold=0.5)
+    eng = Engine(target, draft, preverifier=pv)
+    for gamma in (1, 4):
+        res = eng.generate(GenerationRequest(prompt, 20, mode=mode, gamma=gamma,
+                                             params=SamplingParams(allowed_token_ids=allowed)))
+        assert res.token_ids == want, (mode, gamma)
+    eng.close()
+    same = Engine(target, target)
+    res = same.generate(GenerationRequest(prompt, 20, mode="sd", gamma=4, params=SamplingParams(temperature=1.0,
+                                                                                               allowed_token_ids=allowed)))
+    assert set(res.token_ids) <= set(allowed) and res.stats.accepted_tokens == res.stats.draft_tokens
+    same.close()
+
+
+def test_vllm_guided_fields_and_allowed_token_ids_in_the_http_body():
+    from coordinator.openai_schema import ChatCompletionRequest
+
+    msgs = [{"role": "user", "content": "x"}]
+    assert ChatCompletionRequest(messages=msgs, guided_regex="[ab]+").to_proto().structured_output.regex == "[ab]+"
+    r = ChatCompletionRequest(messages=msgs, guided_choice=["yes", "no"]).to_proto()
+    assert list(r.structured_output.choice.choices) == ["yes", "no"]
+    assert ChatCompletionRequest(messages=msgs, guided_json={"type": "object"}).to_proto().structured_output.json_schema
+    with pytest.raises(ValueError, match="not both"):
+        ChatCompletionRequest(messages=msgs, guided_regex="a", structured_outputs={"regex": "b"})
+    r = ChatCompletionRequest(messages=msgs, allowed_token_ids=[4, 5]).to_proto()
+    assert list(r.allowed_token_ids) == [4, 5]
