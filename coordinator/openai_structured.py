@@ -63,6 +63,7 @@ def response_format_pb(fmt: dict[str, Any] | None) -> generation_pb2.StructuredO
 
 
 _TOOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
+MAX_TOOLS = 128
 
 
 @dataclass
@@ -109,12 +110,16 @@ def tool_choice(tools: list[dict[str, Any]] | None, choice: str | dict[str, Any]
         if choice not in (None, "none"):
             raise ValueError("tool_choice: needs tools")
         return None
+    if len(tools) > MAX_TOOLS:
+        raise ValueError(f"tools: at most {MAX_TOOLS} (OpenAI's limit), got {len(tools)}")
     params = {}
     for i, t in enumerate(tools):
         fn = t.get("function") if isinstance(t, dict) and t.get("type") == "function" else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not _TOOL_NAME.match(fn["name"]):
             raise ValueError(f"tools: tool {i} must be {{'type': 'function', 'function': {{'name': ..., "
                              f"'parameters': {{...}}}}}} with a name of 1-64 letters, digits, _ or -")
+        if fn["name"] in params:
+            raise ValueError(f"tools: two tools are named {fn['name']!r}")
         p = fn.get("parameters") or {"type": "object", "properties": {}}
         if not isinstance(p, dict):
             raise ValueError(f"tools: tool {i}'s parameters must be a JSON schema object")

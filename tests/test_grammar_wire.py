@@ -232,7 +232,9 @@ async def test_tool_choice_refusals(json_stack):
                          ({"tools": [{"type": "function", "function": {"name": "bad name"}}],
                            "tool_choice": "required"}, "letters, digits"),
                          ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
-                          "fixes the answer")):
+                          "fixes the answer"),
+                         ({"tools": TOOLS + TOOLS[:1], "tool_choice": "required"}, "two tools are named 'add'"),
+                         ({"tools": TOOLS * 65, "tool_choice": "required"}, "at most 128")):
         r = await json_stack.http.post("/v1/chat/completions", json={**body, **extra})
         assert r.status_code == 400 and words in r.json()["error"]["message"], (extra, r.text)
     r = await json_stack.http.post("/v1/chat/completions", json={**body, "tools": TOOLS, "tool_choice": "none"})
