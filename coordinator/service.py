@@ -219,16 +219,18 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         return Prepared(req, TextAssembler(self.tok, ids, list(r.stop), r.min_tokens))
 
     def _grammar(self, r: generation_pb2.GenerateRequest) -> str:
-        """The llguidance grammar of r.structured_output ("" if unset), checked against this tokenizer."""
+        """The llguidance grammar of r.structured_output ("" if unset); `respond` checks it against the tokenizer."""
         if not r.HasField("structured_output"):
             return ""
         from specdec.server.convert import structured_from_proto
 
         form = structured_from_proto(r.structured_output)
-        if r.ignore_eos or not self.eos:
-            raise InvalidRequestError("ignore_eos" if r.ignore_eos else "structured_output",
-                                      "structured output ends with the model's EOS token; leave ignore_eos unset"
-                                      if r.ignore_eos else "this model names no EOS token, which ends the output")
+        if r.ignore_eos:
+            raise InvalidRequestError("ignore_eos", "structured output ends with the model's EOS token; leave "
+                                                    "ignore_eos unset")
+        if not self.eos:
+            raise InvalidRequestError("structured_output", "this model names no EOS token, which ends a structured "
+                                                           "output")
         return form.grammar()
 
     def _check_grammar(self, grammar: str) -> None:
