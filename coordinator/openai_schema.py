@@ -70,9 +70,9 @@ class _Sampling(SpecDecKnobs):
     n: int = Field(1, ge=1, le=MAX_N)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)  # vLLM's
-    min_p: float = Field(0.0, ge=0.0, le=1.0)  # vLLM's
-    min_tokens: int = Field(0, ge=0)  # vLLM's
+    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)  # vLLM's, as the next three
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    min_tokens: int = Field(0, ge=0)
     logit_bias: dict[str, float] | None = None  # OpenAI's: token id (as a string) -> bias in [-100, 100]
     # vLLM's: exactly one of json (a schema), regex, choice (a list of strings), grammar (Lark), json_object (true)
     structured_outputs: dict[str, Any] | None = None
@@ -81,7 +81,8 @@ class _Sampling(SpecDecKnobs):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
-    allowed_token_ids: list[int] | None = Field(None, max_length=MAX_ALLOWED_TOKEN_IDS)  # vLLM's
+    allowed_token_ids: list[int] | None = Field(None, max_length=MAX_ALLOWED_TOKEN_IDS)  # vLLM's, as bad_words
+    bad_words: list[str] | None = Field(None, max_length=128)
     user: str | None = None
     _structured: Any = PrivateAttr(default=None)  # the StructuredOutput the validators made
 
@@ -104,11 +105,8 @@ class _Sampling(SpecDecKnobs):
         for name, bad, why in unsupported:
             if bad:
                 raise ValueError(f"{name}: {why}")
-        legacy = {k: v for k, v in (("json", self.guided_json), ("regex", self.guided_regex),
-                                     ("choice", self.guided_choice), ("grammar", self.guided_grammar)) if v is not None}
-        if legacy and self.structured_outputs:
-            raise ValueError("structured_outputs: send it or the guided_* fields, not both")
-        self._structured = structured_output_pb(self.structured_outputs or legacy)
+        self._structured = structured_output_pb(self.structured_outputs, {
+            k: getattr(self, f"guided_{k}") for k in ("json", "regex", "choice", "grammar")})
         return self
 
     def generate_request(self, max_tokens: int | None) -> generation_pb2.GenerateRequest:
@@ -123,7 +121,8 @@ class _Sampling(SpecDecKnobs):
                                            logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
                                            stop_token_ids=self.stop_token_ids or [], min_p=self.min_p,
                                            min_tokens=self.min_tokens,
-                                           allowed_token_ids=self.allowed_token_ids or [])
+                                           allowed_token_ids=self.allowed_token_ids or [],
+                                           bad_words=self.bad_words or [])
         if self.top_p < 1.0:
             r.top_p = self.top_p
         if self.repetition_penalty != 1.0:

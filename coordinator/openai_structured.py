@@ -19,8 +19,14 @@ from specdec.pb import generation_pb2
 _STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object")
 
 
-def structured_output_pb(so: dict[str, Any] | None) -> generation_pb2.StructuredOutput | None:
-    """vLLM's `structured_outputs` body field → StructuredOutput (None: not set)."""
+def structured_output_pb(so: dict[str, Any] | None,
+                         guided: dict[str, Any] | None = None) -> generation_pb2.StructuredOutput | None:
+    """vLLM's `structured_outputs` body field, or its older `guided_*` fields (`guided`: {"json": guided_json, ...}),
+    → StructuredOutput (None: not set)."""
+    guided = {k: v for k, v in (guided or {}).items() if v is not None}
+    if guided and so:
+        raise ValueError("structured_outputs: send it or the guided_* fields, not both")
+    so = so or guided
     if not so:
         return None
     given = {k: v for k, v in so.items() if v not in (None, False)}

@@ -59,7 +59,8 @@ def request_from_dict(d: dict) -> GenerationRequest:
                             grammar=str(d.get("grammar", "")), min_p=float(d.get("min_p", 0.0)),
                             min_tokens=int(d.get("min_tokens", 0)),
                             stop_ids=tuple(d.get("eos_token_ids", ())) if d.get("min_tokens") else (),
-                            allowed_token_ids=tuple(d.get("allowed_token_ids", ())))
+                            allowed_token_ids=tuple(d.get("allowed_token_ids", ())),
+                            bad_words=tuple(tuple(w) for w in d.get("bad_words", ())))
     keys = ("max_new_tokens", "mode", "gamma", "block_size", "verify_method", "pacer_threshold", "pacer_skip_below",
             "pearl_first_block", "spec_off_batch", "pacer_post_threshold", "pearl_overlap", "priority")
     kw = {k: d[k] for k in keys if d.get(k) is not None}

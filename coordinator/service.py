@@ -20,6 +20,7 @@ from specdec.request import MAX_SPEC_OFF_BATCH, MODES, PEARL_OVERLAP
 from specdec.sampling import MAX_TOP_LOGPROBS
 
 MAX_STOP_TOKEN_IDS = 64
+MAX_BAD_WORDS = 128
 
 FINISH = {"length": generation_pb2.FINISH_REASON_LENGTH, "stop": generation_pb2.FINISH_REASON_STOP,
           "cancelled": generation_pb2.FINISH_REASON_CANCELLED}
@@ -215,8 +216,19 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                "repetition_penalty": r.repetition_penalty if r.HasField("repetition_penalty") else 1.0,
                "logit_bias": sorted((int(k), float(v)) for k, v in r.logit_bias.items()),
                "grammar": self._grammar(r), "min_p": r.min_p, "min_tokens": r.min_tokens,
-               "allowed_token_ids": sorted(set(r.allowed_token_ids))}
+               "allowed_token_ids": sorted(set(r.allowed_token_ids)), "bad_words": self._bad_words(r)}
         return Prepared(req, TextAssembler(self.tok, ids, list(r.stop), r.min_tokens))
+
+    def _bad_words(self, r: generation_pb2.GenerateRequest) -> list[list[int]]:
+        """vLLM's bad_words → token sequences: each word tokenized as is and after a space (as vLLM does)."""
+        if not r.bad_words:
+            return []
+        if len(r.bad_words) > MAX_BAD_WORDS or not all(w.strip() for w in r.bad_words):
+            raise InvalidRequestError("bad_words", f"send at most {MAX_BAD_WORDS} non-empty words")
+        if self.tok is None:
+            raise InvalidRequestError("bad_words", "this coordinator has no tokenizer to tokenize them")
+        seqs = {tuple(self.tok.encode(text, add_special_tokens=False)) for w in r.bad_words for text in (w, " " + w)}
+        return sorted(list(s) for s in seqs if s)
 
     def _grammar(self, r: generation_pb2.GenerateRequest) -> str:
         """The llguidance grammar of r.structured_output ("" if unset); `respond` checks it against the tokenizer."""

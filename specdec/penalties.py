@@ -13,7 +13,9 @@ Definitions (vLLM's):
 - frequency_penalty f, presence_penalty e: logit[t] -= f * count[t] + e * (count[t] > 0), count over the output
   so far (not the prompt);
 - min_tokens m: a row deciding one of the first m output tokens gets -inf at `stop_ids` (EOS and stop token ids);
-- allowed_token_ids: every other token gets -inf.
+- allowed_token_ids: every other token gets -inf;
+- bad_words (token sequences w): a row whose context (prompt and output) ends with w[:-1] gets -inf at w[-1], so
+  no output ends with w (vLLM's rule; a one-token w is never generated).
 """
 from __future__ import annotations
 
@@ -25,7 +27,15 @@ from specdec.sampling import SamplingParams
 def adjusts(params: SamplingParams) -> bool:
     return bool(params.logit_bias) or params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0 \
         or params.presence_penalty != 0.0 or bool(params.min_tokens and params.stop_ids) \
-        or bool(params.allowed_token_ids)
+        or bool(params.allowed_token_ids) or bool(params.bad_words)
+
+
+def _ends_with(history: list[int], appended: list[int], suffix: tuple[int, ...]) -> bool:
+    k = len(suffix)
+    if k <= len(appended):
+        return tuple(appended[len(appended) - k:]) == suffix
+    head = k - len(appended)
+    return len(history) >= head and tuple(history[len(history) - head:]) + tuple(appended) == suffix
 
 
 def adjust_logits(rows: torch.Tensor, history: list[int], output_start: int, appended: list[int],
@@ -46,6 +56,11 @@ def adjust_logits(rows: torch.Tensor, history: list[int], output_start: int, app
         keep = torch.zeros(out.shape[-1], dtype=torch.bool)
         keep[torch.tensor(params.allowed_token_ids)] = True
         out[:, ~keep] = float("-inf")
+    for i in range(n if params.bad_words else 0):  # row i's context: history + appended[:i]
+        for w in params.bad_words:
+            k = len(w) - 1
+            if k == 0 or _ends_with(history, appended[:i], w[:-1]):
+                out[i, w[-1]] = float("-inf")
     bias = dict(params.logit_bias)
     ids = sorted(set(history) | set(appended[:n - 1]) | set(bias))
     if not ids:

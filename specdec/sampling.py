@@ -81,6 +81,8 @@ class SamplingParams:
     stop_ids: tuple[int, ...] = ()
     # vLLM's allowed_token_ids: the output only ever holds these tokens (specdec/penalties.py); (): any
     allowed_token_ids: tuple[int, ...] = ()
+    # vLLM's bad_words, as token id sequences: no output ends with one of them (specdec/penalties.py)
+    bad_words: tuple[tuple[int, ...], ...] = ()
 
     @property
     def greedy(self) -> bool:
@@ -112,6 +114,8 @@ class SamplingParams:
             raise InvalidRequestError("min_p", f"must be in [0, 1] (0 disables it), got {self.min_p}")
         if len(self.allowed_token_ids) > MAX_ALLOWED_TOKEN_IDS or any(t < 0 for t in self.allowed_token_ids):
             raise InvalidRequestError("allowed_token_ids", f"send at most {MAX_ALLOWED_TOKEN_IDS} token ids, each >= 0")
+        if len(self.bad_words) > MAX_BAD_WORDS or any(not w or any(t < 0 for t in w) for w in self.bad_words):
+            raise InvalidRequestError("bad_words", f"send at most {MAX_BAD_WORDS} non-empty token sequences")
         if self.min_tokens < 0:
             raise InvalidRequestError("min_tokens", f"must be >= 0, got {self.min_tokens}")
         if len(self.grammar) > MAX_GRAMMAR_CHARS:
@@ -128,6 +132,7 @@ MAX_TOP_LOGPROBS = 20
 MAX_CACHE_SALT = 256
 MAX_LOGIT_BIAS = 300  # OpenAI's limit
 MAX_ALLOWED_TOKEN_IDS = 4096
+MAX_BAD_WORDS = 256  # token sequences (a word becomes two: as is and after a space)
 MAX_GRAMMAR_CHARS = 512 * 1024  # a compiled grammar (a schema's, with the choices or Lark text inside)
 
 

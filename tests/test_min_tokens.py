@@ -188,3 +188,77 @@ def test_vllm_guided_fields_and_allowed_token_ids_in_the_http_body():
         ChatCompletionRequest(messages=msgs, guided_regex="a", structured_outputs={"regex": "b"})
     r = ChatCompletionRequest(messages=msgs, allowed_token_ids=[4, 5]).to_proto()
     assert list(r.allowed_token_ids) == [4, 5]
+
+
+def test_bad_words_mask_the_last_token_after_the_rest():
+    from specdec.penalties import adjust_logits
+
+    words = ((4,), (1, 2), (7, 8, 9))
+    p = SamplingParams(bad_words=words)
+    history = [5, 7, 8]
+    rows = adjust_logits(torch.zeros(4, 12), history, 2, [9, 1, 7], p)  # contexts end ...8 / 9 / 1 / 7
+    banned = [set(torch.isinf(r).nonzero()[:, 0].tolist()) for r in rows]
+    assert banned == [{4, 9}, {4}, {4, 2}, {4}]
+    with pytest.raises(InvalidRequestError, match="bad_words"):
+        SamplingParams(bad_words=((),)).validate()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_bad_words_in_every_mode(mode):
+    target = build_tiny_model(vocab_size=32, seed=1, logit_scale=2.0)
+    draft = build_tiny_model(vocab_size=32, seed=2, logit_scale=2.0)
+    prompt = [5, 17, 2, 8, 30, 12]
+    free = target_greedy(target, prompt, 20)
+    words = ((free[3], free[4]), (free[9],))
+    ids = list(prompt)
+    kv = target.new_kv_slots(1, 64)
+    with torch.no_grad():
+        for _ in range(20):  # target-only greedy decoding that never ends with a bad word
+            logits, _ = target(torch.tensor([ids]), torch.arange(len(ids))[None], torch.tensor([0]), kv)
+            row = logits[0, -1].float().clone()
+            for w in words:
+                if tuple(ids[len(ids) - len(w) + 1:]) == w[:-1] or len(w) == 1:
+                    row[w[-1]] = float("-inf")
+            ids.append(int(row.argmax()))
+    want = ids[len(prompt):]
+    assert want != free
+    pv = build_random_preverifier(draft.config.hidden_size, seed=5, block_size=2, threshold=0.5)
+    eng = Engine(target, draft, preverifier=pv)
+    for gamma in (1, 4):
+        res = eng.generate(GenerationRequest(prompt, 20, mode=mode, gamma=gamma,
+                                             params=SamplingParams(bad_words=words)))
+        assert res.token_ids == want, (mode, gamma)
+    eng.close()
+
+
+async def test_bad_words_over_the_wire_are_tokenized_by_the_coordinator(tmp_path):
+    import grpc
+
+    from coordinator.config import CoordinatorSettings
+    from coordinator.server import build_coordinator
+    from specdec.pb import generation_pb2 as g, generation_pb2_grpc as gg
+    from specdec.tokenizer import load_tokenizer
+    from tests.helpers_models import save_tiny_tokenizer, start_replica, tiny_pair
+
+    target, draft = tiny_pair()
+    prompt = [5, 17, 2, 8, 30, 12]
+    free = "".join(TOKENIZER_CHARS[t] for t in target_greedy(target, prompt, 20))
+    word = next(free[i:i + 2] for i in range(len(free) - 1) if " " not in free[i:i + 2])
+    t, d = await start_replica("target", target), await start_replica("draft", draft)
+    app, _ = await build_coordinator(CoordinatorSettings(
+        host="127.0.0.1", port=0, metrics_port=0, ray=False, tokenizer="", grace_s=0, log_level="WARNING",
+        draft_endpoints=d.endpoint, target_endpoints=t.endpoint),
+        tokenizer=load_tokenizer(save_tiny_tokenizer(tmp_path)), eos_token_ids=set())
+    await app.start()
+    stub = gg.GenerationServiceStub(ch := grpc.aio.insecure_channel(f"127.0.0.1:{app.port}"))
+    try:
+        got = await stub.Generate(g.GenerateRequest(prompt_token_ids=prompt, max_new_tokens=20, mode="sd",
+                                                    bad_words=[word]))
+        assert word not in got.text and got.text != free, (word, got.text, free)
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await stub.Generate(g.GenerateRequest(prompt_token_ids=prompt, bad_words=[" "]))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "bad_words" in e.value.details()
+    finally:
+        await ch.close()
+        for a in (app, t, d):
+            await a.shutdown(0)

@@ -106,7 +106,8 @@ def sampling_from_proto(msg: common_pb2.SamplingParams):
                           logit_bias=tuple(sorted((int(k), float(v)) for k, v in msg.logit_bias.items())),
                           grammar=msg.grammar, min_p=float(msg.min_p), min_tokens=int(msg.min_tokens),
                           stop_ids=tuple(int(t) for t in msg.stop_ids),
-                          allowed_token_ids=tuple(int(t) for t in msg.allowed_token_ids))
+                          allowed_token_ids=tuple(int(t) for t in msg.allowed_token_ids),
+                          bad_words=tuple(tuple(int(t) for t in w.ids) for w in msg.bad_words))
 
 
 def sampling_to_proto(p) -> common_pb2.SamplingParams:
@@ -114,7 +115,8 @@ def sampling_to_proto(p) -> common_pb2.SamplingParams:
                                     cache_salt=p.cache_salt, presence_penalty=p.presence_penalty,
                                     frequency_penalty=p.frequency_penalty, logit_bias=dict(p.logit_bias),
                                     grammar=p.grammar, min_p=p.min_p, min_tokens=p.min_tokens,
-                                    stop_ids=list(p.stop_ids), allowed_token_ids=list(p.allowed_token_ids))
+                                    stop_ids=list(p.stop_ids), allowed_token_ids=list(p.allowed_token_ids),
+                                    bad_words=[common_pb2.TokenIds(ids=list(w)) for w in p.bad_words])
     if p.repetition_penalty != 1.0:
         msg.repetition_penalty = p.repetition_penalty
     if p.logprobs >= 0:
