@@ -307,6 +307,8 @@ class DraftWorker(Worker):
                 full = adjust_logits(full[None], s.tokens, s.output_start, [], s.params)[0]
             if s.grammar is not None:  # the target's grammar mask (specdec/grammar.py): accepted more often
                 full = self._grammar_masked(s, full)
+            if bool(torch.isneginf(full).all()):  # the constraints leave nothing (the target says so): draft freely
+                full = row if subset is None else self.model.expand_logits(row)
             if s.params.greedy:
                 x = int(full.argmax())
                 xr = self._row_index(x, subset)

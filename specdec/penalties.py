@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from specdec.errors import InvalidRequestError
 from specdec.sampling import SamplingParams
 
 
@@ -28,6 +29,24 @@ def adjusts(params: SamplingParams) -> bool:
     return bool(params.logit_bias) or params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0 \
         or params.presence_penalty != 0.0 or bool(params.min_tokens and params.stop_ids) \
         or bool(params.allowed_token_ids) or bool(params.bad_words)
+
+
+def live_rows(rows: torch.Tensor, draft: list[int], output_index: int) -> torch.Tensor:
+    """Adjusted and masked rows [n, V] (row i decides output token output_index + i). A row that allows no token
+    is the request's own contradiction (allowed_token_ids, bad_words, min_tokens and a grammar that leave nothing):
+    InvalidRequestError if verification can reach it (each draft token before it has p > 0), else zeros (a row
+    never read; it must not turn the verify's arithmetic into NaN)."""
+    dead = torch.isneginf(rows).all(-1)
+    if not bool(dead.any()):
+        return rows
+    for i in dead.nonzero()[:, 0].tolist():
+        if all(float(rows[j, draft[j]]) > float("-inf") for j in range(i)):
+            raise InvalidRequestError("constraints", f"allowed_token_ids, bad_words, min_tokens and structured output "
+                                                     f"together leave no token for output token {output_index + i}; "
+                                                     f"loosen them")
+    rows = rows.clone()
+    rows[dead] = 0.0
+    return rows
 
 
 def _ends_with(history: list[int], appended: list[int], suffix: tuple[int, ...]) -> bool:

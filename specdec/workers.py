@@ -17,7 +17,7 @@ import torch
 from specdec.drafting import DraftBlock, DraftCall, DraftWorker
 from specdec.errors import InvalidRequestError, StalePositionError
 from specdec.model import CausalLM
-from specdec.penalties import adjust_logits, adjusts
+from specdec.penalties import adjust_logits, adjusts, live_rows
 from specdec.sampling import SamplingParams, TokenLogprobs, concat_logprobs, logits_to_probs, target_logprobs
 from specdec.verify import SparseDist, verify
 from specdec.worker_base import PAD_SLACK, Session, TargetFeatures, Worker
@@ -178,6 +178,8 @@ class TargetWorker(Worker):
                                     s.params)
         if s.grammar is not None:  # structured output: p is the target masked by the grammar (specdec/grammar.py)
             checked = s.grammar.mask_rows(checked, s.tokens[s.output_start:a.base_position + nf], a.draft)
+        if s.grammar is not None or adjusts(s.params):
+            checked = live_rows(checked, a.draft, a.base_position + nf - s.output_start)
         p = checked if s.params.greedy else logits_to_probs(checked, s.params)
         q = None
         if not s.params.greedy and g:

@@ -262,3 +262,21 @@ async def test_bad_words_over_the_wire_are_tokenized_by_the_coordinator(tmp_path
         await ch.close()
         for a in (app, t, d):
             await a.shutdown(0)
+
+
+def test_constraints_that_leave_no_token_are_refused_not_sampled():
+    """allowed_token_ids (3, 7) and a one-token bad word for each leave nothing: INVALID_ARGUMENT saying so, in
+    every mode, greedy and sampled, rather than argmax picking token 0 of an all -inf row or NaN probabilities."""
+    target = build_tiny_model(vocab_size=32, seed=1, logit_scale=2.0)
+    draft = build_tiny_model(vocab_size=32, seed=2, logit_scale=2.0)
+    eng = Engine(target, draft)
+    params = dict(allowed_token_ids=(3, 7), bad_words=((3,), (7,)))
+    for mode in ("ar", "sd", "pearl"):
+        for t in (0.0, 1.0):
+            with pytest.raises(InvalidRequestError, match="leave no token for output token 0"):
+                eng.generate(GenerationRequest([5, 17, 2], 8, mode=mode,
+                                               params=SamplingParams(temperature=t, **params)))
+    ok = eng.generate(GenerationRequest([5, 17, 2], 8, mode="sd", params=SamplingParams(
+        allowed_token_ids=(3, 7), bad_words=((3, 3), (7, 7)))))  # one-token repeats forbidden: it alternates
+    assert all(a != b for a, b in zip(ok.token_ids, ok.token_ids[1:])) and set(ok.token_ids) <= {3, 7}
+    eng.close()
