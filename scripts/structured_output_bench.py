@@ -49,22 +49,16 @@ def main(argv=None) -> None:
 
     import torch
 
-    from specdec.bench.harness import _default_preverifier
+    from specdec.bench.default_pair import load_default_pair
     from specdec.engine import Engine
     from specdec.grammar import StructuredOutput
-    from specdec.hub import resolve_model
     from specdec.lookup import prompt_lookup
-    from specdec.model import load_model_dir
-    from specdec.preverifier import load_preverifier
     from specdec.request import GenerationRequest
     from specdec.sampling import SamplingParams
     from specdec.tokenizer import encode_prompt, eos_token_ids, load_tokenizer
 
     torch.set_num_threads(1)
-    tdir, ddir = resolve_model("default-target"), resolve_model("default-draft")
-    target = load_model_dir(tdir, dtype="auto", role="target")
-    draft = load_model_dir(ddir, dtype="auto", role="draft")
-    pv = load_preverifier(_default_preverifier("default-draft"), draft_model=draft)
+    target, draft, pv, tdir = load_default_pair()
     lookup = prompt_lookup(3)
     eng = Engine(target, draft, preverifier=pv, threads_per_model=1, prefix_cache=False, lookup=lookup)
     tok = load_tokenizer(tdir)

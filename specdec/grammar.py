@@ -101,7 +101,7 @@ class _TokenBytes:
                                add_special_tokens=False).ids
 
 
-def _eos_ids(d: pathlib.Path, tokenizer_json: str) -> set[int]:
+def _eos_ids(d: pathlib.Path, tk) -> set[int]:
     """EOS ids a model directory names (its configs' eos_token_id, tokenizer_config.json's eos_token), read without
     transformers (which a replica would otherwise import for this alone: ~130 MB)."""
     from specdec.tokenizer import eos_token_ids
@@ -113,26 +113,24 @@ def _eos_ids(d: pathlib.Path, tokenizer_json: str) -> set[int]:
     if (d / "tokenizer_config.json").is_file():
         eos = json.loads((d / "tokenizer_config.json").read_text()).get("eos_token")
         eos = eos.get("content") if isinstance(eos, dict) else eos
-        if isinstance(eos, str):
-            from tokenizers import Tokenizer
-
-            tid = Tokenizer.from_str(tokenizer_json).token_to_id(eos)
-            out |= {tid} if tid is not None else set()
+        tid = tk.token_to_id(eos) if isinstance(eos, str) else None
+        out |= {tid} if tid is not None else set()
     return out
 
 
 class GrammarVocab:
     """One model's vocabulary as llguidance sees it (token bytes, EOS ids): checks grammars and makes matchers.
-    `vocab_size` is the model's logits width (it may pad past the tokenizer's)."""
+    `vocab_size` is the model's logits width (it may pad past the tokenizer's); `parsed`: tokenizer_json as a
+    `tokenizers.Tokenizer`, if the caller has it already."""
 
-    def __init__(self, tokenizer_json: str, vocab_size: int, eos_ids: Sequence[int]):
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos_ids: Sequence[int], parsed=None):
         from llguidance import LLTokenizer, TokenizerWrapper
         from tokenizers import Tokenizer
 
         eos = sorted(int(t) for t in eos_ids)
         if not eos:
             raise ValueError("structured output needs the model's EOS token id(s)")
-        tk = Tokenizer.from_str(tokenizer_json)
+        tk = parsed or Tokenizer.from_str(tokenizer_json)
         n_vocab = max(vocab_size, tk.get_vocab_size(True))
         try:
             self.tokenizer = LLTokenizer(tokenizer_json, n_vocab=n_vocab, eos_token=eos)
@@ -145,10 +143,10 @@ class GrammarVocab:
         self.words = (n_vocab + 31) // 32  # the bitmask's int32 words
         self._bit = (1 << torch.arange(8, dtype=torch.uint8))
         self.eos_words = torch.zeros(self.words, dtype=torch.int32)  # the bitmask allowing EOS alone
-        self._compiled: OrderedDict[str, object] = OrderedDict()  # grammar -> an unused LLMatcher (`state`)
-        self._lock = threading.Lock()  # the coordinator checks grammars on worker threads
         for t in eos:
             self.eos_words.view(torch.uint8)[t // 8] |= 1 << (t % 8)
+        self._compiled: OrderedDict[str, object] = OrderedDict()  # grammar -> an unused LLMatcher (`state`)
+        self._lock = threading.Lock()  # the coordinator checks grammars on worker threads
 
     @classmethod
     def from_dir(cls, path: os.PathLike | str, vocab_size: int) -> "GrammarVocab | None":
@@ -157,26 +155,35 @@ class GrammarVocab:
         if not (d / "tokenizer.json").is_file():
             return None
         try:
+            from tokenizers import Tokenizer
+
             text = (d / "tokenizer.json").read_text()
-            return cls(text, vocab_size, _eos_ids(d, text))
+            tk = Tokenizer.from_str(text)
+            return cls(text, vocab_size, _eos_ids(d, tk), parsed=tk)
         except Exception as e:  # noqa: BLE001 - the replica still serves every other request
             log.warning("structured output is off for %s: %s", d, e)
             return None
 
     def check(self, grammar: str) -> None:
         """Raises InvalidRequestError, with llguidance's reason, if `grammar` does not compile."""
-        self.state(grammar)
+        self._compiled_matcher(grammar)
 
     def state(self, grammar: str) -> "GrammarState":
-        """A fresh matcher of `grammar`. Compiled grammars are kept (LRU, GRAMMAR_CACHE): a schema that many requests
-        share compiles once, and each session gets a copy (compiling a large schema can take 100 ms or more)."""
+        """A fresh matcher of `grammar`: a copy of its compiled one."""
+        pristine = self._compiled_matcher(grammar)
+        with self._lock:  # copies are taken under the lock: a matcher is not shared across threads while in use
+            return GrammarState(self, pristine.deep_copy())
+
+    def _compiled_matcher(self, grammar: str):
+        """`grammar`'s unused LLMatcher. Compiled grammars are kept (LRU, GRAMMAR_CACHE): a schema that many requests
+        share compiles once (compiling a large schema can take 100 ms or more)."""
         from llguidance import LLMatcher
 
-        with self._lock:  # copies are taken under the lock: a matcher is not shared across threads while in use
+        with self._lock:
             pristine = self._compiled.get(grammar)
             if pristine is not None:
                 self._compiled.move_to_end(grammar)
-                return GrammarState(self, pristine.deep_copy())
+                return pristine
         pristine = LLMatcher(self.tokenizer, grammar, log_level=0)  # outside the lock: it may take a while
         if pristine.is_error():
             raise InvalidRequestError("structured_output", f"the grammar does not compile: "
@@ -185,7 +192,7 @@ class GrammarVocab:
             self._compiled[grammar] = pristine
             while len(self._compiled) > GRAMMAR_CACHE:
                 self._compiled.popitem(last=False)
-            return GrammarState(self, pristine.deep_copy())
+        return pristine
 
     def unpack(self, words: torch.Tensor) -> torch.Tensor:
         """int32 bitmask words [n, W] → allowed [n, vocab_size] (bool)."""
@@ -206,21 +213,20 @@ class GrammarState:
         self.ended = False  # the synced output holds an EOS after `consumed`
 
     def sync(self, output: Sequence[int]) -> bool:
-        """Advance (or roll back) the matcher to `output`; False if the output leaves the grammar."""
+        """Advance (or roll back) the matcher to `output`; False if the output leaves the grammar. Called on every
+        draft step and verify: the usual case, `output` extending what was consumed, costs one list comparison."""
         eos = self.vocab.eos_ids
-        end = next((i for i, t in enumerate(output) if t in eos), len(output))
-        core = list(output[:end])
-        c, n = self.consumed, 0
-        limit = min(len(c), len(core))
-        if c[:limit] == core[:limit]:
-            n = limit
-        else:
-            while n < limit and c[n] == core[n]:
+        c = self.consumed
+        n = len(c)
+        if len(output) < n or list(output[:n]) != c:  # a rollback: keep the common prefix (it holds no EOS)
+            n, limit = 0, min(len(c), len(output))
+            while n < limit and c[n] == output[n]:
                 n += 1
         if n < len(c):
             self.matcher.rollback(len(c) - n)
             del c[n:]
-        rest = core[n:]
+        end = next((i for i in range(n, len(output)) if output[i] in eos), len(output))
+        rest = list(output[n:end])
         if rest:
             ok = self.matcher.validate_tokens(rest)
             if ok:

@@ -362,9 +362,7 @@ def load_model_dir(path: str | Path, device: str = "cpu", dtype: str | torch.dty
     files = [f for f in sorted(path.glob("*.safetensors")) if f.name != subset_file]
     if not files:
         raise FileNotFoundError(f"no *.safetensors weights in {path}")
-    state: dict[str, torch.Tensor] = {}
-    for f in files:
-        state.update({k: v.float() for k, v in load_file(str(f)).items()})  # fp16-stored weights load as fp32
+    state = {k: v.float() for f in files for k, v in load_file(str(f)).items()}  # fp16-stored weights load as fp32
     model = CausalLM(cfg, vocab_subset=subset, oov_compact_id=int(raw.get("specdec_oov_compact_id", 0)))
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)

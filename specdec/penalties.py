@@ -19,6 +19,8 @@ Definitions (vLLM's):
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from specdec.errors import InvalidRequestError
@@ -49,12 +51,14 @@ def live_rows(rows: torch.Tensor, draft: list[int], output_index: int) -> torch.
     return rows
 
 
-def _ends_with(history: list[int], appended: list[int], suffix: tuple[int, ...]) -> bool:
-    k = len(suffix)
-    if k <= len(appended):
-        return tuple(appended[len(appended) - k:]) == suffix
-    head = k - len(appended)
-    return len(history) >= head and tuple(history[len(history) - head:]) + tuple(appended) == suffix
+@functools.lru_cache(maxsize=256)
+def _bad_word_index(bad_words: tuple[tuple[int, ...], ...]) -> dict[int, dict[tuple[int, ...], list[int]]]:
+    """{len(w) - 1: {w[:-1]: [w[-1], ...]}}: a row looks up its context's tail once per prefix length, not every
+    word (a request's words are the same on every verify and draft step: cached)."""
+    index: dict[int, dict[tuple[int, ...], list[int]]] = {}
+    for w in bad_words:
+        index.setdefault(len(w) - 1, {}).setdefault(tuple(w[:-1]), []).append(w[-1])
+    return index
 
 
 def adjust_logits(rows: torch.Tensor, history: list[int], output_start: int, appended: list[int],
@@ -75,11 +79,15 @@ def adjust_logits(rows: torch.Tensor, history: list[int], output_start: int, app
         keep = torch.zeros(out.shape[-1], dtype=torch.bool)
         keep[torch.tensor(params.allowed_token_ids)] = True
         out[:, ~keep] = float("-inf")
-    for i in range(n if params.bad_words else 0):  # row i's context: history + appended[:i]
-        for w in params.bad_words:
-            k = len(w) - 1
-            if k == 0 or _ends_with(history, appended[:i], w[:-1]):
-                out[i, w[-1]] = float("-inf")
+    if params.bad_words:
+        index = _bad_word_index(params.bad_words)
+        longest = max(index)
+        for i in range(n):  # row i's context: history + appended[:i]; only its last `longest` tokens matter
+            tail = tuple(history[max(len(history) - longest, 0):]) + tuple(appended[:i]) if longest else ()
+            for k, words in index.items():
+                last = words.get(tail[len(tail) - k:]) if k <= len(tail) else None
+                if last:
+                    out[i, last] = float("-inf")
     bias = dict(params.logit_bias)
     ids = sorted(set(history) | set(appended[:n - 1]) | set(bias))
     if not ids:

@@ -121,3 +121,15 @@ def save_tiny_pair(root: Path, with_tokenizer: bool = True) -> tuple[Path, Path]
     if with_tokenizer:
         save_tiny_tokenizer(tdir)
     return tdir, ddir
+
+
+async def stream_killing_the_pinned_target(stub, request, r1, r2, after: int):
+    """GenerateStream `request`, shutting down whichever of the target replicas r1, r2 holds its session once
+    `after` tokens have arrived. → (token ids, the last response)."""
+    ids, last = [], None
+    async for part in stub.GenerateStream(request):
+        ids.extend(part.token_ids)
+        last = part
+        if len(ids) >= after and not r1.draining and not r2.draining:
+            await (r1 if len(r1.host.table) else r2).shutdown(0)  # the pinned replica dies mid-request
+    return ids, last

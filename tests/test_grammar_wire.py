@@ -16,7 +16,7 @@ from coordinator.openai_structured import response_format_pb, structured_output_
 from coordinator.server import build_coordinator
 from coordinator.stack import free_port
 from specdec.pb import generation_pb2 as g, generation_pb2_grpc as gg
-from tests.helpers_models import save_tiny_pair, save_tiny_tokenizer, start_replica
+from tests.helpers_models import save_tiny_pair, save_tiny_tokenizer, start_replica, stream_killing_the_pinned_target
 from tests.test_grammar import EOS, PROMPT, SENTENCE, grammar_of, masked_greedy, text
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -158,12 +158,7 @@ async def test_the_grammar_survives_a_target_failover(tmp_path):
         want = masked_greedy(target, r1.host.worker.grammar_vocab, grammar_of("regex", SENTENCE), PROMPT, 40)
         request = g.GenerateRequest(prompt_token_ids=PROMPT, max_new_tokens=40, mode="sd", gamma=2,
                                     structured_output=g.StructuredOutput(regex=SENTENCE))
-        ids, last = [], None
-        async for part in stub.GenerateStream(request):
-            ids.extend(part.token_ids)
-            last = part
-            if len(ids) >= 6 and not r1.draining and not r2.draining:
-                await (r1 if len(r1.host.table) else r2).shutdown(0)  # the pinned replica dies mid-request
+        ids, last = await stream_killing_the_pinned_target(stub, request, r1, r2, after=6)
         assert ids == want and "," in last.stats.target_replica, "the session moved and kept its grammar"
     finally:
         await ch.close()

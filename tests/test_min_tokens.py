@@ -1,7 +1,8 @@
-"""vLLM's min_p, min_tokens and allowed_token_ids, exact under speculation: min_p is part of the one
+"""vLLM's min_p, min_tokens, allowed_token_ids and bad_words, exact under speculation: min_p is part of the one
 logits→probabilities transform draft and target share (specdec/sampling.py); min_tokens masks EOS and stop token
-ids in the target's rows that decide the first min_tokens output tokens, and allowed_token_ids every other token
-in every row (specdec/penalties.py)."""
+ids in the target's rows that decide the first min_tokens output tokens, allowed_token_ids every other token in
+every row, and bad_words the last token of a word whose other tokens end the row's context (specdec/penalties.py)."""
+import contextlib
 import itertools
 import os
 
@@ -17,6 +18,7 @@ from specdec.sampling import SamplingParams, logits_to_probs
 from tests.helpers_models import TOKENIZER_CHARS, build_tiny_model, target_greedy
 from tests.table_lm import TableLM
 from tests.test_exactness import PROMPT as TABLE_PROMPT, V as TABLE_V, chi_square_pvalue, run_many
+
 
 def test_min_p_keeps_tokens_at_least_min_p_times_the_top_one():
     row = torch.tensor([2.0, 1.0, 0.0, -1.0, 3.0])
@@ -51,37 +53,82 @@ def test_sampling_with_min_p_matches_the_exact_distribution(method):
     assert chi_square_pvalue(counts, exact, n) > 0.001
 
 
-def held_greedy(model, prompt, n, eos: set[int], min_tokens: int) -> list[int]:
-    """Target-only greedy decoding that never picks an EOS id among the first min_tokens tokens, stopping at EOS."""
+PROMPT = [5, 17, 2, 8, 30, 12]
+
+
+def restricted_greedy(model, prompt, n, restrict, stop=frozenset()) -> list[int]:
+    """Target-only greedy decoding, full forwards, no caches: `restrict(row, k, ids)` sets the tokens the k-th output
+    token may not be to -inf (ids: the context so far); a token in `stop` ends it."""
     ids = list(prompt)
     kv = model.new_kv_slots(1, len(prompt) + n + 8)
     with torch.no_grad():
         for k in range(n):
             logits, _ = model(torch.tensor([ids]), torch.arange(len(ids))[None], torch.tensor([0]), kv)
             row = logits[0, -1].float().clone()
-            if k < min_tokens:
-                row[list(eos)] = float("-inf")
+            restrict(row, k, ids)
             ids.append(int(row.argmax()))
-            if ids[-1] in eos:
+            if ids[-1] in stop:
                 break
     return ids[len(prompt):]
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_min_tokens_holds_back_eos_in_every_mode(mode):
+def held_greedy(model, prompt, n, eos: set[int], min_tokens: int) -> list[int]:
+    """Greedy decoding that never picks an EOS id among the first min_tokens tokens, stopping at EOS."""
+    def hold(row, k, _ids):
+        if k < min_tokens:
+            row[list(eos)] = float("-inf")
+    return restricted_greedy(model, prompt, n, hold, eos)
+
+
+def tiny_engine():
+    """(target, an Engine over the tiny pair with a random pre-verifier): every mode runs."""
     target = build_tiny_model(vocab_size=32, seed=1, logit_scale=2.0)
     draft = build_tiny_model(vocab_size=32, seed=2, logit_scale=2.0)
-    prompt = [5, 17, 2, 8, 30, 12]
+    pv = build_random_preverifier(draft.config.hidden_size, seed=5, block_size=2, threshold=0.5)
+    return target, Engine(target, draft, preverifier=pv)
+
+
+def assert_both_gammas(eng, prompt, n, mode, want, **kw):
+    for gamma in (1, 4):
+        res = eng.generate(GenerationRequest(prompt, n, mode=mode, gamma=gamma, **kw))
+        assert res.token_ids == want, (mode, gamma)
+
+
+@contextlib.asynccontextmanager
+async def wire(target, draft, **coordinator_kw):
+    """A coordinator (no Ray) over one target and one draft replica of the given models → its GenerationService
+    stub; `coordinator_kw` go to build_coordinator (tokenizer, eos_token_ids)."""
+    import grpc
+
+    from coordinator.config import CoordinatorSettings
+    from coordinator.server import build_coordinator
+    from specdec.pb import generation_pb2_grpc as gg
+    from tests.helpers_models import start_replica
+
+    t, d = await start_replica("target", target), await start_replica("draft", draft)
+    app, _ = await build_coordinator(CoordinatorSettings(
+        host="127.0.0.1", port=0, metrics_port=0, ray=False, tokenizer="", grace_s=0, log_level="WARNING",
+        draft_endpoints=d.endpoint, target_endpoints=t.endpoint), **coordinator_kw)
+    await app.start()
+    ch = grpc.aio.insecure_channel(f"127.0.0.1:{app.port}")
+    try:
+        yield gg.GenerationServiceStub(ch)
+    finally:
+        await ch.close()
+        for a in (app, t, d):
+            await a.shutdown(0)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_min_tokens_holds_back_eos_in_every_mode(mode):
+    target, eng = tiny_engine()
+    prompt = PROMPT
     free = target_greedy(target, prompt, 24)  # 27 23 7 11 4 5 28 27 ...
     eos = {free[2], free[5]}  # greedy would end at its third token
     want = held_greedy(target, prompt, 24, eos, 8)
     assert len(want) > 8 and not eos & set(want[:8]), want
-    pv = build_random_preverifier(draft.config.hidden_size, seed=5, block_size=2, threshold=0.5)
-    eng = Engine(target, draft, preverifier=pv)
-    for gamma in (1, 4):
-        res = eng.generate(GenerationRequest(prompt, 24, mode=mode, gamma=gamma, eos_token_ids=tuple(sorted(eos)),
-                                             params=SamplingParams(min_tokens=8, stop_ids=tuple(sorted(eos)))))
-        assert res.token_ids == want, (mode, gamma)
+    assert_both_gammas(eng, prompt, 24, mode, want, eos_token_ids=tuple(sorted(eos)),
+                       params=SamplingParams(min_tokens=8, stop_ids=tuple(sorted(eos))))
     plain = eng.generate(GenerationRequest(prompt, 24, mode=mode, eos_token_ids=tuple(sorted(eos))))
     assert plain.token_ids == free[:3]
     same = Engine(target, target)  # draft == target holds the same tokens back: every draft token accepted
@@ -109,24 +156,16 @@ def test_stop_strings_count_only_from_the_min_tokens_th_token():
 async def test_over_the_wire_and_in_the_http_body():
     import grpc
 
-    from coordinator.config import CoordinatorSettings
     from coordinator.openai_schema import CompletionRequest
-    from coordinator.server import build_coordinator
-    from specdec.pb import generation_pb2 as g, generation_pb2_grpc as gg
-    from tests.helpers_models import start_replica, tiny_pair
+    from specdec.pb import generation_pb2 as g
+    from tests.helpers_models import tiny_pair
 
     target, draft = tiny_pair()
-    prompt = [5, 17, 2, 8, 30, 12]
+    prompt = PROMPT
     free = target_greedy(target, prompt, 24)
     eos = {free[2], free[5]}
     want = held_greedy(target, prompt, 24, eos, 8)
-    t, d = await start_replica("target", target), await start_replica("draft", draft)
-    app, _ = await build_coordinator(CoordinatorSettings(
-        host="127.0.0.1", port=0, metrics_port=0, ray=False, tokenizer="", grace_s=0, log_level="WARNING",
-        draft_endpoints=d.endpoint, target_endpoints=t.endpoint), eos_token_ids=eos)
-    await app.start()
-    stub = gg.GenerationServiceStub(ch := grpc.aio.insecure_channel(f"127.0.0.1:{app.port}"))
-    try:
+    async with wire(target, draft, eos_token_ids=eos) as stub:
         for mode in ("sd", "pearl"):
             r = g.GenerateRequest(prompt_token_ids=prompt, max_new_tokens=24, mode=mode, min_tokens=8)
             assert list((await stub.Generate(r)).token_ids) == want
@@ -140,38 +179,27 @@ async def test_over_the_wire_and_in_the_http_body():
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 await stub.Generate(g.GenerateRequest(prompt_token_ids=prompt, **bad))
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in e.value.details()
-    finally:
-        await ch.close()
-        for a in (app, t, d):
-            await a.shutdown(0)
     body = CompletionRequest(prompt=[1, 2], min_tokens=5, min_p=0.1, max_tokens=8).to_proto()
     assert body.min_tokens == 5 and body.min_p == pytest.approx(0.1)
 
 
 @pytest.mark.parametrize("mode", MODES)
 def test_allowed_token_ids_restrict_every_mode_exactly(mode):
-    target = build_tiny_model(vocab_size=32, seed=1, logit_scale=2.0)
-    draft = build_tiny_model(vocab_size=32, seed=2, logit_scale=2.0)
-    prompt = [5, 17, 2, 8, 30, 12]
+    target, eng = tiny_engine()
+    prompt = PROMPT
     allowed = (3, 7, 11, 19, 23, 29)
-    ids = list(prompt)
-    kv = target.new_kv_slots(1, 64)
-    with torch.no_grad():
-        for _ in range(20):  # target-only greedy decoding over the allowed tokens
-            logits, _ = target(torch.tensor([ids]), torch.arange(len(ids))[None], torch.tensor([0]), kv)
-            ids.append(max(allowed, key=lambda t: float(logits[0, -1, t])))
-    want = ids[len(prompt):]
+
+    def only_allowed(row, _k, _ids):  # greedy decoding over the allowed tokens
+        keep = row[list(allowed)].clone()
+        row.fill_(float("-inf"))
+        row[list(allowed)] = keep
+    want = restricted_greedy(target, prompt, 20, only_allowed)
     assert set(want) <= set(allowed) and want != target_greedy(target, prompt, 20)
-    pv = build_random_preverifier(draft.config.hidden_size, seed=5, block_size=2, threshold=0.5)
-    eng = Engine(target, draft, preverifier=pv)
-    for gamma in (1, 4):
-        res = eng.generate(GenerationRequest(prompt, 20, mode=mode, gamma=gamma,
-                                             params=SamplingParams(allowed_token_ids=allowed)))
-        assert res.token_ids == want, (mode, gamma)
+    assert_both_gammas(eng, prompt, 20, mode, want, params=SamplingParams(allowed_token_ids=allowed))
     eng.close()
     same = Engine(target, target)
-    res = same.generate(GenerationRequest(prompt, 20, mode="sd", gamma=4, params=SamplingParams(temperature=1.0,
-                                                                                               allowed_token_ids=allowed)))
+    res = same.generate(GenerationRequest(prompt, 20, mode="sd", gamma=4,
+                                          params=SamplingParams(temperature=1.0, allowed_token_ids=allowed)))
     assert set(res.token_ids) <= set(allowed) and res.stats.accepted_tokens == res.stats.draft_tokens
     same.close()
 
@@ -205,64 +233,40 @@ def test_bad_words_mask_the_last_token_after_the_rest():
 
 @pytest.mark.parametrize("mode", MODES)
 def test_bad_words_in_every_mode(mode):
-    target = build_tiny_model(vocab_size=32, seed=1, logit_scale=2.0)
-    draft = build_tiny_model(vocab_size=32, seed=2, logit_scale=2.0)
-    prompt = [5, 17, 2, 8, 30, 12]
+    target, eng = tiny_engine()
+    prompt = PROMPT
     free = target_greedy(target, prompt, 20)
     words = ((free[3], free[4]), (free[9],))
-    ids = list(prompt)
-    kv = target.new_kv_slots(1, 64)
-    with torch.no_grad():
-        for _ in range(20):  # target-only greedy decoding that never ends with a bad word
-            logits, _ = target(torch.tensor([ids]), torch.arange(len(ids))[None], torch.tensor([0]), kv)
-            row = logits[0, -1].float().clone()
-            for w in words:
-                if tuple(ids[len(ids) - len(w) + 1:]) == w[:-1] or len(w) == 1:
-                    row[w[-1]] = float("-inf")
-            ids.append(int(row.argmax()))
-    want = ids[len(prompt):]
+
+    def no_bad_word(row, _k, ids):  # greedy decoding that never ends with a bad word
+        for w in words:
+            if tuple(ids[len(ids) - len(w) + 1:]) == w[:-1] or len(w) == 1:
+                row[w[-1]] = float("-inf")
+    want = restricted_greedy(target, prompt, 20, no_bad_word)
     assert want != free
-    pv = build_random_preverifier(draft.config.hidden_size, seed=5, block_size=2, threshold=0.5)
-    eng = Engine(target, draft, preverifier=pv)
-    for gamma in (1, 4):
-        res = eng.generate(GenerationRequest(prompt, 20, mode=mode, gamma=gamma,
-                                             params=SamplingParams(bad_words=words)))
-        assert res.token_ids == want, (mode, gamma)
+    assert_both_gammas(eng, prompt, 20, mode, want, params=SamplingParams(bad_words=words))
     eng.close()
 
 
 async def test_bad_words_over_the_wire_are_tokenized_by_the_coordinator(tmp_path):
     import grpc
 
-    from coordinator.config import CoordinatorSettings
-    from coordinator.server import build_coordinator
-    from specdec.pb import generation_pb2 as g, generation_pb2_grpc as gg
+    from specdec.pb import generation_pb2 as g
     from specdec.tokenizer import load_tokenizer
-    from tests.helpers_models import save_tiny_tokenizer, start_replica, tiny_pair
+    from tests.helpers_models import save_tiny_tokenizer, tiny_pair
 
     target, draft = tiny_pair()
-    prompt = [5, 17, 2, 8, 30, 12]
+    prompt = PROMPT
     free = "".join(TOKENIZER_CHARS[t] for t in target_greedy(target, prompt, 20))
     word = next(free[i:i + 2] for i in range(len(free) - 1) if " " not in free[i:i + 2])
-    t, d = await start_replica("target", target), await start_replica("draft", draft)
-    app, _ = await build_coordinator(CoordinatorSettings(
-        host="127.0.0.1", port=0, metrics_port=0, ray=False, tokenizer="", grace_s=0, log_level="WARNING",
-        draft_endpoints=d.endpoint, target_endpoints=t.endpoint),
-        tokenizer=load_tokenizer(save_tiny_tokenizer(tmp_path)), eos_token_ids=set())
-    await app.start()
-    stub = gg.GenerationServiceStub(ch := grpc.aio.insecure_channel(f"127.0.0.1:{app.port}"))
-    try:
+    tok = load_tokenizer(save_tiny_tokenizer(tmp_path))
+    async with wire(target, draft, tokenizer=tok, eos_token_ids=set()) as stub:
         got = await stub.Generate(g.GenerateRequest(prompt_token_ids=prompt, max_new_tokens=20, mode="sd",
                                                     bad_words=[word]))
         assert word not in got.text and got.text != free, (word, got.text, free)
         with pytest.raises(grpc.aio.AioRpcError) as e:
             await stub.Generate(g.GenerateRequest(prompt_token_ids=prompt, bad_words=[" "]))
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "bad_words" in e.value.details()
-    finally:
-        await ch.close()
-        for a in (app, t, d):
-            await a.shutdown(0)
-
 
 def test_constraints_that_leave_no_token_are_refused_not_sampled():
     """allowed_token_ids (3, 7) and a one-token bad word for each leave nothing: INVALID_ARGUMENT saying so, in

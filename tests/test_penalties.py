@@ -143,7 +143,7 @@ async def test_over_the_wire_and_across_a_failover():
     from coordinator.config import CoordinatorSettings
     from coordinator.server import build_coordinator
     from specdec.pb import generation_pb2 as g, generation_pb2_grpc as gg
-    from tests.helpers_models import start_replica, tiny_pair
+    from tests.helpers_models import start_replica, stream_killing_the_pinned_target, tiny_pair
 
     target, draft = tiny_pair()
     r1, r2 = await start_replica("target", target), await start_replica("target", target)
@@ -160,12 +160,7 @@ async def test_over_the_wire_and_across_a_failover():
                                     presence_penalty=0.5, frequency_penalty=0.75, repetition_penalty=1.5,
                                     logit_bias={2: 2.0, 7: -1.5})
         assert list((await stub.Generate(request)).token_ids) == want
-        ids, last = [], None
-        async for part in stub.GenerateStream(request):
-            ids.extend(part.token_ids)
-            last = part
-            if len(ids) >= 8 and not r1.draining and not r2.draining:
-                await (r1 if len(r1.host.table) else r2).shutdown(0)  # the pinned replica dies mid-request
+        ids, last = await stream_killing_the_pinned_target(stub, request, r1, r2, after=8)
         assert ids == want and "," in last.stats.target_replica, "the session moved and kept its counts"
         with pytest.raises(grpc.aio.AioRpcError) as e:
             await stub.Generate(g.GenerateRequest(prompt_token_ids=PROMPT, logit_bias={500: 1.0}))
