@@ -27,6 +27,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from coordinator import openai_responses as responses
 from coordinator import openai_schema as schema
 from coordinator.openai_backend import CLIENT_CLOSED, ApiError, ServicerBackend, param_of  # noqa: F401 (re-exported)
 from specdec.pb import generation_pb2
@@ -131,14 +132,15 @@ class OpenAIFrontDoor:
     async def generate(self, request: Request, body, chat: bool):
         self._check(request, body)
         echo = not chat and body.echo
-        echo_text = body.prompt if echo and isinstance(body.prompt, str) else None
-        if echo_text is not None:  # the prompt's own tokens come back: encode it here, as the servicer would (raw)
-            body.prompt = self.backend.encode(echo_text)
+        n = body.n
+        echo_texts = [p if isinstance(p, str) else None for p in body.prompts] if echo else []
+        if echo:  # the prompts' own tokens come back: encode text here, as the servicer would (raw)
+            body.prompts[:] = [self.backend.encode(p) if isinstance(p, str) else p for p in body.prompts]
         protos = body.choices()
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         created = int(time.time())
         if not body.stream:
-            async def whole(proto):
+            async def whole(k, proto):
                 text, ids, last = [], [], None
                 lps = generation_pb2.GeneratedLogprobs() if proto.HasField("logprobs") else None
                 async for resp in self.backend.events(proto, incremental=False):
@@ -147,22 +149,25 @@ class OpenAIFrontDoor:
                     if lps is not None:
                         lps.MergeFrom(resp.logprobs)
                     last = resp
-                finish, stats = schema.FINISH_REASON.get(last.finish_reason, "stop"), last.stats
+                finish, stats = responses.FINISH_REASON.get(last.finish_reason, "stop"), last.stats
                 if not echo:
-                    return "".join(text), finish, stats, schema.logprobs_body(chat, ids, lps, self.backend.token_text)
+                    return ("".join(text), finish, stats,
+                            responses.logprobs_body(chat, ids, lps, self.backend.token_text))
                 if body.max_tokens == 0:  # the prompt alone: drop the one token generated
                     text, ids, finish = [], [], "length"
                     lps = generation_pb2.GeneratedLogprobs() if lps is not None else None
                     stats = generation_pb2.GenerationStats(prompt_tokens=stats.prompt_tokens, mode=stats.mode,
                                                            cached_prompt_tokens=stats.cached_prompt_tokens)
                 prompt = list(proto.prompt_token_ids)
+                echo_text = echo_texts[k // n]
                 prefix = echo_text if echo_text is not None else self.backend.decode(prompt)
                 return (prefix + "".join(text), finish, stats,
-                        schema.echo_logprobs_body(prompt, last.prompt_logprobs if lps is not None else None, ids, lps,
-                                                  self.backend.token_text))
+                        responses.echo_logprobs_body(prompt, last.prompt_logprobs if lps is not None else None, ids,
+                                                     lps, self.backend.token_text))
 
-            answers = await until_disconnected(request, _all(whole(p) for p in protos))
-            return schema.completion_body(chat, rid, created, self.model_name, answers, body.tool if chat else None)
+            answers = await until_disconnected(request, _all(whole(k, p) for k, p in enumerate(protos)))
+            return responses.completion_body(chat, rid, created, self.model_name, answers, body.tool if chat else None,
+                                          n)
         streams = [self.backend.events(p) for p in protos]
         # each choice's first response before the headers: a request refused at once gets its HTTP status, not a
         # 200 stream
@@ -180,14 +185,15 @@ class OpenAIFrontDoor:
                     await events.aclose()
             raise
         usage = body.stream_options is not None and body.stream_options.include_usage
-        return StreamingResponse(self._stream(chat, rid, created, firsts, streams, usage, body.tool if chat else None),
+        return StreamingResponse(self._stream(chat, rid, created, firsts, streams, usage, body.tool if chat else None,
+                                              n),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-    async def _stream(self, chat, rid, created, firsts, streams, with_usage, tool=None):
+    async def _stream(self, chat, rid, created, firsts, streams, with_usage, tool=None, n=1):
         """`tool`: a forced tool choice: a choice's calls come whole in one chunk when it ends (its text is held)."""
         name = self.model_name
-        chunk = functools.partial(schema.chunk_body, chat, rid, created, name, with_usage=with_usage)
+        chunk = functools.partial(responses.chunk_body, chat, rid, created, name, with_usage=with_usage)
         stats = [None] * len(streams)
         held = [[] for _ in streams]
         try:
@@ -195,7 +201,7 @@ class OpenAIFrontDoor:
                 for i in range(len(streams)):
                     yield _sse(chunk(None, None, role=True, index=i))
             async for i, resp in _merged(firsts, streams):  # a dropped client cancels here, and with it every choice
-                finish = schema.FINISH_REASON.get(resp.finish_reason) if resp.finish_reason else None
+                finish = responses.FINISH_REASON.get(resp.finish_reason) if resp.finish_reason else None
                 if tool is not None:
                     held[i].append(resp.text_delta)
                     if not finish:
@@ -205,7 +211,7 @@ class OpenAIFrontDoor:
                     yield _sse(chunk(None, None, index=i, delta={"tool_calls": calls} if calls else
                                      {"content": message["content"]}))
                 elif resp.HasField("logprobs") and resp.token_ids:  # tokens whose text may still be held back
-                    yield _sse(chunk(resp.text_delta, None, index=i, logprobs=schema.logprobs_body(
+                    yield _sse(chunk(resp.text_delta, None, index=i, logprobs=responses.logprobs_body(
                         chat, resp.token_ids, resp.logprobs, self.backend.token_text)))
                 elif resp.text_delta:
                     yield _sse(chunk(resp.text_delta, None, index=i))
@@ -213,7 +219,7 @@ class OpenAIFrontDoor:
                     stats[i] = resp.stats
                     yield _sse(chunk(None, finish, index=i, stats=resp.stats))
             if with_usage:
-                yield _sse(schema.usage_chunk(chat, rid, created, name, stats))
+                yield _sse(responses.usage_chunk(chat, rid, created, name, stats, n))
         except ApiError as e:  # after the headers: the error travels as an event, as OpenAI's does
             yield _sse(e.body())
         yield _sse("[DONE]")

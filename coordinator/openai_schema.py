@@ -1,5 +1,6 @@
-"""OpenAI-compatible request bodies (`/v1/chat/completions`, `/v1/completions`), their translation to a
-GenerateRequest, and the response bodies. Pure: pydantic and the generated proto, no web framework.
+"""OpenAI-compatible request bodies (`/v1/chat/completions`, `/v1/completions`, `/tokenize`, `/detokenize`) and
+their translation to GenerateRequests (the response bodies: coordinator/openai_responses.py). Pure: pydantic and
+the generated proto, no web framework.
 
 - Fields OpenAI defines that specdec does not implement are accepted at their neutral values (no tools, no
   suffix) and refused otherwise, with a message saying what to send instead.
@@ -24,8 +25,7 @@ from specdec.sampling import MAX_ALLOWED_TOKEN_IDS
 
 MAX_STOP = 16
 MAX_N = 16  # choices per request: each is its own generation (they batch on the target like separate requests)
-FINISH_REASON = {generation_pb2.FINISH_REASON_LENGTH: "length", generation_pb2.FINISH_REASON_STOP: "stop",
-                 generation_pb2.FINISH_REASON_CANCELLED: "abort"}
+MAX_GENERATIONS = 64  # prompts × n per request (/v1/completions takes a list of prompts)
 # GenerateRequest's field names in the servicer's messages, as an OpenAI client knows them
 PARAM_NAMES = {"max_new_tokens": "max_tokens", "prompt_token_ids": "prompt"}
 
@@ -137,15 +137,21 @@ class _Sampling(SpecDecKnobs):
                 setattr(r, name, value)
         return r
 
+    def prompt_protos(self) -> list[generation_pb2.GenerateRequest]:
+        """One GenerateRequest per prompt (chat: one)."""
+        return [self.to_proto()]
+
     def choices(self) -> list[generation_pb2.GenerateRequest]:
-        """One GenerateRequest per choice: with a seed, choice i samples with seed + i; without, each draws its own."""
-        first = self.to_proto()
-        out = [first]
-        for i in range(1, self.n):
-            r = generation_pb2.GenerateRequest()
-            r.CopyFrom(first)
-            r.seed = (first.seed + i) % 2**64 if self.seed is not None else secrets.randbits(63)
-            out.append(r)
+        """One GenerateRequest per choice, prompt by prompt (choice index = prompt index × n + i, OpenAI's order):
+        with a seed, choice i of every prompt samples with seed + i; without, each draws its own."""
+        out = []
+        for first in self.prompt_protos():
+            out.append(first)
+            for i in range(1, self.n):
+                r = generation_pb2.GenerateRequest()
+                r.CopyFrom(first)
+                r.seed = (first.seed + i) % 2**64 if self.seed is not None else secrets.randbits(63)
+                out.append(r)
         return out
 
 
@@ -242,16 +248,19 @@ class CompletionRequest(_Sampling):
     best_of: int | None = None
     logprobs: int | None = Field(None, ge=0, le=20)
 
+    _prompts: list = PrivateAttr(default_factory=list)  # str (text) or list[int] (token ids), one per prompt
+
     @model_validator(mode="after")
     def _completion_neutral(self):
         p = self.prompt
-        if isinstance(p, list):
-            if not p:
-                raise ValueError("prompt: empty; send a string or a list of token ids")
-            if isinstance(p[0], (str, list)):
-                if len(p) != 1:
-                    raise ValueError(f"prompt: one prompt per request (got {len(p)}); send separate requests")
-                self.prompt = p[0]
+        if isinstance(p, list) and not p:
+            raise ValueError("prompt: empty; send a string, a list of token ids, or a list of either")
+        self._prompts = list(p) if isinstance(p, list) and isinstance(p[0], (str, list)) else [p]
+        if len(self._prompts) * self.n > MAX_GENERATIONS:
+            raise ValueError(f"prompt: {len(self._prompts)} prompts × n = {self.n} are {len(self._prompts) * self.n} "
+                             f"generations; at most {MAX_GENERATIONS} per request: split the prompts over requests")
+        if any(isinstance(x, list) and not x for x in self._prompts):
+            raise ValueError("prompt: an empty list of token ids")
         for name, bad in (("suffix", self.suffix), ("best_of", self.best_of not in (None, 1)),
                           ("echo", self.echo and self.stream)):
             if bad:
@@ -260,17 +269,26 @@ class CompletionRequest(_Sampling):
             raise ValueError("max_tokens: must be >= 1 (0 only with echo: the prompt's logprobs alone)")
         return self
 
-    def to_proto(self) -> generation_pb2.GenerateRequest:
+    @property
+    def prompts(self) -> list:
+        return self._prompts
+
+    def prompt_protos(self) -> list[generation_pb2.GenerateRequest]:
+        return [self.to_proto(p) for p in self._prompts]
+
+    def to_proto(self, prompt: str | list[int] | None = None) -> generation_pb2.GenerateRequest:
+        """The GenerateRequest of one prompt (default: the first)."""
+        prompt = self._prompts[0] if prompt is None else prompt
         # max_tokens 0 (echo): one token is generated and dropped (a request generates at least one)
         r = self.generate_request(self.max_tokens or (1 if self.max_tokens == 0 else None))
         if self.logprobs is not None:
             r.logprobs = self.logprobs
             if self.echo:
                 r.prompt_logprobs = self.logprobs
-        if isinstance(self.prompt, str):
-            r.prompt, r.raw_prompt = self.prompt, True  # a completion continues the text as is: no chat template
+        if isinstance(prompt, str):
+            r.prompt, r.raw_prompt = prompt, True  # a completion continues the text as is: no chat template
         else:
-            r.prompt_token_ids.extend(self.prompt)
+            r.prompt_token_ids.extend(prompt)
         return r
 
 
@@ -298,102 +316,3 @@ class DetokenizeRequest(_Body):
     """vLLM's POST /detokenize."""
     model: str | None = None
     tokens: list[int] = Field(min_length=1)
-
-
-# -- responses (plain dicts: what the OpenAI API returns, plus `stats`, specdec's per-request statistics: each choice
-# carries its own, and the top level repeats choice 0's) --------------------------------------------------------
-def usage(stats: list[generation_pb2.GenerationStats]) -> dict:
-    """OpenAI's usage; `prompt_tokens_details.cached_tokens`: the prompt positions every choice's target session
-    reused from the prefix cache (OpenAI's and vLLM's name for them)."""
-    prompt, completion = stats[0].prompt_tokens, sum(s.completion_tokens for s in stats)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": min(s.cached_prompt_tokens for s in stats)}}
-
-
-def stats_dict(stats: generation_pb2.GenerationStats) -> dict:
-    from google.protobuf.json_format import MessageToDict
-
-    return MessageToDict(stats, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
-
-
-def logprobs_body(chat: bool, token_ids, logprobs: generation_pb2.GeneratedLogprobs | None, token_text) -> dict | None:
-    """OpenAI's logprobs object for these tokens (chat: `content` entries; completions: parallel lists).
-    `token_text(id)` is a token's text."""
-    if logprobs is None:
-        return None
-    tokens = [token_text(t) for t in token_ids]
-    tops = [[(token_text(i), v) for i, v in zip(top.ids, top.logprobs)] for top in logprobs.top]
-    if chat:
-        def entry(text, lp):
-            return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
-
-        return {"content": [{**entry(text, lp), "top_logprobs": [entry(a, v) for a, v in top]}
-                            for text, lp, top in zip(tokens, logprobs.logprobs, tops)]}
-    offsets, at = [], 0
-    for text in tokens:
-        offsets.append(at)
-        at += len(text)
-    return {"tokens": tokens, "token_logprobs": list(logprobs.logprobs), "top_logprobs": [dict(top) for top in tops],
-            "text_offset": offsets}
-
-
-def echo_logprobs_body(prompt_ids: list[int], prompt_lps: generation_pb2.GeneratedLogprobs | None, ids: list[int],
-                       lps: generation_pb2.GeneratedLogprobs | None, token_text) -> dict | None:
-    """Completions' logprobs with echo: the prompt's tokens first (the first has none, as in OpenAI's API)."""
-    if lps is None:
-        return None
-    merged = generation_pb2.GeneratedLogprobs()
-    merged.MergeFrom(prompt_lps or generation_pb2.GeneratedLogprobs())
-    merged.MergeFrom(lps)
-    body = logprobs_body(False, prompt_ids[1:] + ids, merged, token_text)
-    body["tokens"].insert(0, token_text(prompt_ids[0]))
-    body["token_logprobs"].insert(0, None)
-    body["top_logprobs"].insert(0, None)
-    body["text_offset"] = [0] + [o + len(body["tokens"][0]) for o in body["text_offset"]]
-    return body
-
-
-def completion_body(chat: bool, rid: str, created: int, model: str, answers: list[tuple],
-                    tool: ToolChoice | None = None) -> dict:
-    """`answers`: (text, finish_reason, stats, logprobs object or None) per choice, in index order. `tool`: a forced
-    tool choice, whose answers come back as the message's tool_calls."""
-    choices = []
-    for i, (text, finish, stats, logprobs) in enumerate(answers):
-        if tool is not None:
-            message, finish = tool.message(text, finish)
-            choice = {"index": i, "message": message}
-        else:
-            choice = {"index": i, "message": {"role": "assistant", "content": text}} if chat else {"index": i,
-                                                                                                   "text": text}
-        choices.append({**choice, "logprobs": logprobs, "finish_reason": finish, "stats": stats_dict(stats)})
-    return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
-            "model": model, "choices": choices, "usage": usage([a[2] for a in answers]),
-            "stats": choices[0]["stats"]}
-
-
-def chunk_body(chat: bool, rid: str, created: int, model: str, text: str | None, finish: str | None,
-               role: bool = False, with_usage: bool = False, index: int = 0,
-               stats: generation_pb2.GenerationStats | None = None, logprobs: dict | None = None,
-               delta: dict | None = None) -> dict:
-    """One streamed chunk of choice `index`. Chat: `role` marks a choice's first chunk (its delta carries the
-    role). A choice's last chunk carries its finish_reason and stats. Every chunk has `usage: null` when the client
-    asked for usage (the last chunk, `usage_chunk`, carries it)."""
-    if chat:
-        if delta is None:  # `delta`: a chat chunk's own (tool calls)
-            delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text is not None else {})
-        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-    else:
-        choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
-    if stats is not None:
-        choice["stats"] = stats_dict(stats)
-    body = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
-            "model": model, "choices": [choice]}
-    if with_usage:
-        body["usage"] = None
-    return body
-
-
-def usage_chunk(chat: bool, rid: str, created: int, model: str,
-                stats: list[generation_pb2.GenerationStats]) -> dict:
-    return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
-            "model": model, "choices": [], "usage": usage(stats), "stats": stats_dict(stats[0])}

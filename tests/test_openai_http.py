@@ -281,8 +281,42 @@ async def test_transport_level_errors(api):
     assert r.status_code == 413 and "limit is 65536" in r.json()["error"]["message"]
     r = await api.http.get("/v1/nothing")
     assert r.status_code == 404 and "error" in r.json()
-    r = await api.http.post("/v1/completions", json={"model": MODEL, "prompt": ["a", "b"]})
-    assert r.status_code == 400 and "one prompt per request" in r.json()["error"]["message"]
+    r = await api.http.post("/v1/completions", json={"model": MODEL, "prompt": ["a"] * 33, "n": 2})
+    assert r.status_code == 400 and "at most 64 per request" in r.json()["error"]["message"]
+    r = await api.http.post("/v1/completions", json={"model": MODEL, "prompt": [[1, 2], []]})
+    assert r.status_code == 400 and "empty list of token ids" in r.json()["error"]["message"]
+
+
+async def test_several_prompts_answer_their_choices_in_order(api):
+    """/v1/completions with a list of prompts (text or token ids): choice k·n + i is choice i of prompt k, equal to
+    that prompt sent alone; usage counts each prompt once; streamed and echoed the same."""
+    prompts = ["once upon a", "hello", "abc d"]
+    # spec_off_batch 0: six concurrent sessions still speculate, so each samples as it does alone
+    kw = dict(model=MODEL, temperature=1.0, max_tokens=10, seed=11, extra_body={"mode": "sd", "spec_off_batch": 0})
+    out = await api.client.completions.create(prompt=prompts, n=2, **kw)
+    assert [c.index for c in out.choices] == list(range(6))
+    prompt_tokens = 0
+    for k, p in enumerate(prompts):
+        alone = await api.client.completions.create(prompt=p, n=2, **kw)
+        assert [c.text for c in out.choices[2 * k:2 * k + 2]] == [c.text for c in alone.choices]
+        prompt_tokens += alone.usage.prompt_tokens
+    assert out.usage.prompt_tokens == prompt_tokens and out.usage.completion_tokens == 60
+    stream = await api.client.completions.create(prompt=prompts, n=2, stream=True,
+                                                 stream_options={"include_usage": True}, **kw)
+    chunks = [c async for c in stream]
+    texts = [""] * 6
+    for c in chunks[:-1]:
+        (ch,) = c.choices
+        texts[ch.index] += ch.text
+    assert texts == [c.text for c in out.choices]
+    assert chunks[-1].usage.prompt_tokens == prompt_tokens and chunks[-1].usage.completion_tokens == 60
+    by_ids = await api.client.completions.create(prompt=[api.tok(p)["input_ids"] for p in prompts], n=2, **kw)
+    assert [c.text for c in by_ids.choices] == [c.text for c in out.choices]
+    echoed = await api.client.completions.create(model=MODEL, prompt=prompts, temperature=0, max_tokens=0,
+                                                 echo=True, logprobs=0)
+    assert [c.text for c in echoed.choices] == ["once upon a", "hello", "abc d"]
+    for c in echoed.choices:
+        assert c.logprobs.token_logprobs[0] is None and len(c.logprobs.tokens) == len(c.text)
 
 
 async def test_api_key(api):
