@@ -8,6 +8,7 @@ import grpc
 from fastapi.responses import JSONResponse
 
 from coordinator import openai_schema as schema
+from specdec.pb import generation_pb2
 from specdec.server.interceptor import status_for
 
 log = logging.getLogger("coordinator.openai_http")
@@ -90,9 +91,13 @@ class ServicerBackend:
             return self.encode(body.prompt)
         if self.tok is None:
             raise ApiError(400, "messages: this coordinator has no tokenizer", "messages")
+        from coordinator.service import _message
+
+        pb = generation_pb2.GenerateRequest()
+        for m in body.messages:  # as the chat route: through GenerateRequest.messages
+            m.add_to(pb.messages)
         try:
-            return encode_prompt(self.tok, messages=[{"role": m.template_role, "content": m.text}
-                                                     for m in body.messages])
+            return encode_prompt(self.tok, messages=[_message(m) for m in pb.messages], tools=body.tools)
         except ValueError as e:
             raise ApiError(400, str(e), "messages") from None
 

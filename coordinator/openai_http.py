@@ -107,8 +107,9 @@ def _sse(body: dict | str) -> str:
 
 class OpenAIFrontDoor:
     def __init__(self, backend: ServicerBackend, model_name: str, api_key: str = "", max_body_bytes: int = 1 << 24,
-                 is_draining=lambda: False, registry=None, max_in_flight: int = 1024):
+                 is_draining=lambda: False, registry=None, max_in_flight: int = 1024, tool_call_parser: str = ""):
         self.backend, self.model_name, self.api_key = backend, model_name, api_key
+        self.tool_call_parser = tool_call_parser  # tool_choice "auto": coordinator/tool_parsers.py (''; refused)
         self.max_body_bytes, self.is_draining = max_body_bytes, is_draining
         self.max_in_flight, self.in_flight = max_in_flight, 0  # POSTs being answered (streams until their end)
         self.requests, self.registry = None, registry
@@ -131,6 +132,13 @@ class OpenAIFrontDoor:
 
     async def generate(self, request: Request, body, chat: bool):
         self._check(request, body)
+        if chat and body.tool is not None and body.tool.auto:
+            if not self.tool_call_parser:
+                raise ApiError(400, "tool_choice: 'auto' (the default with tools) needs the server started with a "
+                                    "parser of this model's tool-call text (COORDINATOR_TOOL_CALL_PARSER, e.g. "
+                                    "hermes); send 'required', {'type': 'function', 'function': {'name': ...}} or "
+                                    "'none'", "tool_choice")
+            body.tool.parser = self.tool_call_parser
         echo = not chat and body.echo
         n = body.n
         echo_texts = [p if isinstance(p, str) else None for p in body.prompts] if echo else []
@@ -191,25 +199,24 @@ class OpenAIFrontDoor:
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     async def _stream(self, chat, rid, created, firsts, streams, with_usage, tool=None, n=1):
-        """`tool`: a forced tool choice: a choice's calls come whole in one chunk when it ends (its text is held)."""
+        """`tool`: a tool choice, whose reader turns each choice's text into content and tool_calls deltas."""
         name = self.model_name
         chunk = functools.partial(responses.chunk_body, chat, rid, created, name, with_usage=with_usage)
         stats = [None] * len(streams)
-        held = [[] for _ in streams]
+        readers = [tool.reader() for _ in streams] if tool is not None else []
         try:
             if chat:
                 for i in range(len(streams)):
                     yield _sse(chunk(None, None, role=True, index=i))
             async for i, resp in _merged(firsts, streams):  # a dropped client cancels here, and with it every choice
                 finish = responses.FINISH_REASON.get(resp.finish_reason) if resp.finish_reason else None
-                if tool is not None:
-                    held[i].append(resp.text_delta)
-                    if not finish:
-                        continue
-                    message, finish = tool.message("".join(held[i]), finish)
-                    calls = [{"index": k, **c} for k, c in enumerate(message.get("tool_calls") or [])]
-                    yield _sse(chunk(None, None, index=i, delta={"tool_calls": calls} if calls else
-                                     {"content": message["content"]}))
+                if readers:
+                    deltas = readers[i].feed(resp.text_delta)
+                    if finish:
+                        more, finish = readers[i].end(finish)
+                        deltas += more
+                    for delta in deltas:
+                        yield _sse(chunk(None, None, index=i, delta=delta))
                 elif resp.HasField("logprobs") and resp.token_ids:  # tokens whose text may still be held back
                     yield _sse(chunk(resp.text_delta, None, index=i, logprobs=responses.logprobs_body(
                         chat, resp.token_ids, resp.logprobs, self.backend.token_text)))

@@ -168,17 +168,11 @@ class ChatMessage(_Body):
             raise ValueError("content: needed (only an assistant message with tool_calls may leave it out)")
         return self
 
-    @property
-    def text(self) -> str:
-        """What the chat template gets as content: an assistant turn's tool calls as their JSON."""
-        if self.content is None:
-            return json.dumps([c.get("function", c) for c in self.tool_calls or []])
-        return self.content
-
-    @property
-    def template_role(self) -> str:
-        """The role the chat template gets: OpenAI's `developer` is the templates' `system`."""
-        return "system" if self.role == "developer" else self.role
+    def add_to(self, messages) -> None:
+        """Append this message to a GenerateRequest's `messages`. OpenAI's `developer` is the templates' `system`."""
+        messages.add(role="system" if self.role == "developer" else self.role, content=self.content or "",
+                     tool_calls=json.dumps(self.tool_calls) if self.tool_calls else "",
+                     tool_call_id=self.tool_call_id or "", name=self.name or "")
 
     @field_validator("content")
     @classmethod
@@ -219,7 +213,7 @@ class ChatCompletionRequest(_Sampling):
             raise ValueError("response_format: send it or structured_outputs, not both")
         self._structured = fmt if fmt is not None else self._structured
         self._tool = tool_choice(self.tools, self.tool_choice, self.parallel_tool_calls)
-        if self._tool is not None:
+        if self._tool is not None and not self._tool.auto:
             if self._structured is not None:
                 raise ValueError("tool_choice: a forced tool call fixes the answer's form already; leave "
                                  "response_format and structured_outputs out")
@@ -235,7 +229,7 @@ class ChatCompletionRequest(_Sampling):
         if self.logprobs:
             r.logprobs = self.top_logprobs or 0
         for m in self.messages:
-            r.messages.add(role=m.template_role, content=m.text)
+            m.add_to(r.messages)
         if self.tools and self.tool_choice != "none":  # the chat template shows them to the model
             r.tools = json.dumps(self.tools)
         return r
@@ -298,6 +292,7 @@ class TokenizeRequest(_Body):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[dict[str, Any]] | None = None  # as the chat route shows them to the chat template
     add_generation_prompt: bool = True  # what the chat route does; False is refused
     add_special_tokens: bool = True  # what the completions route does; False is refused
 

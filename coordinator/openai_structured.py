@@ -4,7 +4,9 @@
 Tool calls (OpenAI's `tools` + `tool_choice`): with `"required"` or a named function the answer is constrained to
 the tools' argument schemas, as vLLM does it, so it always parses: a named function's answer is its arguments
 object; "required" answers a JSON array of `{"name", "parameters"}` calls, one or more. The answer comes back as
-the message's `tool_calls`. `"auto"` would need a parser of each model's own tool-call text: it is refused.
+the message's `tool_calls`. With `"auto"` (the default when tools are sent) the model answers freely and a parser
+of its family's tool-call text (coordinator/tool_parsers.py, the coordinator's `tool_call_parser`) reads the calls
+it chose to make out of the answer.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from coordinator.tool_parsers import AutoToolReader, parse_whole
 from specdec.pb import generation_pb2
 
 _STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object")
@@ -74,10 +77,17 @@ MAX_TOOLS = 128
 
 @dataclass
 class ToolChoice:
-    """A forced tool choice: `name` (one function) or every tool ("required"); `params` name → arguments schema."""
+    """A tool choice: forced, `name` (one function) or every tool ("required"), or the model's own (`auto`, read by
+    the `parser` the front door sets); `params` name → arguments schema."""
     params: dict[str, dict]
     name: str = ""
     parallel: bool = True  # OpenAI's parallel_tool_calls: False allows "required" one call only
+    auto: bool = False
+    parser: str = ""  # auto: coordinator/tool_parsers.py's PARSERS key
+
+    def reader(self):
+        """A streamed choice's reader: its text deltas → chat deltas (`feed(text)`, `end(finish)`)."""
+        return AutoToolReader(self.parser) if self.auto else _HeldAnswer(self)
 
     def structured(self) -> generation_pb2.StructuredOutput:
         """The answer's schema, written as json.dumps writes (`{"a": 1, "b": 2}`, no other whitespace): a model left
@@ -97,6 +107,13 @@ class ToolChoice:
     def message(self, text: str, finish: str) -> tuple[dict, str]:
         """The answer's text → (assistant message, finish_reason). An answer cut short (finish "length") does not
         parse and comes back as content."""
+        if self.auto:
+            content, calls = parse_whole(self.parser, text)
+            if not calls:
+                return {"role": "assistant", "content": text}, finish
+            return ({"role": "assistant", "content": content,
+                     "tool_calls": [{k: v for k, v in c.delta(0).items() if k != "index"} for c in calls]},
+                    "tool_calls" if finish == "stop" else finish)
         try:
             value = json.loads(text)
         except ValueError:
@@ -106,6 +123,22 @@ class ToolChoice:
                        "function": {"name": n, "arguments": json.dumps(args)}} for n, args in calls]
         # OpenAI's finish_reason: "stop" for a named function, "tool_calls" when the model chose
         return {"role": "assistant", "content": None, "tool_calls": tool_calls}, "stop" if self.name else "tool_calls"
+
+
+class _HeldAnswer:
+    """A streamed forced choice: its text is held, and its calls come whole in one chunk when it ends."""
+
+    def __init__(self, tool: ToolChoice):
+        self.tool, self.held = tool, []
+
+    def feed(self, text: str) -> list[dict]:
+        self.held.append(text)
+        return []
+
+    def end(self, finish: str) -> tuple[list[dict], str]:
+        message, finish = self.tool.message("".join(self.held), finish)
+        calls = [{"index": k, **c} for k, c in enumerate(message.get("tool_calls") or [])]
+        return [{"tool_calls": calls} if calls else {"content": message["content"]}], finish
 
 
 def tool_choice(tools: list[dict[str, Any]] | None, choice: str | dict[str, Any] | None,
@@ -139,6 +172,7 @@ def tool_choice(tools: list[dict[str, Any]] | None, choice: str | dict[str, Any]
         if name not in params:
             raise ValueError(f"tool_choice: names no tool of tools ({', '.join(params)})")
         return ToolChoice(params, name)
-    raise ValueError("tool_choice: 'auto' (the default with tools) needs a parser of this model's tool-call text, "
-                     "which specdec does not have; send 'required', {'type': 'function', 'function': {'name': ...}} "
-                     "or 'none'")
+    if choice in (None, "auto"):  # the model's own choice: the front door checks it has a parser
+        return ToolChoice(params, auto=True)
+    raise ValueError(f"tool_choice: {choice!r} is none of 'auto', 'none', 'required' or {{'type': 'function', "
+                     f"'function': {{'name': ...}}}}")

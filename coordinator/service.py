@@ -22,6 +22,24 @@ from specdec.sampling import MAX_TOP_LOGPROBS
 MAX_STOP_TOKEN_IDS = 64
 MAX_BAD_WORDS = 128
 
+def _message(m: generation_pb2.ChatMessage) -> dict:
+    """A ChatMessage → the chat template's dict (`tool_calls` parsed; specdec/tokenizer.py adapts them)."""
+    out = {"role": m.role, "content": m.content}
+    if m.tool_calls:
+        try:
+            calls = json.loads(m.tool_calls)
+        except ValueError:
+            calls = None
+        if not isinstance(calls, list) or not all(isinstance(c, dict) for c in calls):
+            raise InvalidRequestError("messages", "an assistant message's tool_calls must be a JSON list of "
+                                                  "OpenAI tool calls")
+        out["tool_calls"] = calls
+    for name in ("tool_call_id", "name"):
+        if value := getattr(m, name):
+            out[name] = value
+    return out
+
+
 FINISH = {"length": generation_pb2.FINISH_REASON_LENGTH, "stop": generation_pb2.FINISH_REASON_STOP,
           "cancelled": generation_pb2.FINISH_REASON_CANCELLED}
 FINISH_NAME = {v: k for k, v in FINISH.items()}
@@ -190,8 +208,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                 raise InvalidRequestError("tools", "must be a JSON list of tool definitions (OpenAI's)")
             try:
                 ids = (encode_prompt(self.tok, prompt=r.prompt, raw=r.raw_prompt) if r.HasField("prompt") else
-                       encode_prompt(self.tok, messages=[{"role": m.role, "content": m.content} for m in r.messages],
-                                     tools=tools))
+                       encode_prompt(self.tok, messages=[_message(m) for m in r.messages], tools=tools))
             except ValueError as e:
                 raise InvalidRequestError(given[0], str(e)) from None
             if not ids:

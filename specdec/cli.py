@@ -65,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--pipelines", type=int, default=2, help="pipeline actors (default: 2)")
     s.add_argument("--default-mode", choices=MODES, default="sd",
                    help="the mode of requests that name none, as OpenAI clients (default: %(default)s)")
+    s.add_argument("--tool-call-parser", choices=["hermes", "llama3_json"], default="",
+                   help="how the model writes tool calls, for the HTTP API's tool_choice 'auto' (hermes: "
+                        "<tool_call>{json}</tool_call>; llama3_json: Llama 3.1+); unset: 'auto' is refused")
     sub.add_parser("bench", help="run the benchmark suite (`specdec bench --help`)", add_help=False)
     sub.add_parser("distill-draft", help="distill a draft from the target (`specdec distill-draft --help`)",
                    add_help=False)
@@ -312,7 +315,8 @@ def cmd_serve(args) -> int:
                               pipelines=args.pipelines, quiet=False, max_sessions=args.max_sessions,
                               max_context=args.max_context, dtype=args.dtype,
                               prompt_lookup_min_ngram=args.prompt_lookup_min_ngram,
-                              http_port=args.http_port or None, default_mode=args.default_mode) as stack:
+                              http_port=args.http_port or None, default_mode=args.default_mode,
+                              tool_call_parser=args.tool_call_parser) as stack:
             http = f", OpenAI-compatible HTTP on {args.host}:{stack.app.http_port}" if stack.app.http_port else ""
             print(f"specdec serving specdec.v1.GenerationService on {args.host}:{stack.app.port}{http} "
                   f"(target {args.target_model}, draft {args.draft_model}); Ctrl-C stops", flush=True)

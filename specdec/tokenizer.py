@@ -52,11 +52,41 @@ def encode_prompt(tok, prompt: str | None = None, messages: Sequence[dict] | Non
         if not has_template:
             raise ValueError("this tokenizer has no chat template: pass prompt= instead of messages=")
         kw = {"tools": tools} if tools else {}  # OpenAI's tool definitions, for templates that render them
-        ids = tok.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True, **kw)
+        messages = template_tool_calls(messages, "tool_calls" in str(tok.chat_template))
+        ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kw)
         if isinstance(ids, dict) or hasattr(ids, "keys"):  # BatchEncoding in newer transformers
             ids = ids["input_ids"]
         return [int(t) for t in ids]
     return [int(t) for t in tok(prompt)["input_ids"]]
+
+
+def template_tool_calls(messages: Sequence[dict], renders_calls: bool) -> list[dict]:
+    """Earlier turns' tool calls (OpenAI's `tool_calls`) as chat templates take them: a template that renders
+    tool calls gets each call's arguments as an object (as Hugging Face's templates expect), any other the calls'
+    JSON as the turn's content, so that the model still sees what it called."""
+    out = []
+    for m in messages:
+        calls = m.get("tool_calls")
+        if not calls:
+            out.append(dict(m))
+            continue
+        m = {k: v for k, v in m.items() if k != "tool_calls"}
+        functions = [c.get("function", c) for c in calls]
+        if not renders_calls:
+            m["content"] = m.get("content") or json.dumps(functions)
+            out.append(m)
+            continue
+        m["tool_calls"] = []
+        for call, fn in zip(calls, functions):
+            args = fn.get("arguments", {})
+            if isinstance(args, str):
+                try:
+                    args = json.loads(args)
+                except ValueError:
+                    pass  # the template gets the string as sent
+            m["tool_calls"].append({**call, "type": "function", "function": {**fn, "arguments": args}})
+        out.append(m)
+    return out
 
 
 def decode(tok, token_ids: Iterable[int], skip_special_tokens: bool = True) -> str:

@@ -24,8 +24,8 @@ TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
 
 
 class Stack:
-    async def start(self, tmp, chars: str = ""):
-        """`chars`: the character vocabulary (TOKENIZER_CHARS by default)."""
+    async def start(self, tmp, chars: str = "", **settings):
+        """`chars`: the character vocabulary (TOKENIZER_CHARS by default); `settings`: more CoordinatorSettings."""
         from specdec.model import load_model_dir
         from specdec.tokenizer import load_tokenizer
         from tests.helpers_models import tiny_tokenizer
@@ -44,7 +44,7 @@ class Stack:
         s = CoordinatorSettings(host="127.0.0.1", port=0, metrics_port=0, ray=False, tokenizer="", grace_s=0,
                                 draft_endpoints=self.d.endpoint, target_endpoints=self.t.endpoint,
                                 max_new_tokens_cap=64, log_level="WARNING", http_port=free_port(),
-                                served_model_name="tiny")
+                                served_model_name="tiny", **settings)
         self.app, _ = await build_coordinator(s, tokenizer=tok, eos_token_ids={EOS})
         await self.app.start()
         self.ch = grpc.aio.insecure_channel(f"127.0.0.1:{self.app.port}")
@@ -220,7 +220,9 @@ async def test_forced_tool_calls_come_back_as_tool_calls(json_stack, stream):
 
 async def test_tool_choice_refusals(json_stack):
     body = {"model": "tiny", "messages": [{"role": "user", "content": "add"}], "max_tokens": 8}
-    for extra, words in (({"tools": TOOLS}, "auto"), ({"tools": TOOLS, "tool_choice": "auto"}, "auto"),
+    for extra, words in (({"tools": TOOLS}, "COORDINATOR_TOOL_CALL_PARSER"),
+                         ({"tools": TOOLS, "tool_choice": "auto"}, "COORDINATOR_TOOL_CALL_PARSER"),
+                         ({"tools": TOOLS, "tool_choice": "maybe"}, "none of 'auto'"),
                          ({"tool_choice": "required"}, "needs tools"),
                          ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "mul"}}},
                           "names no tool"),
@@ -243,3 +245,54 @@ async def test_tool_choice_refusals(json_stack):
     assert r.status_code == 200, r.text
     r = await json_stack.http.post("/v1/chat/completions", json={**body, "messages": [{"role": "user"}]})
     assert r.status_code == 400 and "content" in r.text
+
+
+HERMES_CHARS = "<<>/_{}\":, acdeglmnoprstu0123456"  # 32 symbols (the first is <unk>): hermes tool calls
+ADD = [{"type": "function", "function": {"name": "d", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}}]
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def hermes_stack(tmp_path_factory):
+    assert len(HERMES_CHARS) == 32
+    s = await Stack().start(tmp_path_factory.mktemp("hermes"), HERMES_CHARS, tool_call_parser="hermes")
+    yield s
+    await s.stop()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_auto_tool_calls_are_read_from_the_answer(hermes_stack, stream):
+    """tool_choice "auto" (the default with tools): the model answers freely (here a regex makes the tiny random
+    model write a hermes call) and the parser turns its <tool_call> blocks into tool_calls, whole and streamed."""
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "add"}], "max_tokens": 64, "temperature": 0,
+            "tools": ADD, "stream": stream, "mode": "pacer_pearl"}
+
+    async def answer(regex: str) -> tuple[str, list, str]:
+        kw = {**body, "structured_outputs": {"regex": regex}}
+        if not stream:
+            r = await hermes_stack.http.post("/v1/chat/completions", json=kw)
+            assert r.status_code == 200, r.text
+            choice = r.json()["choices"][0]
+            return choice["message"]["content"], choice["message"].get("tool_calls") or [], choice["finish_reason"]
+        calls, content, finish = [], "", None
+        async with hermes_stack.http.stream("POST", "/v1/chat/completions", json=kw) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    ch = json.loads(line[6:])["choices"][0]
+                    calls += ch["delta"].get("tool_calls") or []
+                    content += ch["delta"].get("content") or ""
+                    finish = ch["finish_reason"] or finish
+        return content, calls, finish
+
+    # 62 characters, one token each, then EOS: within the stack's cap of 64 tokens
+    content, calls, finish = await answer(r'so <tool_call>\{"name": "d", "arguments": \{"a": [0-6]\}\}</tool_call>')
+    assert len(calls) == 1, (content, finish)
+    call = calls[0]
+    assert content == "so" and finish == "tool_calls", (content, calls)
+    assert call["function"]["name"] == "d" and set(json.loads(call["function"]["arguments"])) == {"a"}
+    assert call["id"].startswith("call_") and call["type"] == "function"
+    content, calls, finish = await answer("so [a-e]+")
+    assert not calls and finish == "stop" and content.startswith("so "), (content, calls)
+    r = await hermes_stack.http.post("/v1/chat/completions", json={**body, "tool_choice": "auto"})
+    assert r.status_code == 200, r.text  # json_stack has no parser: there "auto" is refused (test above)

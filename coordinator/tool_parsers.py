@@ -1,0 +1,183 @@
+"""Tool calls a model chose to make (OpenAI's `tool_choice: "auto"`): parsers of each model family's tool-call text,
+whole and incremental, as vLLM's `--tool-call-parser` names them. Pure: no web framework.
+
+- `hermes` (Qwen2.5, Hermes 2/3, SmolLM3, most templates that render tools): each call is
+  `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`; the text around the calls is the message's content.
+- `llama3_json` (Llama 3.1-3.3): an answer that starts with `{` (or Llama's `<|python_tag|>`) is one or more
+  `{"name": ..., "parameters": {...}}` objects, separated by `;`; any other answer is content.
+
+A call whose text does not parse (bad JSON, no name, arguments that are not an object) stays in the content as the
+model wrote it: nothing the model said is lost. Streamed, content flows as it is verified (less any text that may
+still become a call's opening tag) and each call comes whole, in one delta, once its text has closed.
+"""
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: str  # a JSON object, as json.dumps writes it
+
+    def delta(self, index: int) -> dict:
+        """OpenAI's tool_calls entry (`index`: its place among the choice's calls, as streamed deltas carry it)."""
+        return {"index": index, "id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                "function": {"name": self.name, "arguments": self.arguments}}
+
+
+def _call(obj, args_keys: tuple[str, ...]) -> ToolCall | None:
+    """A parsed JSON value → ToolCall, or None when it is not {"name": str, <args key>: object}."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+        return None
+    args = next((obj[k] for k in args_keys if k in obj), {})
+    if isinstance(args, str):  # some models write the arguments as a JSON string
+        try:
+            args = json.loads(args)
+        except ValueError:
+            return None
+    return ToolCall(obj["name"], json.dumps(args)) if isinstance(args, dict) else None
+
+
+class HermesParser:
+    """`<tool_call>{json}</tool_call>` blocks; text outside them is content."""
+    OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+    def __init__(self):
+        self.pending, self.in_call = "", False
+
+    @classmethod
+    def body(cls, text: str) -> ToolCall | None:
+        try:
+            return _call(json.loads(text), ("arguments", "parameters"))
+        except ValueError:
+            return None
+
+    def feed(self, text: str) -> tuple[str, list[ToolCall]]:
+        """More text → (content that can be shown now, calls that closed)."""
+        self.pending += text
+        content, calls = [], []
+        while True:
+            if not self.in_call:
+                at = self.pending.find(self.OPEN)
+                if at < 0:  # keep a tail that may still become the opening tag
+                    keep = next((k for k in range(min(len(self.OPEN) - 1, len(self.pending)), 0, -1)
+                                 if self.OPEN.startswith(self.pending[-k:])), 0)
+                    content.append(self.pending[:len(self.pending) - keep])
+                    self.pending = self.pending[len(self.pending) - keep:]
+                    break
+                content.append(self.pending[:at])
+                self.pending, self.in_call = self.pending[at + len(self.OPEN):], True
+            else:
+                at = self.pending.find(self.CLOSE)
+                if at < 0:
+                    break
+                raw, self.pending, self.in_call = self.pending[:at], self.pending[at + len(self.CLOSE):], False
+                call = self.body(raw)
+                if call is None:  # not a call: the model's text stays content
+                    content.append(self.OPEN + raw + self.CLOSE)
+                else:
+                    calls.append(call)
+        return "".join(content), calls
+
+    def end(self) -> tuple[str, list[ToolCall]]:
+        """The output ended: an unclosed call that parses still counts (a model may end at EOS before the tag)."""
+        rest, self.pending = self.pending, ""
+        if not self.in_call:
+            return rest, []
+        self.in_call = False
+        call = self.body(rest)
+        return ("", [call]) if call is not None else (self.OPEN + rest, [])
+
+
+class Llama3JsonParser:
+    """An answer that starts with `{` or `<|python_tag|>` is `;`-separated call objects; any other is content."""
+    TAG = "<|python_tag|>"
+
+    def __init__(self):
+        self.pending, self.calls_mode = "", None  # None: undecided (only whitespace or a prefix of TAG seen)
+
+    def feed(self, text: str) -> tuple[str, list[ToolCall]]:
+        self.pending += text
+        if self.calls_mode is None:
+            head = self.pending.lstrip()
+            if not head or (self.TAG.startswith(head) and head != self.TAG):
+                return "", []
+            self.calls_mode = head.startswith(("{", self.TAG))
+        if self.calls_mode:
+            return "", []  # calls are parsed whole when the answer ends
+        out, self.pending = self.pending, ""
+        return out, []
+
+    def end(self) -> tuple[str, list[ToolCall]]:
+        text, self.pending = self.pending, ""
+        if not self.calls_mode:
+            return text, []
+        calls = self.parse(text)
+        return ("", calls) if calls else (text, [])
+
+    @classmethod
+    def parse(cls, text: str) -> list[ToolCall]:
+        """Every call in `text`, or [] when any part of it is not one."""
+        rest = text.strip().removeprefix(cls.TAG).strip()
+        decoder, calls = json.JSONDecoder(), []
+        while rest:
+            try:
+                obj, end = decoder.raw_decode(rest)
+            except ValueError:
+                return []
+            call = _call(obj, ("parameters", "arguments"))
+            if call is None:
+                return []
+            calls.append(call)
+            rest = rest[end:].strip()
+            if rest.startswith(";"):
+                rest = rest[1:].strip()
+            elif rest:
+                return []
+        return calls
+
+
+PARSERS = {"hermes": HermesParser, "llama3_json": Llama3JsonParser}
+
+
+def parse_whole(parser: str, text: str) -> tuple[str | None, list[ToolCall]]:
+    """A whole answer → (content, or None when it is only calls and whitespace; the calls)."""
+    p = PARSERS[parser]()
+    content, calls = p.feed(text)
+    more, last = p.end()
+    content += more
+    calls += last
+    return (content.rstrip() or None, calls) if calls else (content, calls)
+
+
+class AutoToolReader:
+    """One streamed choice under tool_choice "auto": its text deltas → chat deltas (`content`, `tool_calls`).
+    Trailing whitespace waits for what follows it (the newlines around a model's calls are not content), so the
+    streamed content is what `parse_whole` answers."""
+
+    def __init__(self, parser: str):
+        self.parser, self.calls, self.blank = PARSERS[parser](), 0, ""
+
+    def _deltas(self, content: str, calls: list[ToolCall], last: bool = False) -> list[dict]:
+        out = []
+        content = self.blank + content
+        shown = content if last and not self.calls and not calls else content.rstrip()
+        if shown:
+            out.append({"content": shown})
+        self.blank = content[len(shown):]
+        if calls:
+            out.append({"tool_calls": [c.delta(self.calls + k) for k, c in enumerate(calls)]})
+            self.calls += len(calls)
+        return out
+
+    def feed(self, text: str) -> list[dict]:
+        return self._deltas(*self.parser.feed(text))
+
+    def end(self, finish: str) -> tuple[list[dict], str]:
+        """The choice ended with `finish` → (last deltas, finish_reason: "tool_calls" when it called a tool and
+        stopped by itself)."""
+        deltas = self._deltas(*self.parser.end(), last=True)
+        return deltas, "tool_calls" if self.calls and finish == "stop" else finish
