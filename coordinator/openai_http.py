@@ -2,6 +2,7 @@
 
     POST /v1/chat/completions   chat (chat template applied), whole or streamed as server-sent events
     POST /v1/completions        a plain completion of the prompt text (no chat template), or of token ids
+    POST /v1/responses          OpenAI's Responses API over the chat route (coordinator/responses_api.py)
     GET  /v1/models             the one model served
     POST /tokenize, /detokenize vLLM's: a prompt's token ids (as either route encodes it), or the text of ids
     GET  /health                200 while serving, 503 while draining
@@ -29,6 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from coordinator import openai_responses as responses
 from coordinator import openai_schema as schema
+from coordinator import responses_api
 from coordinator.openai_backend import CLIENT_CLOSED, ApiError, ServicerBackend, param_of  # noqa: F401 (re-exported)
 from specdec.pb import generation_pb2
 
@@ -101,6 +103,24 @@ async def _all(coros):
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+async def _firsts(request: Request, streams) -> list:
+    """Each stream's first response, before the headers are sent: a request refused at once gets its HTTP status,
+    not a 200 stream. On any error every stream is closed."""
+    async def first(events):
+        try:
+            return await anext(events)
+        except StopAsyncIteration:
+            raise ApiError(500, "the generation ended without an answer") from None
+
+    try:
+        return await until_disconnected(request, _all(first(e) for e in streams))
+    except BaseException:
+        for events in streams:
+            with contextlib.suppress(BaseException):
+                await events.aclose()
+        raise
+
+
 def _sse(body: dict | str) -> str:
     return f"data: {body if isinstance(body, str) else json.dumps(body, separators=(',', ':'))}\n\n"
 
@@ -130,15 +150,20 @@ class OpenAIFrontDoor:
             raise ApiError(404, f"the model {body.model!r} does not exist here; this server serves "
                                 f"{self.model_name!r} (GET /v1/models)", "model", "model_not_found")
 
-    async def generate(self, request: Request, body, chat: bool):
-        self._check(request, body)
-        if chat and body.tool is not None and body.tool.auto:
+    def _auto_tools(self, body) -> None:
+        """tool_choice "auto": the server's tool-call parser reads the calls, or the request is refused."""
+        if body.tool is not None and body.tool.auto:
             if not self.tool_call_parser:
                 raise ApiError(400, "tool_choice: 'auto' (the default with tools) needs the server started with a "
                                     "parser of this model's tool-call text (COORDINATOR_TOOL_CALL_PARSER, e.g. "
                                     "hermes); send 'required', {'type': 'function', 'function': {'name': ...}} or "
                                     "'none'", "tool_choice")
             body.tool.parser = self.tool_call_parser
+
+    async def generate(self, request: Request, body, chat: bool):
+        self._check(request, body)
+        if chat:
+            self._auto_tools(body)
         echo = not chat and body.echo
         n = body.n
         echo_texts = [p if isinstance(p, str) else None for p in body.prompts] if echo else []
@@ -177,21 +202,7 @@ class OpenAIFrontDoor:
             return responses.completion_body(chat, rid, created, self.model_name, answers, body.tool if chat else None,
                                           n)
         streams = [self.backend.events(p) for p in protos]
-        # each choice's first response before the headers: a request refused at once gets its HTTP status, not a
-        # 200 stream
-        async def first(events):
-            try:
-                return await anext(events)
-            except StopAsyncIteration:
-                raise ApiError(500, "the generation ended without an answer") from None
-
-        try:
-            firsts = await until_disconnected(request, _all(first(e) for e in streams))
-        except BaseException:
-            for events in streams:
-                with contextlib.suppress(BaseException):
-                    await events.aclose()
-            raise
+        firsts = await _firsts(request, streams)
         usage = body.stream_options is not None and body.stream_options.include_usage
         return StreamingResponse(self._stream(chat, rid, created, firsts, streams, usage, body.tool if chat else None,
                                               n),
@@ -231,6 +242,52 @@ class OpenAIFrontDoor:
             yield _sse(e.body())
         yield _sse("[DONE]")
 
+    # -- the Responses API (coordinator/responses_api.py) ---------------------------------------------------------
+    async def respond(self, request: Request, body: responses_api.ResponsesRequest):
+        chat = body.chat
+        self._check(request, chat)
+        self._auto_tools(chat)
+        (proto,) = chat.choices()
+        rid, created, tool = f"resp_{uuid.uuid4().hex}", int(time.time()), chat.tool
+        if not body.stream:
+            async def whole():
+                text, last = [], None
+                async for resp in self.backend.events(proto, incremental=False):
+                    text.append(resp.text_delta)
+                    last = resp
+                return "".join(text), responses.FINISH_REASON.get(last.finish_reason, "stop"), last.stats
+
+            text, finish, stats = await until_disconnected(request, whole())
+            message, finish = tool.message(text, finish) if tool else ({"content": text}, finish)
+            return responses_api.response_object(body, rid, created, self.model_name,
+                                                 responses_api.output_items(message, finish), finish, stats)
+        events = self.backend.events(proto)
+        firsts = await _firsts(request, [events])
+        return StreamingResponse(self._respond_stream(body, rid, created, firsts, events),
+                                 media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def _respond_stream(self, body, rid, created, firsts, events):
+        out = responses_api.ResponseEvents(body, rid, created, self.model_name)
+        reader = body.chat.tool.reader() if body.chat.tool else responses_api.TextReader()
+        for event in out.start():
+            yield event
+        try:
+            async for _, resp in _merged(firsts, [events]):  # a dropped client cancels here
+                finish = responses.FINISH_REASON.get(resp.finish_reason) if resp.finish_reason else None
+                deltas = reader.feed(resp.text_delta)
+                if finish:
+                    more, finish = reader.end(finish)
+                    deltas += more
+                for delta in deltas:
+                    for event in out.delta(delta):
+                        yield event
+                if finish:
+                    for event in out.finish(finish, resp.stats):
+                        yield event
+        except ApiError as e:  # after the headers: the error travels as an event
+            yield out.error(e.body())
+
     # -- the app ----------------------------------------------------------------------------------------------
     def app(self) -> FastAPI:
         app = FastAPI(title="specdec (OpenAI-compatible)", docs_url=None, redoc_url=None, openapi_url=None)
@@ -265,6 +322,11 @@ class OpenAIFrontDoor:
             out = await self.generate(request, body, chat=False)
             return out if isinstance(out, Response) else JSONResponse(out)
 
+        @app.post("/v1/responses")
+        async def create_response(body: responses_api.ResponsesRequest, request: Request):
+            out = await self.respond(request, body)
+            return out if isinstance(out, Response) else JSONResponse(out)
+
         @app.get("/v1/models")
         async def models():
             return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
@@ -297,7 +359,7 @@ class OpenAIFrontDoor:
         return app
 
 
-ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/tokenize", "/detokenize", "/health", "/metrics")
+ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models", "/tokenize", "/detokenize", "/health", "/metrics")
 
 
 class _Limits:

@@ -1,0 +1,273 @@
+"""OpenAI's Responses API (`POST /v1/responses`), as the chat route serves it: a body is translated to a chat
+request (coordinator/openai_schema.py), generated the same way, and answered as a `response` object or as
+Responses stream events. Pure: pydantic, no web framework.
+
+- `input` is a string or a list of items: messages (`role` + `content`, a string or `input_text` / `output_text`
+  parts), `function_call` items (earlier tool calls) and `function_call_output` items (their results).
+  `instructions` is a system message before them.
+- `tools` are function tools (`{"type": "function", "name", "parameters"}`); `tool_choice` as the chat route's
+  (`"auto"` needs the coordinator's tool-call parser). `text.format` is `text`, `json_object` or `json_schema`.
+- Responses are not stored: `previous_response_id`, `background` and `store: true` are refused, so a client that
+  relies on the server's memory of a conversation hears so instead of losing its context.
+"""
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from coordinator.openai_schema import ChatCompletionRequest, SpecDecKnobs
+
+_PART_TYPES = ("input_text", "output_text", "text")
+
+
+def _text(content, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ValueError(f"{where}: content is a string or a list of text parts")
+    parts = []
+    for i, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") not in _PART_TYPES or not isinstance(part.get("text"), str):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise ValueError(f"{where}: part {i}: only text parts (input_text, output_text) are supported, got "
+                             f"{kind!r}")
+        parts.append(part["text"])
+    return "\n".join(parts)
+
+
+def input_messages(instructions: str | None, items: str | list[dict[str, Any]]) -> list[dict]:
+    """`instructions` + `input` → chat messages (consecutive function_call items become one assistant turn's
+    tool_calls; a function_call_output item a tool message)."""
+    messages = [{"role": "system", "content": instructions}] if instructions else []
+    if isinstance(items, str):
+        return messages + [{"role": "user", "content": items}]
+    for i, item in enumerate(items):
+        if not isinstance(item, dict):
+            raise ValueError(f"input: item {i} is not an object")
+        kind = item.get("type", "message")
+        if kind == "message":
+            if item.get("role") not in ("user", "assistant", "system", "developer"):
+                raise ValueError(f"input: item {i}: role is one of user, assistant, system, developer")
+            messages.append({"role": item["role"], "content": _text(item.get("content"), f"input: item {i}")})
+        elif kind == "function_call":
+            if not all(isinstance(item.get(k), str) for k in ("call_id", "name", "arguments")):
+                raise ValueError(f"input: item {i}: a function_call has call_id, name and arguments (strings)")
+            call = {"id": item["call_id"], "type": "function",
+                    "function": {"name": item["name"], "arguments": item["arguments"]}}
+            last = messages[-1] if messages else None
+            if last and last["role"] == "assistant" and last.get("tool_calls") is not None and not last["content"]:
+                last["tool_calls"].append(call)
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            if not isinstance(item.get("call_id"), str) or not isinstance(item.get("output"), str):
+                raise ValueError(f"input: item {i}: a function_call_output has call_id and output (strings)")
+            messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]})
+        else:
+            raise ValueError(f"input: item {i}: type {kind!r} is not supported; send messages, function_call and "
+                             f"function_call_output items")
+    if not messages:
+        raise ValueError("input: empty; send a string or at least one message")
+    return messages
+
+
+class ResponsesRequest(SpecDecKnobs):
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=-1)  # vLLM's, as seed
+    seed: int | None = Field(None, ge=0, lt=2**64)
+    stream: bool = False
+    text: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    store: bool = False
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    truncation: Literal["disabled"] | None = None
+    previous_response_id: str | None = None
+    background: bool | None = None
+    include: list[str] | None = None
+    _chat: Any = None
+
+    @model_validator(mode="after")
+    def _translate(self):
+        stored = "responses are not stored here; send the whole conversation as input"
+        for name, bad, why in (("store", self.store, f"{stored} (store: false)"),
+                               ("previous_response_id", self.previous_response_id is not None, stored),
+                               ("background", self.background, "not supported; leave it out and wait, or stream"),
+                               ("include", self.include, "not supported (no logprobs or reasoning here); leave "
+                                                         "it out")):
+            if bad:
+                raise ValueError(f"{name}: {why}")
+        tools = []
+        for i, t in enumerate(self.tools or []):
+            if not isinstance(t, dict) or t.get("type") != "function":
+                raise ValueError(f"tools: tool {i}: only function tools ({{'type': 'function', 'name': ..., "
+                                 f"'parameters': {{...}}}}) are supported")
+            tools.append({"type": "function", "function": {k: v for k, v in t.items() if k != "type"}})
+        choice = self.tool_choice
+        if isinstance(choice, dict) and choice.get("type") == "function":
+            choice = {"type": "function", "function": {"name": choice.get("name")}}
+        fmt = dict((self.text or {}).get("format") or {"type": "text"})
+        if fmt.get("type") == "json_schema":
+            fmt = {"type": "json_schema", "json_schema": {"name": fmt.get("name", "answer"),
+                                                          "schema": fmt.get("schema")}}
+        knobs = self.model_dump(include=set(SpecDecKnobs.model_fields), exclude_unset=True)
+        self._chat = ChatCompletionRequest(
+            model=self.model, messages=input_messages(self.instructions, self.input),
+            max_tokens=self.max_output_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+            seed=self.seed, stream=self.stream, tools=tools or None, tool_choice=choice,
+            parallel_tool_calls=self.parallel_tool_calls, response_format=fmt, user=self.user, **knobs)
+        return self
+
+    @property
+    def chat(self) -> ChatCompletionRequest:
+        return self._chat
+
+
+def output_items(message: dict, finish: str) -> list[dict]:
+    """A chat answer (assistant message) → the response's output items: a message item with its text, then one
+    function_call item per tool call."""
+    status = "incomplete" if finish == "length" else "completed"
+    items = []
+    if message.get("content") is not None:
+        items.append(message_item(message["content"], status))
+    for call in message.get("tool_calls") or []:
+        items.append(call_item(call, status))
+    return items
+
+
+def message_item(text: str, status: str, item_id: str | None = None) -> dict:
+    return {"type": "message", "id": item_id or f"msg_{uuid.uuid4().hex}", "status": status, "role": "assistant",
+            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+
+
+def call_item(call: dict, status: str = "completed") -> dict:
+    fn = call["function"]
+    return {"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": call["id"], "name": fn["name"],
+            "arguments": fn["arguments"], "status": status}
+
+
+def response_object(body: ResponsesRequest, rid: str, created: int, model: str, output: list[dict],
+                    finish: str | None, stats=None) -> dict:
+    """The `response` object; `finish` None: still in progress (the stream's first events)."""
+    from coordinator.openai_responses import stats_dict
+
+    status = "in_progress" if finish is None else ("incomplete" if finish == "length" else "completed")
+    usage = None
+    if stats is not None:
+        usage = {"input_tokens": stats.prompt_tokens,
+                 "input_tokens_details": {"cached_tokens": stats.cached_prompt_tokens, "cache_write_tokens": 0},
+                 "output_tokens": stats.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+                 "total_tokens": stats.prompt_tokens + stats.completion_tokens}
+    out = {"id": rid, "object": "response", "created_at": created, "status": status, "model": model,
+           "output": output, "error": None,
+           "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+           "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
+           "parallel_tool_calls": body.parallel_tool_calls is not False, "temperature": body.temperature,
+           "top_p": body.top_p, "tool_choice": body.tool_choice or ("auto" if body.tools else "none"),
+           "tools": body.tools or [], "text": body.text or {"format": {"type": "text"}}, "store": False,
+           "metadata": body.metadata or {}, "truncation": "disabled", "usage": usage}
+    if stats is not None:
+        out["stats"] = stats_dict(stats)
+    return out
+
+
+def output_text(output: list[dict]) -> str:
+    """Every output_text of the output items, joined (the SDK's `response.output_text`)."""
+    return "".join(c["text"] for item in output if item["type"] == "message" for c in item["content"])
+
+
+def dumps(event: dict) -> str:
+    return f"event: {event['type']}\ndata: {json.dumps(event, separators=(',', ':'))}\n\n"
+
+
+class ResponseEvents:
+    """One answer's chat deltas (`content`, `tool_calls`) → Responses stream events, numbered: a message item opens
+    at its first text and closes before the first call; each tool call is one function_call item."""
+
+    def __init__(self, body: ResponsesRequest, rid: str, created: int, model: str):
+        self.body, self.rid, self.created, self.model = body, rid, created, model
+        self.seq, self.output, self.text = 0, [], None  # self.text: the open message item's text pieces
+
+    def _event(self, kind: str, **fields) -> str:
+        event = {"type": kind, "sequence_number": self.seq, **fields}
+        self.seq += 1
+        return dumps(event)
+
+    def _response(self, finish: str | None = None, stats=None) -> dict:
+        return response_object(self.body, self.rid, self.created, self.model, self.output, finish, stats)
+
+    def start(self) -> list[str]:
+        return [self._event("response.created", response=self._response()),
+                self._event("response.in_progress", response=self._response())]
+
+    def _close_message(self, status: str) -> list[str]:
+        if self.text is None:
+            return []
+        item, index, text = self.output[-1], len(self.output) - 1, "".join(self.text)
+        item.update(message_item(text, status, item["id"]))
+        part = item["content"][0]
+        self.text = None
+        ids = {"item_id": item["id"], "output_index": index}
+        return [self._event("response.output_text.done", **ids, content_index=0, text=text, logprobs=[]),
+                self._event("response.content_part.done", **ids, content_index=0, part=part),
+                self._event("response.output_item.done", output_index=index, item=item)]
+
+    def delta(self, delta: dict) -> list[str]:
+        out = []
+        if delta.get("content"):
+            if self.text is None:
+                item = message_item("", "in_progress")
+                item["content"] = []
+                self.output.append(item)
+                self.text = []
+                out.append(self._event("response.output_item.added", output_index=len(self.output) - 1,
+                                       item=dict(item, content=[])))
+                out.append(self._event("response.content_part.added", item_id=item["id"],
+                                       output_index=len(self.output) - 1, content_index=0,
+                                       part={"type": "output_text", "text": "", "annotations": [], "logprobs": []}))
+            self.text.append(delta["content"])
+            out.append(self._event("response.output_text.delta", item_id=self.output[-1]["id"],
+                                   output_index=len(self.output) - 1, content_index=0, delta=delta["content"],
+                                   logprobs=[]))
+        for call in delta.get("tool_calls") or []:
+            out += self._close_message("completed")
+            item = call_item(call)
+            self.output.append(item)
+            index = len(self.output) - 1
+            out.append(self._event("response.output_item.added", output_index=index,
+                                   item=dict(item, arguments="", status="in_progress")))
+            out.append(self._event("response.function_call_arguments.delta", item_id=item["id"],
+                                   output_index=index, delta=item["arguments"]))
+            out.append(self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                                   name=item["name"], arguments=item["arguments"]))
+            out.append(self._event("response.output_item.done", output_index=index, item=item))
+        return out
+
+    def finish(self, finish: str, stats) -> list[str]:
+        out = self._close_message("incomplete" if finish == "length" else "completed")
+        kind = "response.incomplete" if finish == "length" else "response.completed"
+        return out + [self._event(kind, response=self._response(finish, stats))]
+
+    def error(self, body: dict) -> str:
+        err = body["error"]
+        return self._event("error", code=err.get("code"), message=err["message"], param=err.get("param"))
+
+
+class TextReader:
+    """A streamed answer without tools: its text deltas are content."""
+
+    def feed(self, text: str) -> list[dict]:
+        return [{"content": text}] if text else []
+
+    def end(self, finish: str) -> tuple[list[dict], str]:
+        return [], finish
