@@ -2,6 +2,7 @@
 and failures become OpenAI-shaped errors (coordinator/openai_http.py serves them)."""
 from __future__ import annotations
 
+import json
 import logging
 
 import grpc
@@ -91,15 +92,21 @@ class ServicerBackend:
             return self.encode(body.prompt)
         if self.tok is None:
             raise ApiError(400, "messages: this coordinator has no tokenizer", "messages")
-        from coordinator.service import _message
+        from coordinator.openai_schema import template_fields
+        from coordinator.service import _message, _template_options
 
         pb = generation_pb2.GenerateRequest()
         for m in body.messages:  # as the chat route: through GenerateRequest.messages
             m.add_to(pb.messages)
+        template_fields(body, pb)
+        if body.tools:
+            pb.tools = json.dumps(body.tools)
         try:
-            return encode_prompt(self.tok, messages=[_message(m) for m in pb.messages], tools=body.tools)
+            tools, template = _template_options(pb)
+            return encode_prompt(self.tok, messages=[_message(m) for m in pb.messages], tools=tools,
+                                 template=template)
         except ValueError as e:
-            raise ApiError(400, str(e), "messages") from None
+            raise ApiError(400, str(e), getattr(e, "field", "messages")) from None
 
     def detokenize(self, ids: list[int]) -> str:
         if self.tok is None:

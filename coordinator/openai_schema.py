@@ -197,6 +197,10 @@ class ChatCompletionRequest(_Sampling):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    # vLLM's chat-template controls (a prefilled answer: continue_final_message with add_generation_prompt false)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
     _tool: Any = PrivateAttr(default=None)  # the forced tool choice (coordinator/openai_structured.py)
 
     @model_validator(mode="after")
@@ -232,7 +236,17 @@ class ChatCompletionRequest(_Sampling):
             m.add_to(r.messages)
         if self.tools and self.tool_choice != "none":  # the chat template shows them to the model
             r.tools = json.dumps(self.tools)
+        template_fields(self, r)
         return r
+
+
+def template_fields(body, r: generation_pb2.GenerateRequest) -> None:
+    """The body's chat-template controls → GenerateRequest (only where they differ from the defaults)."""
+    if not body.add_generation_prompt:
+        r.add_generation_prompt = False
+    r.continue_final_message = body.continue_final_message
+    if body.chat_template_kwargs:
+        r.chat_template_kwargs = json.dumps(body.chat_template_kwargs)
 
 
 class CompletionRequest(_Sampling):
@@ -293,7 +307,9 @@ class TokenizeRequest(_Body):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     tools: list[dict[str, Any]] | None = None  # as the chat route shows them to the chat template
-    add_generation_prompt: bool = True  # what the chat route does; False is refused
+    add_generation_prompt: bool = True  # the chat route's controls, as there
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
     add_special_tokens: bool = True  # what the completions route does; False is refused
 
     @model_validator(mode="after")
@@ -301,9 +317,9 @@ class TokenizeRequest(_Body):
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("prompt: send exactly one of prompt (as /v1/completions) or messages (as "
                              "/v1/chat/completions)")
-        for name in ("add_generation_prompt", "add_special_tokens"):
-            if not getattr(self, name):
-                raise ValueError(f"{name}: only true is supported (what the generation routes do); leave it out")
+        if not self.add_special_tokens:
+            raise ValueError("add_special_tokens: only true is supported (what the completions route does); leave "
+                             "it out")
         return self
 
 

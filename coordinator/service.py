@@ -40,6 +40,31 @@ def _message(m: generation_pb2.ChatMessage) -> dict:
     return out
 
 
+def _template_options(r: generation_pb2.GenerateRequest):
+    """GenerateRequest's chat-template fields → (tools or None, TemplateOptions); they apply to `messages` only."""
+    from specdec.tokenizer import TemplateOptions
+
+    def loads(name: str, kind: type):
+        text = getattr(r, name)
+        try:
+            value = json.loads(text) if text else None
+        except ValueError:
+            value = None
+        if text and not isinstance(value, kind):
+            what = "list of tool definitions (OpenAI's)" if name == "tools" else "object of template variables"
+            raise InvalidRequestError(name, f"must be a JSON {what}")
+        return value
+
+    tools, kwargs = loads("tools", list), loads("chat_template_kwargs", dict) or {}
+    template = TemplateOptions(r.add_generation_prompt if r.HasField("add_generation_prompt") else True,
+                               r.continue_final_message, kwargs)
+    if template != TemplateOptions() and not r.messages:
+        name = ("continue_final_message" if r.continue_final_message else
+                "chat_template_kwargs" if r.chat_template_kwargs else "add_generation_prompt")
+        raise InvalidRequestError(name, "applies to the chat template: send messages")
+    return tools, template
+
+
 FINISH = {"length": generation_pb2.FINISH_REASON_LENGTH, "stop": generation_pb2.FINISH_REASON_STOP,
           "cancelled": generation_pb2.FINISH_REASON_CANCELLED}
 FINISH_NAME = {v: k for k, v in FINISH.items()}
@@ -200,15 +225,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                                                     "send prompt_token_ids")
             from specdec.tokenizer import encode_prompt
 
-            try:
-                tools = json.loads(r.tools) if r.tools else None
-            except ValueError:
-                tools = None
-            if r.tools and not isinstance(tools, list):
-                raise InvalidRequestError("tools", "must be a JSON list of tool definitions (OpenAI's)")
+            tools, template = _template_options(r)
             try:
                 ids = (encode_prompt(self.tok, prompt=r.prompt, raw=r.raw_prompt) if r.HasField("prompt") else
-                       encode_prompt(self.tok, messages=[_message(m) for m in r.messages], tools=tools))
+                       encode_prompt(self.tok, messages=[_message(m) for m in r.messages], tools=tools,
+                                     template=template))
+            except InvalidRequestError:
+                raise
             except ValueError as e:
                 raise InvalidRequestError(given[0], str(e)) from None
             if not ids:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
 from specdec.errors import InvalidRequestError
@@ -29,13 +30,44 @@ def load_tokenizer(model_dir: os.PathLike | str):
     return AutoTokenizer.from_pretrained(str(d))
 
 
+# apply_chat_template's own arguments and what templates are given anyway: not settable by chat_template_kwargs
+_RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "conversation", "tools", "documents", "chat_template",
+                                       "add_generation_prompt", "continue_final_message", "tokenize", "padding",
+                                       "truncation", "max_length", "return_tensors", "return_dict",
+                                       "return_assistant_tokens_mask", "tokenizer_kwargs", "bos_token", "eos_token"})
+
+
+@dataclass(frozen=True)
+class TemplateOptions:
+    """How the chat template renders messages (vLLM's request fields): `add_generation_prompt` opens the
+    assistant's turn; `continue_final_message` continues the last message instead (a prefilled answer);
+    `kwargs`: more template variables."""
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    kwargs: dict = field(default_factory=dict)
+
+    def check(self, messages: Sequence[dict]) -> None:
+        """Raises InvalidRequestError naming the field that cannot apply."""
+        if self.continue_final_message and self.add_generation_prompt:
+            raise InvalidRequestError("continue_final_message", "needs add_generation_prompt false (one opens a new "
+                                                                "assistant turn, the other continues the last message)")
+        if self.continue_final_message and (not messages or messages[-1].get("role") != "assistant"):
+            raise InvalidRequestError("continue_final_message", "the last message must be the assistant's (the "
+                                                                "answer to continue)")
+        reserved = sorted(set(self.kwargs) & _RESERVED_TEMPLATE_KWARGS)
+        if reserved:
+            raise InvalidRequestError("chat_template_kwargs", f"{reserved[0]!r} is an argument of its own; send it "
+                                                              f"as a request field, not a template variable")
+
+
 def encode_prompt(tok, prompt: str | None = None, messages: Sequence[dict] | None = None,
-                  raw: bool = False, tools: list[dict] | None = None) -> list[int]:
+                  raw: bool = False, tools: list[dict] | None = None,
+                  template: TemplateOptions | None = None) -> list[int]:
     """Token ids for a prompt string or a list of chat messages ``[{"role": ..., "content": ...}]``.
 
-    Chat messages go through the chat template (with the generation prompt). A plain string is wrapped as one
-    user message when the tokenizer has a chat template (unless ``raw``), else tokenized as is (with the
-    tokenizer's special tokens, e.g. BOS, if it adds any).
+    Chat messages go through the chat template (with the generation prompt, unless `template` says otherwise). A
+    plain string is wrapped as one user message when the tokenizer has a chat template (unless ``raw``), else
+    tokenized as is (with the tokenizer's special tokens, e.g. BOS, if it adds any).
     """
     if tok is None:
         raise ValueError("this model has no tokenizer: pass token ids instead of text")
@@ -51,9 +83,16 @@ def encode_prompt(tok, prompt: str | None = None, messages: Sequence[dict] | Non
     if messages is not None:
         if not has_template:
             raise ValueError("this tokenizer has no chat template: pass prompt= instead of messages=")
+        template = template or TemplateOptions()
+        template.check(messages)
         kw = {"tools": tools} if tools else {}  # OpenAI's tool definitions, for templates that render them
         messages = template_tool_calls(messages, "tool_calls" in str(tok.chat_template))
-        ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kw)
+        try:
+            ids = tok.apply_chat_template(messages, add_generation_prompt=template.add_generation_prompt,
+                                          continue_final_message=template.continue_final_message, tokenize=True,
+                                          **template.kwargs, **kw)
+        except Exception as e:  # a template's own error (jinja's raise_exception, a bad variable): the request's
+            raise InvalidRequestError("messages", f"the chat template failed: {e}") from None
         if isinstance(ids, dict) or hasattr(ids, "keys"):  # BatchEncoding in newer transformers
             ids = ids["input_ids"]
         return [int(t) for t in ids]

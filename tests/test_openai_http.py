@@ -23,8 +23,8 @@ from tests.helpers_models import start_replica, tiny_pair
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 MODEL = "tiny-target"
 KEY = "sk-test-key"
-CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }} {{ m['content'] }}.{% endfor %}"
-                 "{% if add_generation_prompt %}assistant {% endif %}")
+CHAT_TEMPLATE = ("{% if style %}{{ style }} {% endif %}{% for m in messages %}{{ m['role'] }} {{ m['content'] }}."
+                 "{% endfor %}{% if add_generation_prompt %}assistant {% endif %}")
 
 
 class Http:
@@ -238,6 +238,42 @@ async def test_tokenize_and_detokenize_match_what_the_routes_generate_from(api):
         assert (await keyed.post("/tokenize", json={"prompt": "a"})).status_code == 401
         ok = await keyed.post("/detokenize", json={"tokens": [1]}, headers={"Authorization": f"Bearer {KEY}"})
         assert ok.status_code == 200
+
+
+async def test_chat_template_controls(api):
+    """vLLM's add_generation_prompt, continue_final_message (a prefilled answer) and chat_template_kwargs: /tokenize
+    and the chat route render the same prompt, and the answer continues exactly that prompt."""
+    async def ids(**body) -> list[int]:
+        r = await api.http.post("/tokenize", json={"messages": MESSAGES[1:], **body})
+        assert r.status_code == 200, r.text
+        return r.json()["tokens"]
+
+    assert await ids() == api.tok("user hello there.assistant ")["input_ids"]
+    assert await ids(add_generation_prompt=False) == api.tok("user hello there.")["input_ids"]
+    assert await ids(chat_template_kwargs={"style": "brief"}) == api.tok("brief user hello there.assistant ")[
+        "input_ids"]
+    prefilled = MESSAGES[1:] + [{"role": "assistant", "content": "once upon"}]
+    controls = {"add_generation_prompt": False, "continue_final_message": True}
+    r = await api.http.post("/tokenize", json={"messages": prefilled, **controls})
+    want = api.tok("user hello there.assistant once upon")["input_ids"]
+    assert r.json()["tokens"] == want, r.text
+    ref = await api.stubs["open"].Generate(g.GenerateRequest(prompt_token_ids=want, max_new_tokens=12))
+    out = await api.client.chat.completions.create(model=MODEL, messages=prefilled, temperature=0, max_tokens=12,
+                                                   extra_body=controls)
+    assert out.choices[0].message.content == ref.text and out.usage.prompt_tokens == len(want)
+    styled = await api.client.chat.completions.create(model=MODEL, messages=MESSAGES[1:], temperature=0,
+                                                      max_tokens=2, extra_body={"chat_template_kwargs":
+                                                                                {"style": "brief"}})
+    assert styled.usage.prompt_tokens == len(await ids(chat_template_kwargs={"style": "brief"}))
+    for body, param in (({"continue_final_message": True}, "continue_final_message"),
+                        ({"messages": MESSAGES, **controls}, "continue_final_message"),
+                        ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs")):
+        for path in ("/v1/chat/completions", "/tokenize"):
+            r = await api.http.post(path, json={"messages": prefilled, **body})
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, (path, body, r.text)
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await api.stubs["open"].Generate(g.GenerateRequest(prompt="hi", continue_final_message=True))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "send messages" in e.value.details()
 
 
 # ---- errors ----------------------------------------------------------------------------------------------------
