@@ -93,7 +93,7 @@ class ServicerBackend:
         if self.tok is None:
             raise ApiError(400, "messages: this coordinator has no tokenizer", "messages")
         from coordinator.openai_schema import template_fields
-        from coordinator.service import _message, _template_options
+        from coordinator.chat_prompt import chat_message, template_options
 
         pb = generation_pb2.GenerateRequest()
         for m in body.messages:  # as the chat route: through GenerateRequest.messages
@@ -102,8 +102,8 @@ class ServicerBackend:
         if body.tools:
             pb.tools = json.dumps(body.tools)
         try:
-            tools, template = _template_options(pb)
-            return encode_prompt(self.tok, messages=[_message(m) for m in pb.messages], tools=tools,
+            tools, template = template_options(pb)
+            return encode_prompt(self.tok, messages=[chat_message(m) for m in pb.messages], tools=tools,
                                  template=template)
         except ValueError as e:
             raise ApiError(400, str(e), getattr(e, "field", "messages")) from None

@@ -21,7 +21,6 @@ import functools
 import hmac
 import json
 import time
-import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -32,6 +31,7 @@ from coordinator import openai_responses as responses
 from coordinator import openai_schema as schema
 from coordinator import responses_api
 from coordinator.openai_backend import CLIENT_CLOSED, ApiError, ServicerBackend, param_of  # noqa: F401 (re-exported)
+from coordinator.http_limits import Limits
 from specdec.pb import generation_pb2
 
 
@@ -170,7 +170,9 @@ class OpenAIFrontDoor:
         if echo:  # the prompts' own tokens come back: encode text here, as the servicer would (raw)
             body.prompts[:] = [self.backend.encode(p) if isinstance(p, str) else p for p in body.prompts]
         protos = body.choices()
-        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{request.state.request_id}"
+        for p in protos:
+            p.request_id = request.state.request_id
         created = int(time.time())
         if not body.stream:
             async def whole(k, proto):
@@ -248,7 +250,8 @@ class OpenAIFrontDoor:
         self._check(request, chat)
         self._auto_tools(chat)
         (proto,) = chat.choices()
-        rid, created, tool = f"resp_{uuid.uuid4().hex}", int(time.time()), chat.tool
+        proto.request_id = request.state.request_id
+        rid, created, tool = f"resp_{request.state.request_id}", int(time.time()), chat.tool
         if not body.stream:
             async def whole():
                 text, last = [], None
@@ -355,48 +358,5 @@ class OpenAIFrontDoor:
             @app.get("/metrics")
             async def metrics():
                 return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
-        app.add_middleware(_Limits, door=self)
+        app.add_middleware(Limits, door=self)
         return app
-
-
-ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models", "/tokenize", "/detokenize", "/health", "/metrics")
-
-
-class _Limits:
-    """Body size, requests in flight and draining checks before a request reaches FastAPI, and the request counter
-    after it."""
-
-    def __init__(self, app, door: OpenAIFrontDoor):
-        self.app, self.door = app, door
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        status = {"code": 500}
-
-        async def send_status(message):
-            if message["type"] == "http.response.start":
-                status["code"] = message["status"]
-            await send(message)
-
-        door, path = self.door, scope["path"]
-        size = dict(scope["headers"]).get(b"content-length", b"")
-        error = None
-        if scope["method"] == "POST" and not size.isdigit():
-            error = ApiError(411, "send the body with a Content-Length header (chunked bodies are not accepted)")
-        elif size.isdigit() and int(size) > door.max_body_bytes:
-            error = ApiError(413, f"the body has {int(size)} bytes; the limit is {door.max_body_bytes} "
-                                  f"(COORDINATOR_MAX_MESSAGE_BYTES)")
-        elif door.is_draining() and path.startswith("/v1/"):
-            error = ApiError(503, "the coordinator is shutting down; retry on another replica")
-        elif scope["method"] == "POST" and door.in_flight >= door.max_in_flight:
-            error = ApiError(429, f"{door.in_flight} HTTP requests are in flight, the limit "
-                                  f"(COORDINATOR_HTTP_MAX_IN_FLIGHT); retry later", code="too_many_requests")
-        counted = error is None and scope["method"] == "POST"
-        door.in_flight += counted
-        try:
-            await (error.response() if error else self.app)(scope, receive, send_status)
-        finally:
-            door.in_flight -= counted
-            if door.requests is not None:
-                door.requests.labels(path if path in ROUTES else "other", str(status["code"])).inc()

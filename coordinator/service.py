@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from coordinator.chat_prompt import REQUEST_ID, chat_message, log_request, template_options
 from specdec.errors import InvalidRequestError
 from specdec.pb import common_pb2, generation_pb2, generation_pb2_grpc
 from specdec.request import MAX_SPEC_OFF_BATCH, MODES, PEARL_OVERLAP
@@ -21,49 +22,6 @@ from specdec.sampling import MAX_TOP_LOGPROBS
 
 MAX_STOP_TOKEN_IDS = 64
 MAX_BAD_WORDS = 128
-
-def _message(m: generation_pb2.ChatMessage) -> dict:
-    """A ChatMessage → the chat template's dict (`tool_calls` parsed; specdec/tokenizer.py adapts them)."""
-    out = {"role": m.role, "content": m.content}
-    if m.tool_calls:
-        try:
-            calls = json.loads(m.tool_calls)
-        except ValueError:
-            calls = None
-        if not isinstance(calls, list) or not all(isinstance(c, dict) for c in calls):
-            raise InvalidRequestError("messages", "an assistant message's tool_calls must be a JSON list of "
-                                                  "OpenAI tool calls")
-        out["tool_calls"] = calls
-    for name in ("tool_call_id", "name"):
-        if value := getattr(m, name):
-            out[name] = value
-    return out
-
-
-def _template_options(r: generation_pb2.GenerateRequest):
-    """GenerateRequest's chat-template fields → (tools or None, TemplateOptions); they apply to `messages` only."""
-    from specdec.tokenizer import TemplateOptions
-
-    def loads(name: str, kind: type):
-        text = getattr(r, name)
-        try:
-            value = json.loads(text) if text else None
-        except ValueError:
-            value = None
-        if text and not isinstance(value, kind):
-            what = "list of tool definitions (OpenAI's)" if name == "tools" else "object of template variables"
-            raise InvalidRequestError(name, f"must be a JSON {what}")
-        return value
-
-    tools, kwargs = loads("tools", list), loads("chat_template_kwargs", dict) or {}
-    template = TemplateOptions(r.add_generation_prompt if r.HasField("add_generation_prompt") else True,
-                               r.continue_final_message, kwargs)
-    if template != TemplateOptions() and not r.messages:
-        name = ("continue_final_message" if r.continue_final_message else
-                "chat_template_kwargs" if r.chat_template_kwargs else "add_generation_prompt")
-        raise InvalidRequestError(name, "applies to the chat template: send messages")
-    return tools, template
-
 
 FINISH = {"length": generation_pb2.FINISH_REASON_LENGTH, "stop": generation_pb2.FINISH_REASON_STOP,
           "cancelled": generation_pb2.FINISH_REASON_CANCELLED}
@@ -225,10 +183,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                                                     "send prompt_token_ids")
             from specdec.tokenizer import encode_prompt
 
-            tools, template = _template_options(r)
+            tools, template = template_options(r)
             try:
                 ids = (encode_prompt(self.tok, prompt=r.prompt, raw=r.raw_prompt) if r.HasField("prompt") else
-                       encode_prompt(self.tok, messages=[_message(m) for m in r.messages], tools=tools,
+                       encode_prompt(self.tok, messages=[chat_message(m) for m in r.messages], tools=tools,
                                      template=template))
             except InvalidRequestError:
                 raise
@@ -236,7 +194,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                 raise InvalidRequestError(given[0], str(e)) from None
             if not ids:
                 raise InvalidRequestError(given[0], "encodes to no tokens; send a non-empty prompt")
-        req = {"request_id": uuid.uuid4().hex, "prompt_ids": ids, "max_new_tokens": max_new,
+        if r.request_id and not REQUEST_ID.fullmatch(r.request_id):
+            raise InvalidRequestError("request_id", "at most 128 letters, digits and . _ : - (X-Request-Id over "
+                                                    "HTTP)")
+        rid = f"{r.request_id}-{uuid.uuid4().hex[:12]}" if r.request_id else uuid.uuid4().hex
+        req = {"request_id": rid, "prompt_ids": ids, "max_new_tokens": max_new,
                "temperature": r.temperature, "top_k": r.top_k, "top_p": r.top_p if r.HasField("top_p") else 1.0,
                "seed": r.seed, "mode": mode, "verify_method": method,
                "gamma": r.gamma if r.HasField("gamma") else None,
@@ -341,7 +303,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                         lps = ev.get("logprobs")
                         finish = "stop" if asm.stopped else ev["finish_reason"]
                         tail = text + asm.finish()
-                        stats = dict(ev["stats"], completion_tokens=len(asm.token_ids))
+                        stats = dict(ev["stats"], completion_tokens=len(asm.token_ids), request_id=rid)
+                        log_request(stats, finish, time.perf_counter() - t0)
                         if m:
                             m.requests.labels(finish).inc()
                             m.tokens.inc(len(asm.token_ids))

@@ -457,3 +457,31 @@ async def test_echo_returns_the_prompt_and_its_logprobs(api):
     assert r.status_code == 400 and "only with echo" in r.json()["error"]["message"]
     r = await api.http.post("/v1/completions", json={"model": MODEL, "prompt": "a", "echo": True, "stream": True})
     assert r.status_code == 400 and "echo" in r.json()["error"]["message"]
+
+
+async def test_request_ids_tie_logs_answers_and_sessions(api, caplog):
+    """X-Request-Id (HTTP) / GenerateRequest.request_id (gRPC): the answer's id and header, GenerationStats and the
+    coordinator's log line carry it; without one the server makes one; a malformed one is refused."""
+    import logging
+
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 4, "temperature": 0}
+    with caplog.at_level(logging.INFO, logger="coordinator.requests"):
+        r = await api.http.post("/v1/chat/completions", json=body, headers={"X-Request-Id": "trace.7:a-b_c"})
+    assert r.status_code == 200 and r.headers["x-request-id"] == "trace.7:a-b_c"
+    out = r.json()
+    assert out["id"] == "chatcmpl-trace.7:a-b_c" and out["stats"]["request_id"].startswith("trace.7:a-b_c-")
+    (line,) = [rec.getMessage() for rec in caplog.records if rec.name == "coordinator.requests"]
+    assert line.startswith(f"request {out['stats']['request_id']}: sd,") and "+ 4 completion tokens" in line
+    r = await api.http.post("/v1/chat/completions", json=body)
+    made = r.headers["x-request-id"]
+    assert r.json()["id"] == f"chatcmpl-{made}" and r.json()["stats"]["request_id"].startswith(made)
+    r = await api.http.post("/v1/responses", json={"model": MODEL, "input": "hi", "max_output_tokens": 2},
+                            headers={"X-Request-Id": "resp-trace"})
+    assert r.json()["id"] == "resp_resp-trace" and r.headers["x-request-id"] == "resp-trace"
+    r = await api.http.post("/v1/chat/completions", json=body, headers={"X-Request-Id": "no spaces"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "X-Request-Id"
+    ok = await api.stubs["open"].Generate(g.GenerateRequest(prompt="hi", max_new_tokens=2, request_id="grpc-1"))
+    assert ok.stats.request_id.startswith("grpc-1-")
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await api.stubs["open"].Generate(g.GenerateRequest(prompt="hi", request_id="x" * 129))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "request_id" in e.value.details()

@@ -118,14 +118,14 @@ def test_earlier_tool_calls_reach_the_chat_template(tmp_path, renders):
     objects (what Hugging Face templates read), and any other template as their JSON content; the tool's answer
     keeps its tool_call_id. The HTTP body goes through GenerateRequest.messages to the coordinator's encoding."""
     from coordinator.openai_schema import ChatCompletionRequest
-    from coordinator.service import _message
+    from coordinator.chat_prompt import chat_message
     from specdec.tokenizer import decode, encode_prompt, load_tokenizer
     from tests.helpers_models import save_tiny_tokenizer
 
     body = ChatCompletionRequest(messages=[{"role": "user", "content": "weather"},
                                            {"role": "assistant", "content": None, "tool_calls": [CALL]},
                                            {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}])
-    messages = [_message(m) for m in body.to_proto().messages]
+    messages = [chat_message(m) for m in body.to_proto().messages]
     assert messages[1]["tool_calls"] == [CALL] and messages[2]["tool_call_id"] == "call_1"
     tok = load_tokenizer(save_tiny_tokenizer(tmp_path))
     tok.chat_template = RENDERS_CALLS if renders else "{% for m in messages %}{{ m.role }} {{ m.content }}. {% endfor %}"
