@@ -29,7 +29,7 @@ def chat_message(m: generation_pb2.ChatMessage) -> dict:
     return out
 
 
-REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")  # + "-" + 12 hex: a replica session id (<= 128)
 requests_log = logging.getLogger("coordinator.requests")  # one INFO line per finished request
 
 

@@ -41,7 +41,7 @@ class Limits:
         size = headers.get(b"content-length", b"")
         error = None
         if not valid_rid:
-            error = ApiError(400, "X-Request-Id: at most 128 letters, digits and . _ : -", "X-Request-Id")
+            error = ApiError(400, "X-Request-Id: at most 64 letters, digits and . _ : -", "X-Request-Id")
         elif scope["method"] == "POST" and not size.isdigit():
             error = ApiError(411, "send the body with a Content-Length header (chunked bodies are not accepted)")
         elif size.isdigit() and int(size) > door.max_body_bytes:

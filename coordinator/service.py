@@ -195,7 +195,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             if not ids:
                 raise InvalidRequestError(given[0], "encodes to no tokens; send a non-empty prompt")
         if r.request_id and not REQUEST_ID.fullmatch(r.request_id):
-            raise InvalidRequestError("request_id", "at most 128 letters, digits and . _ : - (X-Request-Id over "
+            raise InvalidRequestError("request_id", "at most 64 letters, digits and . _ : - (X-Request-Id over "
                                                     "HTTP)")
         rid = f"{r.request_id}-{uuid.uuid4().hex[:12]}" if r.request_id else uuid.uuid4().hex
         req = {"request_id": rid, "prompt_ids": ids, "max_new_tokens": max_new,

@@ -480,8 +480,10 @@ async def test_request_ids_tie_logs_answers_and_sessions(api, caplog):
     assert r.json()["id"] == "resp_resp-trace" and r.headers["x-request-id"] == "resp-trace"
     r = await api.http.post("/v1/chat/completions", json=body, headers={"X-Request-Id": "no spaces"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "X-Request-Id"
-    ok = await api.stubs["open"].Generate(g.GenerateRequest(prompt="hi", max_new_tokens=2, request_id="grpc-1"))
-    assert ok.stats.request_id.startswith("grpc-1-")
+    longest = "g" * 64  # with its suffix, a replica session id of 77 characters (they allow 128)
+    ok = await api.stubs["open"].Generate(g.GenerateRequest(prompt="hi", max_new_tokens=2, request_id=longest,
+                                                            mode="pacer_pearl"))
+    assert ok.stats.request_id.startswith(longest + "-") and ok.stats.completion_tokens == 2
     with pytest.raises(grpc.aio.AioRpcError) as e:
-        await api.stubs["open"].Generate(g.GenerateRequest(prompt="hi", request_id="x" * 129))
+        await api.stubs["open"].Generate(g.GenerateRequest(prompt="hi", request_id="x" * 65))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "request_id" in e.value.details()
