@@ -81,6 +81,7 @@ class _Sampling(SpecDecKnobs):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    response_format: dict[str, Any] | None = None  # OpenAI's (chat); vLLM takes it on completions too
     allowed_token_ids: list[int] | None = Field(None, max_length=MAX_ALLOWED_TOKEN_IDS)  # vLLM's, as bad_words
     bad_words: list[str] | None = Field(None, max_length=128)
     user: str | None = None
@@ -107,6 +108,10 @@ class _Sampling(SpecDecKnobs):
                 raise ValueError(f"{name}: {why}")
         self._structured = structured_output_pb(self.structured_outputs, {
             k: getattr(self, f"guided_{k}") for k in ("json", "regex", "choice", "grammar")})
+        fmt = response_format_pb(self.response_format)
+        if fmt is not None and self._structured is not None:
+            raise ValueError("response_format: send it or structured_outputs, not both")
+        self._structured = fmt if fmt is not None else self._structured
         return self
 
     def generate_request(self, max_tokens: int | None) -> generation_pb2.GenerateRequest:
@@ -193,7 +198,6 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
@@ -212,10 +216,6 @@ class ChatCompletionRequest(_Sampling):
             raise ValueError("top_logprobs: needs logprobs: true")
         if self.max_tokens == 0 or self.max_completion_tokens == 0:
             raise ValueError("max_tokens: must be >= 1")
-        fmt = response_format_pb(self.response_format)
-        if fmt is not None and self._structured is not None:
-            raise ValueError("response_format: send it or structured_outputs, not both")
-        self._structured = fmt if fmt is not None else self._structured
         self._tool = tool_choice(self.tools, self.tool_choice, self.parallel_tool_calls)
         if self._tool is not None and not self._tool.auto:
             if self._structured is not None:

@@ -218,6 +218,20 @@ async def test_forced_tool_calls_come_back_as_tool_calls(json_stack, stream):
         assert (call["function"]["name"], set(args)) in (("add", {"a", "b"}), ("find", {"kind"}))
 
 
+async def test_completions_take_response_format_too(json_stack):
+    """vLLM reads response_format on /v1/completions as well: the continuation is a JSON object."""
+    r = await json_stack.http.post("/v1/completions", json={"model": "tiny", "prompt": "add", "max_tokens": 60,
+                                                            "temperature": 0, "response_format": {
+                                                                "type": "json_schema", "json_schema": {
+                                                                    "name": "a", "schema": TOOLS[1]["function"][
+                                                                        "parameters"]}}})
+    assert r.status_code == 200, r.text
+    assert set(json.loads(r.json()["choices"][0]["text"])) == {"kind"}
+    r = await json_stack.http.post("/v1/completions", json={"model": "tiny", "prompt": "add", "response_format": {
+        "type": "json_object"}, "structured_outputs": {"json_object": True}})
+    assert r.status_code == 400 and "not both" in r.text
+
+
 async def test_tool_choice_refusals(json_stack):
     body = {"model": "tiny", "messages": [{"role": "user", "content": "add"}], "max_tokens": 8}
     for extra, words in (({"tools": TOOLS}, "COORDINATOR_TOOL_CALL_PARSER"),
