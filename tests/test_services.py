@@ -230,12 +230,20 @@ async def test_concurrent_draft_streams_share_forwards(models, stack):
 
     # Hold the model thread until all four calls are queued: otherwise a loaded host may run the first stream to
     # its end before the others arrive, and nothing is left to share.
-    batcher, hold = stack.draft_app.batcher, threading.Event()
+    # Count the submitted calls: some may have been admitted already (taken out of the queue for the step that
+    # waits behind the hold), so the queue's length alone does not tell.
+    batcher, hold, submitted = stack.draft_app.batcher, threading.Event(), []
+    submit = batcher.submit
+    batcher.submit = lambda *a: submitted.append(a) or submit(*a)
     held = asyncio.ensure_future(stack.draft_app.host.runner.run(hold.wait))
     streams = asyncio.gather(*[one(i, p) for i, p in enumerate(prompts)])
-    while len(batcher._pending) + len(batcher._active) < len(prompts) - 1:  # the first waits as `new`
-        await asyncio.sleep(0.005)
-    hold.set()
+    try:
+        async with asyncio.timeout(60):
+            while len(submitted) < len(prompts):
+                await asyncio.sleep(0.005)
+    finally:
+        batcher.submit = submit
+        hold.set()
     await held
     got = await streams
     for i, p in enumerate(prompts):
