@@ -3,6 +3,7 @@
     specdec serve [--draft-model P] [--target-model P] [--preverifier P] [--host H] [--port N]
     specdec generate "PROMPT" [--mode M] [--json] [--coordinator ADDR | --in-process]
     specdec bench [...]              (specdec.bench)
+    specdec batch -i IN -o OUT       (specdec.batch: a file of OpenAI Batch API requests)
     specdec distill-draft [...]      (specdec.distill: rebuild the default draft)
     specdec train-preverifier [...]  (specdec.pacer_train: rebuild the PACER pre-verifier)
 
@@ -69,6 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how the model writes tool calls, for the HTTP API's tool_choice 'auto' (hermes: "
                         "<tool_call>{json}</tool_call>; llama3_json: Llama 3.1+); unset: 'auto' is refused")
     sub.add_parser("bench", help="run the benchmark suite (`specdec bench --help`)", add_help=False)
+    sub.add_parser("batch", help="answer a file of OpenAI Batch API requests (`specdec batch --help`)",
+                   add_help=False)
     sub.add_parser("distill-draft", help="distill a draft from the target (`specdec distill-draft --help`)",
                    add_help=False)
     sub.add_parser("train-preverifier", help="train the PACER pre-verifier (`specdec train-preverifier --help`)",
@@ -335,6 +338,10 @@ def main(argv: list[str] | None = None) -> int:
         from specdec.bench import main as bench_main
 
         return bench_main(argv[1:])
+    if argv[:1] == ["batch"]:  # its own parser: specdec/batch.py
+        from specdec.batch import main as batch_main
+
+        return batch_main(argv[1:])
     if argv[:1] == ["distill-draft"]:  # pipelines with their own parsers
         from specdec.distill.__main__ import main as distill_main
 
