@@ -74,6 +74,9 @@ class CoordinatorSettings(ServerSettings):
                                                             "its end); more get 429")
     http_api_key: str = Field("", description="when set, HTTP requests to /v1/ must send 'Authorization: Bearer "
                                               "<key>' (401 otherwise)")
+    otlp_traces_endpoint: str = Field("", description="export one OpenTelemetry span per generation to this "
+                                                       "OTLP/gRPC endpoint (e.g. http://otel-collector:4317); '': "
+                                                       "no tracing")
     tool_call_parser: Literal["", "hermes", "llama3_json"] = Field(
         "", description="the HTTP API's tool_choice 'auto': how this model writes tool calls (hermes: "
                         "<tool_call>{json}</tool_call>, Qwen2.5 / Hermes / SmolLM3; llama3_json: Llama 3.1+). '': "

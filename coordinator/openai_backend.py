@@ -59,10 +59,17 @@ class _Aborted(Exception):
 
 
 class _Context:
-    """What GenerationServicer.respond needs of a gRPC context."""
+    """What GenerationServicer.respond needs of a gRPC context: `metadata`, the HTTP request's headers that a
+    gRPC call would carry as metadata (the trace context)."""
+
+    def __init__(self, metadata=()):
+        self.metadata = tuple(metadata)
 
     async def abort(self, code: grpc.StatusCode, message: str):
         raise _Aborted(code, message)
+
+    def invocation_metadata(self):
+        return self.metadata
 
 
 class ServicerBackend:
@@ -123,9 +130,10 @@ class ServicerBackend:
         """A token's text (logprobs entries); `<id>` where the coordinator has no tokenizer."""
         return self.tok.decode([token_id]) if self.tok is not None else f"<{token_id}>"
 
-    async def events(self, request, incremental: bool = True):
+    async def events(self, request, incremental: bool = True, metadata=()):
+        """`metadata`: (key, value) pairs a gRPC call would carry (the HTTP request's trace headers)."""
         try:
-            async for resp in self.servicer.respond(request, _Context(), incremental):
+            async for resp in self.servicer.respond(request, _Context(metadata), incremental):
                 yield resp
         except _Aborted as e:
             raise ApiError.from_grpc(e.code, e.message) from None

@@ -32,6 +32,7 @@ from coordinator import openai_schema as schema
 from coordinator import responses_api
 from coordinator.openai_backend import CLIENT_CLOSED, ApiError, ServicerBackend, param_of  # noqa: F401 (re-exported)
 from coordinator.http_limits import Limits
+from coordinator.tracing import TRACE_HEADERS
 from specdec.pb import generation_pb2
 
 
@@ -121,6 +122,11 @@ async def _firsts(request: Request, streams) -> list:
         raise
 
 
+def _trace(request: Request) -> list[tuple[str, str]]:
+    """The request's W3C trace-context headers, as gRPC metadata would carry them (coordinator/tracing.py)."""
+    return [(k, request.headers[k]) for k in TRACE_HEADERS if k in request.headers]
+
+
 def _sse(body: dict | str) -> str:
     return f"data: {body if isinstance(body, str) else json.dumps(body, separators=(',', ':'))}\n\n"
 
@@ -178,7 +184,7 @@ class OpenAIFrontDoor:
             async def whole(k, proto):
                 text, ids, last = [], [], None
                 lps = generation_pb2.GeneratedLogprobs() if proto.HasField("logprobs") else None
-                async for resp in self.backend.events(proto, incremental=False):
+                async for resp in self.backend.events(proto, incremental=False, metadata=_trace(request)):
                     text.append(resp.text_delta)
                     ids.extend(resp.token_ids)
                     if lps is not None:
@@ -203,7 +209,7 @@ class OpenAIFrontDoor:
             answers = await until_disconnected(request, _all(whole(k, p) for k, p in enumerate(protos)))
             return responses.completion_body(chat, rid, created, self.model_name, answers, body.tool if chat else None,
                                           n)
-        streams = [self.backend.events(p) for p in protos]
+        streams = [self.backend.events(p, metadata=_trace(request)) for p in protos]
         firsts = await _firsts(request, streams)
         usage = body.stream_options is not None and body.stream_options.include_usage
         return StreamingResponse(self._stream(chat, rid, created, firsts, streams, usage, body.tool if chat else None,
@@ -255,7 +261,7 @@ class OpenAIFrontDoor:
         if not body.stream:
             async def whole():
                 text, last = [], None
-                async for resp in self.backend.events(proto, incremental=False):
+                async for resp in self.backend.events(proto, incremental=False, metadata=_trace(request)):
                     text.append(resp.text_delta)
                     last = resp
                 return "".join(text), responses.FINISH_REASON.get(last.finish_reason, "stop"), last.stats
@@ -264,7 +270,7 @@ class OpenAIFrontDoor:
             message, finish = tool.message(text, finish) if tool else ({"content": text}, finish)
             return responses_api.response_object(body, rid, created, self.model_name,
                                                  responses_api.output_items(message, finish), finish, stats)
-        events = self.backend.events(proto)
+        events = self.backend.events(proto, metadata=_trace(request))
         firsts = await _firsts(request, [events])
         return StreamingResponse(self._respond_stream(body, rid, created, firsts, events),
                                  media_type="text/event-stream",

@@ -5,6 +5,7 @@
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 
@@ -112,10 +113,20 @@ async def build_coordinator(s: CoordinatorSettings, tokenizer=None, eos_token_id
         metrics.waiting.set_function(router.waiting_now)
         servicer = GenerationServicer(router, tokenizer, eos_token_ids or (), s.max_new_tokens_cap, metrics,
                                     s.spec_off_batch, s.pacer_post_threshold, s.default_mode)
+        servicer.tracer = tracer
         holder["app"].servicer = servicer
         add_to_server(servicer, server)
 
     on_start, on_drain, on_stop = [], [], [router.close]
+    tracer = None
+    if s.otlp_traces_endpoint:  # one span per generation (coordinator/tracing.py)
+        from coordinator.tracing import init_tracer
+
+        tracer, provider = init_tracer(s.otlp_traces_endpoint)
+
+        async def export_the_rest():  # the last requests' spans, before the process exits
+            await asyncio.to_thread(provider.shutdown)
+        on_stop.append(export_the_rest)
     if s.http_port:
         from coordinator.http_server import HttpFrontDoor
 

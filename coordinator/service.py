@@ -115,6 +115,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         self.pacer_post_threshold = pacer_post_threshold
         self.default_mode = default_mode
         self._vocab = None  # structured output's GrammarVocab of this tokenizer, built on first use (False: none)
+        self.tracer = None  # an OpenTelemetry tracer (COORDINATOR_OTLP_TRACES_ENDPOINT): one span per generation
 
     # -- request → token ids --------------------------------------------------------------------------------
     def prepare(self, r: generation_pb2.GenerateRequest) -> Prepared:
@@ -265,8 +266,28 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         """Yields GenerateStreamResponse; the last one carries finish_reason and stats. `incremental=False`
         (a unary call without stop strings: nothing to send or check before the end): the pipeline sends no
         per-round events, only the final one, which carries every token. Both front doors call it (gRPC here, HTTP
-        in coordinator/openai_http.py); `context` needs only `abort(code, message)`."""
+        in coordinator/openai_http.py); `context` needs `abort(code, message)` and `invocation_metadata()`. With a
+        tracer, the generation is one span (coordinator/tracing.py)."""
+        trace = None
+        if self.tracer is not None:
+            from coordinator.tracing import RequestTrace
+
+            trace = RequestTrace(self.tracer, context.invocation_metadata())
+        try:
+            async with contextlib.aclosing(self._respond(r, context, incremental, trace)) as responses:
+                async for resp in responses:
+                    yield resp
+        except BaseException as e:
+            if trace is not None:
+                trace.end(trace.request, error=trace.error or (
+                    "the client went away" if isinstance(e, (GeneratorExit, asyncio.CancelledError)) else
+                    f"{type(e).__name__}: {e}"))
+            raise
+
+    async def _respond(self, r, context, incremental: bool, trace):
         p = self.prepare(r)
+        if trace is not None:
+            trace.request = p.request
         if p.request["grammar"]:
             await asyncio.to_thread(self._check_grammar, p.request["grammar"])
         asm, rid = p.assembler, p.request["request_id"]
@@ -287,6 +308,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                             if first and m:
                                 ttft = time.perf_counter() - t0
                                 m.ttft.observe(ttft)
+                            if first and trace is not None:
+                                trace.first_token()
                             first = False
                             lps = ev.get("logprobs")
                             yield generation_pb2.GenerateStreamResponse(
@@ -295,6 +318,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                         if m:
                             m.requests.labels("error").inc()
                         code = getattr(grpc.StatusCode, ev["error"]["code"], grpc.StatusCode.INTERNAL)
+                        if trace is not None:
+                            trace.error = f"{code.name}: {ev['error']['message']}"
                         await context.abort(code, ev["error"]["message"])
                     elif ev.get("done"):
                         done = len(asm.token_ids)
@@ -305,6 +330,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                         tail = text + asm.finish()
                         stats = dict(ev["stats"], completion_tokens=len(asm.token_ids), request_id=rid)
                         log_request(stats, finish, time.perf_counter() - t0)
+                        if trace is not None:
+                            if asm.token_ids:
+                                trace.first_token()  # a whole answer's first token reaches the client now
+                            trace.end(p.request, stats, finish)
                         if m:
                             m.requests.labels(finish).inc()
                             m.tokens.inc(len(asm.token_ids))

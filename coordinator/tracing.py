@@ -1,0 +1,102 @@
+"""OpenTelemetry traces of generations (vLLM's `--otlp-traces-endpoint`): with `COORDINATOR_OTLP_TRACES_ENDPOINT`
+set, every generation the coordinator serves becomes one `llm_request` span, exported over OTLP/gRPC.
+
+- The span's parent is the caller's trace: a W3C `traceparent` (and `tracestate`) in the HTTP headers or the gRPC
+  metadata, so a client's trace shows specdec's part of it.
+- It runs from the request's arrival to its end, with an event at the first token. Its attributes follow vLLM's
+  (OpenTelemetry's gen_ai conventions): the request id, sampling fields, token usage, finish reason, time in the
+  admission queue, to the first token and end to end; plus specdec's own: mode, target forwards, draft and accepted
+  tokens, tokens per target forward and the replicas that served it.
+- A request that fails (a refused body, a replica error, a client gone) ends its span with status ERROR and the
+  message.
+Unset, nothing is imported and nothing is recorded.
+"""
+from __future__ import annotations
+
+import time
+
+TRACE_HEADERS = ("traceparent", "tracestate")
+
+
+def init_tracer(endpoint: str, exporter=None):
+    """→ (tracer, provider): a tracer exporting to `endpoint` (OTLP/gRPC, e.g. http://otel-collector:4317), in
+    batches off the event loop; `exporter` (tests): export there, span by span, instead. `provider.shutdown()`
+    exports what is left (the coordinator calls it when it stops)."""
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
+
+    provider = TracerProvider(resource=Resource.create({"service.name": "specdec-coordinator"}))
+    if exporter is None:
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(
+            endpoint=endpoint, insecure=not endpoint.startswith("https://"))))
+    else:
+        provider.add_span_processor(SimpleSpanProcessor(exporter))
+    return provider.get_tracer("specdec.coordinator"), provider
+
+
+def parent_of(metadata) -> object | None:
+    """The caller's trace context from (key, value) pairs (gRPC metadata, HTTP headers), or None."""
+    carrier = {}
+    for key, value in metadata or ():
+        key = key.lower() if isinstance(key, str) else key.decode("latin-1").lower()
+        if key in TRACE_HEADERS:
+            carrier[key] = value if isinstance(value, str) else value.decode("latin-1")
+    if not carrier:
+        return None
+    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+    return TraceContextTextMapPropagator().extract(carrier)
+
+
+class RequestTrace:
+    """One generation's span, recorded when it ends (so a request costs nothing while it runs)."""
+
+    def __init__(self, tracer, metadata):
+        self.tracer, self.parent = tracer, parent_of(metadata)
+        self.start_ns, self.t0 = time.time_ns(), time.perf_counter()
+        self.ttft_s: float | None = None
+        self.request: dict | None = None  # the prepared request, once it is
+        self.error = ""  # the replica's or pipeline's error, before the abort that carries it
+        self.ended = False
+
+    def first_token(self) -> None:
+        if self.ttft_s is None:
+            self.ttft_s = time.perf_counter() - self.t0
+
+    def end(self, request: dict | None, stats: dict | None = None, finish: str = "", error: str = "") -> None:
+        """Record the span (once: a request that ended is not recorded again by a later error)."""
+        from opentelemetry.trace import SpanKind, Status, StatusCode
+
+        if self.ended:
+            return
+        self.ended = True
+        e2e = time.perf_counter() - self.t0
+        attrs = {"gen_ai.latency.e2e": e2e}
+        if request is not None:
+            attrs.update({"gen_ai.request.id": request["request_id"],
+                          "gen_ai.request.temperature": request["temperature"],
+                          "gen_ai.request.top_p": request["top_p"],
+                          "gen_ai.request.max_tokens": request["max_new_tokens"],
+                          "gen_ai.usage.prompt_tokens": len(request["prompt_ids"]), "specdec.mode": request["mode"]})
+        if stats:
+            n, forwards = stats.get("completion_tokens", 0), stats.get("target_forwards", 0)
+            attrs.update({"gen_ai.usage.completion_tokens": n, "gen_ai.response.finish_reasons": [finish],
+                          "gen_ai.latency.time_in_queue": stats.get("queued_s", 0.0),
+                          "specdec.target_forwards": forwards, "specdec.draft_tokens": stats.get("draft_tokens", 0),
+                          "specdec.accepted_tokens": stats.get("accepted_tokens", 0),
+                          "specdec.tokens_per_target_forward": n / forwards if forwards else 0.0,
+                          "specdec.cached_prompt_tokens": stats.get("cached_prompt_tokens", 0),
+                          "specdec.target_replica": stats.get("target_replica", ""),
+                          "specdec.draft_replica": stats.get("draft_replica", "")})
+        if self.ttft_s is not None:
+            attrs["gen_ai.latency.time_to_first_token"] = self.ttft_s
+        span = self.tracer.start_span("llm_request", context=self.parent, kind=SpanKind.SERVER,
+                                      start_time=self.start_ns, attributes=attrs)
+        if self.ttft_s is not None:
+            span.add_event("first_token", timestamp=self.start_ns + int(self.ttft_s * 1e9))
+        if error:
+            span.set_status(Status(StatusCode.ERROR, error))
+        span.end(end_time=self.start_ns + int(e2e * 1e9))
