@@ -88,13 +88,20 @@ class ResponsesRequest(SpecDecKnobs):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
-    store: bool = False
+    store: bool | None = False
     metadata: dict[str, str] | None = None
     user: str | None = None
+    safety_identifier: str | None = None  # as `user`: accepted, not used
+    prompt_cache_key: str | None = None  # OpenAI's routing hint: prefix-aware routing needs none
+    service_tier: Literal["auto", "default"] | None = None
+    stream_options: dict[str, Any] | None = None  # include_obfuscation: nothing to obfuscate on a private server
     truncation: Literal["disabled"] | None = None
     previous_response_id: str | None = None
     background: bool | None = None
     include: list[str] | None = None
+    reasoning: dict[str, Any] | None = None
+    top_logprobs: int | None = None
+    max_tool_calls: int | None = None
     _chat: Any = None
 
     @model_validator(mode="after")
@@ -104,7 +111,11 @@ class ResponsesRequest(SpecDecKnobs):
                                ("previous_response_id", self.previous_response_id is not None, stored),
                                ("background", self.background, "not supported; leave it out and wait, or stream"),
                                ("include", self.include, "not supported (no logprobs or reasoning here); leave "
-                                                         "it out")):
+                                                         "it out"),
+                               ("reasoning", self.reasoning, "this model does not reason separately; leave it out"),
+                               ("top_logprobs", self.top_logprobs, "not supported on this route; use "
+                                                                   "/v1/chat/completions with logprobs"),
+                               ("max_tool_calls", self.max_tool_calls is not None, "not supported; leave it out")):
             if bad:
                 raise ValueError(f"{name}: {why}")
         tools = []

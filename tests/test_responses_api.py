@@ -56,6 +56,14 @@ async def test_streamed_events_add_up_to_the_response(api):
     assert events[-1].response.usage.output_tokens == 16 and events[0].response.status == "in_progress"
 
 
+async def test_what_sdks_send_at_its_neutral_values_is_accepted(api):
+    neutral = {"store": None, "reasoning": None, "include": [], "top_logprobs": 0, "service_tier": "auto",
+               "prompt_cache_key": "k", "safety_identifier": "u", "truncation": "disabled", "metadata": {"a": "b"},
+               "stream_options": {"include_obfuscation": False}}
+    r = await api.http.post("/v1/responses", json={"model": MODEL, "input": "hi", "max_output_tokens": 2, **neutral})
+    assert r.status_code == 200 and r.json()["metadata"] == {"a": "b"}, r.text
+
+
 async def test_a_conversation_with_earlier_tool_calls(api):
     conversation = [{"role": "user", "content": "weather in paris"},
                     {"type": "function_call", "call_id": "call_1", "name": "weather", "arguments": "{}"},
@@ -76,6 +84,8 @@ async def test_a_conversation_with_earlier_tool_calls(api):
     ({"tools": [{"type": "function", "name": "f"}]}, "COORDINATOR_TOOL_CALL_PARSER"),
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "schema"),
     ({"model": "gpt-5"}, "does not exist"),
+    ({"reasoning": {"effort": "high"}}, "does not reason"),
+    ({"top_logprobs": 2}, "/v1/chat/completions"),
 ])
 async def test_refusals_say_what_to_send(api, extra, words):
     r = await api.http.post("/v1/responses", json={"model": MODEL, "input": "hi", "max_output_tokens": 4, **extra})
