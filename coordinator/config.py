@@ -74,6 +74,10 @@ class CoordinatorSettings(ServerSettings):
                                                             "its end); more get 429")
     http_api_key: str = Field("", description="when set, HTTP requests to /v1/ must send 'Authorization: Bearer "
                                               "<key>' (401 otherwise)")
+    api_key: str = Field("", description="when set, required on both front doors: gRPC GenerationService calls "
+                                         "send the metadata 'authorization: Bearer <key>' (UNAUTHENTICATED "
+                                         "otherwise; health and reflection stay open), HTTP requests the header "
+                                         "(http_api_key, if set, is the HTTP API's key instead)")
     otlp_traces_endpoint: str = Field("", description="export one OpenTelemetry span per generation to this "
                                                        "OTLP/gRPC endpoint (e.g. http://otel-collector:4317); '': "
                                                        "no tracing")

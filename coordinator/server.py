@@ -134,7 +134,13 @@ async def build_coordinator(s: CoordinatorSettings, tokenizer=None, eos_token_id
         on_start.append(http.start)
         on_drain.append(http.begin_shutdown)
         on_stop.insert(0, http.wait_closed)  # in-flight HTTP requests finish before the router closes
-    app = ServerApp(s, GENERATION_SERVICE_NAME, register, on_stop=on_stop, on_drain=on_drain, on_start=on_start)
+    guards = ()
+    if s.api_key:
+        from specdec.server.auth import ApiKeyInterceptor
+
+        guards = (ApiKeyInterceptor(s.api_key, (GENERATION_SERVICE_NAME,), "COORDINATOR_API_KEY"),)
+    app = ServerApp(s, GENERATION_SERVICE_NAME, register, on_stop=on_stop, on_drain=on_drain, on_start=on_start,
+                    interceptors=guards)
     holder["app"] = app
     app.router = router
     return app, router

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -104,6 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object (text, token_ids, finish_reason, "
                                                        "stats, and logprobs with --logprobs)")
     g.add_argument("--coordinator", default=None, help="host:port of a running coordinator")
+    g.add_argument("--api-key", default=os.environ.get("SPECDEC_API_KEY", ""),
+                   help="with --coordinator: its COORDINATOR_API_KEY (default: $SPECDEC_API_KEY)")
     g.add_argument("--in-process", action="store_true", help="run specdec.engine.Engine in this process")
     g.add_argument("--timeout", type=float, default=None, help="request deadline in seconds")
     _add_models(g)
@@ -190,7 +193,8 @@ async def _call(address: str, args) -> dict:
     async with grpc.aio.insecure_channel(address) as ch:
         stub = generation_pb2_grpc.GenerationServiceStub(ch)
         text, ids, out, lps = [], [], {}, []
-        async for resp in stub.GenerateStream(_request(args), timeout=args.timeout):
+        metadata = (("authorization", f"Bearer {args.api_key}"),) if args.api_key else None
+        async for resp in stub.GenerateStream(_request(args), timeout=args.timeout, metadata=metadata):
             text.append(resp.text_delta)
             ids.extend(resp.token_ids)
             lps += [(lp, list(top.ids), list(top.logprobs)) for lp, top in zip(resp.logprobs.logprobs,

@@ -53,8 +53,11 @@ class ServerApp:
                  register: Callable[[grpc.aio.Server], None], metrics: ServiceMetrics | None = None,
                  on_stop: list[Callable[[], Awaitable[None] | None]] | None = None,
                  on_drain: list[Callable[[], None]] | None = None,
-                 on_start: list[Callable[[], Awaitable[None]]] | None = None):
+                 on_start: list[Callable[[], Awaitable[None]]] | None = None,
+                 interceptors: tuple[grpc.aio.ServerInterceptor, ...] = ()):
+        """`interceptors` run before the error interceptor (the coordinator's API key)."""
         self.settings, self.service_name = settings, service_name
+        self._interceptors = tuple(interceptors)
         self.metrics = metrics or ServiceMetrics()
         self._register = register
         self._on_stop = list(on_stop or [])
@@ -71,7 +74,8 @@ class ServerApp:
     async def start(self) -> int:
         """Bind, start, report SERVING. Call from inside the running loop (aio binds to it)."""
         s = self.settings
-        self.server = grpc.aio.server(interceptors=[ErrorInterceptor(self.metrics)], options=server_options(s))
+        self.server = grpc.aio.server(interceptors=[*self._interceptors, ErrorInterceptor(self.metrics)],
+                                      options=server_options(s))
         self._register(self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
