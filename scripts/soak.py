@@ -19,7 +19,9 @@ Checked:
   the pairs that differ are counted (reported, not a failure: a seed fixes each draw by position and purpose, but
   which positions get a draft token depends on load and timing; see docs/coordinator.md, "Seeds");
 - a stream's concatenated deltas equal its token ids; a fifth of the requests ask for logprobs (one per token); over HTTP, greedy text equals the decoded `ar` prefix of the
-  answer's length, streamed or whole;
+  answer's length, streamed or whole; a share of the unary greedy HTTP requests (`--batch-share`) sends two
+  prompts in one request and both answers are checked; every unary HTTP request sends an X-Request-Id and checks
+  it comes back in the header and the answer's id;
 - no status but OK, DEADLINE_EXCEEDED and CANCELLED (RESOURCE_EXHAUSTED is counted apart: a full queue);
 - every prompt is also sent behind one shared ~380-token prefix (`--no-shared-prefix`: not), so sessions reuse
   prompt chunks from the prefix cache, live and ended sessions' alike; their greedy answers are checked the same way;
@@ -127,8 +129,12 @@ class Soak:
         kind = (f"{'stream' if stream else 'unary'}{'+deadline' if deadline else ''}{'+drop' if drop_after else ''}"
                 f"{'+' + variant(r) if variant(r) else ''}")
         if self.http is not None and rng.random() < self.args.http_share:
-            self.kinds["http " + kind] += 1
-            return await self.one_http(p, r, stream, deadline, drop_after, "http " + kind)
+            # a share of the unary greedy ones carry a second prompt (a list of prompts: two choices to check)
+            other = (rng.randrange(len(self.prompts)) if r.temperature == 0 and not stream
+                     and rng.random() < self.args.batch_share else None)
+            kind = "http " + kind + ("+2 prompts" if other is not None else "")
+            self.kinds[kind] += 1
+            return await self.one_http(p, r, stream, deadline, drop_after, kind, other, f"soak-{rng.getrandbits(32)}")
         self.kinds[kind] += 1
         try:
             if not stream:
@@ -159,9 +165,13 @@ class Soak:
         except asyncio.CancelledError:
             self.codes["CANCELLED (client)"] += 1
 
-    async def one_http(self, p: int, r, stream: bool, deadline, drop_after, kind: str) -> None:
+    async def one_http(self, p: int, r, stream: bool, deadline, drop_after, kind: str, other: int | None = None,
+                       request_id: str = "") -> None:
+        """`other`: a second prompt sent in the same request; `request_id`: sent as X-Request-Id, checked echoed."""
         body = {"prompt": list(r.prompt_token_ids), "max_tokens": r.max_new_tokens, "temperature": r.temperature,
                 "seed": r.seed, "mode": r.mode, "stream": stream}
+        if other is not None:
+            body["prompt"] = [body["prompt"], list(self.prompts[other].ids)]
         if r.HasField("logprobs"):
             body["logprobs"] = r.logprobs
         if r.presence_penalty:
@@ -179,11 +189,17 @@ class Soak:
         try:
             async with asyncio.timeout(deadline or 600):
                 if not stream:
-                    resp = await self.http.post("/v1/completions", json=body)
+                    resp = await self.http.post("/v1/completions", json=body, headers={"X-Request-Id": request_id})
                     if not self._http_ok(resp, kind):
                         return
                     js = resp.json()
-                    text, n = js["choices"][0]["text"], js["usage"]["completion_tokens"]
+                    if resp.headers.get("x-request-id") != request_id or js["id"] != f"cmpl-{request_id}":
+                        self.failures.append(f"{kind}: request id {request_id} came back as "
+                                             f"{resp.headers.get('x-request-id')} / {js['id']}")
+                    text, n = js["choices"][0]["text"], js["choices"][0]["stats"]["completion_tokens"]
+                    if other is not None:
+                        second = js["choices"][1]
+                        self._check_text(other, r, second["text"], second["stats"]["completion_tokens"], kind)
                 else:
                     async with self.http.stream("POST", "/v1/completions", json=body) as resp:
                         if not self._http_ok(resp, kind, await resp.aread() if resp.status_code != 200 else b""):
@@ -208,15 +224,19 @@ class Soak:
             self.codes["http deadline (client)"] += 1
             return
         self.codes["http 200"] += 1
-        self.tokens += n or 0
-        if r.temperature == 0 and n is not None:
+        if n is None:
+            self.failures.append(f"{kind} {r.mode}: no usage in the answer")
+        else:
+            self._check_text(p, r, text, n, kind)
+
+    def _check_text(self, p: int, r, text: str, n: int, kind: str) -> None:
+        self.tokens += n
+        if r.temperature == 0:
             ref = self.tok.decode(self.refs_by[variant(r)][p][:n], skip_special_tokens=True)
             if text != ref:
                 self.http_greedy_diff[p] += 1
                 if self.args.dtype == "float32":
                     self.failures.append(f"{kind} {r.mode} greedy prompt {p}: text differs from ar's")
-        elif n is None:
-            self.failures.append(f"{kind} {r.mode}: no usage in the answer")
 
     def _http_ok(self, resp, kind: str, body: bytes = b"") -> bool:
         if resp.status_code == 200:
@@ -343,6 +363,8 @@ if __name__ == "__main__":
     ap.add_argument("--http-share", type=float, default=0.3, help="of requests: sent to the HTTP API")
     ap.add_argument("--penalty-share", type=float, default=0.2,
                     help="of greedy requests: with presence, frequency and repetition penalties")
+    ap.add_argument("--batch-share", type=float, default=0.3,
+                    help="of the unary greedy HTTP requests: a list of two prompts, both answers checked")
     ap.add_argument("--json-share", type=float, default=0.15,
                     help="of greedy requests without penalties: structured output, a JSON object")
     ap.add_argument("--settle-s", type=float, default=3.0)
