@@ -87,7 +87,9 @@ class ToolChoice:
 
     def reader(self):
         """A streamed choice's reader: its text deltas → chat deltas (`feed(text)`, `end(finish)`)."""
-        return AutoToolReader(self.parser) if self.auto else _HeldAnswer(self)
+        if self.auto:
+            return AutoToolReader(self.parser)
+        return _NamedCall(self.name) if self.name else _HeldAnswer(self)
 
     def structured(self) -> generation_pb2.StructuredOutput:
         """The answer's schema, written as json.dumps writes (`{"a": 1, "b": 2}`, no other whitespace): a model left
@@ -105,8 +107,9 @@ class ToolChoice:
         return generation_pb2.StructuredOutput(json_schema=json.dumps(schema))
 
     def message(self, text: str, finish: str) -> tuple[dict, str]:
-        """The answer's text → (assistant message, finish_reason). An answer cut short (finish "length") does not
-        parse and comes back as content."""
+        """The answer's text → (assistant message, finish_reason). A named function's answer is its arguments as
+        written (cut short at "length", as OpenAI's); a "required" answer cut short does not parse and comes back
+        as content."""
         if self.auto:
             content, calls = parse_whole(self.parser, text)
             if not calls:
@@ -114,19 +117,45 @@ class ToolChoice:
             return ({"role": "assistant", "content": content,
                      "tool_calls": [{k: v for k, v in c.delta(0).items() if k != "index"} for c in calls]},
                     "tool_calls" if finish == "stop" else finish)
+        if self.name:  # OpenAI's finish_reason for a named function: "stop"
+            return ({"role": "assistant", "content": None, "tool_calls": [_call(self.name, text)]},
+                    "stop" if finish in ("stop", "tool_calls") else finish)
         try:
             value = json.loads(text)
         except ValueError:
             return {"role": "assistant", "content": text}, finish
-        calls = [(self.name, value)] if self.name else [(c["name"], c["parameters"]) for c in value]
-        tool_calls = [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                       "function": {"name": n, "arguments": json.dumps(args)}} for n, args in calls]
-        # OpenAI's finish_reason: "stop" for a named function, "tool_calls" when the model chose
-        return {"role": "assistant", "content": None, "tool_calls": tool_calls}, "stop" if self.name else "tool_calls"
+        calls = [(c["name"], c["parameters"]) for c in value]
+        tool_calls = [_call(n, json.dumps(args)) for n, args in calls]
+        return {"role": "assistant", "content": None, "tool_calls": tool_calls}, "tool_calls"
+
+
+def _call(name: str, arguments: str) -> dict:
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": name, "arguments": arguments}}
+
+
+class _NamedCall:
+    """A streamed named function's call: its arguments stream as the model writes them (OpenAI's deltas: the first
+    carries the call's id and name)."""
+
+    def __init__(self, name: str):
+        self.name, self.started = name, False
+
+    def _deltas(self, text: str) -> list[dict]:
+        if self.started:
+            return [{"tool_calls": [{"index": 0, "function": {"arguments": text}}]}] if text else []
+        self.started = True
+        return [{"tool_calls": [{"index": 0, **_call(self.name, text)}]}]
+
+    def feed(self, text: str) -> list[dict]:
+        return self._deltas(text) if text else []
+
+    def end(self, finish: str) -> tuple[list[dict], str]:
+        return ([] if self.started else self._deltas("")), "stop" if finish in ("stop", "tool_calls") else finish
 
 
 class _HeldAnswer:
-    """A streamed forced choice: its text is held, and its calls come whole in one chunk when it ends."""
+    """A streamed "required" choice: its text is held, and its calls come whole in one chunk when it ends."""
 
     def __init__(self, tool: ToolChoice):
         self.tool, self.held = tool, []

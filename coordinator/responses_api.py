@@ -208,6 +208,7 @@ class ResponseEvents:
     def __init__(self, body: ResponsesRequest, rid: str, created: int, model: str):
         self.body, self.rid, self.created, self.model = body, rid, created, model
         self.seq, self.output, self.text = 0, [], None  # self.text: the open message item's text pieces
+        self.args: list[str] | None = None  # the open function_call item's argument pieces
 
     def _event(self, kind: str, **fields) -> str:
         event = {"type": kind, "sequence_number": self.seq, **fields}
@@ -236,6 +237,7 @@ class ResponseEvents:
     def delta(self, delta: dict) -> list[str]:
         out = []
         if delta.get("content"):
+            out += self._close_call("completed")
             if self.text is None:
                 item = message_item("", "in_progress")
                 item["content"] = []
@@ -251,21 +253,33 @@ class ResponseEvents:
                                    output_index=len(self.output) - 1, content_index=0, delta=delta["content"],
                                    logprobs=[]))
         for call in delta.get("tool_calls") or []:
-            out += self._close_message("completed")
-            item = call_item(call)
-            self.output.append(item)
-            index = len(self.output) - 1
-            out.append(self._event("response.output_item.added", output_index=index,
-                                   item=dict(item, arguments="", status="in_progress")))
-            out.append(self._event("response.function_call_arguments.delta", item_id=item["id"],
-                                   output_index=index, delta=item["arguments"]))
-            out.append(self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
-                                   name=item["name"], arguments=item["arguments"]))
-            out.append(self._event("response.output_item.done", output_index=index, item=item))
+            if "id" in call:  # a call begins (whole, or its arguments follow in later deltas)
+                out += self._close_message("completed") + self._close_call("completed")
+                item = call_item(call)
+                self.output.append(dict(item, arguments="", status="in_progress"))
+                self.args = []
+                out.append(self._event("response.output_item.added", output_index=len(self.output) - 1,
+                                       item=dict(self.output[-1])))
+            pieces = call.get("function", {}).get("arguments", "")
+            if pieces and self.args is not None:
+                self.args.append(pieces)
+                out.append(self._event("response.function_call_arguments.delta", item_id=self.output[-1]["id"],
+                                       output_index=len(self.output) - 1, delta=pieces))
         return out
 
+    def _close_call(self, status: str) -> list[str]:
+        if self.args is None:
+            return []
+        item, index = self.output[-1], len(self.output) - 1
+        item.update(arguments="".join(self.args), status=status)
+        self.args = None
+        return [self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                            name=item["name"], arguments=item["arguments"]),
+                self._event("response.output_item.done", output_index=index, item=item)]
+
     def finish(self, finish: str, stats) -> list[str]:
-        out = self._close_message("incomplete" if finish == "length" else "completed")
+        status = "incomplete" if finish == "length" else "completed"
+        out = self._close_message(status) + self._close_call(status)
         kind = "response.incomplete" if finish == "length" else "response.completed"
         return out + [self._event(kind, response=self._response(finish, stats))]
 

@@ -195,16 +195,21 @@ async def test_forced_tool_calls_come_back_as_tool_calls(json_stack, stream):
             assert r.status_code == 200, r.text
             choice = r.json()["choices"][0]
             return choice["message"], choice["finish_reason"]
-        calls, content, finish = [], "", None
+        calls, content, finish, pieces = {}, "", None, 0
         async with json_stack.http.stream("POST", "/v1/chat/completions", json={**body, **kw}) as r:
             assert r.status_code == 200
             async for line in r.aiter_lines():
                 if line.startswith("data: {"):
                     ch = json.loads(line[6:])["choices"][0]
-                    calls += ch["delta"].get("tool_calls") or []
+                    for d in ch["delta"].get("tool_calls") or []:  # merged by index, as OpenAI clients do
+                        pieces += 1
+                        call = calls.setdefault(d["index"], {**d, "function": {**d["function"], "arguments": ""}})
+                        call["function"]["arguments"] += d["function"].get("arguments", "")
                     content += ch["delta"].get("content") or ""
                     finish = ch["finish_reason"] or finish
-        return {"tool_calls": calls or None, "content": content or None}, finish
+        if kw.get("tool_choice") != "required":  # a named function's arguments stream as they are verified
+            assert pieces > 1, pieces
+        return {"tool_calls": [calls[k] for k in sorted(calls)] or None, "content": content or None}, finish
 
     message, finish = await answer(tool_choice={"type": "function", "function": {"name": "add"}})
     (call,) = message["tool_calls"]

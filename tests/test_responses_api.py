@@ -112,6 +112,21 @@ async def test_events_of_text_then_calls():
     assert final["status"] == "completed"
 
 
+async def test_events_of_a_call_whose_arguments_stream():
+    ev = ResponseEvents(ResponsesRequest(input="x"), "resp_1", 0, "m")
+    start = {"index": 0, "id": "call_1", "type": "function", "function": {"name": "d", "arguments": '{"a"'}}
+    lines = ev.delta({"tool_calls": [start]}) + ev.delta({"tool_calls": [{"index": 0, "function": {
+        "arguments": ': 1}'}}]})
+    lines += ev.finish("length", None)
+    events = [json.loads(line.split("data: ", 1)[1]) for line in lines]
+    assert [e["type"] for e in events] == ["response.output_item.added", "response.function_call_arguments.delta",
+                                           "response.function_call_arguments.delta",
+                                           "response.function_call_arguments.done", "response.output_item.done",
+                                           "response.incomplete"]
+    assert events[3]["arguments"] == '{"a": 1}' and events[4]["item"]["status"] == "incomplete"
+    assert events[0]["item"]["arguments"] == "" and events[-1]["response"]["output"][0]["arguments"] == '{"a": 1}'
+
+
 async def test_input_items_become_chat_messages():
     msgs = input_messages("sys", [{"role": "user", "content": "q"},
                                   {"type": "function_call", "call_id": "a", "name": "f", "arguments": "{}"},
@@ -140,7 +155,8 @@ async def test_forced_function_calls_are_function_call_items(hermes, stream):
         events = [e async for e in await client.responses.create(**kw, stream=True)]
         out = events[-1].response
         done = [e for e in events if e.type == "response.function_call_arguments.done"]
-        assert [e.arguments for e in done] == [out.output[0].arguments]
+        deltas = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+        assert [e.arguments for e in done] == [out.output[0].arguments] == ["".join(deltas)] and len(deltas) > 1
     else:
         out = await client.responses.create(**kw)
     await client.close()
