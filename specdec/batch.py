@@ -143,8 +143,8 @@ async def _main(args) -> int:
     import httpx
     from tqdm import tqdm
 
-    lines = [ln for ln in (sys.stdin if args.input == "-" else Path(args.input).open()).read().splitlines()
-             if ln.strip()]
+    text = sys.stdin.read() if args.input == "-" else Path(args.input).read_text()
+    lines = [ln for ln in text.splitlines() if ln.strip()]
     out = sys.stdout if args.output == "-" else Path(args.output).open("w")
     t0 = time.perf_counter()
 
