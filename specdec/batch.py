@@ -182,7 +182,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.concurrency < 1:
         print("error: --concurrency must be >= 1", file=sys.stderr)
         return 1
-    return asyncio.run(_main(args))
+    try:
+        return asyncio.run(_main(args))
+    except KeyboardInterrupt:
+        return 130
+    except (OSError, TimeoutError, RuntimeError, ValueError) as e:  # a missing file, a server that is not there
+        print(f"error: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -92,3 +92,9 @@ async def test_the_command_against_a_running_server(api, tmp_path):
     src.write_text(line("bad", "/v1/completions", {"model": "nope", "prompt": "a"}) + "\n")
     rc = await asyncio.to_thread(main, ["-i", str(src), "-o", str(dst), "--url", api.urls["open"]])
     assert rc == 2 and json.loads(dst.read_text())["response"]["status_code"] == 404
+    missing = ["-i", str(tmp_path / "missing.jsonl"), "-o", str(dst), "--url", api.urls["open"]]
+    assert await asyncio.to_thread(main, missing) == 1
+    src.write_text(line("down", "/v1/completions", {"prompt": "a"}) + "\n")  # nothing listens there
+    rc = await asyncio.to_thread(main, ["-i", str(src), "-o", str(dst), "--url", "http://127.0.0.1:9"])
+    failed = json.loads(dst.read_text())
+    assert rc == 2 and failed["response"] is None and "ConnectError" in failed["error"]["message"]
