@@ -260,16 +260,22 @@ class OpenAIFrontDoor:
         rid, created, tool = f"resp_{request.state.request_id}", int(time.time()), chat.tool
         if not body.stream:
             async def whole():
-                text, last = [], None
+                text, ids, last = [], [], None
+                lps = generation_pb2.GeneratedLogprobs() if proto.HasField("logprobs") else None
                 async for resp in self.backend.events(proto, incremental=False, metadata=_trace(request)):
                     text.append(resp.text_delta)
+                    ids.extend(resp.token_ids)
+                    if lps is not None:
+                        lps.MergeFrom(resp.logprobs)
                     last = resp
-                return "".join(text), responses.FINISH_REASON.get(last.finish_reason, "stop"), last.stats
+                entries = (responses.logprobs_body(True, ids, lps, self.backend.token_text)["content"]
+                           if lps is not None else None)
+                return "".join(text), responses.FINISH_REASON.get(last.finish_reason, "stop"), last.stats, entries
 
-            text, finish, stats = await until_disconnected(request, whole())
+            text, finish, stats, entries = await until_disconnected(request, whole())
             message, finish = tool.message(text, finish) if tool else ({"content": text}, finish)
             return responses_api.response_object(body, rid, created, self.model_name,
-                                                 responses_api.output_items(message, finish), finish, stats)
+                                                 responses_api.output_items(message, finish, entries), finish, stats)
         events = self.backend.events(proto, metadata=_trace(request))
         firsts = await _firsts(request, [events])
         return StreamingResponse(self._respond_stream(body, rid, created, firsts, events),
@@ -284,7 +290,11 @@ class OpenAIFrontDoor:
         try:
             async for _, resp in _merged(firsts, [events]):  # a dropped client cancels here
                 finish = responses.FINISH_REASON.get(resp.finish_reason) if resp.finish_reason else None
-                deltas = reader.feed(resp.text_delta)
+                if isinstance(reader, responses_api.TextReader) and resp.HasField("logprobs") and resp.token_ids:
+                    deltas = reader.feed(resp.text_delta, responses.logprobs_body(
+                        True, resp.token_ids, resp.logprobs, self.backend.token_text)["content"])
+                else:
+                    deltas = reader.feed(resp.text_delta)
                 if finish:
                     more, finish = reader.end(finish)
                     deltas += more

@@ -21,6 +21,7 @@ from pydantic import Field, model_validator
 from coordinator.openai_schema import ChatCompletionRequest, SpecDecKnobs
 
 _PART_TYPES = ("input_text", "output_text", "text")
+LOGPROBS = "message.output_text.logprobs"
 
 
 def _text(content, where: str) -> str:
@@ -98,9 +99,9 @@ class ResponsesRequest(SpecDecKnobs):
     truncation: Literal["disabled"] | None = None
     previous_response_id: str | None = None
     background: bool | None = None
-    include: list[str] | None = None
+    include: list[str] | None = None  # "message.output_text.logprobs": the target's logprobs of the text
     reasoning: dict[str, Any] | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
     max_tool_calls: int | None = None
     _chat: Any = None
 
@@ -110,11 +111,11 @@ class ResponsesRequest(SpecDecKnobs):
         for name, bad, why in (("store", self.store, f"{stored} (store: false)"),
                                ("previous_response_id", self.previous_response_id is not None, stored),
                                ("background", self.background, "not supported; leave it out and wait, or stream"),
-                               ("include", self.include, "not supported (no logprobs or reasoning here); leave "
-                                                         "it out"),
+                               ("include", set(self.include or ()) - {LOGPROBS},
+                                f"only {LOGPROBS!r} is supported"),
                                ("reasoning", self.reasoning, "this model does not reason separately; leave it out"),
-                               ("top_logprobs", self.top_logprobs, "not supported on this route; use "
-                                                                   "/v1/chat/completions with logprobs"),
+                               ("top_logprobs", self.top_logprobs and not self.logprobs,
+                                f"needs include: [{LOGPROBS!r}]"),
                                ("max_tool_calls", self.max_tool_calls is not None, "not supported; leave it out")):
             if bad:
                 raise ValueError(f"{name}: {why}")
@@ -136,29 +137,34 @@ class ResponsesRequest(SpecDecKnobs):
             model=self.model, messages=input_messages(self.instructions, self.input),
             max_tokens=self.max_output_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
             seed=self.seed, stream=self.stream, tools=tools or None, tool_choice=choice,
-            parallel_tool_calls=self.parallel_tool_calls, response_format=fmt, user=self.user, **knobs)
+            parallel_tool_calls=self.parallel_tool_calls, response_format=fmt, user=self.user,
+            logprobs=self.logprobs or None, top_logprobs=self.top_logprobs if self.logprobs else None, **knobs)
         return self
+
+    @property
+    def logprobs(self) -> bool:
+        return LOGPROBS in (self.include or ())
 
     @property
     def chat(self) -> ChatCompletionRequest:
         return self._chat
 
 
-def output_items(message: dict, finish: str) -> list[dict]:
-    """A chat answer (assistant message) → the response's output items: a message item with its text, then one
-    function_call item per tool call."""
+def output_items(message: dict, finish: str, logprobs: list[dict] | None = None) -> list[dict]:
+    """A chat answer (assistant message) → the response's output items: a message item with its text (and its
+    tokens' logprobs: chat's `content` entries), then one function_call item per tool call."""
     status = "incomplete" if finish == "length" else "completed"
     items = []
     if message.get("content") is not None:
-        items.append(message_item(message["content"], status))
+        items.append(message_item(message["content"], status, logprobs=logprobs))
     for call in message.get("tool_calls") or []:
         items.append(call_item(call, status))
     return items
 
 
-def message_item(text: str, status: str, item_id: str | None = None) -> dict:
+def message_item(text: str, status: str, item_id: str | None = None, logprobs: list[dict] | None = None) -> dict:
     return {"type": "message", "id": item_id or f"msg_{uuid.uuid4().hex}", "status": status, "role": "assistant",
-            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}]}
 
 
 def call_item(call: dict, status: str = "completed") -> dict:
@@ -209,6 +215,7 @@ class ResponseEvents:
         self.body, self.rid, self.created, self.model = body, rid, created, model
         self.seq, self.output, self.text = 0, [], None  # self.text: the open message item's text pieces
         self.args: list[str] | None = None  # the open function_call item's argument pieces
+        self.logprobs: list[dict] = []  # the open message item's tokens' logprobs
 
     def _event(self, kind: str, **fields) -> str:
         event = {"type": kind, "sequence_number": self.seq, **fields}
@@ -226,32 +233,39 @@ class ResponseEvents:
         if self.text is None:
             return []
         item, index, text = self.output[-1], len(self.output) - 1, "".join(self.text)
-        item.update(message_item(text, status, item["id"]))
+        item.update(message_item(text, status, item["id"], self.logprobs))
         part = item["content"][0]
-        self.text = None
+        self.text, self.logprobs = None, []
         ids = {"item_id": item["id"], "output_index": index}
-        return [self._event("response.output_text.done", **ids, content_index=0, text=text, logprobs=[]),
+        return [self._event("response.output_text.done", **ids, content_index=0, text=text,
+                            logprobs=part["logprobs"]),
                 self._event("response.content_part.done", **ids, content_index=0, part=part),
                 self._event("response.output_item.done", output_index=index, item=item)]
 
+    def _open_message(self) -> list[str]:
+        if self.text is not None:
+            return []
+        out = self._close_call("completed")
+        item = message_item("", "in_progress")
+        item["content"] = []
+        self.output.append(item)
+        self.text = []
+        index = len(self.output) - 1
+        return out + [self._event("response.output_item.added", output_index=index, item=dict(item, content=[])),
+                      self._event("response.content_part.added", item_id=item["id"], output_index=index,
+                                  content_index=0, part={"type": "output_text", "text": "", "annotations": [],
+                                                         "logprobs": []})]
+
     def delta(self, delta: dict) -> list[str]:
         out = []
-        if delta.get("content"):
-            out += self._close_call("completed")
-            if self.text is None:
-                item = message_item("", "in_progress")
-                item["content"] = []
-                self.output.append(item)
-                self.text = []
-                out.append(self._event("response.output_item.added", output_index=len(self.output) - 1,
-                                       item=dict(item, content=[])))
-                out.append(self._event("response.content_part.added", item_id=item["id"],
-                                       output_index=len(self.output) - 1, content_index=0,
-                                       part={"type": "output_text", "text": "", "annotations": [], "logprobs": []}))
-            self.text.append(delta["content"])
+        text, lps = delta.get("content"), delta.get("logprobs") or []
+        if text or lps:  # logprobs alone: tokens with no text of their own (EOS), kept for the item's done event
+            out += self._open_message()
+            self.logprobs += lps
+        if text:
+            self.text.append(text)
             out.append(self._event("response.output_text.delta", item_id=self.output[-1]["id"],
-                                   output_index=len(self.output) - 1, content_index=0, delta=delta["content"],
-                                   logprobs=[]))
+                                   output_index=len(self.output) - 1, content_index=0, delta=text, logprobs=lps))
         for call in delta.get("tool_calls") or []:
             if "id" in call:  # a call begins (whole, or its arguments follow in later deltas)
                 out += self._close_message("completed") + self._close_call("completed")
@@ -279,7 +293,8 @@ class ResponseEvents:
 
     def finish(self, finish: str, stats) -> list[str]:
         status = "incomplete" if finish == "length" else "completed"
-        out = self._close_message(status) + self._close_call(status)
+        out = self._open_message() if not self.output else []  # an empty answer is an empty message, as whole
+        out += self._close_message(status) + self._close_call(status)
         kind = "response.incomplete" if finish == "length" else "response.completed"
         return out + [self._event(kind, response=self._response(finish, stats))]
 
@@ -289,10 +304,19 @@ class ResponseEvents:
 
 
 class TextReader:
-    """A streamed answer without tools: its text deltas are content."""
+    """A streamed answer without tools: its text deltas are content, each with the logprobs of the tokens verified
+    since the last one (a token whose text is held back, a partial character, joins the next piece)."""
 
-    def feed(self, text: str) -> list[dict]:
-        return [{"content": text}] if text else []
+    def __init__(self):
+        self.pending: list[dict] = []
+
+    def feed(self, text: str, logprobs: list[dict] | None = None) -> list[dict]:
+        self.pending += logprobs or []
+        if not text:
+            return []
+        delta, self.pending = {"content": text, "logprobs": self.pending}, []
+        return [delta]
 
     def end(self, finish: str) -> tuple[list[dict], str]:
-        return [], finish
+        rest, self.pending = self.pending, []
+        return ([{"content": "", "logprobs": rest}] if rest else []), finish

@@ -64,6 +64,29 @@ async def test_what_sdks_send_at_its_neutral_values_is_accepted(api):
     assert r.status_code == 200 and r.json()["metadata"] == {"a": "b"}, r.text
 
 
+async def test_logprobs_whole_and_streamed_equal_the_chat_routes(api):
+    kw = dict(model=MODEL, input="hello there", temperature=0, max_output_tokens=12,
+              include=["message.output_text.logprobs"], top_logprobs=2, extra_body={"mode": "pacer_pearl"})
+    chat = await api.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hello there"}],
+                                                    temperature=0, max_tokens=12, logprobs=True, top_logprobs=2,
+                                                    extra_body={"mode": "pacer_pearl"})
+    want = [(c.token, round(c.logprob, 5), [(t.token, round(t.logprob, 5)) for t in c.top_logprobs])
+            for c in chat.choices[0].logprobs.content]
+
+    def seen(entries):
+        return [(e.token, round(e.logprob, 5), [(t.token, round(t.logprob, 5)) for t in e.top_logprobs])
+                for e in entries]
+
+    whole = await api.client.responses.create(**kw)
+    assert seen(whole.output[0].content[0].logprobs) == want and len(want) == 12
+    events = [e async for e in await api.client.responses.create(**kw, stream=True)]
+    streamed = [lp for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
+    done = next(e for e in events if e.type == "response.output_text.done")
+    assert seen(streamed) == seen(done.logprobs) == want
+    r = await api.http.post("/v1/responses", json={"model": MODEL, "input": "hi", "top_logprobs": 2})
+    assert r.status_code == 400 and "needs include" in r.json()["error"]["message"]
+
+
 async def test_a_conversation_with_earlier_tool_calls(api):
     conversation = [{"role": "user", "content": "weather in paris"},
                     {"type": "function_call", "call_id": "call_1", "name": "weather", "arguments": "{}"},
@@ -85,7 +108,7 @@ async def test_a_conversation_with_earlier_tool_calls(api):
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "schema"),
     ({"model": "gpt-5"}, "does not exist"),
     ({"reasoning": {"effort": "high"}}, "does not reason"),
-    ({"top_logprobs": 2}, "/v1/chat/completions"),
+    ({"include": ["reasoning.encrypted_content"]}, "only 'message.output_text.logprobs'"),
 ])
 async def test_refusals_say_what_to_send(api, extra, words):
     r = await api.http.post("/v1/responses", json={"model": MODEL, "input": "hi", "max_output_tokens": 4, **extra})
