@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
+import time
 from typing import AsyncIterator
 
 import grpc
@@ -102,6 +104,7 @@ class Pipeline:
         self._tasks: dict[str, asyncio.Task] = {}
         self._stop: set[str] = set()
         self._view_task: asyncio.Task | None = None
+        self._fallback_warned = float("-inf")
 
     async def _refresh_view(self):
         while True:
@@ -130,7 +133,7 @@ class Pipeline:
                 queue.put_nowait({"tokens": list(new), "logprobs": logprobs})
             return rid in self._stop
 
-        task = asyncio.ensure_future(self._run(req, on_tokens))
+        task = asyncio.ensure_future(self._run(req, on_tokens, bool(request.get("draft_fallback"))))
         self._tasks[rid] = task
         task.add_done_callback(lambda t: queue.put_nowait(None))
         try:
@@ -149,7 +152,8 @@ class Pipeline:
             self._tasks.pop(rid, None)
             self._stop.discard(rid)
 
-    async def _run(self, req: GenerationRequest, on_tokens) -> dict:
+    async def _run(self, req: GenerationRequest, on_tokens, draft_fallback: bool = False) -> dict:
+        """`draft_fallback`: no draft replica reachable at the start → run target-only instead of failing."""
         kw = dict(view=self.view, timeout=self.rpc_timeout_s, streams=self.replica_streams)
         target = RemoteTarget(self.pool, self.channels, **kw)
         draft = RemoteDraft(self.pool, self.channels, **kw) if req.mode != "ar" else None
@@ -162,9 +166,16 @@ class Pipeline:
                 backend.start_kw.update(reserve_positions=len(req.prompt_ids) + req.max_new_tokens,
                                         output_start=len(req.prompt_ids))
                 backend.prefix_keys, backend.priority = keys, req.priority
+        unavailable = False
         try:
             if draft is not None:
-                await draft.probe()
+                try:
+                    await draft.probe()
+                except ReplicaUnavailableError as e:
+                    if not draft_fallback:
+                        raise
+                    self._warn_fallback(e)
+                    draft, unavailable, req = None, True, dataclasses.replace(req, mode="ar")
             res = await generate(req, draft, target, on_tokens)
         except asyncio.CancelledError:
             raise
@@ -180,11 +191,20 @@ class Pipeline:
         stats["completion_tokens"] = len(res.token_ids)
         stats["draft_replica"] = ",".join(draft.served) if draft else ""
         stats["target_replica"] = ",".join(target.served)
+        stats["draft_unavailable"] = unavailable
         finish = "stop" if res.finish_reason == "stop" else res.finish_reason
         pl = target.prompt_logprobs
         return {"done": True, "token_ids": res.token_ids, "finish_reason": finish, "stats": stats,
                 "logprobs": res.logprobs,
                 "prompt_logprobs": list(zip(pl.logprobs, pl.top_ids, pl.top_logprobs)) if pl is not None else None}
+
+    def _warn_fallback(self, e: Exception) -> None:
+        """One warning per 30 s while the draft pool is down (every request would log it)."""
+        now = time.monotonic()
+        if now - self._fallback_warned >= 30.0:
+            self._fallback_warned = now
+            log.warning("%s: serving requests target-only (ar) until a draft replica is back "
+                        "(COORDINATOR_DRAFT_FALLBACK)", e)
 
     def stop(self, rid: str) -> None:
         """Finish the request after its current round (a stop string was seen downstream)."""

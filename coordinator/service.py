@@ -116,6 +116,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         self.default_mode = default_mode
         self._vocab = None  # structured output's GrammarVocab of this tokenizer, built on first use (False: none)
         self.tracer = None  # an OpenTelemetry tracer (COORDINATOR_OTLP_TRACES_ENDPOINT): one span per generation
+        self.draft_fallback = True  # no draft replica reachable: run target-only (COORDINATOR_DRAFT_FALLBACK)
 
     # -- request → token ids --------------------------------------------------------------------------------
     def prepare(self, r: generation_pb2.GenerateRequest) -> Prepared:
@@ -219,7 +220,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                "repetition_penalty": r.repetition_penalty if r.HasField("repetition_penalty") else 1.0,
                "logit_bias": sorted((int(k), float(v)) for k, v in r.logit_bias.items()),
                "grammar": self._grammar(r), "min_p": r.min_p, "min_tokens": r.min_tokens,
-               "allowed_token_ids": sorted(set(r.allowed_token_ids)), "bad_words": self._bad_words(r)}
+               "allowed_token_ids": sorted(set(r.allowed_token_ids)), "bad_words": self._bad_words(r),
+               "draft_fallback": self.draft_fallback}
         return Prepared(req, TextAssembler(self.tok, ids, list(r.stop), r.min_tokens))
 
     def _bad_words(self, r: generation_pb2.GenerateRequest) -> list[list[int]]:

@@ -1,0 +1,61 @@
+"""COORDINATOR_DRAFT_FALLBACK: with no draft replica reachable, a speculative request runs target-only (the same
+greedy output as `ar`, stats.draft_unavailable) instead of failing; switched off, it fails UNAVAILABLE naming the
+pool."""
+from __future__ import annotations
+
+import grpc
+import pytest
+import pytest_asyncio
+
+from coordinator.config import CoordinatorSettings
+from coordinator.server import build_coordinator
+from coordinator.stack import free_port
+from specdec.pb import generation_pb2 as g, generation_pb2_grpc as gg
+from tests.helpers_models import start_replica, target_greedy, tiny_pair
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+PROMPT = [3, 1, 4, 1, 5]
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def no_draft():
+    target, _ = tiny_pair()
+    t = await start_replica("target", target)
+    apps, stubs, channels = [], {}, []
+    nowhere = f"127.0.0.1:{free_port()}"  # a draft pool whose one replica is not there
+    for fallback in (True, False):
+        s = CoordinatorSettings(host="127.0.0.1", port=0, metrics_port=0, ray=False, tokenizer="", grace_s=0,
+                                draft_endpoints=nowhere, target_endpoints=t.endpoint, health_timeout_s=0.2,
+                                log_level="WARNING", draft_fallback=fallback)
+        app, _ = await build_coordinator(s, tokenizer=None, eos_token_ids=set())
+        await app.start()
+        apps.append(app)
+        ch = grpc.aio.insecure_channel(f"127.0.0.1:{app.port}")
+        channels.append(ch)
+        stubs[fallback] = gg.GenerationServiceStub(ch)
+    yield target, stubs, nowhere
+    for ch in channels:
+        await ch.close()
+    for a in apps + [t]:
+        await a.shutdown(0)
+
+
+@pytest.mark.parametrize("mode", ["sd", "pacer", "pearl", "pacer_pearl"])
+async def test_requests_run_target_only_without_a_draft(no_draft, mode):
+    target, stubs, _ = no_draft
+    out = await stubs[True].Generate(g.GenerateRequest(prompt_token_ids=PROMPT, max_new_tokens=12, mode=mode,
+                                                       ignore_eos=True))
+    assert list(out.token_ids) == target_greedy(target, PROMPT, 12)
+    assert out.stats.draft_unavailable and out.stats.mode == "ar" and out.stats.draft_tokens == 0
+    streamed = [t async for part in stubs[True].GenerateStream(g.GenerateRequest(
+        prompt_token_ids=PROMPT, max_new_tokens=12, mode=mode, ignore_eos=True)) for t in part.token_ids]
+    assert streamed == list(out.token_ids)
+
+
+async def test_without_the_fallback_the_request_fails_naming_the_pool(no_draft):
+    _, stubs, nowhere = no_draft
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await stubs[False].Generate(g.GenerateRequest(prompt_token_ids=PROMPT, max_new_tokens=4, mode="sd"))
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE and nowhere in e.value.details()
+    ar = await stubs[False].Generate(g.GenerateRequest(prompt_token_ids=PROMPT, max_new_tokens=4, mode="ar"))
+    assert len(ar.token_ids) == 4 and not ar.stats.draft_unavailable  # ar needs no draft either way
