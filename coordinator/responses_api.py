@@ -198,11 +198,6 @@ def response_object(body: ResponsesRequest, rid: str, created: int, model: str, 
     return out
 
 
-def output_text(output: list[dict]) -> str:
-    """Every output_text of the output items, joined (the SDK's `response.output_text`)."""
-    return "".join(c["text"] for item in output if item["type"] == "message" for c in item["content"])
-
-
 def dumps(event: dict) -> str:
     return f"event: {event['type']}\ndata: {json.dumps(event, separators=(',', ':'))}\n\n"
 
