@@ -78,9 +78,10 @@ class CoordinatorSettings(ServerSettings):
                                          "send the metadata 'authorization: Bearer <key>' (UNAUTHENTICATED "
                                          "otherwise; health and reflection stay open), HTTP requests the header "
                                          "(http_api_key, if set, is the HTTP API's key instead)")
-    draft_fallback: bool = Field(True, description="when no draft replica can be reached at a request's start, "
-                                                   "run it target-only (ar: the same output distribution, slower; "
-                                                   "stats.draft_unavailable) instead of failing UNAVAILABLE")
+    draft_fallback: bool = Field(True, description="when no draft replica can be reached, at a request's start "
+                                                   "or mid-request, go on target-only (ar: the same output "
+                                                   "distribution, slower; stats.draft_unavailable) instead of "
+                                                   "failing UNAVAILABLE")
     otlp_traces_endpoint: str = Field("", description="export one OpenTelemetry span per generation to this "
                                                        "OTLP/gRPC endpoint (e.g. http://otel-collector:4317); '': "
                                                        "no tracing")

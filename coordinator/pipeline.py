@@ -24,7 +24,7 @@ import grpc
 from specdec.errors import (CapacityError, ContextOverflowError, InvalidRequestError, SessionNotFoundError,
                             SpecDecError, StalePositionError)
 from specdec.sampling import SamplingParams
-from specdec.schedule import GenerationRequest, generate
+from specdec.schedule import GenerationRequest, GenerationResult, GenerationStats, generate
 from specdec.worker_base import PREFILL_CHUNK
 
 from coordinator.affinity import prefix_keys
@@ -152,20 +152,34 @@ class Pipeline:
             self._tasks.pop(rid, None)
             self._stop.discard(rid)
 
-    async def _run(self, req: GenerationRequest, on_tokens, draft_fallback: bool = False) -> dict:
-        """`draft_fallback`: no draft replica reachable at the start → run target-only instead of failing."""
+    def _backends(self, req: GenerationRequest, output_start: int, reserve: int, with_draft: bool):
+        """(RemoteTarget, RemoteDraft or None) for `req`, routed by its prompt's prefix (coordinator/affinity.py).
+        A replica whose context is too small refuses before any work (`reserve`); a session rebuilt from the
+        history holds output too, and the penalties, min_tokens and a grammar count only the output
+        (`output_start`)."""
         kw = dict(view=self.view, timeout=self.rpc_timeout_s, streams=self.replica_streams)
         target = RemoteTarget(self.pool, self.channels, **kw)
-        draft = RemoteDraft(self.pool, self.channels, **kw) if req.mode != "ar" else None
-        # prefix-aware routing (coordinator/affinity.py)
+        draft = RemoteDraft(self.pool, self.channels, **kw) if with_draft else None
         keys = prefix_keys(req.prompt_ids, self.affinity_chunk, req.params.cache_salt)
         for backend in (target, draft):
             if backend is not None:
-                # a replica whose context is too small refuses before any work; a session rebuilt from the history
-                # holds output too, and the penalties count only the output
-                backend.start_kw.update(reserve_positions=len(req.prompt_ids) + req.max_new_tokens,
-                                        output_start=len(req.prompt_ids))
+                backend.start_kw.update(reserve_positions=reserve, output_start=output_start)
                 backend.prefix_keys, backend.priority = keys, req.priority
+        return target, draft
+
+    async def _run(self, req: GenerationRequest, on_tokens, draft_fallback: bool = False) -> dict:
+        """`draft_fallback`: with no draft replica reachable, at the start or mid-request, go on target-only
+        instead of failing."""
+        n_prompt, reserve = len(req.prompt_ids), len(req.prompt_ids) + req.max_new_tokens
+        target, draft = self._backends(req, n_prompt, reserve, req.mode != "ar")
+        first_target, first_draft = target, draft
+        committed, seen_logprobs = [], []
+
+        def tracking(new: list[int], logprobs: list | None = None) -> bool:
+            committed.extend(new)
+            seen_logprobs.extend(logprobs or ())
+            return on_tokens(new, logprobs)
+
         unavailable = False
         try:
             if draft is not None:
@@ -176,24 +190,46 @@ class Pipeline:
                         raise
                     self._warn_fallback(e)
                     draft, unavailable, req = None, True, dataclasses.replace(req, mode="ar")
-            res = await generate(req, draft, target, on_tokens)
+            try:
+                res = await generate(req, draft, target, tracking)
+            except ReplicaUnavailableError as e:
+                if not (draft_fallback and draft is not None and getattr(e, "kind", "") == "draft"):
+                    raise
+                # the draft pool went away mid-request: the committed tokens stand (the target verified them);
+                # a target-only request goes on from them, in a session of its own (the failed one has ended)
+                self._warn_fallback(e)
+                unavailable, head, head_logprobs = True, list(committed), list(seen_logprobs)
+                ended = next((t for t in head if t in req.eos_token_ids), None) is not None
+                if ended or len(head) >= req.max_new_tokens:  # it failed after its last token: nothing is left
+                    res = GenerationResult(head, "stop" if ended else "length", GenerationStats(mode=req.mode),
+                                           head_logprobs if req.params.logprobs >= 0 else None)
+                else:
+                    rest = dataclasses.replace(req, prompt_ids=req.prompt_ids + head, mode="ar",
+                                               max_new_tokens=req.max_new_tokens - len(head),
+                                               session_id=f"{req.session_id}-ar")
+                    target, draft = self._backends(rest, n_prompt, reserve, False)
+                    res = await generate(rest, None, target, tracking)
+                    res = GenerationResult(head + res.token_ids, res.finish_reason, res.stats,
+                                           head_logprobs + res.logprobs if res.logprobs is not None else None)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - reported to the client as a status
             if not isinstance(e, (SpecDecError, grpc.aio.AioRpcError)):
                 log.exception("request %s failed", req.session_id)
             return error_event(e)
+        targets = [first_target] + ([target] if target is not first_target else [])
+        drafts = [first_draft] if first_draft is not None else []
         stats = res.stats.to_dict()
-        stats["network_s"] = (target.network_ns + (draft.network_ns if draft else 0)) / 1e9
-        stats["queued_s"] = (target.queued_ns + (draft.queued_ns if draft else 0)) / 1e9
-        stats["prompt_tokens"] = len(req.prompt_ids)
-        stats["cached_prompt_tokens"] = target.cached_tokens
+        stats["network_s"] = sum(b.network_ns for b in targets + drafts) / 1e9
+        stats["queued_s"] = sum(b.queued_ns for b in targets + drafts) / 1e9
+        stats["prompt_tokens"] = n_prompt
+        stats["cached_prompt_tokens"] = first_target.cached_tokens
         stats["completion_tokens"] = len(res.token_ids)
-        stats["draft_replica"] = ",".join(draft.served) if draft else ""
-        stats["target_replica"] = ",".join(target.served)
+        stats["draft_replica"] = ",".join(ep for b in drafts for ep in b.served)
+        stats["target_replica"] = ",".join(ep for b in targets for ep in b.served)
         stats["draft_unavailable"] = unavailable
         finish = "stop" if res.finish_reason == "stop" else res.finish_reason
-        pl = target.prompt_logprobs
+        pl = first_target.prompt_logprobs
         return {"done": True, "token_ids": res.token_ids, "finish_reason": finish, "stats": stats,
                 "logprobs": res.logprobs,
                 "prompt_logprobs": list(zip(pl.logprobs, pl.top_ids, pl.top_logprobs)) if pl is not None else None}

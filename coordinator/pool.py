@@ -37,7 +37,15 @@ SERVICE_NAMES = {"draft": "specdec.v1.DraftService", "target": "specdec.v1.Targe
 
 
 class ReplicaUnavailableError(SpecDecError):
-    """No replica of a pool could be reached (→ UNAVAILABLE). The message names the addresses tried."""
+    """No replica of a pool could be reached (→ UNAVAILABLE). The message names the addresses tried; `kind` the
+    pool ("draft", "target")."""
+
+    def __init__(self, message: str, kind: str = ""):
+        super().__init__(message)
+        self.kind = kind
+
+    def __reduce__(self):  # crosses Ray with its kind
+        return type(self), (str(self), self.kind)
 
 
 @dataclass
@@ -226,7 +234,7 @@ class PoolManager:
     def _pool(self, kind: str) -> Pool:
         if kind not in self.pools:
             raise ReplicaUnavailableError(f"no {kind} pool is configured; set COORDINATOR_{kind.upper()}_DNS or "
-                                          f"COORDINATOR_{kind.upper()}_ENDPOINTS")
+                                          f"COORDINATOR_{kind.upper()}_ENDPOINTS", kind)
         return self.pools[kind]
 
     def _pick(self, pool: Pool, exclude: set[str], keys: list[bytes] = ()) -> str | None:
@@ -264,7 +272,7 @@ class PoolManager:
                            else f"{e} (failed)" for e in tried)
         return ReplicaUnavailableError(
             f"no {pool.kind} replica reachable (pool {pool.source!r}; tried: {detail or 'none found'}); "
-            f"start a {pool.kind} service or fix COORDINATOR_{pool.kind.upper()}_DNS/_ENDPOINTS")
+            f"start a {pool.kind} service or fix COORDINATOR_{pool.kind.upper()}_DNS/_ENDPOINTS", pool.kind)
 
     def _full(self, pool: Pool, what: str) -> CapacityError:
         cap = sum(m.capacity or 0 for m in pool.members.values() if m.healthy)

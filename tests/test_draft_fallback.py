@@ -59,3 +59,56 @@ async def test_without_the_fallback_the_request_fails_naming_the_pool(no_draft):
     assert e.value.code() == grpc.StatusCode.UNAVAILABLE and nowhere in e.value.details()
     ar = await stubs[False].Generate(g.GenerateRequest(prompt_token_ids=PROMPT, max_new_tokens=4, mode="ar"))
     assert len(ar.token_ids) == 4 and not ar.stats.draft_unavailable  # ar needs no draft either way
+
+
+async def _stack_with_one_draft(fallback: bool):
+    target, draft = tiny_pair()
+    t = await start_replica("target", target)
+    d = await start_replica("draft", draft, preverifier="random")
+    s = CoordinatorSettings(host="127.0.0.1", port=0, metrics_port=0, ray=False, tokenizer="", grace_s=0,
+                            draft_endpoints=d.endpoint, target_endpoints=t.endpoint, health_timeout_s=0.2,
+                            log_level="WARNING", draft_fallback=fallback)
+    app, _ = await build_coordinator(s, tokenizer=None, eos_token_ids=set())
+    await app.start()
+    return target, t, d, app
+
+
+@pytest.mark.parametrize("mode", ["sd", "pacer_pearl"])
+async def test_the_draft_lost_mid_request_finishes_target_only(mode):
+    """The only draft replica shuts down after a few tokens: the request goes on target-only from the tokens
+    already verified, and the whole answer equals target-only greedy decoding."""
+    target, t, d, app = await _stack_with_one_draft(True)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{app.port}") as ch:
+            stub = gg.GenerationServiceStub(ch)
+            ids, last = [], None
+            async for part in stub.GenerateStream(g.GenerateRequest(prompt_token_ids=PROMPT, max_new_tokens=40,
+                                                                    mode=mode, ignore_eos=True, logprobs=1)):
+                ids += list(part.token_ids)
+                last = part
+                if len(ids) >= 4 and not d.draining:
+                    await d.shutdown(0)  # the draft pool is gone mid-request
+            assert d.draining and ids == target_greedy(target, PROMPT, 40)
+            assert last.stats.draft_unavailable and last.stats.completion_tokens == 40
+            assert len(t.host.table) == 0  # the failed session and the target-only one both ended
+    finally:
+        for a in (app, t, d):
+            await a.shutdown(0)
+
+
+async def test_without_the_fallback_a_lost_draft_fails_the_request():
+    _, t, d, app = await _stack_with_one_draft(False)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{app.port}") as ch:
+            stub = gg.GenerationServiceStub(ch)
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                n = 0
+                async for part in stub.GenerateStream(g.GenerateRequest(prompt_token_ids=PROMPT, max_new_tokens=40,
+                                                                        mode="sd", ignore_eos=True)):
+                    n += len(part.token_ids)
+                    if n >= 4 and not d.draining:
+                        await d.shutdown(0)
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "no draft replica" in e.value.details()
+    finally:
+        for a in (app, t, d):
+            await a.shutdown(0)
