@@ -127,6 +127,11 @@ def _trace(request: Request) -> list[tuple[str, str]]:
     return [(k, request.headers[k]) for k in TRACE_HEADERS if k in request.headers]
 
 
+def _sse_response(events) -> StreamingResponse:
+    return StreamingResponse(events, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
 def _sse(body: dict | str) -> str:
     return f"data: {body if isinstance(body, str) else json.dumps(body, separators=(',', ':'))}\n\n"
 
@@ -166,6 +171,18 @@ class OpenAIFrontDoor:
                                     "'none'", "tool_choice")
             body.tool.parser = self.tool_call_parser
 
+    async def _whole(self, request: Request, proto) -> tuple[str, list[int], object, object]:
+        """A whole answer: (its text, token ids, logprobs (None unless asked), the last response: finish, stats)."""
+        text, ids, last = [], [], None
+        lps = generation_pb2.GeneratedLogprobs() if proto.HasField("logprobs") else None
+        async for resp in self.backend.events(proto, incremental=False, metadata=_trace(request)):
+            text.append(resp.text_delta)
+            ids.extend(resp.token_ids)
+            if lps is not None:
+                lps.MergeFrom(resp.logprobs)
+            last = resp
+        return "".join(text), ids, lps, last
+
     async def generate(self, request: Request, body, chat: bool):
         self._check(request, body)
         if chat:
@@ -182,27 +199,19 @@ class OpenAIFrontDoor:
         created = int(time.time())
         if not body.stream:
             async def whole(k, proto):
-                text, ids, last = [], [], None
-                lps = generation_pb2.GeneratedLogprobs() if proto.HasField("logprobs") else None
-                async for resp in self.backend.events(proto, incremental=False, metadata=_trace(request)):
-                    text.append(resp.text_delta)
-                    ids.extend(resp.token_ids)
-                    if lps is not None:
-                        lps.MergeFrom(resp.logprobs)
-                    last = resp
+                text, ids, lps, last = await self._whole(request, proto)
                 finish, stats = responses.FINISH_REASON.get(last.finish_reason, "stop"), last.stats
                 if not echo:
-                    return ("".join(text), finish, stats,
-                            responses.logprobs_body(chat, ids, lps, self.backend.token_text))
+                    return text, finish, stats, responses.logprobs_body(chat, ids, lps, self.backend.token_text)
                 if body.max_tokens == 0:  # the prompt alone: drop the one token generated
-                    text, ids, finish = [], [], "length"
+                    text, ids, finish = "", [], "length"
                     lps = generation_pb2.GeneratedLogprobs() if lps is not None else None
                     stats = generation_pb2.GenerationStats(prompt_tokens=stats.prompt_tokens, mode=stats.mode,
                                                            cached_prompt_tokens=stats.cached_prompt_tokens)
                 prompt = list(proto.prompt_token_ids)
                 echo_text = echo_texts[k // n]
                 prefix = echo_text if echo_text is not None else self.backend.decode(prompt)
-                return (prefix + "".join(text), finish, stats,
+                return (prefix + text, finish, stats,
                         responses.echo_logprobs_body(prompt, last.prompt_logprobs if lps is not None else None, ids,
                                                      lps, self.backend.token_text))
 
@@ -212,10 +221,7 @@ class OpenAIFrontDoor:
         streams = [self.backend.events(p, metadata=_trace(request)) for p in protos]
         firsts = await _firsts(request, streams)
         usage = body.stream_options is not None and body.stream_options.include_usage
-        return StreamingResponse(self._stream(chat, rid, created, firsts, streams, usage, body.tool if chat else None,
-                                              n),
-                                 media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return _sse_response(self._stream(chat, rid, created, firsts, streams, usage, body.tool if chat else None, n))
 
     async def _stream(self, chat, rid, created, firsts, streams, with_usage, tool=None, n=1):
         """`tool`: a tool choice, whose reader turns each choice's text into content and tool_calls deltas."""
@@ -259,28 +265,16 @@ class OpenAIFrontDoor:
         proto.request_id = request.state.request_id
         rid, created, tool = f"resp_{request.state.request_id}", int(time.time()), chat.tool
         if not body.stream:
-            async def whole():
-                text, ids, last = [], [], None
-                lps = generation_pb2.GeneratedLogprobs() if proto.HasField("logprobs") else None
-                async for resp in self.backend.events(proto, incremental=False, metadata=_trace(request)):
-                    text.append(resp.text_delta)
-                    ids.extend(resp.token_ids)
-                    if lps is not None:
-                        lps.MergeFrom(resp.logprobs)
-                    last = resp
-                entries = (responses.logprobs_body(True, ids, lps, self.backend.token_text)["content"]
-                           if lps is not None else None)
-                return "".join(text), responses.FINISH_REASON.get(last.finish_reason, "stop"), last.stats, entries
-
-            text, finish, stats, entries = await until_disconnected(request, whole())
+            text, ids, lps, last = await until_disconnected(request, self._whole(request, proto))
+            finish, stats = responses.FINISH_REASON.get(last.finish_reason, "stop"), last.stats
+            entries = (responses.logprobs_body(True, ids, lps, self.backend.token_text)["content"]
+                       if lps is not None else None)
             message, finish = tool.message(text, finish) if tool else ({"content": text}, finish)
             return responses_api.response_object(body, rid, created, self.model_name,
                                                  responses_api.output_items(message, finish, entries), finish, stats)
         events = self.backend.events(proto, metadata=_trace(request))
         firsts = await _firsts(request, [events])
-        return StreamingResponse(self._respond_stream(body, rid, created, firsts, events),
-                                 media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return _sse_response(self._respond_stream(body, rid, created, firsts, events))
 
     async def _respond_stream(self, body, rid, created, firsts, events):
         out = responses_api.ResponseEvents(body, rid, created, self.model_name)

@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import json
 import re
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from coordinator.tool_parsers import AutoToolReader, parse_whole
+from coordinator.tool_parsers import AutoToolReader, call_entry, parse_whole
 from specdec.pb import generation_pb2
 
 _STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object")
@@ -115,23 +114,18 @@ class ToolChoice:
             if not calls:
                 return {"role": "assistant", "content": text}, finish
             return ({"role": "assistant", "content": content,
-                     "tool_calls": [{k: v for k, v in c.delta(0).items() if k != "index"} for c in calls]},
+                     "tool_calls": [call_entry(c.name, c.arguments) for c in calls]},
                     "tool_calls" if finish == "stop" else finish)
         if self.name:  # OpenAI's finish_reason for a named function: "stop"
-            return ({"role": "assistant", "content": None, "tool_calls": [_call(self.name, text)]},
+            return ({"role": "assistant", "content": None, "tool_calls": [call_entry(self.name, text)]},
                     "stop" if finish in ("stop", "tool_calls") else finish)
         try:
             value = json.loads(text)
         except ValueError:
             return {"role": "assistant", "content": text}, finish
         calls = [(c["name"], c["parameters"]) for c in value]
-        tool_calls = [_call(n, json.dumps(args)) for n, args in calls]
+        tool_calls = [call_entry(n, json.dumps(args)) for n, args in calls]
         return {"role": "assistant", "content": None, "tool_calls": tool_calls}, "tool_calls"
-
-
-def _call(name: str, arguments: str) -> dict:
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": name, "arguments": arguments}}
 
 
 class _NamedCall:
@@ -145,7 +139,7 @@ class _NamedCall:
         if self.started:
             return [{"tool_calls": [{"index": 0, "function": {"arguments": text}}]}] if text else []
         self.started = True
-        return [{"tool_calls": [{"index": 0, **_call(self.name, text)}]}]
+        return [{"tool_calls": [{"index": 0, **call_entry(self.name, text)}]}]
 
     def feed(self, text: str) -> list[dict]:
         return self._deltas(text) if text else []

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import time
 import uuid
 from dataclasses import dataclass
@@ -264,26 +263,28 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             self._vocab.check(grammar)
 
     # -- events → responses ---------------------------------------------------------------------------------
-    async def respond(self, r, context, incremental: bool = True):
+    def respond(self, r, context, incremental: bool = True):
         """Yields GenerateStreamResponse; the last one carries finish_reason and stats. `incremental=False`
         (a unary call without stop strings: nothing to send or check before the end): the pipeline sends no
         per-round events, only the final one, which carries every token. Both front doors call it (gRPC here, HTTP
         in coordinator/openai_http.py); `context` needs `abort(code, message)` and `invocation_metadata()`. With a
-        tracer, the generation is one span (coordinator/tracing.py)."""
-        trace = None
-        if self.tracer is not None:
-            from coordinator.tracing import RequestTrace
+        tracer, the generation is one span (coordinator/tracing.py); without one, nothing wraps the responses."""
+        if self.tracer is None:
+            return self._respond(r, context, incremental, None)
+        return self._traced(r, context, incremental)
 
-            trace = RequestTrace(self.tracer, context.invocation_metadata())
+    async def _traced(self, r, context, incremental: bool):
+        from coordinator.tracing import RequestTrace
+
+        trace = RequestTrace(self.tracer, context.invocation_metadata())
         try:
             async with contextlib.aclosing(self._respond(r, context, incremental, trace)) as responses:
                 async for resp in responses:
                     yield resp
         except BaseException as e:
-            if trace is not None:
-                trace.end(trace.request, error=trace.error or (
-                    "the client went away" if isinstance(e, (GeneratorExit, asyncio.CancelledError)) else
-                    f"{type(e).__name__}: {e}"))
+            trace.end(trace.request, error=trace.error or (
+                "the client went away" if isinstance(e, (GeneratorExit, asyncio.CancelledError)) else
+                f"{type(e).__name__}: {e}"))
             raise
 
     async def _respond(self, r, context, incremental: bool, trace):

@@ -17,15 +17,20 @@ import uuid
 from dataclasses import dataclass
 
 
+def call_entry(name: str, arguments: str) -> dict:
+    """OpenAI's tool_calls entry for a call, with a fresh id."""
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": name, "arguments": arguments}}
+
+
 @dataclass(frozen=True)
 class ToolCall:
     name: str
     arguments: str  # a JSON object, as json.dumps writes it
 
     def delta(self, index: int) -> dict:
-        """OpenAI's tool_calls entry (`index`: its place among the choice's calls, as streamed deltas carry it)."""
-        return {"index": index, "id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                "function": {"name": self.name, "arguments": self.arguments}}
+        """The entry as a streamed delta carries it (`index`: its place among the choice's calls)."""
+        return {"index": index, **call_entry(self.name, self.arguments)}
 
 
 def _call(obj, args_keys: tuple[str, ...]) -> ToolCall | None:

@@ -8,19 +8,11 @@ import random
 
 import httpx
 import pytest
-import pytest_asyncio
 
 from specdec.batch import http_poster, main, run_batch
-from tests.test_openai_http import MESSAGES, MODEL, Http
+from tests.test_openai_http import MESSAGES, MODEL, api  # noqa: F401 (the module-scoped stack fixture)
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def api(tmp_path_factory):
-    s = await Http().start(tmp_path_factory.mktemp("batch"))
-    yield s
-    await s.stop()
 
 
 def line(custom_id, url, body, method="POST") -> str:

@@ -11,16 +11,9 @@ import pytest_asyncio
 
 from coordinator.responses_api import ResponseEvents, ResponsesRequest, input_messages
 from tests.test_grammar_wire import HERMES_CHARS, Stack
-from tests.test_openai_http import MODEL, Http
+from tests.test_openai_http import MODEL, api  # noqa: F401 (the module-scoped stack fixture)
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def api(tmp_path_factory):
-    s = await Http().start(tmp_path_factory.mktemp("responses"))
-    yield s
-    await s.stop()
 
 
 @pytest.mark.parametrize("mode", ["ar", "pacer_pearl"])
