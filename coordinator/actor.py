@@ -53,6 +53,9 @@ class PoolManagerActor:
     async def snapshot(self) -> dict:
         return self.pm.snapshot()
 
+    async def max_model_len(self) -> int:
+        return self.pm.max_model_len()
+
 
 class RayPool:
     """Awaitable facade over a PoolManagerActor handle (used inside pipeline actors)."""

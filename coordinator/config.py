@@ -85,10 +85,10 @@ class CoordinatorSettings(ServerSettings):
     otlp_traces_endpoint: str = Field("", description="export one OpenTelemetry span per generation to this "
                                                        "OTLP/gRPC endpoint (e.g. http://otel-collector:4317); '': "
                                                        "no tracing")
-    tool_call_parser: Literal["", "hermes", "llama3_json"] = Field(
+    tool_call_parser: Literal["", "hermes", "llama3_json", "pythonic", "mistral"] = Field(
         "", description="the HTTP API's tool_choice 'auto': how this model writes tool calls (hermes: "
-                        "<tool_call>{json}</tool_call>, Qwen2.5 / Hermes / SmolLM3; llama3_json: Llama 3.1+). '': "
-                        "'auto' is refused")
+                        "<tool_call>{json}</tool_call>, Qwen2.5 / Hermes / SmolLM3; llama3_json: Llama 3.1+; "
+                        "pythonic: [f(a=1)], Llama 3.2 / 4; mistral: [TOOL_CALLS]). '': 'auto' is refused")
 
     def model_name(self) -> str:
         """The model id the HTTP API serves: `served_model_name`, else the tokenizer spec's name."""

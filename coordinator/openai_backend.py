@@ -33,6 +33,8 @@ class ApiError(Exception):
         head = message.split(":", 1)[0]
         if param and head != param:  # "max_new_tokens: ..." reads "max_tokens: ..." here
             message = param + message[len(head):]
+        if code == grpc.StatusCode.OUT_OF_RANGE:  # OpenAI's code, which clients (LangChain, LiteLLM) map to their
+            return cls(400, message, param, "context_length_exceeded")  # context-window errors
         return cls(HTTP_STATUS.get(code, 500), message, param, code.name.lower())
 
     def body(self) -> dict:
@@ -78,6 +80,15 @@ class ServicerBackend:
     def __init__(self, servicer):
         self.servicer = servicer
         self.tok = getattr(servicer, "tok", None)  # None: token-id prompts only
+
+    async def max_model_len(self) -> int:
+        """vLLM's max_model_len: positions a target session holds, the least over the healthy target replicas (0:
+        not known yet)."""
+        router = self.servicer.router
+        try:
+            return int(await router.max_model_len()) if hasattr(router, "max_model_len") else 0
+        except Exception:  # noqa: BLE001 - a model listing must not fail on it
+            return 0
 
     def encode(self, text: str) -> list[int]:
         """A completion prompt's token ids, as the servicer encodes it (raw: no chat template)."""

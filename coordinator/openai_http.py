@@ -192,17 +192,22 @@ class OpenAIFrontDoor:
         echo_texts = [p if isinstance(p, str) else None for p in body.prompts] if echo else []
         if echo:  # the prompts' own tokens come back: encode text here, as the servicer would (raw)
             body.prompts[:] = [self.backend.encode(p) if isinstance(p, str) else p for p in body.prompts]
+            if (keep := body.truncate_prompt_tokens) is not None:  # the kept tokens come back, as vLLM's echo
+                body.prompts[:] = [p[-keep:] for p in body.prompts]
+                echo_texts = [None] * len(body.prompts)
         protos = body.choices()
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{request.state.request_id}"
         for p in protos:
             p.request_id = request.state.request_id
         created = int(time.time())
+        token_text = responses.token_id_text if body.return_tokens_as_token_ids else self.backend.token_text
         if not body.stream:
             async def whole(k, proto):
                 text, ids, lps, last = await self._whole(request, proto)
                 finish, stats = responses.FINISH_REASON.get(last.finish_reason, "stop"), last.stats
+                reason = responses.stop_reason(last)
                 if not echo:
-                    return text, finish, stats, responses.logprobs_body(chat, ids, lps, self.backend.token_text)
+                    return text, finish, stats, responses.logprobs_body(chat, ids, lps, token_text), reason
                 if body.max_tokens == 0:  # the prompt alone: drop the one token generated
                     text, ids, finish = "", [], "length"
                     lps = generation_pb2.GeneratedLogprobs() if lps is not None else None
@@ -213,7 +218,7 @@ class OpenAIFrontDoor:
                 prefix = echo_text if echo_text is not None else self.backend.decode(prompt)
                 return (prefix + text, finish, stats,
                         responses.echo_logprobs_body(prompt, last.prompt_logprobs if lps is not None else None, ids,
-                                                     lps, self.backend.token_text))
+                                                     lps, token_text), reason)
 
             answers = await until_disconnected(request, _all(whole(k, p) for k, p in enumerate(protos)))
             return responses.completion_body(chat, rid, created, self.model_name, answers, body.tool if chat else None,
@@ -221,9 +226,10 @@ class OpenAIFrontDoor:
         streams = [self.backend.events(p, metadata=_trace(request)) for p in protos]
         firsts = await _firsts(request, streams)
         usage = body.stream_options is not None and body.stream_options.include_usage
-        return _sse_response(self._stream(chat, rid, created, firsts, streams, usage, body.tool if chat else None, n))
+        return _sse_response(self._stream(chat, rid, created, firsts, streams, usage, body.tool if chat else None, n,
+                                          token_text))
 
-    async def _stream(self, chat, rid, created, firsts, streams, with_usage, tool=None, n=1):
+    async def _stream(self, chat, rid, created, firsts, streams, with_usage, tool=None, n=1, token_text=None):
         """`tool`: a tool choice, whose reader turns each choice's text into content and tool_calls deltas."""
         name = self.model_name
         chunk = functools.partial(responses.chunk_body, chat, rid, created, name, with_usage=with_usage)
@@ -244,12 +250,12 @@ class OpenAIFrontDoor:
                         yield _sse(chunk(None, None, index=i, delta=delta))
                 elif resp.HasField("logprobs") and resp.token_ids:  # tokens whose text may still be held back
                     yield _sse(chunk(resp.text_delta, None, index=i, logprobs=responses.logprobs_body(
-                        chat, resp.token_ids, resp.logprobs, self.backend.token_text)))
+                        chat, resp.token_ids, resp.logprobs, token_text or self.backend.token_text)))
                 elif resp.text_delta:
                     yield _sse(chunk(resp.text_delta, None, index=i))
                 if finish:
                     stats[i] = resp.stats
-                    yield _sse(chunk(None, finish, index=i, stats=resp.stats))
+                    yield _sse(chunk(None, finish, index=i, stats=resp.stats, reason=responses.stop_reason(resp)))
             if with_usage:
                 yield _sse(responses.usage_chunk(chat, rid, created, name, stats, n))
         except ApiError as e:  # after the headers: the error travels as an event, as OpenAI's does
@@ -342,8 +348,11 @@ class OpenAIFrontDoor:
 
         @app.get("/v1/models")
         async def models():
-            return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
-                                                "owned_by": "specdec"}]}
+            model = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "specdec",
+                     "root": self.model_name, "parent": None}
+            if max_len := await self.backend.max_model_len():  # vLLM's: what a prompt + its output may hold
+                model["max_model_len"] = max_len
+            return {"object": "list", "data": [model]}
 
         @app.post("/tokenize")
         async def tokenize(body: schema.TokenizeRequest, request: Request):

@@ -11,6 +11,17 @@ FINISH_REASON = {generation_pb2.FINISH_REASON_LENGTH: "length", generation_pb2.F
                  generation_pb2.FINISH_REASON_CANCELLED: "abort"}
 
 
+def stop_reason(resp) -> str | int | None:
+    """vLLM's stop_reason of a final response: the stop string or stop token id that ended it (None: EOS, length)."""
+    which = resp.WhichOneof("stop_reason")
+    return getattr(resp, which) if which is not None else None
+
+
+def token_id_text(token_id: int) -> str:
+    """A logprobs entry's token with vLLM's return_tokens_as_token_ids: unambiguous where text is not."""
+    return f"token_id:{token_id}"
+
+
 def usage(stats: list[generation_pb2.GenerationStats], n: int = 1) -> dict:
     """OpenAI's usage over every choice, `n` per prompt (each prompt's tokens counted once);
     `prompt_tokens_details.cached_tokens`: per prompt, the positions every one of its choices' target sessions reused
@@ -67,17 +78,18 @@ def echo_logprobs_body(prompt_ids: list[int], prompt_lps: generation_pb2.Generat
 
 def completion_body(chat: bool, rid: str, created: int, model: str, answers: list[tuple],
                     tool: ToolChoice | None = None, n: int = 1) -> dict:
-    """`answers`: (text, finish_reason, stats, logprobs object or None) per choice, in index order. `tool`: a forced
-    tool choice, whose answers come back as the message's tool_calls."""
+    """`answers`: (text, finish_reason, stats, logprobs object or None, stop_reason) per choice, in index order.
+    `tool`: a forced tool choice, whose answers come back as the message's tool_calls."""
     choices = []
-    for i, (text, finish, stats, logprobs) in enumerate(answers):
+    for i, (text, finish, stats, logprobs, reason) in enumerate(answers):
         if tool is not None:
             message, finish = tool.message(text, finish)
             choice = {"index": i, "message": message}
         else:
             choice = {"index": i, "message": {"role": "assistant", "content": text}} if chat else {"index": i,
                                                                                                    "text": text}
-        choices.append({**choice, "logprobs": logprobs, "finish_reason": finish, "stats": stats_dict(stats)})
+        choices.append({**choice, "logprobs": logprobs, "finish_reason": finish, "stop_reason": reason,
+                        "stats": stats_dict(stats)})
     return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
             "model": model, "choices": choices, "usage": usage([a[2] for a in answers], n),
             "stats": choices[0]["stats"]}
@@ -86,9 +98,9 @@ def completion_body(chat: bool, rid: str, created: int, model: str, answers: lis
 def chunk_body(chat: bool, rid: str, created: int, model: str, text: str | None, finish: str | None,
                role: bool = False, with_usage: bool = False, index: int = 0,
                stats: generation_pb2.GenerationStats | None = None, logprobs: dict | None = None,
-               delta: dict | None = None) -> dict:
+               delta: dict | None = None, reason: str | int | None = None) -> dict:
     """One streamed chunk of choice `index`. Chat: `role` marks a choice's first chunk (its delta carries the
-    role). A choice's last chunk carries its finish_reason and stats. Every chunk has `usage: null` when the client
+    role). A choice's last chunk carries its finish_reason, stop_reason and stats. Every chunk has `usage: null` when the client
     asked for usage (the last chunk, `usage_chunk`, carries it)."""
     if chat:
         if delta is None:  # `delta`: a chat chunk's own (tool calls)
@@ -96,6 +108,8 @@ def chunk_body(chat: bool, rid: str, created: int, model: str, text: str | None,
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
     else:
         choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
+    if finish is not None:
+        choice["stop_reason"] = reason
     if stats is not None:
         choice["stats"] = stats_dict(stats)
     body = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,

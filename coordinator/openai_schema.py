@@ -20,6 +20,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from coordinator.openai_structured import ToolChoice, response_format_pb, structured_output_pb, tool_choice
+from coordinator.tool_parsers import needs_special_tokens
 from specdec.pb import generation_pb2
 from specdec.sampling import MAX_ALLOWED_TOKEN_IDS
 
@@ -85,6 +86,12 @@ class _Sampling(SpecDecKnobs):
     allowed_token_ids: list[int] | None = Field(None, max_length=MAX_ALLOWED_TOKEN_IDS)  # vLLM's, as bad_words
     bad_words: list[str] | None = Field(None, max_length=128)
     user: str | None = None
+    # vLLM's output controls: the stop string (or stop token's text) kept in the text; special tokens shown; only
+    # the prompt's last k tokens; logprobs' tokens as "token_id:<id>"
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = Field(None, ge=1)
+    return_tokens_as_token_ids: bool = False
     _structured: Any = PrivateAttr(default=None)  # the StructuredOutput the validators made
 
     @field_validator("stop")
@@ -134,6 +141,11 @@ class _Sampling(SpecDecKnobs):
             r.repetition_penalty = self.repetition_penalty
         if max_tokens is not None:
             r.max_new_tokens = max_tokens
+        r.include_stop_str_in_output = self.include_stop_str_in_output
+        if not self.skip_special_tokens:
+            r.skip_special_tokens = False
+        if self.truncate_prompt_tokens is not None:
+            r.truncate_prompt_tokens = self.truncate_prompt_tokens
         if self._structured is not None:
             r.structured_output.CopyFrom(self._structured)
         for name in ("gamma", "block_size", "pacer_threshold", "pacer_skip_below", "pearl_first_block",
@@ -236,6 +248,8 @@ class ChatCompletionRequest(_Sampling):
             m.add_to(r.messages)
         if self.tools and self.tool_choice != "none":  # the chat template shows them to the model
             r.tools = json.dumps(self.tools)
+        if self._tool is not None and self._tool.auto and needs_special_tokens(self._tool.parser):
+            r.skip_special_tokens = False  # the parser reads a special token (mistral's [TOOL_CALLS])
         template_fields(self, r)
         return r
 

@@ -57,6 +57,7 @@ class Member:
     failures: int = 0
     last_error: str = ""
     capacity: int | None = None  # ModelInfo.max_sessions; 0: unknown (no limit); None: not asked yet
+    max_context: int = 0  # positions a session holds (ModelInfo.max_position_embeddings); 0: unknown
 
     def has_room(self) -> bool:
         return not self.capacity or self.sessions < self.capacity
@@ -104,8 +105,9 @@ async def grpc_health(endpoint: str, service: str, timeout: float, credentials=N
         await channel.close()
 
 
-async def grpc_capacity(kind: str, endpoint: str, timeout: float, credentials=None) -> int:
-    """A replica's `ModelInfo.max_sessions` via its `GetInfo` (0 if it cannot be read)."""
+async def grpc_capacity(kind: str, endpoint: str, timeout: float, credentials=None) -> tuple[int, int]:
+    """A replica's `ModelInfo` (max_sessions, max_position_embeddings: positions a session holds) via its
+    `GetInfo`; (0, 0) if it cannot be read."""
     import grpc
 
     from specdec.pb import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
@@ -119,10 +121,10 @@ async def grpc_capacity(kind: str, endpoint: str, timeout: float, credentials=No
         else:
             r = await target_pb2_grpc.TargetServiceStub(channel).GetInfo(target_pb2.TargetServiceGetInfoRequest(),
                                                                          timeout=timeout)
-        return max(0, r.info.max_sessions)
+        return max(0, r.info.max_sessions), max(0, r.info.max_position_embeddings)
     except grpc.aio.AioRpcError as e:
         log.warning("%s replica %s: GetInfo failed (%s); no session limit known for it", kind, endpoint, e.code())
-        return 0
+        return 0, 0
     finally:
         await channel.close()
 
@@ -176,11 +178,13 @@ class PoolManager:
         creds = self._credentials_factory() if self._credentials_factory else None
         return await grpc_health(endpoint, SERVICE_NAMES[kind], self.health_timeout_s, creds)
 
-    async def _check_capacity(self, kind: str, endpoint: str) -> int:
+    async def _check_capacity(self, kind: str, endpoint: str) -> tuple[int, int]:
+        """(max_sessions, max_context) of a replica; 0: unknown. An injected check may answer max_sessions alone."""
         if self._capacity is not None:
-            return await self._capacity(kind, endpoint)
+            got = await self._capacity(kind, endpoint)
+            return (got, 0) if isinstance(got, int) else got
         if self._health is not None:
-            return 0
+            return 0, 0
         creds = self._credentials_factory() if self._credentials_factory else None
         return await grpc_capacity(kind, endpoint, self.health_timeout_s, creds)
 
@@ -211,8 +215,8 @@ class PoolManager:
                         m.capacity = None  # ask again when it is back (a restarted replica may hold more or fewer)
                 ask = [m for m in pool.members.values() if m.healthy and m.capacity is None]
                 caps = await asyncio.gather(*(self._check_capacity(pool.kind, m.endpoint) for m in ask))
-                for m, cap in zip(ask, caps):
-                    m.capacity = cap
+                for m, (cap, context) in zip(ask, caps):
+                    m.capacity, m.max_context = cap, context
                 if gone or any(not m.healthy for m in pool.members.values()):
                     self.generation += 1
                 self._serve_waiters(pool)
@@ -224,7 +228,14 @@ class PoolManager:
 
     def snapshot(self) -> dict:
         return {k: {ep: {"healthy": m.healthy, "sessions": m.sessions, "capacity": m.capacity or 0,
-                         "error": m.last_error} for ep, m in p.members.items()} for k, p in self.pools.items()}
+                         "max_context": m.max_context, "error": m.last_error} for ep, m in p.members.items()}
+                for k, p in self.pools.items()}
+
+    def max_model_len(self) -> int:
+        """The longest prompt + output every healthy target replica holds (vLLM's max_model_len; 0: unknown)."""
+        known = [m.max_context for m in self.pools["target"].members.values() if m.healthy and m.max_context] \
+            if "target" in self.pools else []
+        return min(known, default=0)
 
     def waiting(self) -> dict[str, int]:
         """Requests waiting for room, per pool."""

@@ -22,6 +22,11 @@ class LocalRouter:
     async def close(self) -> None:
         await self.pipeline.close()
 
+    async def max_model_len(self) -> int:
+        """The longest prompt + output the target pool holds (0: unknown)."""
+        pm = getattr(self, "pool_manager", None)
+        return pm.max_model_len() if pm is not None else 0
+
     def waiting_now(self) -> float:
         """Requests waiting for free replica sessions (admission), for the metrics scrape."""
         pm = getattr(self, "pool_manager", None)
@@ -107,6 +112,11 @@ class RayRouter:
             return float(sum(ray.get(pool.waiting.remote(), timeout=1.0).values()))
         except Exception:  # noqa: BLE001 - a scrape must not fail: report "unknown"
             return float("nan")
+
+    async def max_model_len(self) -> int:
+        """The longest prompt + output the target pool holds (0: unknown)."""
+        pool = getattr(self, "pool_actor", None)
+        return await pool.max_model_len.remote() if pool is not None else 0
 
     async def close(self) -> None:
         import ray

@@ -1,4 +1,5 @@
-"""GenerationService (the public front door): validation, prompt encoding, streaming detokenization, stop strings.
+"""GenerationService (the public front door): validation, prompt encoding, events → responses (the text:
+coordinator/text_output.py).
 
 Runs in the driver process. Everything per round happens in a pipeline (in-process or a Ray actor); this class
 only turns a GenerateRequest into a token-id request, forwards it, and turns the pipeline's events back into text.
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 import grpc
 
 from coordinator.chat_prompt import REQUEST_ID, chat_message, log_request, template_options
+from coordinator.text_output import TextAssembler
 from specdec.errors import InvalidRequestError
 from specdec.pb import common_pb2, generation_pb2, generation_pb2_grpc
 from specdec.request import MAX_SPEC_OFF_BATCH, MODES, PEARL_OVERLAP
@@ -29,69 +31,19 @@ VERIFY_METHODS = ("token", "block", "greedy")
 DEFAULT_MAX_NEW_TOKENS = 128
 
 
-class TextAssembler:
-    """Incremental text for a growing token list; holds back text that could still become a stop string."""
-
-    def __init__(self, tok, prompt_ids: list[int], stop: list[str], min_tokens: int = 0):
-        """`min_tokens`: a stop string must end in the text of the min_tokens-th token or later (vLLM's)."""
-        from specdec.tokenizer import IncrementalDetokenizer
-
-        self.detok = IncrementalDetokenizer(tok, prefix_ids=prompt_ids) if tok is not None else None
-        self.stop = [s for s in stop if s]
-        self.hold = max((len(s) for s in self.stop), default=1) - 1
-        self.text, self.sent = "", 0
-        self.token_ids: list[int] = []
-        self.stopped = False
-        self.min_tokens = min_tokens
-        self.armed_at = 0 if min_tokens <= 1 else None  # text length before the min_tokens-th token
-
-    def _find_stop(self) -> int:
-        if self.armed_at is None:
-            return -1
-        start = max(0, self.sent - self.hold)
-        hits = [i for i in (self.text.find(s, max(start, self.armed_at - len(s) + 1)) for s in self.stop) if i >= 0]
-        return min(hits) if hits else -1
-
-    def push(self, ids: list[int]) -> tuple[str, list[int]]:
-        """New verified ids → (text to send now, ids to send now). After a stop string, nothing more."""
-        if self.stopped:
-            return "", []
-        if self.detok is None:
-            self.token_ids.extend(ids)
-            return "", list(ids)
-        taken: list[int] = []
-        for t in (ids if self.stop else [ids]):  # per token when a stop string may end the text mid-chunk
-            chunk = [t] if self.stop else list(t)
-            taken.extend(chunk)
-            if self.armed_at is None and len(self.token_ids) + len(taken) >= self.min_tokens:
-                self.armed_at = len(self.text)
-            self.text += self.detok.push(chunk)
-            if self.stop and (idx := self._find_stop()) >= 0:
-                self.stopped = True
-                self.text = self.text[:idx]
-                break
-        self.token_ids.extend(taken)
-        upto = len(self.text) if (self.stopped or not self.stop) else len(self.text) - self.hold
-        delta = self.text[self.sent:upto] if upto > self.sent else ""
-        self.sent += len(delta)
-        return delta, taken
-
-    def finish(self) -> str:
-        if self.detok is not None and not self.stopped:
-            self.text += self.detok.flush()
-            if self.stop and (idx := self._find_stop()) >= 0:
-                self.text, self.stopped = self.text[:idx], True
-        delta = self.text[self.sent:]
-        self.sent = len(self.text)
-        return delta
-
-
 def logprobs_pb(entries: list | None) -> generation_pb2.GeneratedLogprobs | None:
     """(logprob, top ids, top logprobs) per token → the response's logprobs (None: not asked)."""
     if entries is None:
         return None
     return generation_pb2.GeneratedLogprobs(logprobs=[e[0] for e in entries],
                                             top=[common_pb2.TopLogprobs(ids=e[1], logprobs=e[2]) for e in entries])
+
+
+def stop_reason_fields(reason: str | int | None) -> dict:
+    """A response's stop_reason oneof: a stop string or a stop token id (none for EOS)."""
+    if reason is None:
+        return {}
+    return {"stop_string": reason} if isinstance(reason, str) else {"stop_token_id": reason}
 
 
 def stats_pb(stats: dict) -> generation_pb2.GenerationStats:
@@ -195,6 +147,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                 raise InvalidRequestError(given[0], str(e)) from None
             if not ids:
                 raise InvalidRequestError(given[0], "encodes to no tokens; send a non-empty prompt")
+        if r.HasField("truncate_prompt_tokens"):
+            if r.truncate_prompt_tokens < 1:
+                raise InvalidRequestError("truncate_prompt_tokens", "keep at least 1 token (unset: the whole "
+                                                                    f"prompt), got {r.truncate_prompt_tokens}")
+            ids = ids[-r.truncate_prompt_tokens:]
         if r.request_id and not REQUEST_ID.fullmatch(r.request_id):
             raise InvalidRequestError("request_id", "at most 64 letters, digits and . _ : - (X-Request-Id over "
                                                     "HTTP)")
@@ -221,7 +178,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                "grammar": self._grammar(r), "min_p": r.min_p, "min_tokens": r.min_tokens,
                "allowed_token_ids": sorted(set(r.allowed_token_ids)), "bad_words": self._bad_words(r),
                "draft_fallback": self.draft_fallback}
-        return Prepared(req, TextAssembler(self.tok, ids, list(r.stop), r.min_tokens))
+        eos = set(() if r.ignore_eos else self.eos)
+        asm = TextAssembler(self.tok, ids, list(r.stop), r.min_tokens, stop_token_ids=req["eos_token_ids"],
+                            user_stop_token_ids=set(r.stop_token_ids) - eos,
+                            include_stop=r.include_stop_str_in_output,
+                            skip_special_tokens=not r.HasField("skip_special_tokens") or r.skip_special_tokens)
+        return Prepared(req, asm)
 
     def _bad_words(self, r: generation_pb2.GenerateRequest) -> list[list[int]]:
         """vLLM's bad_words → token sequences: each word tokenized as is and after a space (as vLLM does)."""
@@ -355,7 +317,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                         yield generation_pb2.GenerateStreamResponse(
                             text_delta=tail, token_ids=ids, finish_reason=FINISH[finish], stats=stats_pb(stats),
                             logprobs=logprobs_pb(lps[done:done + len(ids)] if lps is not None else None),
-                            prompt_logprobs=logprobs_pb(ev.get("prompt_logprobs")))
+                            prompt_logprobs=logprobs_pb(ev.get("prompt_logprobs")),
+                            **stop_reason_fields(asm.stop_reason if finish == "stop" else None))
                         return
         finally:
             if m:
@@ -379,6 +342,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             if resp.finish_reason:
                 out.finish_reason = resp.finish_reason
                 out.stats.CopyFrom(resp.stats)
+                if (which := resp.WhichOneof("stop_reason")) is not None:
+                    setattr(out, which, getattr(resp, which))
         out.text = "".join(text)
         return out
 

@@ -5,6 +5,10 @@ whole and incremental, as vLLM's `--tool-call-parser` names them. Pure: no web f
   `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`; the text around the calls is the message's content.
 - `llama3_json` (Llama 3.1-3.3): an answer that starts with `{` (or Llama's `<|python_tag|>`) is one or more
   `{"name": ..., "parameters": {...}}` objects, separated by `;`; any other answer is content.
+- `pythonic` (Llama 3.2 and 4): an answer that is a Python list of calls with literal keyword arguments,
+  `[get_weather(city="Paris")]`.
+- `mistral` (Mistral, Mixtral, Ministral): content, then the special token `[TOOL_CALLS]` and the calls (a JSON list
+  of them, or `name[ARGS]{json}` per call); its requests keep special tokens in their text to see it.
 
 A call whose text does not parse (bad JSON, no name, arguments that are not an object) stays in the content as the
 model wrote it: nothing the model said is lost. Streamed, content flows as it is verified (less any text that may
@@ -145,7 +149,131 @@ class Llama3JsonParser:
         return calls
 
 
-PARSERS = {"hermes": HermesParser, "llama3_json": Llama3JsonParser}
+class PythonicParser:
+    """An answer that is a Python list of calls, `[get_weather(city="Paris"), now()]` (Llama 3.2 and 4's
+    pythonic format, optionally inside Llama 4's `<|python_start|>`/`<|python_end|>`): keyword arguments whose
+    values are literals. Any other answer is content."""
+    START, END = "<|python_start|>", "<|python_end|>"
+
+    def __init__(self):
+        self.pending, self.calls_mode = "", None
+
+    def feed(self, text: str) -> tuple[str, list[ToolCall]]:
+        self.pending += text
+        if self.calls_mode is None:
+            head = self.pending.lstrip()
+            if not head or (self.START.startswith(head) and head != self.START):
+                return "", []
+            self.calls_mode = head.startswith(("[", self.START))
+        if self.calls_mode:
+            return "", []  # calls are parsed whole when the answer ends
+        out, self.pending = self.pending, ""
+        return out, []
+
+    def end(self) -> tuple[str, list[ToolCall]]:
+        text, self.pending = self.pending, ""
+        if not self.calls_mode:
+            return text, []
+        calls = self.parse(text)
+        return ("", calls) if calls else (text, [])
+
+    @classmethod
+    def parse(cls, text: str) -> list[ToolCall]:
+        """Every call in `text`, or [] when it is not a list of calls with literal keyword arguments."""
+        import ast
+
+        src = text.strip().removeprefix(cls.START).removesuffix(cls.END).strip()
+        try:
+            tree = ast.parse(src, mode="eval")
+        except (SyntaxError, ValueError, MemoryError, RecursionError):
+            return []
+        if not isinstance(tree.body, ast.List) or not tree.body.elts:
+            return []
+        calls = []
+        for node in tree.body.elts:
+            if not isinstance(node, ast.Call) or node.args or not isinstance(node.func, (ast.Name, ast.Attribute)):
+                return []
+            try:
+                args = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords if kw.arg is not None}
+                arguments = json.dumps(args)
+            except (ValueError, TypeError, SyntaxError, RecursionError):
+                return []
+            if len(args) != len(node.keywords):  # **kwargs
+                return []
+            calls.append(ToolCall(ast.unparse(node.func), arguments))
+        return calls
+
+
+class MistralParser:
+    """Mistral's `[TOOL_CALLS]` special token, then the calls: a JSON list of `{"name", "arguments"}` objects
+    (v3 tokenizers) or `name{json}` / `name[ARGS]{json}`, one per `[TOOL_CALLS]` (v11+). Text before the first
+    `[TOOL_CALLS]` is content. The token is special: requests under this parser are detokenized with special tokens
+    (`needs_special_tokens`)."""
+    TAG, ARGS = "[TOOL_CALLS]", "[ARGS]"
+    needs_special_tokens = True
+
+    def __init__(self):
+        self.pending, self.in_calls = "", False
+
+    def feed(self, text: str) -> tuple[str, list[ToolCall]]:
+        self.pending += text
+        if self.in_calls:
+            return "", []
+        at = self.pending.find(self.TAG)
+        if at >= 0:
+            content, self.pending, self.in_calls = self.pending[:at], self.pending[at:], True
+            return content, []
+        keep = next((k for k in range(min(len(self.TAG) - 1, len(self.pending)), 0, -1)
+                     if self.TAG.startswith(self.pending[-k:])), 0)
+        content, self.pending = self.pending[:len(self.pending) - keep], self.pending[len(self.pending) - keep:]
+        return content, []
+
+    def end(self) -> tuple[str, list[ToolCall]]:
+        text, self.pending = self.pending, ""
+        if not self.in_calls:
+            return text, []
+        calls = self.parse(text)
+        return ("", calls) if calls else (text, [])
+
+    @classmethod
+    def parse(cls, text: str) -> list[ToolCall]:
+        """The calls after `[TOOL_CALLS]`, or [] when any part is not one."""
+        parts = [p.strip() for p in text.split(cls.TAG) if p.strip()]
+        if not parts:
+            return []
+        calls = []
+        for part in parts:
+            if part.startswith("["):  # v3: a JSON list of calls
+                try:
+                    objs = json.loads(part)
+                except ValueError:
+                    return []
+                got = [_call(o, ("arguments", "parameters")) for o in (objs if isinstance(objs, list) else [])]
+                if not got or None in got:
+                    return []
+                calls += got
+                continue
+            name, sep, args = part.partition(cls.ARGS)
+            if not sep:
+                brace = part.find("{")
+                name, args = (part[:brace], part[brace:]) if brace > 0 else (part, "")
+            try:
+                call = _call({"name": name.strip(), "arguments": json.loads(args)}, ("arguments",))
+            except ValueError:
+                return []
+            if call is None:
+                return []
+            calls.append(call)
+        return calls
+
+
+PARSERS = {"hermes": HermesParser, "llama3_json": Llama3JsonParser, "pythonic": PythonicParser,
+           "mistral": MistralParser}
+
+
+def needs_special_tokens(parser: str) -> bool:
+    """Whether this parser reads special tokens (its requests keep them in their text)."""
+    return getattr(PARSERS.get(parser), "needs_special_tokens", False)
 
 
 def parse_whole(parser: str, text: str) -> tuple[str | None, list[ToolCall]]:

@@ -67,9 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--pipelines", type=int, default=2, help="pipeline actors (default: 2)")
     s.add_argument("--default-mode", choices=MODES, default="sd",
                    help="the mode of requests that name none, as OpenAI clients (default: %(default)s)")
-    s.add_argument("--tool-call-parser", choices=["hermes", "llama3_json"], default="",
+    s.add_argument("--tool-call-parser", choices=["hermes", "llama3_json", "pythonic", "mistral"], default="",
                    help="how the model writes tool calls, for the HTTP API's tool_choice 'auto' (hermes: "
-                        "<tool_call>{json}</tool_call>; llama3_json: Llama 3.1+); unset: 'auto' is refused")
+                        "<tool_call>{json}</tool_call>; llama3_json: Llama 3.1+; pythonic: [f(a=1)], Llama 3.2 / 4; "
+                        "mistral: [TOOL_CALLS]); unset: 'auto' is refused")
     sub.add_parser("bench", help="run the benchmark suite (`specdec bench --help`)", add_help=False)
     sub.add_parser("batch", help="answer a file of OpenAI Batch API requests (`specdec batch --help`)",
                    add_help=False)

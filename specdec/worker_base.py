@@ -141,9 +141,10 @@ class Worker:
         """Refuse up front a session that will need more positions than the context holds (StartSession's
         reserve_positions: prompt + max_new_tokens), rather than fail it when it gets there."""
         if positions > self.max_context:
-            raise ContextOverflowError(f"the request needs up to {positions} positions (prompt + max_new_tokens) but "
-                                       f"the context holds {self.max_context} (--max-context); lower max_new_tokens "
-                                       f"by {positions - self.max_context} or shorten the prompt")
+            raise ContextOverflowError(f"This model's maximum context length is {self.max_context} tokens "
+                                       f"(--max-context). However, the request needs up to {positions} positions "
+                                       f"(prompt + max_new_tokens); lower max_new_tokens by "
+                                       f"{positions - self.max_context} or shorten the prompt")
 
     def start_session(self, session_id: str, prompt_ids: list[int], params: SamplingParams) -> Session:
         s = self.open_session(session_id, prompt_ids, params)

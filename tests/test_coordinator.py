@@ -632,7 +632,7 @@ def _cached_default_tokenizer():
 
 
 async def test_text_assembler_never_splits_multibyte_characters():
-    from coordinator.service import TextAssembler
+    from coordinator.text_output import TextAssembler
 
     tok = _cached_default_tokenizer()
     if tok is None:
@@ -647,7 +647,7 @@ async def test_text_assembler_never_splits_multibyte_characters():
 
 
 async def test_text_assembler_holds_back_a_possible_stop_string(tmp_path):
-    from coordinator.service import TextAssembler
+    from coordinator.text_output import TextAssembler
     from tests.helpers_models import TOKENIZER_CHARS, save_tiny_tokenizer
     from specdec.tokenizer import load_tokenizer
 
@@ -686,7 +686,8 @@ async def test_a_request_past_the_context_is_refused_before_any_work():
                 await stub.Generate(req(prompt, mode, n=36))
             assert e.value.code() == grpc.StatusCode.OUT_OF_RANGE
             assert "needs up to 41 positions (prompt + max_new_tokens)" in e.value.details()
-            assert "context holds 40" in e.value.details() and "lower max_new_tokens by 1" in e.value.details()
+            assert "maximum context length is 40 tokens" in e.value.details()  # OpenAI's words, which clients read
+            assert "lower max_new_tokens by 1" in e.value.details()
             assert time.perf_counter() - t0 < 1.0
         assert not t.host.table and not d.host.table
     finally:

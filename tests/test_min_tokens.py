@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from coordinator.service import TextAssembler
+from coordinator.text_output import TextAssembler
 from specdec.engine import Engine
 from specdec.errors import InvalidRequestError
 from specdec.preverifier import build_random_preverifier

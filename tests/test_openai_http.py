@@ -210,6 +210,8 @@ async def test_logprobs_chat_and_completions_whole_and_streamed(api):
 async def test_models_and_health(api):
     models = await api.client.models.list()
     assert [m.id for m in models.data] == [MODEL]
+    # vLLM's max_model_len: what a target session holds (the replica's context, read with GetInfo)
+    assert models.data[0].model_extra["max_model_len"] == api.t.host.worker.max_context > 0
     r = await api.http.get("/health")
     assert r.status_code == 200 and r.json()["status"] == "serving"
     metrics = await api.http.get("/metrics")

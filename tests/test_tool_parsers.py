@@ -1,5 +1,5 @@
-"""Tool calls a model chose (tool_choice "auto"): the hermes and llama3_json parsers (coordinator/tool_parsers.py),
-whole and fed in pieces of every size, and the streamed reader's deltas."""
+"""Tool calls a model chose (tool_choice "auto"): the hermes, llama3_json, pythonic and mistral parsers
+(coordinator/tool_parsers.py), whole and fed in pieces of every size, and the streamed reader's deltas."""
 from __future__ import annotations
 
 import json
@@ -7,7 +7,7 @@ import json
 import pytest
 
 from coordinator.openai_structured import tool_choice
-from coordinator.tool_parsers import AutoToolReader, HermesParser, Llama3JsonParser, parse_whole
+from coordinator.tool_parsers import PARSERS, AutoToolReader, HermesParser, MistralParser, parse_whole
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
 HERMES = ('Let me check both.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
@@ -47,17 +47,53 @@ def test_llama3_json_whole(text, content, calls):
     assert got_content == content and calls_of(got_calls) == calls
 
 
+@pytest.mark.parametrize("text, content, calls", [
+    ('[get_weather(city="Paris"), get_weather(city=\'Rome\')]', None, [PARIS, ROME]),
+    ('<|python_start|>[get_weather(city="Paris")]<|python_end|>', None, [PARIS]),
+    ("[f(a=[1, 2], b={'x': None}, c=True)]", None, [("f", '{"a": [1, 2], "b": {"x": null}, "c": true}')]),
+    ("[tools.search(q='x')]", None, [("tools.search", '{"q": "x"}')]),
+    ("[f(a=x)]", "[f(a=x)]", []),  # a name, not a literal: the model's text stays content
+    ("[f(1)]", "[f(1)]", []),  # positional arguments have no names
+    ("[f(**kw)]", "[f(**kw)]", []),
+    ("[1, 2]", "[1, 2]", []),
+    ("[f(a={1, 2})]", "[f(a={1, 2})]", []),  # a set has no JSON form
+    ("It is sunny.", "It is sunny.", []),
+    ("[f(a=1)] and more", "[f(a=1)] and more", []),
+])
+def test_pythonic_whole(text, content, calls):
+    got_content, got_calls = parse_whole("pythonic", text)
+    assert got_content == content and calls_of(got_calls) == calls
+
+
+@pytest.mark.parametrize("text, content, calls", [
+    ('[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+     '{"name": "get_weather", "arguments": {"city": "Rome"}}]', None, [PARIS, ROME]),
+    ('Checking. [TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}]', "Checking.", [PARIS]),
+    ('[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_weather[ARGS]{"city": "Rome"}', None,
+     [PARIS, ROME]),
+    ('[TOOL_CALLS]get_weather{"city": "Paris"}', None, [PARIS]),
+    ("[TOOL_CALLS]get_weather[ARGS]{oops", "[TOOL_CALLS]get_weather[ARGS]{oops", []),
+    ('[TOOL_CALLS][{"city": "Paris"}]', '[TOOL_CALLS][{"city": "Paris"}]', []),  # no name
+    ("Plain [TOOL words", "Plain [TOOL words", []),
+])
+def test_mistral_whole(text, content, calls):
+    got_content, got_calls = parse_whole("mistral", text)
+    assert got_content == content and calls_of(got_calls) == calls
+
+
 def pieces(text: str, size: int) -> list[str]:
     return [text[i:i + size] for i in range(0, len(text), size)]
 
 
-@pytest.mark.parametrize("parser", [HermesParser, Llama3JsonParser])
+@pytest.mark.parametrize("name", sorted(PARSERS))
 @pytest.mark.parametrize("text", [HERMES, "plain answer <tool", 'a <tool_call>{"name": "f"}</tool_call>z',
-                                  '{"name": "get_weather", "parameters": {"city": "Paris"}}', "  <|python_t"])
-def test_fed_in_pieces_equals_whole(parser, text):
+                                  '{"name": "get_weather", "parameters": {"city": "Paris"}}', "  <|python_t",
+                                  '[get_weather(city="Paris")]', "  <|python_sta",
+                                  'Sure [TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}', "text [TOOL_CA"])
+def test_fed_in_pieces_equals_whole(name, text):
     """Content and calls do not depend on how the text was cut into verified pieces, and no piece of an opening
     tag is shown as content before it is known not to be one."""
-    name = "hermes" if parser is HermesParser else "llama3_json"
+    parser = PARSERS[name]
     whole_content, whole_calls = parse_whole(name, text)
     for size in (1, 2, 3, 7, len(text)):
         p, content, calls = parser(), [], []
@@ -68,6 +104,8 @@ def test_fed_in_pieces_equals_whole(parser, text):
             shown = "".join(content)
             if parser is HermesParser and "<tool_call>" in text:
                 assert not shown.endswith(("<", "<t", "<tool")), shown
+            if parser is MistralParser and "[TOOL_CALLS]" in text:
+                assert "[" not in shown, shown
         c, k = p.end()
         content.append(c)
         calls += k
@@ -134,3 +172,18 @@ def test_earlier_tool_calls_reach_the_chat_template(tmp_path, renders):
         assert text == "user weather. call weather in paris. tool sunny. "
     else:  # the calls' JSON: its braces and quotes are outside the tiny vocabulary, its words are not
         assert text.startswith("user weather. assistant ") and "name" in text and "paris" in text
+
+
+@pytest.mark.parametrize("parser", sorted(PARSERS))
+def test_only_the_mistral_parser_keeps_special_tokens(parser):
+    """Mistral's [TOOL_CALLS] is a special token, which detokenization skips: its requests keep special tokens in
+    their text (as vLLM's mistral parser sets skip_special_tokens=False); the others' requests leave the default."""
+    from coordinator.openai_schema import ChatCompletionRequest
+
+    body = ChatCompletionRequest(messages=[{"role": "user", "content": "weather?"}], tools=TOOLS)
+    body.tool.parser = parser
+    r = body.to_proto()
+    assert r.HasField("skip_special_tokens") == (parser == "mistral") and not r.skip_special_tokens
+    body = ChatCompletionRequest(messages=[{"role": "user", "content": "weather?"}], tools=TOOLS,
+                                 tool_choice="required")
+    assert not body.to_proto().HasField("skip_special_tokens")  # a forced choice needs no parser
