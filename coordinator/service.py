@@ -310,6 +310,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                             m.prompt_tokens.inc(stats.get("prompt_tokens", 0))
                             m.cached_prompt_tokens.inc(stats.get("cached_prompt_tokens", 0))
                             m.queue_time.observe(stats.get("queued_s", 0.0))
+                            if stats.get("draft_unavailable"):
+                                m.draft_unavailable.inc()
                             off = stats.get("target_only_rounds", 0)
                             m.rounds.labels("target_only").inc(off)
                             if stats.get("mode") != "ar":

@@ -33,7 +33,7 @@ async def no_draft():
         ch = grpc.aio.insecure_channel(f"127.0.0.1:{app.port}")
         channels.append(ch)
         stubs[fallback] = gg.GenerationServiceStub(ch)
-    yield target, stubs, nowhere
+    yield target, stubs, nowhere, apps[0]  # apps[0]: the coordinator with the fallback
     for ch in channels:
         await ch.close()
     for a in apps + [t]:
@@ -42,7 +42,7 @@ async def no_draft():
 
 @pytest.mark.parametrize("mode", ["sd", "pacer", "pearl", "pacer_pearl"])
 async def test_requests_run_target_only_without_a_draft(no_draft, mode):
-    target, stubs, _ = no_draft
+    target, stubs, *_ = no_draft
     out = await stubs[True].Generate(g.GenerateRequest(prompt_token_ids=PROMPT, max_new_tokens=12, mode=mode,
                                                        ignore_eos=True))
     assert list(out.token_ids) == target_greedy(target, PROMPT, 12)
@@ -52,8 +52,26 @@ async def test_requests_run_target_only_without_a_draft(no_draft, mode):
     assert streamed == list(out.token_ids)
 
 
+async def test_fallbacks_are_counted_for_alerts(no_draft):
+    """specdec_draft_unavailable_total counts the requests that ran target-only for want of a draft (the alert
+    SpecdecDraftPoolUnavailable in deploy/monitoring/prometheus-rules.yaml fires on it); `ar` requests are not."""
+    from prometheus_client import generate_latest
+
+    _, stubs, _, app = no_draft
+
+    def count() -> float:
+        line = next(ln for ln in generate_latest(app.metrics.registry).decode().splitlines()
+                    if ln.startswith("specdec_draft_unavailable_total "))
+        return float(line.split()[1])
+
+    before = count()
+    await stubs[True].Generate(g.GenerateRequest(prompt_token_ids=PROMPT, max_new_tokens=2, mode="sd"))
+    await stubs[True].Generate(g.GenerateRequest(prompt_token_ids=PROMPT, max_new_tokens=2, mode="ar"))
+    assert count() == before + 1
+
+
 async def test_without_the_fallback_the_request_fails_naming_the_pool(no_draft):
-    _, stubs, nowhere = no_draft
+    _, stubs, nowhere, _ = no_draft
     with pytest.raises(grpc.aio.AioRpcError) as e:
         await stubs[False].Generate(g.GenerateRequest(prompt_token_ids=PROMPT, max_new_tokens=4, mode="sd"))
     assert e.value.code() == grpc.StatusCode.UNAVAILABLE and nowhere in e.value.details()
