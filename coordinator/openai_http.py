@@ -5,6 +5,7 @@
     POST /v1/responses          OpenAI's Responses API over the chat route (coordinator/responses_api.py)
     GET  /v1/models             the one model served
     POST /tokenize, /detokenize vLLM's: a prompt's token ids (as either route encodes it), or the text of ids
+    GET  /version               vLLM's: the server's version
     GET  /health                200 while serving, 503 while draining
     GET  /metrics               the coordinator's Prometheus metrics (also on COORDINATOR_METRICS_PORT)
 
@@ -364,6 +365,12 @@ class OpenAIFrontDoor:
         async def detokenize(body: schema.DetokenizeRequest, request: Request):
             self._check(request, body)
             return {"prompt": self.backend.detokenize(body.tokens)}
+
+        @app.get("/version")
+        async def version():
+            from specdec import __version__
+
+            return {"version": __version__}
 
         @app.get("/health")
         async def health():

@@ -20,6 +20,7 @@ import os
 import sys
 from pathlib import Path
 
+from specdec import __version__
 from specdec.defaults import (COORDINATOR_HTTP_PORT, COORDINATOR_PORT, DEFAULT_DRAFT, DEFAULT_TARGET,
                               PROMPT_LOOKUP_MIN_NGRAM)
 
@@ -56,6 +57,7 @@ def _add_models(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="specdec", description="Disaggregated speculative decoding.")
+    ap.add_argument("--version", action="version", version=f"specdec {__version__}")
     sub = ap.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("serve", help="run draft server, target server and coordinator on this machine")
     _add_models(s)

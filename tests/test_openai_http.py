@@ -214,6 +214,10 @@ async def test_models_and_health(api):
     assert models.data[0].model_extra["max_model_len"] == api.t.host.worker.max_context > 0
     r = await api.http.get("/health")
     assert r.status_code == 200 and r.json()["status"] == "serving"
+    from specdec import __version__
+
+    r = await api.http.get("/version")
+    assert r.status_code == 200 and r.json() == {"version": __version__} and __version__[0].isdigit()
     metrics = await api.http.get("/metrics")
     assert metrics.status_code == 200
     assert 'specdec_http_requests_total{route="/health",status="200"}' in metrics.text
