@@ -14,7 +14,7 @@ import ray
 @ray.remote(num_cpus=0)
 class PoolManagerActor:
     def __init__(self, specs: dict, refresh_s: float, health_timeout_s: float, tls: dict | None = None,
-                 wait_s: float = 60.0, max_waiting: int = 256, affinity_slack: int | None = 2):
+                 wait_s: float = 60.0, max_waiting: int = 256, affinity_slack: int | None = 2, preempt: bool = True):
         from coordinator.discovery import source_from_spec
         from coordinator.pool import PoolManager
 
@@ -25,23 +25,27 @@ class PoolManagerActor:
             factory = lambda: channel_credentials(**tls)  # noqa: E731 - built in this process (not picklable)
         self.pm = PoolManager({k: source_from_spec(v) for k, v in specs.items() if v}, refresh_s,
                               health_timeout_s, credentials_factory=factory, wait_s=wait_s,
-                              max_waiting=max_waiting, affinity_slack=affinity_slack)
+                              max_waiting=max_waiting, affinity_slack=affinity_slack, preempt=preempt)
 
     async def start(self) -> dict:
         await self.pm.start()
         return self.pm.snapshot()
 
-    async def acquire(self, kind: str, exclude: list[str], keys: list[bytes] = (), priority: int = 0) -> str:
-        return await self.pm.acquire(kind, exclude, keys, priority)
+    async def acquire(self, kind: str, exclude: list[str], keys: list[bytes] = (), priority: int = 0,
+                      holder: str = "") -> str:
+        return await self.pm.acquire(kind, exclude, keys, priority, holder)
 
-    async def release(self, kind: str, endpoint: str) -> None:
-        self.pm.release(kind, endpoint)
+    async def release(self, kind: str, endpoint: str, holder: str = "") -> None:
+        self.pm.release(kind, endpoint, holder)
 
     async def report_failure(self, kind: str, endpoint: str, error: str = "") -> None:
         self.pm.report_failure(kind, endpoint, error)
 
     async def members(self) -> dict:
         return self.pm.members()
+
+    async def view(self) -> dict:
+        return self.pm.view()
 
     async def waiting(self) -> dict:
         return self.pm.waiting()
@@ -64,8 +68,8 @@ class RayPool:
         self.h = handle
         self._giving_back: set[asyncio.Task] = set()  # referenced until done (the loop holds tasks weakly)
 
-    async def acquire(self, kind, exclude=(), keys=(), priority=0):
-        ref = self.h.acquire.remote(kind, list(exclude), list(keys), priority)
+    async def acquire(self, kind, exclude=(), keys=(), priority=0, holder=""):
+        ref = self.h.acquire.remote(kind, list(exclude), list(keys), priority, holder)
         try:
             return await ref
         except ray.exceptions.RayTaskError as e:  # the pool's own error: its message says what to change
@@ -77,26 +81,29 @@ class RayPool:
             # and each such cancel would shrink the pools for good. Stop its wait, and give back what it hands.
             with contextlib.suppress(Exception):
                 ray.cancel(ref)
-            task = asyncio.ensure_future(self._give_back(ref, kind))
+            task = asyncio.ensure_future(self._give_back(ref, kind, holder))
             self._giving_back.add(task)
             task.add_done_callback(self._giving_back.discard)
             raise
 
-    async def _give_back(self, ref, kind: str) -> None:
+    async def _give_back(self, ref, kind: str, holder: str) -> None:
         try:
             endpoint = await ref
         except (Exception, asyncio.CancelledError):  # noqa: BLE001 - cancelled or failed: nothing was handed
             return
-        await self.release(kind, endpoint)
+        await self.release(kind, endpoint, holder)
 
-    async def release(self, kind, endpoint):
-        await self.h.release.remote(kind, endpoint)
+    async def release(self, kind, endpoint, holder=""):
+        await self.h.release.remote(kind, endpoint, holder)
 
     async def report_failure(self, kind, endpoint, error=""):
         await self.h.report_failure.remote(kind, endpoint, error)
 
     async def members(self):
         return await self.h.members.remote()
+
+    async def view(self):
+        return await self.h.view.remote()
 
 
 @ray.remote(num_cpus=0)

@@ -21,10 +21,12 @@ import asyncio
 import dataclasses
 import logging
 import time
+import uuid
 from typing import AsyncIterator
 
 import grpc
 
+from specdec.errors import CapacityError
 from specdec.pb import common_pb2, draft_pb2, target_pb2
 from specdec.sampling import SamplingParams
 from specdec.server.convert import (decode_q, draft_block, draft_request, encode_q, features_from_proto,
@@ -45,10 +47,14 @@ class PoolView:
 
     def __init__(self):
         self.members: dict[str, list[str]] = {}
+        self.preempt: dict[str, list[str]] = {}  # holdings marked for preemption (coordinator/preemption.py)
 
     def gone(self, kind: str, endpoint: str) -> bool:
         live = self.members.get(kind)
         return bool(live) and endpoint not in live  # an empty view (blip, startup) moves nothing
+
+    def preempts(self, kind: str, holding: str) -> bool:
+        return bool(holding) and holding in self.preempt.get(kind, ())
 
 
 def _retryable(e: BaseException) -> str | None:
@@ -79,15 +85,23 @@ class _Pinned:
         self.start_kw: dict = {}  # extra StartSession fields (return_features), kept for rebuilds
         self.prefix_keys: list[bytes] = []  # the prompt's prefix keys: the pool prefers the replica they went to
         self.priority = 0  # the request's: a full pool serves lower values first
+        self.holder = uuid.uuid4().hex  # this backend's holdings in the pool are holder/1, holder/2, ...
+        self.holding = ""  # the current one (preemption marks it)
+        self.preemptions = 0
 
     def _round_stream(self, enabled: bool) -> RoundStream:
         raise NotImplementedError
 
     async def _pin(self) -> None:
         t0 = time.perf_counter_ns()
-        self.endpoint = await self.pool.acquire(self.kind, self.failed, self.prefix_keys, self.priority)
+        self.holding = f"{self.holder}/{len(self.served) + 1}"
+        self.endpoint = await self.pool.acquire(self.kind, self.failed, self.prefix_keys, self.priority,
+                                                self.holding)
         self.queued_ns += time.perf_counter_ns() - t0
         self.served.append(self.endpoint)
+
+    async def _release(self, endpoint: str) -> None:
+        await self.pool.release(self.kind, endpoint, self.holding)
 
     async def _start_on(self, prompt_ids: list[int], **extra):
         stub = self._stub()
@@ -126,7 +140,7 @@ class _Pinned:
         self.failovers += 1
         full = self.endpoint
         self.failed.append(full)
-        await self.pool.release(self.kind, full)
+        await self._release(full)
         try:
             await self._pin()
         except Exception:  # noqa: BLE001 - no other replica: report the original error
@@ -141,20 +155,44 @@ class _Pinned:
         log.warning("%s replica %s failed (%s); moving session %s", self.kind, bad,
                     getattr(e, "code", lambda: e)(), self.sid)
         await self.pool.report_failure(self.kind, bad, str(getattr(e, "details", lambda: e)()))
-        await self.pool.release(self.kind, bad)
+        await self._release(bad)
         await self._pin()
 
     async def _move_if_gone(self, rebuild) -> None:
-        """Scale-in: the pinned replica left the pool; rebuild the session elsewhere before the next call."""
+        """Before a call: scale-in (the pinned replica left the pool: rebuild the session elsewhere) or preemption
+        (a request of higher priority waits for this session: give it up, wait for room, rebuild)."""
+        if self.endpoint is not None and self.view.preempts(self.kind, self.holding):
+            await self._yield_session(rebuild)
+            return
         if self.endpoint is None or not self.view.gone(self.kind, self.endpoint):
             return
         old = self.endpoint
         log.info("%s replica %s left the pool; moving session %s", self.kind, old, self.sid)
-        await self.pool.release(self.kind, old)
+        await self._release(old)
         self.failed.append(old)
         await self._pin()
         await rebuild()
         asyncio.ensure_future(self._end_on(old))  # best effort: free its slot if it is still up
+
+    async def _yield_session(self, rebuild) -> None:
+        """Preempted (coordinator/preemption.py): end the session, hand its room to the pool's top waiter, wait for
+        room with this request's own priority, and rebuild the session from what it verified (exact)."""
+        old = self.endpoint
+        log.info("%s session %s (priority %d) preempted on %s: it waits for room, then resumes", self.kind,
+                 self.sid, self.priority, old)
+        self.rounds.close()
+        await self._end_on(old)
+        self.endpoint = None
+        await self._release(old)
+        self.preemptions += 1
+        while True:  # a preempted request keeps its place in line: it waits out full queues, not just one wait
+            try:
+                await self._pin()
+                break
+            except CapacityError as e:
+                log.info("preempted session %s still waits for room (%s)", self.sid, e)
+                await asyncio.sleep(1.0)
+        await rebuild()
 
     async def _end_on(self, endpoint: str) -> None:
         stub = self.channels.draft(endpoint) if self.kind == "draft" else self.channels.target(endpoint)
@@ -173,7 +211,7 @@ class _Pinned:
         try:
             await self._end_on(ep)
         finally:
-            await self.pool.release(self.kind, ep)
+            await self._release(ep)
 
     async def _with_failover(self, call, rebuild, compute):
         """One round call (`call()` makes it: a stream message, or a unary RPC) with failover: after a retryable

@@ -54,6 +54,10 @@ class CoordinatorSettings(ServerSettings):
                                                         "RESOURCE_EXHAUSTED)")
     max_waiting: int = Field(256, ge=0, description="requests that may wait for a free session at once; more get "
                                                     "RESOURCE_EXHAUSTED at once")
+    preempt: bool = Field(True, description="a request waiting for a free session takes the session of a running "
+                          "request of lower priority (a larger `priority`), which ends it, waits for room again and "
+                          "then resumes from its verified tokens (exact; costs it a re-prefill). Equal priorities "
+                          "never preempt each other")
     replica_streams: bool = Field(True, description="send each session's Draft/Verify calls as messages on one "
                                                     "open stream per replica (VerifyRounds/DraftRounds); off: "
                                                     "unary calls")

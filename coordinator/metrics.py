@@ -36,3 +36,6 @@ class CoordinatorMetrics:
         # (COORDINATOR_DRAFT_FALLBACK): exact but slower; alert on it (deploy/monitoring/prometheus-rules.yaml)
         self.draft_unavailable = Counter("specdec_draft_unavailable", "Requests that fell back to target-only "
                                          "decoding because no draft replica was reachable", registry=r)
+        # sessions given up to requests of higher priority (COORDINATOR_PREEMPT; coordinator/preemption.py)
+        self.preemptions = Counter("specdec_preemptions", "Replica sessions requests gave up to requests of higher "
+                                   "priority, to resume later", registry=r)

@@ -79,17 +79,20 @@ class AsyncPool:
     def __init__(self, manager):
         self.manager = manager
 
-    async def acquire(self, kind, exclude=(), keys=(), priority=0):
-        return await self.manager.acquire(kind, list(exclude), list(keys), priority)
+    async def acquire(self, kind, exclude=(), keys=(), priority=0, holder=""):
+        return await self.manager.acquire(kind, list(exclude), list(keys), priority, holder)
 
-    async def release(self, kind, endpoint):
-        self.manager.release(kind, endpoint)
+    async def release(self, kind, endpoint, holder=""):
+        self.manager.release(kind, endpoint, holder)
 
     async def report_failure(self, kind, endpoint, error=""):
         self.manager.report_failure(kind, endpoint, error)
 
     async def members(self):
         return self.manager.members()
+
+    async def view(self):
+        return self.manager.view()
 
 
 class Pipeline:
@@ -109,7 +112,8 @@ class Pipeline:
     async def _refresh_view(self):
         while True:
             with contextlib.suppress(Exception):
-                self.view.members = await self.pool.members()
+                state = await self.pool.view()
+                self.view.members, self.view.preempt = state["members"], state["preempt"]
             await asyncio.sleep(self.view_refresh_s)
 
     def _ensure_view(self):
@@ -228,6 +232,7 @@ class Pipeline:
         stats["draft_replica"] = ",".join(ep for b in drafts for ep in b.served)
         stats["target_replica"] = ",".join(ep for b in targets for ep in b.served)
         stats["draft_unavailable"] = unavailable
+        stats["preemptions"] = sum(b.preemptions for b in targets + drafts)
         finish = "stop" if res.finish_reason == "stop" else res.finish_reason
         pl = first_target.prompt_logprobs
         return {"done": True, "token_ids": res.token_ids, "finish_reason": finish, "stats": stats,

@@ -18,6 +18,7 @@ Admission (a pool at capacity queues, it does not fail)
 - When every routable replica holds as many sessions pinned by this coordinator as its capacity, `acquire` waits
   for one to be released, first come first served within a request's `priority` (lower first), at most `wait_s`; then, or when `max_waiting` requests
   already wait, it fails with `CapacityError` (→ RESOURCE_EXHAUSTED) saying how many wait and what to change.
+- A waiter may preempt a running request of lower priority (coordinator/preemption.py; `preempt`).
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from coordinator.affinity import PrefixAffinity
+from coordinator.preemption import Holdings
 from specdec.errors import CapacityError, SpecDecError
 
 log = logging.getLogger(__name__)
@@ -69,6 +71,8 @@ class Waiter:
     future: asyncio.Future  # set to the endpoint handed over by `release`
     keys: list[bytes] = field(default_factory=list)  # the prompt's prefix keys (prefix affinity)
     priority: int = 0  # lower is served first; equal priorities in arrival order
+    holder: str = ""  # the token the room it gets is recorded under (preemption)
+    victim: str | None = None  # the holding it marked for preemption, if any
 
 
 @dataclass
@@ -79,6 +83,7 @@ class Pool:
     waiters: deque[Waiter] = field(default_factory=deque)  # requests waiting for room, in arrival order
     full_since: float | None = None  # when requests started to queue (for the log), None while none waits
     affinity: PrefixAffinity | None = None  # which replica each prompt prefix went to (None: least loaded only)
+    holdings: Holdings = field(default_factory=Holdings)  # the sessions handed out, for preemption
 
     def routable(self) -> list[str]:
         return [ep for ep, m in self.members.items() if m.healthy]
@@ -135,14 +140,16 @@ class PoolManager:
 
     def __init__(self, sources: dict, refresh_s: float = 5.0, health_timeout_s: float = 1.0,
                  health_check=None, credentials_factory=None, capacity_check=None, wait_s: float = 60.0,
-                 max_waiting: int = 256, affinity_slack: int | None = 2):
+                 max_waiting: int = 256, affinity_slack: int | None = 2, preempt: bool = True):
         """`affinity_slack`: sessions a replica may hold beyond the least loaded one and still get the requests
-        whose prefixes it was sent (None: no prefix affinity)."""
+        whose prefixes it was sent (None: no prefix affinity). `preempt`: waiters take the sessions of running
+        requests of lower priority (coordinator/preemption.py)."""
         self.pools = {k: Pool(k, s, affinity=None if affinity_slack is None else PrefixAffinity(affinity_slack))
                       for k, s in sources.items() if s is not None}
         self.refresh_s = refresh_s
         self.health_timeout_s = health_timeout_s
         self.wait_s, self.max_waiting = wait_s, max_waiting
+        self.preempt = preempt
         self._health = health_check
         self._capacity = capacity_check
         self._credentials_factory = credentials_factory
@@ -226,6 +233,10 @@ class PoolManager:
         """Routable endpoints per pool (pipelines cache this to move sessions off removed replicas)."""
         return {k: p.routable() for k, p in self.pools.items()}
 
+    def view(self) -> dict:
+        """What pipelines cache: routable endpoints and the holdings marked for preemption, per pool."""
+        return {"members": self.members(), "preempt": {k: p.holdings.marked() for k, p in self.pools.items()}}
+
     def snapshot(self) -> dict:
         return {k: {ep: {"healthy": m.healthy, "sessions": m.sessions, "capacity": m.capacity or 0,
                          "max_context": m.max_context, "error": m.last_error} for ep, m in p.members.items()}
@@ -261,10 +272,11 @@ class PoolManager:
         return m.endpoint
 
     async def acquire(self, kind: str, exclude: list[str] | tuple = (), keys: list[bytes] = (),
-                      priority: int = 0) -> str:
+                      priority: int = 0, holder: str = "") -> str:
         """Pin a new session to a routable replica of `kind` with room (the least loaded, or the one its prompt's
         prefix `keys` went to: module docstring); wait for room if all are full ("Admission"), served before
-        waiters of a larger `priority`."""
+        waiters of a larger `priority`. `holder`: the request's token for this session (preemption; release
+        it with the same)."""
         pool, exclude, keys = self._pool(kind), set(exclude), list(keys)
         # room is handed to waiters the moment it frees up, so room found here is room no waiter can use
         ep = self._pick(pool, exclude, keys)
@@ -272,10 +284,11 @@ class PoolManager:
             await self.refresh()  # nothing routable: look again once
             ep = self._pick(pool, exclude, keys)
         if ep is not None:
+            pool.holdings.record(holder, ep, priority)
             return ep
         if not pool.any_routable(exclude):
             raise self._unavailable(pool, exclude)
-        return await self._wait(pool, exclude, keys, priority)
+        return await self._wait(pool, exclude, keys, priority, holder)
 
     def _unavailable(self, pool: Pool, exclude: set[str]) -> ReplicaUnavailableError:
         tried = sorted(set(pool.members) | exclude)
@@ -292,11 +305,17 @@ class PoolManager:
             f"{len(pool.waiters)} request(s) wait; retry later, add {pool.kind} replicas or raise their "
             f"--max-sessions (the wait is COORDINATOR_QUEUE_WAIT_S, the queue COORDINATOR_MAX_WAITING)")
 
-    async def _wait(self, pool: Pool, exclude: set[str], keys: list[bytes], priority: int) -> str:
+    async def _wait(self, pool: Pool, exclude: set[str], keys: list[bytes], priority: int, holder: str) -> str:
         if len(pool.waiters) >= self.max_waiting:
             raise self._full(pool, f"the coordinator's queue is full ({self.max_waiting} waiting)")
-        w = Waiter(exclude, asyncio.get_running_loop().create_future(), keys, priority)
+        w = Waiter(exclude, asyncio.get_running_loop().create_future(), keys, priority, holder)
         pool.waiters.append(w)
+        if self.preempt:
+            w.victim = pool.holdings.mark_victim(
+                priority, lambda ep: ep not in exclude and ep in pool.members and pool.members[ep].healthy)
+            if w.victim is not None:
+                log.info("%s pool full: a request of priority %d preempts a session of priority %d", pool.kind,
+                         priority, pool.holdings.by_token[w.victim].priority)
         if pool.full_since is None:
             pool.full_since = time.monotonic()
             log.warning("%s pool at capacity (%d sessions): new requests wait for a free session", pool.kind,
@@ -315,9 +334,10 @@ class PoolManager:
         """A waiter gives up: leave the queue; a slot handed over at the same moment goes to the next one."""
         with contextlib.suppress(ValueError):
             pool.waiters.remove(w)
+        pool.holdings.unmark(w.victim)  # no longer wanted, if it has not yielded yet
         handed = w.future.done() and not w.future.cancelled() and w.future.exception() is None
         if handed:
-            self.release(pool.kind, w.future.result())  # serves the next waiter
+            self.release(pool.kind, w.future.result(), w.holder)  # serves the next waiter
         w.future.cancel()
         if not handed:
             self._serve_waiters(pool)  # the queue may be empty now (the drain log)
@@ -341,12 +361,15 @@ class PoolManager:
                 w.future.set_exception(self._unavailable(pool, w.exclude))
             elif (ep := self._pick(pool, w.exclude, w.keys)) is not None:
                 pool.waiters.remove(w)
+                pool.holdings.record(w.holder, ep, w.priority)
+                pool.holdings.unmark(w.victim)  # room came: its victim, if it has not yielded yet, may stay
                 w.future.set_result(ep)
 
-    def release(self, kind: str, endpoint: str) -> None:
+    def release(self, kind: str, endpoint: str, holder: str = "") -> None:
         pool = self.pools.get(kind)
         if pool is None:
             return
+        pool.holdings.drop(holder)
         m = pool.members.get(endpoint)
         if m is not None and m.sessions > 0:
             m.sessions -= 1

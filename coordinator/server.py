@@ -71,7 +71,7 @@ async def build_router(s: CoordinatorSettings, resolve=None, health_check=None):
         pm = PoolManager({k: source_from_spec(v, resolve) for k, v in specs.items() if v}, s.dns_refresh_s,
                          s.health_timeout_s, health_check=health_check,
                          credentials_factory=(lambda: creds) if creds else None, wait_s=s.queue_wait_s,
-                         max_waiting=s.max_waiting, affinity_slack=affinity_slack)
+                         max_waiting=s.max_waiting, affinity_slack=affinity_slack, preempt=s.preempt)
         await pm.start()
         router = LocalRouter(Pipeline(AsyncPool(pm), creds, s.rpc_timeout_s, s.pool_view_refresh_s,
                                       s.replica_streams, s.prefix_affinity_chunk))
@@ -81,7 +81,7 @@ async def build_router(s: CoordinatorSettings, resolve=None, health_check=None):
     from coordinator.router import RayRouter
 
     pool = PoolManagerActor.remote(specs, s.dns_refresh_s, s.health_timeout_s, tls, s.queue_wait_s, s.max_waiting,
-                                   affinity_slack)
+                                   affinity_slack, s.preempt)
     snap = await pool.start.remote()
     log.info("pools: %s", snap)
 

@@ -312,6 +312,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                             m.queue_time.observe(stats.get("queued_s", 0.0))
                             if stats.get("draft_unavailable"):
                                 m.draft_unavailable.inc()
+                            m.preemptions.inc(stats.get("preemptions", 0))
                             off = stats.get("target_only_rounds", 0)
                             m.rounds.labels("target_only").inc(off)
                             if stats.get("mode") != "ar":

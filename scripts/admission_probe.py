@@ -5,6 +5,13 @@ should finish with its greedy output, the ones beyond capacity after waiting in 
 
 Prints, per request: its queue time (`stats.queued_s`), latency and tokens; then the medians. Set
 COORDINATOR_MAX_WAITING=0 to see the old behaviour (requests beyond capacity fail with RESOURCE_EXHAUSTED).
+
+    python scripts/admission_probe.py --urgent 2 --max-sessions 2 --max-new-tokens 192
+
+Preemption by priority: `--max-sessions` batch requests (priority 5, --max-new-tokens each) fill the target, then,
+once every one of them has streamed a token, `--urgent` requests (priority -1, 32 tokens) arrive. Prints each
+request's latency and `stats.preemptions`, and checks every greedy answer against the same request run alone
+first. COORDINATOR_PREEMPT=0 shows the urgent requests waiting for the batch instead.
 """
 from __future__ import annotations
 
@@ -54,13 +61,63 @@ async def run(args) -> None:
           f"{sum(r[3] for r in rows) / makespan:.1f} tok/s aggregate")
 
 
+async def run_urgent(args) -> None:
+    from coordinator.stack import LocalStack
+    from specdec.defaults import DEFAULT_DRAFT, DEFAULT_TARGET
+    from specdec.hub import resolve_model
+    from specdec.pacer_train.bench import benchmark_prompts, encode
+    from specdec.pb import generation_pb2 as g, generation_pb2_grpc as gg
+    from specdec.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(resolve_model(DEFAULT_TARGET))
+    n_batch = args.max_sessions
+    prompts = [encode(tok, item) for _, item in benchmark_prompts(n_batch + args.urgent, n_batch + args.urgent)]
+    batch = [g.GenerateRequest(prompt_token_ids=prompts[i], mode="sd", max_new_tokens=args.max_new_tokens,
+                               priority=5, ignore_eos=True) for i in range(n_batch)]
+    urgent = [g.GenerateRequest(prompt_token_ids=prompts[n_batch + i], mode="sd", max_new_tokens=32, priority=-1,
+                                ignore_eos=True) for i in range(args.urgent)]
+    async with LocalStack(DEFAULT_TARGET, DEFAULT_DRAFT, None, threads=1, max_sessions=args.max_sessions) as stack:
+        channel = grpc.aio.insecure_channel(stack.address)
+        stub = gg.GenerationServiceStub(channel)
+        alone = [list((await stub.Generate(r)).token_ids) for r in batch + urgent]
+        started = [asyncio.Event() for _ in batch]
+
+        async def one(kind: str, i: int, r):
+            t0, ids, last = time.perf_counter(), [], None
+            async for part in stub.GenerateStream(r):
+                ids.extend(part.token_ids)
+                last = part
+                if kind == "batch":
+                    started[i].set()
+            return kind, i, time.perf_counter() - t0, last.stats.preemptions, ids
+
+        t0 = time.perf_counter()
+        tasks = [asyncio.ensure_future(one("batch", i, r)) for i, r in enumerate(batch)]
+        await asyncio.gather(*(e.wait() for e in started))
+        tasks += [asyncio.ensure_future(one("urgent", i, r)) for i, r in enumerate(urgent)]
+        rows = await asyncio.gather(*tasks)
+        makespan = time.perf_counter() - t0
+        await channel.close()
+    print("| request | priority | latency s | preemptions | tokens | = alone |\n|---|---|---|---|---|---|")
+    for kind, i, lat, pre, ids in rows:
+        ref = alone[i if kind == "batch" else n_batch + i]
+        print(f"| {kind} {i} | {5 if kind == 'batch' else -1} | {lat:.2f} | {pre} | {len(ids)} | {ids == ref} |")
+    for kind in ("batch", "urgent"):
+        lats = [r[2] for r in rows if r[0] == kind]
+        print(f"{kind}: latency median {statistics.median(lats):.2f} s, max {max(lats):.2f} s")
+    print(f"makespan {makespan:.1f} s; all answers equal to the requests run alone: "
+          f"{all(ids == alone[i if k == 'batch' else n_batch + i] for k, i, _, _, ids in rows)}")
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=12)
     ap.add_argument("--max-sessions", type=int, default=4, help="the replicas' session slots")
     ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--urgent", type=int, default=0, help="preemption probe: this many priority -1 requests arrive "
+                    "while batch requests of priority 5 fill the target (0: the admission probe)")
     args = ap.parse_args(argv)
-    asyncio.run(run(args))
+    asyncio.run(run_urgent(args) if args.urgent else run(args))
 
 
 if __name__ == "__main__":

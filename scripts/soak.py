@@ -74,6 +74,7 @@ class Soak:
         self.http_greedy_diff = collections.Counter()  # prompt -> HTTP greedy texts unlike ar's
         self.same_seed = collections.Counter()  # True: a same-seed pair agreed on its common prefix
         self.tokens = 0
+        self.preemptions = collections.Counter()  # by priority: sessions given up to higher priorities
 
     def request(self, rng: random.Random):
         from specdec.pb import generation_pb2
@@ -93,6 +94,8 @@ class Soak:
             r.pearl_overlap = "always"
         if rng.random() < 0.2:
             r.logprobs = rng.randint(0, 3)
+        if rng.random() < self.args.priority_share:  # full pools: the urgent ones preempt the batch ones
+            r.priority = rng.choice([-1, 5])
         if greedy and rng.random() < self.args.penalty_share:
             for name, value in PENALTIES.items():
                 setattr(r, name, value)
@@ -140,6 +143,7 @@ class Soak:
             if not stream:
                 resp = await self.stub.Generate(r, timeout=deadline or 600)
                 self.check(p, r, key, list(resp.token_ids), kind)
+                self.preemptions[r.priority] += resp.stats.preemptions
                 if r.HasField("logprobs") and not (len(resp.logprobs.logprobs) == len(resp.logprobs.top)
                                                    == len(resp.token_ids)):
                     self.failures.append(f"{kind} {r.mode}: {len(resp.logprobs.logprobs)} logprobs for "
@@ -150,6 +154,7 @@ class Soak:
                 async for m in call:
                     ids += list(m.token_ids)
                     n += 1
+                    self.preemptions[r.priority] += m.stats.preemptions
                     if drop_after is not None and n >= drop_after:
                         call.cancel()
                         self.codes["CANCELLED (client)"] += 1
@@ -333,6 +338,7 @@ async def main(args) -> int:
                   "http_greedy_text_differs_from_ar": {f"prompt {p}": n
                                                        for p, n in sorted(soak.http_greedy_diff.items())},
                   "same_seed_pairs": {"agreed": soak.same_seed[True], "differed": soak.same_seed[False]},
+                  "preemptions_by_priority": dict(soak.preemptions),
                   "replica_state": state,
                   "rss_mb_start": {k: round(v) for k, v in rss0.items()},
                   "rss_mb_end": {k: round(v) for k, v in rss1.items()}, "rss_mb_series": series,
@@ -365,6 +371,8 @@ if __name__ == "__main__":
                     help="of greedy requests: with presence, frequency and repetition penalties")
     ap.add_argument("--batch-share", type=float, default=0.3,
                     help="of the unary greedy HTTP requests: a list of two prompts, both answers checked")
+    ap.add_argument("--priority-share", type=float, default=0.3,
+                    help="of requests: priority -1 or 5 (the rest 0), so that waiting ones preempt running ones")
     ap.add_argument("--json-share", type=float, default=0.15,
                     help="of greedy requests without penalties: structured output, a JSON object")
     ap.add_argument("--settle-s", type=float, default=3.0)

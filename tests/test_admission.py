@@ -254,7 +254,7 @@ async def test_a_request_cancelled_while_the_ray_pool_looks_for_room_leaks_no_se
     else:
         h.acquire.futures[0].set_exception(RuntimeError("cancelled in the actor"))
     await settle()
-    assert h.release.calls == ([("target", EP)] if handed else [])
+    assert h.release.calls == ([("target", EP, "")] if handed else [])
     if h.release.futures:
         h.release.futures[0].set_result(None)
     await settle()

@@ -1,0 +1,129 @@
+"""Preemption by priority (coordinator/preemption.py): a request waiting for room in a full pool takes the session of
+a running request of lower priority, which gives it up, waits, and resumes from its verified tokens, exactly."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import pytest
+
+from coordinator.config import CoordinatorSettings
+from coordinator.preemption import Holdings
+from coordinator.server import build_coordinator
+from specdec.errors import CapacityError
+from specdec.pb import generation_pb2 as g, generation_pb2_grpc as gg
+from tests.helpers_models import start_replica, target_greedy, tiny_pair
+from tests.test_admission import EP, pool, settle
+from tests.test_coordinator import slowed
+
+
+def test_the_victim_is_the_lowest_priority_latest_holding():
+    h = Holdings()
+    for token, ep, priority in (("a", "x", 5), ("b", "y", 5), ("c", "x", 9), ("d", "x", 0)):
+        h.record(token, ep, priority)
+    assert h.mark_victim(0, lambda ep: True) == "c", "the largest priority value first"
+    assert h.mark_victim(0, lambda ep: True) == "b", "then, among equals, the one handed out last"
+    assert h.mark_victim(0, lambda ep: ep != "x") is None, "only replicas the waiter may use"
+    assert h.mark_victim(0, lambda ep: True) == "a"
+    assert h.mark_victim(0, lambda ep: True) is None, "equal priorities never preempt each other"
+    assert sorted(h.marked()) == ["a", "b", "c"]
+    h.unmark("b")
+    h.drop("c")
+    assert h.marked() == ["a"] and h.mark_victim(-1, lambda ep: True) == "b"
+    h.record("", "x", 99)  # a session acquired without a token cannot be preempted
+    assert "" not in h.by_token
+
+
+async def test_a_waiter_marks_a_lower_priority_holding_and_unmarks_it_when_it_gives_up():
+    pm = pool(1, wait_s=0.3)
+    await pm.start()
+    assert await pm.acquire("target", priority=3, holder="low/1") == EP
+    same = asyncio.ensure_future(pm.acquire("target", priority=3, holder="peer/1"))
+    await settle()
+    assert pm.view()["preempt"] == {"target": []}, "equal priority: it waits, nothing is preempted"
+    urgent = asyncio.ensure_future(pm.acquire("target", priority=-1, holder="urgent/1"))
+    await settle()
+    assert pm.view()["preempt"] == {"target": ["low/1"]}
+    pm.release("target", EP, "low/1")  # the victim yields: the room goes to the waiter of highest priority
+    await settle()
+    assert urgent.done() and await urgent == EP and not same.done()
+    assert pm.view()["preempt"] == {"target": []}
+    with pytest.raises(CapacityError):
+        await same  # times out (0.3 s): the urgent request holds the one session
+    late = asyncio.ensure_future(pm.acquire("target", priority=-5, holder="later/1"))
+    await settle()
+    assert pm.view()["preempt"] == {"target": ["urgent/1"]}
+    late.cancel()
+    await settle()
+    assert pm.view()["preempt"] == {"target": []}, "a waiter that goes away unmarks its victim"
+    off = pool(1, preempt=False)
+    await off.start()
+    await off.acquire("target", priority=3, holder="low/1")
+    waiting = asyncio.ensure_future(off.acquire("target", priority=-1, holder="urgent/1"))
+    await settle()
+    assert off.view()["preempt"] == {"target": []}
+    waiting.cancel()
+    await pm.stop()
+    await off.stop()
+
+
+@pytest.mark.parametrize("mode", ["sd", "pacer_pearl"])
+async def test_a_higher_priority_request_preempts_and_both_answers_stay_exact(mode):
+    """One target session (max_sessions=1), its forwards slowed: a long request of priority 5 is running when a
+    request of priority -1 arrives. The urgent one takes the session and finishes first; the preempted one waits,
+    resumes from its verified tokens and still returns the target's greedy output (stats.preemptions = 1). With
+    COORDINATOR_PREEMPT off, the urgent one waits for the long one to end."""
+    target, draft = tiny_pair()
+    t = await start_replica("target", slowed(target, 0.02), max_sessions=1)
+    d = await start_replica("draft", draft, preverifier="random")
+    apps, channels = [], []
+    try:
+        stubs = {}
+        for preempt in (True, False):
+            s = CoordinatorSettings(host="127.0.0.1", port=0, metrics_port=0, ray=False, tokenizer="", pipelines=1,
+                                    draft_endpoints=d.endpoint, target_endpoints=t.endpoint, log_level="WARNING",
+                                    grace_s=0, preempt=preempt, pool_view_refresh_s=0.05)
+            app, _ = await build_coordinator(s)
+            await app.start()
+            apps.append(app)
+            channels.append(grpc.aio.insecure_channel(f"127.0.0.1:{app.port}"))
+            stubs[preempt] = gg.GenerationServiceStub(channels[-1])
+        long_p, short_p = [1, 2, 3], [6, 7]
+        for preempt in (True, False):
+            stub = stubs[preempt]
+            got, first = [], asyncio.Event()
+
+            async def long_request():
+                last = None
+                async for part in stub.GenerateStream(g.GenerateRequest(
+                        prompt_token_ids=long_p, max_new_tokens=60, mode=mode, priority=5, ignore_eos=True)):
+                    got.extend(part.token_ids)
+                    first.set()
+                    last = part
+                return last, time.perf_counter()
+
+            low = asyncio.ensure_future(long_request())
+            await asyncio.wait_for(first.wait(), 30)
+            high = await stub.Generate(g.GenerateRequest(prompt_token_ids=short_p, max_new_tokens=4, mode=mode,
+                                                         priority=-1, ignore_eos=True))
+            high_done = time.perf_counter()
+            last, low_done = await low
+            assert list(high.token_ids) == target_greedy(target, short_p, 4)
+            assert got == target_greedy(target, long_p, 60), "the preempted request resumed exactly"
+            if preempt:
+                assert last.stats.preemptions == 1 and high.stats.preemptions == 0
+                assert high_done < low_done, "the urgent request did not wait for the long one"
+                assert len(got) == 60
+            else:
+                assert last.stats.preemptions == 0 and high_done > low_done
+            for _ in range(100):
+                if not t.host.table and not d.host.table:
+                    break
+                await asyncio.sleep(0.02)
+            assert not t.host.table and not d.host.table
+    finally:
+        for ch in channels:
+            await ch.close()
+        for a in apps + [t, d]:
+            await a.shutdown(0)
