@@ -26,7 +26,6 @@ from typing import AsyncIterator
 
 import grpc
 
-from specdec.errors import CapacityError
 from specdec.pb import common_pb2, draft_pb2, target_pb2
 from specdec.sampling import SamplingParams
 from specdec.server.convert import (decode_q, draft_block, draft_request, encode_q, features_from_proto,
@@ -37,6 +36,7 @@ from specdec.workers import DraftBlock, TargetFeatures, VerifyOutcome
 
 from coordinator.channels import Channels
 from coordinator.rounds import RoundStream
+from coordinator.session_moves import SessionMoves
 
 log = logging.getLogger(__name__)
 MAX_FAILOVERS = 4
@@ -66,7 +66,7 @@ def _retryable(e: BaseException) -> str | None:
     return None
 
 
-class _Pinned:
+class _Pinned(SessionMoves):
     kind = ""
 
     def __init__(self, pool, channels: Channels, view: PoolView | None = None, timeout: float = 60.0,
@@ -85,16 +85,19 @@ class _Pinned:
         self.start_kw: dict = {}  # extra StartSession fields (return_features), kept for rebuilds
         self.prefix_keys: list[bytes] = []  # the prompt's prefix keys: the pool prefers the replica they went to
         self.priority = 0  # the request's: a full pool serves lower values first
-        self.holder = uuid.uuid4().hex  # this backend's holdings in the pool are holder/1, holder/2, ...
+        self.holder = uuid.uuid4().hex  # the request's (its backends share it): holdings are holder/kind/1, ...
         self.holding = ""  # the current one (preemption marks it)
         self.preemptions = 0
+        self.sibling: _Pinned | None = None  # the request's backend in the other pool (it yields with this one)
+        self.in_call = 0  # calls in flight (a yield waits for them: `give_up`)
+        self.give_up = False  # yield the session when the call in flight ends
 
     def _round_stream(self, enabled: bool) -> RoundStream:
         raise NotImplementedError
 
     async def _pin(self) -> None:
         t0 = time.perf_counter_ns()
-        self.holding = f"{self.holder}/{len(self.served) + 1}"
+        self.holding = f"{self.holder}/{self.kind}/{len(self.served) + 1}"
         self.endpoint = await self.pool.acquire(self.kind, self.failed, self.prefix_keys, self.priority,
                                                 self.holding)
         self.queued_ns += time.perf_counter_ns() - t0
@@ -157,42 +160,6 @@ class _Pinned:
         await self.pool.report_failure(self.kind, bad, str(getattr(e, "details", lambda: e)()))
         await self._release(bad)
         await self._pin()
-
-    async def _move_if_gone(self, rebuild) -> None:
-        """Before a call: scale-in (the pinned replica left the pool: rebuild the session elsewhere) or preemption
-        (a request of higher priority waits for this session: give it up, wait for room, rebuild)."""
-        if self.endpoint is not None and self.view.preempts(self.kind, self.holding):
-            await self._yield_session(rebuild)
-            return
-        if self.endpoint is None or not self.view.gone(self.kind, self.endpoint):
-            return
-        old = self.endpoint
-        log.info("%s replica %s left the pool; moving session %s", self.kind, old, self.sid)
-        await self._release(old)
-        self.failed.append(old)
-        await self._pin()
-        await rebuild()
-        asyncio.ensure_future(self._end_on(old))  # best effort: free its slot if it is still up
-
-    async def _yield_session(self, rebuild) -> None:
-        """Preempted (coordinator/preemption.py): end the session, hand its room to the pool's top waiter, wait for
-        room with this request's own priority, and rebuild the session from what it verified (exact)."""
-        old = self.endpoint
-        log.info("%s session %s (priority %d) preempted on %s: it waits for room, then resumes", self.kind,
-                 self.sid, self.priority, old)
-        self.rounds.close()
-        await self._end_on(old)
-        self.endpoint = None
-        await self._release(old)
-        self.preemptions += 1
-        while True:  # a preempted request keeps its place in line: it waits out full queues, not just one wait
-            try:
-                await self._pin()
-                break
-            except CapacityError as e:
-                log.info("preempted session %s still waits for room (%s)", self.sid, e)
-                await asyncio.sleep(1.0)
-        await rebuild()
 
     async def _end_on(self, endpoint: str) -> None:
         stub = self.channels.draft(endpoint) if self.kind == "draft" else self.channels.target(endpoint)
@@ -282,9 +249,12 @@ class RemoteDraft(_Pinned):
         async def rebuild():
             await self._start_on(self.fed[:base_position] + append[:1])
 
-        await self._move_if_gone(rebuild)
-        r = await self._with_failover(lambda: self.rounds.call(self.endpoint, req, self._unary_draft), rebuild,
-                                      lambda r: r.draft_ns)
+        await self._before_call(rebuild)
+        try:
+            r = await self._with_failover(lambda: self.rounds.call(self.endpoint, req, self._unary_draft), rebuild,
+                                          lambda r: r.draft_ns)
+        finally:
+            await self._after_call()
         blk = draft_block(r)
         self.fed = self.fed[:base_position] + list(append) + blk.tokens[:-1]
         return blk
@@ -300,7 +270,7 @@ class RemoteDraft(_Pinned):
         async def rebuild():
             await self._start_on(self.fed[:base_position] + append[:1])
 
-        await self._move_if_gone(rebuild)
+        await self._before_call(rebuild)
         try:
             while True:
                 t0, compute, skip = time.perf_counter_ns(), 0, len(got)
@@ -335,6 +305,7 @@ class RemoteDraft(_Pinned):
             self._call = None
             # the replica holds base + append + every delivered token but the last (at least)
             self.fed = self.fed[:base_position] + list(append) + got[:-1]
+            await self._after_call()
 
     async def cancel(self, session_id: str) -> None:
         self._cancelled = True
@@ -389,8 +360,11 @@ class RemoteTarget(_Pinned):
                                            sample_bonus=sample_bonus, q=q_bytes)
             return self.rounds.call(self.endpoint, req, self._unary_verify)
 
-        await self._move_if_gone(rebuild)
-        r = await self._with_failover(call, rebuild, lambda r: r.forward_ns + r.verify_ns + r.queue_ns)
+        await self._before_call(rebuild)
+        try:
+            r = await self._with_failover(call, rebuild, lambda r: r.forward_ns + r.verify_ns + r.queue_ns)
+        finally:
+            await self._after_call()
         kept = base + len(fd) + (r.num_accepted if feed_draft else 0)
         self.fed = (self.fed[:base] + fd + (list(draft) if feed_draft else []))[:kept]
         return VerifyOutcome(r.num_accepted, r.next_token if r.HasField("next_token") else None,

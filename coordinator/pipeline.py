@@ -17,6 +17,7 @@ import contextlib
 import dataclasses
 import logging
 import time
+import uuid
 from typing import AsyncIterator
 
 import grpc
@@ -165,10 +166,13 @@ class Pipeline:
         target = RemoteTarget(self.pool, self.channels, **kw)
         draft = RemoteDraft(self.pool, self.channels, **kw) if with_draft else None
         keys = prefix_keys(req.prompt_ids, self.affinity_chunk, req.params.cache_salt)
+        holder = uuid.uuid4().hex  # one per request: the pools see its draft and target sessions as one request's
         for backend in (target, draft):
             if backend is not None:
                 backend.start_kw.update(reserve_positions=reserve, output_start=output_start)
-                backend.prefix_keys, backend.priority = keys, req.priority
+                backend.prefix_keys, backend.priority, backend.holder = keys, req.priority, holder
+        if draft is not None:  # preempted, a request gives up both sessions (coordinator/session_moves.py)
+            target.sibling, draft.sibling = draft, target
         return target, draft
 
     async def _run(self, req: GenerationRequest, on_tokens, draft_fallback: bool = False) -> dict:

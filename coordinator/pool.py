@@ -30,7 +30,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from coordinator.affinity import PrefixAffinity
-from coordinator.preemption import Holdings
+from coordinator.preemption import Holdings, on_wait
 from specdec.errors import CapacityError, SpecDecError
 
 log = logging.getLogger(__name__)
@@ -311,8 +311,7 @@ class PoolManager:
         w = Waiter(exclude, asyncio.get_running_loop().create_future(), keys, priority, holder)
         pool.waiters.append(w)
         if self.preempt:
-            w.victim = pool.holdings.mark_victim(
-                priority, lambda ep: ep not in exclude and ep in pool.members and pool.members[ep].healthy)
+            on_wait(self.pools.values(), pool, w)
             if w.victim is not None:
                 log.info("%s pool full: a request of priority %d preempts a session of priority %d", pool.kind,
                          priority, pool.holdings.by_token[w.victim].priority)

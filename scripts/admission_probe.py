@@ -11,7 +11,11 @@ COORDINATOR_MAX_WAITING=0 to see the old behaviour (requests beyond capacity fai
 Preemption by priority: `--max-sessions` batch requests (priority 5, --max-new-tokens each) fill the target, then,
 once every one of them has streamed a token, `--urgent` requests (priority -1, 32 tokens) arrive. Prints each
 request's latency and `stats.preemptions`, and checks every greedy answer against the same request run alone
-first. COORDINATOR_PREEMPT=0 shows the urgent requests waiting for the batch instead.
+first; a preempted one also against a fresh `ar` request whose prompt is the prompt plus the tokens it had before
+the preemption (found as the longest pause of its stream): what a rebuilt session continues from. (In bf16 the
+rebuilt K/V of the generated positions come from a prefill, not from the forwards that verified them, so a
+greedy answer may part from the uninterrupted one at a near-tie, as after a failover.)
+COORDINATOR_PREEMPT=0 shows the urgent requests waiting for the batch instead.
 """
 from __future__ import annotations
 
@@ -76,20 +80,25 @@ async def run_urgent(args) -> None:
                                priority=5, ignore_eos=True) for i in range(n_batch)]
     urgent = [g.GenerateRequest(prompt_token_ids=prompts[n_batch + i], mode="sd", max_new_tokens=32, priority=-1,
                                 ignore_eos=True) for i in range(args.urgent)]
-    async with LocalStack(DEFAULT_TARGET, DEFAULT_DRAFT, None, threads=1, max_sessions=args.max_sessions) as stack:
+    async with LocalStack(DEFAULT_TARGET, DEFAULT_DRAFT, None, threads=1, max_sessions=args.max_sessions,
+                          dtype=args.dtype) as stack:
         channel = grpc.aio.insecure_channel(stack.address)
         stub = gg.GenerationServiceStub(channel)
         alone = [list((await stub.Generate(r)).token_ids) for r in batch + urgent]
         started = [asyncio.Event() for _ in batch]
 
         async def one(kind: str, i: int, r):
-            t0, ids, last = time.perf_counter(), [], None
+            t0, ids, last, gap, at, prev = time.perf_counter(), [], None, 0.0, 0, time.perf_counter()
             async for part in stub.GenerateStream(r):
+                now = time.perf_counter()
+                if ids and now - prev > gap:
+                    gap, at = now - prev, len(ids)  # the longest pause: a preemption's wait and rebuild
+                prev = now
                 ids.extend(part.token_ids)
                 last = part
                 if kind == "batch":
                     started[i].set()
-            return kind, i, time.perf_counter() - t0, last.stats.preemptions, ids
+            return kind, i, time.perf_counter() - t0, last.stats.preemptions, ids, at
 
         t0 = time.perf_counter()
         tasks = [asyncio.ensure_future(one("batch", i, r)) for i, r in enumerate(batch)]
@@ -97,16 +106,29 @@ async def run_urgent(args) -> None:
         tasks += [asyncio.ensure_future(one("urgent", i, r)) for i, r in enumerate(urgent)]
         rows = await asyncio.gather(*tasks)
         makespan = time.perf_counter() - t0
+        resumed = {}
+        for kind, i, _, pre, ids, at in rows:
+            if pre:
+                r = g.GenerateRequest()
+                r.CopyFrom(batch[i] if kind == "batch" else urgent[i])
+                del r.prompt_token_ids[:]
+                r.prompt_token_ids.extend(list((batch[i] if kind == "batch" else urgent[i]).prompt_token_ids)
+                                          + ids[:at])
+                r.max_new_tokens, r.mode = len(ids) - at, "ar"
+                resumed[(kind, i)] = list((await stub.Generate(r)).token_ids) == ids[at:]
         await channel.close()
-    print("| request | priority | latency s | preemptions | tokens | = alone |\n|---|---|---|---|---|---|")
-    for kind, i, lat, pre, ids in rows:
+    print("| request | priority | latency s | preemptions | tokens | = alone | resumed at | = ar from there |\n"
+          "|---|---|---|---|---|---|---|---|")
+    for kind, i, lat, pre, ids, at in rows:
         ref = alone[i if kind == "batch" else n_batch + i]
-        print(f"| {kind} {i} | {5 if kind == 'batch' else -1} | {lat:.2f} | {pre} | {len(ids)} | {ids == ref} |")
+        print(f"| {kind} {i} | {5 if kind == 'batch' else -1} | {lat:.2f} | {pre} | {len(ids)} | {ids == ref} | "
+              f"{at if pre else '-'} | {resumed.get((kind, i), '-')} |")
     for kind in ("batch", "urgent"):
         lats = [r[2] for r in rows if r[0] == kind]
         print(f"{kind}: latency median {statistics.median(lats):.2f} s, max {max(lats):.2f} s")
-    print(f"makespan {makespan:.1f} s; all answers equal to the requests run alone: "
-          f"{all(ids == alone[i if k == 'batch' else n_batch + i] for k, i, _, _, ids in rows)}")
+    print(f"makespan {makespan:.1f} s; answers equal to the requests run alone: "
+          f"{sum(ids == alone[i if k == 'batch' else n_batch + i] for k, i, _, _, ids, _ in rows)} of {len(rows)}; "
+          f"preempted ones equal to ar from where they resumed: {sum(resumed.values())} of {len(resumed)}")
 
 
 def main(argv=None) -> None:
@@ -114,6 +136,7 @@ def main(argv=None) -> None:
     ap.add_argument("--requests", type=int, default=12)
     ap.add_argument("--max-sessions", type=int, default=4, help="the replicas' session slots")
     ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"], help="--urgent's replicas")
     ap.add_argument("--urgent", type=int, default=0, help="preemption probe: this many priority -1 requests arrive "
                     "while batch requests of priority 5 fill the target (0: the admission probe)")
     args = ap.parse_args(argv)

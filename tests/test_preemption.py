@@ -22,15 +22,16 @@ def test_the_victim_is_the_lowest_priority_latest_holding():
     h = Holdings()
     for token, ep, priority in (("a", "x", 5), ("b", "y", 5), ("c", "x", 9), ("d", "x", 0)):
         h.record(token, ep, priority)
-    assert h.mark_victim(0, lambda ep: True) == "c", "the largest priority value first"
-    assert h.mark_victim(0, lambda ep: True) == "b", "then, among equals, the one handed out last"
-    assert h.mark_victim(0, lambda ep: ep != "x") is None, "only replicas the waiter may use"
-    assert h.mark_victim(0, lambda ep: True) == "a"
-    assert h.mark_victim(0, lambda ep: True) is None, "equal priorities never preempt each other"
+    anywhere = lambda token, holding: True  # noqa: E731
+    assert h.mark_victim(0, anywhere) == "c", "the largest priority value first"
+    assert h.mark_victim(0, anywhere) == "b", "then, among equals, the one handed out last"
+    assert h.mark_victim(0, lambda token, holding: holding.endpoint != "x") is None, "only usable holdings"
+    assert h.mark_victim(0, anywhere) == "a"
+    assert h.mark_victim(0, anywhere) is None, "equal priorities never preempt each other"
     assert sorted(h.marked()) == ["a", "b", "c"]
     h.unmark("b")
     h.drop("c")
-    assert h.marked() == ["a"] and h.mark_victim(-1, lambda ep: True) == "b"
+    assert h.marked() == ["a"] and h.mark_victim(-1, anywhere) == "b"
     h.record("", "x", 99)  # a session acquired without a token cannot be preempted
     assert "" not in h.by_token
 
@@ -70,13 +71,14 @@ async def test_a_waiter_marks_a_lower_priority_holding_and_unmarks_it_when_it_gi
 
 @pytest.mark.parametrize("mode", ["sd", "pacer_pearl"])
 async def test_a_higher_priority_request_preempts_and_both_answers_stay_exact(mode):
-    """One target session (max_sessions=1), its forwards slowed: a long request of priority 5 is running when a
-    request of priority -1 arrives. The urgent one takes the session and finishes first; the preempted one waits,
-    resumes from its verified tokens and still returns the target's greedy output (stats.preemptions = 1). With
-    COORDINATOR_PREEMPT off, the urgent one waits for the long one to end."""
+    """One target and one draft session (max_sessions=1), the target's forwards slowed: a long request of priority 5
+    is running when a request of priority -1 arrives. The urgent one takes both sessions and finishes first; the
+    preempted one waits, resumes from its verified tokens and still returns the target's greedy output
+    (stats.preemptions = 1). With both pools full, a victim that kept its session in the other pool while waiting
+    would deadlock with the waiter. With COORDINATOR_PREEMPT off, the urgent one waits for the long one to end."""
     target, draft = tiny_pair()
     t = await start_replica("target", slowed(target, 0.02), max_sessions=1)
-    d = await start_replica("draft", draft, preverifier="random")
+    d = await start_replica("draft", draft, preverifier="random", max_sessions=1)  # both pools full
     apps, channels = [], []
     try:
         stubs = {}

@@ -1,0 +1,81 @@
+"""A pinned session's moves between replica calls (the mixin of coordinator/clients.py's `_Pinned`): scale-in (its
+replica left the pool) and preemption by priority (coordinator/preemption.py). Each happens before a call, where
+the session holds nothing in flight, and ends with the session rebuilt from what it verified, as after a failover.
+
+A preempted request gives up its sessions in both pools, not just the one a waiter wants: while it waits for room
+in one pool it makes no calls, so a session it kept in the other would sit idle where another request may need it
+(and, with both pools full, the waiter and the victim could each wait for what the other holds). The backend a
+call is in flight on (PEARL's shadow draft stream) gives its session up when that call ends. Each backend takes
+room again at its own next call.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from specdec.errors import CapacityError
+
+log = logging.getLogger(__name__)
+
+
+class SessionMoves:
+    async def _before_call(self, rebuild) -> None:
+        """Before a replica call: take room again after a preemption, yield to a waiter of higher priority, or move
+        off a replica that left the pool; then count the call as in flight (`_after_call` ends it)."""
+        if self.endpoint is None and self.sid:  # given up with its sibling's preemption
+            await self._take_room(rebuild)
+        elif self.endpoint is not None and self.view.preempts(self.kind, self.holding):
+            await self._yield_session(rebuild)
+        elif self.endpoint is not None and self.view.gone(self.kind, self.endpoint):
+            old = self.endpoint
+            log.info("%s replica %s left the pool; moving session %s", self.kind, old, self.sid)
+            await self._release(old)
+            self.failed.append(old)
+            await self._pin()
+            await rebuild()
+            asyncio.ensure_future(self._end_on(old))  # best effort: free its slot if it is still up
+        self.in_call += 1
+
+    async def _after_call(self) -> None:
+        self.in_call -= 1
+        if self.give_up and not self.in_call:
+            await self._give_up()
+
+    async def _yield_session(self, rebuild) -> None:
+        """Preempted: give up this session and the sibling's, wait for room with this request's own priority, and
+        rebuild the session from what it verified (exact)."""
+        log.info("%s session %s (priority %d) preempted on %s: it waits for room, then resumes", self.kind,
+                 self.sid, self.priority, self.endpoint)
+        self.preemptions += 1
+        await self._give_up()
+        sib = self.sibling
+        if sib is not None and sib.endpoint is not None:
+            if sib.in_call:
+                sib.give_up = True  # when its call in flight ends
+            else:
+                await sib._give_up()
+        await self._take_room(rebuild)
+
+    async def _give_up(self) -> None:
+        """End the session and give its room back (a waiter of higher priority takes it)."""
+        self.give_up = False
+        ep, self.endpoint = self.endpoint, None
+        if ep is None:
+            return
+        self.rounds.close()
+        try:
+            await self._end_on(ep)
+        finally:
+            await self._release(ep)
+
+    async def _take_room(self, rebuild) -> None:
+        """Pin again after giving the session up, and rebuild it. A preempted request keeps its place in line: it
+        waits out full queues rather than fail with output already verified."""
+        while True:
+            try:
+                await self._pin()
+                break
+            except CapacityError as e:
+                log.info("preempted session %s still waits for room (%s)", self.sid, e)
+                await asyncio.sleep(1.0)
+        await rebuild()
