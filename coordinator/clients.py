@@ -124,20 +124,24 @@ class _Pinned(SessionMoves):
     async def start(self, session_id: str, prompt_ids: list[int], params: SamplingParams, **extra):
         """Pin a replica (unless `probe` did) and start the session there; → the StartSession response."""
         self.sid, self.params = session_id, params
-        if self.endpoint is None:
-            await self._pin()
-        while True:
-            try:
-                return await self._start_on(list(prompt_ids), **extra)
-            except Exception as e:  # noqa: BLE001
-                if self.failovers >= MAX_FAILOVERS:
-                    raise
-                if _retryable(e) == "unavailable":
-                    await self._failover(e)
-                elif isinstance(e, grpc.aio.AioRpcError) and e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                    await self._next_replica(e)  # this replica is full: try another one, if any
-                else:
-                    raise
+        self.in_call += 1  # a sibling's preemption waits for the prefill (coordinator/session_moves.py)
+        try:
+            if self.endpoint is None:
+                await self._pin()
+            while True:
+                try:
+                    return await self._start_on(list(prompt_ids), **extra)
+                except Exception as e:  # noqa: BLE001
+                    if self.failovers >= MAX_FAILOVERS:
+                        raise
+                    if _retryable(e) == "unavailable":
+                        await self._failover(e)
+                    elif isinstance(e, grpc.aio.AioRpcError) and e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                        await self._next_replica(e)  # this replica is full: try another one, if any
+                    else:
+                        raise
+        finally:
+            await self._after_call()
 
     async def _next_replica(self, e: BaseException) -> None:
         self.failovers += 1
@@ -229,7 +233,7 @@ class RemoteDraft(_Pinned):
         """Pin a replica now and learn whether it reads target features (the schedule asks before starting)."""
         if self.endpoint is None:
             await self._pin()
-        try:
+        try:  # before any session exists: a sibling's preemption cannot have given this one up yet
             self.reads_features = await self.channels.draft_feature_size(self.endpoint, self.timeout) > 0
         except grpc.aio.AioRpcError as e:  # unknown: treat as plain (a feature draft then drafts without them)
             log.warning("draft replica %s GetInfo failed (%s); sending no target features", self.endpoint, e.code())
@@ -343,9 +347,10 @@ class RemoteTarget(_Pinned):
         base, fd = base_position, list(feed)
 
         async def rebuild():
-            # a fresh session has no stored row: re-feed the last fed token with this call
             nonlocal base, fd
-            if base >= 1:
+            if fd:  # the session's prompt ends with this call's first token, fed again (as StartSession leaves it)
+                await self._start_on(self.fed[:base] + fd[:1])
+            elif base >= 1:  # a fresh session has no stored row: re-feed the last fed token with this call
                 prefix = self.fed[:base]
                 await self._start_on(prefix)
                 base, fd = base - 1, [prefix[-1]] + list(feed)

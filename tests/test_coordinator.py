@@ -588,6 +588,21 @@ async def _ray_stack_check() -> None:
             await gg.GenerationServiceStub(ch).Generate(req([1, 2], "sd"))
         assert ei.value.code() == grpc.StatusCode.UNAVAILABLE
         assert ei.value.details().startswith("no target replica reachable"), ei.value.details()
+        # preemption by priority through the pool actor (holdings, marks in the pipelines' views)
+        from tests.test_preemption import one_session_pair, urgent_after_long
+
+        target, t, d = await one_session_pair()
+        s.apps += [t, d]
+        cs = CoordinatorSettings(host="127.0.0.1", port=0, metrics_port=0, ray=True, tokenizer="", pipelines=1,
+                                 draft_endpoints=d.endpoint, target_endpoints=t.endpoint, log_level="WARNING",
+                                 grace_s=0, pool_view_refresh_s=0.05)
+        app, _ = await build_coordinator(cs)
+        s.apps.append(app)
+        await app.start()
+        ch = grpc.aio.insecure_channel(f"127.0.0.1:{app.port}")
+        s.channels.append(ch)
+        last, high, urgent_first = await urgent_after_long(gg.GenerationServiceStub(ch), target, "sd")
+        assert urgent_first and last.stats.preemptions == 1 and high.stats.preemptions == 0
     finally:
         await s.stop()
 

@@ -69,19 +69,52 @@ async def test_a_waiter_marks_a_lower_priority_holding_and_unmarks_it_when_it_gi
     await off.stop()
 
 
+async def urgent_after_long(stub, target, mode: str) -> tuple:
+    """A long request of priority 5 streams; once it has tokens, one of priority -1 arrives. Both answers must be
+    the target's greedy output. → (the long one's last response, the urgent one's, whether the urgent one ended
+    first)."""
+    long_p, short_p = [1, 2, 3], [6, 7]
+    got, first = [], asyncio.Event()
+
+    async def long_request():
+        last = None
+        async for part in stub.GenerateStream(g.GenerateRequest(
+                prompt_token_ids=long_p, max_new_tokens=60, mode=mode, priority=5, ignore_eos=True)):
+            got.extend(part.token_ids)
+            first.set()
+            last = part
+        return last, time.perf_counter()
+
+    low = asyncio.ensure_future(long_request())
+    await asyncio.wait_for(first.wait(), 30)
+    high = await stub.Generate(g.GenerateRequest(prompt_token_ids=short_p, max_new_tokens=4, mode=mode,
+                                                 priority=-1, ignore_eos=True))
+    high_done = time.perf_counter()
+    last, low_done = await low
+    assert list(high.token_ids) == target_greedy(target, short_p, 4)
+    assert got == target_greedy(target, long_p, 60), "the preempted request resumed exactly"
+    return last, high, high_done < low_done
+
+
+async def one_session_pair():
+    """Target and draft replicas of one session each, the target's forwards slowed: both pools fill at once."""
+    target, draft = tiny_pair()
+    t = await start_replica("target", slowed(target, 0.02), max_sessions=1)
+    d = await start_replica("draft", draft, preverifier="random", max_sessions=1)
+    return target, t, d
+
+
 @pytest.mark.parametrize("mode", ["sd", "pacer_pearl"])
 async def test_a_higher_priority_request_preempts_and_both_answers_stay_exact(mode):
     """One target and one draft session (max_sessions=1), the target's forwards slowed: a long request of priority 5
     is running when a request of priority -1 arrives. The urgent one takes both sessions and finishes first; the
     preempted one waits, resumes from its verified tokens and still returns the target's greedy output
     (stats.preemptions = 1). With both pools full, a victim that kept its session in the other pool while waiting
-    would deadlock with the waiter. With COORDINATOR_PREEMPT off, the urgent one waits for the long one to end."""
-    target, draft = tiny_pair()
-    t = await start_replica("target", slowed(target, 0.02), max_sessions=1)
-    d = await start_replica("draft", draft, preverifier="random", max_sessions=1)  # both pools full
+    would deadlock with the waiter. With COORDINATOR_PREEMPT off, the urgent one waits for the long one to end.
+    (Through Ray: tests/test_coordinator.py, test_ray_stack.)"""
+    target, t, d = await one_session_pair()
     apps, channels = [], []
     try:
-        stubs = {}
         for preempt in (True, False):
             s = CoordinatorSettings(host="127.0.0.1", port=0, metrics_port=0, ray=False, tokenizer="", pipelines=1,
                                     draft_endpoints=d.endpoint, target_endpoints=t.endpoint, log_level="WARNING",
@@ -90,35 +123,12 @@ async def test_a_higher_priority_request_preempts_and_both_answers_stay_exact(mo
             await app.start()
             apps.append(app)
             channels.append(grpc.aio.insecure_channel(f"127.0.0.1:{app.port}"))
-            stubs[preempt] = gg.GenerationServiceStub(channels[-1])
-        long_p, short_p = [1, 2, 3], [6, 7]
-        for preempt in (True, False):
-            stub = stubs[preempt]
-            got, first = [], asyncio.Event()
-
-            async def long_request():
-                last = None
-                async for part in stub.GenerateStream(g.GenerateRequest(
-                        prompt_token_ids=long_p, max_new_tokens=60, mode=mode, priority=5, ignore_eos=True)):
-                    got.extend(part.token_ids)
-                    first.set()
-                    last = part
-                return last, time.perf_counter()
-
-            low = asyncio.ensure_future(long_request())
-            await asyncio.wait_for(first.wait(), 30)
-            high = await stub.Generate(g.GenerateRequest(prompt_token_ids=short_p, max_new_tokens=4, mode=mode,
-                                                         priority=-1, ignore_eos=True))
-            high_done = time.perf_counter()
-            last, low_done = await low
-            assert list(high.token_ids) == target_greedy(target, short_p, 4)
-            assert got == target_greedy(target, long_p, 60), "the preempted request resumed exactly"
+            last, high, urgent_first = await urgent_after_long(gg.GenerationServiceStub(channels[-1]), target, mode)
             if preempt:
                 assert last.stats.preemptions == 1 and high.stats.preemptions == 0
-                assert high_done < low_done, "the urgent request did not wait for the long one"
-                assert len(got) == 60
+                assert urgent_first, "the urgent request did not wait for the long one"
             else:
-                assert last.stats.preemptions == 0 and high_done > low_done
+                assert last.stats.preemptions == 0 and not urgent_first
             for _ in range(100):
                 if not t.host.table and not d.host.table:
                     break
@@ -129,3 +139,39 @@ async def test_a_higher_priority_request_preempts_and_both_answers_stay_exact(mo
             await ch.close()
         for a in apps + [t, d]:
             await a.shutdown(0)
+
+
+async def test_a_session_rebuilt_at_its_first_verify_holds_the_whole_prompt():
+    """A preempted request's sibling gives its session up before it ever verified (found by scripts/soak.py): its
+    first verify feeds the prompt's last token, and the rebuilt session must hold the whole prompt. Rebuilt from
+    the prompt less that token, the replica refused it (INVALID_ARGUMENT: output_start, the prompt's end, lay past
+    the rebuilt prompt)."""
+    from coordinator.channels import Channels
+    from coordinator.clients import PoolView, RemoteTarget
+    from coordinator.discovery import StaticSource
+    from coordinator.pipeline import AsyncPool
+    from coordinator.pool import PoolManager
+    from specdec.sampling import SamplingParams
+
+    target, _ = tiny_pair()
+    t = await start_replica("target", target)
+    pm = PoolManager({"target": StaticSource([t.endpoint])}, refresh_s=60)
+    await pm.start()
+    channels = Channels(None)
+    try:
+        prompt = [3, 1, 4, 1, 5]
+        want = target_greedy(target, prompt, 2)
+        backend = RemoteTarget(AsyncPool(pm), channels, PoolView())
+        backend.start_kw.update(reserve_positions=len(prompt) + 4, output_start=len(prompt))
+        await backend.start("s", prompt, SamplingParams())
+        await backend._give_up()  # as a preempted sibling does: the next call takes room again and rebuilds
+        assert backend.endpoint is None and not t.host.table
+        out = await backend.verify("s", len(prompt) - 1, prompt[-1:], [], None, "greedy")
+        assert out.next_token == want[0] and len(t.host.table) == 1
+        out = await backend.verify("s", len(prompt), want[:1], [], None, "greedy")
+        assert out.next_token == want[1]
+        await backend.end("s")
+    finally:
+        await channels.close()
+        await pm.stop()
+        await t.shutdown(0)
