@@ -91,6 +91,8 @@ class _Pinned(SessionMoves):
         self.sibling: _Pinned | None = None  # the request's backend in the other pool (it yields with this one)
         self.in_call = 0  # calls in flight (a yield waits for them: `give_up`)
         self.give_up = False  # yield the session when the call in flight ends
+        self.gave_up: asyncio.Future | None = None  # done once the last given-up session has ended and been released
+        self.room_lock = asyncio.Lock()  # one re-pinning at a time
 
     def _round_stream(self, enabled: bool) -> RoundStream:
         raise NotImplementedError
@@ -201,7 +203,11 @@ class _Pinned(SessionMoves):
             return r
 
     async def _recover(self, e: BaseException) -> None:
-        """After a retryable error: pin elsewhere (UNAVAILABLE) or stay (NOT_FOUND); the caller rebuilds."""
+        """After a retryable error: pin elsewhere (UNAVAILABLE) or stay (NOT_FOUND); the caller rebuilds. A session
+        given up meanwhile (preemption) takes room again."""
+        if self.endpoint is None and self.sid:
+            await self._take_room()
+            return
         why = _retryable(e)
         if why is None or self.failovers >= MAX_FAILOVERS:
             raise e

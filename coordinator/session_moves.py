@@ -57,25 +57,38 @@ class SessionMoves:
         await self._take_room(rebuild)
 
     async def _give_up(self) -> None:
-        """End the session and give its room back (a waiter of higher priority takes it)."""
+        """End the session and give its room back (a waiter of higher priority takes it). The backend is free the
+        moment this starts (`endpoint` None); taking room again waits until the replica has ended the session, so
+        that a rebuilt session of the same id is never ended by this."""
         self.give_up = False
-        ep, self.endpoint = self.endpoint, None
+        ep, token, self.endpoint = self.endpoint, self.holding, None
         if ep is None:
             return
         self.rounds.close()
+        done = self.gave_up = asyncio.get_running_loop().create_future()
         try:
-            await self._end_on(ep)
-        finally:
-            await self._release(ep)
-
-    async def _take_room(self, rebuild) -> None:
-        """Pin again after giving the session up, and rebuild it. A preempted request keeps its place in line: it
-        waits out full queues rather than fail with output already verified."""
-        while True:
             try:
-                await self._pin()
-                break
-            except CapacityError as e:
-                log.info("preempted session %s still waits for room (%s)", self.sid, e)
-                await asyncio.sleep(1.0)
-        await rebuild()
+                await self._end_on(ep)
+            finally:
+                await self.pool.release(self.kind, ep, token)
+        finally:
+            done.set_result(None)
+
+    async def _take_room(self, rebuild=None) -> None:
+        """Pin again after giving the session up, and rebuild it (`rebuild` None: the caller does). A preempted
+        request keeps its place in line: it waits out full queues rather than fail with output already verified.
+        Calls that find the backend given up at once take room once: the first one pins and rebuilds."""
+        async with self.room_lock:
+            if self.endpoint is not None:
+                return
+            if self.gave_up is not None:
+                await asyncio.shield(self.gave_up)
+            while True:
+                try:
+                    await self._pin()
+                    break
+                except CapacityError as e:
+                    log.info("preempted session %s still waits for room (%s)", self.sid, e)
+                    await asyncio.sleep(1.0)
+            if rebuild is not None:
+                await rebuild()
