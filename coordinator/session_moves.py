@@ -21,20 +21,26 @@ log = logging.getLogger(__name__)
 class SessionMoves:
     async def _before_call(self, rebuild) -> None:
         """Before a replica call: take room again after a preemption, yield to a waiter of higher priority, or move
-        off a replica that left the pool; then count the call as in flight (`_after_call` ends it)."""
-        if self.endpoint is None and self.sid:  # given up with its sibling's preemption
-            await self._take_room(rebuild)
-        elif self.endpoint is not None and self.view.preempts(self.kind, self.holding):
-            await self._yield_session(rebuild)
-        elif self.endpoint is not None and self.view.gone(self.kind, self.endpoint):
-            old = self.endpoint
-            log.info("%s replica %s left the pool; moving session %s", self.kind, old, self.sid)
-            await self._release(old)
-            self.failed.append(old)
-            await self._pin()
-            await rebuild()
-            asyncio.ensure_future(self._end_on(old))  # best effort: free its slot if it is still up
+        off a replica that left the pool. The call counts as in flight from here (`_after_call` ends it): a
+        sibling's preemption must not end a session this is rebuilding (its StartSession would fail NOT_FOUND; found
+        by scripts/soak.py), so it leaves `give_up` for the call's end instead."""
         self.in_call += 1
+        try:
+            if self.endpoint is None and self.sid:  # given up with its sibling's preemption
+                await self._take_room(rebuild)
+            elif self.endpoint is not None and self.view.preempts(self.kind, self.holding):
+                await self._yield_session(rebuild)
+            elif self.endpoint is not None and self.view.gone(self.kind, self.endpoint):
+                old = self.endpoint
+                log.info("%s replica %s left the pool; moving session %s", self.kind, old, self.sid)
+                await self._release(old)
+                self.failed.append(old)
+                await self._pin()
+                await rebuild()
+                asyncio.ensure_future(self._end_on(old))  # best effort: free its slot if it is still up
+        except BaseException:
+            self.in_call -= 1
+            raise
 
     async def _after_call(self) -> None:
         self.in_call -= 1
