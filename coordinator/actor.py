@@ -47,6 +47,9 @@ class PoolManagerActor:
     async def view(self) -> dict:
         return self.pm.view()
 
+    async def marked(self, kind: str, holder: str) -> bool:
+        return self.pm.marked(kind, holder)
+
     async def waiting(self) -> dict:
         return self.pm.waiting()
 
@@ -104,6 +107,9 @@ class RayPool:
 
     async def view(self):
         return await self.h.view.remote()
+
+    async def marked(self, kind, holder):
+        return await self.h.marked.remote(kind, holder)
 
 
 @ray.remote(num_cpus=0)

@@ -95,6 +95,9 @@ class AsyncPool:
     async def view(self):
         return self.manager.view()
 
+    async def marked(self, kind, holder):
+        return self.manager.marked(kind, holder)
+
 
 class Pipeline:
     def __init__(self, pool, credentials=None, rpc_timeout_s: float = 60.0, view_refresh_s: float = 0.5,

@@ -233,6 +233,12 @@ class PoolManager:
         """Routable endpoints per pool (pipelines cache this to move sessions off removed replicas)."""
         return {k: p.routable() for k, p in self.pools.items()}
 
+    def marked(self, kind: str, holder: str) -> bool:
+        """Whether this holding is still marked for preemption (a pipeline's view may be up to a refresh old)."""
+        pool = self.pools.get(kind)
+        h = pool.holdings.by_token.get(holder) if pool is not None else None
+        return h is not None and h.marked
+
     def view(self) -> dict:
         """What pipelines cache: routable endpoints and the holdings marked for preemption, per pool."""
         return {"members": self.members(), "preempt": {k: p.holdings.marked() for k, p in self.pools.items()}}

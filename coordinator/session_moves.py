@@ -28,7 +28,8 @@ class SessionMoves:
         try:
             if self.endpoint is None and self.sid:  # given up with its sibling's preemption
                 await self._take_room(rebuild)
-            elif self.endpoint is not None and self.view.preempts(self.kind, self.holding):
+            elif (self.endpoint is not None and self.view.preempts(self.kind, self.holding)
+                  and await self.pool.marked(self.kind, self.holding)):  # the view may be a refresh old
                 await self._yield_session(rebuild)
             elif self.endpoint is not None and self.view.gone(self.kind, self.endpoint):
                 old = self.endpoint

@@ -45,7 +45,7 @@ async def test_a_waiter_marks_a_lower_priority_holding_and_unmarks_it_when_it_gi
     assert pm.view()["preempt"] == {"target": []}, "equal priority: it waits, nothing is preempted"
     urgent = asyncio.ensure_future(pm.acquire("target", priority=-1, holder="urgent/1"))
     await settle()
-    assert pm.view()["preempt"] == {"target": ["low/1"]}
+    assert pm.view()["preempt"] == {"target": ["low/1"]} and pm.marked("target", "low/1")
     pm.release("target", EP, "low/1")  # the victim yields: the room goes to the waiter of highest priority
     await settle()
     assert urgent.done() and await urgent == EP and not same.done()
@@ -58,6 +58,7 @@ async def test_a_waiter_marks_a_lower_priority_holding_and_unmarks_it_when_it_gi
     late.cancel()
     await settle()
     assert pm.view()["preempt"] == {"target": []}, "a waiter that goes away unmarks its victim"
+    assert not pm.marked("target", "urgent/1"), "the victim asks before it yields: it keeps its session"
     off = pool(1, preempt=False)
     await off.start()
     await off.acquire("target", priority=3, holder="low/1")
@@ -170,6 +171,40 @@ async def test_a_session_rebuilt_at_its_first_verify_holds_the_whole_prompt():
         assert out.next_token == want[0] and len(t.host.table) == 1
         out = await backend.verify("s", len(prompt), want[:1], [], None, "greedy")
         assert out.next_token == want[1]
+        await backend.end("s")
+    finally:
+        await channels.close()
+        await pm.stop()
+        await t.shutdown(0)
+
+
+async def test_a_mark_the_pool_withdrew_does_not_preempt():
+    """A pipeline's view is up to a refresh old: a holding it still lists as marked, whose waiter got room another
+    way meanwhile, asks the pool before it yields, and keeps its session (no wasted re-prefill)."""
+    from coordinator.channels import Channels
+    from coordinator.clients import PoolView, RemoteTarget
+    from coordinator.discovery import StaticSource
+    from coordinator.pipeline import AsyncPool
+    from coordinator.pool import PoolManager
+    from specdec.sampling import SamplingParams
+
+    target, _ = tiny_pair()
+    t = await start_replica("target", target)
+    pm = PoolManager({"target": StaticSource([t.endpoint])}, refresh_s=60)
+    await pm.start()
+    channels = Channels(None)
+    try:
+        prompt = [2, 7, 1, 8]
+        view = PoolView()
+        backend = RemoteTarget(AsyncPool(pm), channels, view)
+        await backend.start("s", prompt, SamplingParams())
+        view.preempt = {"target": [backend.holding]}  # stale: the pool marks nothing
+        out = await backend.verify("s", len(prompt) - 1, prompt[-1:], [], None, "greedy")
+        assert out.next_token == target_greedy(target, prompt, 1)[0]
+        assert backend.preemptions == 0 and backend.endpoint == t.endpoint
+        pm.pools["target"].holdings.by_token[backend.holding].marked = True  # now the pool wants it
+        await backend.verify("s", len(prompt), [out.next_token], [], None, "greedy")
+        assert backend.preemptions == 1 and backend.endpoint == t.endpoint  # it yielded and took room again
         await backend.end("s")
     finally:
         await channels.close()
