@@ -182,7 +182,7 @@ class _Pinned(SessionMoves):
         ep, self.endpoint = self.endpoint, None
         await self.rounds.aclose()
         try:
-            await self._end_on(ep)
+            await asyncio.shield(self._end_on(ep))  # a cancel arriving now must not leave the session behind
         finally:
             await self._release(ep)
 

@@ -74,8 +74,8 @@ class SessionMoves:
         self.rounds.close()
         done = self.gave_up = asyncio.get_running_loop().create_future()
         try:
-            try:
-                await self._end_on(ep)
+            try:  # shielded: a request cancelled meanwhile (deadline, client gone) must not leave the session behind
+                await asyncio.shield(self._end_on(ep))
             finally:
                 await self.pool.release(self.kind, ep, token)
         finally:
