@@ -180,11 +180,13 @@ class _Pinned(SessionMoves):
         if self.endpoint is None:
             return
         ep, self.endpoint = self.endpoint, None
-        await self.rounds.aclose()
         try:
-            await asyncio.shield(self._end_on(ep))  # a cancel arriving now must not leave the session behind
+            await self.rounds.aclose()
         finally:
-            await self._release(ep)
+            try:
+                await asyncio.shield(self._end_on(ep))  # a cancel arriving now must not leave the session behind
+            finally:
+                await self._release(ep)
 
     async def _with_failover(self, call, rebuild, compute):
         """One round call (`call()` makes it: a stream message, or a unary RPC) with failover: after a retryable
