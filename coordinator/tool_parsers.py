@@ -50,6 +50,12 @@ def _call(obj, args_keys: tuple[str, ...]) -> ToolCall | None:
     return ToolCall(obj["name"], json.dumps(args)) if isinstance(args, dict) else None
 
 
+def split_tail(text: str, tag: str) -> tuple[str, str]:
+    """`text` → (what can be shown now, the tail that may still become `tag`)."""
+    keep = next((k for k in range(min(len(tag) - 1, len(text)), 0, -1) if tag.startswith(text[-k:])), 0)
+    return text[:len(text) - keep], text[len(text) - keep:]
+
+
 class HermesParser:
     """`<tool_call>{json}</tool_call>` blocks; text outside them is content."""
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -72,10 +78,8 @@ class HermesParser:
             if not self.in_call:
                 at = self.pending.find(self.OPEN)
                 if at < 0:  # keep a tail that may still become the opening tag
-                    keep = next((k for k in range(min(len(self.OPEN) - 1, len(self.pending)), 0, -1)
-                                 if self.OPEN.startswith(self.pending[-k:])), 0)
-                    content.append(self.pending[:len(self.pending) - keep])
-                    self.pending = self.pending[len(self.pending) - keep:]
+                    shown, self.pending = split_tail(self.pending, self.OPEN)
+                    content.append(shown)
                     break
                 content.append(self.pending[:at])
                 self.pending, self.in_call = self.pending[at + len(self.OPEN):], True
@@ -101,12 +105,17 @@ class HermesParser:
         return ("", [call]) if call is not None else (self.OPEN + rest, [])
 
 
-class Llama3JsonParser:
-    """An answer that starts with `{` or `<|python_tag|>` is `;`-separated call objects; any other is content."""
-    TAG = "<|python_tag|>"
+class WholeAnswerParser:
+    """Formats where an answer is either all calls or all content, told by how it starts (`OPENER`, or the model's
+    `TAG`): content flows as it comes; calls are parsed whole when the answer ends (`parse`)."""
+    TAG, OPENER = "", ""
 
     def __init__(self):
         self.pending, self.calls_mode = "", None  # None: undecided (only whitespace or a prefix of TAG seen)
+
+    @classmethod
+    def parse(cls, text: str) -> list[ToolCall]:
+        raise NotImplementedError
 
     def feed(self, text: str) -> tuple[str, list[ToolCall]]:
         self.pending += text
@@ -114,7 +123,7 @@ class Llama3JsonParser:
             head = self.pending.lstrip()
             if not head or (self.TAG.startswith(head) and head != self.TAG):
                 return "", []
-            self.calls_mode = head.startswith(("{", self.TAG))
+            self.calls_mode = head.startswith((self.OPENER, self.TAG))
         if self.calls_mode:
             return "", []  # calls are parsed whole when the answer ends
         out, self.pending = self.pending, ""
@@ -126,6 +135,11 @@ class Llama3JsonParser:
             return text, []
         calls = self.parse(text)
         return ("", calls) if calls else (text, [])
+
+
+class Llama3JsonParser(WholeAnswerParser):
+    """An answer that starts with `{` or `<|python_tag|>` is `;`-separated call objects; any other is content."""
+    TAG, OPENER = "<|python_tag|>", "{"
 
     @classmethod
     def parse(cls, text: str) -> list[ToolCall]:
@@ -149,40 +163,18 @@ class Llama3JsonParser:
         return calls
 
 
-class PythonicParser:
+class PythonicParser(WholeAnswerParser):
     """An answer that is a Python list of calls, `[get_weather(city="Paris"), now()]` (Llama 3.2 and 4's
     pythonic format, optionally inside Llama 4's `<|python_start|>`/`<|python_end|>`): keyword arguments whose
     values are literals. Any other answer is content."""
-    START, END = "<|python_start|>", "<|python_end|>"
-
-    def __init__(self):
-        self.pending, self.calls_mode = "", None
-
-    def feed(self, text: str) -> tuple[str, list[ToolCall]]:
-        self.pending += text
-        if self.calls_mode is None:
-            head = self.pending.lstrip()
-            if not head or (self.START.startswith(head) and head != self.START):
-                return "", []
-            self.calls_mode = head.startswith(("[", self.START))
-        if self.calls_mode:
-            return "", []  # calls are parsed whole when the answer ends
-        out, self.pending = self.pending, ""
-        return out, []
-
-    def end(self) -> tuple[str, list[ToolCall]]:
-        text, self.pending = self.pending, ""
-        if not self.calls_mode:
-            return text, []
-        calls = self.parse(text)
-        return ("", calls) if calls else (text, [])
+    TAG, OPENER, END = "<|python_start|>", "[", "<|python_end|>"
 
     @classmethod
     def parse(cls, text: str) -> list[ToolCall]:
         """Every call in `text`, or [] when it is not a list of calls with literal keyword arguments."""
         import ast
 
-        src = text.strip().removeprefix(cls.START).removesuffix(cls.END).strip()
+        src = text.strip().removeprefix(cls.TAG).removesuffix(cls.END).strip()
         try:
             tree = ast.parse(src, mode="eval")
         except (SyntaxError, ValueError, MemoryError, RecursionError):
@@ -223,9 +215,7 @@ class MistralParser:
         if at >= 0:
             content, self.pending, self.in_calls = self.pending[:at], self.pending[at:], True
             return content, []
-        keep = next((k for k in range(min(len(self.TAG) - 1, len(self.pending)), 0, -1)
-                     if self.TAG.startswith(self.pending[-k:])), 0)
-        content, self.pending = self.pending[:len(self.pending) - keep], self.pending[len(self.pending) - keep:]
+        content, self.pending = split_tail(self.pending, self.TAG)
         return content, []
 
     def end(self) -> tuple[str, list[ToolCall]]:

@@ -575,17 +575,21 @@ async def _ray_stack_check() -> None:
         call.cancel()
         await until(lambda: s.sessions() == 0, timeout=10)
         assert s.apps[0].metrics.value("specdec_num_requests_waiting") == 0.0  # asked of the pool actor
+        async def ray_coordinator(draft: str, target: str, **kw):
+            """A stub of one more coordinator over Ray (stopped with the stack)."""
+            cs = CoordinatorSettings(host="127.0.0.1", port=0, metrics_port=0, ray=True, tokenizer="", pipelines=1,
+                                     draft_endpoints=draft, target_endpoints=target, log_level="WARNING", grace_s=0,
+                                     **kw)
+            app, _ = await build_coordinator(cs)
+            s.apps.append(app)
+            await app.start()
+            s.channels.append(grpc.aio.insecure_channel(f"127.0.0.1:{app.port}"))
+            return gg.GenerationServiceStub(s.channels[-1])
+
         # the pool actor's errors reach the client as themselves, not as a Ray traceback
-        cs = CoordinatorSettings(host="127.0.0.1", port=0, metrics_port=0, ray=True, tokenizer="", pipelines=1,
-                                 draft_endpoints=s.d.endpoint, target_endpoints="127.0.0.1:1", log_level="WARNING",
-                                 grace_s=0, health_timeout_s=0.2)
-        app, _ = await build_coordinator(cs)
-        s.apps.append(app)
-        await app.start()
-        ch = grpc.aio.insecure_channel(f"127.0.0.1:{app.port}")
-        s.channels.append(ch)
+        no_target = await ray_coordinator(s.d.endpoint, "127.0.0.1:1", health_timeout_s=0.2)
         with pytest.raises(grpc.aio.AioRpcError) as ei:
-            await gg.GenerationServiceStub(ch).Generate(req([1, 2], "sd"))
+            await no_target.Generate(req([1, 2], "sd"))
         assert ei.value.code() == grpc.StatusCode.UNAVAILABLE
         assert ei.value.details().startswith("no target replica reachable"), ei.value.details()
         # preemption by priority through the pool actor (holdings, marks in the pipelines' views)
@@ -593,15 +597,8 @@ async def _ray_stack_check() -> None:
 
         target, t, d = await one_session_pair()
         s.apps += [t, d]
-        cs = CoordinatorSettings(host="127.0.0.1", port=0, metrics_port=0, ray=True, tokenizer="", pipelines=1,
-                                 draft_endpoints=d.endpoint, target_endpoints=t.endpoint, log_level="WARNING",
-                                 grace_s=0, pool_view_refresh_s=0.05)
-        app, _ = await build_coordinator(cs)
-        s.apps.append(app)
-        await app.start()
-        ch = grpc.aio.insecure_channel(f"127.0.0.1:{app.port}")
-        s.channels.append(ch)
-        last, high, urgent_first = await urgent_after_long(gg.GenerationServiceStub(ch), target, "sd")
+        stub = await ray_coordinator(d.endpoint, t.endpoint, pool_view_refresh_s=0.05)
+        last, high, urgent_first = await urgent_after_long(stub, target, "sd")
         assert urgent_first and last.stats.preemptions == 1 and high.stats.preemptions == 0
     finally:
         await s.stop()

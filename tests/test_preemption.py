@@ -3,6 +3,7 @@ a running request of lower priority, which gives it up, waits, and resumes from 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import grpc
@@ -142,11 +143,10 @@ async def test_a_higher_priority_request_preempts_and_both_answers_stay_exact(mo
             await a.shutdown(0)
 
 
-async def test_a_session_rebuilt_at_its_first_verify_holds_the_whole_prompt():
-    """A preempted request's sibling gives its session up before it ever verified (found by scripts/soak.py): its
-    first verify feeds the prompt's last token, and the rebuilt session must hold the whole prompt. Rebuilt from
-    the prompt less that token, the replica refused it (INVALID_ARGUMENT: output_start, the prompt's end, lay past
-    the rebuilt prompt)."""
+@contextlib.asynccontextmanager
+async def target_backend(prompt: list[int]):
+    """A RemoteTarget over one tiny target replica, its session started on `prompt` (output at the prompt's end).
+    → (the target model, its replica, the pool manager, the backend, its pool view)."""
     from coordinator.channels import Channels
     from coordinator.clients import PoolView, RemoteTarget
     from coordinator.discovery import StaticSource
@@ -160,17 +160,11 @@ async def test_a_session_rebuilt_at_its_first_verify_holds_the_whole_prompt():
     await pm.start()
     channels = Channels(None)
     try:
-        prompt = [3, 1, 4, 1, 5]
-        want = target_greedy(target, prompt, 2)
-        backend = RemoteTarget(AsyncPool(pm), channels, PoolView())
+        view = PoolView()
+        backend = RemoteTarget(AsyncPool(pm), channels, view)
         backend.start_kw.update(reserve_positions=len(prompt) + 4, output_start=len(prompt))
         await backend.start("s", prompt, SamplingParams())
-        await backend._give_up()  # as a preempted sibling does: the next call takes room again and rebuilds
-        assert backend.endpoint is None and not t.host.table
-        out = await backend.verify("s", len(prompt) - 1, prompt[-1:], [], None, "greedy")
-        assert out.next_token == want[0] and len(t.host.table) == 1
-        out = await backend.verify("s", len(prompt), want[:1], [], None, "greedy")
-        assert out.next_token == want[1]
+        yield target, t, pm, backend, view
         await backend.end("s")
     finally:
         await channels.close()
@@ -178,26 +172,27 @@ async def test_a_session_rebuilt_at_its_first_verify_holds_the_whole_prompt():
         await t.shutdown(0)
 
 
+async def test_a_session_rebuilt_at_its_first_verify_holds_the_whole_prompt():
+    """A preempted request's sibling gives its session up before it ever verified (found by scripts/soak.py): its
+    first verify feeds the prompt's last token, and the rebuilt session must hold the whole prompt. Rebuilt from
+    the prompt less that token, the replica refused it (INVALID_ARGUMENT: output_start, the prompt's end, lay past
+    the rebuilt prompt)."""
+    prompt = [3, 1, 4, 1, 5]
+    async with target_backend(prompt) as (target, t, _, backend, _):
+        want = target_greedy(target, prompt, 2)
+        await backend._give_up()  # as a preempted sibling does: the next call takes room again and rebuilds
+        assert backend.endpoint is None and not t.host.table
+        out = await backend.verify("s", len(prompt) - 1, prompt[-1:], [], None, "greedy")
+        assert out.next_token == want[0] and len(t.host.table) == 1
+        out = await backend.verify("s", len(prompt), want[:1], [], None, "greedy")
+        assert out.next_token == want[1]
+
+
 async def test_a_mark_the_pool_withdrew_does_not_preempt():
     """A pipeline's view is up to a refresh old: a holding it still lists as marked, whose waiter got room another
     way meanwhile, asks the pool before it yields, and keeps its session (no wasted re-prefill)."""
-    from coordinator.channels import Channels
-    from coordinator.clients import PoolView, RemoteTarget
-    from coordinator.discovery import StaticSource
-    from coordinator.pipeline import AsyncPool
-    from coordinator.pool import PoolManager
-    from specdec.sampling import SamplingParams
-
-    target, _ = tiny_pair()
-    t = await start_replica("target", target)
-    pm = PoolManager({"target": StaticSource([t.endpoint])}, refresh_s=60)
-    await pm.start()
-    channels = Channels(None)
-    try:
-        prompt = [2, 7, 1, 8]
-        view = PoolView()
-        backend = RemoteTarget(AsyncPool(pm), channels, view)
-        await backend.start("s", prompt, SamplingParams())
+    prompt = [2, 7, 1, 8]
+    async with target_backend(prompt) as (target, t, pm, backend, view):
         view.preempt = {"target": [backend.holding]}  # stale: the pool marks nothing
         out = await backend.verify("s", len(prompt) - 1, prompt[-1:], [], None, "greedy")
         assert out.next_token == target_greedy(target, prompt, 1)[0]
@@ -205,8 +200,3 @@ async def test_a_mark_the_pool_withdrew_does_not_preempt():
         pm.pools["target"].holdings.by_token[backend.holding].marked = True  # now the pool wants it
         await backend.verify("s", len(prompt), [out.next_token], [], None, "greedy")
         assert backend.preemptions == 1 and backend.endpoint == t.endpoint  # it yielded and took room again
-        await backend.end("s")
-    finally:
-        await channels.close()
-        await pm.stop()
-        await t.shutdown(0)
