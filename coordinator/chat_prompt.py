@@ -26,6 +26,8 @@ def chat_message(m: generation_pb2.ChatMessage) -> dict:
     for name in ("tool_call_id", "name"):
         if value := getattr(m, name):
             out[name] = value
+    if m.reasoning:  # the name Qwen3's and DeepSeek's templates read
+        out["reasoning_content"] = m.reasoning
     return out
 
 

@@ -93,6 +93,10 @@ class CoordinatorSettings(ServerSettings):
         "", description="the HTTP API's tool_choice 'auto': how this model writes tool calls (hermes: "
                         "<tool_call>{json}</tool_call>, Qwen2.5 / Hermes / SmolLM3; llama3_json: Llama 3.1+; "
                         "pythonic: [f(a=1)], Llama 3.2 / 4; mistral: [TOOL_CALLS]). '': 'auto' is refused")
+    reasoning_parser: Literal["", "deepseek_r1", "qwen3"] = Field(
+        "", description="a reasoning model's <think>...</think> apart from its answer: the HTTP chat routes' "
+                        "`reasoning`, gRPC's separate_reasoning (deepseek_r1: DeepSeek-R1 and distills, QwQ, "
+                        "Qwen3 Thinking-2507; qwen3: Qwen3's hybrid models). '': the text is left whole")
 
     def model_name(self) -> str:
         """The model id the HTTP API serves: `served_model_name`, else the tokenizer spec's name."""

@@ -35,7 +35,8 @@ class HttpFrontDoor:
         door = OpenAIFrontDoor(ServicerBackend(app.servicer), s.model_name(), s.http_api_key or s.api_key,
                                s.max_message_bytes,
                                is_draining=lambda: app.draining, registry=app.metrics.registry,
-                               max_in_flight=s.http_max_in_flight, tool_call_parser=s.tool_call_parser)
+                               max_in_flight=s.http_max_in_flight, tool_call_parser=s.tool_call_parser,
+                               reasoning_parser=s.reasoning_parser)
         host = s.host or "0.0.0.0"
         sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -16,11 +16,8 @@ UNAVAILABLE 503, ...). A client that disconnects cancels its generation, streame
 """
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import functools
 import hmac
-import json
 import time
 
 from fastapi import FastAPI, Request
@@ -33,115 +30,18 @@ from coordinator import openai_schema as schema
 from coordinator import responses_api
 from coordinator.openai_backend import CLIENT_CLOSED, ApiError, ServicerBackend, param_of  # noqa: F401 (re-exported)
 from coordinator.http_limits import Limits
-from coordinator.tracing import TRACE_HEADERS
+from coordinator.http_streams import (first_responses, gather_all, merged, sse, sse_response, trace_metadata,
+                                      until_disconnected)
 from specdec.pb import generation_pb2
-
-
-async def until_disconnected(request: Request, work):
-    """Await `work`; cancel it if the client disconnects first (then raise ApiError 499)."""
-    task = asyncio.ensure_future(work)
-
-    async def disconnected():
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    watch = asyncio.ensure_future(disconnected())
-    try:
-        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for t in (task, watch):
-            if not t.done():
-                t.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await watch
-    if not task.done() or task.cancelled():
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        raise ApiError(CLIENT_CLOSED, "the client disconnected")
-    return task.result()
-
-
-async def _merged(firsts, streams):
-    """(choice index, response) from every choice's stream as they come; the first error ends them all."""
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(i, first, events):
-        try:
-            await queue.put((i, first))
-            async for resp in events:
-                await queue.put((i, resp))
-            await queue.put((i, None))
-        except ApiError as e:
-            await queue.put((i, e))
-
-    tasks = [asyncio.ensure_future(pump(i, f, e)) for i, (f, e) in enumerate(zip(firsts, streams))]
-    try:
-        open_ = len(tasks)
-        while open_:
-            i, item = await queue.get()
-            if item is None:
-                open_ -= 1
-            elif isinstance(item, ApiError):
-                raise item
-            else:
-                yield i, item
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        for events in streams:
-            with contextlib.suppress(BaseException):
-                await events.aclose()
-
-
-async def _all(coros):
-    """Every result, in order; or the first error, with the others cancelled (asyncio.gather leaves them running)."""
-    tasks = [asyncio.ensure_future(c) for c in coros]
-    try:
-        return await asyncio.gather(*tasks)
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
-async def _firsts(request: Request, streams) -> list:
-    """Each stream's first response, before the headers are sent: a request refused at once gets its HTTP status,
-    not a 200 stream. On any error every stream is closed."""
-    async def first(events):
-        try:
-            return await anext(events)
-        except StopAsyncIteration:
-            raise ApiError(500, "the generation ended without an answer") from None
-
-    try:
-        return await until_disconnected(request, _all(first(e) for e in streams))
-    except BaseException:
-        for events in streams:
-            with contextlib.suppress(BaseException):
-                await events.aclose()
-        raise
-
-
-def _trace(request: Request) -> list[tuple[str, str]]:
-    """The request's W3C trace-context headers, as gRPC metadata would carry them (coordinator/tracing.py)."""
-    return [(k, request.headers[k]) for k in TRACE_HEADERS if k in request.headers]
-
-
-def _sse_response(events) -> StreamingResponse:
-    return StreamingResponse(events, media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
-
-def _sse(body: dict | str) -> str:
-    return f"data: {body if isinstance(body, str) else json.dumps(body, separators=(',', ':'))}\n\n"
 
 
 class OpenAIFrontDoor:
     def __init__(self, backend: ServicerBackend, model_name: str, api_key: str = "", max_body_bytes: int = 1 << 24,
-                 is_draining=lambda: False, registry=None, max_in_flight: int = 1024, tool_call_parser: str = ""):
+                 is_draining=lambda: False, registry=None, max_in_flight: int = 1024, tool_call_parser: str = "",
+                 reasoning_parser: str = ""):
         self.backend, self.model_name, self.api_key = backend, model_name, api_key
         self.tool_call_parser = tool_call_parser  # tool_choice "auto": coordinator/tool_parsers.py (''; refused)
+        self.reasoning_parser = reasoning_parser  # chat: <think>...</think> as `reasoning` (coordinator/reasoning.py)
         self.max_body_bytes, self.is_draining = max_body_bytes, is_draining
         self.max_in_flight, self.in_flight = max_in_flight, 0  # POSTs being answered (streams until their end)
         self.requests, self.registry = None, registry
@@ -172,17 +72,25 @@ class OpenAIFrontDoor:
                                     "'none'", "tool_choice")
             body.tool.parser = self.tool_call_parser
 
-    async def _whole(self, request: Request, proto) -> tuple[str, list[int], object, object]:
-        """A whole answer: (its text, token ids, logprobs (None unless asked), the last response: finish, stats)."""
-        text, ids, last = [], [], None
+    async def _whole(self, request: Request, proto) -> tuple[str, list[int], object, object, str]:
+        """A whole answer: (its text, token ids, logprobs (None unless asked), the last response: finish, stats;
+        the reasoning)."""
+        text, ids, last, reasoning = [], [], None, []
         lps = generation_pb2.GeneratedLogprobs() if proto.HasField("logprobs") else None
-        async for resp in self.backend.events(proto, incremental=False, metadata=_trace(request)):
+        async for resp in self.backend.events(proto, incremental=False, metadata=trace_metadata(request)):
             text.append(resp.text_delta)
+            reasoning.append(resp.reasoning_delta)
             ids.extend(resp.token_ids)
             if lps is not None:
                 lps.MergeFrom(resp.logprobs)
             last = resp
-        return "".join(text), ids, lps, last
+        return "".join(text), ids, lps, last, "".join(reasoning)
+
+    def _separate_reasoning(self, protos) -> bool:
+        """Chat with the server's reasoning parser: each choice's thinking comes apart from its answer."""
+        for p in protos:
+            p.separate_reasoning = bool(self.reasoning_parser)
+        return bool(self.reasoning_parser)
 
     async def generate(self, request: Request, body, chat: bool):
         self._check(request, body)
@@ -200,15 +108,18 @@ class OpenAIFrontDoor:
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{request.state.request_id}"
         for p in protos:
             p.request_id = request.state.request_id
+        thinks = chat and self._separate_reasoning(protos)
+        shown = thinks and body.include_reasoning  # vLLM's include_reasoning: false leaves it out
         created = int(time.time())
         token_text = responses.token_id_text if body.return_tokens_as_token_ids else self.backend.token_text
         if not body.stream:
             async def whole(k, proto):
-                text, ids, lps, last = await self._whole(request, proto)
+                text, ids, lps, last, reasoning = await self._whole(request, proto)
                 finish, stats = responses.FINISH_REASON.get(last.finish_reason, "stop"), last.stats
                 reason = responses.stop_reason(last)
                 if not echo:
-                    return text, finish, stats, responses.logprobs_body(chat, ids, lps, token_text), reason
+                    return (text, finish, stats, responses.logprobs_body(chat, ids, lps, token_text), reason,
+                            (reasoning or None) if shown else "" if thinks else None)
                 if body.max_tokens == 0:  # the prompt alone: drop the one token generated
                     text, ids, finish = "", [], "length"
                     lps = generation_pb2.GeneratedLogprobs() if lps is not None else None
@@ -219,19 +130,22 @@ class OpenAIFrontDoor:
                 prefix = echo_text if echo_text is not None else self.backend.decode(prompt)
                 return (prefix + text, finish, stats,
                         responses.echo_logprobs_body(prompt, last.prompt_logprobs if lps is not None else None, ids,
-                                                     lps, token_text), reason)
+                                                     lps, token_text), reason, None)
 
-            answers = await until_disconnected(request, _all(whole(k, p) for k, p in enumerate(protos)))
+            answers = await until_disconnected(request, gather_all(whole(k, p) for k, p in enumerate(protos)))
             return responses.completion_body(chat, rid, created, self.model_name, answers, body.tool if chat else None,
-                                          n)
-        streams = [self.backend.events(p, metadata=_trace(request)) for p in protos]
-        firsts = await _firsts(request, streams)
+                                             n)
+        streams = [self.backend.events(p, metadata=trace_metadata(request)) for p in protos]
+        firsts = await first_responses(request, streams)
         usage = body.stream_options is not None and body.stream_options.include_usage
-        return _sse_response(self._stream(chat, rid, created, firsts, streams, usage, body.tool if chat else None, n,
-                                          token_text))
+        return sse_response(self._stream(chat, rid, created, firsts, streams, usage, body.tool if chat else None, n,
+                                          token_text, shown if thinks else None))
 
-    async def _stream(self, chat, rid, created, firsts, streams, with_usage, tool=None, n=1, token_text=None):
-        """`tool`: a tool choice, whose reader turns each choice's text into content and tool_calls deltas."""
+    async def _stream(self, chat, rid, created, firsts, streams, with_usage, tool=None, n=1, token_text=None,
+                      reasoning: bool | None = None):
+        """`tool`: a tool choice, whose reader turns each choice's text into content and tool_calls deltas;
+        `reasoning`: None not separated, True send each choice's reasoning deltas (chat's `reasoning`), False
+        leave them out (include_reasoning: false)."""
         name = self.model_name
         chunk = functools.partial(responses.chunk_body, chat, rid, created, name, with_usage=with_usage)
         stats = [None] * len(streams)
@@ -239,29 +153,31 @@ class OpenAIFrontDoor:
         try:
             if chat:
                 for i in range(len(streams)):
-                    yield _sse(chunk(None, None, role=True, index=i))
-            async for i, resp in _merged(firsts, streams):  # a dropped client cancels here, and with it every choice
+                    yield sse(chunk(None, None, role=True, index=i))
+            async for i, resp in merged(firsts, streams):  # a dropped client cancels here, and with it every choice
                 finish = responses.FINISH_REASON.get(resp.finish_reason) if resp.finish_reason else None
+                if reasoning and resp.reasoning_delta:
+                    yield sse(chunk(None, None, index=i, delta={"reasoning": resp.reasoning_delta}))
                 if readers:
                     deltas = readers[i].feed(resp.text_delta)
                     if finish:
                         more, finish = readers[i].end(finish)
                         deltas += more
                     for delta in deltas:
-                        yield _sse(chunk(None, None, index=i, delta=delta))
+                        yield sse(chunk(None, None, index=i, delta=delta))
                 elif resp.HasField("logprobs") and resp.token_ids:  # tokens whose text may still be held back
-                    yield _sse(chunk(resp.text_delta, None, index=i, logprobs=responses.logprobs_body(
+                    yield sse(chunk(resp.text_delta, None, index=i, logprobs=responses.logprobs_body(
                         chat, resp.token_ids, resp.logprobs, token_text or self.backend.token_text)))
                 elif resp.text_delta:
-                    yield _sse(chunk(resp.text_delta, None, index=i))
+                    yield sse(chunk(resp.text_delta, None, index=i))
                 if finish:
                     stats[i] = resp.stats
-                    yield _sse(chunk(None, finish, index=i, stats=resp.stats, reason=responses.stop_reason(resp)))
+                    yield sse(chunk(None, finish, index=i, stats=resp.stats, reason=responses.stop_reason(resp)))
             if with_usage:
-                yield _sse(responses.usage_chunk(chat, rid, created, name, stats, n))
+                yield sse(responses.usage_chunk(chat, rid, created, name, stats, n, reasoning is not None))
         except ApiError as e:  # after the headers: the error travels as an event, as OpenAI's does
-            yield _sse(e.body())
-        yield _sse("[DONE]")
+            yield sse(e.body())
+        yield sse("[DONE]")
 
     # -- the Responses API (coordinator/responses_api.py) ---------------------------------------------------------
     async def respond(self, request: Request, body: responses_api.ResponsesRequest):
@@ -270,18 +186,20 @@ class OpenAIFrontDoor:
         self._auto_tools(chat)
         (proto,) = chat.choices()
         proto.request_id = request.state.request_id
+        self._separate_reasoning([proto])
         rid, created, tool = f"resp_{request.state.request_id}", int(time.time()), chat.tool
         if not body.stream:
-            text, ids, lps, last = await until_disconnected(request, self._whole(request, proto))
+            text, ids, lps, last, reasoning = await until_disconnected(request, self._whole(request, proto))
             finish, stats = responses.FINISH_REASON.get(last.finish_reason, "stop"), last.stats
             entries = (responses.logprobs_body(True, ids, lps, self.backend.token_text)["content"]
                        if lps is not None else None)
             message, finish = tool.message(text, finish) if tool else ({"content": text}, finish)
+            message["reasoning"] = reasoning
             return responses_api.response_object(body, rid, created, self.model_name,
                                                  responses_api.output_items(message, finish, entries), finish, stats)
-        events = self.backend.events(proto, metadata=_trace(request))
-        firsts = await _firsts(request, [events])
-        return _sse_response(self._respond_stream(body, rid, created, firsts, events))
+        events = self.backend.events(proto, metadata=trace_metadata(request))
+        firsts = await first_responses(request, [events])
+        return sse_response(self._respond_stream(body, rid, created, firsts, events))
 
     async def _respond_stream(self, body, rid, created, firsts, events):
         out = responses_api.ResponseEvents(body, rid, created, self.model_name)
@@ -289,8 +207,11 @@ class OpenAIFrontDoor:
         for event in out.start():
             yield event
         try:
-            async for _, resp in _merged(firsts, [events]):  # a dropped client cancels here
+            async for _, resp in merged(firsts, [events]):  # a dropped client cancels here
                 finish = responses.FINISH_REASON.get(resp.finish_reason) if resp.finish_reason else None
+                if resp.reasoning_delta:
+                    for event in out.delta({"reasoning": resp.reasoning_delta}):
+                        yield event
                 if isinstance(reader, responses_api.TextReader) and resp.HasField("logprobs") and resp.token_ids:
                     deltas = reader.feed(resp.text_delta, responses.logprobs_body(
                         True, resp.token_ids, resp.logprobs, self.backend.token_text)["content"])

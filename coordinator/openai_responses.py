@@ -22,15 +22,19 @@ def token_id_text(token_id: int) -> str:
     return f"token_id:{token_id}"
 
 
-def usage(stats: list[generation_pb2.GenerationStats], n: int = 1) -> dict:
+def usage(stats: list[generation_pb2.GenerationStats], n: int = 1, reasoning: bool = False) -> dict:
     """OpenAI's usage over every choice, `n` per prompt (each prompt's tokens counted once);
     `prompt_tokens_details.cached_tokens`: per prompt, the positions every one of its choices' target sessions reused
-    from the prefix cache (OpenAI's and vLLM's name for them), summed."""
+    from the prefix cache (OpenAI's and vLLM's name for them), summed; `reasoning`: with
+    `completion_tokens_details.reasoning_tokens`."""
     groups = [stats[k:k + n] for k in range(0, len(stats), n)]
     prompt, completion = sum(g[0].prompt_tokens for g in groups), sum(s.completion_tokens for s in stats)
     cached = sum(min(s.cached_prompt_tokens for s in g) for g in groups)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached}}
+    out = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+           "prompt_tokens_details": {"cached_tokens": cached}}
+    if reasoning:
+        out["completion_tokens_details"] = {"reasoning_tokens": sum(s.reasoning_tokens for s in stats)}
+    return out
 
 
 def stats_dict(stats: generation_pb2.GenerationStats) -> dict:
@@ -78,20 +82,24 @@ def echo_logprobs_body(prompt_ids: list[int], prompt_lps: generation_pb2.Generat
 
 def completion_body(chat: bool, rid: str, created: int, model: str, answers: list[tuple],
                     tool: ToolChoice | None = None, n: int = 1) -> dict:
-    """`answers`: (text, finish_reason, stats, logprobs object or None, stop_reason) per choice, in index order.
-    `tool`: a forced tool choice, whose answers come back as the message's tool_calls."""
+    """`answers`: (text, finish_reason, stats, logprobs object or None, stop_reason, reasoning) per choice, in
+    index order; reasoning None: not separated, "": left out (include_reasoning: false). `tool`: a forced tool
+    choice, whose answers come back as the message's tool_calls."""
     choices = []
-    for i, (text, finish, stats, logprobs, reason) in enumerate(answers):
+    for i, (text, finish, stats, logprobs, reason, reasoning) in enumerate(answers):
         if tool is not None:
             message, finish = tool.message(text, finish)
             choice = {"index": i, "message": message}
         else:
             choice = {"index": i, "message": {"role": "assistant", "content": text}} if chat else {"index": i,
                                                                                                    "text": text}
+        if reasoning is not None:
+            choice["message"]["reasoning"] = reasoning or None
         choices.append({**choice, "logprobs": logprobs, "finish_reason": finish, "stop_reason": reason,
                         "stats": stats_dict(stats)})
     return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
-            "model": model, "choices": choices, "usage": usage([a[2] for a in answers], n),
+            "model": model, "choices": choices,
+            "usage": usage([a[2] for a in answers], n, any(a[5] is not None for a in answers)),
             "stats": choices[0]["stats"]}
 
 
@@ -120,6 +128,6 @@ def chunk_body(chat: bool, rid: str, created: int, model: str, text: str | None,
 
 
 def usage_chunk(chat: bool, rid: str, created: int, model: str,
-                stats: list[generation_pb2.GenerationStats], n: int = 1) -> dict:
+                stats: list[generation_pb2.GenerationStats], n: int = 1, reasoning: bool = False) -> dict:
     return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
-            "model": model, "choices": [], "usage": usage(stats, n), "stats": stats_dict(stats[0])}
+            "model": model, "choices": [], "usage": usage(stats, n, reasoning), "stats": stats_dict(stats[0])}

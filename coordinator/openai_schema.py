@@ -178,6 +178,8 @@ class ChatMessage(_Body):
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None  # an earlier assistant turn's calls
     tool_call_id: str | None = None  # a tool message: the call it answers
+    reasoning: str | None = None  # an assistant turn's reasoning, as this API returned it (vLLM's name)
+    reasoning_content: str | None = None  # the same, by its older name (DeepSeek's API, vLLM before 0.11)
 
     @model_validator(mode="after")
     def _has_content(self):
@@ -189,7 +191,8 @@ class ChatMessage(_Body):
         """Append this message to a GenerateRequest's `messages`. OpenAI's `developer` is the templates' `system`."""
         messages.add(role="system" if self.role == "developer" else self.role, content=self.content or "",
                      tool_calls=json.dumps(self.tool_calls) if self.tool_calls else "",
-                     tool_call_id=self.tool_call_id or "", name=self.name or "")
+                     tool_call_id=self.tool_call_id or "", name=self.name or "",
+                     reasoning=self.reasoning or self.reasoning_content or "")
 
     @field_validator("content")
     @classmethod
@@ -217,6 +220,7 @@ class ChatCompletionRequest(_Sampling):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    include_reasoning: bool = True  # vLLM's: false leaves the reasoning (COORDINATOR_REASONING_PARSER) out
     _tool: Any = PrivateAttr(default=None)  # the forced tool choice (coordinator/openai_structured.py)
 
     @model_validator(mode="after")

@@ -41,18 +41,25 @@ def _text(content, where: str) -> str:
 
 def input_messages(instructions: str | None, items: str | list[dict[str, Any]]) -> list[dict]:
     """`instructions` + `input` → chat messages (consecutive function_call items become one assistant turn's
-    tool_calls; a function_call_output item a tool message)."""
+    tool_calls; a function_call_output item a tool message; a reasoning item, as an earlier response returned it,
+    the next assistant turn's `reasoning`)."""
     messages = [{"role": "system", "content": instructions}] if instructions else []
     if isinstance(items, str):
         return messages + [{"role": "user", "content": items}]
+    thought = None  # a reasoning item's text, for the assistant turn after it
     for i, item in enumerate(items):
         if not isinstance(item, dict):
             raise ValueError(f"input: item {i} is not an object")
         kind = item.get("type", "message")
-        if kind == "message":
+        if kind == "reasoning":
+            parts = [p for p in (item.get("content") or []) + (item.get("summary") or []) if isinstance(p, dict)]
+            thought = "\n".join(p["text"] for p in parts if isinstance(p.get("text"), str)) or None
+        elif kind == "message":
             if item.get("role") not in ("user", "assistant", "system", "developer"):
                 raise ValueError(f"input: item {i}: role is one of user, assistant, system, developer")
             messages.append({"role": item["role"], "content": _text(item.get("content"), f"input: item {i}")})
+            if item["role"] == "assistant" and thought:
+                messages[-1]["reasoning"], thought = thought, None
         elif kind == "function_call":
             if not all(isinstance(item.get(k), str) for k in ("call_id", "name", "arguments")):
                 raise ValueError(f"input: item {i}: a function_call has call_id, name and arguments (strings)")
@@ -63,13 +70,15 @@ def input_messages(instructions: str | None, items: str | list[dict[str, Any]]) 
                 last["tool_calls"].append(call)
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+                if thought:
+                    messages[-1]["reasoning"], thought = thought, None
         elif kind == "function_call_output":
             if not isinstance(item.get("call_id"), str) or not isinstance(item.get("output"), str):
                 raise ValueError(f"input: item {i}: a function_call_output has call_id and output (strings)")
             messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]})
         else:
-            raise ValueError(f"input: item {i}: type {kind!r} is not supported; send messages, function_call and "
-                             f"function_call_output items")
+            raise ValueError(f"input: item {i}: type {kind!r} is not supported; send messages, function_call, "
+                             f"function_call_output and reasoning items")
     if not messages:
         raise ValueError("input: empty; send a string or at least one message")
     return messages
@@ -113,7 +122,9 @@ class ResponsesRequest(SpecDecKnobs):
                                ("background", self.background, "not supported; leave it out and wait, or stream"),
                                ("include", set(self.include or ()) - {LOGPROBS},
                                 f"only {LOGPROBS!r} is supported"),
-                               ("reasoning", self.reasoning, "this model does not reason separately; leave it out"),
+                               ("reasoning", self.reasoning, "effort and summaries cannot be set here; leave it out "
+                                "(with COORDINATOR_REASONING_PARSER a reasoning model's thinking comes back as a "
+                                "reasoning item)"),
                                ("top_logprobs", self.top_logprobs and not self.logprobs,
                                 f"needs include: [{LOGPROBS!r}]"),
                                ("max_tool_calls", self.max_tool_calls is not None, "not supported; leave it out")):
@@ -151,10 +162,11 @@ class ResponsesRequest(SpecDecKnobs):
 
 
 def output_items(message: dict, finish: str, logprobs: list[dict] | None = None) -> list[dict]:
-    """A chat answer (assistant message) → the response's output items: a message item with its text (and its
-    tokens' logprobs: chat's `content` entries), then one function_call item per tool call."""
+    """A chat answer (assistant message) → the response's output items: a reasoning item with its `reasoning`, a
+    message item with its text (and its tokens' logprobs: chat's `content` entries), then one function_call item
+    per tool call."""
     status = "incomplete" if finish == "length" else "completed"
-    items = []
+    items = [reasoning_item(message["reasoning"], status)] if message.get("reasoning") else []
     if message.get("content") is not None:
         items.append(message_item(message["content"], status, logprobs=logprobs))
     for call in message.get("tool_calls") or []:
@@ -165,6 +177,11 @@ def output_items(message: dict, finish: str, logprobs: list[dict] | None = None)
 def message_item(text: str, status: str, item_id: str | None = None, logprobs: list[dict] | None = None) -> dict:
     return {"type": "message", "id": item_id or f"msg_{uuid.uuid4().hex}", "status": status, "role": "assistant",
             "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}]}
+
+
+def reasoning_item(text: str, status: str, item_id: str | None = None) -> dict:
+    return {"type": "reasoning", "id": item_id or f"rs_{uuid.uuid4().hex}", "status": status, "summary": [],
+            "content": [{"type": "reasoning_text", "text": text}]}
 
 
 def call_item(call: dict, status: str = "completed") -> dict:
@@ -183,7 +200,8 @@ def response_object(body: ResponsesRequest, rid: str, created: int, model: str, 
     if stats is not None:
         usage = {"input_tokens": stats.prompt_tokens,
                  "input_tokens_details": {"cached_tokens": stats.cached_prompt_tokens, "cache_write_tokens": 0},
-                 "output_tokens": stats.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+                 "output_tokens": stats.completion_tokens,
+                 "output_tokens_details": {"reasoning_tokens": stats.reasoning_tokens},
                  "total_tokens": stats.prompt_tokens + stats.completion_tokens}
     out = {"id": rid, "object": "response", "created_at": created, "status": status, "model": model,
            "output": output, "error": None,
@@ -203,14 +221,16 @@ def dumps(event: dict) -> str:
 
 
 class ResponseEvents:
-    """One answer's chat deltas (`content`, `tool_calls`) → Responses stream events, numbered: a message item opens
-    at its first text and closes before the first call; each tool call is one function_call item."""
+    """One answer's chat deltas (`reasoning`, `content`, `tool_calls`) → Responses stream events, numbered: a
+    reasoning item holds the reasoning, a message item opens at its first text and closes before the first call;
+    each tool call is one function_call item."""
 
     def __init__(self, body: ResponsesRequest, rid: str, created: int, model: str):
         self.body, self.rid, self.created, self.model = body, rid, created, model
         self.seq, self.output, self.text = 0, [], None  # self.text: the open message item's text pieces
         self.args: list[str] | None = None  # the open function_call item's argument pieces
         self.logprobs: list[dict] = []  # the open message item's tokens' logprobs
+        self.thought: list[str] | None = None  # the open reasoning item's text pieces
 
     def _event(self, kind: str, **fields) -> str:
         event = {"type": kind, "sequence_number": self.seq, **fields}
@@ -237,10 +257,31 @@ class ResponseEvents:
                 self._event("response.content_part.done", **ids, content_index=0, part=part),
                 self._event("response.output_item.done", output_index=index, item=item)]
 
+    def _reasoning(self, text: str) -> list[str]:
+        out = []
+        if self.thought is None:
+            self.output.append(dict(reasoning_item("", "in_progress"), content=[]))
+            self.thought = []
+            out.append(self._event("response.output_item.added", output_index=len(self.output) - 1,
+                                   item=dict(self.output[-1])))
+        self.thought.append(text)
+        return out + [self._event("response.reasoning_text.delta", item_id=self.output[-1]["id"],
+                                  output_index=len(self.output) - 1, content_index=0, delta=text)]
+
+    def _close_reasoning(self, status: str) -> list[str]:
+        if self.thought is None:
+            return []
+        item, index, text = self.output[-1], len(self.output) - 1, "".join(self.thought)
+        item.update(reasoning_item(text, status, item["id"]))
+        self.thought = None
+        return [self._event("response.reasoning_text.done", item_id=item["id"], output_index=index,
+                            content_index=0, text=text),
+                self._event("response.output_item.done", output_index=index, item=item)]
+
     def _open_message(self) -> list[str]:
         if self.text is not None:
             return []
-        out = self._close_call("completed")
+        out = self._close_reasoning("completed") + self._close_call("completed")
         item = message_item("", "in_progress")
         item["content"] = []
         self.output.append(item)
@@ -252,6 +293,8 @@ class ResponseEvents:
                                                          "logprobs": []})]
 
     def delta(self, delta: dict) -> list[str]:
+        if delta.get("reasoning"):
+            return self._reasoning(delta["reasoning"])
         out = []
         text, lps = delta.get("content"), delta.get("logprobs") or []
         if text or lps:  # logprobs alone: tokens with no text of their own (EOS), kept for the item's done event
@@ -263,7 +306,8 @@ class ResponseEvents:
                                    output_index=len(self.output) - 1, content_index=0, delta=text, logprobs=lps))
         for call in delta.get("tool_calls") or []:
             if "id" in call:  # a call begins (whole, or its arguments follow in later deltas)
-                out += self._close_message("completed") + self._close_call("completed")
+                out += self._close_reasoning("completed") + self._close_message("completed")
+                out += self._close_call("completed")
                 item = call_item(call)
                 self.output.append(dict(item, arguments="", status="in_progress"))
                 self.args = []
@@ -288,7 +332,9 @@ class ResponseEvents:
 
     def finish(self, finish: str, stats) -> list[str]:
         status = "incomplete" if finish == "length" else "completed"
-        out = self._open_message() if not self.output else []  # an empty answer is an empty message, as whole
+        out = self._close_reasoning(status)  # an answer that never got past its reasoning
+        if all(item["type"] == "reasoning" for item in self.output):  # an empty answer is an empty message, as
+            out += self._open_message()  # whole
         out += self._close_message(status) + self._close_call(status)
         kind = "response.incomplete" if finish == "length" else "response.completed"
         return out + [self._event(kind, response=self._response(finish, stats))]

@@ -114,6 +114,7 @@ async def build_coordinator(s: CoordinatorSettings, tokenizer=None, eos_token_id
         servicer = GenerationServicer(router, tokenizer, eos_token_ids or (), s.max_new_tokens_cap, metrics,
                                     s.spec_off_batch, s.pacer_post_threshold, s.default_mode)
         servicer.tracer, servicer.draft_fallback = tracer, s.draft_fallback
+        servicer.reasoning_parser = s.reasoning_parser
         holder["app"].servicer = servicer
         add_to_server(servicer, server)
 

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import grpc
 
 from coordinator.chat_prompt import REQUEST_ID, chat_message, log_request, template_options
+from coordinator.reasoning import ReasoningSplitter, ReasoningStart, ThinkTags, answer_start, gate_grammar
+from coordinator.reasoning import reasoning_tokens
 from coordinator.text_output import TextAssembler
 from specdec.errors import InvalidRequestError
 from specdec.pb import common_pb2, generation_pb2, generation_pb2_grpc
@@ -55,6 +57,7 @@ def stats_pb(stats: dict) -> generation_pb2.GenerationStats:
 class Prepared:
     request: dict
     assembler: TextAssembler
+    reasoning: ReasoningStart | None = None  # separate_reasoning: where the answer starts (coordinator/reasoning.py)
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
@@ -68,6 +71,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         self._vocab = None  # structured output's GrammarVocab of this tokenizer, built on first use (False: none)
         self.tracer = None  # an OpenTelemetry tracer (COORDINATOR_OTLP_TRACES_ENDPOINT): one span per generation
         self.draft_fallback = True  # no draft replica reachable: run target-only (COORDINATOR_DRAFT_FALLBACK)
+        self.reasoning_parser = ""  # separate_reasoning's parser (COORDINATOR_REASONING_PARSER; "": refused)
+        self._tags: ThinkTags | None = None  # the tokenizer's <think> / </think> ids, read on first use
 
     # -- request → token ids --------------------------------------------------------------------------------
     def prepare(self, r: generation_pb2.GenerateRequest) -> Prepared:
@@ -156,6 +161,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             raise InvalidRequestError("request_id", "at most 64 letters, digits and . _ : - (X-Request-Id over "
                                                     "HTTP)")
         rid = f"{r.request_id}-{uuid.uuid4().hex[:12]}" if r.request_id else uuid.uuid4().hex
+        reasoning = self._reasoning_start(r, ids)
         req = {"request_id": rid, "prompt_ids": ids, "max_new_tokens": max_new,
                "temperature": r.temperature, "top_k": r.top_k, "top_p": r.top_p if r.HasField("top_p") else 1.0,
                "seed": r.seed, "mode": mode, "verify_method": method,
@@ -175,7 +181,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                "frequency_penalty": r.frequency_penalty,
                "repetition_penalty": r.repetition_penalty if r.HasField("repetition_penalty") else 1.0,
                "logit_bias": sorted((int(k), float(v)) for k, v in r.logit_bias.items()),
-               "grammar": self._grammar(r), "min_p": r.min_p, "min_tokens": r.min_tokens,
+               "grammar": self._grammar(r, reasoning), "min_p": r.min_p, "min_tokens": r.min_tokens,
                "allowed_token_ids": sorted(set(r.allowed_token_ids)), "bad_words": self._bad_words(r),
                "draft_fallback": self.draft_fallback}
         eos = set(() if r.ignore_eos else self.eos)
@@ -183,7 +189,19 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                             user_stop_token_ids=set(r.stop_token_ids) - eos,
                             include_stop=r.include_stop_str_in_output,
                             skip_special_tokens=not r.HasField("skip_special_tokens") or r.skip_special_tokens)
-        return Prepared(req, asm)
+        return Prepared(req, asm, reasoning)
+
+    def _reasoning_start(self, r: generation_pb2.GenerateRequest, ids: list[int]) -> ReasoningStart | None:
+        if not r.separate_reasoning:
+            return None
+        if not self.reasoning_parser or self.tok is None:
+            raise InvalidRequestError("separate_reasoning", "this coordinator has no reasoning parser: start it "
+                                                            "with COORDINATOR_REASONING_PARSER (deepseek_r1, qwen3) "
+                                                            "or leave separate_reasoning unset")
+        if self._tags is None:
+            self._tags = ThinkTags.of(self.tok)
+        return answer_start(self.reasoning_parser, ids,
+                            lambda t: self.tok.decode(t, skip_special_tokens=False))
 
     def _bad_words(self, r: generation_pb2.GenerateRequest) -> list[list[int]]:
         """vLLM's bad_words → token sequences: each word tokenized as is and after a space (as vLLM does)."""
@@ -196,8 +214,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         seqs = {tuple(self.tok.encode(text, add_special_tokens=False)) for w in r.bad_words for text in (w, " " + w)}
         return sorted(list(s) for s in seqs if s)
 
-    def _grammar(self, r: generation_pb2.GenerateRequest) -> str:
-        """The llguidance grammar of r.structured_output ("" if unset); `respond` checks it against the tokenizer."""
+    def _grammar(self, r: generation_pb2.GenerateRequest, reasoning: ReasoningStart | None) -> str:
+        """The llguidance grammar of r.structured_output ("" if unset), after the reasoning where there is one;
+        `respond` checks it against the tokenizer."""
         if not r.HasField("structured_output"):
             return ""
         from specdec.server.convert import structured_from_proto
@@ -209,7 +228,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         if not self.eos:
             raise InvalidRequestError("structured_output", "this model names no EOS token, which ends a structured "
                                                            "output")
-        return form.grammar()
+        grammar = form.grammar()
+        return gate_grammar(grammar, reasoning, self._tags, self.eos) if reasoning is not None else grammar
 
     def _check_grammar(self, grammar: str) -> None:
         """Compile the grammar against this tokenizer (INVALID_ARGUMENT saying why it does not), off the event loop:
@@ -256,6 +276,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         if p.request["grammar"]:
             await asyncio.to_thread(self._check_grammar, p.request["grammar"])
         asm, rid = p.assembler, p.request["request_id"]
+        split = ReasoningSplitter(p.reasoning) if p.reasoning is not None else None
         p.request["final_only"] = not (incremental or asm.stop)
         t0, first, ttft = time.perf_counter(), True, None
         m = self.metrics
@@ -269,7 +290,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                         text, ids = asm.push(ev["tokens"])
                         if asm.stopped and not was_stopped:
                             await self.router.stop(rid)  # finish after this round; the rest is dropped
-                        if text or ids:
+                        thought = ""
+                        if split is not None:
+                            thought, text = split.feed(text)
+                        if text or thought or ids:
                             if first and m:
                                 ttft = time.perf_counter() - t0
                                 m.ttft.observe(ttft)
@@ -278,7 +302,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                             first = False
                             lps = ev.get("logprobs")
                             yield generation_pb2.GenerateStreamResponse(
-                                text_delta=text, token_ids=ids, logprobs=logprobs_pb(lps[:len(ids)] if lps else None))
+                                text_delta=text, token_ids=ids, reasoning_delta=thought,
+                                logprobs=logprobs_pb(lps[:len(ids)] if lps else None))
                     elif "error" in ev:
                         if m:
                             m.requests.labels("error").inc()
@@ -292,8 +317,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                         text, ids = asm.push(rest) if rest and not asm.stopped else ("", [])
                         lps = ev.get("logprobs")
                         finish = "stop" if asm.stopped else ev["finish_reason"]
-                        tail = text + asm.finish()
+                        tail, thought = text + asm.finish(), ""
                         stats = dict(ev["stats"], completion_tokens=len(asm.token_ids), request_id=rid)
+                        if split is not None:
+                            thought, tail = split.feed(tail)
+                            more_thought, more = split.end()
+                            thought, tail = thought + more_thought, tail + more
+                            stats["reasoning_tokens"] = reasoning_tokens(p.reasoning, asm.token_ids, self._tags)
                         log_request(stats, finish, time.perf_counter() - t0)
                         if trace is not None:
                             if asm.token_ids:
@@ -319,6 +349,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                                 m.rounds.labels("speculative").inc(max(0, stats.get("rounds", 0) - off))
                         yield generation_pb2.GenerateStreamResponse(
                             text_delta=tail, token_ids=ids, finish_reason=FINISH[finish], stats=stats_pb(stats),
+                            reasoning_delta=thought,
                             logprobs=logprobs_pb(lps[done:done + len(ids)] if lps is not None else None),
                             prompt_logprobs=logprobs_pb(ev.get("prompt_logprobs")),
                             **stop_reason_fields(asm.stop_reason if finish == "stop" else None))
@@ -333,9 +364,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
 
     async def Generate(self, request, context) -> generation_pb2.GenerateResponse:
         out = generation_pb2.GenerateResponse()
-        text = []
+        text, reasoning = [], []
         async for resp in self.respond(request, context, incremental=False):
             text.append(resp.text_delta)
+            reasoning.append(resp.reasoning_delta)
             out.token_ids.extend(resp.token_ids)
             if resp.HasField("logprobs"):
                 out.logprobs.logprobs.extend(resp.logprobs.logprobs)
@@ -347,7 +379,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                 out.stats.CopyFrom(resp.stats)
                 if (which := resp.WhichOneof("stop_reason")) is not None:
                     setattr(out, which, getattr(resp, which))
-        out.text = "".join(text)
+        out.text, out.reasoning = "".join(text), "".join(reasoning)
         return out
 
 

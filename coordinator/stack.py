@@ -49,7 +49,7 @@ class LocalStack:
                  draft_port: int = 0, target_port: int = 0, max_sessions: int = 8, max_context: int = 2048,
                  metrics: bool = False, dtype: str = "auto", prompt_lookup_min_ngram: int | None = None,
                  http_port: int | None = None, default_mode: str = "sd", prefix_cache: bool = True,
-                 replica_args: tuple[str, ...] = (), tool_call_parser: str = ""):
+                 replica_args: tuple[str, ...] = (), tool_call_parser: str = "", reasoning_parser: str = ""):
         self.target, self.draft, self.preverifier = target, draft, preverifier
         self.prompt_lookup_min_ngram = prompt_lookup_min_ngram  # the draft replica's (None: its default)
         self.dtype = dtype  # the replicas' --dtype
@@ -59,6 +59,7 @@ class LocalStack:
         self.http_address = ""
         self.default_mode = default_mode  # the mode of requests that name none (OpenAI clients)
         self.tool_call_parser = tool_call_parser  # the HTTP API's tool_choice "auto" ('' refuses it)
+        self.reasoning_parser = reasoning_parser  # <think>...</think> apart from the answer ('' leaves it whole)
         self.host, self.port, self.threads = host, port, threads
         self.ray_cpus, self.pipelines, self.use_ray = ray_cpus, pipelines, use_ray
         self.start_timeout_s, self.cap, self.quiet = start_timeout_s, max_new_tokens_cap, quiet
@@ -116,7 +117,7 @@ class LocalStack:
             target_endpoints=f"127.0.0.1:{tport}", ray=self.use_ray, ray_num_cpus=self.ray_cpus,
             pipelines=self.pipelines, max_new_tokens_cap=self.cap, grace_s=1.0, dns_refresh_s=5.0,
             log_level="WARNING", served_model_name=served_name(self.target), default_mode=self.default_mode,
-            tool_call_parser=self.tool_call_parser,
+            tool_call_parser=self.tool_call_parser, reasoning_parser=self.reasoning_parser,
             http_port=free_port(self.host) if self.http_port == 0 else self.http_port or 0)
         if self.use_ray:  # starts while the replicas load their models
             import ray

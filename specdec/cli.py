@@ -73,6 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how the model writes tool calls, for the HTTP API's tool_choice 'auto' (hermes: "
                         "<tool_call>{json}</tool_call>; llama3_json: Llama 3.1+; pythonic: [f(a=1)], Llama 3.2 / 4; "
                         "mistral: [TOOL_CALLS]); unset: 'auto' is refused")
+    s.add_argument("--reasoning-parser", choices=["deepseek_r1", "qwen3"], default="",
+                   help="return a reasoning model's <think>...</think> as the chat API's `reasoning`, apart from "
+                        "its answer (deepseek_r1: DeepSeek-R1 and distills, QwQ, Qwen3 Thinking-2507; qwen3: "
+                        "Qwen3's hybrid models); unset: the text is left whole")
     sub.add_parser("bench", help="run the benchmark suite (`specdec bench --help`)", add_help=False)
     sub.add_parser("batch", help="answer a file of OpenAI Batch API requests (`specdec batch --help`)",
                    add_help=False)
@@ -326,7 +330,8 @@ def cmd_serve(args) -> int:
                               max_context=args.max_context, dtype=args.dtype,
                               prompt_lookup_min_ngram=args.prompt_lookup_min_ngram,
                               http_port=args.http_port or None, default_mode=args.default_mode,
-                              tool_call_parser=args.tool_call_parser) as stack:
+                              tool_call_parser=args.tool_call_parser,
+                              reasoning_parser=args.reasoning_parser) as stack:
             http = f", OpenAI-compatible HTTP on {args.host}:{stack.app.http_port}" if stack.app.http_port else ""
             print(f"specdec serving specdec.v1.GenerationService on {args.host}:{stack.app.port}{http} "
                   f"(target {args.target_model}, draft {args.draft_model}); Ctrl-C stops", flush=True)

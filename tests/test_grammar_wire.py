@@ -24,8 +24,9 @@ TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
 
 
 class Stack:
-    async def start(self, tmp, chars: str = "", **settings):
-        """`chars`: the character vocabulary (TOKENIZER_CHARS by default); `settings`: more CoordinatorSettings."""
+    async def start(self, tmp, chars: str = "", tokenizer=None, **settings):
+        """`chars`: the character vocabulary (TOKENIZER_CHARS by default), or `tokenizer` (a tokenizers.Tokenizer);
+        `settings`: more CoordinatorSettings."""
         from specdec.model import load_model_dir
         from specdec.tokenizer import load_tokenizer
         from tests.helpers_models import tiny_tokenizer
@@ -34,8 +35,8 @@ class Stack:
         save_tiny_tokenizer(ddir)
         for d in (tdir, ddir):  # the tiny tokenizer's <unk> serves as EOS
             (d / "generation_config.json").write_text(json.dumps({"eos_token_id": EOS}))
-            if chars:
-                tiny_tokenizer(chars).save(str(d / "tokenizer.json"))
+            if chars or tokenizer is not None:
+                (tokenizer or tiny_tokenizer(chars)).save(str(d / "tokenizer.json"))
         self.target = load_model_dir(tdir)
         self.t = await start_replica("target", self.target)
         self.d = await start_replica("draft", load_model_dir(ddir), preverifier="random")

@@ -95,12 +95,12 @@ async def test_a_conversation_with_earlier_tool_calls(api):
     ({"previous_response_id": "resp_1"}, "not stored"),
     ({"background": True}, "background"),
     ({"tools": [{"type": "web_search"}]}, "only function tools"),
-    ({"input": [{"type": "reasoning", "summary": []}]}, "type 'reasoning'"),
+    ({"input": [{"type": "web_search_call", "id": "ws_1"}]}, "type 'web_search_call'"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "only text parts"),
     ({"tools": [{"type": "function", "name": "f"}]}, "COORDINATOR_TOOL_CALL_PARSER"),
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "schema"),
     ({"model": "gpt-5"}, "does not exist"),
-    ({"reasoning": {"effort": "high"}}, "does not reason"),
+    ({"reasoning": {"effort": "high"}}, "effort and summaries cannot be set"),
     ({"include": ["reasoning.encrypted_content"]}, "only 'message.output_text.logprobs'"),
 ])
 async def test_refusals_say_what_to_send(api, extra, words):
