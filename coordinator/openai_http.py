@@ -16,7 +16,6 @@ UNAVAILABLE 503, ...). A client that disconnects cancels its generation, streame
 """
 from __future__ import annotations
 
-import functools
 import hmac
 import time
 
@@ -138,16 +137,27 @@ class OpenAIFrontDoor:
         streams = [self.backend.events(p, metadata=trace_metadata(request)) for p in protos]
         firsts = await first_responses(request, streams)
         usage = body.stream_options is not None and body.stream_options.include_usage
+        continuous = usage and body.stream_options.continuous_usage_stats
         return sse_response(self._stream(chat, rid, created, firsts, streams, usage, body.tool if chat else None, n,
-                                          token_text, shown if thinks else None))
+                                          token_text, shown if thinks else None, continuous))
 
     async def _stream(self, chat, rid, created, firsts, streams, with_usage, tool=None, n=1, token_text=None,
-                      reasoning: bool | None = None):
+                      reasoning: bool | None = None, continuous: bool = False):
         """`tool`: a tool choice, whose reader turns each choice's text into content and tool_calls deltas;
         `reasoning`: None not separated, True send each choice's reasoning deltas (chat's `reasoning`), False
-        leave them out (include_reasoning: false)."""
+        leave them out (include_reasoning: false); `continuous`: every chunk carries its choice's usage so far
+        (vLLM's continuous_usage_stats)."""
         name = self.model_name
-        chunk = functools.partial(responses.chunk_body, chat, rid, created, name, with_usage=with_usage)
+        counts = [0] * len(streams)  # each choice's tokens so far
+
+        def chunk(*args, index: int = 0, **kw) -> dict:
+            body = responses.chunk_body(chat, rid, created, name, *args, with_usage=with_usage, index=index, **kw)
+            if continuous:
+                prompt = firsts[index].prompt_tokens
+                body["usage"] = {"prompt_tokens": prompt, "completion_tokens": counts[index],
+                                 "total_tokens": prompt + counts[index]}
+            return body
+
         stats = [None] * len(streams)
         readers = [tool.reader() for _ in streams] if tool is not None else []
         try:
@@ -156,6 +166,7 @@ class OpenAIFrontDoor:
                     yield sse(chunk(None, None, role=True, index=i))
             async for i, resp in merged(firsts, streams):  # a dropped client cancels here, and with it every choice
                 finish = responses.FINISH_REASON.get(resp.finish_reason) if resp.finish_reason else None
+                counts[i] += len(resp.token_ids)
                 if reasoning and resp.reasoning_delta:
                     yield sse(chunk(None, None, index=i, delta={"reasoning": resp.reasoning_delta}))
                 if readers:

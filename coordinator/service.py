@@ -277,6 +277,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             await asyncio.to_thread(self._check_grammar, p.request["grammar"])
         asm, rid = p.assembler, p.request["request_id"]
         split = ReasoningSplitter(p.reasoning) if p.reasoning is not None else None
+        n_prompt = len(p.request["prompt_ids"])
         p.request["final_only"] = not (incremental or asm.stop)
         t0, first, ttft = time.perf_counter(), True, None
         m = self.metrics
@@ -302,7 +303,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                             first = False
                             lps = ev.get("logprobs")
                             yield generation_pb2.GenerateStreamResponse(
-                                text_delta=text, token_ids=ids, reasoning_delta=thought,
+                                text_delta=text, token_ids=ids, reasoning_delta=thought, prompt_tokens=n_prompt,
                                 logprobs=logprobs_pb(lps[:len(ids)] if lps else None))
                     elif "error" in ev:
                         if m:
@@ -349,7 +350,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                                 m.rounds.labels("speculative").inc(max(0, stats.get("rounds", 0) - off))
                         yield generation_pb2.GenerateStreamResponse(
                             text_delta=tail, token_ids=ids, finish_reason=FINISH[finish], stats=stats_pb(stats),
-                            reasoning_delta=thought,
+                            reasoning_delta=thought, prompt_tokens=n_prompt,
                             logprobs=logprobs_pb(lps[done:done + len(ids)] if lps is not None else None),
                             prompt_logprobs=logprobs_pb(ev.get("prompt_logprobs")),
                             **stop_reason_fields(asm.stop_reason if finish == "stop" else None))

@@ -181,6 +181,26 @@ async def test_n_choices_are_separate_seeded_generations(api):
     assert greedy.choices[0].text == greedy.choices[1].text
 
 
+async def test_continuous_usage_stats_count_each_choice_so_far(api):
+    """vLLM's stream_options.continuous_usage_stats: every chunk carries its choice's usage so far."""
+    kw = dict(model=MODEL, messages=MESSAGES, temperature=1.0, max_tokens=12, seed=3, n=2,
+              extra_body={"mode": "pacer_pearl"})
+    stream = await api.client.chat.completions.create(
+        **kw, stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True})
+    chunks = [c async for c in stream]
+    last, prompt = chunks[-1].usage, chunks[-1].usage.prompt_tokens
+    assert not chunks[-1].choices and last.completion_tokens == 24
+    seen = {0: [], 1: []}
+    for c in chunks[:-1]:
+        (ch,) = c.choices
+        assert c.usage.prompt_tokens == prompt and c.usage.total_tokens == prompt + c.usage.completion_tokens
+        seen[ch.index].append(c.usage.completion_tokens)
+    for counts in seen.values():  # from 0 at the role chunk up to the choice's 12 tokens, never down
+        assert counts[0] == 0 and counts[-1] == 12 and counts == sorted(counts) and len(set(counts)) > 2
+    plain = await api.client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True})
+    assert all(c.usage is None for c in [c async for c in plain][:-1])
+
+
 async def test_logprobs_chat_and_completions_whole_and_streamed(api):
     grpc_req = g.GenerateRequest(max_new_tokens=12, mode="pearl", temperature=0.0, logprobs=2)
     for m in MESSAGES:
