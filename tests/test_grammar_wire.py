@@ -316,3 +316,52 @@ async def test_auto_tool_calls_are_read_from_the_answer(hermes_stack, stream):
     assert not calls and finish == "stop" and content.startswith("so "), (content, calls)
     r = await hermes_stack.http.post("/v1/chat/completions", json={**body, "tool_choice": "auto"})
     assert r.status_code == 200, r.text  # json_stack has no parser: there "auto" is refused (test above)
+
+
+MISTRAL_TOOLS = 31  # the mistral tokenizer's [TOOL_CALLS], a special token
+MISTRAL_SYMBOLS = ["<unk>", *"[]{}\":, namedrgutso0123456lcpi", "[TOOL_CALLS]"]
+
+
+def mistral_tokenizer():
+    """A character tokenizer over the symbols of a Mistral tool call, with [TOOL_CALLS] as one special token."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    assert len(MISTRAL_SYMBOLS) == 32 and MISTRAL_SYMBOLS[MISTRAL_TOOLS] == "[TOOL_CALLS]"
+    tk = Tokenizer(models.WordLevel(vocab={t: i for i, t in enumerate(MISTRAL_SYMBOLS)}, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tk.decoder = decoders.Fuse()
+    tk.add_tokens([AddedToken("[TOOL_CALLS]", special=True, normalized=False)])
+    return tk
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_mistral_calls_after_the_special_token_over_the_wire(tmp_path, stream):
+    """The mistral parser reads calls after [TOOL_CALLS], a special token that plain detokenization skips: its
+    requests keep special tokens in their text. A Lark grammar makes the tiny random model write one."""
+    s = await Stack().start(tmp_path, tokenizer=mistral_tokenizer(), tool_call_parser="mistral")
+    grammar = f'start: "so " <[{MISTRAL_TOOLS}]> /\\[\\{{"name": "d", "arguments": \\{{"a": [0-6]\\}}\\}}\\]/'
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "add"}], "max_tokens": 60, "temperature": 0,
+            "tools": ADD, "stream": stream, "mode": "sd", "structured_outputs": {"grammar": grammar}}
+    try:
+        if not stream:
+            r = await s.http.post("/v1/chat/completions", json=body)
+            assert r.status_code == 200, r.text
+            choice = r.json()["choices"][0]
+            content, calls, finish = (choice["message"]["content"], choice["message"].get("tool_calls") or [],
+                                      choice["finish_reason"])
+        else:
+            calls, content, finish = [], "", None
+            async with s.http.stream("POST", "/v1/chat/completions", json=body) as r:
+                assert r.status_code == 200
+                async for line in r.aiter_lines():
+                    if line.startswith("data: {"):
+                        ch = json.loads(line[6:])["choices"][0]
+                        calls += ch["delta"].get("tool_calls") or []
+                        content += ch["delta"].get("content") or ""
+                        finish = ch["finish_reason"] or finish
+        assert content == "so" and finish == "tool_calls" and len(calls) == 1, (content, calls, finish)
+        assert calls[0]["function"]["name"] == "d" and set(json.loads(calls[0]["function"]["arguments"])) == {"a"}
+        plain = await s.http.post("/v1/chat/completions", json={**body, "tools": None, "stream": False})
+        assert plain.json()["choices"][0]["message"]["content"].startswith("so [{"), plain.text  # skipped
+    finally:
+        await s.stop()
