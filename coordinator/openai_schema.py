@@ -247,6 +247,7 @@ class ChatCompletionRequest(_Sampling):
 
     def to_proto(self) -> generation_pb2.GenerateRequest:
         r = self.generate_request(self.max_completion_tokens or self.max_tokens)
+        r.max_new_tokens_to_context = not r.HasField("max_new_tokens")  # OpenAI's and vLLM's default: the rest
         if self.logprobs:
             r.logprobs = self.top_logprobs or 0
         for m in self.messages:

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import grpc
 
 from coordinator.chat_prompt import REQUEST_ID, chat_message, log_request, template_options
-from coordinator.reasoning import ReasoningSplitter, ReasoningStart, ThinkTags, answer_start, gate_grammar
-from coordinator.reasoning import reasoning_tokens
+from coordinator.output_forms import OutputForms
+from coordinator.reasoning import ReasoningSplitter, ReasoningStart, reasoning_tokens
 from coordinator.text_output import TextAssembler
 from specdec.errors import InvalidRequestError
 from specdec.pb import common_pb2, generation_pb2, generation_pb2_grpc
@@ -24,13 +24,13 @@ from specdec.request import MAX_SPEC_OFF_BATCH, MODES, PEARL_OVERLAP
 from specdec.sampling import MAX_TOP_LOGPROBS
 
 MAX_STOP_TOKEN_IDS = 64
-MAX_BAD_WORDS = 128
 
 FINISH = {"length": generation_pb2.FINISH_REASON_LENGTH, "stop": generation_pb2.FINISH_REASON_STOP,
           "cancelled": generation_pb2.FINISH_REASON_CANCELLED}
 FINISH_NAME = {v: k for k, v in FINISH.items()}
 VERIFY_METHODS = ("token", "block", "greedy")
 DEFAULT_MAX_NEW_TOKENS = 128
+CONTEXT_REFRESH_S = 30.0
 
 
 def logprobs_pb(entries: list | None) -> generation_pb2.GeneratedLogprobs | None:
@@ -60,7 +60,7 @@ class Prepared:
     reasoning: ReasoningStart | None = None  # separate_reasoning: where the answer starts (coordinator/reasoning.py)
 
 
-class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
+class GenerationServicer(OutputForms, generation_pb2_grpc.GenerationServiceServicer):
     def __init__(self, router, tokenizer=None, eos_token_ids=(), max_new_tokens_cap: int = 4096, metrics=None,
                  spec_off_batch: int = 0, pacer_post_threshold: float | None = None, default_mode: str = "sd"):
         self.router, self.tok, self.eos = router, tokenizer, tuple(sorted(eos_token_ids))
@@ -68,11 +68,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         self.spec_off_batch = spec_off_batch  # defaults for requests that leave them unset
         self.pacer_post_threshold = pacer_post_threshold
         self.default_mode = default_mode
-        self._vocab = None  # structured output's GrammarVocab of this tokenizer, built on first use (False: none)
         self.tracer = None  # an OpenTelemetry tracer (COORDINATOR_OTLP_TRACES_ENDPOINT): one span per generation
         self.draft_fallback = True  # no draft replica reachable: run target-only (COORDINATOR_DRAFT_FALLBACK)
-        self.reasoning_parser = ""  # separate_reasoning's parser (COORDINATOR_REASONING_PARSER; "": refused)
-        self._tags: ThinkTags | None = None  # the tokenizer's <think> / </think> ids, read on first use
+        self.context_len, self._context_at = 0, -1e9  # the target pool's max_model_len (0: unknown), and when read
 
     # -- request → token ids --------------------------------------------------------------------------------
     def prepare(self, r: generation_pb2.GenerateRequest) -> Prepared:
@@ -88,7 +86,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             raise InvalidRequestError("mode", f"unknown mode {r.mode!r}; use one of {', '.join(MODES)}")
         if not r.temperature >= 0.0:
             raise InvalidRequestError("temperature", f"must be >= 0 (0 is greedy), got {r.temperature}")
-        max_new = r.max_new_tokens if r.HasField("max_new_tokens") else min(DEFAULT_MAX_NEW_TOKENS, self.cap)
+        to_context = r.max_new_tokens_to_context and not r.HasField("max_new_tokens") and self.context_len > 0
+        max_new = (r.max_new_tokens if r.HasField("max_new_tokens") else
+                   self.cap if to_context else min(DEFAULT_MAX_NEW_TOKENS, self.cap))
         if not 0 < max_new <= self.cap:
             raise InvalidRequestError("max_new_tokens", f"must be in [1, {self.cap}] (the coordinator's cap), "
                                                         f"got {max_new}")
@@ -162,6 +162,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                                                     "HTTP)")
         rid = f"{r.request_id}-{uuid.uuid4().hex[:12]}" if r.request_id else uuid.uuid4().hex
         reasoning = self._reasoning_start(r, ids)
+        if to_context:  # what the context leaves (a prompt that leaves too little: OUT_OF_RANGE from the replica)
+            max_new = max(min(self.cap, self.context_len - len(ids)), r.min_tokens, 1)
         req = {"request_id": rid, "prompt_ids": ids, "max_new_tokens": max_new,
                "temperature": r.temperature, "top_k": r.top_k, "top_p": r.top_p if r.HasField("top_p") else 1.0,
                "seed": r.seed, "mode": mode, "verify_method": method,
@@ -191,59 +193,6 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                             skip_special_tokens=not r.HasField("skip_special_tokens") or r.skip_special_tokens)
         return Prepared(req, asm, reasoning)
 
-    def _reasoning_start(self, r: generation_pb2.GenerateRequest, ids: list[int]) -> ReasoningStart | None:
-        if not r.separate_reasoning:
-            return None
-        if not self.reasoning_parser or self.tok is None:
-            raise InvalidRequestError("separate_reasoning", "this coordinator has no reasoning parser: start it "
-                                                            "with COORDINATOR_REASONING_PARSER (deepseek_r1, qwen3) "
-                                                            "or leave separate_reasoning unset")
-        if self._tags is None:
-            self._tags = ThinkTags.of(self.tok)
-        return answer_start(self.reasoning_parser, ids,
-                            lambda t: self.tok.decode(t, skip_special_tokens=False))
-
-    def _bad_words(self, r: generation_pb2.GenerateRequest) -> list[list[int]]:
-        """vLLM's bad_words → token sequences: each word tokenized as is and after a space (as vLLM does)."""
-        if not r.bad_words:
-            return []
-        if len(r.bad_words) > MAX_BAD_WORDS or not all(w.strip() for w in r.bad_words):
-            raise InvalidRequestError("bad_words", f"send at most {MAX_BAD_WORDS} non-empty words")
-        if self.tok is None:
-            raise InvalidRequestError("bad_words", "this coordinator has no tokenizer to tokenize them")
-        seqs = {tuple(self.tok.encode(text, add_special_tokens=False)) for w in r.bad_words for text in (w, " " + w)}
-        return sorted(list(s) for s in seqs if s)
-
-    def _grammar(self, r: generation_pb2.GenerateRequest, reasoning: ReasoningStart | None) -> str:
-        """The llguidance grammar of r.structured_output ("" if unset), after the reasoning where there is one;
-        `respond` checks it against the tokenizer."""
-        if not r.HasField("structured_output"):
-            return ""
-        from specdec.server.convert import structured_from_proto
-
-        form = structured_from_proto(r.structured_output)
-        if r.ignore_eos:
-            raise InvalidRequestError("ignore_eos", "structured output ends with the model's EOS token; leave "
-                                                    "ignore_eos unset")
-        if not self.eos:
-            raise InvalidRequestError("structured_output", "this model names no EOS token, which ends a structured "
-                                                           "output")
-        grammar = form.grammar()
-        return gate_grammar(grammar, reasoning, self._tags, self.eos) if reasoning is not None else grammar
-
-    def _check_grammar(self, grammar: str) -> None:
-        """Compile the grammar against this tokenizer (INVALID_ARGUMENT saying why it does not), off the event loop:
-        a large schema can take 100 ms or more, once (GrammarVocab caches compiled grammars)."""
-        if self._vocab is None and self.tok is not None:
-            from specdec.grammar import GrammarVocab
-
-            try:
-                self._vocab = GrammarVocab(self.tok.backend_tokenizer.to_str(), len(self.tok), self.eos)
-            except Exception:  # noqa: BLE001 - the replicas check the grammar too
-                self._vocab = False
-        if self._vocab:
-            self._vocab.check(grammar)
-
     # -- events → responses ---------------------------------------------------------------------------------
     def respond(self, r, context, incremental: bool = True):
         """Yields GenerateStreamResponse; the last one carries finish_reason and stats. `incremental=False`
@@ -269,7 +218,20 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                 f"{type(e).__name__}: {e}"))
             raise
 
+    async def _context_len(self) -> None:
+        """Refresh `context_len` (the target replicas' session context) every CONTEXT_REFRESH_S, for requests whose
+        max_new_tokens defaults to what the context leaves."""
+        if time.monotonic() - self._context_at < CONTEXT_REFRESH_S or not hasattr(self.router, "max_model_len"):
+            return
+        self._context_at = time.monotonic()
+        with contextlib.suppress(Exception):  # unknown: the request falls back to the fixed default
+            self.context_len = int(await self.router.max_model_len())
+        if not self.context_len:
+            self._context_at = -1e9  # ask again on the next such request
+
     async def _respond(self, r, context, incremental: bool, trace):
+        if r.max_new_tokens_to_context and not r.HasField("max_new_tokens"):
+            await self._context_len()
         p = self.prepare(r)
         if trace is not None:
             trace.request = p.request

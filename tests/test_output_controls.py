@@ -204,3 +204,27 @@ async def test_a_prompt_past_the_context_gets_openais_context_length_error(api):
                                                      "temperature": 0, "mode": "pacer_pearl"})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5, r.text
     await until(lambda: api.sessions() == 0)
+
+
+@wire
+async def test_chat_without_max_tokens_runs_to_the_context(api):
+    """A chat request that leaves max_tokens out gets what the target's context leaves after its prompt, up to the
+    coordinator's cap (vLLM's and OpenAI's default), not a fixed 128: a long answer, a reasoning model's
+    thinking, is not cut short."""
+    room, cap = api.t.host.worker.max_context, 64
+    words = "ab " * ((room - 40) // 3)
+    messages = [{"role": "user", "content": words}]
+    n = (await api.http.post("/tokenize", json={"model": MODEL, "messages": messages})).json()["count"]
+    assert 0 < room - n < cap, (room, n)
+    body = {"model": MODEL, "messages": messages, "temperature": 0, "ignore_eos": True, "mode": "sd"}
+    r = await api.http.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == room - n  # the rest of the context, exactly
+    short = await api.http.post("/v1/chat/completions", json={**body, "messages": [{"role": "user", "content": "hi"}]})
+    assert short.json()["usage"]["completion_tokens"] == cap  # the cap bounds it
+    r = await api.http.post("/v1/responses", json={"model": MODEL, "input": words, "temperature": 0,
+                                                   "ignore_eos": True})
+    assert r.status_code == 200 and r.json()["usage"]["output_tokens"] > 0, r.text
+    fixed = await api.http.post("/v1/chat/completions", json={**body, "max_tokens": 5})
+    assert fixed.json()["usage"]["completion_tokens"] == 5
+    await until(lambda: api.sessions() == 0)
