@@ -131,7 +131,8 @@ def gate_grammar(grammar: str, start: ReasoningStart, tags: ThinkTags, eos_ids: 
     if tags.end_id is None or (start.otherwise == CONTENT and tags.start_id is None):
         raise InvalidRequestError("structured_output", f"applies after the reasoning, but this model's vocabulary "
                                                        f"has no single {END} token to find its end by; leave "
-                                                       f"structured output out, or send separate_reasoning: false")
+                                                       f"structured output out, or serve this model without a "
+                                                       f"reasoning parser (gRPC: separate_reasoning false)")
     grammars = json.loads(grammar)["grammars"] if grammar.lstrip().startswith("{") else [{"lark_grammar": grammar}]
     names = {g.get("name") for g in grammars}
     answer = grammars[0].get("name") or next(f"answer{k}" for k in range(len(names) + 1) if f"answer{k}" not in names)
