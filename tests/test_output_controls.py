@@ -207,7 +207,8 @@ async def test_a_prompt_past_the_context_gets_openais_context_length_error(api):
 
 
 @wire
-async def test_chat_without_max_tokens_runs_to_the_context(api):
+@pytest.mark.parametrize("mode", ["sd", "pearl", "pacer_pearl"])
+async def test_chat_without_max_tokens_runs_to_the_context(api, mode):
     """A chat request that leaves max_tokens out gets what the target's context leaves after its prompt, up to the
     coordinator's cap (vLLM's and OpenAI's default), not a fixed 128: a long answer, a reasoning model's
     thinking, is not cut short."""
@@ -216,7 +217,7 @@ async def test_chat_without_max_tokens_runs_to_the_context(api):
     messages = [{"role": "user", "content": words}]
     n = (await api.http.post("/tokenize", json={"model": MODEL, "messages": messages})).json()["count"]
     assert 0 < room - n < cap, (room, n)
-    body = {"model": MODEL, "messages": messages, "temperature": 0, "ignore_eos": True, "mode": "sd"}
+    body = {"model": MODEL, "messages": messages, "temperature": 0, "ignore_eos": True, "mode": mode}
     r = await api.http.post("/v1/chat/completions", json=body)
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] == room - n  # the rest of the context, exactly
