@@ -12,9 +12,10 @@ Preemption by priority: `--max-sessions` batch requests (priority 5, --max-new-t
 once every one of them has streamed a token, `--urgent` requests (priority -1, 32 tokens) arrive. Prints each
 request's latency and `stats.preemptions`, and checks every greedy answer against the same request run alone
 first; a preempted one also against a fresh `ar` request whose prompt is the prompt plus the tokens it had before
-the preemption (found as the longest pause of its stream): what a rebuilt session continues from. (In bf16 the
-rebuilt K/V of the generated positions come from a prefill, not from the forwards that verified them, so a
-greedy answer may part from the uninterrupted one at a near-tie, as after a failover.)
+the preemption (found as the longest pause of its stream). A rebuilt target session feeds its output in
+verify-sized blocks (session 26), so in bf16 too it holds the K/V its verifies wrote and its greedy answer equals
+the uninterrupted one; the fresh `ar` request prefills those tokens as its prompt, which rounds differently in bf16,
+and may part from it at a near-tie.
 COORDINATOR_PREEMPT=0 shows the urgent requests waiting for the batch instead.
 """
 from __future__ import annotations

@@ -63,6 +63,12 @@ class Session:
 
 
 class Worker:
+    # A rebuilt session (its history re-sent after a failover or a preemption: prompt + output, `output_start`)
+    # feeds its output positions in blocks of this many rows, as the verifies that first wrote them did, so that
+    # they get bitwise the same K/V (row invariance: specdec/linear.py, the decode attention) and a greedy answer
+    # goes on as it would have; 0: they are prefilled with the prompt (a draft: its K/V only move acceptance).
+    rebuild_rows = 0
+
     def __init__(self, model: CausalLM, max_sessions: int = 8, max_context: int | None = None,
                  session_ttl_s: float = 600.0, prefix_cache: bool = True, prefill_chunk: int = PREFILL_CHUNK):
         self.model = model
@@ -159,10 +165,19 @@ class Worker:
         ranges = self.prefill_ranges(s, prompt_ids, step)
         return [self.prefill_chunk_of(s, prompt_ids, a, b, logits_rows) for a, b in ranges]
 
+    def prefill_cut(self, n: int, output_start: int) -> int:
+        """Of a session opened with n tokens, the positions its prefill chunks write: all but the last token, or
+        (`rebuild_rows`) the prompt's, where a rebuilt session's output follows (`Session.output_start`)."""
+        return min(n, output_start) - 1 if self.rebuild_rows and 0 < output_start else n - 1
+
     def prefill_ranges(self, s: Session, prompt_ids: list[int], step: int | None = None) -> list[tuple[int, int]]:
-        """The [start, end) positions of each prefill forward of the session: aligned chunks after the reuse."""
-        fed, step = len(prompt_ids) - 1, self.prefill_chunk or step or max(len(prompt_ids) - 1, 1)
-        return [(at, min(at + step, fed)) for at in range(s.cached_tokens, fed, step)]
+        """The [start, end) positions of each prefill forward of the session: aligned chunks after the reuse, then
+        a rebuilt session's output in blocks of `rebuild_rows`."""
+        fed, cut = len(prompt_ids) - 1, self.prefill_cut(len(prompt_ids), s.output_start)
+        step = self.prefill_chunk or step or max(cut, 1)
+        ranges = [(at, min(at + step, cut)) for at in range(s.cached_tokens, cut, step)]
+        rows = self.rebuild_rows or 1
+        return ranges + [(at, min(at + rows, fed)) for at in range(max(s.cached_tokens, cut), fed, rows)]
 
     def prefill_chunk_of(self, s: Session, prompt_ids: list[int], start: int, end: int,
                          logits_rows: slice | None = PREFILL_LOGITS):
@@ -173,6 +188,7 @@ class Worker:
             raise SessionNotFoundError("the session was ended or restarted during its prefill; start it again")
         out = self._feed(s, start, prompt_ids[start:end], logits_rows=logits_rows)
         if self.prefill_chunk:  # whole aligned chunks a prefill wrote: other sessions may reuse them
+            end = min(end, self.prefill_cut(len(prompt_ids), s.output_start))
             s.chunked = max(s.chunked, end // self.prefill_chunk * self.prefill_chunk)
         return out
 
@@ -207,7 +223,7 @@ class Worker:
         if not self.free_slots:
             raise CapacityError(f"all {self.max_sessions} session slots are busy; retry later, end idle sessions, "
                                 f"or raise max_sessions")
-        want = prompt_ids[:-1] if reuse and self.prefix_cache else None
+        want = prompt_ids[:self.prefill_cut(len(prompt_ids), output_start)] if reuse and self.prefix_cache else None
         live = {o.slot: (o.params.cache_salt, o.tokens[:o.chunked]) for o in self.sessions.values()} if want else {}
         got = self.free_slots.take(want, live, align=self.prefill_chunk or 1, salt=params.cache_salt)
         if got.copy:

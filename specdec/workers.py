@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specdec.attention import SMALL_BLOCK_ROWS
 from specdec.drafting import DraftBlock, DraftCall, DraftWorker
 from specdec.errors import InvalidRequestError, StalePositionError
 from specdec.model import CausalLM
@@ -54,6 +55,8 @@ PROMPT_LOGPROBS_CHUNK = 256  # prompt positions per prefill forward with logprob
 
 class TargetWorker(Worker):
     """Hosts the target model: verifies draft blocks, batching sessions into one forward."""
+    rebuild_rows = SMALL_BLOCK_ROWS  # Worker.rebuild_rows: the most rows a verify-sized forward may have (the
+    # decode attention's, up to which check_row_invariance checks the linears)
 
     def start_session(self, session_id: str, prompt_ids: list[int], params: SamplingParams,
                       want_features: bool = False, output_start: int = 0) -> TargetFeatures | None:

@@ -7,6 +7,7 @@ import threading
 import time
 
 import grpc
+import torch
 import pytest
 
 from specdec.pb import common_pb2, target_pb2, target_pb2_grpc
@@ -115,3 +116,46 @@ async def test_a_restart_cancelled_mid_prefill_leaves_no_half_session():
     finally:
         await ch.close()
         await app.shutdown(0)
+
+
+@pytest.mark.parametrize("interleave", [False, True])
+def test_a_rebuilt_target_session_holds_the_kv_its_verifies_wrote(interleave):
+    """A session rebuilt from its history (failover, preemption: prompt + output, `output_start`) feeds the output
+    in verify-sized blocks, so every position's K/V equals, bit for bit, what the first session's verifies wrote:
+    a greedy answer goes on as it would have. bf16, whose CPU linears are row-invariant (fp32's are not: there a
+    row's last bits depend on its call's row count, far below a greedy near-tie)."""
+    from specdec.linear import prepack_linears, set_row_invariant
+    from specdec.sampling import SamplingParams
+    from specdec.workers import TargetWorker
+
+    model = build_tiny_model(vocab_size=40, hidden_size=64, seed=5, max_position_embeddings=256).to(torch.bfloat16)
+    set_row_invariant(model)
+    prepack_linears(model)
+    worker = TargetWorker(model, max_sessions=3, prefill_chunk=128)
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randint(1, 40, (37,), generator=gen).tolist()
+    output = torch.randint(1, 40, (30,), generator=gen).tolist()
+    params = SamplingParams(temperature=0.0)
+    worker.start_session("first", prompt, params)
+    s = worker.sessions["first"]
+    fed, at = [prompt[-1]] + output, 0
+    for size in (4, 1, 3, 5, 2, 8, 4, 3):  # verify blocks of 1 + γ rows, the last prompt token first
+        worker._feed(s, len(prompt) - 1 + at, fed[at:at + size])
+        at += size
+    history = prompt + output[:at - 1]
+    if interleave:  # as SessionHost runs it: the worker opens the session, then one call per range
+        r = worker.open_session("rebuilt", history, params, output_start=len(prompt))
+        for start, end in worker.prefill_ranges(r, history):
+            worker.prefill_chunk_of(r, history, start, end)
+    else:
+        worker.start_session("rebuilt", history, params, output_start=len(prompt))
+        r = worker.sessions["rebuilt"]
+    n = len(history) - 1
+    assert r.tokens == history[:n]
+    for layer in range(len(worker.kv.k)):
+        for cache in (worker.kv.k[layer], worker.kv.v[layer]):
+            assert torch.equal(cache[r.slot, :n], cache[s.slot, :n]), f"layer {layer}"
+    assert r.chunked <= len(prompt) - 1  # the output's blocks are no prefill chunks: never reused as such
+    worker.end_session("first")
+    worker.start_session("next turn", history + [7], params)  # a later prompt reuses only prefilled chunks
+    assert worker.sessions["next turn"].cached_tokens <= len(prompt) - 1
