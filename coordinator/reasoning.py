@@ -78,7 +78,6 @@ class ReasoningSplitter:
 
     def __init__(self, start: ReasoningStart):
         self.opening, self.state, self.pending = start.opening, start.otherwise, ""
-        self.closed = False  # `</think>` was read
 
     def feed(self, text: str) -> tuple[str, str]:
         self.pending += text
@@ -99,7 +98,7 @@ class ReasoningSplitter:
             at = self.pending.find(END)
             if at >= 0:
                 reasoning.append(self.pending[:at])
-                self.pending, self.state, self.closed = self.pending[at + len(END):], CONTENT, True
+                self.pending, self.state = self.pending[at + len(END):], CONTENT
                 continue
             shown, self.pending = split_tail(self.pending, END)
             reasoning.append(shown)
