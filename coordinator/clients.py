@@ -26,6 +26,7 @@ from typing import AsyncIterator
 
 import grpc
 
+from specdec.errors import ContextOverflowError
 from specdec.pb import common_pb2, draft_pb2, target_pb2
 from specdec.sampling import SamplingParams
 from specdec.server.convert import (decode_q, draft_block, draft_request, encode_q, features_from_proto,
@@ -42,6 +43,12 @@ log = logging.getLogger(__name__)
 MAX_FAILOVERS = 4
 _METHOD = {"greedy": common_pb2.VERIFY_METHOD_GREEDY, "token": common_pb2.VERIFY_METHOD_TOKEN,
            "block": common_pb2.VERIFY_METHOD_BLOCK}
+class DraftContextError(ContextOverflowError):
+    """The draft replica's context cannot hold the request (a draft pool run with a shorter max_context than the
+    target's): the request goes on target-only (COORDINATOR_DRAFT_FALLBACK), else OUT_OF_RANGE."""
+    kind = "draft"
+
+
 class PoolView:
     """A pipeline's cached copy of routable pool members (refreshed in the background, never per round)."""
 
@@ -140,6 +147,9 @@ class _Pinned(SessionMoves):
                         await self._failover(e)
                     elif isinstance(e, grpc.aio.AioRpcError) and e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
                         await self._next_replica(e)  # this replica is full: try another one, if any
+                    elif self.kind == "draft" and isinstance(e, grpc.aio.AioRpcError) and \
+                            e.code() == grpc.StatusCode.OUT_OF_RANGE:
+                        raise DraftContextError(f"the draft replica cannot hold this request: {e.details()}") from None
                     else:
                         raise
         finally:

@@ -30,7 +30,7 @@ from specdec.worker_base import PREFILL_CHUNK
 
 from coordinator.affinity import prefix_keys
 from coordinator.channels import Channels
-from coordinator.clients import PoolView, RemoteDraft, RemoteTarget
+from coordinator.clients import DraftContextError, PoolView, RemoteDraft, RemoteTarget
 from coordinator.pool import ReplicaUnavailableError
 
 log = logging.getLogger(__name__)
@@ -203,7 +203,7 @@ class Pipeline:
                     draft, unavailable, req = None, True, dataclasses.replace(req, mode="ar")
             try:
                 res = await generate(req, draft, target, tracking)
-            except ReplicaUnavailableError as e:
+            except (ReplicaUnavailableError, DraftContextError) as e:  # the draft pool is gone, or too short for it
                 if not (draft_fallback and draft is not None and getattr(e, "kind", "") == "draft"):
                     raise
                 # the draft pool went away mid-request: the committed tokens stand (the target verified them);

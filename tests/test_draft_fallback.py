@@ -79,10 +79,10 @@ async def test_without_the_fallback_the_request_fails_naming_the_pool(no_draft):
     assert len(ar.token_ids) == 4 and not ar.stats.draft_unavailable  # ar needs no draft either way
 
 
-async def _stack_with_one_draft(fallback: bool):
+async def _stack_with_one_draft(fallback: bool, **draft_kw):
     target, draft = tiny_pair()
     t = await start_replica("target", target)
-    d = await start_replica("draft", draft, preverifier="random")
+    d = await start_replica("draft", draft, preverifier="random", **draft_kw)
     s = CoordinatorSettings(host="127.0.0.1", port=0, metrics_port=0, ray=False, tokenizer="", grace_s=0,
                             draft_endpoints=d.endpoint, target_endpoints=t.endpoint, health_timeout_s=0.2,
                             log_level="WARNING", draft_fallback=fallback)
@@ -127,6 +127,34 @@ async def test_without_the_fallback_a_lost_draft_fails_the_request():
                     if n >= 4 and not d.draining:
                         await d.shutdown(0)
             assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "no draft replica" in e.value.details()
+    finally:
+        for a in (app, t, d):
+            await a.shutdown(0)
+
+
+@pytest.mark.parametrize("fallback", [True, False])
+async def test_a_request_past_the_drafts_context_runs_target_only(fallback):
+    """A draft pool run with a shorter context than the target's (DRAFT_MAX_CONTEXT, to save its KV memory): a
+    request that fits the target but not the draft runs target-only, exactly, instead of failing OUT_OF_RANGE
+    (which it still does with the fallback off, naming the draft)."""
+    target, t, d, app = await _stack_with_one_draft(fallback, max_context=24)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{app.port}") as ch:
+            stub = gg.GenerationServiceStub(ch)
+            short = await stub.Generate(g.GenerateRequest(prompt_token_ids=PROMPT, max_new_tokens=12, mode="sd",
+                                                          ignore_eos=True))
+            assert not short.stats.draft_unavailable and short.stats.draft_tokens > 0  # it fits the draft
+            request = g.GenerateRequest(prompt_token_ids=PROMPT, max_new_tokens=40, mode="pacer_pearl",
+                                        ignore_eos=True)
+            if not fallback:
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await stub.Generate(request)
+                assert e.value.code() == grpc.StatusCode.OUT_OF_RANGE and "draft replica" in e.value.details()
+                return
+            out = await stub.Generate(request)
+            assert list(out.token_ids) == target_greedy(target, PROMPT, 40)
+            assert out.stats.draft_unavailable and out.stats.mode == "ar"
+            assert len(t.host.table) == len(d.host.table) == 0
     finally:
         for a in (app, t, d):
             await a.shutdown(0)
