@@ -17,7 +17,7 @@ from coordinator.server import build_coordinator
 from coordinator.stack import free_port
 from specdec.pb import generation_pb2 as g, generation_pb2_grpc as gg
 from tests.helpers_models import save_tiny_pair, save_tiny_tokenizer, start_replica, stream_killing_the_pinned_target
-from tests.test_grammar import EOS, PROMPT, SENTENCE, grammar_of, masked_greedy, text
+from tests.test_grammar import EOS, PROMPT, SENTENCE, grammar_of, masked_greedy
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
