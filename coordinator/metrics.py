@@ -33,9 +33,11 @@ class CoordinatorMetrics:
                               buckets=(0.005, 0.01, 0.02, 0.03, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0),
                               registry=r)
         # requests that ran target-only, wholly or from some point on, because no draft replica was reachable
-        # (COORDINATOR_DRAFT_FALLBACK): exact but slower; alert on it (deploy/monitoring/prometheus-rules.yaml)
+        # (reason "unreachable": alert on it, deploy/monitoring/prometheus-rules.yaml) or the request is past the
+        # draft replicas' context ("context"; COORDINATOR_DRAFT_FALLBACK): exact but slower
         self.draft_unavailable = Counter("specdec_draft_unavailable", "Requests that fell back to target-only "
-                                         "decoding because no draft replica was reachable", registry=r)
+                                         "decoding: no draft replica reachable, or past the draft's context",
+                                         ["reason"], registry=r)
         # sessions given up to requests of higher priority (COORDINATOR_PREEMPT; coordinator/preemption.py)
         self.preemptions = Counter("specdec_preemptions", "Replica sessions requests gave up to requests of higher "
                                    "priority, to resume later", registry=r)

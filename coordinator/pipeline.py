@@ -191,7 +191,7 @@ class Pipeline:
             seen_logprobs.extend(logprobs or ())
             return on_tokens(new, logprobs)
 
-        unavailable = False
+        fallback = ""  # why it went target-only: "unreachable" (no draft replica) or "context" (past the draft's)
         try:
             if draft is not None:
                 try:
@@ -200,7 +200,7 @@ class Pipeline:
                     if not draft_fallback:
                         raise
                     self._warn_fallback(e)
-                    draft, unavailable, req = None, True, dataclasses.replace(req, mode="ar")
+                    draft, fallback, req = None, "unreachable", dataclasses.replace(req, mode="ar")
             try:
                 res = await generate(req, draft, target, tracking)
             except (ReplicaUnavailableError, DraftContextError) as e:  # the draft pool is gone, or too short for it
@@ -209,7 +209,8 @@ class Pipeline:
                 # the draft pool went away mid-request: the committed tokens stand (the target verified them);
                 # a target-only request goes on from them, in a session of its own (the failed one has ended)
                 self._warn_fallback(e)
-                unavailable, head, head_logprobs = True, list(committed), list(seen_logprobs)
+                fallback = "context" if isinstance(e, DraftContextError) else "unreachable"
+                head, head_logprobs = list(committed), list(seen_logprobs)
                 ended = next((t for t in head if t in req.eos_token_ids), None) is not None
                 if ended or len(head) >= req.max_new_tokens:  # it failed after its last token: nothing is left
                     res = GenerationResult(head, "stop" if ended else "length", GenerationStats(mode=req.mode),
@@ -238,7 +239,7 @@ class Pipeline:
         stats["completion_tokens"] = len(res.token_ids)
         stats["draft_replica"] = ",".join(ep for b in drafts for ep in b.served)
         stats["target_replica"] = ",".join(ep for b in targets for ep in b.served)
-        stats["draft_unavailable"] = unavailable
+        stats["draft_unavailable"], stats["draft_fallback"] = bool(fallback), fallback
         stats["preemptions"] = sum(b.preemptions for b in targets + drafts)
         finish = "stop" if res.finish_reason == "stop" else res.finish_reason
         pl = first_target.prompt_logprobs

@@ -304,7 +304,7 @@ class GenerationServicer(OutputForms, generation_pb2_grpc.GenerationServiceServi
                             m.cached_prompt_tokens.inc(stats.get("cached_prompt_tokens", 0))
                             m.queue_time.observe(stats.get("queued_s", 0.0))
                             if stats.get("draft_unavailable"):
-                                m.draft_unavailable.inc()
+                                m.draft_unavailable.labels(stats.get("draft_fallback") or "unreachable").inc()
                             m.preemptions.inc(stats.get("preemptions", 0))
                             off = stats.get("target_only_rounds", 0)
                             m.rounds.labels("target_only").inc(off)

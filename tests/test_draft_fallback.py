@@ -47,6 +47,7 @@ async def test_requests_run_target_only_without_a_draft(no_draft, mode):
                                                        ignore_eos=True))
     assert list(out.token_ids) == target_greedy(target, PROMPT, 12)
     assert out.stats.draft_unavailable and out.stats.mode == "ar" and out.stats.draft_tokens == 0
+    assert out.stats.draft_fallback == "unreachable"
     streamed = [t async for part in stubs[True].GenerateStream(g.GenerateRequest(
         prompt_token_ids=PROMPT, max_new_tokens=12, mode=mode, ignore_eos=True)) for t in part.token_ids]
     assert streamed == list(out.token_ids)
@@ -61,9 +62,10 @@ async def test_fallbacks_are_counted_for_alerts(no_draft):
 
     def count() -> float:
         line = next(ln for ln in generate_latest(app.metrics.registry).decode().splitlines()
-                    if ln.startswith("specdec_draft_unavailable_total "))
+                    if ln.startswith('specdec_draft_unavailable_total{reason="unreachable"} '))
         return float(line.split()[1])
 
+    await stubs[True].Generate(g.GenerateRequest(prompt_token_ids=PROMPT, max_new_tokens=2, mode="sd"))
     before = count()
     await stubs[True].Generate(g.GenerateRequest(prompt_token_ids=PROMPT, max_new_tokens=2, mode="sd"))
     await stubs[True].Generate(g.GenerateRequest(prompt_token_ids=PROMPT, max_new_tokens=2, mode="ar"))
@@ -153,8 +155,12 @@ async def test_a_request_past_the_drafts_context_runs_target_only(fallback):
                 return
             out = await stub.Generate(request)
             assert list(out.token_ids) == target_greedy(target, PROMPT, 40)
-            assert out.stats.draft_unavailable and out.stats.mode == "ar"
+            assert out.stats.draft_unavailable and out.stats.draft_fallback == "context" and out.stats.mode == "ar"
             assert len(t.host.table) == len(d.host.table) == 0
+            from prometheus_client import generate_latest  # counted apart from an unreachable pool (no alert)
+
+            assert 'specdec_draft_unavailable_total{reason="context"} 1.0' in \
+                generate_latest(app.metrics.registry).decode()
     finally:
         for a in (app, t, d):
             await a.shutdown(0)
