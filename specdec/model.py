@@ -25,9 +25,10 @@ import specdec.attention
 from specdec import native
 from specdec.attention import SMALL_BLOCK_ROWS, attention
 from specdec.dtypes import auto_dtype, cpu_has_fast_bf16, resolve_dtype  # noqa: F401 (re-exported: their old home)
+from specdec.kv_slots import KVSlots
 from specdec.linear import Linear, prepack_linears, row_invariance_enabled, set_row_invariant, tune_linears
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
 
 
 @dataclass
@@ -44,6 +45,7 @@ class ModelConfig:
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # bias on q/k/v (Qwen2)
+    qk_norm: bool = False  # an RMSNorm over each head of q and of k before RoPE (Qwen3)
     eos_token_id: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
     architecture: str = "LlamaForCausalLM"
@@ -81,6 +83,7 @@ class ModelConfig:
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
+            qk_norm=arch == "Qwen3ForCausalLM",
             eos_token_id=eos,
             bos_token_id=cfg.get("bos_token_id"),
             architecture=arch,
@@ -120,32 +123,6 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-class KVSlots:
-    """Per-layer K/V buffers `[num_slots, max_len, kv_heads, head_dim]`, written by absolute position."""
-
-    def __init__(self, cfg: ModelConfig, num_slots: int, max_len: int, device, dtype):
-        shape = (num_slots, max_len, cfg.num_key_value_heads, cfg.head_dim)
-        # zeros, not empty: a batched forward reads every row up to the longest row, and masked-out garbage that
-        # happens to be NaN would still poison the attention output (0 * NaN = NaN)
-        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_hidden_layers)]
-        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_hidden_layers)]
-        self.num_slots, self.max_len = num_slots, max_len
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
-
-    def copy_prefix(self, src: int, dst: int, n: int) -> None:
-        """Copy the K/V of positions [0, n) of slot `src` into slot `dst`, every layer (a reused prompt prefix)."""
-        for t in self.k + self.v:
-            t[dst, :n] = t[src, :n]
-
-    def move(self, slot: int, src: list[int], dst: list[int]) -> None:
-        """Copy the K/V at cache indices `src` of a slot to `dst` in every layer (an accepted tree path)."""
-        if src != dst:
-            for t in self.k + self.v:
-                t[slot, dst] = t[slot, src]
-
-
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -156,6 +133,8 @@ class Attention(nn.Module):
         self.v_proj = Linear(cfg.hidden_size, kv * hd, bias=cfg.attention_bias)
         self.o_proj = Linear(h * hd, cfg.hidden_size, bias=False)
         self.qkv_proj: Linear | None = None  # set by fuse_projections_, which drops q/k/v_proj
+        if cfg.qk_norm:
+            self.q_norm, self.k_norm = RMSNorm(hd, cfg.rms_norm_eps), RMSNorm(hd, cfg.rms_norm_eps)
 
     def forward(self, x, cos, sin, layer: int, kv: KVSlots, slots, positions, mask, kv_len: int, visible=None):
         # x: [B, S, D]; cos/sin: [B, S, hd]; slots: [B]; positions: [B, S]; mask: [B, 1, S, kv_len] | None;
@@ -170,6 +149,8 @@ class Attention(nn.Module):
         else:
             qk, v = torch.cat((self.q_proj(x), self.k_proj(x)), dim=-1), self.v_proj(x)
         qk, v = qk.view(B, S, h + kvh, hd), v.view(B, S, kvh, hd)
+        if self.cfg.qk_norm:  # Qwen3: each head of q and of k normalized on its own
+            qk = torch.cat((self.q_norm(qk[:, :, :h].contiguous()), self.k_norm(qk[:, :, h:].contiguous())), dim=2)
         # RoPE on q and k at once; `sin` carries rotate_half's sign, so rotate_half(x) * sin = roll(x) * sin_signed
         qk = qk * cos.unsqueeze(2) + qk.roll(hd // 2, dims=-1) * sin.unsqueeze(2)
         q, k = qk.split((h, kvh), dim=2)

@@ -31,6 +31,33 @@ def test_model_matches_transformers_llama():
     torch.testing.assert_close(torch.cat([a, b], 1), ref, atol=1e-5, rtol=1e-5)
 
 
+def test_model_matches_transformers_qwen3(tmp_path):
+    """Qwen3 (per-head RMSNorm of q and k before RoPE, no q/k/v bias, its own head_dim): a checkpoint saved by
+    transformers loads (fused projections, kernels as served) and gives its logits."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from specdec.model import load_model_dir
+
+    torch.manual_seed(3)
+    hf = Qwen3ForCausalLM(Qwen3Config(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6,
+                                      rope_theta=1e6, tie_word_embeddings=True, max_position_embeddings=64)).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name:  # they start at ones: make the test see which weight goes where
+                p.uniform_(0.5, 1.5)
+    hf.save_pretrained(tmp_path)
+    m = load_model_dir(tmp_path, dtype="float32")
+    assert m.config.qk_norm and not m.config.attention_bias
+    ids = torch.tensor([[1, 5, 7, 9, 3, 2, 8, 11]])
+    with torch.no_grad():
+        ref = hf(ids).logits
+    kv = m.new_kv_slots(2, 32)
+    a, _ = m(ids[:, :5], torch.arange(5)[None], torch.tensor([1]), kv)
+    b, _ = m(ids[:, 5:], torch.arange(5, 8)[None], torch.tensor([1]), kv)
+    torch.testing.assert_close(torch.cat([a, b], 1), ref, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("mode,first_block", [("sd", None), ("pearl", None), ("pearl", 0), ("pearl", 1)])
 @pytest.mark.parametrize("gamma", [1, 2, 4, 7])
 @pytest.mark.parametrize("draft_seed", [2, 3, 4])
