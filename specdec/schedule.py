@@ -58,6 +58,20 @@ async def _collect(stream: AsyncIterator[DraftBlock], run: _Run) -> DraftBlock:
                                draft_ns=sum(b.draft_ns for b in blocks)), run)
 
 
+async def _all_or_none(starts) -> list:
+    """Every start's result; where one fails, the others are cancelled and awaited before the error goes on, so
+    that the sessions `generate` ends afterwards are all there is (asyncio.gather would leave a draft start still
+    waiting for room, to start its session after its request ended: a replica session left behind)."""
+    tasks = [asyncio.ensure_future(s) for s in starts]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
 async def generate(req: GenerationRequest, draft: DraftBackend | None, target: TargetBackend,
                    on_tokens: Callable[[list[int], list | None], bool] | None = None) -> GenerationResult:
     """Run one request to completion. `on_tokens(new, logprobs)` sees tokens as they are committed (logprobs: one
@@ -76,7 +90,7 @@ async def generate(req: GenerationRequest, draft: DraftBackend | None, target: T
     if needs_draft and not feature_draft:
         starts.append(draft.start(sid, req.prompt_ids, req.params))
     try:
-        feats = (await asyncio.gather(*starts))[0]
+        feats = (await _all_or_none(starts))[0]
         if feature_draft:
             await draft.start(sid, req.prompt_ids, req.params, features=[feats] if feats is not None else None)
         if req.mode == "ar":

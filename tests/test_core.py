@@ -334,3 +334,39 @@ def test_engine_fills_the_context_exactly_and_refuses_one_more(mode):
         eng.generate(GenerationRequest(PROMPT, n + 1, mode=mode))
     assert not eng.target_worker.sessions and not eng.draft_worker.sessions
     eng.close()
+
+
+def test_a_failed_start_leaves_no_session_behind():
+    """The target's start fails while the draft's still waits for room: the draft's start is cancelled before
+    generate ends the sessions, so no session starts after its request ended (asyncio.gather alone left it
+    running: a replica session left behind, found by scripts/soak.py)."""
+    import asyncio
+
+    from specdec.schedule import generate
+
+    class Target:
+        async def start(self, *a, **k):
+            raise CapacityError("the target pool is full")
+
+        async def end(self, sid):
+            pass
+
+    class Draft:
+        started = ended = False
+
+        async def start(self, *a, **k):
+            await asyncio.sleep(0.05)  # waiting for room in the draft pool
+            self.started = True
+
+        async def end(self, sid):
+            self.ended = self.started
+
+    async def run():
+        draft = Draft()
+        with pytest.raises(CapacityError):
+            await generate(GenerationRequest(PROMPT, 8, mode="sd"), draft, Target())
+        await asyncio.sleep(0.1)  # long enough for a start left running to finish
+        return draft
+
+    draft = asyncio.run(run())
+    assert not draft.started or draft.ended
