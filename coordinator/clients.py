@@ -26,7 +26,7 @@ from typing import AsyncIterator
 
 import grpc
 
-from specdec.errors import ContextOverflowError
+from specdec.errors import ContextOverflowError, SessionNotFoundError
 from specdec.pb import common_pb2, draft_pb2, target_pb2
 from specdec.sampling import SamplingParams
 from specdec.server.convert import (decode_q, draft_block, draft_request, encode_q, features_from_proto,
@@ -44,8 +44,7 @@ MAX_FAILOVERS = 4
 _METHOD = {"greedy": common_pb2.VERIFY_METHOD_GREEDY, "token": common_pb2.VERIFY_METHOD_TOKEN,
            "block": common_pb2.VERIFY_METHOD_BLOCK}
 class DraftContextError(ContextOverflowError):
-    """The draft replica's context cannot hold the request (a draft pool run with a shorter max_context than the
-    target's): the request goes on target-only (COORDINATOR_DRAFT_FALLBACK), else OUT_OF_RANGE."""
+    """The draft replicas' context is shorter than the request: it goes on target-only (COORDINATOR_DRAFT_FALLBACK)."""
     kind = "draft"
 
 
@@ -98,6 +97,7 @@ class _Pinned(SessionMoves):
         self.sibling: _Pinned | None = None  # the request's backend in the other pool (it yields with this one)
         self.in_call = 0  # calls in flight (a yield waits for them: `give_up`)
         self.give_up = False  # yield the session when the call in flight ends
+        self.closed = False  # `end()` ran: no session may start on a replica after it (`_pin`)
         self.gave_up: asyncio.Future | None = None  # done once the last given-up session has ended and been released
         self.room_lock = asyncio.Lock()  # one re-pinning at a time
 
@@ -107,9 +107,12 @@ class _Pinned(SessionMoves):
     async def _pin(self) -> None:
         t0 = time.perf_counter_ns()
         self.holding = f"{self.holder}/{self.kind}/{len(self.served) + 1}"
-        self.endpoint = await self.pool.acquire(self.kind, self.failed, self.prefix_keys, self.priority,
-                                                self.holding)
+        endpoint = await self.pool.acquire(self.kind, self.failed, self.prefix_keys, self.priority, self.holding)
         self.queued_ns += time.perf_counter_ns() - t0
+        if self.closed:  # its request ended meanwhile (a call of its still in flight): start nothing
+            await self._release(endpoint)
+            raise SessionNotFoundError(f"the request ended; {self.kind} session {self.sid} is not started again")
+        self.endpoint = endpoint
         self.served.append(self.endpoint)
 
     async def _release(self, endpoint: str) -> None:
@@ -187,7 +190,11 @@ class _Pinned(SessionMoves):
             pass
 
     async def end(self, session_id: str) -> None:
+        self.closed = True
         if self.endpoint is None:
+            return
+        if self.in_call:  # a call still in flight (a rebuild's StartSession among them) gives it up as it ends
+            self.give_up = True
             return
         ep, self.endpoint = self.endpoint, None
         try:
