@@ -11,9 +11,8 @@ replica (chosen by the pool) and mirrors what that replica has fed, so the sessi
 - The replica left the pool (scale-in; `PoolView` says so): move the session before the next call.
 
 Per-round calls (Draft, Verify) travel as messages on one open stream per session and replica
-(`coordinator/rounds.py`) unless `streams=False`; any trouble with a stream resends the call unary.
-
-network_ns = wall time inside calls minus the compute (and queueing) the replicas report.
+(`coordinator/rounds.py`) unless `streams=False`; any trouble with a stream resends the call unary. network_ns =
+wall time inside calls minus the compute (and queueing) the replicas report.
 """
 from __future__ import annotations
 
@@ -26,7 +25,7 @@ from typing import AsyncIterator
 
 import grpc
 
-from specdec.errors import ContextOverflowError, SessionNotFoundError
+from specdec.errors import SessionNotFoundError
 from specdec.pb import common_pb2, draft_pb2, target_pb2
 from specdec.sampling import SamplingParams
 from specdec.server.convert import (decode_q, draft_block, draft_request, encode_q, features_from_proto,
@@ -36,6 +35,7 @@ from specdec.verify import SparseDist
 from specdec.workers import DraftBlock, TargetFeatures, VerifyOutcome
 
 from coordinator.channels import Channels
+from coordinator.pool import DraftContextError
 from coordinator.rounds import RoundStream
 from coordinator.session_moves import SessionMoves
 
@@ -43,11 +43,6 @@ log = logging.getLogger(__name__)
 MAX_FAILOVERS = 4
 _METHOD = {"greedy": common_pb2.VERIFY_METHOD_GREEDY, "token": common_pb2.VERIFY_METHOD_TOKEN,
            "block": common_pb2.VERIFY_METHOD_BLOCK}
-class DraftContextError(ContextOverflowError):
-    """The draft replicas' context is shorter than the request: it goes on target-only (COORDINATOR_DRAFT_FALLBACK)."""
-    kind = "draft"
-
-
 class PoolView:
     """A pipeline's cached copy of routable pool members (refreshed in the background, never per round)."""
 

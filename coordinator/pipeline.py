@@ -30,8 +30,8 @@ from specdec.worker_base import PREFILL_CHUNK
 
 from coordinator.affinity import prefix_keys
 from coordinator.channels import Channels
-from coordinator.clients import DraftContextError, PoolView, RemoteDraft, RemoteTarget
-from coordinator.pool import ReplicaUnavailableError
+from coordinator.clients import PoolView, RemoteDraft, RemoteTarget
+from coordinator.pool import DraftContextError, ReplicaUnavailableError
 
 log = logging.getLogger(__name__)
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 from coordinator.affinity import PrefixAffinity
 from coordinator.preemption import Holdings, on_wait
-from specdec.errors import CapacityError, SpecDecError
+from specdec.errors import CapacityError, ContextOverflowError, SpecDecError
 
 log = logging.getLogger(__name__)
 KINDS = ("draft", "target")
@@ -48,6 +48,11 @@ class ReplicaUnavailableError(SpecDecError):
 
     def __reduce__(self):  # crosses Ray with its kind
         return type(self), (str(self), self.kind)
+
+
+class DraftContextError(ContextOverflowError):
+    """The draft replicas' context is shorter than the request: it goes on target-only (COORDINATOR_DRAFT_FALLBACK)."""
+    kind = "draft"
 
 
 @dataclass

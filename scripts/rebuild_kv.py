@@ -50,20 +50,14 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[16, 8, 0], help="rebuild_rows to compare (0: prefill)")
     args = ap.parse_args()
 
-    from specdec.bench.prompts import load_prompt_sets
-    from specdec.defaults import DEFAULT_TARGET
-    from specdec.hub import resolve_model
+    from specdec.bench.prompts import default_target_prompts
     from specdec.model import load_model
     from specdec.sampling import SamplingParams
     from specdec.threads import set_thread_count
-    from specdec.tokenizer import load_tokenizer
     from specdec.workers import TargetWorker
 
     set_thread_count(1)
-    tdir = resolve_model(DEFAULT_TARGET)
-    sets = load_prompt_sets(load_tokenizer(tdir), ["humaneval", "chat"], max(args.humaneval, args.chat))
-    chosen = ([p for p in sets if p.prompt_set == "humaneval"][:args.humaneval]
-              + [p for p in sets if p.prompt_set == "chat"][:args.chat])
+    tdir, chosen = default_target_prompts(args.humaneval, args.chat)
     model = load_model(str(tdir), "cpu", torch.bfloat16, role="target")
     worker = TargetWorker(model, max_sessions=4, max_context=2048)
     params, rng = SamplingParams(), random.Random(0)

@@ -43,19 +43,13 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=48)
     args = ap.parse_args()
 
-    from specdec.bench.prompts import load_prompt_sets
-    from specdec.defaults import DEFAULT_TARGET
-    from specdec.hub import resolve_model
+    from specdec.bench.prompts import default_target_prompts
     from specdec.linear import Linear, check_row_invariance
     from specdec.model import load_model
     from specdec.threads import set_thread_count
-    from specdec.tokenizer import load_tokenizer
 
     set_thread_count(1)
-    tdir = resolve_model(DEFAULT_TARGET)
-    sets = load_prompt_sets(load_tokenizer(tdir), ["humaneval", "chat"], max(args.humaneval, args.chat))
-    chosen = ([p for p in sets if p.prompt_set == "humaneval"][:args.humaneval]
-              + [p for p in sets if p.prompt_set == "chat"][:args.chat])
+    tdir, chosen = default_target_prompts(args.humaneval, args.chat)
     prompts = [p.ids for p in chosen]
     model = load_model(str(tdir), "cpu", torch.bfloat16, role="target")
     lins = [m for m in model.modules() if isinstance(m, Linear)]

@@ -13,6 +13,17 @@ from tests.helpers_models import build_tiny_model
 PROMPT = [3, 1, 4, 1, 5]
 
 
+def assert_logits_match(m, hf) -> None:
+    """specdec's model gives transformers' logits: a prompt in one forward, then three tokens more (the cache)."""
+    ids = torch.tensor([[1, 5, 7, 9, 3, 2, 8, 11]])
+    with torch.no_grad():
+        ref = hf(ids).logits
+    kv = m.new_kv_slots(2, 32)
+    a, _ = m(ids[:, :5], torch.arange(5)[None], torch.tensor([1]), kv)
+    b, _ = m(ids[:, 5:], torch.arange(5, 8)[None], torch.tensor([1]), kv)
+    torch.testing.assert_close(torch.cat([a, b], 1), ref, atol=1e-5, rtol=1e-5)
+
+
 def test_model_matches_transformers_llama():
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -22,13 +33,7 @@ def test_model_matches_transformers_llama():
                                       num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=c.rms_norm_eps,
                                       rope_theta=c.rope_theta, tie_word_embeddings=False))
     hf.load_state_dict(m.state_dict(), strict=False)
-    ids = torch.tensor([[1, 5, 7, 9, 3, 2, 8, 11]])
-    with torch.no_grad():
-        ref = hf(ids).logits
-    kv = m.new_kv_slots(2, 32)
-    a, _ = m(ids[:, :5], torch.arange(5)[None], torch.tensor([1]), kv)
-    b, _ = m(ids[:, 5:], torch.arange(5, 8)[None], torch.tensor([1]), kv)
-    torch.testing.assert_close(torch.cat([a, b], 1), ref, atol=1e-5, rtol=1e-5)
+    assert_logits_match(m, hf)
 
 
 def test_model_matches_transformers_qwen3(tmp_path):
@@ -49,13 +54,7 @@ def test_model_matches_transformers_qwen3(tmp_path):
     hf.save_pretrained(tmp_path)
     m = load_model_dir(tmp_path, dtype="float32")
     assert m.config.qk_norm and not m.config.attention_bias
-    ids = torch.tensor([[1, 5, 7, 9, 3, 2, 8, 11]])
-    with torch.no_grad():
-        ref = hf(ids).logits
-    kv = m.new_kv_slots(2, 32)
-    a, _ = m(ids[:, :5], torch.arange(5)[None], torch.tensor([1]), kv)
-    b, _ = m(ids[:, 5:], torch.arange(5, 8)[None], torch.tensor([1]), kv)
-    torch.testing.assert_close(torch.cat([a, b], 1), ref, atol=1e-5, rtol=1e-5)
+    assert_logits_match(m, hf)
 
 
 @pytest.mark.parametrize("mode,first_block", [("sd", None), ("pearl", None), ("pearl", 0), ("pearl", 1)])

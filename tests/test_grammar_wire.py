@@ -280,6 +280,26 @@ async def hermes_stack(tmp_path_factory):
     await s.stop()
 
 
+async def auto_calls(stack, body: dict) -> tuple[str, list, str]:
+    """A chat answer under tool_choice "auto", whole or streamed (`body["stream"]`): (content, tool_calls,
+    finish_reason); streamed, the deltas joined."""
+    if not body.get("stream"):
+        r = await stack.http.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        return choice["message"]["content"], choice["message"].get("tool_calls") or [], choice["finish_reason"]
+    calls, content, finish = [], "", None
+    async with stack.http.stream("POST", "/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            if line.startswith("data: {"):
+                ch = json.loads(line[6:])["choices"][0]
+                calls += ch["delta"].get("tool_calls") or []
+                content += ch["delta"].get("content") or ""
+                finish = ch["finish_reason"] or finish
+    return content, calls, finish
+
+
 @pytest.mark.parametrize("stream", [False, True])
 async def test_auto_tool_calls_are_read_from_the_answer(hermes_stack, stream):
     """tool_choice "auto" (the default with tools): the model answers freely (here a regex makes the tiny random
@@ -288,22 +308,7 @@ async def test_auto_tool_calls_are_read_from_the_answer(hermes_stack, stream):
             "tools": ADD, "stream": stream, "mode": "pacer_pearl"}
 
     async def answer(regex: str) -> tuple[str, list, str]:
-        kw = {**body, "structured_outputs": {"regex": regex}}
-        if not stream:
-            r = await hermes_stack.http.post("/v1/chat/completions", json=kw)
-            assert r.status_code == 200, r.text
-            choice = r.json()["choices"][0]
-            return choice["message"]["content"], choice["message"].get("tool_calls") or [], choice["finish_reason"]
-        calls, content, finish = [], "", None
-        async with hermes_stack.http.stream("POST", "/v1/chat/completions", json=kw) as r:
-            assert r.status_code == 200
-            async for line in r.aiter_lines():
-                if line.startswith("data: {"):
-                    ch = json.loads(line[6:])["choices"][0]
-                    calls += ch["delta"].get("tool_calls") or []
-                    content += ch["delta"].get("content") or ""
-                    finish = ch["finish_reason"] or finish
-        return content, calls, finish
+        return await auto_calls(hermes_stack, {**body, "structured_outputs": {"regex": regex}})
 
     # 62 characters, one token each, then EOS: within the stack's cap of 64 tokens
     content, calls, finish = await answer(r'so <tool_call>\{"name": "d", "arguments": \{"a": [0-6]\}\}</tool_call>')
@@ -343,22 +348,7 @@ async def test_mistral_calls_after_the_special_token_over_the_wire(tmp_path, str
     body = {"model": "tiny", "messages": [{"role": "user", "content": "add"}], "max_tokens": 60, "temperature": 0,
             "tools": ADD, "stream": stream, "mode": "sd", "structured_outputs": {"grammar": grammar}}
     try:
-        if not stream:
-            r = await s.http.post("/v1/chat/completions", json=body)
-            assert r.status_code == 200, r.text
-            choice = r.json()["choices"][0]
-            content, calls, finish = (choice["message"]["content"], choice["message"].get("tool_calls") or [],
-                                      choice["finish_reason"])
-        else:
-            calls, content, finish = [], "", None
-            async with s.http.stream("POST", "/v1/chat/completions", json=body) as r:
-                assert r.status_code == 200
-                async for line in r.aiter_lines():
-                    if line.startswith("data: {"):
-                        ch = json.loads(line[6:])["choices"][0]
-                        calls += ch["delta"].get("tool_calls") or []
-                        content += ch["delta"].get("content") or ""
-                        finish = ch["finish_reason"] or finish
+        content, calls, finish = await auto_calls(s, body)
         assert content == "so" and finish == "tool_calls" and len(calls) == 1, (content, calls, finish)
         assert calls[0]["function"]["name"] == "d" and set(json.loads(calls[0]["function"]["arguments"])) == {"a"}
         plain = await s.http.post("/v1/chat/completions", json={**body, "tools": None, "stream": False})

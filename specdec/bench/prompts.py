@@ -77,3 +77,16 @@ def load_prompt_sets(tok, sets: list[str], n_per_set: int | None, prompts_file: 
         picked = [p for p in picked if 0 < len(p.ids) <= max_prompt_tokens]
         out.extend(picked[:n_per_set] if n_per_set else picked)
     return out
+
+
+def default_target_prompts(humaneval: int, chat: int):
+    """(the default target's directory, its first `humaneval` HumanEval and `chat` chat prompts): what the
+    scripts that check the target itself (scripts/row_invariance.py, scripts/rebuild_kv.py) decode."""
+    from specdec.defaults import DEFAULT_TARGET
+    from specdec.hub import resolve_model
+    from specdec.tokenizer import load_tokenizer
+
+    tdir = resolve_model(DEFAULT_TARGET)
+    sets = load_prompt_sets(load_tokenizer(tdir), ["humaneval", "chat"], max(humaneval, chat))
+    return tdir, ([p for p in sets if p.prompt_set == "humaneval"][:humaneval]
+                  + [p for p in sets if p.prompt_set == "chat"][:chat])
