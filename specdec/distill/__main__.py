@@ -64,13 +64,14 @@ def cmd_teacher(args):
 
 
 def _setup_draft(args, train_rows, target):
-    from .draft_model import build_from_target, frequency_subset, full_to_compact_map
+    from .draft_model import build_from_target, frequency_subset, full_to_compact_map, special_ids
 
     if getattr(args, "subset_samples", None):  # e.g. the data a warm-start checkpoint was trained on
         from .data import load_samples, split
 
         train_rows = split(load_samples(args.subset_samples), args.heldout_frac)[0]
-    subset = frequency_subset(train_rows, args.vocab_subset)
+    subset = frequency_subset(train_rows, args.vocab_subset, always=special_ids(target.config),
+                              vocab_size=target.config.vocab_size)
     oov = int((subset == 0).nonzero()[0, 0])
     to_compact = full_to_compact_map(subset, target.config.vocab_size, oov)
     layers = tuple(int(x) for x in args.init_layers.split(","))

@@ -29,8 +29,12 @@ def add_parser(sub) -> None:
     o.add_argument("--init-layers", default="0,1,2,3", help="target layers copied into the draft (its depth)")
     o.add_argument("--untied", action="store_true", help="a separate output head (default: tied to the input "
                    "embedding, as in the target; halves the vocabulary's share of the file)")
-    o.add_argument("--subset-from", default="default-draft",
-                   help="a draft directory whose vocabulary subset the new draft keeps (default: the shipped draft)")
+    o.add_argument("--subset-from", default="auto",
+                   help="a draft directory whose vocabulary subset the new draft keeps; auto: the shipped draft's "
+                   "when the target has its tokenizer (the SmolLM2 family), else --vocab-subset tokens by frequency "
+                   "in the training rows")
+    o.add_argument("--vocab-subset", type=int, default=8192, help="the draft's vocabulary size when its subset is "
+                   "made from the training rows (the target's special tokens always kept)")
     o.add_argument("--final-norm-scale", type=float, default=0.1)
     o.add_argument("--init-draft", default=None, help="warm start from this draft directory's weights (e.g. "
                    "default-draft, to keep improving the shipped draft); its depth and tying are used")
@@ -64,13 +68,47 @@ def _agreements(draft, held_sets: dict, subset, to_compact) -> dict:
             **{f"agreement[{k}]": round(m["agreement"], 4) for k, m in per.items()}}
 
 
+def _same_vocab(tok, model_dir) -> bool:
+    """Whether ``model_dir``'s tokenizer has ``tok``'s vocabulary (token ids mean the same text)."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(model_dir)).get_vocab() == tok.get_vocab()
+    except (OSError, ValueError):
+        return False
+
+
+def _subset(args, tok, target_config, rows, shipped_vocab: bool, log) -> torch.Tensor:
+    """The draft's vocabulary subset (full ids, sorted): a draft directory's, or the most frequent tokens of the
+    training rows with the target's special tokens."""
+    from safetensors.torch import load_file
+
+    from ..hub import resolve_model
+    from .draft_model import SUBSET_FILE, frequency_subset, special_ids
+
+    source = args.subset_from
+    if source == "auto":
+        source = "default-draft" if shipped_vocab else None
+    if source is None:
+        subset = frequency_subset(rows, args.vocab_subset, always=special_ids(target_config),
+                                  vocab_size=target_config.vocab_size)
+        log(f"online: a {len(subset)}-token vocabulary subset from the training rows")
+        return subset
+    sdir = pathlib.Path(resolve_model(source))
+    full = json.loads((sdir / "config.json").read_text()).get("specdec_full_vocab_size")
+    if full != target_config.vocab_size or not _same_vocab(tok, sdir):
+        raise SystemExit(f"--subset-from {source}: its subset indexes another vocabulary ({full} tokens) than the "
+                         f"target's ({target_config.vocab_size}); use --subset-from auto")
+    return load_file(str(sdir / SUBSET_FILE))["vocab_subset"].long()
+
+
 def cmd_online(args) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from ..hub import resolve_model
     from .__main__ import _log
     from .data import load_samples, split
-    from .draft_model import SUBSET_FILE, build_from_target, full_to_compact_map, save_draft
+    from .draft_model import build_from_target, full_to_compact_map, save_draft
     from .export import TOKENIZER_FILES
     from .online import distill, generate_rows, load_draft_weights
 
@@ -101,8 +139,10 @@ def cmd_online(args) -> None:
                       log=log)
     from .data import SHARED_SAMPLES
 
-    # extra training rows (their training split) and the held-out rows that measure agreement
-    paths = args.samples or ([str(SHARED_SAMPLES)] if SHARED_SAMPLES.exists() else [])
+    # extra training rows (their training split) and the held-out rows that measure agreement; the shared rows
+    # are the default target's token ids, so another tokenizer's target leaves them out
+    shipped_vocab = _same_vocab(tok, resolve_model("default-draft"))
+    paths = args.samples or ([str(SHARED_SAMPLES)] if SHARED_SAMPLES.exists() and shipped_vocab else [])
     extra_train, held = split(load_samples(paths), args.heldout_frac) if paths else ([], [])
     rows = (load_samples([data]) if data.exists() else []) + extra_train
     rows = [r for r in rows if r["completion_ids"]]
@@ -115,10 +155,7 @@ def cmd_online(args) -> None:
         f"held-out greedy rows: " + ", ".join(f"{k} {sum(r['temperature'] == 0 for r in v)}"
                                               for k, v in held_sets.items()))
 
-    sdir = pathlib.Path(resolve_model(args.subset_from))
-    from safetensors.torch import load_file
-
-    subset = load_file(str(sdir / SUBSET_FILE))["vocab_subset"].long()
+    subset = _subset(args, tok, target.config, rows, shipped_vocab, log)
     oov = int((subset == 0).nonzero()[0, 0])
     to_compact = full_to_compact_map(subset, target.config.vocab_size, oov)
     torch.manual_seed(args.seed)
