@@ -82,6 +82,11 @@ class CoordinatorSettings(ServerSettings):
                                          "send the metadata 'authorization: Bearer <key>' (UNAUTHENTICATED "
                                          "otherwise; health and reflection stay open), HTTP requests the header "
                                          "(http_api_key, if set, is the HTTP API's key instead)")
+    responses_store: int = Field(1000, ge=0, description="Responses API: responses kept in memory for "
+                                 "previous_response_id and GET /v1/responses/{id} (the least recently used go "
+                                 "first; 0: none are stored, and store: true is refused)")
+    responses_store_ttl_s: float = Field(3600.0, gt=0, description="Responses API: a stored response is dropped "
+                                         "after this many seconds without use")
     draft_fallback: bool = Field(True, description="when no draft replica can be reached, at a request's start "
                                                    "or mid-request, go on target-only (ar: the same output "
                                                    "distribution, slower; stats.draft_unavailable) instead of "

@@ -7,8 +7,8 @@ import uuid
 from coordinator.openai_backend import ApiError
 from coordinator.chat_prompt import REQUEST_ID
 
-ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models", "/tokenize", "/detokenize",
-          "/health", "/metrics")
+ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/responses/{id}", "/v1/models",
+          "/tokenize", "/detokenize", "/health", "/metrics")
 
 
 class Limits:
@@ -59,4 +59,5 @@ class Limits:
         finally:
             door.in_flight -= counted
             if door.requests is not None:
-                door.requests.labels(path if path in ROUTES else "other", str(status["code"])).inc()
+                route = "/v1/responses/{id}" if path.startswith("/v1/responses/") else path
+                door.requests.labels(route if route in ROUTES else "other", str(status["code"])).inc()

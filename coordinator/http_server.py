@@ -8,6 +8,7 @@ import logging
 import socket
 
 from coordinator.openai_http import OpenAIFrontDoor, ServicerBackend
+from coordinator.response_store import ResponseStore
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +37,8 @@ class HttpFrontDoor:
                                s.max_message_bytes,
                                is_draining=lambda: app.draining, registry=app.metrics.registry,
                                max_in_flight=s.http_max_in_flight, tool_call_parser=s.tool_call_parser,
-                               reasoning_parser=s.reasoning_parser)
+                               reasoning_parser=s.reasoning_parser,
+                               store=ResponseStore(s.responses_store, s.responses_store_ttl_s))
         host = s.host or "0.0.0.0"
         sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

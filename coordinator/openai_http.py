@@ -3,6 +3,7 @@
     POST /v1/chat/completions   chat (chat template applied), whole or streamed as server-sent events
     POST /v1/completions        a plain completion of the prompt text (no chat template), or of token ids
     POST /v1/responses          OpenAI's Responses API over the chat route (coordinator/responses_api.py)
+    GET, DELETE /v1/responses/{id}, GET .../input_items   a stored response (coordinator/response_store.py)
     GET  /v1/models             the one model served
     POST /tokenize, /detokenize vLLM's: a prompt's token ids (as either route encodes it), or the text of ids
     GET  /version               vLLM's: the server's version
@@ -29,6 +30,7 @@ from coordinator import openai_schema as schema
 from coordinator import responses_api
 from coordinator.openai_backend import CLIENT_CLOSED, ApiError, ServicerBackend, param_of  # noqa: F401 (re-exported)
 from coordinator.http_limits import Limits
+from coordinator.response_store import ResponseStore, as_items, items_page
 from coordinator.http_streams import (first_responses, gather_all, merged, sse, sse_response, trace_metadata,
                                       until_disconnected)
 from specdec.pb import generation_pb2
@@ -37,8 +39,9 @@ from specdec.pb import generation_pb2
 class OpenAIFrontDoor:
     def __init__(self, backend: ServicerBackend, model_name: str, api_key: str = "", max_body_bytes: int = 1 << 24,
                  is_draining=lambda: False, registry=None, max_in_flight: int = 1024, tool_call_parser: str = "",
-                 reasoning_parser: str = ""):
+                 reasoning_parser: str = "", store: ResponseStore | None = None):
         self.backend, self.model_name, self.api_key = backend, model_name, api_key
+        self.store = store if store is not None else ResponseStore(0, 1.0)  # the Responses API's stored responses
         self.tool_call_parser = tool_call_parser  # tool_choice "auto": coordinator/tool_parsers.py (''; refused)
         self.reasoning_parser = reasoning_parser  # chat: <think>...</think> as `reasoning` (coordinator/reasoning.py)
         self.max_body_bytes, self.is_draining = max_body_bytes, is_draining
@@ -57,7 +60,7 @@ class OpenAIFrontDoor:
             if not hmac.compare_digest(auth.encode(), f"Bearer {self.api_key}".encode()):
                 raise ApiError(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
                                code="invalid_api_key")
-        if body.model is not None and body.model != self.model_name:
+        if body is not None and body.model is not None and body.model != self.model_name:
             raise ApiError(404, f"the model {body.model!r} does not exist here; this server serves "
                                 f"{self.model_name!r} (GET /v1/models)", "model", "model_not_found")
 
@@ -192,8 +195,13 @@ class OpenAIFrontDoor:
 
     # -- the Responses API (coordinator/responses_api.py) ---------------------------------------------------------
     async def respond(self, request: Request, body: responses_api.ResponsesRequest):
-        chat = body.chat
-        self._check(request, chat)
+        self._check(request, body)
+        if body.store and not self.store.enabled:
+            raise ApiError(400, "store: this coordinator keeps no responses (COORDINATOR_RESPONSES_STORE=0); leave "
+                                "it out, or send store: false", "store")
+        if body.previous_response_id is not None:
+            body = body.continued(self.stored(body.previous_response_id, "previous_response_id").conversation)
+        chat, stored = body.chat, body.store is not False and self.store.enabled
         self._auto_tools(chat)
         (proto,) = chat.choices()
         proto.request_id = request.state.request_id
@@ -206,14 +214,25 @@ class OpenAIFrontDoor:
                        if lps is not None else None)
             message, finish = tool.message(text, finish) if tool else ({"content": text}, finish)
             message["reasoning"] = reasoning
-            return responses_api.response_object(body, rid, created, self.model_name,
-                                                 responses_api.output_items(message, finish, entries), finish, stats)
+            output = responses_api.output_items(message, finish, entries)
+            out = responses_api.response_object(body, rid, created, self.model_name, output, finish, stats, stored)
+            if stored:
+                self.store.put(rid, out, as_items(body.input), output)
+            return out
         events = self.backend.events(proto, metadata=trace_metadata(request))
         firsts = await first_responses(request, [events])
-        return sse_response(self._respond_stream(body, rid, created, firsts, events))
+        return sse_response(self._respond_stream(body, rid, created, firsts, events, stored))
 
-    async def _respond_stream(self, body, rid, created, firsts, events):
-        out = responses_api.ResponseEvents(body, rid, created, self.model_name)
+    def stored(self, rid: str, param: str | None = None):
+        found = self.store.get(rid)
+        if found is None:
+            raise ApiError(404, f"{param + ': ' if param else ''}no stored response {rid!r}: "
+                                f"{self.store.describe()}", param, "response_not_found" if not param else
+                           "previous_response_not_found")
+        return found
+
+    async def _respond_stream(self, body, rid, created, firsts, events, stored: bool):
+        out = responses_api.ResponseEvents(body, rid, created, self.model_name, stored)
         reader = body.chat.tool.reader() if body.chat.tool else responses_api.TextReader()
         for event in out.start():
             yield event
@@ -237,6 +256,8 @@ class OpenAIFrontDoor:
                 if finish:
                     for event in out.finish(finish, resp.stats):
                         yield event
+                    if stored:
+                        self.store.put(rid, out.final, as_items(body.input), out.output)
         except ApiError as e:  # after the headers: the error travels as an event
             yield out.error(e.body())
 
@@ -278,6 +299,30 @@ class OpenAIFrontDoor:
         async def create_response(body: responses_api.ResponsesRequest, request: Request):
             out = await self.respond(request, body)
             return out if isinstance(out, Response) else JSONResponse(out)
+
+        @app.get("/v1/responses/{rid}")
+        async def get_response(rid: str, request: Request):
+            self._check(request, None)
+            return self.stored(rid).response
+
+        @app.get("/v1/responses/{rid}/input_items")
+        async def input_items(rid: str, request: Request, order: str = "desc", after: str | None = None,
+                              limit: int = 20):
+            self._check(request, None)
+            if order not in ("asc", "desc") or not 1 <= limit <= 100:
+                raise ApiError(400, "order is asc or desc, limit from 1 to 100", "order" if order not in
+                               ("asc", "desc") else "limit")
+            try:
+                return items_page(self.stored(rid).input_items, order=order, after=after, limit=limit)
+            except KeyError:
+                raise ApiError(400, f"after: {after!r} is not an input item of {rid!r}", "after") from None
+
+        @app.delete("/v1/responses/{rid}")
+        async def delete_response(rid: str, request: Request):
+            self._check(request, None)
+            self.stored(rid)
+            self.store.delete(rid)
+            return {"id": rid, "object": "response", "deleted": True}
 
         @app.get("/v1/models")
         async def models():

@@ -7,8 +7,8 @@ Responses stream events. Pure: pydantic, no web framework.
   `instructions` is a system message before them.
 - `tools` are function tools (`{"type": "function", "name", "parameters"}`); `tool_choice` as the chat route's
   (`"auto"` needs the coordinator's tool-call parser). `text.format` is `text`, `json_object` or `json_schema`.
-- Responses are not stored: `previous_response_id`, `background` and `store: true` are refused, so a client that
-  relies on the server's memory of a conversation hears so instead of losing its context.
+- Responses are stored in the coordinator's memory unless `store: false` (coordinator/response_store.py), and
+  `previous_response_id` continues a stored one's conversation. `background` is refused.
 """
 from __future__ import annotations
 
@@ -98,7 +98,7 @@ class ResponsesRequest(SpecDecKnobs):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
-    store: bool | None = False
+    store: bool | None = None  # unset: stored where the coordinator keeps responses (OpenAI's default: true)
     metadata: dict[str, str] | None = None
     user: str | None = None
     safety_identifier: str | None = None  # as `user`: accepted, not used
@@ -116,10 +116,7 @@ class ResponsesRequest(SpecDecKnobs):
 
     @model_validator(mode="after")
     def _translate(self):
-        stored = "responses are not stored here; send the whole conversation as input"
-        for name, bad, why in (("store", self.store, f"{stored} (store: false)"),
-                               ("previous_response_id", self.previous_response_id is not None, stored),
-                               ("background", self.background, "not supported; leave it out and wait, or stream"),
+        for name, bad, why in (("background", self.background, "not supported; leave it out and wait, or stream"),
                                ("include", set(self.include or ()) - {LOGPROBS},
                                 f"only {LOGPROBS!r} is supported"),
                                ("reasoning", self.reasoning, "effort and summaries cannot be set here; leave it out "
@@ -151,6 +148,13 @@ class ResponsesRequest(SpecDecKnobs):
             parallel_tool_calls=self.parallel_tool_calls, response_format=fmt, user=self.user,
             logprobs=self.logprobs or None, top_logprobs=self.top_logprobs if self.logprobs else None, **knobs)
         return self
+
+    def continued(self, history: list[dict[str, Any]]) -> "ResponsesRequest":
+        """This request after `history` (a stored response's conversation): its input items follow it."""
+        from coordinator.response_store import as_items
+
+        return type(self).model_validate({**self.model_dump(exclude_unset=True),
+                                          "input": history + as_items(self.input)})
 
     @property
     def logprobs(self) -> bool:
@@ -191,7 +195,7 @@ def call_item(call: dict, status: str = "completed") -> dict:
 
 
 def response_object(body: ResponsesRequest, rid: str, created: int, model: str, output: list[dict],
-                    finish: str | None, stats=None) -> dict:
+                    finish: str | None, stats=None, stored: bool = False) -> dict:
     """The `response` object; `finish` None: still in progress (the stream's first events)."""
     from coordinator.openai_responses import stats_dict
 
@@ -209,8 +213,9 @@ def response_object(body: ResponsesRequest, rid: str, created: int, model: str, 
            "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
            "parallel_tool_calls": body.parallel_tool_calls is not False, "temperature": body.temperature,
            "top_p": body.top_p, "tool_choice": body.tool_choice or ("auto" if body.tools else "none"),
-           "tools": body.tools or [], "text": body.text or {"format": {"type": "text"}}, "store": False,
-           "metadata": body.metadata or {}, "truncation": "disabled", "usage": usage}
+           "tools": body.tools or [], "text": body.text or {"format": {"type": "text"}}, "store": stored,
+           "previous_response_id": body.previous_response_id, "metadata": body.metadata or {},
+           "truncation": "disabled", "usage": usage}
     if stats is not None:
         out["stats"] = stats_dict(stats)
     return out
@@ -225,12 +230,13 @@ class ResponseEvents:
     reasoning item holds the reasoning, a message item opens at its first text and closes before the first call;
     each tool call is one function_call item."""
 
-    def __init__(self, body: ResponsesRequest, rid: str, created: int, model: str):
-        self.body, self.rid, self.created, self.model = body, rid, created, model
+    def __init__(self, body: ResponsesRequest, rid: str, created: int, model: str, stored: bool = False):
+        self.body, self.rid, self.created, self.model, self.stored = body, rid, created, model, stored
         self.seq, self.output, self.text = 0, [], None  # self.text: the open message item's text pieces
         self.args: list[str] | None = None  # the open function_call item's argument pieces
         self.logprobs: list[dict] = []  # the open message item's tokens' logprobs
         self.thought: list[str] | None = None  # the open reasoning item's text pieces
+        self.final: dict | None = None  # the finished response
 
     def _event(self, kind: str, **fields) -> str:
         event = {"type": kind, "sequence_number": self.seq, **fields}
@@ -238,7 +244,8 @@ class ResponseEvents:
         return dumps(event)
 
     def _response(self, finish: str | None = None, stats=None) -> dict:
-        return response_object(self.body, self.rid, self.created, self.model, self.output, finish, stats)
+        return response_object(self.body, self.rid, self.created, self.model, self.output, finish, stats,
+                               self.stored)
 
     def start(self) -> list[str]:
         return [self._event("response.created", response=self._response()),
@@ -337,7 +344,8 @@ class ResponseEvents:
             out += self._open_message()  # whole
         out += self._close_message(status) + self._close_call(status)
         kind = "response.incomplete" if finish == "length" else "response.completed"
-        return out + [self._event(kind, response=self._response(finish, stats))]
+        self.final = self._response(finish, stats)
+        return out + [self._event(kind, response=self.final)]
 
     def error(self, body: dict) -> str:
         err = body["error"]

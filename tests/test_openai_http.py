@@ -43,7 +43,8 @@ class Http:
             s = CoordinatorSettings(host="127.0.0.1", port=0, metrics_port=0, ray=False, tokenizer="", grace_s=0,
                                     draft_endpoints=self.d.endpoint, target_endpoints=self.t.endpoint,
                                     max_new_tokens_cap=64, log_level="WARNING", http_port=free_port(),
-                                    served_model_name=MODEL, http_api_key=key, max_message_bytes=64 * 1024)
+                                    served_model_name=MODEL, http_api_key=key, max_message_bytes=64 * 1024,
+                                    responses_store=0 if key else 1000)  # the keyed door stores no response
             app, _ = await build_coordinator(s, tokenizer=self.tok, eos_token_ids=set())
             await app.start()
             self.apps.append(app)

@@ -91,8 +91,7 @@ async def test_a_conversation_with_earlier_tool_calls(api):
 
 
 @pytest.mark.parametrize("extra, words", [
-    ({"store": True}, "not stored"),
-    ({"previous_response_id": "resp_1"}, "not stored"),
+    ({"previous_response_id": "resp_1"}, "previous_response_id: no stored response 'resp_1'"),
     ({"background": True}, "background"),
     ({"tools": [{"type": "web_search"}]}, "only function tools"),
     ({"input": [{"type": "web_search_call", "id": "ws_1"}]}, "type 'web_search_call'"),
