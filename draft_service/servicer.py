@@ -62,6 +62,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
     def _args(self, request):
         self._check_base(request.session_id, request.base_position)
         token = self._latest[request.session_id] = object()
+        self._forget_gone()
         feats = features_from_proto(request.features) if self.worker.reads_features else None
         return token, (request.session_id, request.base_position, list(request.append_ids), request.gamma_max,
                        self._stop_rule(request.stop), request.block_size, feats)
@@ -136,9 +137,17 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             raise StalePositionError(f"position {request.position} is beyond the {held} tokens session {sid!r} "
                                      f"holds; commit at most {held}")
         self.committed[sid] = request.position
-        if len(self.committed) > 2 * self.host.table.max_sessions:  # forget expired/evicted sessions
-            self.committed = {k: v for k, v in self.committed.items() if k in self.host.table}
+        self._forget_gone()
         return draft_pb2.CommitResponse(position=request.position)
+
+    def _forget_gone(self) -> None:
+        """Drop what is kept per session for sessions that expired or were evicted without an EndSession (a
+        client that went away): bounded by twice the sessions a replica holds."""
+        bound = 2 * self.host.table.max_sessions
+        if len(self.committed) > bound:
+            self.committed = {k: v for k, v in self.committed.items() if k in self.host.table}
+        if len(self._latest) > bound:
+            self._latest = {k: v for k, v in self._latest.items() if k in self.host.table}
 
 
 def add_to_server(servicer: DraftServicer, server: grpc.aio.Server) -> None:

@@ -86,7 +86,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Temperature 0, or one so small (< SAMPLING_EPS) that dividing by it would overflow: its limit, greedy,
+        as vLLM's."""
+        return self.temperature < SAMPLING_EPS
 
     def validate(self) -> "SamplingParams":
         if not (self.temperature >= 0.0) or self.temperature != self.temperature or self.temperature > 100:
@@ -116,6 +118,8 @@ class SamplingParams:
             raise InvalidRequestError("allowed_token_ids", f"send at most {MAX_ALLOWED_TOKEN_IDS} token ids, each >= 0")
         if len(self.bad_words) > MAX_BAD_WORDS or any(not w or any(t < 0 for t in w) for w in self.bad_words):
             raise InvalidRequestError("bad_words", f"send at most {MAX_BAD_WORDS} non-empty token sequences")
+        if len(self.stop_ids) > MAX_STOP_IDS or any(t < 0 for t in self.stop_ids):
+            raise InvalidRequestError("stop_ids", f"send at most {MAX_STOP_IDS} token ids, each >= 0")
         if self.min_tokens < 0:
             raise InvalidRequestError("min_tokens", f"must be >= 0, got {self.min_tokens}")
         if len(self.grammar) > MAX_GRAMMAR_CHARS:
@@ -133,6 +137,8 @@ MAX_CACHE_SALT = 256
 MAX_LOGIT_BIAS = 300  # OpenAI's limit
 MAX_ALLOWED_TOKEN_IDS = 4096
 MAX_BAD_WORDS = 256  # token sequences (a word becomes two: as is and after a space)
+SAMPLING_EPS = 1e-5  # temperatures below it sample greedily (vLLM's _SAMPLING_EPS)
+MAX_STOP_IDS = 256  # EOS ids and a request's stop_token_ids (the coordinator allows 64)
 MAX_GRAMMAR_CHARS = 512 * 1024  # a compiled grammar (a schema's, with the choices or Lark text inside)
 
 

@@ -5,6 +5,8 @@ build on `Worker`. Torch only."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -138,6 +140,15 @@ class Worker:
             if not (0 <= t < self.vocab_size):
                 raise InvalidRequestError(field_name, f"token id {t} is outside the vocabulary [0, {self.vocab_size})")
 
+    def _in_vocabulary(self, params: SamplingParams) -> SamplingParams:
+        """Stop ids and bad words without the ids past the vocabulary (a tokenizer's may run past the model's):
+        such a token is never sampled, so a stop on it never fires and a bad word holding it never completes."""
+        stops = tuple(t for t in params.stop_ids if t < self.vocab_size)
+        bad = tuple(w for w in params.bad_words if max(w) < self.vocab_size)
+        if stops == params.stop_ids and bad == params.bad_words:
+            return params
+        return dataclasses.replace(params, stop_ids=stops, bad_words=bad)
+
     def _check_context(self, length: int, what: str) -> None:
         if length > self.max_context:
             raise ContextOverflowError(f"{what} needs {length} positions but the context holds {self.max_context}; "
@@ -212,6 +223,7 @@ class Worker:
         params.validate()
         self._check_tokens("logit_bias", [t for t, _ in params.logit_bias])
         self._check_tokens("allowed_token_ids", list(params.allowed_token_ids))
+        params = self._in_vocabulary(params)
         if not 0 <= output_start <= len(prompt_ids):
             raise InvalidRequestError("output_start", f"must be in [0, {len(prompt_ids)}] (0: the prompt's end), got "
                                                       f"{output_start}")

@@ -8,6 +8,8 @@ Raw little-endian bytes inside msgpack `bin` cost 8 bytes per entry and decode w
 """
 from __future__ import annotations
 
+import math
+
 import msgpack
 import numpy as np
 import torch
@@ -37,7 +39,7 @@ def tensor_from_proto(msg: common_pb2.Tensor, field: str = "tensor") -> torch.Te
     shape = list(msg.shape)
     if any(d < 0 for d in shape):
         raise InvalidRequestError(f"{field}.shape", f"has a negative dimension {shape}")
-    numel = int(np.prod(shape)) if shape else 1
+    numel = math.prod(shape)  # Python ints: a shape like [2**40, 2**40] must not wrap around
     itemsize = torch.empty((), dtype=dtype).element_size()
     if len(msg.data) != numel * itemsize:
         raise InvalidRequestError(f"{field}.data", f"has {len(msg.data)} bytes but shape {shape} of "
@@ -74,8 +76,21 @@ def decode_q(data: bytes, field: str = "q") -> list:
                                       "of equal length")
         ids = torch.from_numpy(np.frombuffer(row[0], dtype=_LE_I32).astype(np.int64))
         probs = torch.from_numpy(np.frombuffer(row[1], dtype=_LE_F32).astype(np.float32))
-        out.append(SparseDist(ids=ids, probs=probs))
+        out.append(_distribution(SparseDist(ids=ids, probs=probs), f"{field}[{i}]"))
     return out
+
+
+def _distribution(q, field: str):
+    """A draft distribution row as verification needs it: finite, non-negative probabilities summing to at most 1
+    (float32 rounding aside), each token once."""
+    if not bool(torch.isfinite(q.probs).all()) or bool((q.probs < 0).any()):
+        raise InvalidRequestError(field, "probabilities must be finite and >= 0")
+    if float(q.probs.double().sum()) > 1.0 + 1e-3:
+        raise InvalidRequestError(field, f"probabilities sum to {float(q.probs.double().sum()):.6g}; a distribution "
+                                         f"sums to at most 1")
+    if q.ids.numel() != q.ids.unique().numel():
+        raise InvalidRequestError(field, "names a token id more than once")
+    return q
 
 
 def dense_q_to_sparse(q: torch.Tensor, field: str = "q_dense") -> list:
@@ -86,9 +101,11 @@ def dense_q_to_sparse(q: torch.Tensor, field: str = "q_dense") -> list:
         raise InvalidRequestError(field, f"must have shape [len(draft_ids), vocab], got {list(q.shape)}")
     q = q.float()
     out = []
-    for row in q:
-        ids = torch.nonzero(row > 0).flatten()
-        out.append(SparseDist(ids=ids, probs=row[ids]))
+    for i, row in enumerate(q):
+        if not bool(torch.isfinite(row).all()):
+            raise InvalidRequestError(f"{field}[{i}]", "probabilities must be finite and >= 0")
+        ids = torch.nonzero(row != 0).flatten()
+        out.append(_distribution(SparseDist(ids=ids, probs=row[ids]), f"{field}[{i}]"))
     return out
 
 

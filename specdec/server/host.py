@@ -39,7 +39,9 @@ class SessionHost:
         self.draining = False  # set when the server starts draining: per-round streams end (UNAVAILABLE)
         self._reap_every = min(30.0, max(0.05, settings.session_ttl_s / 4))
         self.interleave_prefill = settings.interleave_prefill
-        self.prefilling: set[str] = set()  # sessions whose StartSession is running: they cannot verify or draft yet
+        # sessions whose StartSession is running (how many calls each): they cannot verify or draft yet
+        self.prefilling: dict[str, int] = {}
+        self._starts: dict[str, object] = {}  # each session id's latest StartSession call (last writer wins)
 
     # -- sessions ------------------------------------------------------------------------------------------
     async def start_session(self, sid: str, prompt_ids: list[int], params, **kw) -> tuple[int, int, object, int]:
@@ -53,7 +55,8 @@ class SessionHost:
         if vocab is not None:  # compile off the model thread (cached): a large schema must not stall other sessions
             await asyncio.to_thread(vocab.check, params.grammar)
         evicted = self.table.admit(sid)
-        self.prefilling.add(sid)
+        self.prefilling[sid] = self.prefilling.get(sid, 0) + 1
+        self._starts[sid] = call = object()
         try:
             # prompt logprobs, features and feature drafts need the worker's own start_session
             plain = not any(v for k, v in kw.items() if k != "output_start")
@@ -68,12 +71,17 @@ class SessionHost:
         except BaseException:
             # a refused, failed or cancelled start leaves no session with this id, KV slot included (a restart
             # stopped between chunks would otherwise leave a half-prefilled one; its next call gets NOT_FOUND and
-            # the caller starts it again)
-            self.table.remove(sid)
-            self.runner.post(self.worker.end_session, sid)
+            # the caller starts it again). Unless a later StartSession of the same id replaced it: that one's.
+            if self._starts.get(sid) is call:
+                self.table.remove(sid)
+                self.runner.post(self.worker.end_session, sid)
             raise
         finally:
-            self.prefilling.discard(sid)
+            if self._starts.get(sid) is call:
+                del self._starts[sid]
+            self.prefilling[sid] -= 1
+            if not self.prefilling[sid]:
+                del self.prefilling[sid]
             self.metrics.sessions_active.set(len(self.table))
 
     def open_sessions(self):
@@ -107,7 +115,8 @@ class SessionHost:
         for start, end in ranges:
             self.table.touch(sid)  # a long prefill is use: LRU eviction must not pick this session meanwhile
             ns += await self.runner.run(chunk, s, start, end)
-        return self.worker.session_length(sid), ns, None, s.cached_tokens
+        # this call's session, not the id's: a later StartSession of the same id may have replaced it meanwhile
+        return len(s.tokens) + len(s.pending), ns, None, s.cached_tokens
 
     def begin_drain(self) -> None:
         self.draining = True
