@@ -1,14 +1,16 @@
-"""The OpenAI-compatible HTTP API's checks before a request reaches FastAPI (body size, requests in flight,
-draining, the X-Request-Id header) and its request counter after it: an ASGI middleware."""
+"""The OpenAI-compatible HTTP API's checks before a request reaches FastAPI (the API key, body size, requests in
+flight, draining, the X-Request-Id header) and its request counter after it: an ASGI middleware."""
 from __future__ import annotations
 
+import hmac
 import uuid
 
 from coordinator.openai_backend import ApiError
 from coordinator.chat_prompt import REQUEST_ID
 
+OPEN_PATHS = ("/health", "/metrics", "/version")  # probes and scrapers: no API key
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/responses/{id}", "/v1/models",
-          "/tokenize", "/detokenize", "/health", "/metrics")
+          "/v1/models/{id}", "/tokenize", "/detokenize", "/health", "/metrics")
 
 
 class Limits:
@@ -42,6 +44,11 @@ class Limits:
         error = None
         if not valid_rid:
             error = ApiError(400, "X-Request-Id: at most 64 letters, digits and . _ : -", "X-Request-Id")
+        elif door.api_key and path not in OPEN_PATHS and not hmac.compare_digest(
+                headers.get(b"authorization", b""), f"Bearer {door.api_key}".encode()):
+            # before the body is read: a request without the key learns nothing, not even whether its body parses
+            error = ApiError(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
+                             code="invalid_api_key")
         elif scope["method"] == "POST" and not size.isdigit():
             error = ApiError(411, "send the body with a Content-Length header (chunked bodies are not accepted)")
         elif size.isdigit() and int(size) > door.max_body_bytes:
@@ -59,5 +66,5 @@ class Limits:
         finally:
             door.in_flight -= counted
             if door.requests is not None:
-                route = "/v1/responses/{id}" if path.startswith("/v1/responses/") else path
+                route = next((f"{p}{{id}}" for p in ("/v1/responses/", "/v1/models/") if path.startswith(p)), path)
                 door.requests.labels(route if route in ROUTES else "other", str(status["code"])).inc()

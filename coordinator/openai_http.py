@@ -17,7 +17,6 @@ UNAVAILABLE 503, ...). A client that disconnects cancels its generation, streame
 """
 from __future__ import annotations
 
-import hmac
 import time
 
 from fastapi import FastAPI, Request
@@ -55,11 +54,7 @@ class OpenAIFrontDoor:
 
     # -- one generation ---------------------------------------------------------------------------------------
     def _check(self, request: Request, body) -> None:
-        if self.api_key:
-            auth = request.headers.get("authorization", "")
-            if not hmac.compare_digest(auth.encode(), f"Bearer {self.api_key}".encode()):
-                raise ApiError(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
-                               code="invalid_api_key")
+        """The body names this server's model, if any (the API key is checked before, by `Limits`)."""
         if body is not None and body.model is not None and body.model != self.model_name:
             raise ApiError(404, f"the model {body.model!r} does not exist here; this server serves "
                                 f"{self.model_name!r} (GET /v1/models)", "model", "model_not_found")
@@ -152,6 +147,7 @@ class OpenAIFrontDoor:
         (vLLM's continuous_usage_stats)."""
         name = self.model_name
         counts = [0] * len(streams)  # each choice's tokens so far
+        chars = [0] * len(streams)  # each choice's logprobs tokens' characters so far (completions' text_offset)
 
         def chunk(*args, index: int = 0, **kw) -> dict:
             body = responses.chunk_body(chat, rid, created, name, *args, with_usage=with_usage, index=index, **kw)
@@ -172,16 +168,22 @@ class OpenAIFrontDoor:
                 counts[i] += len(resp.token_ids)
                 if reasoning and resp.reasoning_delta:
                     yield sse(chunk(None, None, index=i, delta={"reasoning": resp.reasoning_delta}))
+                lps = None
+                if resp.HasField("logprobs") and resp.token_ids:  # tokens whose text may still be held back
+                    lps = responses.logprobs_body(chat, resp.token_ids, resp.logprobs,
+                                                  token_text or self.backend.token_text, offset=chars[i])
+                    chars[i] += 0 if chat else sum(len(t) for t in lps["tokens"])
                 if readers:
                     deltas = readers[i].feed(resp.text_delta)
                     if finish:
                         more, finish = readers[i].end(finish)
                         deltas += more
-                    for delta in deltas:
-                        yield sse(chunk(None, None, index=i, delta=delta))
-                elif resp.HasField("logprobs") and resp.token_ids:  # tokens whose text may still be held back
-                    yield sse(chunk(resp.text_delta, None, index=i, logprobs=responses.logprobs_body(
-                        chat, resp.token_ids, resp.logprobs, token_text or self.backend.token_text)))
+                    if lps is not None and not deltas:  # text held back by the reader: the logprobs go now
+                        deltas = [{}]
+                    for k, delta in enumerate(deltas):
+                        yield sse(chunk(None, None, index=i, delta=delta, logprobs=lps if k == 0 else None))
+                elif lps is not None:
+                    yield sse(chunk(resp.text_delta, None, index=i, logprobs=lps))
                 elif resp.text_delta:
                     yield sse(chunk(resp.text_delta, None, index=i))
                 if finish:
@@ -273,6 +275,8 @@ class OpenAIFrontDoor:
         async def invalid(_request, exc: RequestValidationError):
             errs = exc.errors()
             parts = []
+            if any(e.get("type") == "json_invalid" for e in errs):
+                return ApiError(400, "the body is not valid JSON: send a JSON object").response()
             for e in errs:
                 loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
                 msg = e.get("msg", "invalid").removeprefix("Value error, ")
@@ -324,13 +328,23 @@ class OpenAIFrontDoor:
             self.store.delete(rid)
             return {"id": rid, "object": "response", "deleted": True}
 
-        @app.get("/v1/models")
-        async def models():
+        async def model_card() -> dict:
             model = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "specdec",
                      "root": self.model_name, "parent": None}
             if max_len := await self.backend.max_model_len():  # vLLM's: what a prompt + its output may hold
                 model["max_model_len"] = max_len
-            return {"object": "list", "data": [model]}
+            return model
+
+        @app.get("/v1/models")
+        async def models():
+            return {"object": "list", "data": [await model_card()]}
+
+        @app.get("/v1/models/{model:path}")
+        async def model(model: str):
+            if model != self.model_name:
+                raise ApiError(404, f"the model {model!r} does not exist here; this server serves "
+                                    f"{self.model_name!r}", "model", "model_not_found")
+            return await model_card()
 
         @app.post("/tokenize")
         async def tokenize(body: schema.TokenizeRequest, request: Request):

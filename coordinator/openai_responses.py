@@ -43,9 +43,10 @@ def stats_dict(stats: generation_pb2.GenerationStats) -> dict:
     return MessageToDict(stats, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
 
 
-def logprobs_body(chat: bool, token_ids, logprobs: generation_pb2.GeneratedLogprobs | None, token_text) -> dict | None:
-    """OpenAI's logprobs object for these tokens (chat: `content` entries; completions: parallel lists).
-    `token_text(id)` is a token's text."""
+def logprobs_body(chat: bool, token_ids, logprobs: generation_pb2.GeneratedLogprobs | None, token_text,
+                  offset: int = 0) -> dict | None:
+    """OpenAI's logprobs object for these tokens (chat: `content` entries; completions: parallel lists, with
+    `text_offset` counted from `offset`, a stream's characters so far). `token_text(id)` is a token's text."""
     if logprobs is None:
         return None
     tokens = [token_text(t) for t in token_ids]
@@ -56,7 +57,7 @@ def logprobs_body(chat: bool, token_ids, logprobs: generation_pb2.GeneratedLogpr
 
         return {"content": [{**entry(text, lp), "top_logprobs": [entry(a, v) for a, v in top]}
                             for text, lp, top in zip(tokens, logprobs.logprobs, tops)]}
-    offsets, at = [], 0
+    offsets, at = [], offset
     for text in tokens:
         offsets.append(at)
         at += len(text)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import secrets
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
@@ -31,8 +31,44 @@ MAX_GENERATIONS = 64  # prompts × n per request (/v1/completions takes a list o
 PARAM_NAMES = {"max_new_tokens": "max_tokens", "prompt_token_ids": "prompt"}
 
 
+INT32_MAX = 2**31 - 1  # GenerateRequest's integers are int32
+Int32 = Annotated[int, Field(ge=-2**31, le=INT32_MAX)]
+TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
+
+
+def lone_surrogate_at(value, path: str = "") -> str | None:
+    """Where a JSON body holds a string that is not Unicode text (a lone UTF-16 surrogate, "\\ud800"); None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "body"
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            where = f"{path}.{k}" if path else str(k)
+            if found := lone_surrogate_at(k, path or "body") or lone_surrogate_at(v, where):
+                return found
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            if where := lone_surrogate_at(v, f"{path}.{i}" if path else str(i)):
+                return where
+    return None
+
+
 class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_are_unset(cls, data):
+        """OpenAI's fields may be sent as null, meaning unset (the openai client and frameworks forward them so);
+        and every string must be text."""
+        if not isinstance(data, dict):
+            return data
+        if where := lone_surrogate_at(data):
+            raise ValueError(f"{where}: holds a lone surrogate (\\ud800-\\udfff), which is not text; send UTF-8 "
+                             f"text")
+        return {k: v for k, v in data.items() if v is not None}
 
 
 class StreamOptions(_Body):
@@ -44,27 +80,27 @@ class SpecDecKnobs(_Body):
     """GenerateRequest's specdec fields (proto/specdec/v1/generation.proto documents each); unset: its default."""
 
     mode: str | None = None
-    gamma: int | None = None
+    gamma: Int32 | None = None
     verify_method: str | None = None
-    block_size: int | None = None
+    block_size: Int32 | None = None
     pacer_threshold: float | None = None
     pacer_skip_below: float | None = None
-    pearl_first_block: int | None = None
-    spec_off_batch: int | None = None
+    pearl_first_block: Int32 | None = None
+    spec_off_batch: Int32 | None = None
     pacer_post_threshold: float | None = None
     pearl_overlap: str | None = None
     ignore_eos: bool = False
     cache_salt: str | None = Field(None, max_length=256)  # vLLM's: prefix caching only among the same salt
     priority: int = Field(0, ge=-2**31, lt=2**31)  # vLLM's: a full pool serves lower values first
-    stop_token_ids: list[int] | None = Field(None, max_length=64)  # vLLM's: more tokens that end it as EOS does
+    stop_token_ids: list[TokenId] | None = Field(None, max_length=64)  # vLLM's: more tokens that end it as EOS does
 
 
 class _Sampling(SpecDecKnobs):
     model: str | None = None
-    max_tokens: int | None = Field(None, ge=0)  # 0: completions with echo only (the prompt's logprobs)
+    max_tokens: int | None = Field(None, ge=0, le=INT32_MAX)  # 0: completions with echo only (the prompt's logprobs)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=-1)
+    top_k: int = Field(0, ge=-1, le=INT32_MAX)
     seed: int | None = Field(None, ge=0, lt=2**64)
     stop: str | list[str] | None = None
     stream: bool = False
@@ -74,7 +110,7 @@ class _Sampling(SpecDecKnobs):
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)  # vLLM's, as the next three
     min_p: float = Field(0.0, ge=0.0, le=1.0)
-    min_tokens: int = Field(0, ge=0)
+    min_tokens: int = Field(0, ge=0, le=INT32_MAX)
     logit_bias: dict[str, float] | None = None  # OpenAI's: token id (as a string) -> bias in [-100, 100]
     # vLLM's: exactly one of json (a schema), regex, choice (a list of strings), grammar (Lark), json_object (true)
     structured_outputs: dict[str, Any] | None = None
@@ -84,14 +120,14 @@ class _Sampling(SpecDecKnobs):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     response_format: dict[str, Any] | None = None  # OpenAI's (chat); vLLM takes it on completions too
-    allowed_token_ids: list[int] | None = Field(None, max_length=MAX_ALLOWED_TOKEN_IDS)  # vLLM's, as bad_words
+    allowed_token_ids: list[TokenId] | None = Field(None, max_length=MAX_ALLOWED_TOKEN_IDS)  # vLLM's, as bad_words
     bad_words: list[str] | None = Field(None, max_length=128)
     user: str | None = None
     # vLLM's output controls: the stop string (or stop token's text) kept in the text; special tokens shown; only
     # the prompt's last k tokens; logprobs' tokens as "token_id:<id>"
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    truncate_prompt_tokens: int | None = Field(None, ge=1)
+    truncate_prompt_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
     return_tokens_as_token_ids: bool = False
     _structured: Any = PrivateAttr(default=None)  # the StructuredOutput the validators made
 
@@ -108,7 +144,8 @@ class _Sampling(SpecDecKnobs):
         bias = self.logit_bias or {}
         unsupported = [("stream_options", self.stream_options is not None and not self.stream,
                         "stream_options needs stream: true"),
-                       ("logit_bias", any(not k.isdigit() for k in bias), "keys are token ids, as strings ('50256')"),
+                       ("logit_bias", any(not (k.isascii() and k.isdigit() and int(k) <= INT32_MAX) for k in bias),
+                        "keys are token ids, as strings of digits ('50256')"),
                        ("logit_bias", any(not -100 <= v <= 100 for v in bias.values()), "biases lie in [-100, 100]"),
                        ("logit_bias", len(bias) > 300, "at most 300 entries")]
         for name, bad, why in unsupported:
@@ -181,6 +218,7 @@ class ChatMessage(_Body):
     tool_call_id: str | None = None  # a tool message: the call it answers
     reasoning: str | None = None  # an assistant turn's reasoning, as this API returned it (vLLM's name)
     reasoning_content: str | None = None  # the same, by its older name (DeepSeek's API, vLLM before 0.11)
+    annotations: list[dict[str, Any]] | None = None  # an answer sent back as the client got it: not used
 
     @model_validator(mode="after")
     def _has_content(self):
@@ -211,7 +249,7 @@ class ChatMessage(_Body):
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[dict[str, Any]] | None = None
@@ -222,6 +260,13 @@ class ChatCompletionRequest(_Sampling):
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     include_reasoning: bool = True  # vLLM's: false leaves the reasoning (COORDINATOR_REASONING_PARSER) out
+    # OpenAI's, accepted at what this server does: nothing is stored, one service tier, text out
+    store: bool | None = None
+    service_tier: Literal["auto", "default"] | None = None
+    modalities: list[Literal["text"]] | None = None
+    metadata: dict[str, str] | None = None
+    prompt_cache_key: str | None = None  # OpenAI's routing hint: prefix-aware routing needs none
+    safety_identifier: str | None = None  # as `user`: accepted, not used
     _tool: Any = PrivateAttr(default=None)  # the forced tool choice (coordinator/openai_structured.py)
 
     @model_validator(mode="after")
@@ -233,6 +278,9 @@ class ChatCompletionRequest(_Sampling):
             raise ValueError("top_logprobs: needs logprobs: true")
         if self.max_tokens == 0 or self.max_completion_tokens == 0:
             raise ValueError("max_tokens: must be >= 1")
+        if self.store:
+            raise ValueError("store: chat completions are not stored here; leave it out (the Responses API, "
+                             "/v1/responses, stores responses)")
         self._tool = tool_choice(self.tools, self.tool_choice, self.parallel_tool_calls)
         if self._tool is not None and not self._tool.auto:
             if self._structured is not None:
@@ -270,7 +318,7 @@ def template_fields(body, r: generation_pb2.GenerateRequest) -> None:
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None

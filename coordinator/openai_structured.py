@@ -191,8 +191,9 @@ def tool_choice(tools: list[dict[str, Any]] | None, choice: str | dict[str, Any]
     if choice == "required":
         return ToolChoice(params, parallel=parallel is not False)
     if isinstance(choice, dict):
-        name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
-        if name not in params:
+        fn = choice.get("function") if choice.get("type") == "function" else None
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if not isinstance(name, str) or name not in params:
             raise ValueError(f"tool_choice: names no tool of tools ({', '.join(params)})")
         return ToolChoice(params, name)
     if choice in (None, "auto"):  # the model's own choice: the front door checks it has a parser

@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from coordinator.openai_schema import ChatCompletionRequest, SpecDecKnobs
+from coordinator.openai_schema import INT32_MAX, ChatCompletionRequest, SpecDecKnobs
 
 _PART_TYPES = ("input_text", "output_text", "text")
 LOGPROBS = "message.output_text.logprobs"
@@ -52,7 +52,10 @@ def input_messages(instructions: str | None, items: str | list[dict[str, Any]]) 
             raise ValueError(f"input: item {i} is not an object")
         kind = item.get("type", "message")
         if kind == "reasoning":
-            parts = [p for p in (item.get("content") or []) + (item.get("summary") or []) if isinstance(p, dict)]
+            content, summary = item.get("content") or [], item.get("summary") or []
+            if not isinstance(content, list) or not isinstance(summary, list):
+                raise ValueError(f"input: item {i}: a reasoning item's content and summary are lists of text parts")
+            parts = [p for p in content + summary if isinstance(p, dict)]
             thought = "\n".join(p["text"] for p in parts if isinstance(p.get("text"), str)) or None
         elif kind == "message":
             if item.get("role") not in ("user", "assistant", "system", "developer"):
@@ -88,10 +91,10 @@ class ResponsesRequest(SpecDecKnobs):
     model: str | None = None
     input: str | list[dict[str, Any]]
     instructions: str | None = None
-    max_output_tokens: int | None = Field(None, ge=1)
+    max_output_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=-1)  # vLLM's, as seed
+    top_k: int = Field(0, ge=-1, le=INT32_MAX)  # vLLM's, as seed
     seed: int | None = Field(None, ge=0, lt=2**64)
     stream: bool = False
     text: dict[str, Any] | None = None
@@ -136,7 +139,11 @@ class ResponsesRequest(SpecDecKnobs):
         choice = self.tool_choice
         if isinstance(choice, dict) and choice.get("type") == "function":
             choice = {"type": "function", "function": {"name": choice.get("name")}}
-        fmt = dict((self.text or {}).get("format") or {"type": "text"})
+        fmt = (self.text or {}).get("format") or {"type": "text"}
+        if not isinstance(fmt, dict):
+            raise ValueError("text.format: an object, {'type': 'text'}, {'type': 'json_object'} or {'type': "
+                             "'json_schema', 'name': ..., 'schema': {...}}")
+        fmt = dict(fmt)
         if fmt.get("type") == "json_schema":
             fmt = {"type": "json_schema", "json_schema": {"name": fmt.get("name", "answer"),
                                                           "schema": fmt.get("schema")}}

@@ -89,7 +89,8 @@ class TargetWorker(Worker):
         for logits, _ in rows:
             parts.append(target_logprobs(logits, prompt_ids[at + 1:at + 1 + logits.shape[0]], at + 1, top))
             at += logits.shape[0]
-        s.prompt_logprobs = concat_logprobs(parts)
+        # a one-token prompt has no token after its first: no logprobs, and nothing to prefill before its last
+        s.prompt_logprobs = concat_logprobs(parts) if parts else TokenLogprobs(1, [], [], [], [])
         return self._hidden(rows)
 
     def verify(self, session_id: str, base_position: int, feed: list[int], draft: list[int],
