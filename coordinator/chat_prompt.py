@@ -63,6 +63,8 @@ def template_options(r: generation_pb2.GenerateRequest):
     tools, kwargs = loads("tools", list), loads("chat_template_kwargs", dict) or {}
     template = TemplateOptions(r.add_generation_prompt if r.HasField("add_generation_prompt") else True,
                                r.continue_final_message, kwargs)
+    if tools and not r.messages:
+        raise InvalidRequestError("tools", "the chat template shows them to the model: send messages")
     if template != TemplateOptions() and not r.messages:
         name = ("continue_final_message" if r.continue_final_message else
                 "chat_template_kwargs" if r.chat_template_kwargs else "add_generation_prompt")

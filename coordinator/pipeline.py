@@ -252,8 +252,11 @@ class Pipeline:
         now = time.monotonic()
         if now - self._fallback_warned >= 30.0:
             self._fallback_warned = now
-            log.warning("%s: serving requests target-only (ar) until a draft replica is back "
-                        "(COORDINATOR_DRAFT_FALLBACK)", e)
+            if isinstance(e, DraftContextError):  # this request's length, not the pool's health
+                log.warning("%s: such requests run target-only (ar) (COORDINATOR_DRAFT_FALLBACK)", e)
+            else:
+                log.warning("%s: serving requests target-only (ar) until a draft replica is back "
+                            "(COORDINATOR_DRAFT_FALLBACK)", e)
 
     def stop(self, rid: str) -> None:
         """Finish the request after its current round (a stop string was seen downstream)."""

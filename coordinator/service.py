@@ -132,6 +132,7 @@ class GenerationServicer(OutputForms, generation_pb2_grpc.GenerationServiceServi
         if len(r.stop_token_ids) > MAX_STOP_TOKEN_IDS or any(t < 0 for t in r.stop_token_ids):
             raise InvalidRequestError("stop_token_ids", f"send at most {MAX_STOP_TOKEN_IDS} token ids, each >= 0")
         if r.prompt_token_ids:
+            template_options(r)  # refuses the chat template's fields: token ids go in as they are
             ids = list(r.prompt_token_ids)
             if any(t < 0 for t in ids):
                 raise InvalidRequestError("prompt_token_ids", "token ids must be >= 0")

@@ -298,9 +298,12 @@ async def test_chat_template_controls(api):
         for path in ("/v1/chat/completions", "/tokenize"):
             r = await api.http.post(path, json={"messages": prefilled, **body})
             assert r.status_code == 400 and r.json()["error"]["param"] == param, (path, body, r.text)
-    with pytest.raises(grpc.aio.AioRpcError) as e:
-        await api.stubs["open"].Generate(g.GenerateRequest(prompt="hi", continue_final_message=True))
-    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "send messages" in e.value.details()
+    for wrong in (dict(prompt="hi", continue_final_message=True), dict(prompt_token_ids=[1, 2], tools="[{}]"),
+                  dict(prompt_token_ids=[1, 2], chat_template_kwargs='{"a": 1}'),
+                  dict(prompt_token_ids=[1, 2], continue_final_message=True), dict(prompt="hi", tools="[{}]")):
+        with pytest.raises(grpc.aio.AioRpcError) as e:  # token ids and text go in as they are: no template
+            await api.stubs["open"].Generate(g.GenerateRequest(**wrong))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "send messages" in e.value.details(), wrong
 
 
 # ---- errors ----------------------------------------------------------------------------------------------------
