@@ -264,7 +264,7 @@ class Worker:
     def rollback(self, session_id: str, position: int) -> int:
         """Forget everything held at or after `position`; returns the new length."""
         s = self._get(session_id)
-        self._truncate(s, position)
+        self._truncate(s, position, "position")
         return len(s.tokens) + len(s.pending)
 
     def session_length(self, session_id: str) -> int:
@@ -273,13 +273,15 @@ class Worker:
         return len(s.tokens) + len(s.pending)
 
     # ---- forward --------------------------------------------------------------------------------------------
-    def _truncate(self, s: Session, base: int) -> None:
+    def _truncate(self, s: Session, base: int, field: str = "base_position") -> None:
         n = len(s.tokens)
         if n < base <= n + len(s.pending):  # inside the known, unfed tokens: keep those before base
             del s.pending[base - n:]
             return
-        if base < 0 or base > n:
-            raise StalePositionError(f"base_position {base} is beyond the {n + len(s.pending)} tokens this session "
+        if base < 0:
+            raise StalePositionError(f"{field} {base} is negative; positions count from 0")
+        if base > n:
+            raise StalePositionError(f"{field} {base} is beyond the {n + len(s.pending)} tokens this session "
                                      f"holds; resend from position {n + len(s.pending)} or earlier")
         s.pending.clear()
         if base < n:
