@@ -33,6 +33,7 @@ class ApiError(Exception):
         head = message.split(":", 1)[0]
         if param and head != param:  # "max_new_tokens: ..." reads "max_tokens: ..." here
             message = param + message[len(head):]
+        message = message.replace("max_new_tokens", "max_tokens")  # an OpenAI client knows it by that name
         if code == grpc.StatusCode.OUT_OF_RANGE:  # OpenAI's code, which clients (LangChain, LiteLLM) map to their
             return cls(400, message, param, "context_length_exceeded")  # context-window errors
         return cls(HTTP_STATUS.get(code, 500), message, param, code.name.lower())

@@ -42,6 +42,8 @@ def structured_output_pb(so: dict[str, Any] | None,
     if key == "json":
         out.json_schema = value if isinstance(value, str) else json.dumps(value)
     elif key == "json_object":
+        if value is not True:
+            raise ValueError("structured_outputs.json_object: true (a JSON boolean)")
         out.json_object = True
     elif key == "choice":
         if not isinstance(value, list) or not all(isinstance(c, str) for c in value):

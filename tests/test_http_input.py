@@ -40,6 +40,8 @@ FN = [{"type": "function", "function": {"name": "f", "parameters": {"type": "obj
     (RESPONSES, {"input": "hi", "text": {"format": 5}}, "text.format", "an object"),
     (RESPONSES, {"input": "hi", "text": {"format": "json"}}, "text.format", "an object"),
     (CHAT, {"messages": HI, "store": True}, "store", "not stored here"),
+    (CHAT, {"messages": HI, "structured_outputs": {"json_object": "false"}}, "structured_outputs.json_object",
+     "a JSON boolean"),
 ])
 async def test_bad_values_are_400s_naming_the_field(api, route, body, param, words):
     r = await api.http.post(route, json={"model": MODEL, "max_tokens": 2, **body} if route != RESPONSES else
@@ -127,3 +129,10 @@ async def test_the_api_key_comes_before_the_body_and_covers_models(api):
         await api.client.models.retrieve("gpt-4o")
     r = await api.http.post(COMPLETIONS, content=b"{not json", headers={"content-type": "application/json"})
     assert r.json()["error"]["message"] == "the body is not valid JSON: send a JSON object"
+
+
+async def test_a_context_overflow_names_the_field_as_the_client_knows_it(api):
+    r = await api.http.post(COMPLETIONS, json={"model": MODEL, "prompt": "ab " * 100, "max_tokens": 2})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["code"] == "context_length_exceeded", r.text
+    assert "max_tokens" in err["message"] and "max_new_tokens" not in err["message"]
