@@ -236,6 +236,7 @@ class OpenAIFrontDoor:
     async def _respond_stream(self, body, rid, created, firsts, events, stored: bool):
         out = responses_api.ResponseEvents(body, rid, created, self.model_name, stored)
         reader = body.chat.tool.reader() if body.chat.tool else responses_api.TextReader()
+        pending: list[dict] = []  # with a tool reader: logprobs not yet sent with text
         for event in out.start():
             yield event
         try:
@@ -244,14 +245,21 @@ class OpenAIFrontDoor:
                 if resp.reasoning_delta:
                     for event in out.delta({"reasoning": resp.reasoning_delta}):
                         yield event
-                if isinstance(reader, responses_api.TextReader) and resp.HasField("logprobs") and resp.token_ids:
-                    deltas = reader.feed(resp.text_delta, responses.logprobs_body(
-                        True, resp.token_ids, resp.logprobs, self.backend.token_text)["content"])
-                else:
+                lps = (responses.logprobs_body(True, resp.token_ids, resp.logprobs, self.backend.token_text)["content"]
+                       if resp.HasField("logprobs") and resp.token_ids else [])
+                if isinstance(reader, responses_api.TextReader):
+                    deltas = reader.feed(resp.text_delta, lps)
+                else:  # a tool reader: the logprobs ride on the message's text, as in a whole response
+                    pending += lps
                     deltas = reader.feed(resp.text_delta)
                 if finish:
                     more, finish = reader.end(finish)
                     deltas += more
+                for k, delta in enumerate(deltas):
+                    if pending and delta.get("content"):
+                        deltas[k], pending = {**delta, "logprobs": pending}, []
+                if finish and pending and (out.text is not None or any(d.get("content") for d in deltas)):
+                    deltas.append({"content": "", "logprobs": pending})
                 for delta in deltas:
                     for event in out.delta(delta):
                         yield event

@@ -178,3 +178,20 @@ async def test_forced_function_calls_are_function_call_items(hermes, stream):
     (call,) = out.output
     assert call.type == "function_call" and call.name == "d" and call.call_id.startswith("call_")
     assert set(json.loads(call.arguments)) == {"a"} and out.status == "completed"
+
+
+async def test_logprobs_with_tools_stream_as_the_whole_response_has_them(hermes):
+    """tool_choice "auto" (a tool reader reads the answer): a text answer's logprobs, whole and streamed alike."""
+    client = openai.AsyncOpenAI(base_url=str(hermes.http.base_url) + "/v1", api_key="x", max_retries=0)
+    tools = [{"type": "function", "name": "d", "parameters": {"type": "object", "properties": {}}}]
+    kw = dict(model="tiny", input="add", temperature=0, max_output_tokens=12, tools=tools,
+              include=["message.output_text.logprobs"], extra_body={"mode": "sd"})
+    whole = await client.responses.create(**kw)
+    (item,) = [i for i in whole.output if i.type == "message"]
+    want = [e.token for e in item.content[0].logprobs]
+    assert len(want) == 12, whole.output  # a text answer: every token's logprob on its message
+    events = [e async for e in await client.responses.create(**kw, stream=True)]
+    await client.close()
+    done = next(e for e in events if e.type == "response.output_text.done")
+    streamed = [lp.token for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
+    assert [e.token for e in done.logprobs] == want and streamed == want[:len(streamed)]
