@@ -37,6 +37,9 @@ def self_instruct(model, tok, n: int, temperature: float = 1.0, max_tokens: int 
     tokenizer's EOS (the turn's end for chat models); short or unfinished ones are dropped."""
     marker = "\x00"
     header = chat_text(tok, marker).split(marker)[0]
+    if not header:
+        raise ValueError("the chat template writes nothing before a user's message, so the target cannot be asked "
+                         "for one: generate with another style (chat: templates x topics)")
     dev = next(model.parameters()).device
     enc = tok([header] * n, return_tensors="pt").to(dev)
     end = tok.eos_token_id  # SmolLM2: <|im_end|>, which also closes a user turn

@@ -198,10 +198,14 @@ def cmd_train(args) -> dict:
     model.block_size, model.score_mode, model.threshold = B, mode, float(theta)
     # held-out (test) report, per temperature
     report = {}
-    for name, rows in (("greedy", tabs["test"].greedy), ("sampled_T1", ~tabs["test"].greedy)):
+    if "test" not in tabs:
+        print("no held-out test rounds (too few prompts): the report is left out; collect more for one", flush=True)
+    test_rounds = tabs.get("test")
+    for name, rows in (() if test_rounds is None else (("greedy", test_rounds.greedy),
+                                                        ("sampled_T1", ~test_rounds.greedy))):
         if not rows.any():
             continue
-        t = tabs["test"].subset(rows)
+        t = test_rounds.subset(rows)
         report[name] = {}
         for bs in sorted(set(args.block_sizes)):
             sc, lab, reached = T.block_scores(t, bs, "block")
