@@ -87,6 +87,8 @@ class CoordinatorSettings(ServerSettings):
                                  "first; 0: none are stored, and store: true is refused)")
     responses_store_ttl_s: float = Field(3600.0, gt=0, description="Responses API: a stored response is dropped "
                                          "after this many seconds without use")
+    responses_store_max_mb: int = Field(256, ge=1, description="Responses API: the stored responses' size in all "
+                                        "(their JSON, MiB); the least recently used go to make room")
     draft_fallback: bool = Field(True, description="when no draft replica can be reached, at a request's start "
                                                    "or mid-request, go on target-only (ar: the same output "
                                                    "distribution, slower; stats.draft_unavailable) instead of "

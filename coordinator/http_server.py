@@ -38,7 +38,8 @@ class HttpFrontDoor:
                                is_draining=lambda: app.draining, registry=app.metrics.registry,
                                max_in_flight=s.http_max_in_flight, tool_call_parser=s.tool_call_parser,
                                reasoning_parser=s.reasoning_parser,
-                               store=ResponseStore(s.responses_store, s.responses_store_ttl_s))
+                               store=ResponseStore(s.responses_store, s.responses_store_ttl_s,
+                                                   s.responses_store_max_mb << 20))
         host = s.host or "0.0.0.0"
         sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

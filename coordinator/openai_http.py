@@ -219,7 +219,7 @@ class OpenAIFrontDoor:
             output = responses_api.output_items(message, finish, entries)
             out = responses_api.response_object(body, rid, created, self.model_name, output, finish, stats, stored)
             if stored:
-                self.store.put(rid, out, as_items(body.input), output)
+                out["store"] = self.store.put(rid, out, as_items(body.input), output)  # False: too large
             return out
         events = self.backend.events(proto, metadata=trace_metadata(request))
         firsts = await first_responses(request, [events])

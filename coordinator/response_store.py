@@ -13,6 +13,7 @@ that answered (session affinity), or the conversation be sent whole.
 from __future__ import annotations
 
 import copy
+import json
 import time
 import uuid
 from collections import OrderedDict
@@ -26,6 +27,7 @@ class StoredResponse:
     input_items: list[dict[str, Any]]  # what it was generated from, each with an id
     output_items: list[dict[str, Any]]
     used_at: float = field(default=0.0)  # when it was stored or last read
+    size: int = 0  # its JSON's bytes, about what it holds in memory
 
     @property
     def conversation(self) -> list[dict[str, Any]]:
@@ -49,11 +51,15 @@ def as_items(input_: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 class ResponseStore:
-    """At most `max_responses` responses (0: no store), each kept until `ttl_s` seconds pass without its use."""
+    """At most `max_responses` responses (0: no store) of at most `max_bytes` in all, each kept until `ttl_s`
+    seconds pass without its use. A conversation continued turn by turn stores its history again with each turn,
+    so the bytes are bounded too: a response larger than `max_bytes` alone is not kept."""
 
-    def __init__(self, max_responses: int, ttl_s: float, clock: Callable[[], float] = time.monotonic):
-        self.max_responses, self.ttl_s, self.clock = max_responses, ttl_s, clock
+    def __init__(self, max_responses: int, ttl_s: float, max_bytes: int = 256 << 20,
+                 clock: Callable[[], float] = time.monotonic):
+        self.max_responses, self.ttl_s, self.max_bytes, self.clock = max_responses, ttl_s, max_bytes, clock
         self._items: OrderedDict[str, StoredResponse] = OrderedDict()
+        self.bytes = 0
 
     @property
     def enabled(self) -> bool:
@@ -66,16 +72,28 @@ class ResponseStore:
     def describe(self) -> str:
         """How long and how many, for the messages of a lookup that found nothing."""
         return (f"this coordinator keeps a stored response {self.ttl_s:g} s after its last use, at most {self.max_responses} "
-                f"(COORDINATOR_RESPONSES_STORE_TTL_S, COORDINATOR_RESPONSES_STORE)")
+                f"of {self.max_bytes >> 20} MiB in all (COORDINATOR_RESPONSES_STORE_TTL_S, "
+                f"COORDINATOR_RESPONSES_STORE, COORDINATOR_RESPONSES_STORE_MAX_MB)")
 
-    def put(self, rid: str, response: dict, input_items: list[dict], output_items: list[dict]) -> None:
+    def put(self, rid: str, response: dict, input_items: list[dict], output_items: list[dict]) -> bool:
+        """Keep it (the least recently used go to make room); False: too large to keep."""
         if not self.enabled:
-            return
-        self._items.pop(rid, None)
+            return False
+        self._drop(rid)
+        size = len(json.dumps([response, input_items, output_items], separators=(",", ":")))
+        if size > self.max_bytes:
+            return False
         self._items[rid] = StoredResponse(copy.deepcopy(response), copy.deepcopy(input_items),
-                                          copy.deepcopy(output_items), self.clock())
-        while len(self._items) > self.max_responses:
-            self._items.popitem(last=False)
+                                          copy.deepcopy(output_items), self.clock(), size)
+        self.bytes += size
+        while len(self._items) > self.max_responses or self.bytes > self.max_bytes:
+            self._drop(next(iter(self._items)))
+        return True
+
+    def _drop(self, rid: str) -> bool:
+        gone = self._items.pop(rid, None)
+        self.bytes -= gone.size if gone is not None else 0
+        return gone is not None
 
     def get(self, rid: str) -> StoredResponse | None:
         self._expire()
@@ -87,7 +105,7 @@ class ResponseStore:
 
     def delete(self, rid: str) -> bool:
         self._expire()
-        return self._items.pop(rid, None) is not None
+        return self._drop(rid)
 
     def _expire(self) -> None:
         now = self.clock()
@@ -95,7 +113,7 @@ class ResponseStore:
             rid, oldest = next(iter(self._items.items()))
             if now - oldest.used_at < self.ttl_s:
                 break
-            del self._items[rid]
+            self._drop(rid)
 
 
 def items_page(items: list[dict], *, order: str = "desc", after: str | None = None, limit: int = 20) -> dict:

@@ -32,6 +32,17 @@ def test_store_keeps_the_most_recently_used_and_drops_idle_ones():
     assert not off.enabled and off.get("x") is None
 
 
+def test_store_bounds_its_bytes():
+    store = ResponseStore(100, ttl_s=60, max_bytes=600)
+    item = [{"type": "message", "role": "user", "content": "x" * 200}]
+    assert store.put("a", {}, item, []) and store.put("b", {}, item, [])
+    assert store.bytes == 2 * store.get("a").size > 400
+    assert store.put("c", {}, item, [])  # 3 × ~230 bytes > 600: the least recently used (b) goes
+    assert store.get("b") is None and store.get("a") is not None and store.bytes <= 600
+    assert not store.put("big", {}, [{"content": "y" * 700}], []) and store.get("big") is None
+    assert store.delete("a") and store.delete("c") and store.bytes == 0
+
+
 def test_stored_items_are_copies_and_pages_list_them():
     items = as_items([{"role": "user", "content": "a"}, {"type": "function_call_output", "call_id": "c",
                                                           "output": "o", "id": "keep"}])
