@@ -51,6 +51,12 @@ class OpenAIFrontDoor:
 
             self.requests = Counter("specdec_http_requests", "OpenAI-compatible HTTP requests",
                                     ["route", "status"], registry=registry)
+            from prometheus_client import Gauge
+
+            Gauge("specdec_responses_stored", "Responses API responses kept for previous_response_id",
+                  registry=registry).set_function(lambda: len(self.store))
+            Gauge("specdec_responses_stored_bytes", "their JSON's size", registry=registry).set_function(
+                lambda: self.store.bytes)
 
     # -- one generation ---------------------------------------------------------------------------------------
     def _check(self, request: Request, body) -> None:

@@ -109,6 +109,10 @@ async def test_retrieve_delete_and_what_is_not_stored(api):
         await api.client.responses.retrieve(private.id)
     r = await api.http.get(f"/v1/responses/{private.id}/input_items", params={"limit": 0})
     assert r.status_code == 400 and r.json()["error"]["param"] == "limit"
+    metrics = (await api.http.get("/metrics")).text
+    stored = float(next(line.split()[1] for line in metrics.splitlines()
+                        if line.startswith("specdec_responses_stored ")))
+    assert stored >= 1 and "specdec_responses_stored_bytes" in metrics
 
 
 @module_loop
