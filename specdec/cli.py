@@ -322,8 +322,6 @@ def cmd_serve(args) -> int:
     async def run():
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
         async with LocalStack(args.target_model, args.draft_model, _default_preverifier(args), host=args.host,
                               port=args.port, threads=args.threads, ray_cpus=args.ray_cpus,
                               pipelines=args.pipelines, quiet=False, max_sessions=args.max_sessions,
@@ -332,6 +330,10 @@ def cmd_serve(args) -> int:
                               http_port=args.http_port or None, default_mode=args.default_mode,
                               tool_call_parser=args.tool_call_parser,
                               reasoning_parser=args.reasoning_parser) as stack:
+            # after the stack's ray.init: Ray installs abseil's failure handler for SIGTERM, which then ran before
+            # ours, armed a 3 s abort and crashed the drain (SIGSEGV); ours replaces it
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(sig, stop.set)
             http = f", OpenAI-compatible HTTP on {args.host}:{stack.app.http_port}" if stack.app.http_port else ""
             print(f"specdec serving specdec.v1.GenerationService on {args.host}:{stack.app.port}{http} "
                   f"(target {args.target_model}, draft {args.draft_model}); Ctrl-C stops", flush=True)

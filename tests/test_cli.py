@@ -182,3 +182,34 @@ def test_readme_limits_table_states_the_defaults():
         assert owners, f"README names a setting that does not exist: {name}"
         defaults = {float(c.model_fields[name].default) for c in owners}
         assert value in defaults, (name, value, defaults)
+
+
+def test_serve_drains_and_exits_cleanly_on_sigterm(tmp_path):
+    """Kubernetes and systemd stop with SIGTERM. `specdec serve` used to install its handler before Ray's
+    ray.init installed abseil's failure handler over it: SIGTERM then killed the process (or crashed the drain
+    with a SIGSEGV) instead of draining."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from coordinator.stack import free_port
+    from tests.helpers_models import save_tiny_pair
+
+    tdir, ddir = save_tiny_pair(tmp_path)
+    p = subprocess.Popen([sys.executable, "-m", "specdec.cli", "serve", "--target-model", str(tdir), "--draft-model",
+                          str(ddir), "--port", str(free_port()), "--http-port", str(free_port()),
+                          "--max-sessions", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)
+    try:
+        deadline = time.time() + 180
+        while "serving" not in p.stdout.readline():
+            assert time.time() < deadline and p.poll() is None, "specdec serve did not start"
+        p.send_signal(signal.SIGTERM)
+        rc = p.wait(90)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    err = p.stderr.read()
+    assert rc == 0 and "draining" in err and "SIGTERM received" not in err and "SIGSEGV" not in err, err[-2000:]
