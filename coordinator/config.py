@@ -76,7 +76,8 @@ class CoordinatorSettings(ServerSettings):
                                                    "tokenizer's model name)")
     http_max_in_flight: int = Field(1024, ge=1, description="HTTP requests answered at once (a stream counts until "
                                                             "its end); more get 429")
-    http_api_key: str = Field("", description="when set, HTTP requests to /v1/ must send 'Authorization: Bearer "
+    http_api_key: str = Field("", description="when set, HTTP requests (all but /health, /metrics and /version) must "
+                                              "send 'Authorization: Bearer "
                                               "<key>' (401 otherwise)")
     api_key: str = Field("", description="when set, required on both front doors: gRPC GenerationService calls "
                                          "send the metadata 'authorization: Bearer <key>' (UNAUTHENTICATED "

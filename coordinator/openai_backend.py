@@ -29,7 +29,8 @@ class ApiError(Exception):
 
     @classmethod
     def from_grpc(cls, code: grpc.StatusCode, message: str) -> ApiError:
-        param = param_of(message)
+        # an unexpected failure's message starts with its exception's type, which is no field
+        param = param_of(message) if code not in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN) else None
         head = message.split(":", 1)[0]
         if param and head != param:  # "max_new_tokens: ..." reads "max_tokens: ..." here
             message = param + message[len(head):]
@@ -52,7 +53,8 @@ def param_of(message: str) -> str | None:
     head = message.split(":", 1)[0] if ":" in message else ""
     if not head or " " in head:
         return None
-    return schema.PARAM_NAMES.get(head, head)
+    root, dot, rest = head.partition(".")  # "structured_output.choice" reads "structured_outputs.choice"
+    return schema.PARAM_NAMES.get(head) or schema.PARAM_NAMES.get(root, root) + dot + rest
 
 
 class _Aborted(Exception):

@@ -315,7 +315,12 @@ class OpenAIFrontDoor:
 
         @app.post("/v1/responses")
         async def create_response(body: responses_api.ResponsesRequest, request: Request):
-            out = await self.respond(request, body)
+            try:
+                out = await self.respond(request, body)
+            except ApiError as e:  # the chat route's names, as this route's client knows them
+                if e.param == "max_tokens":
+                    e.param, e.message = "max_output_tokens", e.message.replace("max_tokens", "max_output_tokens")
+                raise
             return out if isinstance(out, Response) else JSONResponse(out)
 
         @app.get("/v1/responses/{rid}")

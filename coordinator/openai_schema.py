@@ -28,7 +28,7 @@ MAX_STOP = 16
 MAX_N = 16  # choices per request: each is its own generation (they batch on the target like separate requests)
 MAX_GENERATIONS = 64  # prompts × n per request (/v1/completions takes a list of prompts)
 # GenerateRequest's field names in the servicer's messages, as an OpenAI client knows them
-PARAM_NAMES = {"max_new_tokens": "max_tokens", "prompt_token_ids": "prompt"}
+PARAM_NAMES = {"max_new_tokens": "max_tokens", "prompt_token_ids": "prompt", "structured_output": "structured_outputs"}
 
 
 INT32_MAX = 2**31 - 1  # GenerateRequest's integers are int32

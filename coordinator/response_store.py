@@ -71,8 +71,8 @@ class ResponseStore:
 
     def describe(self) -> str:
         """How long and how many, for the messages of a lookup that found nothing."""
-        return (f"this coordinator keeps a stored response {self.ttl_s:g} s after its last use, at most {self.max_responses} "
-                f"of {self.max_bytes >> 20} MiB in all (COORDINATOR_RESPONSES_STORE_TTL_S, "
+        return (f"this coordinator keeps a stored response {self.ttl_s:g} s after its last use, at most "
+                f"{self.max_responses} of {self.max_bytes >> 20} MiB in all (COORDINATOR_RESPONSES_STORE_TTL_S, "
                 f"COORDINATOR_RESPONSES_STORE, COORDINATOR_RESPONSES_STORE_MAX_MB)")
 
     def put(self, rid: str, response: dict, input_items: list[dict], output_items: list[dict]) -> bool:

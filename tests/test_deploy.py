@@ -363,6 +363,22 @@ def test_overlay_specifics():
                                 for sep in ("TLS_", "TLS__")}
         vols = {v["name"]: v for v in pod["volumes"]}
         assert vols["tls"]["secret"]["secretName"] == f"specdec-{comp}-tls"
+    # and each process's settings class reads them: the coordinator's once read none (flat names only)
+    from coordinator.config import CoordinatorSettings
+    from draft_service.config import DraftSettings
+    from target_service.config import TargetSettings
+
+    (ray,) = find(gpu, "RayCluster", None)
+    head = ray["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+    for cls, c in ((DraftSettings, container(gpu, "draft")), (TargetSettings, container(gpu, "target")),
+                   (CoordinatorSettings, head)):
+        env = {e["name"]: e["value"] for e in c["env"] if "_TLS_" in e["name"]}
+        with pytest.MonkeyPatch.context() as mp:
+            for k, v in env.items():
+                mp.setenv(k, v)
+            tls = cls().tls
+        assert (tls.cert_file, tls.key_file, tls.ca_file) == ("/etc/specdec/tls/tls.crt", "/etc/specdec/tls/tls.key",
+                                                              "/etc/specdec/tls/ca.crt"), cls.__name__
 
 
 # ---------------------------------------------------------------- TLS probe script

@@ -136,3 +136,17 @@ async def test_a_context_overflow_names_the_field_as_the_client_knows_it(api):
     err = r.json()["error"]
     assert r.status_code == 400 and err["code"] == "context_length_exceeded", r.text
     assert "max_tokens" in err["message"] and "max_new_tokens" not in err["message"]
+
+
+async def test_servicer_errors_name_the_field_as_the_route_knows_it(api):
+    r = await api.http.post(RESPONSES, json={"model": MODEL, "input": "hi", "max_output_tokens": 5000})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "max_output_tokens", err
+    assert err["message"].startswith("max_output_tokens:") and "max_tokens" not in err["message"].replace(
+        "max_output_tokens", "")
+    r = await api.http.post(CHAT, json={"model": MODEL, "messages": HI, "max_tokens": 2,
+                                        "structured_outputs": {"regex": "(unclosed"}})
+    err = r.json()["error"]
+    # (this tiny stack's model names no EOS: refused for that; the field is the HTTP one either way)
+    assert r.status_code == 400 and err["param"] == "structured_outputs", err
+    assert err["message"].startswith("structured_outputs:"), err
