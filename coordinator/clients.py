@@ -167,12 +167,14 @@ class _Pinned(SessionMoves):
     async def _failover(self, e: BaseException) -> None:
         """The pinned replica is unreachable: report it and pin another (no session started yet)."""
         self.failovers += 1
-        bad = self.endpoint
+        bad, self.endpoint = self.endpoint, None  # released here, once: a failed re-pin leaves nothing to release
         self.failed.append(bad)
         log.warning("%s replica %s failed (%s); moving session %s", self.kind, bad,
                     getattr(e, "code", lambda: e)(), self.sid)
         await self.pool.report_failure(self.kind, bad, str(getattr(e, "details", lambda: e)()))
         await self._release(bad)
+        if self.sid:  # a replica that failed one call may be up and hold the session: end it there, off this path
+            self._end_later(bad)
         await self._pin()
 
     async def _end_on(self, endpoint: str) -> None:

@@ -193,6 +193,7 @@ class Pipeline:
 
         fallback = ""  # why it went target-only: "unreachable" (no draft replica) or "context" (past the draft's)
         try:
+            req.validate()  # before the probe pins a draft replica: a refused request holds no room
             if draft is not None:
                 try:
                     await draft.probe()
@@ -229,6 +230,11 @@ class Pipeline:
             if not isinstance(e, (SpecDecError, grpc.aio.AioRpcError)):
                 log.exception("request %s failed", req.session_id)
             return error_event(e)
+        finally:  # generate ends the sessions it started; this releases what a failure before it left pinned
+            # (the draft's probe, a cancel during it); ending an ended backend does nothing
+            left = [b for b in (first_draft, first_target, target) if b is not None and b.endpoint is not None]
+            if left:
+                await asyncio.shield(asyncio.gather(*(b.end(req.session_id) for b in left), return_exceptions=True))
         targets = [first_target] + ([target] if target is not first_target else [])
         drafts = [first_draft] if first_draft is not None else []
         stats = res.stats.to_dict()

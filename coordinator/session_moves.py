@@ -6,7 +6,7 @@ A preempted request gives up its sessions in both pools, not just the one a wait
 in one pool it makes no calls, so a session it kept in the other would sit idle where another request may need it
 (and, with both pools full, the waiter and the victim could each wait for what the other holds). The backend a
 call is in flight on (PEARL's shadow draft stream) gives its session up when that call ends. Each backend takes
-room again at its own next call.
+room again at its own next call, the draft before the target (the order a new request takes them in).
 """
 from __future__ import annotations
 
@@ -18,7 +18,12 @@ from specdec.errors import CapacityError
 log = logging.getLogger(__name__)
 
 
+_ENDING: set[asyncio.Task] = set()  # EndSessions sent to replicas a session moved off (kept from the GC)
+
+
 class SessionMoves:
+    rebuild_due = False  # pinned again by its sibling (`_take_room`): the session is built at the next call
+
     async def _before_call(self, rebuild) -> None:
         """Before a replica call: take room again after a preemption, yield to a waiter of higher priority, or move
         off a replica that left the pool. The call counts as in flight from here (`_after_call` ends it): a
@@ -28,6 +33,9 @@ class SessionMoves:
         try:
             if self.endpoint is None and self.sid:  # given up with its sibling's preemption
                 await self._take_room(rebuild)
+            elif self.rebuild_due:
+                self.rebuild_due = False
+                await rebuild()
             elif (self.endpoint is not None and self.view.preempts(self.kind, self.holding)
                   and await self.pool.marked(self.kind, self.holding)):  # the view may be a refresh old
                 await self._yield_session(rebuild)
@@ -38,10 +46,16 @@ class SessionMoves:
                 self.failed.append(old)
                 await self._pin()
                 await rebuild()
-                asyncio.ensure_future(self._end_on(old))  # best effort: free its slot if it is still up
+                self._end_later(old)  # best effort: free its slot if it is still up
         except BaseException:
             self.in_call -= 1
             raise
+
+    def _end_later(self, endpoint: str) -> None:
+        """End this session on a replica it moved off, in the background (the move does not wait for it)."""
+        task = asyncio.ensure_future(self._end_on(endpoint))
+        _ENDING.add(task)
+        task.add_done_callback(_ENDING.discard)
 
     async def _after_call(self) -> None:
         self.in_call -= 1
@@ -88,6 +102,13 @@ class SessionMoves:
         async with self.room_lock:
             if self.endpoint is not None:
                 return
+            sib = self.sibling
+            if self.kind == "target" and sib is not None and sib.endpoint is None and sib.sid and not sib.closed:
+                # draft room before target room, the order a new request takes them in (its probe pins the draft
+                # first): else this request could hold the target and wait for a draft that a new request holds
+                # while it waits for the target, both until queue_wait_s (found by a chaos test)
+                await sib._take_room()
+                sib.rebuild_due = True
             if self.gave_up is not None:
                 await asyncio.shield(self.gave_up)
             while True:

@@ -200,3 +200,48 @@ async def test_a_mark_the_pool_withdrew_does_not_preempt():
         pm.pools["target"].holdings.by_token[backend.holding].marked = True  # now the pool wants it
         await backend.verify("s", len(prompt), [out.next_token], [], None, "greedy")
         assert backend.preemptions == 1 and backend.endpoint == t.endpoint  # it yielded and took room again
+
+
+async def test_a_resumed_request_takes_the_draft_before_the_target():
+    """Found by a chaos test (session 27). One session per pool. L (sd, priority 5) runs; W (ar, priority -1)
+    preempts L's target session, so L gives up both and waits; then C (sd, priority 5) arrives. When W ends, L must
+    not take the target first: C's probe holds the draft while C waits for the target, and L would hold the target
+    while it waited for the draft, both until queue_wait_s (RESOURCE_EXHAUSTED). Taking the draft first, as a new
+    request does, runs L and C one after the other, exactly."""
+    target, t, d = await one_session_pair()
+    s = CoordinatorSettings(host="127.0.0.1", port=0, metrics_port=0, ray=False, tokenizer="", pipelines=1,
+                            draft_endpoints=d.endpoint, target_endpoints=t.endpoint, log_level="WARNING", grace_s=0,
+                            queue_wait_s=8, pool_view_refresh_s=0.05)
+    app, router = await build_coordinator(s)
+    await app.start()
+    ch = grpc.aio.insecure_channel(f"127.0.0.1:{app.port}")
+    stub = gg.GenerationServiceStub(ch)
+    prompts = {"L": ([5, 6, 7], "sd", 40, 5), "W": ([1, 2, 3], "ar", 20, -1), "C": ([9, 9, 1], "sd", 16, 5)}
+
+    async def run(name):
+        p, mode, n, prio = prompts[name]
+        out = await stub.Generate(g.GenerateRequest(prompt_token_ids=p, max_new_tokens=n, mode=mode, gamma=2,
+                                                    priority=prio, temperature=0.0), timeout=60)
+        return list(out.token_ids), out.stats.preemptions
+
+    try:
+        low = asyncio.ensure_future(run("L"))
+        while not t.host.table:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.2)
+        urgent = asyncio.ensure_future(run("W"))
+        waiting = router.pool_manager.pools["target"].waiters
+        deadline = time.monotonic() + 20
+        while not any(w.priority == 5 for w in waiting):  # L gave its sessions up and waits
+            assert time.monotonic() < deadline and not low.done()
+            await asyncio.sleep(0.01)
+        late = asyncio.ensure_future(run("C"))
+        (l_ids, l_pre), (w_ids, _), (c_ids, _) = await asyncio.gather(low, urgent, late)
+        assert l_pre == 1
+        for name, ids in (("L", l_ids), ("W", w_ids), ("C", c_ids)):
+            p, _, n, _ = prompts[name]
+            assert ids == target_greedy(target, p, n), name
+    finally:
+        await ch.close()
+        for a in (app, t, d):
+            await a.shutdown(0)
