@@ -103,12 +103,15 @@ class SessionMoves:
             if self.endpoint is not None:
                 return
             sib = self.sibling
-            if self.kind == "target" and sib is not None and sib.endpoint is None and sib.sid and not sib.closed:
+            if self.kind == "target" and sib is not None and sib.sid and not sib.closed:
                 # draft room before target room, the order a new request takes them in (its probe pins the draft
                 # first): else this request could hold the target and wait for a draft that a new request holds
                 # while it waits for the target, both until queue_wait_s (found by a chaos test)
-                await sib._take_room()
-                sib.rebuild_due = True
+                while sib.endpoint is not None and sib.give_up:  # its call in flight gives it up as it ends
+                    await asyncio.sleep(0.005)
+                if sib.endpoint is None and not sib.closed:
+                    await sib._take_room()
+                    sib.rebuild_due = True
             if self.gave_up is not None:
                 await asyncio.shield(self.gave_up)
             while True:
