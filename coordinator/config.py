@@ -13,10 +13,10 @@ from pydantic_settings import SettingsConfigDict
 
 from specdec.defaults import COORDINATOR_METRICS_PORT, COORDINATOR_PORT, DEFAULT_TARGET
 from specdec.request import DEFAULT_POST_THRESHOLD, MAX_SPEC_OFF_BATCH, MODES
-from specdec.server.settings import ServerSettings
+from specdec.server.settings import ProcessSettings
 
 
-class CoordinatorSettings(ServerSettings):
+class CoordinatorSettings(ProcessSettings):
     model_config = SettingsConfigDict(env_prefix="COORDINATOR_", cli_prog_name="python -m coordinator")
 
     port: int = Field(COORDINATOR_PORT, ge=0, le=65535)

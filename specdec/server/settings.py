@@ -27,16 +27,41 @@ class TLSSettings(BaseModel):
         return bool(self.cert_file or self.key_file)
 
 
-class ServerSettings(BaseSettings):
-    """Fields shared by both services. Subclasses set env_prefix and the default ports/model."""
+class ProcessSettings(BaseSettings):
+    """Fields of every server process (the replicas and the coordinator): where it listens, its limits, its
+    shutdown, TLS and logs. Subclasses set env_prefix and the default ports."""
 
     model_config = SettingsConfigDict(env_nested_delimiter="__", cli_kebab_case=True,
                                       cli_implicit_flags=True, extra="ignore")
 
-    model: str = Field("", description="model spec: local HF dir, .gguf file, hub id, or default-target/default-draft")
     host: str = "0.0.0.0"
     port: int = Field(0, ge=0, le=65535, description="gRPC port (0 picks a free one)")
     metrics_port: int = Field(0, ge=0, le=65535, description="Prometheus /metrics port (0 disables)")
+    max_message_bytes: int = Field(16 * 1024 * 1024, ge=1024, description="gRPC send/receive limit")
+    keepalive_time_ms: int = 30_000
+    keepalive_timeout_ms: int = 10_000
+    max_connection_age_ms: int = Field(0, ge=0, description="0 = unlimited; >0 makes clients re-resolve DNS")
+    grace_s: float = Field(10.0, ge=0, description="drain time for in-flight RPCs on shutdown")
+    drain_delay_s: float = Field(0.0, ge=0, description="wait after NOT_SERVING before stopping (LB catch-up)")
+    exit_with_parent: int = Field(0, ge=0, description="shut down gracefully once the process with this pid is no "
+                                  "longer this one's parent (0: never). Embedded stacks set it, so a parent killed "
+                                  "without cleanup leaves no orphan servers")
+    tls: TLSSettings = TLSSettings()
+    log_level: str = "INFO"
+
+    @classmethod
+    def from_cli(cls, argv: list[str] | None = None, **overrides):
+        """Build from env + CLI flags (argv=None reads sys.argv[1:]); overrides win over both."""
+        import sys
+
+        args = sys.argv[1:] if argv is None else list(argv)
+        return cls(_cli_parse_args=args, **overrides)
+
+
+class ServerSettings(ProcessSettings):
+    """A model replica's fields (draft and target services), beside the process's."""
+
+    model: str = Field("", description="model spec: local HF dir, .gguf file, hub id, or default-target/default-draft")
     device: str = Field("cpu", description="cpu, cuda or cuda:N")
     dtype: str = Field("auto", description="weights/activations dtype; probabilities stay float32. auto: bf16 on "
                                           "GPUs and on CPUs with native bf16 GEMMs, else float32")
@@ -56,17 +81,6 @@ class ServerSettings(BaseSettings):
                                      "call, so other sessions' steps run between chunks (a long prompt stalls running "
                                      "streams by one chunk at a time); off: one call per prefill")
     lru_min_idle_s: float = Field(5.0, ge=0, description="when full, evict the LRU session if idle this long")
-    max_message_bytes: int = Field(16 * 1024 * 1024, ge=1024, description="gRPC send/receive limit")
-    keepalive_time_ms: int = 30_000
-    keepalive_timeout_ms: int = 10_000
-    max_connection_age_ms: int = Field(0, ge=0, description="0 = unlimited; >0 makes clients re-resolve DNS")
-    grace_s: float = Field(10.0, ge=0, description="drain time for in-flight RPCs on shutdown")
-    drain_delay_s: float = Field(0.0, ge=0, description="wait after NOT_SERVING before stopping (LB catch-up)")
-    exit_with_parent: int = Field(0, ge=0, description="shut down gracefully once the process with this pid is no "
-                                  "longer this one's parent (0: never). Embedded stacks set it, so a parent killed "
-                                  "without cleanup leaves no orphan servers")
-    tls: TLSSettings = TLSSettings()
-    log_level: str = "INFO"
 
     def worker_slots(self) -> int:
         """KV slots a worker allocates: the sessions', one for warm-up (never competing with them), and the prefix
@@ -86,14 +100,6 @@ class ServerSettings(BaseSettings):
         if v not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {v!r}")
         return v
-
-    @classmethod
-    def from_cli(cls, argv: list[str] | None = None, **overrides):
-        """Build from env + CLI flags (argv=None reads sys.argv[1:]); overrides win over both."""
-        import sys
-
-        args = sys.argv[1:] if argv is None else list(argv)
-        return cls(_cli_parse_args=args, **overrides)
 
 
 def resolve_device(spec: str):
