@@ -6,12 +6,15 @@ so Ray stays off the per-round path (STYLE A6.1: the actors are wrappers; the lo
 from __future__ import annotations
 
 import asyncio
-import contextlib
 
 import ray
 
+from coordinator.pool import ReplicaUnavailableError
 
-@ray.remote(num_cpus=0)
+
+# Ray restarts it if its process dies: with what it held forgotten (the replicas' own limits still apply), and its
+# pools rebuilt by the first call that finds them unstarted; the calls in flight fail UNAVAILABLE
+@ray.remote(num_cpus=0, max_restarts=-1)
 class PoolManagerActor:
     def __init__(self, specs: dict, refresh_s: float, health_timeout_s: float, tls: dict | None = None,
                  wait_s: float = 60.0, max_waiting: int = 256, affinity_slack: int | None = 2, preempt: bool = True):
@@ -26,14 +29,39 @@ class PoolManagerActor:
         self.pm = PoolManager({k: source_from_spec(v) for k, v in specs.items() if v}, refresh_s,
                               health_timeout_s, credentials_factory=factory, wait_s=wait_s,
                               max_waiting=max_waiting, affinity_slack=affinity_slack, preempt=preempt)
+        self._started: asyncio.Task | None = None
+        self._acquiring: dict[str, asyncio.Task] = {}  # holder token -> its acquire in progress
 
     async def start(self) -> dict:
-        await self.pm.start()
+        if self._started is None:
+            self._started = asyncio.ensure_future(self.pm.start())
+        await asyncio.shield(self._started)
         return self.pm.snapshot()
 
     async def acquire(self, kind: str, exclude: list[str], keys: list[bytes] = (), priority: int = 0,
                       holder: str = "") -> str:
-        return await self.pm.acquire(kind, exclude, keys, priority, holder)
+        await self.start()  # a no-op, except in an instance Ray restarted
+        if holder:
+            self._acquiring[holder] = asyncio.current_task()
+        try:
+            return await self.pm.acquire(kind, exclude, keys, priority, holder)
+        finally:
+            if self._acquiring.get(holder) is asyncio.current_task():
+                del self._acquiring[holder]
+
+    async def withdraw(self, kind: str, holder: str) -> None:
+        """The caller of `acquire(holder=...)` went away: stop that acquire, then give back what it was handed."""
+        task = self._acquiring.get(holder)
+        if task is not None:
+            task.cancel()
+            await asyncio.wait({task})
+        self.pm.withdraw(kind, holder)
+
+    async def release_holders(self, prefix: str) -> int:
+        for holder, task in list(self._acquiring.items()):
+            if holder.startswith(prefix):
+                task.cancel()
+        return await self.pm.release_holders(prefix)
 
     async def release(self, kind: str, endpoint: str, holder: str = "") -> None:
         self.pm.release(kind, endpoint, holder)
@@ -78,61 +106,79 @@ class RayPool:
         except ray.exceptions.RayTaskError as e:  # the pool's own error: its message says what to change
             cause = getattr(e, "cause", None)
             raise (cause if isinstance(cause, Exception) else e) from None
+        except ray.exceptions.RayActorError:
+            raise ReplicaUnavailableError(f"the coordinator's pool actor was lost and is restarting; retry the "
+                                          f"request ({kind} replica not pinned)", kind) from None
         except asyncio.CancelledError:
             # The request went away (client cancel, deadline) while the pool actor looked for room, maybe waiting
-            # for it. The actor does not see this cancel: room it hands over later would stay counted as used,
-            # and each such cancel would shrink the pools for good. Stop its wait, and give back what it hands.
-            with contextlib.suppress(Exception):
-                ray.cancel(ref)
-            task = asyncio.ensure_future(self._give_back(ref, kind, holder))
+            # for it. The actor does not see this cancel, and a cancelled Ray call does not say whether room was
+            # handed before it: the actor stops that acquire and gives back what it holds, by its token. (A
+            # ray.cancel here lost room handed just before it: each early cancel shrank the pools for good.)
+            if holder:
+                task = asyncio.ensure_future(self._call(self.h.withdraw, kind, holder))
+            else:
+                task = asyncio.ensure_future(self._give_back(ref, kind))
             self._giving_back.add(task)
             task.add_done_callback(self._giving_back.discard)
             raise
 
-    async def _give_back(self, ref, kind: str, holder: str) -> None:
+    async def _give_back(self, ref, kind: str) -> None:
         try:
             endpoint = await ref
         except (Exception, asyncio.CancelledError):  # noqa: BLE001 - cancelled or failed: nothing was handed
             return
-        await self.release(kind, endpoint, holder)
+        await self.release(kind, endpoint)
+
+    @staticmethod
+    async def _call(method, *args):
+        """A pool actor call whose loss (the actor restarting) means the same as its failure: try next time."""
+        try:
+            return await method.remote(*args)
+        except ray.exceptions.RayActorError:
+            return None
 
     async def release(self, kind, endpoint, holder=""):
-        await self.h.release.remote(kind, endpoint, holder)
+        await self._call(self.h.release, kind, endpoint, holder)
 
     async def report_failure(self, kind, endpoint, error=""):
-        await self.h.report_failure.remote(kind, endpoint, error)
+        await self._call(self.h.report_failure, kind, endpoint, error)
 
     async def members(self):
-        return await self.h.members.remote()
+        return await self._call(self.h.members) or {}
 
     async def view(self):
-        return await self.h.view.remote()
+        view = await self._call(self.h.view)
+        if view is None:
+            raise ReplicaUnavailableError("the coordinator's pool actor was lost and is restarting")
+        return view
 
     async def marked(self, kind, holder):
-        return await self.h.marked.remote(kind, holder)
+        return bool(await self._call(self.h.marked, kind, holder))
 
 
 @ray.remote(num_cpus=0)
 class PipelineActor:
+    """`tag`: this actor's prefix of its requests' holder tokens; the router gives back what a dead one held."""
+
     def __init__(self, pool_handle, rpc_timeout_s: float, view_refresh_s: float, tls: dict | None = None,
-                 replica_streams: bool = True, affinity_chunk: int = 128):
+                 replica_streams: bool = True, affinity_chunk: int = 128, tag: str = "", log_level: str = "INFO"):
         import logging
 
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        self._args = (pool_handle, rpc_timeout_s, view_refresh_s, tls, replica_streams, affinity_chunk)
+        logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        self._args = (pool_handle, rpc_timeout_s, view_refresh_s, tls, replica_streams, affinity_chunk, tag)
         self.pipeline = None
 
     def _get(self):
         if self.pipeline is None:  # grpc.aio channels must be created inside the actor's event loop
             from coordinator.pipeline import Pipeline
 
-            handle, timeout, refresh, tls, streams, affinity_chunk = self._args
+            handle, timeout, refresh, tls, streams, affinity_chunk, tag = self._args
             creds = None
             if tls:
                 from specdec.server.tls import channel_credentials
 
                 creds = channel_credentials(**tls)
-            self.pipeline = Pipeline(RayPool(handle), creds, timeout, refresh, streams, affinity_chunk)
+            self.pipeline = Pipeline(RayPool(handle), creds, timeout, refresh, streams, affinity_chunk, tag)
         return self.pipeline
 
     async def stream(self, request: dict):
@@ -147,3 +193,8 @@ class PipelineActor:
 
     async def active(self) -> int:
         return self._get().active()
+
+    async def close(self) -> None:
+        """Cancel the requests in flight and end their sessions (the router kills the actor afterwards)."""
+        if self.pipeline is not None:
+            await self.pipeline.close()

@@ -37,7 +37,7 @@ from specdec.workers import DraftBlock, TargetFeatures, VerifyOutcome
 from coordinator.channels import Channels
 from coordinator.pool import DraftContextError
 from coordinator.rounds import RoundStream
-from coordinator.session_moves import SessionMoves
+from coordinator.session_moves import SessionMoves, end_in_background
 
 log = logging.getLogger(__name__)
 MAX_FAILOVERS = 4
@@ -198,7 +198,8 @@ class _Pinned(SessionMoves):
             await self.rounds.aclose()
         finally:
             try:
-                await asyncio.shield(self._end_on(ep))  # a cancel arriving now must not leave the session behind
+                # a cancel arriving now must not leave the session behind (a closing pipeline awaits it)
+                await asyncio.shield(end_in_background(self._end_on(ep)))
             finally:
                 await self._release(ep)
 

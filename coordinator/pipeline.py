@@ -17,7 +17,6 @@ import contextlib
 import dataclasses
 import logging
 import time
-import uuid
 from typing import AsyncIterator
 
 import grpc
@@ -32,6 +31,7 @@ from coordinator.affinity import prefix_keys
 from coordinator.channels import Channels
 from coordinator.clients import PoolView, RemoteDraft, RemoteTarget
 from coordinator.pool import DraftContextError, ReplicaUnavailableError
+from coordinator.session_moves import ending
 
 log = logging.getLogger(__name__)
 
@@ -101,8 +101,9 @@ class AsyncPool:
 
 class Pipeline:
     def __init__(self, pool, credentials=None, rpc_timeout_s: float = 60.0, view_refresh_s: float = 0.5,
-                 replica_streams: bool = True, affinity_chunk: int = PREFILL_CHUNK):
+                 replica_streams: bool = True, affinity_chunk: int = PREFILL_CHUNK, tag: str = ""):
         self.pool = pool  # async acquire/release/report_failure/members (AsyncPool or the Ray facade)
+        self.tag = tag  # the prefix of its requests' holder tokens (a Ray pipeline actor's: coordinator/router.py)
         self.channels = Channels(credentials)
         self.view = PoolView()
         self.rpc_timeout_s, self.view_refresh_s = rpc_timeout_s, view_refresh_s
@@ -169,7 +170,8 @@ class Pipeline:
         target = RemoteTarget(self.pool, self.channels, **kw)
         draft = RemoteDraft(self.pool, self.channels, **kw) if with_draft else None
         keys = prefix_keys(req.prompt_ids, self.affinity_chunk, req.params.cache_salt)
-        holder = uuid.uuid4().hex  # one per request: the pools see its draft and target sessions as one request's
+        # one per request: the pools see its two sessions as one request's, and can end them if this pipeline dies
+        holder = self.tag + req.session_id
         for backend in (target, draft):
             if backend is not None:
                 backend.start_kw.update(reserve_positions=reserve, output_start=output_start)
@@ -279,9 +281,15 @@ class Pipeline:
     def active(self) -> int:
         return len(self._tasks)
 
-    async def close(self):
-        for t in list(self._tasks.values()):
+    async def close(self, wait_s: float = 5.0):
+        """Cancel the requests in flight, wait (at most `wait_s`) for them to end their replica sessions, then close
+        the channels (closed first, the EndSessions failed and the sessions stayed until their TTL)."""
+        tasks = list(self._tasks.values())
+        for t in tasks:
             t.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=wait_s)
+        await ending(wait_s)
         if self._view_task is not None:
             self._view_task.cancel()
         await self.channels.close()

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 from coordinator.affinity import PrefixAffinity
 from coordinator.preemption import Holdings, on_wait
+from coordinator.replica_probes import grpc_capacity, grpc_health
 from specdec.errors import CapacityError, ContextOverflowError, SpecDecError
 
 log = logging.getLogger(__name__)
@@ -95,48 +96,6 @@ class Pool:
 
     def any_routable(self, exclude: set[str]) -> bool:
         return any(m.healthy and ep not in exclude for ep, m in self.members.items())
-
-
-async def grpc_health(endpoint: str, service: str, timeout: float, credentials=None) -> tuple[bool, str]:
-    """(SERVING?, error text) of one replica via the standard health service."""
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    channel = (grpc.aio.secure_channel(endpoint, credentials) if credentials is not None
-               else grpc.aio.insecure_channel(endpoint))
-    try:
-        resp = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service),
-                                                               timeout=timeout)
-        ok = resp.status == health_pb2.HealthCheckResponse.SERVING
-        return ok, "" if ok else "NOT_SERVING (draining)"
-    except grpc.aio.AioRpcError as e:
-        return False, f"{e.code().name}: {e.details()}"
-    finally:
-        await channel.close()
-
-
-async def grpc_capacity(kind: str, endpoint: str, timeout: float, credentials=None) -> tuple[int, int]:
-    """A replica's `ModelInfo` (max_sessions, max_position_embeddings: positions a session holds) via its
-    `GetInfo`; (0, 0) if it cannot be read."""
-    import grpc
-
-    from specdec.pb import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
-
-    channel = (grpc.aio.secure_channel(endpoint, credentials) if credentials is not None
-               else grpc.aio.insecure_channel(endpoint))
-    try:
-        if kind == "draft":
-            r = await draft_pb2_grpc.DraftServiceStub(channel).GetInfo(draft_pb2.DraftServiceGetInfoRequest(),
-                                                                       timeout=timeout)
-        else:
-            r = await target_pb2_grpc.TargetServiceStub(channel).GetInfo(target_pb2.TargetServiceGetInfoRequest(),
-                                                                         timeout=timeout)
-        return max(0, r.info.max_sessions), max(0, r.info.max_position_embeddings)
-    except grpc.aio.AioRpcError as e:
-        log.warning("%s replica %s: GetInfo failed (%s); no session limit known for it", kind, endpoint, e.code())
-        return 0, 0
-    finally:
-        await channel.close()
 
 
 class PoolManager:
@@ -384,6 +343,35 @@ class PoolManager:
         if m is not None and m.sessions > 0:
             m.sessions -= 1
         self._serve_waiters(pool)
+
+    def withdraw(self, kind: str, holder: str) -> None:
+        """The request behind `holder` (a token) went away while it acquired: give back the room it was handed, or
+        leave the queue. For a caller that cannot see the acquire's result (a cancelled Ray call)."""
+        pool = self.pools.get(kind)
+        if pool is None or not holder:
+            return
+        if (h := pool.holdings.by_token.get(holder)) is not None:
+            self.release(kind, h.endpoint, holder)
+        for w in [w for w in pool.waiters if w.holder == holder]:
+            self._forget(pool, w)
+
+    async def release_holders(self, prefix: str) -> int:
+        """Give back everything held or awaited by tokens starting with `prefix` (a pipeline that died with its
+        requests), and end those sessions on their replicas (a token is `prefix + session id + /kind/n`: best
+        effort); → how many sessions were released."""
+        from coordinator.replica_probes import end_session
+
+        held = []
+        for kind, pool in self.pools.items():
+            for token, h in list(pool.holdings.by_token.items()):
+                if token.startswith(prefix):
+                    self.release(kind, h.endpoint, token)
+                    held.append((kind, h.endpoint, token[len(prefix):].split("/", 1)[0]))
+            for w in [w for w in pool.waiters if w.holder.startswith(prefix)]:
+                self._forget(pool, w)
+        creds = self._credentials_factory() if self._credentials_factory else None
+        await asyncio.gather(*(end_session(kind, ep, sid, self.health_timeout_s, creds) for kind, ep, sid in held))
+        return len(held)
 
     def report_failure(self, kind: str, endpoint: str, error: str = "") -> None:
         m = self.pools.get(kind, Pool(kind, None)).members.get(endpoint)

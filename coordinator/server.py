@@ -85,11 +85,12 @@ async def build_router(s: CoordinatorSettings, resolve=None, health_check=None):
     snap = await pool.start.remote()
     log.info("pools: %s", snap)
 
-    def make_actor():
+    def make_actor(tag: str):
         return PipelineActor.options(scheduling_strategy="SPREAD").remote(pool, s.rpc_timeout_s,
                                                                            s.pool_view_refresh_s, tls,
                                                                            s.replica_streams,
-                                                                           s.prefix_affinity_chunk)
+                                                                           s.prefix_affinity_chunk, tag,
+                                                                           s.log_level)
 
     router = RayRouter([], make_actor, fixed=s.pipelines or None)
     await router.grow()  # fail fast (and warm up) before serving

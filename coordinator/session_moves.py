@@ -18,7 +18,20 @@ from specdec.errors import CapacityError
 log = logging.getLogger(__name__)
 
 
-_ENDING: set[asyncio.Task] = set()  # EndSessions sent to replicas a session moved off (kept from the GC)
+_ENDING: set[asyncio.Task] = set()  # EndSessions on their way, awaited by nobody (kept from the GC)
+
+
+def end_in_background(coro) -> asyncio.Task:
+    task = asyncio.ensure_future(coro)
+    _ENDING.add(task)
+    task.add_done_callback(_ENDING.discard)
+    return task
+
+
+async def ending(timeout: float) -> None:
+    """Wait (at most `timeout`) for the EndSessions on their way: a closing pipeline lets them arrive."""
+    if _ENDING:
+        await asyncio.wait(list(_ENDING), timeout=timeout)
 
 
 class SessionMoves:
@@ -53,9 +66,7 @@ class SessionMoves:
 
     def _end_later(self, endpoint: str) -> None:
         """End this session on a replica it moved off, in the background (the move does not wait for it)."""
-        task = asyncio.ensure_future(self._end_on(endpoint))
-        _ENDING.add(task)
-        task.add_done_callback(_ENDING.discard)
+        end_in_background(self._end_on(endpoint))
 
     async def _after_call(self) -> None:
         self.in_call -= 1

@@ -27,7 +27,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 async def wait_serving(endpoint: str, service: str, timeout: float, proc: subprocess.Popen | None = None,
                        log_path: Path | None = None) -> None:
-    from coordinator.pool import grpc_health
+    from coordinator.replica_probes import grpc_health
 
     deadline = time.monotonic() + timeout
     err = ""
