@@ -76,6 +76,10 @@ class CoordinatorSettings(ProcessSettings):
                                                    "tokenizer's model name)")
     http_max_in_flight: int = Field(1024, ge=1, description="HTTP requests answered at once (a stream counts until "
                                                             "its end); more get 429")
+    http_client_timeout_s: float = Field(30.0, gt=0, description="the HTTP API waits this long for a request's "
+                                         "headers (then it closes the connection), for its body (then 408) and for "
+                                         "a client to take each piece of its answer (then it gives up on the client "
+                                         "and ends its generation)")
     http_api_key: str = Field("", description="when set, HTTP requests (all but /health, /metrics and /version) must "
                                               "send 'Authorization: Bearer "
                                               "<key>' (401 otherwise)")

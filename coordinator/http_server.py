@@ -39,7 +39,9 @@ class HttpFrontDoor:
                                max_in_flight=s.http_max_in_flight, tool_call_parser=s.tool_call_parser,
                                reasoning_parser=s.reasoning_parser,
                                store=ResponseStore(s.responses_store, s.responses_store_ttl_s,
-                                                   s.responses_store_max_mb << 20))
+                                                   s.responses_store_max_mb << 20),
+                               client_timeout_s=s.http_client_timeout_s)
+        app.http_door = door  # its counters, for the metrics and the tests
         host = s.host or "0.0.0.0"
         sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -58,7 +60,8 @@ class HttpFrontDoor:
         # connections past the requests in flight (idle keep-alives, probes) are capped too: plain 503s from uvicorn
         self.server = Server(uvicorn.Config(door.app(), lifespan="off", log_config=None, access_log=False,
                                             timeout_graceful_shutdown=max(1, int(s.grace_s)),
-                                            limit_concurrency=2 * s.http_max_in_flight + 64, **tls))
+                                            limit_concurrency=2 * s.http_max_in_flight + 64,
+                                            http=headers_within(s.http_client_timeout_s), **tls))
         self.task = asyncio.ensure_future(self.server.serve(sockets=[sock]))
         while not self.server.started:
             if self.task.done():
@@ -78,3 +81,40 @@ class HttpFrontDoor:
             self.begin_shutdown()
             await self.task
             self.task = None
+
+
+def headers_within(timeout_s: float):
+    """uvicorn's h11 protocol, closing a connection that takes longer than `timeout_s` to send a request's headers
+    (its first, or the next one on a kept-alive connection). uvicorn has no such limit: connections that sent
+    nothing, or half a request line, stayed open, and 2,112 of them (the connection cap) made every request, /health
+    included, a 503 for as long as they stayed (found by an audit of session 27)."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class H11WithHeaderTimeout(H11Protocol):
+        _headers_timer = None
+        _armed_for = None
+
+        def connection_made(self, transport):
+            super().connection_made(transport)
+            self._arm()
+
+        def on_response_complete(self):
+            super().on_response_complete()
+            self._arm()
+
+        def connection_lost(self, exc):
+            if self._headers_timer is not None:
+                self._headers_timer.cancel()
+            super().connection_lost(exc)
+
+        def _arm(self):
+            if self._headers_timer is not None:
+                self._headers_timer.cancel()
+            self._armed_for = self.cycle  # a new request's headers make a new cycle
+            self._headers_timer = self.loop.call_later(timeout_s, self._headers_late)
+
+        def _headers_late(self):
+            if self.cycle is self._armed_for and not self.transport.is_closing():
+                self.transport.close()
+
+    return H11WithHeaderTimeout

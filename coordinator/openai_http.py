@@ -38,13 +38,14 @@ from specdec.pb import generation_pb2
 class OpenAIFrontDoor:
     def __init__(self, backend: ServicerBackend, model_name: str, api_key: str = "", max_body_bytes: int = 1 << 24,
                  is_draining=lambda: False, registry=None, max_in_flight: int = 1024, tool_call_parser: str = "",
-                 reasoning_parser: str = "", store: ResponseStore | None = None):
+                 reasoning_parser: str = "", store: ResponseStore | None = None, client_timeout_s: float = 30.0):
         self.backend, self.model_name, self.api_key = backend, model_name, api_key
         self.store = store if store is not None else ResponseStore(0, 1.0)  # the Responses API's stored responses
         self.tool_call_parser = tool_call_parser  # tool_choice "auto": coordinator/tool_parsers.py (''; refused)
         self.reasoning_parser = reasoning_parser  # chat: <think>...</think> as `reasoning` (coordinator/reasoning.py)
         self.max_body_bytes, self.is_draining = max_body_bytes, is_draining
         self.max_in_flight, self.in_flight = max_in_flight, 0  # POSTs being answered (streams until their end)
+        self.client_timeout_s = client_timeout_s  # for a body to arrive, and for a stream's reader to take data
         self.requests, self.registry = None, registry
         if registry is not None:
             from prometheus_client import Counter
