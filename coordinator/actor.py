@@ -6,6 +6,7 @@ so Ray stays off the per-round path (STYLE A6.1: the actors are wrappers; the lo
 from __future__ import annotations
 
 import asyncio
+from collections import OrderedDict
 
 import ray
 
@@ -31,6 +32,8 @@ class PoolManagerActor:
                               max_waiting=max_waiting, affinity_slack=affinity_slack, preempt=preempt)
         self._started: asyncio.Task | None = None
         self._acquiring: dict[str, asyncio.Task] = {}  # holder token -> its acquire in progress
+        # tokens withdrawn before their acquire ran: Ray does not keep an async actor's calls in order
+        self._withdrawn: OrderedDict[str, None] = OrderedDict()
 
     async def start(self) -> dict:
         if self._started is None:
@@ -41,6 +44,8 @@ class PoolManagerActor:
     async def acquire(self, kind: str, exclude: list[str], keys: list[bytes] = (), priority: int = 0,
                       holder: str = "") -> str:
         await self.start()  # a no-op, except in an instance Ray restarted
+        if holder and self._withdrawn.pop(holder, 0) is None:  # its caller gave up before this call ran
+            raise asyncio.CancelledError
         if holder:
             self._acquiring[holder] = asyncio.current_task()
         try:
@@ -55,6 +60,10 @@ class PoolManagerActor:
         if task is not None:
             task.cancel()
             await asyncio.wait({task})
+        elif not self.pm.holds(kind, holder):  # its acquire has not run yet: it must not, when it comes
+            self._withdrawn[holder] = None
+            while len(self._withdrawn) > 4096:
+                self._withdrawn.popitem(last=False)
         self.pm.withdraw(kind, holder)
 
     async def release_holders(self, prefix: str) -> int:

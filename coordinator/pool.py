@@ -344,6 +344,12 @@ class PoolManager:
             m.sessions -= 1
         self._serve_waiters(pool)
 
+    def holds(self, kind: str, holder: str) -> bool:
+        """Whether the token `holder` holds room in the `kind` pool, or waits for it."""
+        pool = self.pools.get(kind)
+        return pool is not None and bool(holder) and (holder in pool.holdings.by_token
+                                                       or any(w.holder == holder for w in pool.waiters))
+
     def withdraw(self, kind: str, holder: str) -> None:
         """The request behind `holder` (a token) went away while it acquired: give back the room it was handed, or
         leave the queue. For a caller that cannot see the acquire's result (a cancelled Ray call)."""
