@@ -11,8 +11,9 @@ replica (chosen by the pool) and mirrors what that replica has fed, so the sessi
 - The replica left the pool (scale-in; `PoolView` says so): move the session before the next call.
 
 Per-round calls (Draft, Verify) travel as messages on one open stream per session and replica
-(`coordinator/rounds.py`) unless `streams=False`; any trouble with a stream resends the call unary. network_ns =
-wall time inside calls minus the compute (and queueing) the replicas report.
+(`coordinator/rounds.py`) unless `streams=False`; any trouble with a stream resends the call unary.
+
+network_ns = wall time inside calls minus the compute (and queueing) the replicas report.
 """
 from __future__ import annotations
 
@@ -36,26 +37,14 @@ from specdec.workers import DraftBlock, TargetFeatures, VerifyOutcome
 
 from coordinator.channels import Channels
 from coordinator.pool import DraftContextError
+from coordinator.replica_probes import end_session_request
 from coordinator.rounds import RoundStream
-from coordinator.session_moves import SessionMoves, end_in_background
+from coordinator.session_moves import PoolView, SessionMoves, end_in_background
 
 log = logging.getLogger(__name__)
 MAX_FAILOVERS = 4
 _METHOD = {"greedy": common_pb2.VERIFY_METHOD_GREEDY, "token": common_pb2.VERIFY_METHOD_TOKEN,
            "block": common_pb2.VERIFY_METHOD_BLOCK}
-class PoolView:
-    """A pipeline's cached copy of routable pool members (refreshed in the background, never per round)."""
-
-    def __init__(self):
-        self.members: dict[str, list[str]] = {}
-        self.preempt: dict[str, list[str]] = {}  # holdings marked for preemption (coordinator/preemption.py)
-
-    def gone(self, kind: str, endpoint: str) -> bool:
-        live = self.members.get(kind)
-        return bool(live) and endpoint not in live  # an empty view (blip, startup) moves nothing
-
-    def preempts(self, kind: str, holding: str) -> bool:
-        return bool(holding) and holding in self.preempt.get(kind, ())
 
 
 def _retryable(e: BaseException) -> str | None:
@@ -179,10 +168,8 @@ class _Pinned(SessionMoves):
 
     async def _end_on(self, endpoint: str) -> None:
         stub = self.channels.draft(endpoint) if self.kind == "draft" else self.channels.target(endpoint)
-        req = (draft_pb2.DraftServiceEndSessionRequest(session_id=self.sid) if self.kind == "draft"
-               else target_pb2.TargetServiceEndSessionRequest(session_id=self.sid))
         try:
-            await stub.EndSession(req, timeout=5.0)
+            await stub.EndSession(end_session_request(self.kind, self.sid), timeout=5.0)
         except grpc.aio.AioRpcError:
             pass
 
@@ -312,7 +299,7 @@ class RemoteDraft(_Pinned):
                             toks = toks[n:]
                             if not toks:
                                 continue
-                            q = decode_q(r.q)[n:]
+                            q = decode_q(r.q, check=False)[n:]
                         got.extend(toks)
                         yield draft_block(r, toks, q)
                     return

@@ -19,6 +19,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
+from coordinator.json_text import lone_surrogate_at
 from coordinator.openai_structured import ToolChoice, response_format_pb, structured_output_pb, tool_choice
 from coordinator.tool_parsers import needs_special_tokens
 from specdec.pb import generation_pb2
@@ -36,39 +37,28 @@ Int32 = Annotated[int, Field(ge=-2**31, le=INT32_MAX)]
 TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
 
 
-def lone_surrogate_at(value, path: str = "") -> str | None:
-    """Where a JSON body holds a string that is not Unicode text (a lone UTF-16 surrogate, "\\ud800"); None."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            return path or "body"
-    elif isinstance(value, dict):
-        for k, v in value.items():
-            where = f"{path}.{k}" if path else str(k)
-            if found := lone_surrogate_at(k, path or "body") or lone_surrogate_at(v, where):
-                return found
-    elif isinstance(value, list):
-        for i, v in enumerate(value):
-            if where := lone_surrogate_at(v, f"{path}.{i}" if path else str(i)):
-                return where
-    return None
-
-
 class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     @model_validator(mode="before")
     @classmethod
     def _nulls_are_unset(cls, data):
-        """OpenAI's fields may be sent as null, meaning unset (the openai client and frameworks forward them so);
-        and every string must be text."""
+        """OpenAI's fields may be sent as null, meaning unset (the openai client and frameworks forward them so)."""
         if not isinstance(data, dict):
             return data
-        if where := lone_surrogate_at(data):
+        return {k: v for k, v in data.items() if v is not None}
+
+
+class _Request(_Body):
+    """A whole request body. Its strings are checked here, once (the models nested in it are parts of it)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_only(cls, data):
+        if isinstance(data, dict) and (where := lone_surrogate_at(data)):
             raise ValueError(f"{where}: holds a lone surrogate (\\ud800-\\udfff), which is not text; send UTF-8 "
                              f"text")
-        return {k: v for k, v in data.items() if v is not None}
+        return data
 
 
 class StreamOptions(_Body):
@@ -76,7 +66,7 @@ class StreamOptions(_Body):
     continuous_usage_stats: bool = False  # vLLM's: with include_usage, every chunk carries its choice's usage so far
 
 
-class SpecDecKnobs(_Body):
+class SpecDecKnobs(_Request):
     """GenerateRequest's specdec fields (proto/specdec/v1/generation.proto documents each); unset: its default."""
 
     mode: str | None = None
@@ -368,7 +358,7 @@ class CompletionRequest(_Sampling):
         return r
 
 
-class TokenizeRequest(_Body):
+class TokenizeRequest(_Request):
     """vLLM's POST /tokenize: the ids a prompt becomes, as the chat (`messages`) or completions (`prompt`) route
     encodes it."""
     model: str | None = None
@@ -391,7 +381,7 @@ class TokenizeRequest(_Body):
         return self
 
 
-class DetokenizeRequest(_Body):
+class DetokenizeRequest(_Request):
     """vLLM's POST /detokenize."""
     model: str | None = None
     tokens: list[int] = Field(min_length=1)

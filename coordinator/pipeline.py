@@ -29,9 +29,9 @@ from specdec.worker_base import PREFILL_CHUNK
 
 from coordinator.affinity import prefix_keys
 from coordinator.channels import Channels
-from coordinator.clients import PoolView, RemoteDraft, RemoteTarget
+from coordinator.clients import RemoteDraft, RemoteTarget
 from coordinator.pool import DraftContextError, ReplicaUnavailableError
-from coordinator.session_moves import ending
+from coordinator.session_moves import PoolView, ending
 
 log = logging.getLogger(__name__)
 

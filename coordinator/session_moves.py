@@ -34,6 +34,22 @@ async def ending(timeout: float) -> None:
         await asyncio.wait(list(_ENDING), timeout=timeout)
 
 
+class PoolView:
+    """A pipeline's cached copy of routable pool members (refreshed in the background, never per round): what
+    tells a session to move (`gone`) or to yield (`preempts`)."""
+
+    def __init__(self):
+        self.members: dict[str, list[str]] = {}
+        self.preempt: dict[str, list[str]] = {}  # holdings marked for preemption (coordinator/preemption.py)
+
+    def gone(self, kind: str, endpoint: str) -> bool:
+        live = self.members.get(kind)
+        return bool(live) and endpoint not in live  # an empty view (blip, startup) moves nothing
+
+    def preempts(self, kind: str, holding: str) -> bool:
+        return bool(holding) and holding in self.preempt.get(kind, ())
+
+
 class SessionMoves:
     rebuild_due = False  # pinned again by its sibling (`_take_room`): the session is built at the next call
 

@@ -56,8 +56,10 @@ def encode_q(q) -> bytes:
                           for d in q], use_bin_type=True)
 
 
-def decode_q(data: bytes, field: str = "q") -> list:
-    """msgpack bytes (sparse-q v1) -> list[SparseDist]; malformed input is INVALID_ARGUMENT."""
+def decode_q(data: bytes, field: str = "q", check: bool = True) -> list:
+    """msgpack bytes (sparse-q v1) -> list[SparseDist]; malformed input is INVALID_ARGUMENT. `check`: also each
+    row's values (`_distribution`), where q comes from a client (the target's Verify); the coordinator reading its
+    own draft replica's answers skips it."""
     from specdec.verify import SparseDist
 
     if not data:
@@ -76,7 +78,8 @@ def decode_q(data: bytes, field: str = "q") -> list:
                                       "of equal length")
         ids = torch.from_numpy(np.frombuffer(row[0], dtype=_LE_I32).astype(np.int64))
         probs = torch.from_numpy(np.frombuffer(row[1], dtype=_LE_F32).astype(np.float32))
-        out.append(_distribution(SparseDist(ids=ids, probs=probs), f"{field}[{i}]"))
+        q = SparseDist(ids=ids, probs=probs)
+        out.append(_distribution(q, f"{field}[{i}]") if check else q)
     return out
 
 
@@ -102,9 +105,7 @@ def dense_q_to_sparse(q: torch.Tensor, field: str = "q_dense") -> list:
     q = q.float()
     out = []
     for i, row in enumerate(q):
-        if not bool(torch.isfinite(row).all()):
-            raise InvalidRequestError(f"{field}[{i}]", "probabilities must be finite and >= 0")
-        ids = torch.nonzero(row != 0).flatten()
+        ids = torch.nonzero(row != 0).flatten()  # NaN, inf and negative entries too: `_distribution` refuses them
         out.append(_distribution(SparseDist(ids=ids, probs=row[ids]), f"{field}[{i}]"))
     return out
 
@@ -199,7 +200,7 @@ def draft_block(r, tokens: list[int] | None = None, q: list | None = None):
     from specdec.workers import DraftBlock
 
     return DraftBlock(tokens=list(r.token_ids) if tokens is None else tokens,
-                      q=decode_q(r.q) if q is None else q, stop_reason=_STOP_REASON.get(r.stop_reason, ""),
+                      q=decode_q(r.q, check=False) if q is None else q, stop_reason=_STOP_REASON.get(r.stop_reason, ""),
                       draft_ns=r.draft_ns, final=getattr(r, "last", True))
 
 
