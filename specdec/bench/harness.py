@@ -377,7 +377,7 @@ def acceptance(records: list[Record], rows: list[dict], conc_mode: str = "pacer_
     slow = twin and twin.get("stack_slowdown_vs_in_process")
     out.append({"goal": f"gRPC stack slowdown vs the same schedule in one process ({conc_mode})", "want": 0.10,
                 "measured": slow, "met": None if slow is None else slow <= 0.10})
-    c1, c8 = row(f"concurrency sweep (1)", 1), row(f"concurrency sweep (8)", 8)
+    c1, c8 = row("concurrency sweep (1)", 1), row("concurrency sweep (8)", 8)
     goal("aggregate tokens/s at 8 concurrent requests vs 1", 3.0,
          c1 and c8 and c1["tokens_per_s"] and c8["tokens_per_s"] / c1["tokens_per_s"])
     return out

@@ -200,8 +200,6 @@ def run_ablation(args) -> dict:
     from specdec.hub import resolve_model
     from specdec.model import load_model_dir
     from specdec.preverifier import load_preverifier
-    from specdec.sampling import SamplingParams
-    from specdec.schedule import GenerationRequest
     from specdec.tokenizer import load_tokenizer
 
     torch.set_num_threads(1)
