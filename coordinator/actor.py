@@ -22,13 +22,10 @@ class PoolManagerActor:
         from coordinator.discovery import source_from_spec
         from coordinator.pool import PoolManager
 
-        factory = None
-        if tls:
-            from specdec.server.tls import channel_credentials
+        from coordinator.channels import Dialer
 
-            factory = lambda: channel_credentials(**tls)  # noqa: E731 - built in this process (not picklable)
         self.pm = PoolManager({k: source_from_spec(v) for k, v in specs.items() if v}, refresh_s,
-                              health_timeout_s, credentials_factory=factory, wait_s=wait_s,
+                              health_timeout_s, dialer=Dialer.from_tls(tls), wait_s=wait_s,
                               max_waiting=max_waiting, affinity_slack=affinity_slack, preempt=preempt)
         self._started: asyncio.Task | None = None
         self._acquiring: dict[str, asyncio.Task] = {}  # holder token -> its acquire in progress
@@ -181,13 +178,11 @@ class PipelineActor:
         if self.pipeline is None:  # grpc.aio channels must be created inside the actor's event loop
             from coordinator.pipeline import Pipeline
 
-            handle, timeout, refresh, tls, streams, affinity_chunk, tag = self._args
-            creds = None
-            if tls:
-                from specdec.server.tls import channel_credentials
+            from coordinator.channels import Dialer
 
-                creds = channel_credentials(**tls)
-            self.pipeline = Pipeline(RayPool(handle), creds, timeout, refresh, streams, affinity_chunk, tag)
+            handle, timeout, refresh, tls, streams, affinity_chunk, tag = self._args
+            self.pipeline = Pipeline(RayPool(handle), Dialer.from_tls(tls), timeout, refresh, streams,
+                                     affinity_chunk, tag)
         return self.pipeline
 
     async def stream(self, request: dict):

@@ -1,4 +1,5 @@
-"""One gRPC channel (and stub) per replica endpoint, shared by every request of a pipeline process."""
+"""How the coordinator dials replicas (`Dialer`: plaintext or TLS), and one gRPC channel (and stub) per replica
+endpoint, shared by every request of a pipeline process."""
 from __future__ import annotations
 
 import grpc
@@ -15,11 +16,41 @@ CHANNEL_OPTIONS = [("grpc.keepalive_time_ms", 30_000), ("grpc.keepalive_timeout_
                    ("grpc.max_reconnect_backoff_ms", 2_000)]
 
 
+class Dialer:
+    """Opens channels to replicas: plaintext, or TLS with `credentials`. `server_names` (kind -> name): the name a
+    replica's certificate is checked against. A pool found by DNS (`dns:host:port`, a headless Service) is dialed
+    by pod IP, which no certificate names, so its replicas are checked against `host`; a replica dialed by name
+    is checked against that name (no entry)."""
+
+    def __init__(self, credentials: grpc.ChannelCredentials | None = None,
+                 server_names: dict[str, str] | None = None):
+        self.credentials = credentials
+        self.server_names = dict(server_names or {})
+
+    @classmethod
+    def from_tls(cls, tls: dict | None) -> "Dialer":
+        """From `coordinator.server.client_tls`'s picklable dict (file paths and server names): the credentials
+        are built in the process that dials (a Ray actor's own)."""
+        if not tls:
+            return cls()
+        from specdec.server.tls import channel_credentials
+
+        return cls(channel_credentials(tls["ca_file"], tls.get("cert_file"), tls.get("key_file")),
+                   tls.get("server_names"))
+
+    def open(self, kind: str, endpoint: str, options=()) -> grpc.aio.Channel:
+        if self.credentials is None:
+            return grpc.aio.insecure_channel(endpoint, options=list(options))
+        name = self.server_names.get(kind)
+        extra = [("grpc.ssl_target_name_override", name)] if name else []
+        return grpc.aio.secure_channel(endpoint, self.credentials, options=list(options) + extra)
+
+
 class Channels:
     """One channel (and stub) per replica, shared by all requests of a pipeline process."""
 
-    def __init__(self, credentials: grpc.ChannelCredentials | None = None):
-        self.credentials = credentials
+    def __init__(self, dialer: Dialer | None = None):
+        self.dialer = dialer or Dialer()
         self._ch: dict[str, grpc.aio.Channel] = {}
         self._stubs: dict[tuple[str, str], object] = {}  # (kind, endpoint) -> stub, built once
         self._feature_size: dict[str, int] = {}  # draft endpoint -> ModelInfo.feature_size
@@ -31,18 +62,16 @@ class Channels:
             self._feature_size[endpoint] = r.info.feature_size
         return self._feature_size[endpoint]
 
-    def channel(self, endpoint: str) -> grpc.aio.Channel:
+    def channel(self, kind: str, endpoint: str) -> grpc.aio.Channel:
         ch = self._ch.get(endpoint)
         if ch is None:
-            ch = (grpc.aio.secure_channel(endpoint, self.credentials, options=CHANNEL_OPTIONS) if self.credentials
-                  else grpc.aio.insecure_channel(endpoint, options=CHANNEL_OPTIONS))
-            self._ch[endpoint] = ch
+            ch = self._ch[endpoint] = self.dialer.open(kind, endpoint, CHANNEL_OPTIONS)
         return ch
 
     def _stub(self, kind: str, endpoint: str, cls):
         stub = self._stubs.get((kind, endpoint))
         if stub is None:
-            stub = self._stubs[kind, endpoint] = cls(self.channel(endpoint))
+            stub = self._stubs[kind, endpoint] = cls(self.channel(kind, endpoint))
         return stub
 
     def draft(self, endpoint: str) -> draft_pb2_grpc.DraftServiceStub:

@@ -100,11 +100,11 @@ class AsyncPool:
 
 
 class Pipeline:
-    def __init__(self, pool, credentials=None, rpc_timeout_s: float = 60.0, view_refresh_s: float = 0.5,
+    def __init__(self, pool, dialer=None, rpc_timeout_s: float = 60.0, view_refresh_s: float = 0.5,
                  replica_streams: bool = True, affinity_chunk: int = PREFILL_CHUNK, tag: str = ""):
         self.pool = pool  # async acquire/release/report_failure/members (AsyncPool or the Ray facade)
         self.tag = tag  # the prefix of its requests' holder tokens (a Ray pipeline actor's: coordinator/router.py)
-        self.channels = Channels(credentials)
+        self.channels = Channels(dialer)  # how replicas are dialed (coordinator/channels.py)
         self.view = PoolView()
         self.rpc_timeout_s, self.view_refresh_s = rpc_timeout_s, view_refresh_s
         self.replica_streams = replica_streams  # per-round calls as stream messages (coordinator/rounds.py)

@@ -103,7 +103,7 @@ class PoolManager:
     are injectable (tests); with an injected health check and no capacity check, capacities are unknown."""
 
     def __init__(self, sources: dict, refresh_s: float = 5.0, health_timeout_s: float = 1.0,
-                 health_check=None, credentials_factory=None, capacity_check=None, wait_s: float = 60.0,
+                 health_check=None, dialer=None, capacity_check=None, wait_s: float = 60.0,
                  max_waiting: int = 256, affinity_slack: int | None = 2, preempt: bool = True):
         """`affinity_slack`: sessions a replica may hold beyond the least loaded one and still get the requests
         whose prefixes it was sent (None: no prefix affinity). `preempt`: waiters take the sessions of running
@@ -116,7 +116,7 @@ class PoolManager:
         self.preempt = preempt
         self._health = health_check
         self._capacity = capacity_check
-        self._credentials_factory = credentials_factory
+        self._dialer = dialer  # coordinator/channels.py: plaintext unless set
         self._task: asyncio.Task | None = None
         self._lock = asyncio.Lock()
         self.generation = 0  # bumped on every membership change
@@ -146,8 +146,7 @@ class PoolManager:
     async def _check(self, kind: str, endpoint: str) -> tuple[bool, str]:
         if self._health is not None:
             return await self._health(endpoint, SERVICE_NAMES[kind])
-        creds = self._credentials_factory() if self._credentials_factory else None
-        return await grpc_health(endpoint, SERVICE_NAMES[kind], self.health_timeout_s, creds)
+        return await grpc_health(kind, endpoint, SERVICE_NAMES[kind], self.health_timeout_s, self._dialer)
 
     async def _check_capacity(self, kind: str, endpoint: str) -> tuple[int, int]:
         """(max_sessions, max_context) of a replica; 0: unknown. An injected check may answer max_sessions alone."""
@@ -156,8 +155,7 @@ class PoolManager:
             return (got, 0) if isinstance(got, int) else got
         if self._health is not None:
             return 0, 0
-        creds = self._credentials_factory() if self._credentials_factory else None
-        return await grpc_capacity(kind, endpoint, self.health_timeout_s, creds)
+        return await grpc_capacity(kind, endpoint, self.health_timeout_s, self._dialer)
 
     async def refresh(self) -> None:
         """Re-resolve every pool, health-check its members, learn new members' capacity, serve waiters."""
@@ -375,8 +373,8 @@ class PoolManager:
                     held.append((kind, h.endpoint, token[len(prefix):].split("/", 1)[0]))
             for w in [w for w in pool.waiters if w.holder.startswith(prefix)]:
                 self._forget(pool, w)
-        creds = self._credentials_factory() if self._credentials_factory else None
-        await asyncio.gather(*(end_session(kind, ep, sid, self.health_timeout_s, creds) for kind, ep, sid in held))
+        await asyncio.gather(*(end_session(kind, ep, sid, self.health_timeout_s, self._dialer)
+                               for kind, ep, sid in held))
         return len(held)
 
     def report_failure(self, kind: str, endpoint: str, error: str = "") -> None:

@@ -13,6 +13,7 @@ from specdec.defaults import GENERATION_SERVICE_NAME
 from specdec.server.app import ServerApp
 
 from coordinator.config import CoordinatorSettings
+from coordinator.discovery import split_host_port
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.service import GenerationServicer, add_to_server
 
@@ -31,10 +32,15 @@ def load_tokenizer_for(spec: str):
 
 
 def client_tls(s: CoordinatorSettings) -> dict | None:
-    """mTLS towards the pools reuses the coordinator's own certificate and CA (one Secret per component)."""
+    """mTLS towards the pools reuses the coordinator's own certificate and CA (one Secret per component). A pool
+    found by DNS is dialed by pod IP: its replicas' certificates are checked against its DNS name
+    (`server_names`; coordinator/channels.py). Picklable: Ray actors build their credentials from it."""
     if not s.tls.ca_file:
         return None
-    return {"ca_file": s.tls.ca_file, "cert_file": s.tls.cert_file, "key_file": s.tls.key_file}
+    names = {k: split_host_port(spec[len("dns:"):])[0] for k in ("draft", "target")
+             if (spec := s.pool_spec(k)).startswith("dns:")}
+    return {"ca_file": s.tls.ca_file, "cert_file": s.tls.cert_file, "key_file": s.tls.key_file,
+            "server_names": names}
 
 
 def init_ray(s: CoordinatorSettings, log_to_driver: bool = True) -> None:
@@ -58,22 +64,18 @@ async def build_router(s: CoordinatorSettings, resolve=None, health_check=None):
     affinity_slack = s.prefix_affinity_slack if s.prefix_affinity_chunk else None  # None: least loaded only
     tls = client_tls(s)
     if not s.ray:
+        from coordinator.channels import Dialer
         from coordinator.discovery import source_from_spec
         from coordinator.pipeline import AsyncPool, Pipeline
         from coordinator.pool import PoolManager
         from coordinator.router import LocalRouter
 
-        creds = None
-        if tls:
-            from specdec.server.tls import channel_credentials
-
-            creds = channel_credentials(**tls)
+        dialer = Dialer.from_tls(tls)
         pm = PoolManager({k: source_from_spec(v, resolve) for k, v in specs.items() if v}, s.dns_refresh_s,
-                         s.health_timeout_s, health_check=health_check,
-                         credentials_factory=(lambda: creds) if creds else None, wait_s=s.queue_wait_s,
+                         s.health_timeout_s, health_check=health_check, dialer=dialer, wait_s=s.queue_wait_s,
                          max_waiting=s.max_waiting, affinity_slack=affinity_slack, preempt=s.preempt)
         await pm.start()
-        router = LocalRouter(Pipeline(AsyncPool(pm), creds, s.rpc_timeout_s, s.pool_view_refresh_s,
+        router = LocalRouter(Pipeline(AsyncPool(pm), dialer, s.rpc_timeout_s, s.pool_view_refresh_s,
                                       s.replica_streams, s.prefix_affinity_chunk))
         router.pool_manager = pm
         return router

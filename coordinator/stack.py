@@ -35,7 +35,7 @@ async def wait_serving(endpoint: str, service: str, timeout: float, proc: subpro
         if proc is not None and proc.poll() is not None:
             tail = log_path.read_text()[-3000:] if log_path and log_path.exists() else ""
             raise RuntimeError(f"{service} replica on {endpoint} exited with code {proc.returncode}:\n{tail}")
-        ok, err = await grpc_health(endpoint, service, 1.0)
+        ok, err = await grpc_health("", endpoint, service, 1.0)  # a loopback replica, plaintext
         if ok:
             return
         await asyncio.sleep(0.2)
