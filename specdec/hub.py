@@ -272,13 +272,18 @@ def resolve_model(spec: str, progress: bool = True) -> pathlib.Path:
     if p.exists():
         raise _not_found(spec, "not a directory or a .gguf file")
     if _HUB_ID.match(spec) and not spec.startswith((".", "/", "~")):
-        if not _hub_reachable():
-            raise _not_found(spec, "the Hugging Face hub is not reachable (or HF_HUB_OFFLINE is set)")
-        try:
-            from huggingface_hub import snapshot_download
+        from huggingface_hub import snapshot_download
 
-            local = snapshot_download(spec, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model",
-                                                             "*.jinja"])
+        patterns = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"]
+        with contextlib.suppress(Exception):  # a warm cache (an init container's download) needs no hub
+            local = pathlib.Path(snapshot_download(spec, allow_patterns=patterns, local_files_only=True))
+            if (local / "config.json").is_file():
+                return local
+        if not _hub_reachable():
+            raise _not_found(spec, "it is not in the local Hugging Face cache and the hub is not reachable (or "
+                                   "HF_HUB_OFFLINE is set)")
+        try:
+            local = snapshot_download(spec, allow_patterns=patterns)
         except Exception as e:  # noqa: BLE001
             raise _not_found(spec, f"hub download failed ({type(e).__name__})") from e
         return pathlib.Path(local)

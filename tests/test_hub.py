@@ -42,6 +42,24 @@ def test_hub_unreachable_by_network(monkeypatch):
         resolve_model("someorg/some-model", progress=False)
 
 
+def test_a_hub_id_in_the_local_cache_needs_no_hub(tmp_path, monkeypatch):
+    """A pod whose init container filled the cache starts with the hub unreachable, or HF_HUB_OFFLINE set (it
+    failed "not reachable" before, whatever the cache held)."""
+    from huggingface_hub import constants
+
+    repo = tmp_path / "models--someorg--cached-model"
+    snap = repo / "snapshots" / ("a" * 40)
+    snap.mkdir(parents=True)
+    (snap / "config.json").write_text("{}")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("a" * 40)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # discard port: connection refused
+    assert resolve_model("someorg/cached-model", progress=False) == snap
+    with pytest.raises(ModelNotFoundError, match="not in the local Hugging Face cache"):
+        resolve_model("someorg/other-model", progress=False)
+
+
 def test_missing_path():
     with pytest.raises(ModelNotFoundError):
         resolve_model("./does/not/exist.gguf", progress=False)
