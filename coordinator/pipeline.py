@@ -111,6 +111,7 @@ class Pipeline:
         self.affinity_chunk = affinity_chunk  # positions per prefix key: the replicas' prefill chunk (0: no keys)
         self._tasks: dict[str, asyncio.Task] = {}
         self._stop: set[str] = set()
+        self._cancelled: set[str] = set()  # cancelled requests: the next round's tokens cancel them again
         self._view_task: asyncio.Task | None = None
         self._fallback_warned = float("-inf")
 
@@ -138,6 +139,8 @@ class Pipeline:
         incremental = not request.get("final_only")  # False: the caller reads only the last event
 
         def on_tokens(new: list[int], logprobs: list | None = None) -> bool:
+            if rid in self._cancelled:  # a cancel the request's task lost (a callee that swallowed it)
+                raise asyncio.CancelledError
             if incremental:
                 queue.put_nowait({"tokens": list(new), "logprobs": logprobs})
             return rid in self._stop
@@ -155,11 +158,12 @@ class Pipeline:
                    else task.result())
         finally:
             if not task.done():  # the consumer went away (client cancel / deadline): end both sessions
-                task.cancel()
+                self._cancel(rid, task)
                 with contextlib.suppress(BaseException):
                     await task
             self._tasks.pop(rid, None)
             self._stop.discard(rid)
+            self._cancelled.discard(rid)
 
     def _backends(self, req: GenerationRequest, output_start: int, reserve: int, with_draft: bool):
         """(RemoteTarget, RemoteDraft or None) for `req`, routed by its prompt's prefix (coordinator/affinity.py).
@@ -271,10 +275,14 @@ class Pipeline:
         if rid in self._tasks:
             self._stop.add(rid)
 
+    def _cancel(self, rid: str, task: asyncio.Task) -> None:
+        self._cancelled.add(rid)
+        task.cancel()
+
     def cancel(self, rid: str) -> bool:
         task = self._tasks.get(rid)
         if task is not None and not task.done():
-            task.cancel()
+            self._cancel(rid, task)
             return True
         return False
 
@@ -285,8 +293,8 @@ class Pipeline:
         """Cancel the requests in flight, wait (at most `wait_s`) for them to end their replica sessions, then close
         the channels (closed first, the EndSessions failed and the sessions stayed until their TTL)."""
         tasks = list(self._tasks.values())
-        for t in tasks:
-            t.cancel()
+        for rid, t in list(self._tasks.items()):
+            self._cancel(rid, t)
         if tasks:
             await asyncio.wait(tasks, timeout=wait_s)
         await ending(wait_s)
