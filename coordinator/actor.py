@@ -18,12 +18,17 @@ from coordinator.pool import ReplicaUnavailableError
 @ray.remote(num_cpus=0, max_restarts=-1)
 class PoolManagerActor:
     def __init__(self, specs: dict, refresh_s: float, health_timeout_s: float, tls: dict | None = None,
-                 wait_s: float = 60.0, max_waiting: int = 256, affinity_slack: int | None = 2, preempt: bool = True):
+                 wait_s: float = 60.0, max_waiting: int = 256, affinity_slack: int | None = 2, preempt: bool = True,
+                 log_level: str = "INFO"):
+        import logging
+
         from coordinator.discovery import source_from_spec
         from coordinator.pool import PoolManager
 
         from coordinator.channels import Dialer
 
+        # its own process: replicas joining, leaving, turning unhealthy, queues filling and draining are logged here
+        logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         self.pm = PoolManager({k: source_from_spec(v) for k, v in specs.items() if v}, refresh_s,
                               health_timeout_s, dialer=Dialer.from_tls(tls), wait_s=wait_s,
                               max_waiting=max_waiting, affinity_slack=affinity_slack, preempt=preempt)

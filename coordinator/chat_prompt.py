@@ -45,6 +45,15 @@ def log_request(stats: dict, finish: str, wall_s: float) -> None:
                           stats.get("draft_replica") or "-")
 
 
+def log_failure(request_id: str, code: str, message: str, wall_s: float) -> None:
+    """A failed request's one line: the client's mistakes at INFO, the service's failures at WARNING (the
+    SpecdecRequestErrors alert points here)."""
+    level = logging.WARNING if code in ("UNAVAILABLE", "INTERNAL", "DEADLINE_EXCEEDED", "UNKNOWN") else logging.INFO
+    if requests_log.isEnabledFor(level):
+        requests_log.log(level, "request %s: failed %s after %.3f s: %s", request_id, code, wall_s,
+                         message if len(message) <= 300 else message[:300] + "...")
+
+
 def template_options(r: generation_pb2.GenerateRequest):
     """GenerateRequest's chat-template fields → (tools or None, TemplateOptions); they apply to `messages` only."""
     from specdec.tokenizer import TemplateOptions

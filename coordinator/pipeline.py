@@ -206,7 +206,7 @@ class Pipeline:
                 except ReplicaUnavailableError as e:
                     if not draft_fallback:
                         raise
-                    self._warn_fallback(e)
+                    self._warn_fallback(e, req.session_id)
                     draft, fallback, req = None, "unreachable", dataclasses.replace(req, mode="ar")
             try:
                 res = await generate(req, draft, target, tracking)
@@ -215,7 +215,7 @@ class Pipeline:
                     raise
                 # the draft pool went away mid-request: the committed tokens stand (the target verified them);
                 # a target-only request goes on from them, in a session of its own (the failed one has ended)
-                self._warn_fallback(e)
+                self._warn_fallback(e, req.session_id)
                 fallback = "context" if isinstance(e, DraftContextError) else "unreachable"
                 head, head_logprobs = list(committed), list(seen_logprobs)
                 ended = next((t for t in head if t in req.eos_token_ids), None) is not None
@@ -259,13 +259,14 @@ class Pipeline:
                 "logprobs": res.logprobs,
                 "prompt_logprobs": list(zip(pl.logprobs, pl.top_ids, pl.top_logprobs)) if pl is not None else None}
 
-    def _warn_fallback(self, e: Exception) -> None:
+    def _warn_fallback(self, e: Exception, rid: str) -> None:
         """One warning per 30 s while the draft pool is down (every request would log it)."""
         now = time.monotonic()
         if now - self._fallback_warned >= 30.0:
             self._fallback_warned = now
             if isinstance(e, DraftContextError):  # this request's length, not the pool's health
-                log.warning("%s: such requests run target-only (ar) (COORDINATOR_DRAFT_FALLBACK)", e)
+                log.warning("request %s: %s; it runs target-only (ar) where the target replica holds it "
+                            "(COORDINATOR_DRAFT_FALLBACK)", rid, e)
             else:
                 log.warning("%s: serving requests target-only (ar) until a draft replica is back "
                             "(COORDINATOR_DRAFT_FALLBACK)", e)

@@ -11,6 +11,7 @@ import os
 
 from specdec.defaults import GENERATION_SERVICE_NAME
 from specdec.server.app import ServerApp
+from specdec.server.metrics import ServiceMetrics
 
 from coordinator.config import CoordinatorSettings
 from coordinator.discovery import split_host_port
@@ -83,7 +84,7 @@ async def build_router(s: CoordinatorSettings, resolve=None, health_check=None):
     from coordinator.router import RayRouter
 
     pool = PoolManagerActor.remote(specs, s.dns_refresh_s, s.health_timeout_s, tls, s.queue_wait_s, s.max_waiting,
-                                   affinity_slack, s.preempt)
+                                   affinity_slack, s.preempt, s.log_level)
     snap = await pool.start.remote()
     log.info("pools: %s", snap)
 
@@ -113,9 +114,14 @@ async def build_coordinator(s: CoordinatorSettings, tokenizer=None, eos_token_id
 
     def register(server):
         metrics = CoordinatorMetrics(holder["app"].metrics.registry)
-        metrics.waiting.set_function(router.waiting_now)
         servicer = GenerationServicer(router, tokenizer, eos_token_ids or (), s.max_new_tokens_cap, metrics,
                                     s.spec_off_batch, s.pacer_post_threshold, s.default_mode)
+        def running() -> float:  # in flight less those waiting for sessions (waiting: NaN when it is unknown)
+            w = router.waiting_now()
+            return float(max(0, servicer.in_flight - (0 if w != w else w)))
+
+        metrics.waiting.set_function(router.waiting_now)
+        metrics.running.set_function(running)
         servicer.tracer, servicer.draft_fallback = tracer, s.draft_fallback
         servicer.reasoning_parser = s.reasoning_parser
         holder["app"].servicer = servicer
@@ -143,8 +149,8 @@ async def build_coordinator(s: CoordinatorSettings, tokenizer=None, eos_token_id
         from specdec.server.auth import ApiKeyInterceptor
 
         guards = (ApiKeyInterceptor(s.api_key, (GENERATION_SERVICE_NAME,), "COORDINATOR_API_KEY"),)
-    app = ServerApp(s, GENERATION_SERVICE_NAME, register, on_stop=on_stop, on_drain=on_drain, on_start=on_start,
-                    interceptors=guards)
+    app = ServerApp(s, GENERATION_SERVICE_NAME, register, ServiceMetrics(replica=False), on_stop=on_stop,
+                    on_drain=on_drain, on_start=on_start, interceptors=guards)
     holder["app"] = app
     app.router = router
     return app, router

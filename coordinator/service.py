@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from coordinator.chat_prompt import REQUEST_ID, chat_message, log_request, template_options
+from coordinator.chat_prompt import REQUEST_ID, chat_message, log_failure, log_request, template_options
 from coordinator.output_forms import OutputForms
 from coordinator.reasoning import ReasoningSplitter, ReasoningStart, reasoning_tokens
 from coordinator.text_output import TextAssembler
@@ -48,6 +48,14 @@ def stop_reason_fields(reason: str | int | None) -> dict:
     return {"stop_string": reason} if isinstance(reason, str) else {"stop_token_id": reason}
 
 
+def failure_status(e: BaseException) -> tuple[str, str]:
+    """(gRPC status name, message) an exception becomes (specdec/server/interceptor.py's mapping)."""
+    from specdec.server.interceptor import status_for
+
+    code, message = status_for(e)
+    return code.name, message
+
+
 def stats_pb(stats: dict) -> generation_pb2.GenerationStats:
     fields = generation_pb2.GenerationStats.DESCRIPTOR.fields_by_name
     return generation_pb2.GenerationStats(**{k: v for k, v in stats.items() if k in fields})
@@ -71,6 +79,7 @@ class GenerationServicer(OutputForms, generation_pb2_grpc.GenerationServiceServi
         self.tracer = None  # an OpenTelemetry tracer (COORDINATOR_OTLP_TRACES_ENDPOINT): one span per generation
         self.draft_fallback = True  # no draft replica reachable: run target-only (COORDINATOR_DRAFT_FALLBACK)
         self.context_len, self._context_at = 0, -1e9  # the target pool's max_model_len (0: unknown), and when read
+        self.in_flight = 0  # requests between arrival and end, both doors (running + waiting for sessions)
 
     # -- request → token ids --------------------------------------------------------------------------------
     def prepare(self, r: generation_pb2.GenerateRequest) -> Prepared:
@@ -231,22 +240,22 @@ class GenerationServicer(OutputForms, generation_pb2_grpc.GenerationServiceServi
             self._context_at = -1e9  # ask again on the next such request
 
     async def _respond(self, r, context, incremental: bool, trace):
-        if r.max_new_tokens_to_context and not r.HasField("max_new_tokens"):
-            await self._context_len()
-        p = self.prepare(r)
-        if trace is not None:
-            trace.request = p.request
-        if p.request["grammar"]:
-            await asyncio.to_thread(self._check_grammar, p.request["grammar"])
-        asm, rid = p.assembler, p.request["request_id"]
-        split = ReasoningSplitter(p.reasoning) if p.reasoning is not None else None
-        n_prompt = len(p.request["prompt_ids"])
-        p.request["final_only"] = not (incremental or asm.stop)
-        t0, first, ttft = time.perf_counter(), True, None
-        m = self.metrics
-        if m:
-            m.running.inc()
+        t0, first, ttft, m = time.perf_counter(), True, None, self.metrics
+        rid, asm = r.request_id or "-", None
+        self.in_flight += 1
+        outcome = None  # ("error", status name) once an error event came; "done" once the answer went out
         try:
+            if r.max_new_tokens_to_context and not r.HasField("max_new_tokens"):
+                await self._context_len()
+            p = self.prepare(r)
+            if trace is not None:
+                trace.request = p.request
+            if p.request["grammar"]:
+                await asyncio.to_thread(self._check_grammar, p.request["grammar"])
+            asm, rid = p.assembler, p.request["request_id"]
+            split = ReasoningSplitter(p.reasoning) if p.reasoning is not None else None
+            n_prompt = len(p.request["prompt_ids"])
+            p.request["final_only"] = not (incremental or asm.stop)
             async with contextlib.aclosing(self.router.stream(p.request)) as events:
                 async for ev in events:
                     if "tokens" in ev:
@@ -269,9 +278,8 @@ class GenerationServicer(OutputForms, generation_pb2_grpc.GenerationServiceServi
                                 text_delta=text, token_ids=ids, reasoning_delta=thought, prompt_tokens=n_prompt,
                                 logprobs=logprobs_pb(lps[:len(ids)] if lps else None))
                     elif "error" in ev:
-                        if m:
-                            m.requests.labels("error").inc()
                         code = getattr(grpc.StatusCode, ev["error"]["code"], grpc.StatusCode.INTERNAL)
+                        outcome = ("error", code.name, ev["error"]["message"])
                         if trace is not None:
                             trace.error = f"{code.name}: {ev['error']['message']}"
                         await context.abort(code, ev["error"]["message"])
@@ -294,23 +302,10 @@ class GenerationServicer(OutputForms, generation_pb2_grpc.GenerationServiceServi
                                 trace.first_token()  # a whole answer's first token reaches the client now
                             trace.end(p.request, stats, finish)
                         if m:
-                            m.requests.labels(finish).inc()
-                            m.tokens.inc(len(asm.token_ids))
-                            e2e = time.perf_counter() - t0
-                            m.e2e.observe(e2e)
-                            n = len(asm.token_ids)
-                            if ttft is not None and n > 1:
-                                m.tpot.observe((e2e - ttft) / (n - 1))
-                            m.prompt_tokens.inc(stats.get("prompt_tokens", 0))
-                            m.cached_prompt_tokens.inc(stats.get("cached_prompt_tokens", 0))
-                            m.queue_time.observe(stats.get("queued_s", 0.0))
-                            if stats.get("draft_unavailable"):
-                                m.draft_unavailable.labels(stats.get("draft_fallback") or "unreachable").inc()
-                            m.preemptions.inc(stats.get("preemptions", 0))
-                            off = stats.get("target_only_rounds", 0)
-                            m.rounds.labels("target_only").inc(off)
-                            if stats.get("mode") != "ar":
-                                m.rounds.labels("speculative").inc(max(0, stats.get("rounds", 0) - off))
+                            if first and asm.token_ids:  # a whole answer: its first token reaches the client now
+                                m.ttft.observe(time.perf_counter() - t0)
+                            m.finished(stats, finish, len(asm.token_ids), time.perf_counter() - t0, ttft)
+                        outcome = "done"
                         yield generation_pb2.GenerateStreamResponse(
                             text_delta=tail, token_ids=ids, finish_reason=FINISH[finish], stats=stats_pb(stats),
                             reasoning_delta=thought, prompt_tokens=n_prompt,
@@ -318,9 +313,31 @@ class GenerationServicer(OutputForms, generation_pb2_grpc.GenerationServiceServi
                             prompt_logprobs=logprobs_pb(ev.get("prompt_logprobs")),
                             **stop_reason_fields(asm.stop_reason if finish == "stop" else None))
                         return
+        except BaseException as e:
+            if outcome is None:
+                outcome = ("abort",) if isinstance(e, (GeneratorExit, asyncio.CancelledError)) else \
+                    ("error",) + failure_status(e)
+            raise
         finally:
-            if m:
-                m.running.dec()
+            self.in_flight -= 1
+            if isinstance(outcome, tuple):
+                sent = len(asm.token_ids) if asm is not None else 0
+                self._ended(outcome, {"request_id": rid, "mode": r.mode or self.default_mode,
+                                      "completion_tokens": sent}, time.perf_counter() - t0)
+
+    def _ended(self, outcome: tuple, stats: dict, wall_s: float) -> None:
+        """A request that did not generate to its end: counted and logged once (the client went away: "abort", as
+        vLLM's finish_reason; or it failed, by status)."""
+        if outcome[0] == "abort":
+            log_request(stats, "abort", wall_s)
+            if self.metrics:
+                self.metrics.requests.labels("abort").inc()
+                self.metrics.e2e.observe(wall_s)
+            return
+        _, code, message = outcome
+        log_failure(stats["request_id"], code, message, wall_s)
+        if self.metrics:
+            self.metrics.errors.labels(code).inc()
 
     async def GenerateStream(self, request, context):
         async for resp in self.respond(request, context):

@@ -78,6 +78,8 @@ class DraftBatcher:
         starts right after it. → the whole draft as one DraftBlock, or None: `submit` it instead."""
         if self._active or self._pending or not self.runner.can_run_here():
             return None
+        if self.metrics is not None:
+            self.metrics.batch_size.observe(1)
         return self.worker.draft(session_id, *args)
 
     def _depth(self) -> None:

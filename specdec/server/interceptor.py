@@ -8,6 +8,7 @@ instead, from its request to its response.
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import time
@@ -75,15 +76,27 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                 response_serializer=handler.response_serializer)
         return handler  # other client-streaming RPCs (reflection): left untouched
 
-    async def _abort(self, context, exc: Exception, method: str):
+    async def _abort(self, context, exc: Exception, method: str, request=None):
         code, message = status_for(exc)
-        if code == grpc.StatusCode.INTERNAL:
-            log.exception("%s failed", method)
+        if code == grpc.StatusCode.INTERNAL:  # the session names the request (the coordinator's request id + suffix)
+            log.exception("%s failed (session %s)", method, getattr(request, "session_id", "") or "-")
+        self._count_error(method, code)
         await context.abort(code, message)
 
     def _observe(self, method: str, t0: float):
         if self.metrics is not None:
             self.metrics.rpc_latency.labels(method).observe(time.perf_counter() - t0)
+
+    def _count_error(self, method: str, code) -> None:
+        if self.metrics is not None and code is not None and code != grpc.StatusCode.OK:
+            self.metrics.rpc_errors.labels(method, code.name).inc()
+
+    def _aborted(self, context, method: str) -> None:
+        """A servicer's own context.abort: count the status it sent."""
+        code = None
+        with contextlib.suppress(Exception):  # context.code() is there from grpcio 1.38
+            code = context.code()
+        self._count_error(method, code if isinstance(code, grpc.StatusCode) else grpc.StatusCode.UNKNOWN)
 
     def _wrap_unary(self, behavior, method):
         async def wrapped(request, context):
@@ -91,9 +104,10 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             try:
                 return await behavior(request, context)
             except grpc.aio.AbortError:
+                self._aborted(context, method)
                 raise
             except Exception as exc:  # noqa: BLE001 - this is the mapping point
-                await self._abort(context, exc, method)
+                await self._abort(context, exc, method, request)
             finally:
                 self._observe(method, t0)
         return wrapped
@@ -105,9 +119,10 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                 async for item in behavior(request, context):
                     yield item
             except grpc.aio.AbortError:
+                self._aborted(context, method)
                 raise
             except Exception as exc:  # noqa: BLE001
-                await self._abort(context, exc, method)
+                await self._abort(context, exc, method, request)
             finally:
                 self._observe(method, t0)
         return wrapped
@@ -129,6 +144,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                         self._observe(method, pulled.pop())
                     yield item
             except grpc.aio.AbortError:
+                self._aborted(context, method)
                 raise
             except Exception as exc:  # noqa: BLE001
                 await self._abort(context, exc, method)

@@ -11,13 +11,23 @@ _LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.
 
 
 class ServiceMetrics:
-    def __init__(self, registry: CollectorRegistry | None = None):
+    """A replica's metrics; `replica=False` (the coordinator's server): the RPC metrics alone, so that its /metrics
+    carries no replica series stuck at 0 for queries that do not name a component to sum."""
+
+    def __init__(self, registry: CollectorRegistry | None = None, replica: bool = True):
         self.registry = registry or CollectorRegistry()
         r = self.registry
-        self.sessions_active = Gauge("specdec_sessions_active", "Sessions held by this replica", registry=r)
-        self.queue_depth = Gauge("specdec_queue_depth", "Calls waiting for the model thread", registry=r)
         self.rpc_latency = Histogram("specdec_rpc_latency_seconds", "Server-side RPC latency", ["method"],
                                      buckets=_LATENCY_BUCKETS, registry=r)
+        # calls that ended with a status other than OK, by its name ("INVALID_ARGUMENT", ...: a fixed set)
+        self.rpc_errors = Counter("specdec_rpc_errors", "RPCs that ended with an error status", ["method", "code"],
+                                  registry=r)
+        if replica:
+            self._replica_metrics(r)
+
+    def _replica_metrics(self, r) -> None:
+        self.sessions_active = Gauge("specdec_sessions_active", "Sessions held by this replica", registry=r)
+        self.queue_depth = Gauge("specdec_queue_depth", "Calls waiting for the model thread", registry=r)
         self.num_drafts = Counter("specdec_num_drafts", "Draft blocks proposed or verified", registry=r)
         self.num_draft_tokens = Counter("specdec_num_draft_tokens", "Draft tokens proposed or verified",
                                         registry=r)
