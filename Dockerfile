@@ -25,18 +25,11 @@ FROM python:${PYTHON_VERSION}-slim-bookworm AS builder
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PYTHONDONTWRITEBYTECODE=1
-# make runs `make proto`; nothing is compiled here (all dependencies ship wheels; the runtime stage's gcc builds
-# specdec's C kernels on the node).
-# hadolint ignore=DL3008
-RUN apt-get update \
- && apt-get install -y --no-install-recommends make \
- && rm -rf /var/lib/apt/lists/*
-# The virtualenv lives at /opt/venv; /src/.venv points at it so that Makefile targets written for a
-# repository checkout (.venv/bin/python) work unchanged inside the build.
+# Nothing is compiled here: all dependencies ship wheels, and the runtime stage's gcc builds specdec's C kernels
+# on the node.
 RUN python -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
 WORKDIR /src
-RUN ln -s /opt/venv /src/.venv
 
 FROM builder AS torch-cpu
 ARG TORCH_VERSION
@@ -50,19 +43,21 @@ RUN pip install --no-cache-dir "torch==${TORCH_VERSION}"
 FROM torch-${VARIANT} AS app
 WORKDIR /src
 # Only what the package needs; .dockerignore keeps out .venv, caches, tests and any model weights.
-COPY pyproject.toml README.md Makefile ./
+COPY pyproject.toml README.md ./
 COPY proto/ ./proto/
+COPY scripts/gen_protos.py ./scripts/gen_protos.py
 COPY specdec/ ./specdec/
 COPY draft_service/ ./draft_service/
 COPY target_service/ ./target_service/
 COPY coordinator/ ./coordinator/
-# Stubs are generated at build time (specdec/pb is not committed), then the project is installed
-# non-editable so that the runtime stage needs nothing from /src.
-# hadolint ignore=DL3013
-RUN pip install --no-cache-dir "grpcio-tools" \
- && make proto \
+# Stubs are generated at build time (specdec/pb is not committed). gen_protos.py needs grpcio-tools at the
+# version of grpcio (the pins in pyproject.toml). Then the project is installed non-editable and without the dev
+# extras, so that the runtime stage needs nothing from /src. The import check runs isolated (-I), on the
+# installed package rather than on /src.
+RUN pip install --no-cache-dir "grpcio==1.85.1" "grpcio-tools==1.85.1" \
+ && python scripts/gen_protos.py \
  && pip install --no-cache-dir . \
- && python -c "import specdec, draft_service, target_service, coordinator"
+ && python -I -c "from specdec.pb import generation_pb2_grpc; import draft_service, target_service, coordinator"
 
 ############################ runtime ############################
 FROM python:${PYTHON_VERSION}-slim-bookworm AS runtime
