@@ -343,7 +343,10 @@ class DraftWorker(Worker):
                 c.margin.append(min(float(top[0] - top[1]), 30.0))
         n = len(c.toks)
         block_done = n - c.block_start >= c.block_size
-        skip_below = getattr(c.stop, "skip_below", 0.0) if c.block_start == 0 and c.want_features else 0.0
+        # greedy sessions only: the score reads the block's drafted tokens, so discarding a sampled block for a low
+        # score keeps blocks by their own draws, and the verified ones are no longer q's samples (biased: session 28)
+        skip_below = getattr(c.stop, "skip_below", 0.0) if (c.block_start == 0 and c.want_features
+                                                            and s.params.greedy) else 0.0
         if n == c.gamma_max and not skip_below:
             return self._close(c, "gamma_max", None)
         if not block_done and n < c.gamma_max:
