@@ -1,8 +1,11 @@
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-from specdec.linear import PAD_MAX_ROWS, Linear, prepack_linears, set_padding, set_plan, tune_linears
+from specdec.linear import (PAD_MAX_ROWS, Linear, packing_supported, prepack_linears, set_padding, set_plan,
+                            tune_linears)
 from specdec.attention import attention
 from tests.helpers_models import build_tiny_model
 
@@ -296,3 +299,35 @@ def test_a_one_row_gemv_that_rounds_unlike_the_batch_is_replaced_at_load(monkeyp
     assert linear.check_row_invariance(lin) == [(576, 1536)]
     assert linear.enforce_row_invariance(lin) == []
     assert lin.plan[0] == "packed" and lin.rows_to_run(1) == linear.MIN_INVARIANT_ROWS
+
+
+@pytest.mark.skipif(not packing_supported(), reason="needs oneDNN's packed bf16 linear")
+def test_onednn_kernel_caches_stay_bounded_over_every_row_count():
+    """oneDNN and ideep keep a kernel per (row count, weight shape), 1024 of each by default: a replica fed every
+    row count grew by hundreds of MB (an audit of session 28). specdec.linear caps both caches at 256."""
+    import subprocess
+    import sys
+
+    code = """
+import torch, specdec.linear as L
+rss = lambda: int([l for l in open('/proc/self/status') if l.startswith('VmRSS')][0].split()[1]) // 1024
+torch.set_num_threads(1)
+lins = [L.Linear(576, n, bias=False).to(torch.bfloat16) for n in (576, 192, 1536)]
+for m in lins: m.prepack()
+r0 = rss()
+with torch.no_grad():
+    for rows in range(1, 320):
+        for m in lins:
+            m(torch.randn(rows, m.in_features, dtype=torch.bfloat16))
+print(rss() - r0)
+"""
+
+    def grown(cap: str | None) -> int:
+        env = {k: v for k, v in os.environ.items() if k not in ("LRU_CACHE_CAPACITY", "ONEDNN_PRIMITIVE_CACHE_CAPACITY")}
+        env.update({"LRU_CACHE_CAPACITY": cap, "ONEDNN_PRIMITIVE_CACHE_CAPACITY": cap} if cap else {})
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True,
+                             timeout=300)
+        return int(out.stdout.split()[-1])
+
+    capped, default = grown(None), grown("1024")  # measured: 214 MB against 551 MB
+    assert capped < 0.6 * default, (capped, default)
