@@ -9,6 +9,7 @@ import uuid
 
 from coordinator.openai_backend import ApiError
 from coordinator.chat_prompt import REQUEST_ID
+from specdec.server.aio import within
 
 log = logging.getLogger("coordinator.openai_http")
 OPEN_PATHS = ("/health", "/metrics", "/version")  # probes and scrapers: no API key
@@ -104,7 +105,7 @@ async def read_body(receive, size: int, timeout_s: float) -> tuple[bytes | None,
                 return None
 
     try:
-        error = await asyncio.wait_for(read(), timeout_s)
+        error = await within(read(), timeout_s)
     except asyncio.TimeoutError:
         error = ApiError(408, f"the body did not arrive within {timeout_s:g} s (COORDINATOR_HTTP_CLIENT_TIMEOUT_S)")
     return (None, error) if error is not None else (b"".join(parts), None)
@@ -140,7 +141,7 @@ def stalled_after(send, timeout_s: float):
     reader stopped reading held its slot, and its output in memory, for as long as the connection stayed open)."""
     async def send_or_give_up(message):
         try:
-            await asyncio.wait_for(send(message), timeout_s)
+            await within(send(message), timeout_s)
         except asyncio.TimeoutError:
             raise StalledClient(f"the client took no data for {timeout_s:g} s") from None
     return send_or_give_up

@@ -25,28 +25,11 @@ from typing import Awaitable, Callable
 
 import grpc
 
+from specdec.server.aio import within
+
 # statuses after which this request stops using streams to that replica (the unary call decides what next)
 _STREAMS_OFF = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.CANCELLED,
                 grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL}
-
-
-async def within(aw: Awaitable, timeout: float):
-    """`aw`'s result, or asyncio.TimeoutError after `timeout` seconds (`aw` cancelled). Not `asyncio.wait_for`:
-    before Python 3.12 it returns the result, swallowing the cancel, when `aw` finishes as the caller is cancelled,
-    and a request whose client went away then ran to its last token (1 cancel in 6 through Ray, session 28)."""
-    task = asyncio.ensure_future(aw)
-    task.add_done_callback(lambda t: t.cancelled() or t.exception())  # an error after a cancel is not "unretrieved"
-    try:
-        done, _ = await asyncio.wait({task}, timeout=timeout)  # a cancel of the caller raises here, whatever `task` did
-    except asyncio.CancelledError:
-        task.cancel()
-        raise
-    if not done:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await task
-        raise asyncio.TimeoutError
-    return task.result()
 
 
 class RoundStream:

@@ -30,6 +30,7 @@ import time
 from dataclasses import dataclass, field
 
 from specdec.errors import CapacityError
+from specdec.server.aio import within
 from specdec.server.runner import cancel_and_wait
 
 
@@ -120,7 +121,7 @@ class VerifyBatcher:
                 return
             self._arrived.clear()
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._arrived.wait(), left)
+                await within(self._arrived.wait(), left)
 
     def _done(self, sids) -> None:
         now = time.monotonic()

@@ -204,7 +204,7 @@ async def test_a_cancel_that_lands_as_the_reply_arrives_is_not_lost():
     Ray left both replicas generating (session 28)."""
     import sys
 
-    from coordinator.rounds import within
+    from specdec.server.aio import within
 
     async def race(wait):
         reply = asyncio.get_running_loop().create_future()
