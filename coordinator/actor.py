@@ -19,7 +19,7 @@ from coordinator.pool import ReplicaUnavailableError
 class PoolManagerActor:
     def __init__(self, specs: dict, refresh_s: float, health_timeout_s: float, tls: dict | None = None,
                  wait_s: float = 60.0, max_waiting: int = 256, affinity_slack: int | None = 2, preempt: bool = True,
-                 log_level: str = "INFO"):
+                 log_level: str = "INFO", tokenizer_size: int = 0):
         import logging
 
         from coordinator.discovery import source_from_spec
@@ -31,7 +31,8 @@ class PoolManagerActor:
         logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         self.pm = PoolManager({k: source_from_spec(v) for k, v in specs.items() if v}, refresh_s,
                               health_timeout_s, dialer=Dialer.from_tls(tls), wait_s=wait_s,
-                              max_waiting=max_waiting, affinity_slack=affinity_slack, preempt=preempt)
+                              max_waiting=max_waiting, affinity_slack=affinity_slack, preempt=preempt,
+                              tokenizer_size=tokenizer_size)
         self._started: asyncio.Task | None = None
         self._acquiring: dict[str, asyncio.Task] = {}  # holder token -> its acquire in progress
         # tokens withdrawn before their acquire ran: Ray does not keep an async actor's calls in order

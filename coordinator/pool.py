@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 from coordinator.affinity import PrefixAffinity
 from coordinator.preemption import Holdings, on_wait
-from coordinator.replica_probes import grpc_capacity, grpc_health
+from coordinator.replica_probes import grpc_capacity, grpc_health, vocabulary_mismatch
 from specdec.errors import CapacityError, ContextOverflowError, SpecDecError
 
 log = logging.getLogger(__name__)
@@ -66,6 +66,7 @@ class Member:
     last_error: str = ""
     capacity: int | None = None  # ModelInfo.max_sessions; 0: unknown (no limit); None: not asked yet
     max_context: int = 0  # positions a session holds (ModelInfo.max_position_embeddings); 0: unknown
+    refused: str = ""  # why it counts as unhealthy though it serves (a model that does not fit the tokenizer)
 
     def has_room(self) -> bool:
         return not self.capacity or self.sessions < self.capacity
@@ -104,7 +105,8 @@ class PoolManager:
 
     def __init__(self, sources: dict, refresh_s: float = 5.0, health_timeout_s: float = 1.0,
                  health_check=None, dialer=None, capacity_check=None, wait_s: float = 60.0,
-                 max_waiting: int = 256, affinity_slack: int | None = 2, preempt: bool = True):
+                 max_waiting: int = 256, affinity_slack: int | None = 2, preempt: bool = True,
+                 tokenizer_size: int = 0):
         """`affinity_slack`: sessions a replica may hold beyond the least loaded one and still get the requests
         whose prefixes it was sent (None: no prefix affinity). `preempt`: waiters take the sessions of running
         requests of lower priority (coordinator/preemption.py)."""
@@ -114,6 +116,7 @@ class PoolManager:
         self.health_timeout_s = health_timeout_s
         self.wait_s, self.max_waiting = wait_s, max_waiting
         self.preempt = preempt
+        self.tokenizer_size = tokenizer_size  # the coordinator's tokens (0: no tokenizer): target vocabularies fit it
         self._health = health_check
         self._capacity = capacity_check
         self._dialer = dialer  # coordinator/channels.py: plaintext unless set
@@ -148,13 +151,14 @@ class PoolManager:
             return await self._health(endpoint, SERVICE_NAMES[kind])
         return await grpc_health(kind, endpoint, SERVICE_NAMES[kind], self.health_timeout_s, self._dialer)
 
-    async def _check_capacity(self, kind: str, endpoint: str) -> tuple[int, int]:
-        """(max_sessions, max_context) of a replica; 0: unknown. An injected check may answer max_sessions alone."""
+    async def _check_capacity(self, kind: str, endpoint: str) -> tuple[int, int, int]:
+        """(max_sessions, max_context, vocab_size) of a replica; 0: unknown. An injected check may answer
+        max_sessions alone, or without the vocabulary."""
         if self._capacity is not None:
             got = await self._capacity(kind, endpoint)
-            return (got, 0) if isinstance(got, int) else got
+            return (got, 0, 0) if isinstance(got, int) else (tuple(got) + (0, 0))[:3]
         if self._health is not None:
-            return 0, 0
+            return 0, 0, 0
         return await grpc_capacity(kind, endpoint, self.health_timeout_s, self._dialer)
 
     async def refresh(self) -> None:
@@ -176,7 +180,11 @@ class PoolManager:
                 checks = await asyncio.gather(*(self._check(pool.kind, ep) for ep in found))
                 for ep, (ok, err) in zip(found, checks):
                     m = pool.members[ep]
-                    if ok != m.healthy:
+                    if not ok:
+                        m.refused = ""  # checked anew when it is back (a restarted replica may serve another model)
+                    elif m.refused:
+                        ok, err = False, m.refused
+                    if ok != m.healthy and not m.refused:
                         log.info("%s replica %s is %s%s", pool.kind, ep, "healthy" if ok else "unhealthy",
                                  f" ({err})" if err else "")
                     m.healthy, m.last_error = ok, err
@@ -184,8 +192,12 @@ class PoolManager:
                         m.capacity = None  # ask again when it is back (a restarted replica may hold more or fewer)
                 ask = [m for m in pool.members.values() if m.healthy and m.capacity is None]
                 caps = await asyncio.gather(*(self._check_capacity(pool.kind, m.endpoint) for m in ask))
-                for m, (cap, context) in zip(ask, caps):
+                for m, (cap, context, vocab) in zip(ask, caps):
                     m.capacity, m.max_context = cap, context
+                    m.refused = vocabulary_mismatch(self.tokenizer_size, vocab) if pool.kind == "target" else ""
+                    if m.refused:
+                        log.error("target replica %s gets no requests: %s", m.endpoint, m.refused)
+                        m.healthy, m.last_error = False, m.refused
                 if gone or any(not m.healthy for m in pool.members.values()):
                     self.generation += 1
                 self._serve_waiters(pool)

@@ -47,9 +47,10 @@ async def grpc_health(kind: str, endpoint: str, service: str, timeout: float,
         return ok, "" if ok else "NOT_SERVING (draining)"
 
 
-async def grpc_capacity(kind: str, endpoint: str, timeout: float, dialer: Dialer | None = None) -> tuple[int, int]:
-    """A replica's `ModelInfo` (max_sessions, max_position_embeddings: positions a session holds) via its
-    `GetInfo`; (0, 0) if it cannot be read."""
+async def grpc_capacity(kind: str, endpoint: str, timeout: float,
+                        dialer: Dialer | None = None) -> tuple[int, int, int]:
+    """A replica's `ModelInfo` (max_sessions, max_position_embeddings: positions a session holds, vocab_size) via
+    its `GetInfo`; (0, 0, 0) if it cannot be read."""
     request = draft_pb2.DraftServiceGetInfoRequest() if kind == "draft" else target_pb2.TargetServiceGetInfoRequest()
     async with _channel(kind, endpoint, dialer) as channel:
         try:
@@ -57,8 +58,20 @@ async def grpc_capacity(kind: str, endpoint: str, timeout: float, dialer: Dialer
         except grpc.aio.AioRpcError as e:
             log.warning("%s replica %s: GetInfo failed (%s); no session limit known for it", kind, endpoint,
                         e.code())
-            return 0, 0
-        return max(0, r.info.max_sessions), max(0, r.info.max_position_embeddings)
+            return 0, 0, 0
+        return max(0, r.info.max_sessions), max(0, r.info.max_position_embeddings), max(0, r.info.vocab_size)
+
+
+def vocabulary_mismatch(tokenizer_size: int, vocab_size: int) -> str:
+    """Why a target model cannot be the coordinator tokenizer's ('' when it can, or either is unknown). A model's
+    vocabulary holds its tokenizer's tokens plus some padding (Qwen2.5: 151,665 in 151,936); the coordinator's
+    tokenizer with 64 tokens more, or with fewer than half, is another model's, and every answer would be decoded
+    with the wrong vocabulary (silently: a gpu deployment whose coordinator read the default SmolLM2 tokenizer for
+    a Llama target, found by an audit of session 28)."""
+    if not tokenizer_size or not vocab_size or tokenizer_size - 64 <= vocab_size <= 2 * tokenizer_size + 1024:
+        return ""
+    return (f"its model's vocabulary has {vocab_size} tokens and the coordinator's tokenizer {tokenizer_size}: "
+            f"they are different models' (set COORDINATOR_TOKENIZER to the target's model)")
 
 
 async def end_session(kind: str, endpoint: str, session_id: str, timeout: float,

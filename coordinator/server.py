@@ -60,7 +60,9 @@ def init_ray(s: CoordinatorSettings, log_to_driver: bool = True) -> None:
                  object_store_memory=128 * 1024 * 1024, log_to_driver=log_to_driver, configure_logging=False)
 
 
-async def build_router(s: CoordinatorSettings, resolve=None, health_check=None):
+async def build_router(s: CoordinatorSettings, resolve=None, health_check=None, tokenizer_size: int = 0):
+    """`tokenizer_size`: the coordinator's tokenizer's tokens; a target replica whose vocabulary cannot be that
+    tokenizer's gets no requests (coordinator/replica_probes.py, `vocabulary_mismatch`)."""
     specs = {k: s.pool_spec(k) for k in ("draft", "target")}
     affinity_slack = s.prefix_affinity_slack if s.prefix_affinity_chunk else None  # None: least loaded only
     tls = client_tls(s)
@@ -74,7 +76,8 @@ async def build_router(s: CoordinatorSettings, resolve=None, health_check=None):
         dialer = Dialer.from_tls(tls)
         pm = PoolManager({k: source_from_spec(v, resolve) for k, v in specs.items() if v}, s.dns_refresh_s,
                          s.health_timeout_s, health_check=health_check, dialer=dialer, wait_s=s.queue_wait_s,
-                         max_waiting=s.max_waiting, affinity_slack=affinity_slack, preempt=s.preempt)
+                         max_waiting=s.max_waiting, affinity_slack=affinity_slack, preempt=s.preempt,
+                         tokenizer_size=tokenizer_size)
         await pm.start()
         router = LocalRouter(Pipeline(AsyncPool(pm), dialer, s.rpc_timeout_s, s.pool_view_refresh_s,
                                       s.replica_streams, s.prefix_affinity_chunk))
@@ -84,7 +87,7 @@ async def build_router(s: CoordinatorSettings, resolve=None, health_check=None):
     from coordinator.router import RayRouter
 
     pool = PoolManagerActor.remote(specs, s.dns_refresh_s, s.health_timeout_s, tls, s.queue_wait_s, s.max_waiting,
-                                   affinity_slack, s.preempt, s.log_level)
+                                   affinity_slack, s.preempt, s.log_level, tokenizer_size)
     snap = await pool.start.remote()
     log.info("pools: %s", snap)
 
@@ -109,7 +112,7 @@ async def build_coordinator(s: CoordinatorSettings, tokenizer=None, eos_token_id
         tokenizer, eos_token_ids = load_tokenizer_for(s.tokenizer)
     if s.ray:
         init_ray(s)
-    router = await build_router(s, resolve, health_check)
+    router = await build_router(s, resolve, health_check, len(tokenizer) if tokenizer is not None else 0)
     holder = {}
 
     def register(server):

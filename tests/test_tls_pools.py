@@ -83,3 +83,39 @@ async def test_a_tls_stack_found_by_dns_generates(tmp_path):
     finally:
         for a in (app, t, d):
             await a.shutdown(0)
+
+
+def test_a_vocabulary_that_is_not_the_tokenizers_is_named():
+    from coordinator.replica_probes import vocabulary_mismatch
+
+    assert vocabulary_mismatch(49152, 128256) and vocabulary_mismatch(128256, 49152)  # SmolLM2 vs Llama 3
+    assert not vocabulary_mismatch(151665, 151936) and not vocabulary_mismatch(32000, 32000)  # padding: Qwen2.5
+    assert not vocabulary_mismatch(0, 128256) and not vocabulary_mismatch(49152, 0)  # unknown: no opinion
+
+
+@pytest.mark.asyncio
+async def test_a_target_whose_vocabulary_is_not_the_tokenizers_gets_no_requests(tmp_path):
+    """A coordinator whose tokenizer is another model's decoded every answer with the wrong vocabulary, silently
+    (the gpu overlay read the default SmolLM2 tokenizer for a Llama target: an audit of session 28). Such a target
+    replica is refused with a message saying what to set; one that fits serves."""
+    from specdec.tokenizer import load_tokenizer
+    from tests.helpers_models import build_tiny_model, save_tiny_tokenizer
+
+    tok = load_tokenizer(save_tiny_tokenizer(tmp_path / "tok"))  # 32 tokens
+    _, draft = tiny_pair()
+    wide = await start_replica("target", build_tiny_model(vocab_size=4096, seed=1))
+    d = await start_replica("draft", draft)
+    s = CoordinatorSettings(host="127.0.0.1", port=0, metrics_port=0, ray=False, tokenizer="", grace_s=0,
+                            draft_endpoints=d.endpoint, target_endpoints=wide.endpoint, log_level="WARNING",
+                            queue_wait_s=1)
+    app, router = await build_coordinator(s, tokenizer=tok, eos_token_ids=set())
+    await app.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{app.port}") as ch:
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await gg.GenerationServiceStub(ch).Generate(g.GenerateRequest(prompt="hello", max_new_tokens=4))
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "COORDINATOR_TOKENIZER" in e.value.details()
+        assert "4096 tokens" in router.pool_manager.snapshot()["target"][wide.endpoint]["error"]
+    finally:
+        for a in (app, wide, d):
+            await a.shutdown(0)
