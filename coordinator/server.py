@@ -25,10 +25,10 @@ def load_tokenizer_for(spec: str):
     """(tokenizer | None, eos ids) of a model spec; '' / 'none' means token-id prompts only."""
     if not spec or spec.lower() == "none":
         return None, set()
-    from specdec.hub import resolve_model
+    from specdec.hub import resolve_tokenizer
     from specdec.tokenizer import eos_token_ids, load_tokenizer
 
-    d = resolve_model(spec)
+    d = resolve_tokenizer(spec)
     return load_tokenizer(d), eos_token_ids(d)
 
 

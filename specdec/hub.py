@@ -271,20 +271,39 @@ def resolve_model(spec: str, progress: bool = True) -> pathlib.Path:
         return _gguf_cached(p.resolve(), prog)
     if p.exists():
         raise _not_found(spec, "not a directory or a .gguf file")
-    if _HUB_ID.match(spec) and not spec.startswith((".", "/", "~")):
-        from huggingface_hub import snapshot_download
-
-        patterns = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"]
-        with contextlib.suppress(Exception):  # a warm cache (an init container's download) needs no hub
-            local = pathlib.Path(snapshot_download(spec, allow_patterns=patterns, local_files_only=True))
-            if (local / "config.json").is_file():
-                return local
-        if not _hub_reachable():
-            raise _not_found(spec, "it is not in the local Hugging Face cache and the hub is not reachable (or "
-                                   "HF_HUB_OFFLINE is set)")
-        try:
-            local = snapshot_download(spec, allow_patterns=patterns)
-        except Exception as e:  # noqa: BLE001
-            raise _not_found(spec, f"hub download failed ({type(e).__name__})") from e
-        return pathlib.Path(local)
+    if _is_hub_id(spec):
+        return _hub_snapshot(spec, weights=True)
     raise _not_found(spec, "no such path")
+
+
+def resolve_tokenizer(spec: str, progress: bool = True) -> pathlib.Path:
+    """A local directory holding ``spec``'s tokenizer and config: for a hub id, only those files are fetched (the
+    coordinator tokenizes; a Llama-3.1-8B target's 16 GB of weights are not its business); else `resolve_model`."""
+    spec = str(spec)
+    if _is_hub_id(spec) and not pathlib.Path(spec).expanduser().exists():
+        return _hub_snapshot(spec, weights=False)
+    return resolve_model(spec, progress)
+
+
+def _is_hub_id(spec: str) -> bool:
+    return bool(_HUB_ID.match(spec)) and not spec.startswith((".", "/", "~"))
+
+
+def _hub_snapshot(spec: str, weights: bool) -> pathlib.Path:
+    """The hub repo's files (config, tokenizer, chat template; and the safetensors with `weights`): from the local
+    cache when it holds them (an init container's download needs no hub), else downloaded."""
+    from huggingface_hub import snapshot_download
+
+    patterns = ["*.json", "*.txt", "*.model", "*.jinja"] + (["*.safetensors"] if weights else [])
+    with contextlib.suppress(Exception):
+        local = pathlib.Path(snapshot_download(spec, allow_patterns=patterns, local_files_only=True))
+        if (local / "config.json").is_file():
+            return local
+    if not _hub_reachable():
+        raise _not_found(spec, "it is not in the local Hugging Face cache and the hub is not reachable (or "
+                               "HF_HUB_OFFLINE is set)")
+    try:
+        local = snapshot_download(spec, allow_patterns=patterns)
+    except Exception as e:  # noqa: BLE001
+        raise _not_found(spec, f"hub download failed ({type(e).__name__})") from e
+    return pathlib.Path(local)

@@ -60,6 +60,28 @@ def test_a_hub_id_in_the_local_cache_needs_no_hub(tmp_path, monkeypatch):
         resolve_model("someorg/other-model", progress=False)
 
 
+def test_a_hub_tokenizer_is_fetched_without_the_weights(tmp_path, monkeypatch):
+    """The coordinator needs a hub target's tokenizer, not its weights (16 GB for Llama-3.1-8B)."""
+    import huggingface_hub
+
+    asked = []
+
+    def fake_download(repo_id, allow_patterns, local_files_only=False):
+        asked.append((tuple(allow_patterns), local_files_only))
+        if local_files_only:
+            raise FileNotFoundError(repo_id)  # a cold cache
+        (tmp_path / "config.json").write_text("{}")
+        return str(tmp_path)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_download)
+    monkeypatch.setattr(hub, "_hub_reachable", lambda: True)
+    assert hub.resolve_tokenizer("someorg/big-model") == tmp_path
+    assert all("*.safetensors" not in patterns for patterns, _ in asked) and asked[-1][1] is False
+    asked.clear()
+    assert resolve_model("someorg/big-model", progress=False) == tmp_path
+    assert "*.safetensors" in asked[-1][0]
+
+
 def test_missing_path():
     with pytest.raises(ModelNotFoundError):
         resolve_model("./does/not/exist.gguf", progress=False)
