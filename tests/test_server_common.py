@@ -107,8 +107,13 @@ def test_sessions_ttl_lru_capacity():
     tab = SessionTable(max_sessions=2, ttl_s=10, lru_min_idle_s=1, clock=clk)
     assert tab.admit("a") == [] and tab.admit("b") == []
     with pytest.raises(errors.CapacityError, match="max_sessions=2"):
+        tab.check_room("c")  # what admit will say, before work it would waste (a grammar's compile)
+    with pytest.raises(errors.CapacityError, match="max_sessions=2"):
         tab.admit("c")  # both used just now
+    tab.check_room("a")  # a restart reuses its slot
     clk.t = 2
+    tab.check_room("c")  # the LRU session has idled long enough
+    assert len(tab) == 2
     tab.touch("a")  # b is now least recently used
     assert tab.admit("c") == ["b"]
     with pytest.raises(errors.SessionNotFoundError, match="StartSession"):

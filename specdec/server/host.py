@@ -53,6 +53,7 @@ class SessionHost:
         streams by one chunk's forward at a time, not by its whole prefill (vLLM's chunked prefill)."""
         vocab = self.worker.grammar_vocab if params.grammar else None
         if vocab is not None:  # compile off the model thread (cached): a large schema must not stall other sessions
+            self.table.check_room(sid)  # a start that will be refused compiles nothing
             await asyncio.to_thread(vocab.check, params.grammar)
         evicted = self.table.admit(sid)
         self.prefilling[sid] = self.prefilling.get(sid, 0) + 1

@@ -67,14 +67,28 @@ class SessionTable:
         if sid not in self._last and len(self._last) >= self.max_sessions:
             lru, last = next(iter(self._last.items()))
             if now - last < self.lru_min_idle_s:
-                raise CapacityError(f"replica holds {len(self._last)} active sessions (max_sessions="
-                                    f"{self.max_sessions}); end finished sessions, retry on another replica, "
-                                    "or raise max_sessions")
+                raise self._full()
             del self._last[lru]
             evict.append(lru)
         self._last[sid] = now
         self._last.move_to_end(sid)
         return evict
+
+    def check_room(self, sid: str) -> None:
+        """Raise CapacityError where `admit(sid)` would, changing nothing: before work an admission may waste (a
+        grammar's compile; a refused start would compile it and push a cached one out)."""
+        self.check_id(sid)
+        now = self._clock()
+        if sid in self._last or len(self._last) < self.max_sessions:
+            return
+        if any(now - t > self.ttl_s for t in self._last.values()):
+            return
+        if now - next(iter(self._last.values())) < self.lru_min_idle_s:
+            raise self._full()
+
+    def _full(self) -> CapacityError:
+        return CapacityError(f"replica holds {len(self._last)} active sessions (max_sessions={self.max_sessions}); "
+                             "end finished sessions, retry on another replica, or raise max_sessions")
 
     def remove(self, sid: str) -> bool:
         return self._last.pop(sid, None) is not None
