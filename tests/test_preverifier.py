@@ -457,8 +457,10 @@ def test_measured_costs_read_the_drafting_loop_with_the_preverifier():
     assert "preverifier_s" not in plain and plain["draft_token_s"] > 0 and plain["draft_forward_s"] > 0
     loop = measure_costs(draft, target, gamma_max=4, ctx=16, reps=9, preverifier=pv, loop_tokens=4, loop_reps=9)
     assert loop["draft_forward_s"] > 0 and loop["preverifier_s"] >= 0.0
-    # the worker's loop does more than the bare forward (sampling, bookkeeping)
-    assert loop["draft_token_s"] > 0.5 * loop["draft_forward_s"]
+    # the worker's loop does more than the bare forward (sampling, bookkeeping), but two timings of a few hundred µs
+    # on a busy 2-core host can invert by 2x (a CI run measured 0.28 against 0.64 ms): the bound catches a loop
+    # that measures nothing or divides by the wrong count, not noise
+    assert loop["draft_token_s"] > 0.1 * loop["draft_forward_s"]
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
