@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import filecmp
 import re
-import shutil
 import sys
 import tempfile
 from importlib import metadata

@@ -72,9 +72,9 @@ async def run(args) -> None:
         return statistics.median(x / y for x, y in zip(tps[a], tps[b]))
 
     n = len(tps[configs[0]])
-    print(f"\n| mode | streams tok/s | unary tok/s | in-process tok/s | streams ÷ unary (paired) | "
-          f"stack slowdown, streams | stack slowdown, unary | network ms / round, streams | unary |\n"
-          f"|---|---|---|---|---|---|---|---|---|")
+    print("\n| mode | streams tok/s | unary tok/s | in-process tok/s | streams ÷ unary (paired) | "
+          "stack slowdown, streams | stack slowdown, unary | network ms / round, streams | unary |\n"
+          "|---|---|---|---|---|---|---|---|---|")
     for m in args.modes:
         med = {p: statistics.median(tps[m, p]) for p in ("streams", "unary", "in-process")}
         label = f"sd γ={args.gamma}" if m == "sd" else m
