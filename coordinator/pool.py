@@ -15,9 +15,12 @@ Routing policy
 Admission (a pool at capacity queues, it does not fail)
 - Each replica's capacity is its `ModelInfo.max_sessions`, read with `GetInfo` when it turns healthy (0 when
   unknown: no limit here, the replica's own RESOURCE_EXHAUSTED still applies).
+- The same read checks a target replica's vocabulary against the coordinator's tokenizer: one that cannot be that
+  tokenizer's counts as unhealthy until it goes away (`replica_probes.vocabulary_mismatch`).
 - When every routable replica holds as many sessions pinned by this coordinator as its capacity, `acquire` waits
-  for one to be released, first come first served within a request's `priority` (lower first), at most `wait_s`; then, or when `max_waiting` requests
-  already wait, it fails with `CapacityError` (→ RESOURCE_EXHAUSTED) saying how many wait and what to change.
+  for one to be released, first come first served within a request's `priority` (lower first), at most
+  `wait_s`; then, or when `max_waiting` requests already wait, it fails with `CapacityError`
+  (→ RESOURCE_EXHAUSTED) saying how many wait and what to change.
 - A waiter may preempt a running request of lower priority (coordinator/preemption.py; `preempt`).
 """
 from __future__ import annotations
@@ -26,11 +29,9 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import deque
-from dataclasses import dataclass, field
-
 from coordinator.affinity import PrefixAffinity
-from coordinator.preemption import Holdings, on_wait
+from coordinator.pool_members import Member, Pool, Waiter
+from coordinator.preemption import on_wait
 from coordinator.replica_probes import grpc_capacity, grpc_health, vocabulary_mismatch
 from specdec.errors import CapacityError, ContextOverflowError, SpecDecError
 
@@ -54,49 +55,6 @@ class ReplicaUnavailableError(SpecDecError):
 class DraftContextError(ContextOverflowError):
     """The draft replicas' context is shorter than the request: it goes on target-only (COORDINATOR_DRAFT_FALLBACK)."""
     kind = "draft"
-
-
-@dataclass
-class Member:
-    endpoint: str
-    healthy: bool = True
-    sessions: int = 0
-    last_pick: float = 0.0
-    failures: int = 0
-    last_error: str = ""
-    capacity: int | None = None  # ModelInfo.max_sessions; 0: unknown (no limit); None: not asked yet
-    max_context: int = 0  # positions a session holds (ModelInfo.max_position_embeddings); 0: unknown
-    refused: str = ""  # why it counts as unhealthy though it serves (a model that does not fit the tokenizer)
-
-    def has_room(self) -> bool:
-        return not self.capacity or self.sessions < self.capacity
-
-
-@dataclass
-class Waiter:
-    exclude: set[str]
-    future: asyncio.Future  # set to the endpoint handed over by `release`
-    keys: list[bytes] = field(default_factory=list)  # the prompt's prefix keys (prefix affinity)
-    priority: int = 0  # lower is served first; equal priorities in arrival order
-    holder: str = ""  # the token the room it gets is recorded under (preemption)
-    victim: str | None = None  # the holding it marked for preemption, if any
-
-
-@dataclass
-class Pool:
-    kind: str
-    source: object  # discovery source: async resolve() -> list[str]
-    members: dict[str, Member] = field(default_factory=dict)
-    waiters: deque[Waiter] = field(default_factory=deque)  # requests waiting for room, in arrival order
-    full_since: float | None = None  # when requests started to queue (for the log), None while none waits
-    affinity: PrefixAffinity | None = None  # which replica each prompt prefix went to (None: least loaded only)
-    holdings: Holdings = field(default_factory=Holdings)  # the sessions handed out, for preemption
-
-    def routable(self) -> list[str]:
-        return [ep for ep, m in self.members.items() if m.healthy]
-
-    def any_routable(self, exclude: set[str]) -> bool:
-        return any(m.healthy and ep not in exclude for ep, m in self.members.items())
 
 
 class PoolManager:
