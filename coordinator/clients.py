@@ -3,7 +3,7 @@
 `RemoteDraft` / `RemoteTarget` implement `DraftBackend` / `TargetBackend` for ONE request: each is pinned to one
 replica (chosen by the pool) and mirrors what that replica has fed, so the session can be rebuilt anywhere:
 
-- UNAVAILABLE (replica gone, draining, crashed): report it, pin another replica, start a session there from the
+- UNAVAILABLE or CANCELLED (replica gone, draining, stopping, crashed): report it, pin another replica, start a session there from the
   mirrored prefix, retry the call. The absolute-position protocol plus keyed randomness make the retried call
   return exactly what the lost one would have (a half-received draft stream is resumed by skipping the tokens
   already delivered), so failover never changes the output.
@@ -49,7 +49,9 @@ _METHOD = {"greedy": common_pb2.VERIFY_METHOD_GREEDY, "token": common_pb2.VERIFY
 
 def _retryable(e: BaseException) -> str | None:
     if isinstance(e, grpc.aio.AioRpcError):
-        if e.code() == grpc.StatusCode.UNAVAILABLE:
+        # CANCELLED: the replica cancelled the call (a server that stops cancels the calls reaching it meanwhile);
+        # the coordinator's own cancels end its calls with asyncio's CancelledError, or are handled before this
+        if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
             return "unavailable"
         if e.code() == grpc.StatusCode.NOT_FOUND:
             return "lost"

@@ -130,7 +130,7 @@ async def build_coordinator(s: CoordinatorSettings, tokenizer=None, eos_token_id
         holder["app"].servicer = servicer
         add_to_server(servicer, server)
 
-    on_start, on_drain, on_stop = [], [], [router.close]
+    on_start, on_close, on_stop = [], [], [router.close]
     tracer = None
     if s.otlp_traces_endpoint:  # one span per generation (coordinator/tracing.py)
         from coordinator.tracing import init_tracer
@@ -145,7 +145,7 @@ async def build_coordinator(s: CoordinatorSettings, tokenizer=None, eos_token_id
 
         http = HttpFrontDoor(s, lambda: holder["app"])
         on_start.append(http.start)
-        on_drain.append(http.begin_shutdown)
+        on_close.append(http.begin_shutdown)  # after the drain delay: until then it answers as before
         on_stop.insert(0, http.wait_closed)  # in-flight HTTP requests finish before the router closes
     guards = ()
     if s.api_key:
@@ -153,7 +153,7 @@ async def build_coordinator(s: CoordinatorSettings, tokenizer=None, eos_token_id
 
         guards = (ApiKeyInterceptor(s.api_key, (GENERATION_SERVICE_NAME,), "COORDINATOR_API_KEY"),)
     app = ServerApp(s, GENERATION_SERVICE_NAME, register, ServiceMetrics(replica=False), on_stop=on_stop,
-                    on_drain=on_drain, on_start=on_start, interceptors=guards)
+                    on_close=on_close, on_start=on_start, interceptors=guards)
     holder["app"] = app
     app.router = router
     return app, router

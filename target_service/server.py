@@ -41,7 +41,7 @@ async def build_app(settings: TargetSettings, model=None, warmup: bool = True) -
         await host.close()
 
     app = ServerApp(settings, TARGET_SERVICE_NAME, lambda server: add_to_server(servicer, server), metrics,
-                    on_stop=[_close], on_drain=[host.begin_drain])
+                    on_stop=[_close], on_drain=[host.begin_drain], idle=host.idle)
     app.servicer, app.host, app.batcher = servicer, host, batcher
     batcher.start()
     host.start_reaper()

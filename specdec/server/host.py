@@ -51,6 +51,8 @@ class SessionHost:
         A plain prefill runs chunk by chunk, each chunk its own model-thread call (`interleave_prefill`): other
         sessions' verify and draft steps queued meanwhile run between the chunks, so a long prompt delays running
         streams by one chunk's forward at a time, not by its whole prefill (vLLM's chunked prefill)."""
+        if self.draining:  # the coordinator starts it elsewhere; the sessions already here finish first
+            raise ServiceDraining("this replica is draining (shutting down): start the session on another replica")
         vocab = self.worker.grammar_vocab if params.grammar else None
         if vocab is not None:  # compile off the model thread (cached): a large schema must not stall other sessions
             self.table.check_room(sid)  # a start that will be refused compiles nothing
@@ -120,7 +122,12 @@ class SessionHost:
         return len(s.tokens) + len(s.pending), ns, None, s.cached_tokens
 
     def begin_drain(self) -> None:
+        """The server drains: new sessions are refused and per-round streams end; open sessions go on (`idle`)."""
         self.draining = True
+
+    def idle(self) -> bool:
+        """No session is open or starting: a draining server may stop without cutting a request short."""
+        return not len(self.table) and not self.prefilling
 
     async def rounds(self, request_iterator, context, handle, field: str, wrap):
         """Serve a per-round stream: `handle` each request's `field` (the unary handler) and yield

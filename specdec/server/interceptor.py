@@ -5,9 +5,14 @@ verbatim. Anything else is an INTERNAL error with the exception type and message
 Also records `specdec_rpc_latency_seconds{method}` for every call; for the bidirectional per-round streams
 (`VerifyRounds`, `DraftRounds`: one response per request, in order) it records every message's latency
 instead, from its request to its response.
+
+When a drain's grace runs out (or a second signal comes), `cut_short` cancels the calls still running and each
+ends with UNAVAILABLE and a message saying to retry, not gRPC's bare CANCELLED "Cancelling all calls" (which
+clients do not retry, and which logged an ERROR traceback per call).
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import inspect
 import logging
@@ -48,9 +53,36 @@ def _method_name(full: str) -> str:
     return full.rsplit("/", 1)[-1]  # "/specdec.v1.TargetService/Verify" -> "Verify"
 
 
+CUT_SHORT = "the server shut down before this call finished (its drain's grace ran out); retry it"
+
+
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, metrics=None):
         self.metrics = metrics
+        self.running: set[asyncio.Task] = set()  # the calls' handler tasks (health watches aside)
+        self.cut = False
+
+    def cut_short(self) -> int:
+        """End every call still running with UNAVAILABLE (`CUT_SHORT`). → how many."""
+        self.cut = True
+        for task in self.running:
+            task.cancel()
+        return len(self.running)
+
+    @contextlib.asynccontextmanager
+    async def _tracked(self, context, method: str):
+        """Track the call's task; a cancel from `cut_short` becomes UNAVAILABLE (any other cancel stays one)."""
+        task = asyncio.current_task()
+        if method not in ("Check", "Watch"):  # grpc's health servicer ends its watches itself when stopped
+            self.running.add(task)
+        try:
+            yield
+        except asyncio.CancelledError:
+            if not self.cut:
+                raise
+            await context.abort(grpc.StatusCode.UNAVAILABLE, CUT_SHORT)  # counted by the caller's AbortError
+        finally:
+            self.running.discard(task)
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
@@ -102,7 +134,8 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         async def wrapped(request, context):
             t0 = time.perf_counter()
             try:
-                return await behavior(request, context)
+                async with self._tracked(context, method):
+                    return await behavior(request, context)
             except grpc.aio.AbortError:
                 self._aborted(context, method)
                 raise
@@ -116,8 +149,9 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         async def wrapped(request, context):
             t0 = time.perf_counter()
             try:
-                async for item in behavior(request, context):
-                    yield item
+                async with self._tracked(context, method):
+                    async for item in behavior(request, context):
+                        yield item
             except grpc.aio.AbortError:
                 self._aborted(context, method)
                 raise
@@ -139,10 +173,11 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                     yield req
 
             try:
-                async for item in behavior(timed(), context):
-                    if pulled:
-                        self._observe(method, pulled.pop())
-                    yield item
+                async with self._tracked(context, method):
+                    async for item in behavior(timed(), context):
+                        if pulled:
+                            self._observe(method, pulled.pop())
+                        yield item
             except grpc.aio.AbortError:
                 self._aborted(context, method)
                 raise
