@@ -68,7 +68,8 @@ def target_greedy(model, prompt: list[int], n: int) -> list[int]:
 
 async def start_replica(kind: str, model, host: str = "127.0.0.1", port: int = 0, **kw):
     """A real DraftService/TargetService on loopback (in this process). Returns the started ServerApp."""
-    common = dict(host=host, port=port, metrics_port=0, max_sessions=kw.pop("max_sessions", 32),
+    common = dict(host=host, port=port, metrics_port=kw.pop("metrics_port", 0),
+                  max_sessions=kw.pop("max_sessions", 32),
                   grace_s=kw.pop("grace_s", 0.5), log_level="WARNING")
     if kind == "draft":
         from draft_service.config import DraftSettings

@@ -171,3 +171,19 @@ async def test_calls_left_when_the_grace_runs_out_end_unavailable_with_a_reason(
         await ch.close()
         for a in (coord, d, t):
             await a.shutdown(0)
+
+
+async def test_a_taken_port_is_a_clear_error(pair):
+    """gRPC's own error said only "Failed to bind ... set GRPC_VERBOSITY=debug", and a taken metrics port raised a
+    bare OSError after the gRPC server had started."""
+    import socket
+
+    target, _ = pair
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(RuntimeError, match=f"could not bind 127.0.0.1:{port}.*choose a free --port"):
+            await start_replica("target", target, port=port)
+        with pytest.raises(RuntimeError, match=f"metrics on port {port}.*choose a free --metrics-port"):
+            await start_replica("target", target, metrics_port=port)
