@@ -43,6 +43,7 @@ from coordinator.session_moves import PoolView, SessionMoves, end_in_background
 
 log = logging.getLogger(__name__)
 MAX_FAILOVERS = 4
+_BUSY_TRIES = 7  # a round call sent again after a full replica queue (`_waited_for_room`)
 _METHOD = {"greedy": common_pb2.VERIFY_METHOD_GREEDY, "token": common_pb2.VERIFY_METHOD_TOKEN,
            "block": common_pb2.VERIFY_METHOD_BLOCK}
 
@@ -196,12 +197,16 @@ class _Pinned(SessionMoves):
         """One round call (`call()` makes it: a stream message, or a unary RPC) with failover: after a retryable
         error, `rebuild` the session and call again. Network time = wall time minus the `compute(response)` the
         replica reports."""
+        busy = 0
         while True:
             t0 = time.perf_counter_ns()
             try:
                 r = await call()
             except grpc.aio.AioRpcError as e:
                 self.network_ns += time.perf_counter_ns() - t0
+                if await _waited_for_room(e, busy):  # the replica's queue was full: nothing was applied
+                    busy += 1
+                    continue
                 await self._recover(e)
                 await rebuild()
                 continue
@@ -222,6 +227,15 @@ class _Pinned(SessionMoves):
         else:
             self.failovers += 1
             log.warning("%s replica %s lost session %s; rebuilding it", self.kind, self.endpoint, self.sid)
+
+
+async def _waited_for_room(e: grpc.aio.AioRpcError, tries: int) -> bool:
+    """A round call refused because the replica's call queue is full (RESOURCE_EXHAUSTED; it applied nothing): back
+    off (20 ms, doubling, ~2.5 s in all) and say to send it again. False: not that, or no tries left."""
+    if e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED or tries >= _BUSY_TRIES:
+        return False
+    await asyncio.sleep(0.02 * 2 ** tries)
+    return True
 
 
 class RemoteDraft(_Pinned):
@@ -282,6 +296,7 @@ class RemoteDraft(_Pinned):
                             block_size, features)
         got: list[int] = []  # tokens delivered to the schedule
         self._cancelled = False
+        busy = 0
 
         async def rebuild():
             await self._start_on(self.fed[:base_position] + append[:1])
@@ -313,6 +328,9 @@ class RemoteDraft(_Pinned):
                 except grpc.aio.AioRpcError as e:
                     if e.code() == grpc.StatusCode.CANCELLED and self._cancelled:
                         return
+                    if not got and await _waited_for_room(e, busy):  # refused before drafting anything
+                        busy += 1
+                        continue
                     await self._recover(e)
                     await rebuild()
                 finally:

@@ -126,6 +126,7 @@ async def build_coordinator(s: CoordinatorSettings, tokenizer=None, eos_token_id
         metrics.waiting.set_function(router.waiting_now)
         metrics.running.set_function(running)
         servicer.tracer, servicer.draft_fallback = tracer, s.draft_fallback
+        servicer.max_message_bytes = s.max_message_bytes
         servicer.reasoning_parser = s.reasoning_parser
         holder["app"].servicer = servicer
         add_to_server(servicer, server)

@@ -80,6 +80,7 @@ class GenerationServicer(OutputForms, generation_pb2_grpc.GenerationServiceServi
         self.draft_fallback = True  # no draft replica reachable: run target-only (COORDINATOR_DRAFT_FALLBACK)
         self.context_len, self._context_at = 0, -1e9  # the target pool's max_model_len (0: unknown), and when read
         self.in_flight = 0  # requests between arrival and end, both doors (running + waiting for sessions)
+        self.max_message_bytes = 0  # the gRPC send limit a whole answer must fit (0: unchecked)
 
     # -- request → token ids --------------------------------------------------------------------------------
     def prepare(self, r: generation_pb2.GenerateRequest) -> Prepared:
@@ -361,6 +362,14 @@ class GenerationServicer(OutputForms, generation_pb2_grpc.GenerationServiceServi
                 if (which := resp.WhichOneof("stop_reason")) is not None:
                     setattr(out, which, getattr(resp, which))
         out.text, out.reasoning = "".join(text), "".join(reasoning)
+        size = out.ByteSize()
+        if self.max_message_bytes and size > self.max_message_bytes:  # gRPC's own refusal names no setting
+            message = (f"the answer is {size} bytes, over the coordinator's message limit of {self.max_message_bytes} "
+                       f"(COORDINATOR_MAX_MESSAGE_BYTES): use GenerateStream (a message per round), ask for fewer "
+                       f"tokens or logprobs, or raise the limit")
+            self._ended(("error", "RESOURCE_EXHAUSTED", message), {"request_id": out.stats.request_id},
+                        out.stats.wall_s)
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
         return out
 
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from specdec.drafting import DraftBlock
 from specdec.errors import CapacityError
+from specdec.server.interceptor import ServiceDraining
 from specdec.server.runner import cancel_and_wait
 
 _END = object()
@@ -56,7 +57,7 @@ class DraftBatcher:
     async def close(self) -> None:
         await cancel_and_wait(self._task)
         for e in self._pending + self._active:
-            e.blocks.put_nowait(CapacityError("the draft replica is shutting down; retry on another"))
+            e.blocks.put_nowait(ServiceDraining("the draft replica is shutting down; retry on another"))
         self._pending.clear()
         self._active.clear()
 

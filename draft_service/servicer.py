@@ -28,7 +28,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
     async def StartSession(self, request, context) -> draft_pb2.DraftServiceStartSessionResponse:
         params = sampling_from_proto(request.params)
         if request.reserve_positions:
-            self.host.worker.check_reserve(request.reserve_positions)
+            self.host.worker.check_reserve(request.reserve_positions, len(request.prompt_ids))
         feats = features_from_proto(request.features) if self.worker.reads_features else None
         position, ns, _, cached = await self.host.start_session(request.session_id, list(request.prompt_ids), params,
                                                                 features=feats, output_start=request.output_start)

@@ -154,14 +154,16 @@ class Worker:
             raise ContextOverflowError(f"{what} needs {length} positions but the context holds {self.max_context}; "
                                        f"shorten the prompt or lower max_new_tokens / gamma")
 
-    def check_reserve(self, positions: int) -> None:
+    def check_reserve(self, positions: int, prompt_len: int = 0) -> None:
         """Refuse up front a session that will need more positions than the context holds (StartSession's
         reserve_positions: prompt + max_new_tokens), rather than fail it when it gets there."""
         if positions > self.max_context:
+            fix = (f"the prompt alone has {prompt_len} tokens: shorten it by at least "
+                   f"{prompt_len - self.max_context + 1}" if prompt_len >= self.max_context else
+                   f"lower max_new_tokens by {positions - self.max_context} or shorten the prompt")
             raise ContextOverflowError(f"This model's maximum context length is {self.max_context} tokens "
                                        f"(--max-context). However, the request needs up to {positions} positions "
-                                       f"(prompt + max_new_tokens); lower max_new_tokens by "
-                                       f"{positions - self.max_context} or shorten the prompt")
+                                       f"(prompt + max_new_tokens); {fix}")
 
     def start_session(self, session_id: str, prompt_ids: list[int], params: SamplingParams) -> Session:
         s = self.open_session(session_id, prompt_ids, params)

@@ -30,6 +30,7 @@ import time
 from dataclasses import dataclass, field
 
 from specdec.errors import CapacityError
+from specdec.server.interceptor import ServiceDraining
 from specdec.server.aio import within
 from specdec.server.runner import cancel_and_wait
 
@@ -62,7 +63,7 @@ class VerifyBatcher:
         await cancel_and_wait(self._task)
         for it in self._queue:
             if not it.future.done():
-                it.future.set_exception(CapacityError("the target replica is shutting down; retry on another"))
+                it.future.set_exception(ServiceDraining("the target replica is shutting down; retry on another"))
         self._queue.clear()
 
     async def submit(self, args):

@@ -26,7 +26,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     async def StartSession(self, request, context) -> target_pb2.TargetServiceStartSessionResponse:
         params = sampling_from_proto(request.params)
         if request.reserve_positions:
-            self.host.worker.check_reserve(request.reserve_positions)
+            self.host.worker.check_reserve(request.reserve_positions, len(request.prompt_ids))
         position, ns, feats, cached = await self.host.start_session(request.session_id, list(request.prompt_ids),
                                                                     params, want_features=request.return_features,
                                                                     output_start=request.output_start)

@@ -23,6 +23,10 @@ def run_service(build_app, settings) -> None:
     logging.basicConfig(level=settings.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     orchestrator_threads()  # the event loop only translates; the model thread computes with settings.threads
+    from specdec.server.settings import startup_warnings
+
+    for warning in startup_warnings(settings):
+        log.warning("%s", warning)
 
     async def _main():
         app = await build_app(settings)

@@ -58,6 +58,32 @@ class ProcessSettings(BaseSettings):
         return cls(_cli_parse_args=args, **overrides)
 
 
+def startup_warnings(settings: ProcessSettings, environ=None) -> list[str]:
+    """What a server logs as WARNING at start: its `<PREFIX>_*` environment variables that set no field (a misspelt
+    name is otherwise ignored silently), and a replica's call queue shorter than two calls per session."""
+    import os
+
+    environ = os.environ if environ is None else environ
+    prefix = settings.model_config.get("env_prefix", "")
+    fields = set(type(settings).model_fields)
+    out = []
+    if prefix:
+        def known(key: str) -> bool:
+            rest = key[len(prefix):].upper()
+            if rest.startswith("TLS_") and not rest.startswith("TLS__"):  # the flat spelling: read by the TLS
+                return f"{prefix}TLS__{rest[4:]}" in environ            # probe, beside the nested one
+            return rest.split("__")[0].lower() in fields
+        unknown = sorted(k for k in environ if k.upper().startswith(prefix) and not known(k))
+        if unknown:
+            out.append(f"{', '.join(unknown)}: no such setting (`--help` lists them); ignored")
+    queue, sessions = getattr(settings, "max_queue", None), getattr(settings, "max_sessions", None)
+    if queue is not None and sessions is not None and queue < 2 * sessions:
+        out.append(f"max_queue {queue} is under twice max_sessions ({sessions}): sessions can have two calls "
+                   f"waiting each, and the rest are refused RESOURCE_EXHAUSTED (the coordinator backs off and "
+                   f"resends them)")
+    return out
+
+
 class ServerSettings(ProcessSettings):
     """A model replica's fields (draft and target services), beside the process's."""
 
