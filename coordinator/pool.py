@@ -3,7 +3,9 @@ in `coordinator/actor.py` hosts one `PoolManager` per coordinator.
 
 Routing policy
 - A replica is routable when discovery lists it and its last health check said SERVING (a draining replica
-  reports NOT_SERVING, so it stops receiving new sessions while its in-flight calls finish).
+  reports NOT_SERVING, so it stops receiving new sessions while its in-flight calls finish). A check that times
+  out counts only at the `SLOW_CHECKS`-th in a row: on a busy host one slow answer made the only replica of a pool
+  unroutable, and every request failed UNAVAILABLE at once.
 - New sessions go to the routable replica with the fewest sessions pinned by this coordinator (ties: the one
   used least recently, so a new replica fills up first), unless prefix affinity prefers another: the replica the
   longest whole-chunk prefix of the prompt was last sent to, while it holds at most `affinity_slack` sessions more
@@ -38,6 +40,7 @@ from specdec.errors import CapacityError, ContextOverflowError, SpecDecError
 log = logging.getLogger(__name__)
 KINDS = ("draft", "target")
 SERVICE_NAMES = {"draft": "specdec.v1.DraftService", "target": "specdec.v1.TargetService"}
+SLOW_CHECKS = 3  # health checks in a row that time out before a healthy replica counts as unhealthy
 
 
 class ReplicaUnavailableError(SpecDecError):
@@ -138,13 +141,21 @@ class PoolManager:
                 checks = await asyncio.gather(*(self._check(pool.kind, ep) for ep in found))
                 for ep, (ok, err) in zip(found, checks):
                     m = pool.members[ep]
+                    slow = not ok and err.startswith("DEADLINE_EXCEEDED")
+                    m.slow_checks = m.slow_checks + 1 if slow else 0
+                    if slow and m.healthy and m.slow_checks < SLOW_CHECKS:
+                        # a busy host, more likely than a dead replica (that one refuses connections): a request
+                        # finding its only replica unroutable fails at once, so one slow answer must not do that
+                        log.info("%s replica %s: health check timed out (%d in a row; unhealthy at %d)", pool.kind,
+                                 ep, m.slow_checks, SLOW_CHECKS)
+                        continue
                     if not ok:
                         m.refused = ""  # checked anew when it is back (a restarted replica may serve another model)
                     elif m.refused:
                         ok, err = False, m.refused
                     if ok != m.healthy and not m.refused:
-                        log.info("%s replica %s is %s%s", pool.kind, ep, "healthy" if ok else "unhealthy",
-                                 f" ({err})" if err else "")
+                        (log.info if ok else log.warning)("%s replica %s is %s%s", pool.kind, ep,
+                                                          "healthy" if ok else "unhealthy", f" ({err})" if err else "")
                     m.healthy, m.last_error = ok, err
                     if not ok:
                         m.capacity = None  # ask again when it is back (a restarted replica may hold more or fewer)

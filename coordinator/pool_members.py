@@ -21,6 +21,7 @@ class Member:
     capacity: int | None = None  # ModelInfo.max_sessions; 0: unknown (no limit); None: not asked yet
     max_context: int = 0  # positions a session holds (ModelInfo.max_position_embeddings); 0: unknown
     refused: str = ""  # why it counts as unhealthy though it serves (a model that does not fit the tokenizer)
+    slow_checks: int = 0  # health checks in a row that timed out while it counted as healthy
 
     def has_room(self) -> bool:
         return not self.capacity or self.sessions < self.capacity

@@ -164,3 +164,30 @@ async def test_scale_out_and_in_while_requests_run():
             await a.shutdown(0)
         if "t2" in locals():
             await t2.shutdown(0)
+
+
+async def test_a_slow_health_check_is_not_a_dead_replica():
+    """A check that times out counts only at the third in a row; a refused connection or NOT_SERVING at once. On a
+    busy host one slow answer made a pool's only replica unroutable and requests failed UNAVAILABLE (session 29)."""
+    from coordinator.pool import SLOW_CHECKS
+
+    answers = {"10.0.0.1:7": (True, "")}
+
+    async def check(endpoint, service):
+        return answers[endpoint]
+
+    pm = PoolManager({"target": StaticSource(["10.0.0.1:7"])}, refresh_s=60, health_check=check)
+    await pm.start()
+    answers["10.0.0.1:7"] = (False, "DEADLINE_EXCEEDED: Deadline Exceeded")
+    for _ in range(SLOW_CHECKS - 1):
+        await pm.refresh()
+        assert pm.members() == {"target": ["10.0.0.1:7"]}
+    await pm.refresh()
+    assert pm.members() == {"target": []}
+    answers["10.0.0.1:7"] = (True, "")
+    await pm.refresh()
+    assert pm.members() == {"target": ["10.0.0.1:7"]}
+    answers["10.0.0.1:7"] = (False, "UNAVAILABLE: failed to connect to all addresses")
+    await pm.refresh()
+    assert pm.members() == {"target": []}
+    await pm.stop()
