@@ -137,6 +137,41 @@ def test_pacer_skip_below_leaves_sampled_requests_exact(pair, method):
     assert greedy[1].stats.draft_tokens < greedy[0].stats.draft_tokens
 
 
+def test_the_bonus_token_comes_from_the_row_after_the_draft():
+    """A fully accepted draft's bonus token is drawn from p[g], the row after it, by both sampled rules."""
+    from specdec.verify import verify_block, verify_token
+
+    eye = torch.eye(V)
+    q, p = eye[[2]], eye[[2, 5]]  # draft token 2 (certain), then the target is certain of 5
+    for rule in (verify_token, verify_block):
+        r = rule([2], q, p, seed=0, pos0=7)
+        assert (r.num_accepted, r.next_token) == (1, 5), rule.__name__
+
+
+@pytest.mark.parametrize("method", ["token", "block"])
+@pytest.mark.parametrize("path", ["bonus", "q_top_k"])
+def test_bonus_tokens_and_truncated_proposals_match_exact(pair, method, path):
+    """Two paths the other exactness tests never took (a mutation audit of session 29 changed each and no test
+    failed). `bonus`: with gamma 3 and 3 new tokens a round's gamma is cut to the tokens left, so an accepted
+    round's bonus was never committed; gamma 1 commits many. `q_top_k`: the draft proposes from its top-k (64 by
+    default, more than this vocabulary of 8, so never truncated); with 3, q must be the renormalised top-3 that x
+    was drawn from."""
+    target, draft = pair
+    exact = exact_continuations(target, PROMPT, SamplingParams(temperature=1.0))
+    eng = Engine(target, draft, inline=True, q_top_k=3 if path == "q_top_k" else 64)
+    n = int(os.environ.get("SPECDEC_EXACT_RUNS_TRUNC", "3000"))
+    counts, forwards = Counter(), Counter()
+    for seed in range(n):
+        out = eng.generate(GenerationRequest(PROMPT, 3, params=SamplingParams(temperature=1.0, seed=seed),
+                                             mode="sd", verify_method=method, gamma=1 if path == "bonus" else 2))
+        counts[tuple(out.token_ids)] += 1
+        forwards[out.stats.target_forwards] += 1
+    eng.close()
+    if path == "bonus":  # 3 tokens in fewer than 3 forwards of one draft token each: bonuses were committed
+        assert sum(c for f, c in forwards.items() if f < 3) > n // 10, forwards
+    assert chi_square_pvalue(counts, exact, n) > 0.001
+
+
 def test_chi_square_detects_a_wrong_distribution(pair):
     """Guard against a test that cannot fail: the draft's own samples must be rejected as the target's."""
     target, draft = pair

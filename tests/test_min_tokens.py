@@ -153,6 +153,24 @@ def test_stop_strings_count_only_from_the_min_tokens_th_token():
         assert text == want, (min_tokens, text)
 
 
+def test_a_stop_string_straddling_the_min_tokens_boundary_stops():
+    """A stop string only has to END in the min_tokens-th token's text or later (vLLM's rule); it may start before.
+    A mutation audit of session 29 found that searching only from the min_tokens-th token's text (missing a stop
+    string that straddles the boundary) passed every test."""
+    from specdec.tokenizer import load_tokenizer
+    from tests.helpers_models import save_tiny_tokenizer
+    import tempfile
+    import pathlib
+
+    tok = load_tokenizer(save_tiny_tokenizer(pathlib.Path(tempfile.mkdtemp())))
+    for stop, min_tokens, chars, want in (("ab", 2, "abcab", ""),  # "ab" ends in token 2: it stops there
+                                          ("ab", 3, "abcab", "abc"),  # "ab" ends before token 3: the later one
+                                          ("abc", 3, "abcd", ""), ("abc", 4, "abcdabc", "abcd")):
+        asm = TextAssembler(tok, [1], [stop], min_tokens)
+        text = "".join(asm.push([TOKENIZER_CHARS.index(c)])[0] for c in chars) + asm.finish()
+        assert (text, asm.stopped, asm.stop_reason) == (want, True, stop), (stop, min_tokens, text)
+
+
 async def test_over_the_wire_and_in_the_http_body():
     import grpc
 

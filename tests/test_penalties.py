@@ -54,6 +54,22 @@ def test_adjust_logits_matches_the_definitions():
     assert torch.equal(adjust_logits(plain, [1, 2], 1, [3], SamplingParams()), plain)
 
 
+def test_min_tokens_masks_exactly_the_first_m_output_rows():
+    """Row i decides output token k + i (k already generated): it gets -inf at the stop ids iff k + i < min_tokens.
+    A mutation audit of session 29 found that masking one row too few (`:held - 1`, which lets EOS through as the
+    min_tokens-th token) passed every test: the engine-level tests never put EOS at greedy's index min_tokens - 1."""
+    prompt, draft, stop = [3, 1, 4], [2, 3, 4, 5], (1, 6)
+    params = SamplingParams(min_tokens=3, stop_ids=stop)
+    for k in (0, 1, 2, 3):
+        history = prompt + [7] * k  # k output tokens already generated
+        got = adjust_logits(torch.zeros(len(draft) + 1, 8), history, len(prompt), draft, params)
+        for i in range(len(draft) + 1):
+            held = k + i < params.min_tokens
+            assert torch.isneginf(got[i, list(stop)]).tolist() == [held] * len(stop), (k, i, got[i].tolist())
+            others = [t for t in range(8) if t not in stop]
+            assert torch.equal(got[i, others], torch.zeros(len(others))), (k, i, got[i].tolist())
+
+
 def adjusted_greedy(model, prompt: list[int], n: int, params: SamplingParams) -> list[int]:
     """Target-only greedy decoding with the adjustments, full forwards, no caches."""
     ids = list(prompt)

@@ -50,6 +50,20 @@ def test_slot_choice():
         free.take(None, {})
 
 
+def test_on_a_tie_the_most_recently_released_free_slot_wins():
+    """Two free slots holding the same prefix: the one released last is taken (the other keeps its K/V longer).
+    A mutation audit of session 29 found that dropping the tie-break (the first slot scanned, the oldest, won)
+    passed every test: test_slot_choice has no tie between two free slots."""
+    for order in ((0, 1), (1, 0)):
+        free = SlotPrefixes(3)
+        assert [free.take(None, {}).slot for _ in range(2)] == [0, 1]
+        for slot in order:
+            free.release(slot, [1, 2, 3, 4])
+        got = free.take([1, 2, 3, 4, 5], {}, align=2)
+        assert (got.slot, got.source, got.tokens, got.copy) == (order[-1], order[-1], 4, False), order
+        assert free.held(order[0]) == [1, 2, 3, 4]  # the other one still holds the prefix
+
+
 def kv_rows(worker, sid: str, n: int) -> list[torch.Tensor]:
     slot = worker.sessions[sid].slot
     return [t[slot, :n].clone() for t in worker.kv.k + worker.kv.v]

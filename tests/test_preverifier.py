@@ -121,6 +121,14 @@ def test_derived_threshold_falls_with_the_cost_ratio():
     assert derive_threshold(20, 3.0, 4) < derive_threshold(5, 3.0, 4) < 1.0
 
 
+def test_derived_threshold_is_the_cost_models_value():
+    """θ = τ (1 + slope/T_draft) / (a · (c + γ̄)), clipped to [0, 0.99], worked by hand. A mutation audit of session
+    29 found that `(c + 1)` in place of `(c + γ̄)` passed every test (only the ordering was checked)."""
+    assert derive_threshold(10, 2.0, 3.0) == pytest.approx(2.0 / (0.8 * 13))  # 0.19231
+    assert derive_threshold(6, 1.5, 4, accept_rate=0.75, verify_slope_ratio=0.2) == pytest.approx(0.24)
+    assert derive_threshold(0.5, 3.0, 1.0) == pytest.approx(0.99)  # 3 / (0.8 · 1.5) = 2.5, clipped
+
+
 def _pair(vocab=32, hidden=32):
     target = build_tiny_model(vocab_size=vocab, hidden_size=hidden, seed=0, logit_scale=2.0)
     draft = build_tiny_model(vocab_size=vocab, hidden_size=hidden, seed=0, num_layers=1, logit_scale=2.0)

@@ -91,7 +91,8 @@ async def test_draining_ends_rounds_with_unavailable(models):  # noqa: F811
 
 # ---- the client: RoundStream ------------------------------------------------------------------------------------
 class _EchoServer:
-    """A bytes echo with an optional delay, a stream method that never answers, and no stream for "/e.E/Missing"."""
+    """A bytes echo with an optional delay, a stream method that never answers, one that ends without answering,
+    and no stream for "/e.E/Missing"."""
 
     async def start(self):
         async def unary(req, ctx):
@@ -108,12 +109,19 @@ class _EchoServer:
                 await asyncio.sleep(3600)
                 yield b""
 
-        self.unary_calls, self.delay = 0, 0.0
+        async def quit_(it, ctx):  # ends the stream (status OK) without answering: the client reads EOF
+            self.quit_streams += 1
+            async for _ in it:
+                return
+            yield b""
+
+        self.unary_calls, self.delay, self.quit_streams = 0, 0.0, 0
         self.server = grpc.aio.server()
         self.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("e.E", {
             "U": grpc.unary_unary_rpc_method_handler(unary),
             "Rounds": grpc.stream_stream_rpc_method_handler(rounds),
-            "Mute": grpc.stream_stream_rpc_method_handler(mute)}),))
+            "Mute": grpc.stream_stream_rpc_method_handler(mute),
+            "Quit": grpc.stream_stream_rpc_method_handler(quit_)}),))
         self.port = self.server.add_insecure_port("127.0.0.1:0")
         await self.server.start()
         self.channel = grpc.aio.insecure_channel(f"127.0.0.1:{self.port}")
@@ -164,6 +172,34 @@ async def test_round_stream_times_out_and_recovers_from_a_cancel(echo):
     echo.delay = 0.0  # the late answer to "slow" must not be read as the answer to the next call
     assert await rs.call("e", b"next", echo.unary) == b"next"
     assert (rs.messages, rs.fallbacks) == (1, 0)
+    await rs.aclose()
+
+
+async def test_concurrent_calls_on_one_round_stream_go_unary(echo):
+    """A call made while another waits on the stream is sent unary, so each reads its own answer.
+    A mutation audit of session 29 found that dropping the `_busy` guard (two calls writing and reading one stream
+    at once) passed every test."""
+    rs = echo.stream("Rounds")
+    echo.delay = 0.2  # the first call is still waiting for its answer when the second is made
+    got = await asyncio.gather(rs.call("e", b"first", echo.unary), rs.call("e", b"second", echo.unary))
+    assert got == [b"first", b"second"]
+    assert (rs.messages, rs.fallbacks, echo.unary_calls) == (1, 0, 1), "the second call must go unary"
+    echo.delay = 0.0
+    assert await rs.call("e", b"third", echo.unary) == b"third"  # the stream is still in step, and used again
+    assert (rs.messages, rs.fallbacks, echo.unary_calls) == (2, 0, 1)
+    await rs.aclose()
+
+
+async def test_an_eof_turns_streams_off_for_the_replica(echo):
+    """A replica that ends the stream without a status for the request: that call and every later one to it go
+    unary, with no new stream. A mutation audit of session 29 found that not adding the endpoint to `off` on EOF
+    (each later call opened a stream, read EOF and fell back again) passed every test."""
+    rs = echo.stream("Quit")
+    assert await rs.call("e", b"x", echo.unary) == b"x"
+    assert (rs.off, rs.messages, rs.fallbacks, echo.unary_calls) == ({"e"}, 0, 1, 1)
+    assert await rs.call("e", b"y", echo.unary) == b"y"
+    assert (rs.messages, rs.fallbacks, echo.unary_calls) == (0, 1, 2), "the second call must go unary at once"
+    assert echo.quit_streams == 1, "no new stream is opened to a replica whose streams are off"
     await rs.aclose()
 
 
