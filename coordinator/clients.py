@@ -3,10 +3,11 @@
 `RemoteDraft` / `RemoteTarget` implement `DraftBackend` / `TargetBackend` for ONE request: each is pinned to one
 replica (chosen by the pool) and mirrors what that replica has fed, so the session can be rebuilt anywhere:
 
-- UNAVAILABLE or CANCELLED (replica gone, draining, stopping, crashed): report it, pin another replica, start a session there from the
-  mirrored prefix, retry the call. The absolute-position protocol plus keyed randomness make the retried call
-  return exactly what the lost one would have (a half-received draft stream is resumed by skipping the tokens
-  already delivered), so failover never changes the output.
+- UNAVAILABLE or CANCELLED (replica gone, draining, stopping, crashed): report it, pin another replica, start a
+  session there from the mirrored prefix, retry the call. The absolute-position protocol plus keyed randomness
+  make the retried call return exactly what the lost one would have (a half-received draft stream is resumed by
+  skipping the tokens already delivered), so failover never changes the output.
+- RESOURCE_EXHAUSTED on a round call (the replica's call queue is full; nothing was applied): back off and resend.
 - NOT_FOUND (the replica expired or evicted the session): rebuild on the same replica, retry.
 - The replica left the pool (scale-in; `PoolView` says so): move the session before the next call.
 
