@@ -3,6 +3,7 @@ target's family, so copied layers keep their q/k/v biases and q/k norms; both lo
 subset keeps the target's special tokens whatever its size; and `online` distils, writes and serves a Qwen2 draft
 end to end (its subset made from the rows, since the shipped subset indexes another tokenizer)."""
 import json
+import re
 
 import pytest
 import torch
@@ -100,7 +101,9 @@ def test_online_distils_and_serves_a_qwen2_draft(tmp_path):
     saved = json.loads((out / "config.json").read_text())
     assert saved["architectures"] == ["Qwen2ForCausalLM"] and saved["specdec_full_vocab_size"] == V
     log = (tmp_path / "work" / "online" / "online" / "log.txt").read_text()
-    assert "vocabulary subset from the training rows" in log and "0 training rows" not in log
+    # "online: 340 training rows" holds "0 training rows" too: the count is matched whole (it varies with the
+    # time-bounded generation, so the substring check failed 1 run in ~10)
+    assert "vocabulary subset from the training rows" in log and not re.search(r"\b0 training rows", log)
     from safetensors.torch import load_file
 
     subset = load_file(str(out / "vocab_subset.safetensors"))["vocab_subset"].tolist()
