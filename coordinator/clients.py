@@ -39,25 +39,13 @@ from specdec.workers import DraftBlock, TargetFeatures, VerifyOutcome
 from coordinator.channels import Channels
 from coordinator.pool import DraftContextError
 from coordinator.replica_probes import end_session_request
+from coordinator.retries import FULL_WAITS, MAX_FAILOVERS, retryable, waited_for_room
 from coordinator.rounds import RoundStream
 from coordinator.session_moves import PoolView, SessionMoves, end_in_background
 
 log = logging.getLogger(__name__)
-MAX_FAILOVERS = 4
-_BUSY_TRIES = 7  # a round call sent again after a full replica queue (`_waited_for_room`)
 _METHOD = {"greedy": common_pb2.VERIFY_METHOD_GREEDY, "token": common_pb2.VERIFY_METHOD_TOKEN,
            "block": common_pb2.VERIFY_METHOD_BLOCK}
-
-
-def _retryable(e: BaseException) -> str | None:
-    if isinstance(e, grpc.aio.AioRpcError):
-        # CANCELLED: the replica cancelled the call (a server that stops cancels the calls reaching it meanwhile);
-        # the coordinator's own cancels end its calls with asyncio's CancelledError, or are handled before this
-        if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
-            return "unavailable"
-        if e.code() == grpc.StatusCode.NOT_FOUND:
-            return "lost"
-    return None
 
 
 class _Pinned(SessionMoves):
@@ -128,16 +116,17 @@ class _Pinned(SessionMoves):
         try:
             if self.endpoint is None:
                 await self._pin()
+            full_waits = 0
             while True:
                 try:
                     return await self._start_on(list(prompt_ids), **extra)
                 except Exception as e:  # noqa: BLE001
                     if self.failovers >= MAX_FAILOVERS:
                         raise
-                    if _retryable(e) == "unavailable":
+                    if retryable(e) == "unavailable":
                         await self._failover(e)
                     elif isinstance(e, grpc.aio.AioRpcError) and e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                        await self._next_replica(e)  # this replica is full: try another one, if any
+                        full_waits = await self._next_replica(e, full_waits)  # another replica, or this one later
                     elif self.kind == "draft" and isinstance(e, grpc.aio.AioRpcError) and \
                             e.code() == grpc.StatusCode.OUT_OF_RANGE:
                         raise DraftContextError(f"the draft replica cannot hold this request: {e.details()}") from None
@@ -146,16 +135,25 @@ class _Pinned(SessionMoves):
         finally:
             await self._after_call()
 
-    async def _next_replica(self, e: BaseException) -> None:
-        self.failovers += 1
+    async def _next_replica(self, e: BaseException, waits: int) -> int:
+        """The replica refused a session for want of room the pool did not count (another coordinator's sessions,
+        or a crashed one's, which its LRU frees once idle `lru_min_idle_s`): pin another replica, or, with none,
+        wait (0.1 s, doubling, ~6 s in all) and ask this one again. → the waits so far."""
         full = self.endpoint
         self.failed.append(full)
         await self._release(full)
         try:
             await self._pin()
-        except Exception:  # noqa: BLE001 - no other replica: report the original error
+            self.failovers += 1
+            return waits
+        except Exception:  # noqa: BLE001 - no other replica
             self.endpoint = None
-            raise e from None
+            if waits >= FULL_WAITS:
+                raise e from None
+        self.failed.remove(full)
+        await asyncio.sleep(0.1 * 2 ** waits)
+        await self._pin()
+        return waits + 1
 
     async def _failover(self, e: BaseException) -> None:
         """The pinned replica is unreachable: report it and pin another (no session started yet)."""
@@ -205,7 +203,7 @@ class _Pinned(SessionMoves):
                 r = await call()
             except grpc.aio.AioRpcError as e:
                 self.network_ns += time.perf_counter_ns() - t0
-                if await _waited_for_room(e, busy):  # the replica's queue was full: nothing was applied
+                if await waited_for_room(e, busy):  # the replica's queue was full: nothing was applied
                     busy += 1
                     continue
                 await self._recover(e)
@@ -220,7 +218,7 @@ class _Pinned(SessionMoves):
         if self.endpoint is None and self.sid:
             await self._take_room()
             return
-        why = _retryable(e)
+        why = retryable(e)
         if why is None or self.failovers >= MAX_FAILOVERS:
             raise e
         if why == "unavailable":
@@ -228,15 +226,6 @@ class _Pinned(SessionMoves):
         else:
             self.failovers += 1
             log.warning("%s replica %s lost session %s; rebuilding it", self.kind, self.endpoint, self.sid)
-
-
-async def _waited_for_room(e: grpc.aio.AioRpcError, tries: int) -> bool:
-    """A round call refused because the replica's call queue is full (RESOURCE_EXHAUSTED; it applied nothing): back
-    off (20 ms, doubling, ~2.5 s in all) and say to send it again. False: not that, or no tries left."""
-    if e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED or tries >= _BUSY_TRIES:
-        return False
-    await asyncio.sleep(0.02 * 2 ** tries)
-    return True
 
 
 class RemoteDraft(_Pinned):
@@ -329,7 +318,7 @@ class RemoteDraft(_Pinned):
                 except grpc.aio.AioRpcError as e:
                     if e.code() == grpc.StatusCode.CANCELLED and self._cancelled:
                         return
-                    if not got and await _waited_for_room(e, busy):  # refused before drafting anything
+                    if not got and await waited_for_room(e, busy):  # refused before drafting anything
                         busy += 1
                         continue
                     await self._recover(e)

@@ -97,3 +97,31 @@ def test_a_prompt_past_the_context_is_told_to_shorten_the_prompt():
     with pytest.raises(ContextOverflowError, match="lower max_new_tokens by 6 or shorten the prompt$"):
         Worker.check_reserve(Sized(), 70, 60)
     Worker.check_reserve(Sized(), 64, 60)
+
+
+async def test_a_replica_full_of_sessions_the_pool_does_not_count_is_waited_for():
+    """Sessions the coordinator did not start (a crashed coordinator's, another one's) fill a replica, and its pool
+    counts them not: StartSession is refused RESOURCE_EXHAUSTED until the replica's LRU frees an idle one
+    (`lru_min_idle_s`). With no other replica, the request waits and asks again; before, it failed at once (an
+    audit of session 29)."""
+    from specdec.pb import target_pb2, target_pb2_grpc
+
+    target, _ = tiny_pair()
+    t = await start_replica("target", target, max_sessions=2, lru_min_idle_s=0.5)
+    s = CoordinatorSettings(host="127.0.0.1", port=0, metrics_port=0, ray=False, tokenizer="", grace_s=0,
+                            draft_endpoints="", target_endpoints=t.endpoint, log_level="WARNING")
+    coord, _ = await build_coordinator(s, tokenizer=None, eos_token_ids=set())
+    await coord.start()
+    try:
+        async with grpc.aio.insecure_channel(t.endpoint) as direct:
+            for sid in ("orphan-1", "orphan-2"):  # what a coordinator that crashed left behind
+                await target_pb2_grpc.TargetServiceStub(direct).StartSession(
+                    target_pb2.TargetServiceStartSessionRequest(session_id=sid, prompt_ids=PROMPT))
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{coord.port}") as ch:
+            out = await gg.GenerationServiceStub(ch).Generate(g.GenerateRequest(
+                prompt_token_ids=PROMPT, max_new_tokens=8, mode="ar", ignore_eos=True))
+        assert list(out.token_ids) == target_greedy(target, PROMPT, 8)
+        assert out.stats.wall_s >= 0.3, "it waited for the replica's LRU to free an idle session"
+    finally:
+        for a in (coord, t):
+            await a.shutdown(0)
