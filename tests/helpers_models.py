@@ -91,6 +91,20 @@ async def start_replica(kind: str, model, host: str = "127.0.0.1", port: int = 0
     return app
 
 
+async def start_coordinator(target_endpoint: str, draft_endpoint: str = "", **settings):
+    """A started coordinator without Ray or a tokenizer (token-id prompts) over the given replicas, in this process;
+    `settings` are CoordinatorSettings fields (grace_s 0 unless given)."""
+    from coordinator.config import CoordinatorSettings
+    from coordinator.server import build_coordinator
+
+    s = CoordinatorSettings(**{"host": "127.0.0.1", "port": 0, "metrics_port": 0, "ray": False, "tokenizer": "",
+                               "grace_s": 0, "log_level": "WARNING", "draft_endpoints": draft_endpoint,
+                               "target_endpoints": target_endpoint, **settings})
+    app, _ = await build_coordinator(s, tokenizer=None, eos_token_ids=set())
+    await app.start()
+    return app
+
+
 TOKENIZER_CHARS = "<abcdefghijklmnopqrstuvwxyz .,!?"  # 32 symbols: id i is TOKENIZER_CHARS[i]; 0 is <unk>
 
 

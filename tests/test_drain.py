@@ -14,10 +14,8 @@ import pytest
 import pytest_asyncio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from coordinator.config import CoordinatorSettings
-from coordinator.server import build_coordinator
 from specdec.pb import generation_pb2 as g, generation_pb2_grpc as gg, target_pb2, target_pb2_grpc
-from tests.helpers_models import start_replica, target_greedy, tiny_pair
+from tests.helpers_models import start_coordinator, start_replica, target_greedy, tiny_pair
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 PROMPT = [3, 1, 4, 1, 5]
@@ -85,10 +83,7 @@ async def test_a_request_in_flight_finishes_when_its_only_target_replica_drains(
     target, draft = pair
     t = await start_replica("target", target, grace_s=30)
     d = await start_replica("draft", draft)
-    s = CoordinatorSettings(host="127.0.0.1", port=0, metrics_port=0, ray=False, tokenizer="", grace_s=0,
-                            draft_endpoints=d.endpoint, target_endpoints=t.endpoint, log_level="WARNING")
-    coord, _ = await build_coordinator(s, tokenizer=None, eos_token_ids=set())
-    await coord.start()
+    coord = await start_coordinator(t.endpoint, d.endpoint)
     ch = grpc.aio.insecure_channel(f"127.0.0.1:{coord.port}")
     try:
         ids, stopping = [], None
@@ -117,11 +112,7 @@ async def test_the_coordinators_http_door_answers_while_its_drain_delay_runs(pai
 
     target, draft = pair
     t = await start_replica("target", target)
-    s = CoordinatorSettings(host="127.0.0.1", port=0, metrics_port=0, ray=False, tokenizer="", grace_s=1,
-                            drain_delay_s=1.5, http_port=free_port(), draft_endpoints="",
-                            target_endpoints=t.endpoint, log_level="WARNING")
-    coord, _ = await build_coordinator(s, tokenizer=None, eos_token_ids=set())
-    await coord.start()
+    coord = await start_coordinator(t.endpoint, grace_s=1, drain_delay_s=1.5, http_port=free_port())
     base = f"http://127.0.0.1:{coord.http_port}"
     try:
         async with httpx.AsyncClient(base_url=base, timeout=5) as client:
@@ -149,10 +140,7 @@ async def test_calls_left_when_the_grace_runs_out_end_unavailable_with_a_reason(
     target, draft = pair
     t = await start_replica("target", target)
     d = await start_replica("draft", draft)
-    s = CoordinatorSettings(host="127.0.0.1", port=0, metrics_port=0, ray=False, tokenizer="", grace_s=0.05,
-                            draft_endpoints=d.endpoint, target_endpoints=t.endpoint, log_level="WARNING")
-    coord, _ = await build_coordinator(s, tokenizer=None, eos_token_ids=set())
-    await coord.start()
+    coord = await start_coordinator(t.endpoint, d.endpoint, grace_s=0.05)
     ch = grpc.aio.insecure_channel(f"127.0.0.1:{coord.port}")
     try:
         request = g.GenerateRequest(prompt_token_ids=PROMPT, max_new_tokens=240, mode="sd", ignore_eos=True)

@@ -6,12 +6,10 @@ import asyncio
 import grpc
 import pytest
 
-from coordinator.config import CoordinatorSettings
-from coordinator.server import build_coordinator
 from specdec.pb import generation_pb2 as g, generation_pb2_grpc as gg
 from specdec.server.settings import startup_warnings
 from target_service.config import TargetSettings
-from tests.helpers_models import start_replica, target_greedy, tiny_pair
+from tests.helpers_models import start_coordinator, start_replica, target_greedy, tiny_pair
 
 PROMPT = [3, 1, 4, 1, 5]
 
@@ -24,10 +22,7 @@ async def test_a_full_call_queue_is_waited_out_not_failed(mode):
     target, draft = tiny_pair()
     t = await start_replica("target", target, max_queue=1, batch_window_ms=0.0)
     d = await start_replica("draft", draft, max_queue=1)
-    s = CoordinatorSettings(host="127.0.0.1", port=0, metrics_port=0, ray=False, tokenizer="", grace_s=0,
-                            draft_endpoints=d.endpoint, target_endpoints=t.endpoint, log_level="WARNING")
-    coord, _ = await build_coordinator(s, tokenizer=None, eos_token_ids=set())
-    await coord.start()
+    coord = await start_coordinator(t.endpoint, d.endpoint)
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{coord.port}") as ch:
             stub = gg.GenerationServiceStub(ch)
@@ -60,11 +55,7 @@ async def test_a_whole_answer_over_the_message_limit_names_the_setting():
     log had an ERROR traceback."""
     target, draft = tiny_pair()
     t = await start_replica("target", target)
-    s = CoordinatorSettings(host="127.0.0.1", port=0, metrics_port=0, ray=False, tokenizer="", grace_s=0,
-                            draft_endpoints="", target_endpoints=t.endpoint, log_level="WARNING",
-                            max_message_bytes=4096)
-    coord, _ = await build_coordinator(s, tokenizer=None, eos_token_ids=set())
-    await coord.start()
+    coord = await start_coordinator(t.endpoint, max_message_bytes=4096)
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{coord.port}") as ch:
             request = g.GenerateRequest(prompt_token_ids=PROMPT, max_new_tokens=200, mode="ar", ignore_eos=True,
@@ -108,10 +99,7 @@ async def test_a_replica_full_of_sessions_the_pool_does_not_count_is_waited_for(
 
     target, _ = tiny_pair()
     t = await start_replica("target", target, max_sessions=2, lru_min_idle_s=0.5)
-    s = CoordinatorSettings(host="127.0.0.1", port=0, metrics_port=0, ray=False, tokenizer="", grace_s=0,
-                            draft_endpoints="", target_endpoints=t.endpoint, log_level="WARNING")
-    coord, _ = await build_coordinator(s, tokenizer=None, eos_token_ids=set())
-    await coord.start()
+    coord = await start_coordinator(t.endpoint)
     try:
         async with grpc.aio.insecure_channel(t.endpoint) as direct:
             for sid in ("orphan-1", "orphan-2"):  # what a coordinator that crashed left behind
