@@ -7,6 +7,7 @@ each), a local Ray instance, and the coordinator's front server, all on loopback
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import socket
@@ -40,6 +41,15 @@ async def wait_serving(endpoint: str, service: str, timeout: float, proc: subpro
             return
         await asyncio.sleep(0.2)
     raise TimeoutError(f"{service} on {endpoint} not serving after {timeout:.0f}s ({err})")
+
+
+def config_vocab_size(model_dir: str) -> int:
+    """The vocabulary size a model directory's config.json gives (a compact draft's full one; 0: none found)."""
+    try:
+        cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return 0  # a .gguf file, a directory without config.json: the replica checks on its own
+    return int(cfg.get("specdec_full_vocab_size", cfg.get("vocab_size", 0)) or 0)
 
 
 class LocalStack:
@@ -109,6 +119,9 @@ class LocalStack:
             extra = ["--preverifier", self.preverifier] if self.preverifier else []
             if self.prompt_lookup_min_ngram is not None:
                 extra += ["--prompt-lookup-min-ngram", str(self.prompt_lookup_min_ngram)]
+            target_vocab = config_vocab_size(target_dir)
+            if 0 < config_vocab_size(draft_dir) < target_vocab:  # fewer rows, one tokenizer (specdec/vocab.py)
+                extra += ["--target-vocab-size", str(target_vocab)]
             proc, logf = self._launch("draft", draft_dir, dport, extra)
             draft_ep = f"127.0.0.1:{dport}"
             waits.append((draft_ep, "specdec.v1.DraftService", proc, logf))

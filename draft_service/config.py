@@ -24,6 +24,10 @@ class DraftSettings(ServerSettings):
         "pre-verifier's own, tuned on the host its card names). The best θ follows the host's draft/target cost "
         "ratio (docs/pacer.md, 'Choosing θ')")
     q_top_k: int = Field(64, ge=1, description="the draft samples from its top-k, so q is exactly sparse")
+    target_vocab_size: int = Field(
+        0, ge=0, description="the target model's vocabulary size where the draft checkpoint has fewer rows of the "
+        "same tokenizer (Qwen2.5-0.5B's 151936 for Qwen2.5-7B's 152064): the draft then takes every target id and "
+        "proposes none past its rows (specdec/vocab.py); 0: the draft's own")
     prompt_lookup_min_ngram: int = Field(
         PROMPT_LOOKUP_MIN_NGRAM, ge=0, description="prompt lookup: where the context's last N tokens (N >= this) occurred before, draft "
         "the token that followed them instead of the model's (q one-hot: lossless); 0 turns it off "

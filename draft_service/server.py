@@ -26,6 +26,13 @@ async def build_app(settings: DraftSettings, model=None, preverifier=None, warmu
         dtype = resolve_dtype(settings.dtype, device, "draft")
         model = await runner.run(lambda: load_model(settings.model, device, dtype, role="draft",
                                                     quant=settings.quant))
+    if settings.target_vocab_size:
+        from specdec.vocab import fit_draft_vocabulary
+
+        try:
+            fit_draft_vocabulary(model, settings.target_vocab_size, preverifier)
+        except ValueError as e:
+            raise ValueError(f"target_vocab_size {settings.target_vocab_size}: {e}") from None
     if preverifier is None and settings.preverifier:
         from specdec.preverifier import load_preverifier
 

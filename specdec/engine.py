@@ -28,6 +28,7 @@ from specdec.stop import FixedLength, PreverifierStop, StopRule, StopSpec
 from specdec.threads import set_thread_count
 from specdec.verify import SparseDist
 from specdec.worker_base import PREFILL_CHUNK
+from specdec.vocab import fit_draft_vocabulary
 from specdec.workers import DraftBlock, DraftWorker, TargetFeatures, TargetWorker, VerifyOutcome
 
 DEFAULT_PACER_THRESHOLD = 0.5
@@ -174,9 +175,9 @@ class Engine:
         self.target = LocalTarget(self.target_worker, threads_per_model, inline)
         self.draft_worker = self.draft = None
         if draft_model is not None:
-            if draft_model.config.vocab_size != target_model.config.vocab_size:
-                raise ValueError(f"draft vocabulary ({draft_model.config.vocab_size}) differs from the target's "
-                                 f"({target_model.config.vocab_size}); the pair must share a tokenizer")
+            # a draft checkpoint padded to fewer rows than its target's (Qwen2.5-0.5B for -7B) takes and proposes
+            # the target's ids (specdec/vocab.py); a pair of two tokenizers is refused here
+            fit_draft_vocabulary(draft_model, target_model.config.vocab_size, preverifier)
             self.draft_worker = DraftWorker(draft_model, preverifier=preverifier, q_top_k=q_top_k, lookup=lookup,
                                             max_sessions=max_sessions, max_context=max_context, **cache)
             self.draft = LocalDraft(self.draft_worker, threads_per_model, inline)

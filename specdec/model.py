@@ -234,6 +234,7 @@ class CausalLM(nn.Module):
         if cfg.tie_word_embeddings:  # a compact-vocabulary draft ties its subset rows the same way
             self.lm_head.weight = self.model.embed_tokens.weight
         to_compact = None
+        self.oov_compact_id = oov_compact_id  # the row an id outside the subset embeds as (specdec/vocab.py too)
         if vocab_subset is not None:
             to_compact = torch.full((cfg.vocab_size,), oov_compact_id, dtype=torch.long)
             to_compact[vocab_subset] = torch.arange(len(vocab_subset))
