@@ -17,8 +17,9 @@ Routing policy
 Admission (a pool at capacity queues, it does not fail)
 - Each replica's capacity is its `ModelInfo.max_sessions`, read with `GetInfo` when it turns healthy (0 when
   unknown: no limit here, the replica's own RESOURCE_EXHAUSTED still applies).
-- The same read checks a target replica's vocabulary against the coordinator's tokenizer: one that cannot be that
-  tokenizer's counts as unhealthy until it goes away (`replica_probes.vocabulary_mismatch`).
+- The same read checks a replica's vocabulary against the coordinator's tokenizer: one that cannot be that
+  tokenizer's counts as unhealthy until it goes away (`replica_probes.vocabulary_mismatch`); with no draft
+  replica left, requests run target-only (`draft_fallback`).
 - When every routable replica holds as many sessions pinned by this coordinator as its capacity, `acquire` waits
   for one to be released, first come first served within a request's `priority` (lower first), at most
   `wait_s`; then, or when `max_waiting` requests already wait, it fails with `CapacityError`
@@ -162,15 +163,29 @@ class PoolManager:
                 ask = [m for m in pool.members.values() if m.healthy and m.capacity is None]
                 caps = await asyncio.gather(*(self._check_capacity(pool.kind, m.endpoint) for m in ask))
                 for m, (cap, context, vocab) in zip(ask, caps):
-                    m.capacity, m.max_context = cap, context
-                    m.refused = vocabulary_mismatch(self.tokenizer_size, vocab) if pool.kind == "target" else ""
+                    m.capacity, m.max_context, m.vocab, m.vocab_warned = cap, context, vocab, False
+                    m.refused = vocabulary_mismatch(self.tokenizer_size, vocab, pool.kind)
                     if m.refused:
-                        log.error("target replica %s gets no requests: %s", m.endpoint, m.refused)
+                        log.error("%s replica %s gets no requests: %s", pool.kind, m.endpoint, m.refused)
                         m.healthy, m.last_error = False, m.refused
                 if gone or any(not m.healthy for m in pool.members.values()):
                     self.generation += 1
                 self._serve_waiters(pool)
+            self._warn_short_drafts()
             self.generation += 1
+
+    def _warn_short_drafts(self) -> None:
+        """A draft replica whose model has fewer vocabulary rows than the target's (Qwen2.5-0.5B's for Qwen2.5-7B)
+        refuses every prompt or bias holding an id past them (INVALID_ARGUMENT), unless it was started with the
+        target's size (specdec/vocab.py); say so once per replica."""
+        targets = [m.vocab for m in self.pools["target"].members.values() if m.vocab] if "target" in self.pools else []
+        drafts = self.pools["draft"].members.values() if "draft" in self.pools else ()
+        for m in drafts:
+            if targets and 0 < m.vocab < max(targets) and not m.vocab_warned:
+                m.vocab_warned = True
+                log.warning("draft replica %s has %d vocabulary rows, the target %d: start it with "
+                            "DRAFT_TARGET_VOCAB_SIZE=%d, or requests holding the target's last ids fail", m.endpoint,
+                            m.vocab, max(targets), max(targets))
 
     def members(self) -> dict[str, list[str]]:
         """Routable endpoints per pool (pipelines cache this to move sessions off removed replicas)."""

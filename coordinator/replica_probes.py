@@ -62,16 +62,19 @@ async def grpc_capacity(kind: str, endpoint: str, timeout: float,
         return max(0, r.info.max_sessions), max(0, r.info.max_position_embeddings), max(0, r.info.vocab_size)
 
 
-def vocabulary_mismatch(tokenizer_size: int, vocab_size: int) -> str:
-    """Why a target model cannot be the coordinator tokenizer's ('' when it can, or either is unknown). A model's
-    vocabulary holds its tokenizer's tokens plus some padding (Qwen2.5: 151,665 in 151,936); the coordinator's
-    tokenizer with 64 tokens more, or with fewer than half, is another model's, and every answer would be decoded
-    with the wrong vocabulary (silently: a gpu deployment whose coordinator read the default SmolLM2 tokenizer for
-    a Llama target, found by an audit of session 28)."""
+def vocabulary_mismatch(tokenizer_size: int, vocab_size: int, kind: str = "target") -> str:
+    """Why a `kind` replica's model cannot be the coordinator tokenizer's ('' when it can, or either is unknown). A
+    model's vocabulary holds its tokenizer's tokens plus some padding (Qwen2.5: 151,665 in 151,936); the
+    coordinator's tokenizer with 64 tokens more, or with fewer than half, is another model's. A target's answers
+    would be decoded with the wrong vocabulary (silently: a gpu deployment whose coordinator read the default SmolLM2
+    tokenizer for a Llama target, found by an audit of session 28); a draft of another tokenizer proposes tokens
+    that mean something else to the target, so requests would run slower than the target alone."""
     if not tokenizer_size or not vocab_size or tokenizer_size - 64 <= vocab_size <= 2 * tokenizer_size + 1024:
         return ""
+    fix = ("set COORDINATOR_TOKENIZER to the target's model" if kind == "target" else
+           "serve a draft of the target's tokenizer; requests run target-only meanwhile")
     return (f"its model's vocabulary has {vocab_size} tokens and the coordinator's tokenizer {tokenizer_size}: "
-            f"they are different models' (set COORDINATOR_TOKENIZER to the target's model)")
+            f"they are different models' ({fix})")
 
 
 async def end_session(kind: str, endpoint: str, session_id: str, timeout: float,

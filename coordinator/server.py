@@ -61,7 +61,7 @@ def init_ray(s: CoordinatorSettings, log_to_driver: bool = True) -> None:
 
 
 async def build_router(s: CoordinatorSettings, resolve=None, health_check=None, tokenizer_size: int = 0):
-    """`tokenizer_size`: the coordinator's tokenizer's tokens; a target replica whose vocabulary cannot be that
+    """`tokenizer_size`: the coordinator's tokenizer's tokens; a replica whose vocabulary cannot be that
     tokenizer's gets no requests (coordinator/replica_probes.py, `vocabulary_mismatch`)."""
     specs = {k: s.pool_spec(k) for k in ("draft", "target")}
     affinity_slack = s.prefix_affinity_slack if s.prefix_affinity_chunk else None  # None: least loaded only

@@ -119,3 +119,31 @@ async def test_a_target_whose_vocabulary_is_not_the_tokenizers_gets_no_requests(
     finally:
         for a in (app, wide, d):
             await a.shutdown(0)
+
+
+@pytest.mark.asyncio
+async def test_a_draft_whose_vocabulary_is_not_the_tokenizers_is_left_out(tmp_path):
+    """A draft replica of another tokenizer proposes tokens that mean something else to the target: lossless, but
+    slower than the target alone, and silent. It is refused like such a target, and requests run target-only."""
+    from specdec.tokenizer import load_tokenizer
+    from tests.helpers_models import build_tiny_model, save_tiny_tokenizer
+
+    tok = load_tokenizer(save_tiny_tokenizer(tmp_path / "tok"))  # 32 tokens
+    target, _ = tiny_pair()
+    t = await start_replica("target", target)
+    wide = await start_replica("draft", build_tiny_model(vocab_size=4096, hidden_size=16, num_layers=1, seed=2))
+    s = CoordinatorSettings(host="127.0.0.1", port=0, metrics_port=0, ray=False, tokenizer="", grace_s=0,
+                            draft_endpoints=wide.endpoint, target_endpoints=t.endpoint, log_level="WARNING")
+    app, router = await build_coordinator(s, tokenizer=tok, eos_token_ids=set())
+    await app.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{app.port}") as ch:
+            r = await gg.GenerationServiceStub(ch).Generate(g.GenerateRequest(
+                prompt_token_ids=[3, 1, 4], max_new_tokens=6, mode="sd", ignore_eos=True))
+        assert list(r.token_ids) == target_greedy(target, [3, 1, 4], 6)
+        assert r.stats.draft_unavailable and r.stats.draft_tokens == 0
+        error = router.pool_manager.snapshot()["draft"][wide.endpoint]["error"]
+        assert "4096 tokens" in error and "draft of the target's tokenizer" in error
+    finally:
+        for a in (app, wide, t):
+            await a.shutdown(0)
