@@ -4,7 +4,8 @@ prompt: where `scripts/overlap_ab.py` runs one process (one GIL for both models)
     python scripts/stack_window_ab.py --n-prompts 3
     python scripts/stack_window_ab.py --configs ar sd:3 pearl:3:always pearl:8:auto
 
-A configuration is MODE[:GAMMA[:OVERLAP]] (GAMMA: sd's length, the PEARL modes' window; '' its default). Greedy,
+A configuration is MODE[:GAMMA[:OVERLAP[:FIRST]]] (GAMMA: sd's length, the PEARL modes' window; FIRST: the PEARL
+modes' pearl_first_block, 0 = pre-verify; '' the default). Greedy,
 128 new tokens, HumanEval + chat prompts of the default pair, 1 thread per replica; the configurations' order
 rotates per prompt. Prints median tokens/s, paired ratios against `ar`, and the summed wall, target and draft busy
 time, target forwards and wasted draft tokens: the target's idle share of the wall is 1 - target busy / wall.
@@ -19,8 +20,11 @@ DEFAULT_CONFIGS = ["ar", "sd:3", "pearl:3:always", "pearl:4:always", "pearl::alw
 
 
 def parse(config: str) -> tuple[str, int | None, dict]:
-    mode, gamma, overlap = (config.split(":") + ["", ""])[:3]
-    return mode, int(gamma) if gamma else None, {"pearl_overlap": overlap} if overlap else {}
+    mode, gamma, overlap, first = (config.split(":") + ["", "", ""])[:4]
+    fields = {"pearl_overlap": overlap} if overlap else {}
+    if first:
+        fields["pearl_first_block"] = int(first)
+    return mode, int(gamma) if gamma else None, fields
 
 
 async def main(args) -> None:
@@ -66,7 +70,7 @@ async def main(args) -> None:
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS, help="MODE[:GAMMA[:OVERLAP]]; the first is the "
+    ap.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS, help="MODE[:GAMMA[:OVERLAP[:FIRST]]]; the first is the "
                     "baseline of the paired ratios")
     ap.add_argument("--n-prompts", type=int, default=3, help="prompts per set (HumanEval, chat)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
