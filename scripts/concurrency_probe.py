@@ -60,6 +60,8 @@ async def main(args) -> None:
             fields = {} if first is None or "pearl" not in mode else {"pearl_first_block": first}
             if off is not None:
                 fields["spec_off_batch"] = off
+            if args.ignore_eos:
+                fields["ignore_eos"] = True
             for c in args.levels:
                 picks = [prompts[i % len(prompts)] for i in range(c)]
                 pids = {"coordinator+client": os.getpid(), **{p.args[2]: p.pid for p in stack.procs}}
@@ -110,5 +112,7 @@ if __name__ == "__main__":
                     default=[None], help="load-adaptive speculation thresholds to sweep (0: always speculate)")
     ap.add_argument("--repeats", type=int, default=1, help="repeat the whole mode x gamma sweep (interleaved)")
     ap.add_argument("--no-ray", action="store_true")
+    ap.add_argument("--ignore-eos", action="store_true", help="every request runs max_new_tokens (A/B runs whose "
+                    "outputs may differ: kernels that round otherwise)")
     ap.add_argument("--json")
     asyncio.run(main(ap.parse_args()))
