@@ -7,8 +7,9 @@ prompt: where `scripts/overlap_ab.py` runs one process (one GIL for both models)
 A configuration is MODE[:GAMMA[:OVERLAP[:FIRST]]] (GAMMA: sd's length, the PEARL modes' window; FIRST: the PEARL
 modes' pearl_first_block, 0 = pre-verify; '' the default). Greedy,
 128 new tokens, HumanEval + chat prompts of the default pair, 1 thread per replica; the configurations' order
-rotates per prompt. Prints median tokens/s, paired ratios against `ar`, and the summed wall, target and draft busy
-time, target forwards and wasted draft tokens: the target's idle share of the wall is 1 - target busy / wall.
+rotates per prompt. Prints median tokens/s, paired ratios against the first configuration, and the summed wall,
+target and draft busy time, target forwards and wasted draft tokens: the target's idle share of the wall is
+1 - target busy / wall.
 """
 from __future__ import annotations
 
@@ -70,8 +71,8 @@ async def main(args) -> None:
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS, help="MODE[:GAMMA[:OVERLAP[:FIRST]]]; the first is the "
-                    "baseline of the paired ratios")
+    ap.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS,
+                    help="MODE[:GAMMA[:OVERLAP[:FIRST]]]; the first is the baseline of the paired ratios")
     ap.add_argument("--n-prompts", type=int, default=3, help="prompts per set (HumanEval, chat)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     asyncio.run(main(ap.parse_args()))

@@ -27,8 +27,8 @@ from specdec.schedule import GenerationRequest, GenerationResult, generate
 from specdec.stop import FixedLength, PreverifierStop, StopRule, StopSpec
 from specdec.threads import set_thread_count
 from specdec.verify import SparseDist
-from specdec.worker_base import PREFILL_CHUNK
 from specdec.vocab import fit_draft_vocabulary
+from specdec.worker_base import PREFILL_CHUNK
 from specdec.workers import DraftBlock, DraftWorker, TargetFeatures, TargetWorker, VerifyOutcome
 
 DEFAULT_PACER_THRESHOLD = 0.5

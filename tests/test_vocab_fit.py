@@ -94,7 +94,8 @@ def test_sampled_output_follows_the_exact_target_distribution(method):
 
     exact = {}
     for seq in itertools.product(range(vt), repeat=3):
-        exact[seq] = float(cond(prompt)[seq[0]] * cond(prompt + [seq[0]])[seq[1]] * cond(prompt + list(seq[:2]))[seq[2]])
+        exact[seq] = float(cond(prompt)[seq[0]] * cond(prompt + [seq[0]])[seq[1]]
+                           * cond(prompt + list(seq[:2]))[seq[2]])
     assert sum(v for k, v in exact.items() if max(k) >= vd) > 0.2
     eng = Engine(target, draft, inline=True)
     n = int(os.environ.get("SPECDEC_EXACT_RUNS_TRUNC", "3000"))
