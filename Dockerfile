@@ -57,7 +57,7 @@ COPY coordinator/ ./coordinator/
 RUN pip install --no-cache-dir "grpcio==1.85.1" "grpcio-tools==1.85.1" \
  && python scripts/gen_protos.py \
  && pip install --no-cache-dir . \
- && python -I -c "from specdec.pb import generation_pb2_grpc; import draft_service, target_service, coordinator"
+ && python -I -c "from specdec_rpc.pb import generation_pb2_grpc; import draft_service, target_service, coordinator"
 
 ############################ runtime ############################
 FROM python:${PYTHON_VERSION}-slim-bookworm AS runtime

@@ -4,10 +4,10 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PROTOS := $(wildcard proto/specdec/v1/*.proto)
-PROTO_STAMP := specdec/pb/.generated
+PROTO_STAMP := specdec_rpc/pb/.generated
 PROMPT ?= Explain how a hash map works, with an example in Python.
 
-.PHONY: install proto test test-fast demo serve bench bench-quick distill-draft train-preverifier clean
+.PHONY: install proto lint-imports test test-fast demo serve bench bench-quick distill-draft train-preverifier clean
 
 install: $(STAMP) $(PROTO_STAMP)
 
@@ -24,8 +24,12 @@ $(PROTO_STAMP): $(STAMP) $(PROTOS) scripts/gen_protos.py
 
 proto: $(PROTO_STAMP)
 
+# the architecture contracts in pyproject.toml ([tool.importlinter]): the core imports no transport, the layers
+lint-imports: install
+	$(VENV)/bin/lint-imports
+
 # two workers, one per core; a test file stays on one worker (module fixtures: servers, Ray)
-test: install
+test: install lint-imports
 	$(PY) -m pytest -ra --durations=15 -n 2 --dist loadfile
 
 test-fast: install
@@ -54,4 +58,4 @@ train-preverifier: install
 	$(VENV)/bin/specdec train-preverifier run
 
 clean:
-	rm -rf $(VENV) specdec/pb/*_pb2*.py specdec/pb/*_pb2*.pyi $(PROTO_STAMP) .pytest_cache
+	rm -rf $(VENV) specdec_rpc/pb/*_pb2*.py specdec_rpc/pb/*_pb2*.pyi $(PROTO_STAMP) .pytest_cache

@@ -10,7 +10,7 @@ from collections import OrderedDict
 
 import ray
 
-from coordinator.pool import ReplicaUnavailableError
+from coordinator.routing.pool import ReplicaUnavailableError
 
 
 # Ray restarts it if its process dies: with what it held forgotten (the replicas' own limits still apply), and its
@@ -22,8 +22,8 @@ class PoolManagerActor:
                  log_level: str = "INFO", tokenizer_size: int = 0):
         import logging
 
-        from coordinator.discovery import source_from_spec
-        from coordinator.pool import PoolManager
+        from coordinator.routing.discovery import source_from_spec
+        from coordinator.routing.pool import PoolManager
 
         from coordinator.channels import Dialer
 
@@ -182,7 +182,7 @@ class PipelineActor:
 
     def _get(self):
         if self.pipeline is None:  # grpc.aio channels must be created inside the actor's event loop
-            from coordinator.pipeline import Pipeline
+            from coordinator.backends.pipeline import Pipeline
 
             from coordinator.channels import Dialer
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import grpc
 
-from specdec.pb import draft_pb2, draft_pb2_grpc, target_pb2_grpc
+from specdec_rpc.pb import draft_pb2, draft_pb2_grpc, target_pb2_grpc
 
 CHANNEL_OPTIONS = [("grpc.keepalive_time_ms", 30_000), ("grpc.keepalive_timeout_ms", 10_000),
                    ("grpc.max_receive_message_length", 16 * 1024 * 1024),
@@ -33,7 +33,7 @@ class Dialer:
         are built in the process that dials (a Ray actor's own)."""
         if not tls:
             return cls()
-        from specdec.server.tls import channel_credentials
+        from specdec_rpc.tls import channel_credentials
 
         return cls(channel_credentials(tls["ca_file"], tls.get("cert_file"), tls.get("key_file")),
                    tls.get("server_names"))

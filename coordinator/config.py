@@ -13,7 +13,7 @@ from pydantic_settings import SettingsConfigDict
 
 from specdec.defaults import COORDINATOR_METRICS_PORT, COORDINATOR_PORT, DEFAULT_TARGET
 from specdec.request import DEFAULT_POST_THRESHOLD, MAX_SPEC_OFF_BATCH, MODES
-from specdec.server.settings import ProcessSettings
+from specdec_rpc.settings import ProcessSettings
 
 
 class CoordinatorSettings(ProcessSettings):

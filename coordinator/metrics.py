@@ -29,7 +29,7 @@ class CoordinatorMetrics:
         self.rounds = Counter("specdec_rounds", "Decoding rounds of finished requests", ["kind"], registry=r)
         self.waiting = Gauge("specdec_num_requests_waiting", "Requests waiting for free replica sessions",
                              registry=r)
-        # time a request waited for free replica sessions (pools at capacity; coordinator/pool.py, "Admission")
+        # time a request waited for free replica sessions (pools at capacity; coordinator/routing/pool.py, "Admission")
         self.queue_time = Histogram("specdec_request_queue_time_seconds", "Time waiting for free replica sessions",
                                     buckets=(0.001,) + _SECONDS, registry=r)
         self.e2e = Histogram("specdec_e2e_request_latency_seconds", "Request latency (finished and aborted "
@@ -49,7 +49,7 @@ class CoordinatorMetrics:
         self.draft_unavailable = Counter("specdec_draft_unavailable", "Requests that fell back to target-only "
                                          "decoding: no draft replica reachable, or past the draft's context",
                                          ["reason"], registry=r)
-        # sessions given up to requests of higher priority (COORDINATOR_PREEMPT; coordinator/preemption.py)
+        # sessions given up to requests of higher priority (COORDINATOR_PREEMPT; coordinator/routing/preemption.py)
         self.preemptions = Counter("specdec_preemptions", "Replica sessions requests gave up to requests of higher "
                                    "priority, to resume later", registry=r)
         # vLLM's spec_decode_num_draft_tokens / _num_accepted_tokens / _num_emitted_tokens, by decoding mode, from

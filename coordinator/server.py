@@ -10,13 +10,13 @@ import logging
 import os
 
 from specdec.defaults import GENERATION_SERVICE_NAME
-from specdec.server.app import ServerApp
-from specdec.server.metrics import ServiceMetrics
+from specdec_rpc.app import ServerApp
+from specdec_rpc.metrics import ServiceMetrics
 
 from coordinator.config import CoordinatorSettings
-from coordinator.discovery import split_host_port
+from coordinator.routing.discovery import split_host_port
 from coordinator.metrics import CoordinatorMetrics
-from coordinator.service import GenerationServicer, add_to_server
+from coordinator.grpc_api.service import GenerationServicer, add_to_server
 
 log = logging.getLogger(__name__)
 
@@ -62,16 +62,16 @@ def init_ray(s: CoordinatorSettings, log_to_driver: bool = True) -> None:
 
 async def build_router(s: CoordinatorSettings, resolve=None, health_check=None, tokenizer_size: int = 0):
     """`tokenizer_size`: the coordinator's tokenizer's tokens; a replica whose vocabulary cannot be that
-    tokenizer's gets no requests (coordinator/replica_probes.py, `vocabulary_mismatch`)."""
+    tokenizer's gets no requests (coordinator/routing/probes.py, `vocabulary_mismatch`)."""
     specs = {k: s.pool_spec(k) for k in ("draft", "target")}
     affinity_slack = s.prefix_affinity_slack if s.prefix_affinity_chunk else None  # None: least loaded only
     tls = client_tls(s)
     if not s.ray:
         from coordinator.channels import Dialer
-        from coordinator.discovery import source_from_spec
-        from coordinator.pipeline import AsyncPool, Pipeline
-        from coordinator.pool import PoolManager
-        from coordinator.router import LocalRouter
+        from coordinator.routing.discovery import source_from_spec
+        from coordinator.backends.pipeline import AsyncPool, Pipeline
+        from coordinator.routing.pool import PoolManager
+        from coordinator.routing.router import LocalRouter
 
         dialer = Dialer.from_tls(tls)
         pm = PoolManager({k: source_from_spec(v, resolve) for k, v in specs.items() if v}, s.dns_refresh_s,
@@ -84,7 +84,7 @@ async def build_router(s: CoordinatorSettings, resolve=None, health_check=None, 
         router.pool_manager = pm
         return router
     from coordinator.actor import PipelineActor, PoolManagerActor
-    from coordinator.router import RayRouter
+    from coordinator.routing.router import RayRouter
 
     pool = PoolManagerActor.remote(specs, s.dns_refresh_s, s.health_timeout_s, tls, s.queue_wait_s, s.max_waiting,
                                    affinity_slack, s.preempt, s.log_level, tokenizer_size)
@@ -142,7 +142,7 @@ async def build_coordinator(s: CoordinatorSettings, tokenizer=None, eos_token_id
             await asyncio.to_thread(provider.shutdown)
         on_stop.append(export_the_rest)
     if s.http_port:
-        from coordinator.http_server import HttpFrontDoor
+        from coordinator.http_api.server import HttpFrontDoor
 
         http = HttpFrontDoor(s, lambda: holder["app"])
         on_start.append(http.start)
@@ -150,7 +150,7 @@ async def build_coordinator(s: CoordinatorSettings, tokenizer=None, eos_token_id
         on_stop.insert(0, http.wait_closed)  # in-flight HTTP requests finish before the router closes
     guards = ()
     if s.api_key:
-        from specdec.server.auth import ApiKeyInterceptor
+        from specdec_rpc.auth import ApiKeyInterceptor
 
         guards = (ApiKeyInterceptor(s.api_key, (GENERATION_SERVICE_NAME,), "COORDINATOR_API_KEY"),)
     app = ServerApp(s, GENERATION_SERVICE_NAME, register, ServiceMetrics(replica=False), on_stop=on_stop,

@@ -28,7 +28,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 async def wait_serving(endpoint: str, service: str, timeout: float, proc: subprocess.Popen | None = None,
                        log_path: Path | None = None) -> None:
-    from coordinator.replica_probes import grpc_health
+    from coordinator.routing.probes import grpc_health
 
     deadline = time.monotonic() + timeout
     err = ""

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 
 from specdec.drafting import DraftBlock
 from specdec.errors import CapacityError
-from specdec.server.interceptor import ServiceDraining
-from specdec.server.runner import cancel_and_wait
+from specdec_rpc.interceptor import ServiceDraining
+from specdec_rpc.runner import cancel_and_wait
 
 _END = object()
 

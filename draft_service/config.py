@@ -5,7 +5,7 @@ from pydantic import Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
 from specdec.defaults import DEFAULT_DRAFT, DRAFT_METRICS_PORT, DRAFT_PORT, PROMPT_LOOKUP_MIN_NGRAM, QUANT_MODES
-from specdec.server.settings import ServerSettings
+from specdec_rpc.settings import ServerSettings
 
 
 class DraftSettings(ServerSettings):

@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 from specdec.defaults import DRAFT_SERVICE_NAME
-from specdec.server.app import ServerApp
-from specdec.server.host import SessionHost
-from specdec.server.metrics import ServiceMetrics
-from specdec.server.runner import ModelThread
-from specdec.server.settings import resolve_device, resolve_dtype
+from specdec_rpc.app import ServerApp
+from specdec_rpc.host import SessionHost
+from specdec_rpc.metrics import ServiceMetrics
+from specdec_rpc.runner import ModelThread
+from specdec_rpc.settings import resolve_device, resolve_dtype
 
 from draft_service.batcher import DraftBatcher
 from draft_service.config import DraftSettings

@@ -4,9 +4,9 @@ from __future__ import annotations
 import grpc
 
 from specdec.errors import InvalidRequestError, StalePositionError
-from specdec.pb import draft_pb2, draft_pb2_grpc
-from specdec.server.convert import encode_q, features_from_proto, sampling_from_proto
-from specdec.server.host import SessionHost
+from specdec_rpc.pb import draft_pb2, draft_pb2_grpc
+from specdec_rpc.convert import encode_q, features_from_proto, sampling_from_proto
+from specdec_rpc.host import SessionHost
 from specdec.engine import make_stop_rule
 from specdec.stop import StopSpec
 

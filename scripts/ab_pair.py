@@ -1,5 +1,5 @@
 """The default pair in process, for the A/B scripts (`lookup_ab.py`, `overlap_ab.py`, `switch_ab.py`): the
-benchmark's own prompts (specdec.bench: HumanEval raw, the chat set chat-templated) and one engine, 1 thread per
+benchmark's own prompts (specdec_bench: HumanEval raw, the chat set chat-templated) and one engine, 1 thread per
 model. `kernel_ab.py` takes the pair only (`load_default_pair`)."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from specdec.bench.prompts import load_prompt_sets
+from specdec_bench.prompts import load_prompt_sets
 from specdec.engine import Engine
 from specdec.hub import resolve_model
 from specdec.lookup import PromptLookup

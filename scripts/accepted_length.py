@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-from specdec.bench.prompts import load_prompt_sets
+from specdec_bench.prompts import load_prompt_sets
 from specdec.engine import Engine
 from specdec.hub import resolve_model
 from specdec.model import load_model_dir

@@ -32,8 +32,8 @@ async def run(args) -> None:
     from coordinator.stack import LocalStack
     from specdec.defaults import DEFAULT_DRAFT, DEFAULT_TARGET
     from specdec.hub import resolve_model
-    from specdec.pacer_train.bench import benchmark_prompts, encode
-    from specdec.pb import generation_pb2 as g, generation_pb2_grpc as gg
+    from specdec_train.preverifier.bench import benchmark_prompts, encode
+    from specdec_rpc.pb import generation_pb2 as g, generation_pb2_grpc as gg
     from specdec.tokenizer import load_tokenizer
 
     tok = load_tokenizer(resolve_model(DEFAULT_TARGET))
@@ -70,8 +70,8 @@ async def run_urgent(args) -> None:
     from coordinator.stack import LocalStack
     from specdec.defaults import DEFAULT_DRAFT, DEFAULT_TARGET
     from specdec.hub import resolve_model
-    from specdec.pacer_train.bench import benchmark_prompts, encode
-    from specdec.pb import generation_pb2 as g, generation_pb2_grpc as gg
+    from specdec_train.preverifier.bench import benchmark_prompts, encode
+    from specdec_rpc.pb import generation_pb2 as g, generation_pb2_grpc as gg
     from specdec.tokenizer import load_tokenizer
 
     tok = load_tokenizer(resolve_model(DEFAULT_TARGET))

@@ -17,7 +17,7 @@ import torch
 
 
 def _neighbour(spec: str, role: str, ready, stop) -> None:
-    from specdec.distill.bench import served_per_token_s
+    from specdec_train.distill.bench import served_per_token_s
     from specdec.model import load_model
 
     torch.set_num_threads(1)
@@ -34,7 +34,7 @@ def main() -> None:
     ap.add_argument("--neighbour", choices=["draft", "target"], default="draft")
     ap.add_argument("--repeats", type=int, default=9)
     args = ap.parse_args()
-    from specdec.distill.bench import served_per_token_s
+    from specdec_train.distill.bench import served_per_token_s
     from specdec.model import load_model
 
     torch.set_num_threads(1)

@@ -19,7 +19,7 @@ import statistics
 
 import torch
 
-from specdec.distill.bench import served_per_token_s
+from specdec_train.distill.bench import served_per_token_s
 from specdec.dtypes import resolve_dtype
 from specdec.model import load_model
 from specdec.quant import weight_quant

@@ -14,7 +14,7 @@ import time
 import torch
 
 import specdec.fusion
-from specdec.distill.bench import served_per_token_s
+from specdec_train.distill.bench import served_per_token_s
 from specdec.model import load_model
 
 

@@ -1,13 +1,13 @@
 #!/usr/bin/env python
-"""Generate the Python gRPC stubs for every proto/specdec/v1/*.proto into specdec/pb/.
+"""Generate the Python gRPC stubs for every proto/specdec/v1/*.proto into specdec_rpc/pb/.
 
-    python scripts/gen_protos.py           # (re)generate specdec/pb/*_pb2*.py(i)
+    python scripts/gen_protos.py           # (re)generate specdec_rpc/pb/*_pb2*.py(i)
     python scripts/gen_protos.py --check   # exit 1 if the stubs are missing or stale
 
 Uses the protoc bundled with grpcio-tools, which must be the same version as the runtime grpcio
 (generated `_pb2_grpc.py` files refuse to import on an older grpcio). protoc emits absolute imports
 (`from specdec.v1 import common_pb2`); they are rewritten to package-relative ones (`from . import
-common_pb2`) so the stubs live flat in `specdec.pb`. The generated files are git-ignored.
+common_pb2`) so the stubs live flat in `specdec_rpc.pb`. The generated files are git-ignored.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PROTO_ROOT = ROOT / "proto"
 PROTO_DIR = PROTO_ROOT / "specdec" / "v1"
-OUT_DIR = ROOT / "specdec" / "pb"
+OUT_DIR = ROOT / "specdec_rpc" / "pb"
 _ABS_IMPORT = re.compile(r"^from specdec\.v1 import (\w+_pb2)", re.MULTILINE)
 _SUFFIXES = ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py")
 
@@ -61,7 +61,7 @@ def generate(out_dir: Path) -> list[Path]:
 
 
 def check() -> int:
-    """Return 0 when specdec/pb holds exactly what generate() would write now."""
+    """Return 0 when specdec_rpc/pb holds exactly what generate() would write now."""
     with tempfile.TemporaryDirectory() as tmp:
         fresh = generate(Path(tmp))
         stale = [f.name for f in fresh

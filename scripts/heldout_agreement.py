@@ -2,9 +2,9 @@
 
     python scripts/heldout_agreement.py /tmp/r4 specdec/assets/default_draft
     python scripts/heldout_agreement.py specdec/assets/default_draft --served none int8   # as the service runs it
-    python scripts/heldout_agreement.py DRAFT --set online=specdec/data/distill_heldout.jsonl.gz --max-rows 300
+    python scripts/heldout_agreement.py DRAFT --set online=specdec_train/data/distill_heldout.jsonl.gz --max-rows 300
 
-Sets: the shared data's held-out split, and the online held-out set (`specdec/data/distill_heldout.jsonl.gz`: the
+Sets: the shared data's held-out split, and the online held-out set (`specdec_train/data/distill_heldout.jsonl.gz`: the
 target's greedy continuations of the held-out prompts met while generating the shipped draft's training text,
 chat templates, self-instructed user turns and code; never trained on). Rows that name their `source` are also
 reported per source.
@@ -14,7 +14,7 @@ model as the draft service loads it (dtype auto, the given weight quantization),
 per forward after a prefill of the prompt: the exact kernels a draft step runs.
 
 Agreement = the draft's top-1 equals the target's greedy token, teacher-forced over the target's own greedy
-continuations of the held-out prompts (`specdec.distill.evaluate.greedy_agreement`).
+continuations of the held-out prompts (`specdec_train.distill.evaluate.greedy_agreement`).
 """
 from __future__ import annotations
 
@@ -25,13 +25,13 @@ from pathlib import Path
 
 import torch
 
-from specdec.distill.data import SHARED_SAMPLES, load_samples, split
-from specdec.distill.draft_model import load_draft
-from specdec.distill.evaluate import greedy_agreement
+from specdec_train.distill.data import SHARED_SAMPLES, load_samples, split
+from specdec_train.distill.draft_model import load_draft
+from specdec_train.distill.evaluate import greedy_agreement
 from specdec.model import load_model
 
 SETS = {"shared": str(SHARED_SAMPLES),
-        "online": str(Path(__file__).resolve().parents[1] / "specdec" / "data" / "distill_heldout.jsonl.gz")}
+        "online": str(Path(__file__).resolve().parents[1] / "specdec_train" / "data" / "distill_heldout.jsonl.gz")}
 
 
 def main() -> None:

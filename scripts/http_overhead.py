@@ -22,14 +22,14 @@ async def run(args) -> None:
     import httpx
 
     from coordinator.stack import LocalStack
-    from specdec.bench.prompts import load_prompt_sets
+    from specdec_bench.prompts import load_prompt_sets
     from specdec.hub import resolve_model
-    from specdec.pb import generation_pb2 as g, generation_pb2_grpc as gg
+    from specdec_rpc.pb import generation_pb2 as g, generation_pb2_grpc as gg
     from specdec.tokenizer import load_tokenizer
 
     tok = load_tokenizer(resolve_model("default-target"))
     prompts = [p.ids for p in load_prompt_sets(tok, ["chat", "humaneval"], args.prompts)]
-    from specdec.bench.harness import _default_preverifier
+    from specdec_bench.harness import _default_preverifier
 
     async with LocalStack("default-target", "default-draft", _default_preverifier("default-draft"),
                           http_port=0) as stack:

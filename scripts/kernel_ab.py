@@ -25,7 +25,7 @@ import specdec.verify
 from ab_pair import load_default_pair  # scripts/ab_pair.py
 from specdec.engine import Engine
 from specdec.linear import Linear, set_plan
-from specdec.pacer_train.bench import benchmark_prompts, encode
+from specdec_train.preverifier.bench import benchmark_prompts, encode
 from specdec.sampling import SamplingParams
 from specdec.schedule import GenerationRequest
 from specdec.tokenizer import eos_token_ids

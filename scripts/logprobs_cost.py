@@ -23,8 +23,8 @@ def main(argv=None) -> None:
 
     import torch
 
-    from specdec.bench.default_pair import load_default_pair
-    from specdec.bench.prompts import load_prompt_sets
+    from specdec_bench.default_pair import load_default_pair
+    from specdec_bench.prompts import load_prompt_sets
     from specdec.engine import Engine
     from specdec.request import GenerationRequest
     from specdec.sampling import SamplingParams

@@ -4,7 +4,7 @@
     python scripts/lookup_agreement.py --set bench --humaneval 16 --chat 16  # the benchmark's own prompts
 
 Teacher-forced over the target's greedy continuations: `online` reads them from the shipped held-out set
-(`specdec/data/distill_heldout.jsonl.gz`); `bench` decodes them here with the target as served (bf16, 128 new
+(`specdec_train/data/distill_heldout.jsonl.gz`); `bench` decodes them here with the target as served (bf16, 128 new
 tokens). At each position: the draft's greedy token as served (int8, one token per forward) and the prompt-lookup
 proposal with the length of its match. Prints, per source, the agreement of the draft, of "lookup where its
 match has >= N tokens, else the draft" for N = 1..6, and of the oracle union.
@@ -17,14 +17,14 @@ from pathlib import Path
 
 import torch
 
-from specdec.bench.prompts import load_prompt_sets
-from specdec.distill.data import load_samples
+from specdec_bench.prompts import load_prompt_sets
+from specdec_train.distill.data import load_samples
 from specdec.hub import resolve_model
 from specdec.lookup import PromptLookup
 from specdec.model import load_model
 from specdec.tokenizer import load_tokenizer
 
-HELDOUT = Path(__file__).resolve().parents[1] / "specdec" / "data" / "distill_heldout.jsonl.gz"
+HELDOUT = Path(__file__).resolve().parents[1] / "specdec_train" / "data" / "distill_heldout.jsonl.gz"
 
 
 def decode(model, ids: list[int], n: int, force: list[int] | None = None) -> tuple[list[int], list[int]]:

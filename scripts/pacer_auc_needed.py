@@ -2,7 +2,7 @@
 
     python scripts/pacer_auc_needed.py --data .cache-pacer/bench_diag/rounds_bench_w0.pt
 
-Replays greedy decoding exactly (label files from `python -m specdec.pacer_train collect --walk-gamma 0`) with
+Replays greedy decoding exactly (label files from `python -m specdec_train.preverifier collect --walk-gamma 0`) with
 synthetic stop rules: per token, score = sigmoid(a * (2 * label - 1) + N(0, 1)), so `a` sets how much the rule
 knows. Each pays `--call-ms` per call; θ is the best on the same rounds (the most favourable case). Prints the
 AUC on reached blocks and the gain over the best fixed γ for each a, next to the free perfect rule's.
@@ -14,8 +14,8 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from specdec.pacer_train import data as D
-from specdec.pacer_train import train as T
+from specdec_train.preverifier import data as D
+from specdec_train.preverifier import train as T
 
 
 def main(argv=None) -> None:

@@ -17,10 +17,10 @@ import torch
 
 async def run(args) -> None:
     from coordinator.stack import LocalStack
-    from specdec.bench.runners import StackClient
+    from specdec_bench.runners import StackClient
     from specdec.defaults import DEFAULT_DRAFT, DEFAULT_TARGET
     from specdec.hub import resolve_model
-    from specdec.pacer_train.bench import benchmark_prompts, encode
+    from specdec_train.preverifier.bench import benchmark_prompts, encode
     from specdec.preverifier import DEFAULT_PREVERIFIER_DIR
     from specdec.tokenizer import load_tokenizer
 

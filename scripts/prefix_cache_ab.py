@@ -62,9 +62,9 @@ async def run(args) -> None:
     import grpc
 
     from coordinator.stack import LocalStack
-    from specdec.bench.harness import _default_preverifier
+    from specdec_bench.harness import _default_preverifier
     from specdec.hub import resolve_model
-    from specdec.pb import generation_pb2 as g, generation_pb2_grpc as gg
+    from specdec_rpc.pb import generation_pb2 as g, generation_pb2_grpc as gg
     from specdec.tokenizer import encode_prompt, load_tokenizer
 
     tok = load_tokenizer(resolve_model("default-target"))

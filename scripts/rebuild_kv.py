@@ -50,7 +50,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[16, 8, 0], help="rebuild_rows to compare (0: prefill)")
     args = ap.parse_args()
 
-    from specdec.bench.prompts import default_target_prompts
+    from specdec_bench.prompts import default_target_prompts
     from specdec.model import load_model
     from specdec.sampling import SamplingParams
     from specdec.threads import set_thread_count

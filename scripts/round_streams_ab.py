@@ -6,7 +6,7 @@ One stack (draft and target servers, 1 thread each; the coordinator's pipeline i
 switch `Pipeline.replica_streams` can flip between requests). For each prompt, every (mode, streams on / off,
 in-process) configuration runs once, in an order that rotates per prompt. Prints median tokens/s, the paired
 ratio streams on / off, each stack configuration's slowdown against its in-process twin (1 - paired median of
-stack ÷ in-process, as `specdec.bench` reports it), and the network time per round the coordinator reports
+stack ÷ in-process, as `specdec_bench` reports it), and the network time per round the coordinator reports
 (wall time inside replica calls minus the compute the replicas report; `GenerationStats.network_s`).
 """
 from __future__ import annotations
@@ -20,12 +20,12 @@ import torch
 
 async def run(args) -> None:
     from coordinator.stack import LocalStack
-    from specdec.bench.runners import Config, EngineRunner, StackClient
+    from specdec_bench.runners import Config, EngineRunner, StackClient
     from specdec.defaults import DEFAULT_DRAFT, DEFAULT_TARGET
     from specdec.engine import Engine
     from specdec.hub import resolve_model
     from specdec.model import load_model_dir
-    from specdec.pacer_train.bench import benchmark_prompts, encode
+    from specdec_train.preverifier.bench import benchmark_prompts, encode
     from specdec.preverifier import DEFAULT_PREVERIFIER_DIR, load_preverifier
     from specdec.tokenizer import eos_token_ids, load_tokenizer
 

@@ -43,7 +43,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=48)
     args = ap.parse_args()
 
-    from specdec.bench.prompts import default_target_prompts
+    from specdec_bench.prompts import default_target_prompts
     from specdec.linear import Linear, check_row_invariance
     from specdec.model import load_model
     from specdec.threads import set_thread_count

@@ -77,7 +77,7 @@ class Soak:
         self.preemptions = collections.Counter()  # by priority: sessions given up to higher priorities
 
     def request(self, rng: random.Random):
-        from specdec.pb import generation_pb2
+        from specdec_rpc.pb import generation_pb2
 
         p = rng.randrange(len(self.prompts))
         mode = rng.choice(MODES)
@@ -261,11 +261,11 @@ async def main(args) -> int:
     import grpc
 
     from coordinator.stack import LocalStack
-    from specdec.bench.harness import _default_preverifier
-    from specdec.bench.prompts import load_prompt_sets
+    from specdec_bench.harness import _default_preverifier
+    from specdec_bench.prompts import load_prompt_sets
     from specdec.defaults import DEFAULT_DRAFT, DEFAULT_TARGET
     from specdec.hub import resolve_model
-    from specdec.pb import generation_pb2, generation_pb2_grpc
+    from specdec_rpc.pb import generation_pb2, generation_pb2_grpc
     from specdec.tokenizer import load_tokenizer
 
     tdir = resolve_model(DEFAULT_TARGET)
@@ -274,7 +274,7 @@ async def main(args) -> int:
     if not args.no_shared_prefix:  # each prompt again behind one long shared prefix: the prefix cache's hits
         from prefix_cache_ab import SYSTEM
 
-        from specdec.bench.prompts import Prompt
+        from specdec_bench.prompts import Prompt
 
         shared = [int(t) for t in tok(SYSTEM + "\n\n")["input_ids"]]
         prompts += [Prompt(p.prompt_set, p.key + "+shared", shared + p.ids) for p in prompts]

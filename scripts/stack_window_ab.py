@@ -30,9 +30,9 @@ def parse(config: str) -> tuple[str, int | None, dict]:
 
 async def main(args) -> None:
     from coordinator.stack import LocalStack
-    from specdec.bench.harness import _default_preverifier
-    from specdec.bench.prompts import load_prompt_sets
-    from specdec.bench.runners import StackClient
+    from specdec_bench.harness import _default_preverifier
+    from specdec_bench.prompts import load_prompt_sets
+    from specdec_bench.runners import StackClient
     from specdec.defaults import DEFAULT_DRAFT, DEFAULT_TARGET
     from specdec.hub import resolve_model
     from specdec.tokenizer import load_tokenizer

@@ -49,7 +49,7 @@ def main(argv=None) -> None:
 
     import torch
 
-    from specdec.bench.default_pair import load_default_pair
+    from specdec_bench.default_pair import load_default_pair
     from specdec.engine import Engine
     from specdec.grammar import StructuredOutput
     from specdec.lookup import prompt_lookup

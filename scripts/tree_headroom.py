@@ -17,8 +17,8 @@ import math
 
 import torch
 
-from specdec.distill.data import SHARED_SAMPLES, load_samples, split
-from specdec.distill.draft_model import load_draft
+from specdec_train.distill.data import SHARED_SAMPLES, load_samples, split
+from specdec_train.distill.draft_model import load_draft
 
 SETS = {"shared": str(SHARED_SAMPLES), "gen7": ".cache-distill/gen/gen7.jsonl",
         "code1": ".cache-distill/gen/code1.jsonl"}

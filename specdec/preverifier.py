@@ -278,7 +278,7 @@ def load_preverifier(path: str | Path | None = None, draft_model: nn.Module | No
     path = Path(path) if path is not None else DEFAULT_PREVERIFIER_DIR
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"no pre-verifier at {path} (expected config.json + model.safetensors); train one "
-                                f"with `python -m specdec.pacer_train`")
+                                f"with `python -m specdec_train.preverifier`")
     cfg = json.loads((path / "config.json").read_text())
     if draft_model is not None:
         d = draft_model.config.hidden_size
@@ -288,7 +288,7 @@ def load_preverifier(path: str | Path | None = None, draft_model: nn.Module | No
         want = cfg.get("draft_fingerprint")
         if want and draft_fingerprint(draft_model) != want:
             _mismatch(f"pre-verifier {path} was trained for another draft (parameter fingerprint differs); "
-                      f"retrain it with `python -m specdec.pacer_train` for this draft", strict)
+                      f"retrain it with `python -m specdec_train.preverifier` for this draft", strict)
     if draft_dir is not None and cfg.get("draft_sha256"):
         if draft_dir_sha256(draft_dir) != cfg["draft_sha256"]:
             _mismatch(f"pre-verifier {path} was trained for another draft (sha256 of {draft_dir} differs)", strict)

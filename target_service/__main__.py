@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import sys
 
-from specdec.server.main import run_service
+from specdec_rpc.main import run_service
 
 from target_service.config import TargetSettings
 from target_service.server import build_app

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import grpc
 
-from specdec.pb import common_pb2, target_pb2, target_pb2_grpc
+from specdec_rpc.pb import common_pb2, target_pb2, target_pb2_grpc
 from specdec.sampling import SamplingParams
-from specdec.server.convert import encode_q, features_from_proto, logprobs_from_proto
+from specdec_rpc.convert import encode_q, features_from_proto, logprobs_from_proto
 from specdec.verify import SparseDist
 from specdec.workers import TargetFeatures, VerifyOutcome
 

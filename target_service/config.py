@@ -5,7 +5,7 @@ from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
 from specdec.defaults import DEFAULT_TARGET, TARGET_METRICS_PORT, TARGET_PORT
-from specdec.server.settings import ServerSettings
+from specdec_rpc.settings import ServerSettings
 
 
 class TargetSettings(ServerSettings):

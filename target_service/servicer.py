@@ -4,10 +4,10 @@ from __future__ import annotations
 import grpc
 
 from specdec.errors import InvalidRequestError
-from specdec.pb import common_pb2, target_pb2, target_pb2_grpc
-from specdec.server.convert import (decode_q, dense_q_to_sparse, features_to_proto, logprobs_to_proto,
+from specdec_rpc.pb import common_pb2, target_pb2, target_pb2_grpc
+from specdec_rpc.convert import (decode_q, dense_q_to_sparse, features_to_proto, logprobs_to_proto,
                                    sampling_from_proto, tensor_from_proto)
-from specdec.server.host import SessionHost
+from specdec_rpc.host import SessionHost
 
 from target_service.batcher import VerifyBatcher
 

@@ -8,11 +8,11 @@ import grpc
 import pytest
 
 from coordinator.config import CoordinatorSettings
-from coordinator.discovery import StaticSource
-from coordinator.pool import PoolManager, ReplicaUnavailableError
+from coordinator.routing.discovery import StaticSource
+from coordinator.routing.pool import PoolManager, ReplicaUnavailableError
 from coordinator.server import build_coordinator
 from specdec.errors import CapacityError
-from specdec.pb import generation_pb2 as g, generation_pb2_grpc as gg
+from specdec_rpc.pb import generation_pb2 as g, generation_pb2_grpc as gg
 from tests.helpers_models import start_replica, target_greedy, tiny_pair
 
 EP = "10.0.0.1:7"
@@ -39,7 +39,7 @@ async def settle():
 
 
 async def test_a_full_pool_queues_in_arrival_order(caplog):
-    caplog.set_level("INFO", logger="coordinator.pool")
+    caplog.set_level("INFO", logger="coordinator.routing.pool")
     pm = pool(2)
     await pm.start()
     assert pm.snapshot()["target"][EP]["capacity"] == 2

@@ -1,4 +1,4 @@
-"""Prefix-aware routing (coordinator/affinity.py): requests sharing a prompt prefix go to the replica that holds it,
+"""Prefix-aware routing (coordinator/routing/affinity.py): requests sharing a prompt prefix go to the replica that holds it,
 unless that replica is busier than the least-loaded one by more than the slack; over the wire, a conversation's
 next turn lands where its first turn ran and reuses its chunks."""
 from __future__ import annotations
@@ -7,9 +7,9 @@ import asyncio
 
 import grpc
 
-from coordinator.affinity import PrefixAffinity, prefix_keys
-from coordinator.discovery import StaticSource
-from coordinator.pool import PoolManager
+from coordinator.routing.affinity import PrefixAffinity, prefix_keys
+from coordinator.routing.discovery import StaticSource
+from coordinator.routing.pool import PoolManager
 
 A, B = "10.0.0.1:7", "10.0.0.2:7"
 
@@ -74,7 +74,7 @@ async def test_a_conversation_turn_lands_on_the_replica_that_holds_it():
     its first turn and reuses its whole prefill chunks; without affinity, least-loaded routing alternates."""
     from coordinator.config import CoordinatorSettings
     from coordinator.server import build_coordinator
-    from specdec.pb import generation_pb2 as g, generation_pb2_grpc as gg
+    from specdec_rpc.pb import generation_pb2 as g, generation_pb2_grpc as gg
     from tests.helpers_models import start_replica, target_greedy, tiny_pair
 
     target, draft = tiny_pair()

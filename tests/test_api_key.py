@@ -1,4 +1,4 @@
-"""COORDINATOR_API_KEY (specdec/server/auth.py): both front doors require it; gRPC calls without it or with another
+"""COORDINATOR_API_KEY (specdec_rpc/auth.py): both front doors require it; gRPC calls without it or with another
 get UNAUTHENTICATED naming the setting, health and reflection stay open, and `specdec generate --api-key` sends it."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import pytest_asyncio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from specdec.pb import generation_pb2 as g
+from specdec_rpc.pb import generation_pb2 as g
 from tests.test_grammar_wire import PROMPT, Stack
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -50,7 +50,7 @@ async def test_http_needs_the_key_too(keyed):
 
 
 async def test_the_cli_sends_the_key(keyed):
-    args = [sys.executable, "-m", "specdec.cli", "generate", "hi", "--coordinator", f"127.0.0.1:{keyed.app.port}",
+    args = [sys.executable, "-m", "specdec_cli.main", "generate", "hi", "--coordinator", f"127.0.0.1:{keyed.app.port}",
             "--max-new-tokens", "2", "--json"]
     for extra, rc in (([], 1), (["--api-key", KEY], 0)):
         proc = await asyncio.create_subprocess_exec(*args, *extra, stdout=asyncio.subprocess.PIPE,

@@ -1,4 +1,4 @@
-"""`specdec batch` (specdec/batch.py): OpenAI Batch API files answered through the HTTP API, in the input's order,
+"""`specdec batch` (specdec_cli/batch.py): OpenAI Batch API files answered through the HTTP API, in the input's order,
 with refused requests and lines that are not requests reported per line; in-flight requests bounded."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import random
 import httpx
 import pytest
 
-from specdec.batch import http_poster, main, run_batch
+from specdec_cli.batch import http_poster, main, run_batch
 from tests.test_openai_http import MESSAGES, MODEL, api  # noqa: F401 (the module-scoped stack fixture)
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")

@@ -7,7 +7,7 @@ import time
 import pytest
 
 from specdec.errors import CapacityError
-from specdec.server.runner import ModelThread
+from specdec_rpc.runner import ModelThread
 from specdec.workers import VerifyArgs, VerifyOutcome
 from target_service.batcher import VerifyBatcher
 

@@ -33,7 +33,7 @@ def models(tmp_path_factory):
 def test_bench_end_to_end(models):
     root, tdir, ddir = models
     out = root / "not" / "yet" / "out"  # the bench makes the folders (before the run, so results are never lost)
-    cmd = [sys.executable, "-m", "specdec.bench", "--target-model", str(tdir), "--draft-model", str(ddir),
+    cmd = [sys.executable, "-m", "specdec_bench", "--target-model", str(tdir), "--draft-model", str(ddir),
            "--preverifier", str(root / "pv"), "--prompts", str(root / "prompts.jsonl"), "--max-new-tokens", "12",
            "--repeats", "1", "--gammas", "2", "--concurrency", "1,2", "--no-ray", "--no-progress",
            "--json", f"{out}.json", "--markdown", f"{out}.md", "--plot", f"{out}.png"]
@@ -73,7 +73,7 @@ def test_hf_draft_from_compact_vocabulary(tmp_path):
     same distribution as specdec's loader gives (logits -inf outside the subset)."""
     from safetensors.torch import load_file, save_file
 
-    from specdec.bench.runners import SubsetHead, load_hf_draft
+    from specdec_bench.runners import SubsetHead, load_hf_draft
     from specdec.model import load_model_dir
     from tests.helpers_models import build_tiny_model
 

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from specdec import cli
+from specdec_cli import main as cli
 from tests.helpers_models import TOKENIZER_CHARS, save_tiny_pair, target_greedy, tiny_pair
 
 PROMPT = "hello world"
@@ -84,7 +84,7 @@ async def test_generate_against_running_coordinator(pair):
     await app.start()
     try:
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "specdec.cli", "generate", PROMPT, "--coordinator", f"127.0.0.1:{app.port}",
+            sys.executable, "-m", "specdec_cli.main", "generate", PROMPT, "--coordinator", f"127.0.0.1:{app.port}",
             "--mode", "pearl", "--max-new-tokens", "12", "--json", stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         out, err = await asyncio.wait_for(proc.communicate(), 120)
         assert proc.returncode == 0, err.decode()
@@ -95,7 +95,7 @@ async def test_generate_against_running_coordinator(pair):
                   "draft_busy_s", "target_busy_s", "network_s", "wall_s"):
             assert k in res["stats"]
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "specdec.cli", "generate", PROMPT, "--coordinator", f"127.0.0.1:{app.port}",
+            sys.executable, "-m", "specdec_cli.main", "generate", PROMPT, "--coordinator", f"127.0.0.1:{app.port}",
             "--mode", "pearl", "--max-new-tokens", "12", "--json", "--logprobs", "0", stdout=subprocess.PIPE,
             stderr=subprocess.PIPE)
         out, err = await asyncio.wait_for(proc.communicate(), 120)
@@ -103,7 +103,7 @@ async def test_generate_against_running_coordinator(pair):
         assert res["token_ids"] == ref and len(res["logprobs"]) == 12
         assert all(e["logprob"] <= 0 and e["top"] == [] for e in res["logprobs"])
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "specdec.cli", "generate", PROMPT, "--coordinator", f"127.0.0.1:{app.port}",
+            sys.executable, "-m", "specdec_cli.main", "generate", PROMPT, "--coordinator", f"127.0.0.1:{app.port}",
             "--mode", "sd", "--max-new-tokens", "0", stdout=subprocess.PIPE,
             stderr=subprocess.PIPE)
         out, err = await asyncio.wait_for(proc.communicate(), 120)
@@ -116,7 +116,7 @@ async def test_generate_against_running_coordinator(pair):
 def test_generate_embedded_stack(pair):
     """No --coordinator: replicas in subprocesses, a local Ray instance, the coordinator; then all stopped."""
     tdir, ddir, ref = pair
-    p = subprocess.run([sys.executable, "-m", "specdec.cli", "generate", PROMPT, "--target-model", tdir,
+    p = subprocess.run([sys.executable, "-m", "specdec_cli.main", "generate", PROMPT, "--target-model", tdir,
                         "--draft-model", ddir, "--mode", "pearl", "--max-new-tokens", "12", "--dtype", "float32"],
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
@@ -138,7 +138,7 @@ def _default_pair_ready() -> bool:
                     reason="a wall-clock measurement on the real pair: run with SPECDEC_TIMING_TESTS=1 on an idle machine")
 def test_default_pair_pacer_pearl_overlap_is_real():
     """`make demo`'s request: draft and target really compute at the same time (wall ≤ 75% of their busy sum)."""
-    p = subprocess.run([sys.executable, "-m", "specdec.cli", "generate",
+    p = subprocess.run([sys.executable, "-m", "specdec_cli.main", "generate",
                         "Explain how a hash map works, with an example in Python.", "--mode", "pacer_pearl",
                         "--max-new-tokens", "128", "--json"], capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stderr[-3000:]
@@ -198,7 +198,7 @@ def test_serve_drains_and_exits_cleanly_on_sigterm(tmp_path):
     from tests.helpers_models import save_tiny_pair
 
     tdir, ddir = save_tiny_pair(tmp_path)
-    p = subprocess.Popen([sys.executable, "-m", "specdec.cli", "serve", "--target-model", str(tdir), "--draft-model",
+    p = subprocess.Popen([sys.executable, "-m", "specdec_cli.main", "serve", "--target-model", str(tdir), "--draft-model",
                           str(ddir), "--port", str(free_port()), "--http-port", str(free_port()),
                           "--max-sessions", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          start_new_session=True)

@@ -19,7 +19,7 @@ import torch
 
 from coordinator.config import CoordinatorSettings
 from coordinator.server import build_coordinator
-from specdec.pb import generation_pb2 as g, generation_pb2_grpc as gg
+from specdec_rpc.pb import generation_pb2 as g, generation_pb2_grpc as gg
 from specdec.request import MODES
 from tests.helpers_models import build_tiny_model, start_replica, target_greedy, tiny_pair
 
@@ -319,8 +319,8 @@ async def test_pacer_skip_over_the_wire(stack):
 async def test_pacer_post_threshold_reaches_the_schedule():
     """A request's pacer_post_threshold, else the coordinator's default (COORDINATOR_PACER_POST_THRESHOLD), is
     the θ that stops pacer_pearl's drafting in a verify's shadow."""
-    from coordinator.pipeline import request_from_dict
-    from coordinator.service import GenerationServicer
+    from coordinator.backends.pipeline import request_from_dict
+    from coordinator.grpc_api.service import GenerationServicer
     from specdec.schedule import _post_stop_spec
 
     svc = GenerationServicer(router=None, pacer_post_threshold=0.42)
@@ -644,7 +644,7 @@ def _cached_default_tokenizer():
 
 
 async def test_text_assembler_never_splits_multibyte_characters():
-    from coordinator.text_output import TextAssembler
+    from coordinator.grpc_api.text_output import TextAssembler
 
     tok = _cached_default_tokenizer()
     if tok is None:
@@ -659,7 +659,7 @@ async def test_text_assembler_never_splits_multibyte_characters():
 
 
 async def test_text_assembler_holds_back_a_possible_stop_string(tmp_path):
-    from coordinator.text_output import TextAssembler
+    from coordinator.grpc_api.text_output import TextAssembler
     from tests.helpers_models import TOKENIZER_CHARS, save_tiny_tokenizer
     from specdec.tokenizer import load_tokenizer
 

@@ -14,7 +14,7 @@ import pytest_asyncio
 
 from coordinator.config import CoordinatorSettings
 from coordinator.server import build_coordinator
-from specdec.pb import generation_pb2 as g, generation_pb2_grpc as gg
+from specdec_rpc.pb import generation_pb2 as g, generation_pb2_grpc as gg
 from tests.helpers_models import start_replica, tiny_pair
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")

@@ -426,7 +426,7 @@ def test_the_metrics_table_names_what_the_processes_export():
     from prometheus_client import CollectorRegistry
 
     from coordinator.metrics import CoordinatorMetrics
-    from specdec.server.metrics import ServiceMetrics
+    from specdec_rpc.metrics import ServiceMetrics
 
     registry = CollectorRegistry()
     CoordinatorMetrics(ServiceMetrics(registry).registry)

@@ -13,8 +13,8 @@ import grpc
 import pytest
 
 from coordinator.config import CoordinatorSettings
-from coordinator.discovery import DnsSource, FileSource, StaticSource, source_from_spec, split_host_port
-from coordinator.pool import PoolManager, ReplicaUnavailableError
+from coordinator.routing.discovery import DnsSource, FileSource, StaticSource, source_from_spec, split_host_port
+from coordinator.routing.pool import PoolManager, ReplicaUnavailableError
 from tests.helpers_models import start_replica, target_greedy, tiny_pair
 
 
@@ -119,7 +119,7 @@ def _loopback_ok(ip: str) -> bool:
 @pytest.mark.skipif(not _loopback_ok("127.0.0.3"), reason="needs the 127.0.0.0/8 loopback range")
 async def test_scale_out_and_in_while_requests_run():
     from coordinator.server import build_coordinator
-    from specdec.pb import generation_pb2 as g, generation_pb2_grpc as gg
+    from specdec_rpc.pb import generation_pb2 as g, generation_pb2_grpc as gg
 
     target, draft = tiny_pair()
     t1 = await start_replica("target", target, host="127.0.0.2")
@@ -169,7 +169,7 @@ async def test_scale_out_and_in_while_requests_run():
 async def test_a_slow_health_check_is_not_a_dead_replica():
     """A check that times out counts only at the third in a row; a refused connection or NOT_SERVING at once. On a
     busy host one slow answer made a pool's only replica unroutable and requests failed UNAVAILABLE (session 29)."""
-    from coordinator.pool import SLOW_CHECKS
+    from coordinator.routing.pool import SLOW_CHECKS
 
     answers = {"10.0.0.1:7": (True, "")}
 

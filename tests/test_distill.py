@@ -5,13 +5,13 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from specdec.distill.bench import cost_ratio, per_token_decode_s
-from specdec.distill.data import is_heldout, split
-from specdec.distill.draft_model import (FullVocabDraft, build_from_target, frequency_subset, full_to_compact_map,
+from specdec_train.distill.bench import cost_ratio, per_token_decode_s
+from specdec_train.distill.data import is_heldout, split
+from specdec_train.distill.draft_model import (FullVocabDraft, build_from_target, frequency_subset, full_to_compact_map,
                                          load_draft, save_draft)
-from specdec.distill.evaluate import greedy_agreement
-from specdec.distill.teacher import run_teacher, teacher_topk
-from specdec.distill.train import train
+from specdec_train.distill.evaluate import greedy_agreement
+from specdec_train.distill.teacher import run_teacher, teacher_topk
+from specdec_train.distill.train import train
 
 V = 96
 
@@ -138,7 +138,7 @@ def test_fp16_storage_loads_as_fp32(tmp_path, target, rows):
 
 
 def test_top1_term_is_the_argmax_cross_entropy():
-    from specdec.distill.train import kd_loss
+    from specdec_train.distill.train import kd_loss
     torch.manual_seed(0)
     logits = torch.randn(1, 3, 10)
     sidx = torch.tensor([[[4, 1], [2, 7], [0, 3]]])
@@ -153,7 +153,7 @@ def test_top1_term_is_the_argmax_cross_entropy():
 
 
 def test_served_cost_measures_specdec_models():
-    from specdec.distill.bench import served_cost_ratio
+    from specdec_train.distill.bench import served_cost_ratio
     from tests.helpers_models import build_tiny_model
 
     big, small = build_tiny_model(vocab_size=64, hidden_size=64, num_layers=4), build_tiny_model(vocab_size=64)
@@ -165,7 +165,7 @@ def test_served_cost_measures_specdec_models():
 def test_warm_start_grows_depth_as_identity(target, rows):
     """A deeper draft warm-started from a shallower checkpoint computes exactly the checkpoint's function at step 0,
     and its added layers still learn (their zeroed output projections get gradients)."""
-    from specdec.distill.train import warm_start
+    from specdec_train.distill.train import warm_start
 
     subset = frequency_subset(rows, 48)
     torch.manual_seed(0)
@@ -186,7 +186,7 @@ def test_code_prompts_leave_out_the_benchmark_tasks():
     the same stubs in a user turn."""
     import random
 
-    from specdec.distill.code_prompts import ASKS, TASKS, chat_code_prompts, code_prompts
+    from specdec_train.distill.code_prompts import ASKS, TASKS, chat_code_prompts, code_prompts
 
     banned = {TASKS[0][0], TASKS[1][0]}
     stubs = code_prompts(random.Random(0), 200, banned)

@@ -9,9 +9,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
-from specdec.distill.draft_model import (build_from_target, frequency_subset, load_draft, save_draft,
+from specdec_train.distill.draft_model import (build_from_target, frequency_subset, load_draft, save_draft,
                                          special_ids)
-from specdec.distill.online import load_draft_weights
+from specdec_train.distill.online import load_draft_weights
 from specdec.engine import Engine
 from specdec.model import load_model_dir
 from specdec.request import GenerationRequest
@@ -84,7 +84,7 @@ def test_subset_keeps_special_tokens_of_a_large_vocabulary():
 
 
 def test_online_distils_and_serves_a_qwen2_draft(tmp_path):
-    from specdec.distill.__main__ import main
+    from specdec_train.distill.__main__ import main
 
     target = random_target("qwen2")
     tdir = tmp_path / "target"

@@ -1,4 +1,4 @@
-"""Draining on SIGTERM (specdec/server/app.py, `ServerApp.shutdown`).
+"""Draining on SIGTERM (specdec_rpc/app.py, `ServerApp.shutdown`).
 
 A replica that drains refuses new sessions (UNAVAILABLE, so the coordinator starts them elsewhere) and keeps serving
 the sessions it holds until they end or the grace runs out: with one target replica, a request in flight when the
@@ -14,7 +14,7 @@ import pytest
 import pytest_asyncio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from specdec.pb import generation_pb2 as g, generation_pb2_grpc as gg, target_pb2, target_pb2_grpc
+from specdec_rpc.pb import generation_pb2 as g, generation_pb2_grpc as gg, target_pb2, target_pb2_grpc
 from tests.helpers_models import start_coordinator, start_replica, target_greedy, tiny_pair
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -135,7 +135,7 @@ async def test_the_coordinators_http_door_answers_while_its_drain_delay_runs(pai
 async def test_calls_left_when_the_grace_runs_out_end_unavailable_with_a_reason(pair):
     """Before, gRPC cancelled them: CANCELLED "Cancelling all calls", which clients do not retry, and an ERROR
     traceback per call in the server's log."""
-    from specdec.server.interceptor import CUT_SHORT
+    from specdec_rpc.interceptor import CUT_SHORT
 
     target, draft = pair
     t = await start_replica("target", target)

@@ -9,11 +9,11 @@ import asyncio
 import grpc
 import pytest
 
-from coordinator import clients
+from coordinator.backends import clients
 from coordinator.config import CoordinatorSettings
 from coordinator.server import build_coordinator
 from coordinator.stack import free_port
-from specdec.pb import generation_pb2 as g, generation_pb2_grpc as gg
+from specdec_rpc.pb import generation_pb2 as g, generation_pb2_grpc as gg
 from tests.helpers_models import start_replica, target_greedy, tiny_pair
 from tests.test_coordinator import slowed
 

@@ -151,7 +151,7 @@ def test_sampling_matches_exact_target_distribution():
 
 
 def test_training_forward_matches_serving_and_warm_start_equals_plain():
-    from specdec.distill.feature_train import build_feature_draft, feature_loss, train_forward
+    from specdec_train.distill.feature_train import build_feature_draft, feature_loss, train_forward
 
     plain = build_tiny_model(vocab_size=32, seed=4)
     m = build_feature_draft(plain, feature_size=16, feature_scale=0.5)
@@ -174,7 +174,7 @@ def test_training_forward_matches_serving_and_warm_start_equals_plain():
 
 def test_feature_pipeline_runs_and_resumes(tmp_path):
     """run_features -> train_feature_draft (checkpoint, resume) -> feature_agreement, on tiny models."""
-    from specdec.distill.feature_train import (build_feature_draft, feature_agreement, load_features, run_features,
+    from specdec_train.distill.feature_train import (build_feature_draft, feature_agreement, load_features, run_features,
                                                train_feature_draft)
 
     target = build_tiny_model(vocab_size=32, seed=1, logit_scale=2.0)

@@ -12,10 +12,10 @@ import pytest
 import pytest_asyncio
 
 from coordinator.config import CoordinatorSettings
-from coordinator.openai_structured import response_format_pb, structured_output_pb
+from coordinator.http_api.structured import response_format_pb, structured_output_pb
 from coordinator.server import build_coordinator
 from coordinator.stack import free_port
-from specdec.pb import generation_pb2 as g, generation_pb2_grpc as gg
+from specdec_rpc.pb import generation_pb2 as g, generation_pb2_grpc as gg
 from tests.helpers_models import save_tiny_pair, save_tiny_tokenizer, start_replica, stream_killing_the_pinned_target
 from tests.test_grammar import EOS, PROMPT, SENTENCE, grammar_of, masked_greedy
 

@@ -95,7 +95,7 @@ async def test_logprobs_over_the_wire_whole_streamed_and_cut_by_a_stop_string(tm
 
     from coordinator.config import CoordinatorSettings
     from coordinator.server import build_coordinator
-    from specdec.pb import generation_pb2 as g, generation_pb2_grpc as gg
+    from specdec_rpc.pb import generation_pb2 as g, generation_pb2_grpc as gg
     from specdec.tokenizer import load_tokenizer
     from tests.helpers_models import save_tiny_tokenizer, start_replica, tiny_pair
 

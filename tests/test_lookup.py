@@ -99,7 +99,7 @@ async def test_draft_replica_drafts_with_lookup_and_says_so():
     import dataclasses
 
     from specdec.defaults import PROMPT_LOOKUP_MIN_NGRAM
-    from specdec.pb import draft_pb2
+    from specdec_rpc.pb import draft_pb2
     from specdec.schedule import generate
     from tests.test_services import make_stack
 

@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from coordinator.text_output import TextAssembler
+from coordinator.grpc_api.text_output import TextAssembler
 from specdec.engine import Engine
 from specdec.errors import InvalidRequestError
 from specdec.preverifier import build_random_preverifier
@@ -102,7 +102,7 @@ async def wire(target, draft, **coordinator_kw):
 
     from coordinator.config import CoordinatorSettings
     from coordinator.server import build_coordinator
-    from specdec.pb import generation_pb2_grpc as gg
+    from specdec_rpc.pb import generation_pb2_grpc as gg
     from tests.helpers_models import start_replica
 
     t, d = await start_replica("target", target), await start_replica("draft", draft)
@@ -174,8 +174,8 @@ def test_a_stop_string_straddling_the_min_tokens_boundary_stops():
 async def test_over_the_wire_and_in_the_http_body():
     import grpc
 
-    from coordinator.openai_schema import CompletionRequest
-    from specdec.pb import generation_pb2 as g
+    from coordinator.http_api.schema import CompletionRequest
+    from specdec_rpc.pb import generation_pb2 as g
     from tests.helpers_models import tiny_pair
 
     target, draft = tiny_pair()
@@ -223,7 +223,7 @@ def test_allowed_token_ids_restrict_every_mode_exactly(mode):
 
 
 def test_vllm_guided_fields_and_allowed_token_ids_in_the_http_body():
-    from coordinator.openai_schema import ChatCompletionRequest
+    from coordinator.http_api.schema import ChatCompletionRequest
 
     msgs = [{"role": "user", "content": "x"}]
     assert ChatCompletionRequest(messages=msgs, guided_regex="[ab]+").to_proto().structured_output.regex == "[ab]+"
@@ -269,7 +269,7 @@ def test_bad_words_in_every_mode(mode):
 async def test_bad_words_over_the_wire_are_tokenized_by_the_coordinator(tmp_path):
     import grpc
 
-    from specdec.pb import generation_pb2 as g
+    from specdec_rpc.pb import generation_pb2 as g
     from specdec.tokenizer import load_tokenizer
     from tests.helpers_models import save_tiny_tokenizer, tiny_pair
 

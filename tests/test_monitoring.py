@@ -22,7 +22,7 @@ def exported() -> set[str]:
     from prometheus_client import CollectorRegistry
 
     from coordinator.metrics import CoordinatorMetrics
-    from specdec.server.metrics import ServiceMetrics
+    from specdec_rpc.metrics import ServiceMetrics
 
     registry = CollectorRegistry()
     CoordinatorMetrics(ServiceMetrics(registry).registry)

@@ -1,4 +1,4 @@
-"""Online distillation (specdec/distill/online.py): the loss, the batches, resumable training, the text it writes,
+"""Online distillation (specdec_train/distill/online.py): the loss, the batches, resumable training, the text it writes,
 and tied compact-vocabulary drafts as both loaders read them."""
 import json
 
@@ -6,9 +6,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from specdec.distill.data import is_heldout
-from specdec.distill.draft_model import build_from_target, full_to_compact_map, load_draft, save_draft
-from specdec.distill.online import (batch_tensors, distill, generate_rows, load_draft_weights, self_instruct,
+from specdec_train.distill.data import is_heldout
+from specdec_train.distill.draft_model import build_from_target, full_to_compact_map, load_draft, save_draft
+from specdec_train.distill.online import (batch_tensors, distill, generate_rows, load_draft_weights, self_instruct,
                                     subset_kl)
 from specdec.model import load_model_dir
 from tests.helpers_models import save_tiny_tokenizer

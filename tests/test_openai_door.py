@@ -1,4 +1,4 @@
-"""The OpenAI-compatible front door alone (coordinator/openai_http.py) over a scripted servicer: the HTTP status of
+"""The OpenAI-compatible front door alone (coordinator/http_api/app.py) over a scripted servicer: the HTTP status of
 each gRPC code, an error after the first chunk, the limits, draining and the request metric; and the schema's
 translation of specdec's extra fields."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ import json
 import grpc
 import httpx
 
-from specdec.pb import generation_pb2 as g
+from specdec_rpc.pb import generation_pb2 as g
 
 MODEL = "tiny-target"
 MESSAGES = [{"role": "user", "content": "hello there"}]
@@ -32,7 +32,7 @@ class ScriptedServicer:
 def door_client(script, draining=False):
     from prometheus_client import CollectorRegistry
 
-    from coordinator.openai_http import OpenAIFrontDoor, ServicerBackend
+    from coordinator.http_api.app import OpenAIFrontDoor, ServicerBackend
 
     reg = CollectorRegistry()
     door = OpenAIFrontDoor(ServicerBackend(ScriptedServicer(script)), MODEL, is_draining=lambda: draining,
@@ -106,8 +106,8 @@ async def test_limits_draining_and_metrics():
 
 
 def test_ignore_eos_reaches_the_request():
-    from coordinator.openai_schema import CompletionRequest
-    from coordinator.service import GenerationServicer
+    from coordinator.http_api.schema import CompletionRequest
+    from coordinator.grpc_api.service import GenerationServicer
 
     servicer = GenerationServicer(router=None, eos_token_ids={7})
     for ignore in (False, True):
@@ -120,7 +120,7 @@ async def test_requests_in_flight_are_bounded():
 
     from prometheus_client import CollectorRegistry
 
-    from coordinator.openai_http import OpenAIFrontDoor, ServicerBackend
+    from coordinator.http_api.app import OpenAIFrontDoor, ServicerBackend
 
     release = asyncio.Event()
 
@@ -144,8 +144,8 @@ async def test_requests_in_flight_are_bounded():
 
 
 def test_the_coordinators_default_mode_applies_to_requests_without_one():
-    from coordinator.openai_schema import ChatCompletionRequest
-    from coordinator.service import GenerationServicer
+    from coordinator.http_api.schema import ChatCompletionRequest
+    from coordinator.grpc_api.service import GenerationServicer
 
     body = ChatCompletionRequest(messages=MESSAGES)
     servicer = GenerationServicer(router=None, tokenizer=None, default_mode="pacer_pearl")
@@ -179,7 +179,7 @@ def test_the_schema_passes_cache_salt_and_bounds_it():
     import pytest
     from pydantic import ValidationError
 
-    from coordinator.openai_schema import ChatCompletionRequest
+    from coordinator.http_api.schema import ChatCompletionRequest
 
     body = ChatCompletionRequest(messages=MESSAGES, cache_salt="tenant-a")
     assert body.to_proto().cache_salt == "tenant-a"
@@ -192,7 +192,7 @@ def test_the_schema_passes_penalties_and_logit_bias():
     import pytest
     from pydantic import ValidationError
 
-    from coordinator.openai_schema import CompletionRequest
+    from coordinator.http_api.schema import CompletionRequest
 
     r = CompletionRequest(prompt="abc", presence_penalty=0.5, frequency_penalty=-0.25, repetition_penalty=1.5,
                           logit_bias={"3": 2.0, "17": -100}).to_proto()

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP API (coordinator/openai_http.py) over a real coordinator and loopback replicas:
+"""The OpenAI-compatible HTTP API (coordinator/http_api/app.py) over a real coordinator and loopback replicas:
 the official `openai` client and raw HTTP, whole and streamed answers equal to the gRPC API's, the error shapes and
 statuses, the API key, and that a client that goes away frees its replica sessions.
 """
@@ -17,7 +17,7 @@ import pytest_asyncio
 from coordinator.config import CoordinatorSettings
 from coordinator.server import build_coordinator
 from coordinator.stack import free_port
-from specdec.pb import generation_pb2 as g, generation_pb2_grpc as gg
+from specdec_rpc.pb import generation_pb2 as g, generation_pb2_grpc as gg
 from tests.helpers_models import start_replica, tiny_pair
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")

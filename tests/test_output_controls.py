@@ -1,5 +1,5 @@
 """vLLM's output controls: include_stop_str_in_output, skip_special_tokens, stop_reason, truncate_prompt_tokens and
-return_tokens_as_token_ids. The text rules on their own (coordinator/text_output.py), then over both doors of a
+return_tokens_as_token_ids. The text rules on their own (coordinator/grpc_api/text_output.py), then over both doors of a
 real coordinator (the HTTP API and gRPC) with the character-level tiny tokenizer, where each token is one
 character, so every expected text can be read off the token ids."""
 from __future__ import annotations
@@ -10,8 +10,8 @@ import grpc
 import pytest
 import pytest_asyncio
 
-from coordinator.text_output import TextAssembler
-from specdec.pb import generation_pb2 as g
+from coordinator.grpc_api.text_output import TextAssembler
+from specdec_rpc.pb import generation_pb2 as g
 from tests.helpers_models import TOKENIZER_CHARS, save_tiny_tokenizer
 from tests.test_openai_http import MODEL, Http, until
 

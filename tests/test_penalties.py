@@ -158,7 +158,7 @@ async def test_over_the_wire_and_across_a_failover():
 
     from coordinator.config import CoordinatorSettings
     from coordinator.server import build_coordinator
-    from specdec.pb import generation_pb2 as g, generation_pb2_grpc as gg
+    from specdec_rpc.pb import generation_pb2 as g, generation_pb2_grpc as gg
     from tests.helpers_models import start_replica, stream_killing_the_pinned_target, tiny_pair
 
     target, draft = tiny_pair()

@@ -1,4 +1,4 @@
-"""Preemption by priority (coordinator/preemption.py): a request waiting for room in a full pool takes the session of
+"""Preemption by priority (coordinator/routing/preemption.py): a request waiting for room in a full pool takes the session of
 a running request of lower priority, which gives it up, waits, and resumes from its verified tokens, exactly."""
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import grpc
 import pytest
 
 from coordinator.config import CoordinatorSettings
-from coordinator.preemption import Holdings
+from coordinator.routing.preemption import Holdings
 from coordinator.server import build_coordinator
 from specdec.errors import CapacityError
-from specdec.pb import generation_pb2 as g, generation_pb2_grpc as gg
+from specdec_rpc.pb import generation_pb2 as g, generation_pb2_grpc as gg
 from tests.helpers_models import start_replica, target_greedy, tiny_pair
 from tests.test_admission import EP, pool, settle
 from tests.test_coordinator import slowed
@@ -148,10 +148,10 @@ async def target_backend(prompt: list[int]):
     """A RemoteTarget over one tiny target replica, its session started on `prompt` (output at the prompt's end).
     → (the target model, its replica, the pool manager, the backend, its pool view)."""
     from coordinator.channels import Channels
-    from coordinator.clients import PoolView, RemoteTarget
-    from coordinator.discovery import StaticSource
-    from coordinator.pipeline import AsyncPool
-    from coordinator.pool import PoolManager
+    from coordinator.backends.clients import PoolView, RemoteTarget
+    from coordinator.routing.discovery import StaticSource
+    from coordinator.backends.pipeline import AsyncPool
+    from coordinator.routing.pool import PoolManager
     from specdec.sampling import SamplingParams
 
     target, _ = tiny_pair()

@@ -10,7 +10,7 @@ import grpc
 import torch
 import pytest
 
-from specdec.pb import common_pb2, target_pb2, target_pb2_grpc
+from specdec_rpc.pb import common_pb2, target_pb2, target_pb2_grpc
 from tests.helpers_models import build_tiny_model, start_replica
 
 CHUNK = 4

@@ -192,7 +192,7 @@ async def test_over_the_wire_a_chat_turn_reuses_the_first_turns_chunks():
     metrics, every answer equals target-only decoding, and `--no-prefix-cache` replicas reuse nothing."""
     from coordinator.config import CoordinatorSettings
     from coordinator.server import build_coordinator
-    from specdec.pb import generation_pb2 as g, generation_pb2_grpc as gg
+    from specdec_rpc.pb import generation_pb2 as g, generation_pb2_grpc as gg
     from tests.helpers_models import start_replica, target_greedy, tiny_pair
 
     target, draft = tiny_pair()
@@ -267,7 +267,7 @@ def test_a_cache_salt_keeps_prefixes_apart():
 
 
 def test_affinity_keys_depend_on_the_salt():
-    from coordinator.affinity import prefix_keys
+    from coordinator.routing.affinity import prefix_keys
 
     p = list(range(20))
     assert prefix_keys(p, 4) == prefix_keys(p, 4, "") != prefix_keys(p, 4, "t1") != prefix_keys(p, 4, "t2")
@@ -277,7 +277,7 @@ def test_affinity_keys_depend_on_the_salt():
 async def test_prefix_cache_slots_keep_ended_conversations_while_the_replica_is_full(extra):
     """A replica of 2 sessions: a conversation ends, two other requests come and go, then its next turn arrives.
     The spare slots (`prefix_cache_slots`) still hold its prompt; without them the newcomers overwrote it."""
-    from specdec.pb import target_pb2, target_pb2_grpc
+    from specdec_rpc.pb import target_pb2, target_pb2_grpc
     from tests.helpers_models import start_replica
 
     app = await start_replica("target", build_tiny_model(vocab_size=40, seed=1), max_sessions=2, prefill_chunk=CHUNK,

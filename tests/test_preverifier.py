@@ -244,8 +244,8 @@ def test_sampled_pacer_with_random_preverifier_matches_target_distribution(metho
 
 def test_training_pipeline_smoke_on_tiny_models(tmp_path):
     """collect → train → save → load → pacer mode runs; AUC is computed (tiny random pair: no quality bar)."""
-    from specdec.pacer_train import train as T
-    from specdec.pacer_train.collect import collect
+    from specdec_train.preverifier import train as T
+    from specdec_train.preverifier.collect import collect
 
     target, draft = _pair()
     prompts = [torch.randint(0, 32, (6,), generator=torch.Generator().manual_seed(i)).tolist() for i in range(12)]
@@ -280,7 +280,7 @@ def test_training_pipeline_smoke_on_tiny_models(tmp_path):
 
 
 def test_weighted_auc():
-    from specdec.pacer_train.train import weighted_auc
+    from specdec_train.preverifier.train import weighted_auc
 
     assert weighted_auc(torch.tensor([0.1, 0.2, 0.8, 0.9]), torch.tensor([0., 0., 1., 1.])) == 1.0
     assert weighted_auc(torch.tensor([0.5, 0.5]), torch.tensor([0., 1.])) == 0.5
@@ -307,8 +307,8 @@ def test_shipped_preverifier_loads_for_the_shipped_draft():
 
 def test_teacher_forced_collection_matches_the_workers_on_greedy_rounds():
     """The fast collector reproduces the worker-driven rounds (features and labels up to the first rejection)."""
-    from specdec.pacer_train.collect import collect
-    from specdec.pacer_train.collect_tf import collect_tf
+    from specdec_train.preverifier.collect import collect
+    from specdec_train.preverifier.collect_tf import collect_tf
 
     target, draft = _pair()
     G, n_new = 4, 40
@@ -337,7 +337,7 @@ def test_teacher_forced_collection_matches_the_workers_on_greedy_rounds():
 def test_ablation_configs_per_draft_variant():
     import argparse
 
-    from specdec.pacer_train.bench import _configs
+    from specdec_train.preverifier.bench import _configs
 
     pv = build_random_preverifier(8, seed=0, block_size=1, threshold=0.3)
     args = argparse.Namespace(gammas=[2, 3], block_sizes=[1], gamma_max=12, draft_quants=["none", "int8"])
@@ -359,7 +359,7 @@ def test_ablation_configs_per_draft_variant():
     # the shadow-drafting θ of pacer_pearl (MODE:FIRST:POST) reaches the request
     cfgs = _configs(argparse.Namespace(**{**vars(args), "pearl": ["pacer_pearl:3:0.2"]}), pv)
     assert cfgs[-1]["name"] == "pacer_pearl first=3 post=0.2" and cfgs[-1]["post_threshold"] == 0.2
-    from specdec.pacer_train.bench import _req
+    from specdec_train.preverifier.bench import _req
 
     assert _req(cfgs[-1], [1, 2], 4, 0.0, 0, (0,)).pacer_post_threshold == 0.2
     for bad in ("pearl:3:0.2", "pacer_pearl:3:high"):
@@ -426,7 +426,7 @@ def test_oracle_stop_drafts_exactly_up_to_the_first_rejection():
     """The ablation's perfect stop rule (`ablate --oracle`): every round drafts the accepted run plus the one
     token the target rejects, so it wastes exactly one drafted token per round (the last round may end at the
     token budget instead), and no fixed γ needs fewer target forwards."""
-    from specdec.pacer_train.bench import OracleStop
+    from specdec_train.preverifier.bench import OracleStop
 
     target = build_tiny_model(vocab_size=32, hidden_size=32, seed=0, logit_scale=2.0)
     draft = build_tiny_model(vocab_size=32, hidden_size=32, seed=0, logit_scale=2.0)
@@ -456,7 +456,7 @@ def test_oracle_stop_drafts_exactly_up_to_the_first_rejection():
 
 def test_measured_costs_read_the_drafting_loop_with_the_preverifier():
     """--measure-costs: the draft's cost comes from the worker's loop and the pre-verifier's from its calls there."""
-    from specdec.pacer_train.collect_tf import measure_costs
+    from specdec_train.preverifier.collect_tf import measure_costs
 
     target, draft = _pair()
     pv = build_random_preverifier(draft.config.hidden_size, seed=0)
@@ -504,8 +504,8 @@ def test_worker_margin_equals_the_collected_head_statistic(temperature):
 def test_replay_walks_the_same_rounds_as_the_engine(lite):
     """`collect --walk-gamma 0` + `train.replay`: the simulated decoder makes exactly the engine's rounds, for
     fixed γ and for pacer with a (random) pre-verifier, so θ tuned by replay is tuned on real rounds."""
-    from specdec.pacer_train import train as T
-    from specdec.pacer_train.collect_tf import collect_tf
+    from specdec_train.preverifier import train as T
+    from specdec_train.preverifier.collect_tf import collect_tf
 
     target, draft = _pair()
     G, n_new = 6, 30
@@ -532,7 +532,7 @@ def test_replay_walks_the_same_rounds_as_the_engine(lite):
     assert sd3["rounds"] == engine_forwards["sd3"]
     assert pacer["rounds"] == engine_forwards["pacer"]
     assert T.replay(tab, costs, None, None, G, oracle=True, max_tokens=n_new)["rounds"] <= sd3["rounds"]
-    from specdec.pacer_train.evaluate import evaluate  # `eval` walks the same decoder over whole texts
+    from specdec_train.preverifier.evaluate import evaluate  # `eval` walks the same decoder over whole texts
 
     rep = evaluate(pv, rounds, costs, gamma_max=G)
     assert rep["exact_replay"]
@@ -541,8 +541,8 @@ def test_replay_walks_the_same_rounds_as_the_engine(lite):
 
 def test_train_refuses_benchmark_prompt_rounds(tmp_path):
     """Rounds collected on the benchmark's prompts (`collect --prompts benchmark`) are for diagnosis only."""
-    from specdec.pacer_train import data as D
-    from specdec.pacer_train.__main__ import main
+    from specdec_train.preverifier import data as D
+    from specdec_train.preverifier.__main__ import main
 
     f = tmp_path / "bench.pt"
     D.save_rounds([], f, {"draft_sha256": "x", "gamma_max": 4, "diagnostic_only": True})

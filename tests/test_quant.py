@@ -124,7 +124,7 @@ async def test_draft_service_serves_and_reports_its_weight_quant(tmp_path, quant
     import grpc
 
     from draft_service.server import build_app
-    from specdec.pb import draft_pb2, draft_pb2_grpc
+    from specdec_rpc.pb import draft_pb2, draft_pb2_grpc
 
     app = await build_app(DraftSettings(model=str(_save_tiny_dir(tmp_path)), dtype="bfloat16", quant=quant,
                                         host="127.0.0.1", port=0, metrics_port=0, grace_s=0.5), warmup=False)

@@ -1,4 +1,4 @@
-"""Reasoning parsers (coordinator/reasoning.py): a reasoning model's <think>...</think> apart from its answer, whole
+"""Reasoning parsers (coordinator/grpc_api/reasoning.py): a reasoning model's <think>...</think> apart from its answer, whole
 and streamed, over gRPC (`separate_reasoning`), the chat route (`reasoning`) and the Responses API (a reasoning
 item); structured output applies after the reasoning, exactly, in every mode."""
 from __future__ import annotations
@@ -11,11 +11,11 @@ import pytest
 import pytest_asyncio
 from llguidance import LLMatcher
 
-from coordinator.openai_schema import ChatCompletionRequest
-from coordinator.reasoning import (CONTENT, REASONING, ReasoningSplitter, ReasoningStart, ThinkTags, answer_start,
+from coordinator.http_api.schema import ChatCompletionRequest
+from coordinator.grpc_api.reasoning import (CONTENT, REASONING, ReasoningSplitter, ReasoningStart, ThinkTags, answer_start,
                                    gate_grammar, reasoning_tokens)
 from specdec.errors import InvalidRequestError
-from specdec.pb import generation_pb2 as g
+from specdec_rpc.pb import generation_pb2 as g
 from tests.helpers_models import TOKENIZER_CHARS
 from tests.test_grammar import EOS, grammar_of
 from tests.test_grammar_wire import Stack
@@ -128,7 +128,7 @@ def test_structured_output_needs_single_token_tags():
 
 
 def test_earlier_turns_reasoning_reaches_the_template():
-    from coordinator.chat_prompt import chat_message
+    from coordinator.grpc_api.chat_prompt import chat_message
 
     for key in ("reasoning", "reasoning_content"):
         body = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"},
@@ -199,7 +199,7 @@ async def test_sampled_answers_split_at_the_tag(think_stack):
 
 @wire
 async def test_separate_reasoning_needs_a_parser(tmp_path):
-    from coordinator.service import GenerationServicer
+    from coordinator.grpc_api.service import GenerationServicer
     from specdec.tokenizer import load_tokenizer
     from tests.helpers_models import save_tiny_tokenizer
 
@@ -290,7 +290,7 @@ async def test_responses_api_returns_a_reasoning_item(think_stack):
 
 def test_responses_input_takes_reasoning_items_back():
     """A client that sends an earlier response's output back as input (reasoning item included) is understood."""
-    from coordinator.responses_api import ResponsesRequest
+    from coordinator.http_api.responses_api import ResponsesRequest
 
     body = ResponsesRequest(input=[
         {"role": "user", "content": "hi"},

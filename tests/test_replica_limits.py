@@ -6,8 +6,8 @@ import asyncio
 import grpc
 import pytest
 
-from specdec.pb import generation_pb2 as g, generation_pb2_grpc as gg
-from specdec.server.settings import startup_warnings
+from specdec_rpc.pb import generation_pb2 as g, generation_pb2_grpc as gg
+from specdec_rpc.settings import startup_warnings
 from target_service.config import TargetSettings
 from tests.helpers_models import start_coordinator, start_replica, target_greedy, tiny_pair
 
@@ -95,7 +95,7 @@ async def test_a_replica_full_of_sessions_the_pool_does_not_count_is_waited_for(
     counts them not: StartSession is refused RESOURCE_EXHAUSTED until the replica's LRU frees an idle one
     (`lru_min_idle_s`). With no other replica, the request waits and asks again; before, it failed at once (an
     audit of session 29)."""
-    from specdec.pb import target_pb2, target_pb2_grpc
+    from specdec_rpc.pb import target_pb2, target_pb2_grpc
 
     target, _ = tiny_pair()
     t = await start_replica("target", target, max_sessions=2, lru_min_idle_s=0.5)

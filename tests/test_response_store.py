@@ -1,4 +1,4 @@
-"""Stored responses (coordinator/response_store.py): the store's bounds, and over the wire with the official `openai`
+"""Stored responses (coordinator/http_api/response_store.py): the store's bounds, and over the wire with the official `openai`
 client, `previous_response_id` continuing a conversation exactly as if it had been sent whole, retrieve, input items,
 delete, streamed responses, `store: false`, and a coordinator that keeps none."""
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from coordinator.response_store import ResponseStore, as_items, items_page
+from coordinator.http_api.response_store import ResponseStore, as_items, items_page
 from tests.test_openai_http import KEY, MODEL, api  # noqa: F401 (the module-scoped stack fixture)
 
 module_loop = pytest.mark.asyncio(loop_scope="module")

@@ -1,4 +1,4 @@
-"""OpenAI's Responses API (POST /v1/responses, coordinator/responses_api.py) with the official `openai` client: the
+"""OpenAI's Responses API (POST /v1/responses, coordinator/http_api/responses_api.py) with the official `openai` client: the
 answer equals the chat route's, streamed events come in order and add up to it, conversations with earlier tool
 calls, forced function calls as function_call items, and refusals that say what to send."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ import openai
 import pytest
 import pytest_asyncio
 
-from coordinator.responses_api import ResponseEvents, ResponsesRequest, input_messages
+from coordinator.http_api.responses_api import ResponseEvents, ResponsesRequest, input_messages
 from tests.test_grammar_wire import HERMES_CHARS, Stack
 from tests.test_openai_http import MODEL, api  # noqa: F401 (the module-scoped stack fixture)
 

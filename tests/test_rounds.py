@@ -1,4 +1,4 @@
-"""Per-round streams (`VerifyRounds`, `DraftRounds`, `coordinator/rounds.py`): the same answers as the unary calls,
+"""Per-round streams (`VerifyRounds`, `DraftRounds`, `coordinator/backends/rounds.py`): the same answers as the unary calls,
 the same statuses, an end on drain, and a client that falls back to unary on any trouble."""
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import grpc
 import pytest
 
 from coordinator.config import CoordinatorSettings
-from coordinator.rounds import RoundStream
+from coordinator.backends.rounds import RoundStream
 from coordinator.server import build_coordinator
-from specdec.pb import common_pb2, draft_pb2, generation_pb2 as g, generation_pb2_grpc as gg, target_pb2
+from specdec_rpc.pb import common_pb2, draft_pb2, generation_pb2 as g, generation_pb2_grpc as gg, target_pb2
 from tests.helpers_models import start_replica, target_greedy, tiny_pair
 from tests.test_services import VOCAB, expect, make_stack, models, stack  # noqa: F401 - fixtures
 
@@ -240,7 +240,7 @@ async def test_a_cancel_that_lands_as_the_reply_arrives_is_not_lost():
     Ray left both replicas generating (session 28)."""
     import sys
 
-    from specdec.server.aio import within
+    from specdec_rpc.aio import within
 
     async def race(wait):
         reply = asyncio.get_running_loop().create_future()

@@ -14,7 +14,7 @@ from pydantic_settings import SettingsConfigDict
 
 ROOT = Path(__file__).resolve().parent.parent
 try:
-    from specdec.pb import common_pb2  # noqa: F401
+    from specdec_rpc.pb import common_pb2  # noqa: F401
 except ImportError:  # stubs are generated at install time (`make proto`); generate them for a bare checkout
     subprocess.run([sys.executable, str(ROOT / "scripts" / "gen_protos.py")], check=True)
 
@@ -22,13 +22,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc  # noqa: E402
 
 from specdec import errors  # noqa: E402
-from specdec.pb import common_pb2  # noqa: E402
-from specdec.server import convert  # noqa: E402
-from specdec.server.app import ServerApp  # noqa: E402
-from specdec.server.metrics import ServiceMetrics  # noqa: E402
-from specdec.server.sessions import SessionTable  # noqa: E402
-from specdec.server.settings import ServerSettings, TLSSettings, resolve_device  # noqa: E402
-from specdec.server.tls import channel_credentials  # noqa: E402
+from specdec_rpc.pb import common_pb2  # noqa: E402
+from specdec_rpc import convert  # noqa: E402
+from specdec_rpc.app import ServerApp  # noqa: E402
+from specdec_rpc.metrics import ServiceMetrics  # noqa: E402
+from specdec_rpc.sessions import SessionTable  # noqa: E402
+from specdec_rpc.settings import ServerSettings, TLSSettings, resolve_device  # noqa: E402
+from specdec_rpc.tls import channel_credentials  # noqa: E402
 
 
 # ---------------------------------------------------------------- stubs
@@ -285,7 +285,7 @@ def test_dtype_auto_picks_bf16_where_it_is_fast():
     import torch
 
     from specdec.model import auto_dtype, cpu_has_fast_bf16
-    from specdec.server.settings import resolve_dtype
+    from specdec_rpc.settings import resolve_dtype
 
     class S(ServerSettings):
         model_config = SettingsConfigDict(env_prefix="XTEST2_")

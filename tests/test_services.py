@@ -19,7 +19,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 try:
-    from specdec.pb import target_pb2  # noqa: F401
+    from specdec_rpc.pb import target_pb2  # noqa: F401
 except ImportError:  # stubs are generated at install time (`make proto`); generate them for a bare checkout
     subprocess.run([sys.executable, str(ROOT / "scripts" / "gen_protos.py")], check=True)
 
@@ -27,11 +27,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc  # noqa: E402
 
 from draft_service.client import DraftClient  # noqa: E402
-from specdec.server.convert import decode_q, sampling_to_proto as sampling_pb  # noqa: E402
+from specdec_rpc.convert import decode_q, sampling_to_proto as sampling_pb  # noqa: E402
 from draft_service.config import DraftSettings  # noqa: E402
 from draft_service.server import build_app as build_draft  # noqa: E402
 from specdec.engine import Engine  # noqa: E402
-from specdec.pb import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc  # noqa: E402
+from specdec_rpc.pb import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc  # noqa: E402
 from specdec.sampling import SamplingParams  # noqa: E402
 from specdec.schedule import GenerationRequest, generate  # noqa: E402
 from specdec.verify import SparseDist  # noqa: E402
@@ -503,7 +503,7 @@ async def test_load_from_dir_with_dtype_and_device(models, tmp_path, device):
 
 
 async def test_dense_q_tensor_equals_sparse_q(stack):
-    from specdec.server.convert import tensor_to_proto
+    from specdec_rpc.convert import tensor_to_proto
 
     gen = torch.Generator().manual_seed(9)
     for sid in ("sp", "de"):

@@ -13,8 +13,8 @@ import pytest
 from coordinator.channels import Dialer
 from coordinator.config import CoordinatorSettings
 from coordinator.server import build_coordinator, client_tls
-from specdec.pb import generation_pb2 as g, generation_pb2_grpc as gg
-from specdec.server.settings import TLSSettings
+from specdec_rpc.pb import generation_pb2 as g, generation_pb2_grpc as gg
+from specdec_rpc.settings import TLSSettings
 from tests.helpers_models import start_replica, target_greedy, tiny_pair
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl CLI to make certificates")
@@ -86,7 +86,7 @@ async def test_a_tls_stack_found_by_dns_generates(tmp_path):
 
 
 def test_a_vocabulary_that_is_not_the_tokenizers_is_named():
-    from coordinator.replica_probes import vocabulary_mismatch
+    from coordinator.routing.probes import vocabulary_mismatch
 
     assert vocabulary_mismatch(49152, 128256) and vocabulary_mismatch(128256, 49152)  # SmolLM2 vs Llama 3
     assert not vocabulary_mismatch(151665, 151936) and not vocabulary_mismatch(32000, 32000)  # padding: Qwen2.5

@@ -1,13 +1,13 @@
 """Tool calls a model chose (tool_choice "auto"): the hermes, llama3_json, pythonic and mistral parsers
-(coordinator/tool_parsers.py), whole and fed in pieces of every size, and the streamed reader's deltas."""
+(coordinator/grpc_api/tool_parsers.py), whole and fed in pieces of every size, and the streamed reader's deltas."""
 from __future__ import annotations
 
 import json
 
 import pytest
 
-from coordinator.openai_structured import tool_choice
-from coordinator.tool_parsers import PARSERS, AutoToolReader, HermesParser, MistralParser, parse_whole
+from coordinator.http_api.structured import tool_choice
+from coordinator.grpc_api.tool_parsers import PARSERS, AutoToolReader, HermesParser, MistralParser, parse_whole
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
 HERMES = ('Let me check both.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
@@ -155,8 +155,8 @@ def test_earlier_tool_calls_reach_the_chat_template(tmp_path, renders):
     """An agent's history: the assistant's tool calls reach a template that renders them with their arguments as
     objects (what Hugging Face templates read), and any other template as their JSON content; the tool's answer
     keeps its tool_call_id. The HTTP body goes through GenerateRequest.messages to the coordinator's encoding."""
-    from coordinator.openai_schema import ChatCompletionRequest
-    from coordinator.chat_prompt import chat_message
+    from coordinator.http_api.schema import ChatCompletionRequest
+    from coordinator.grpc_api.chat_prompt import chat_message
     from specdec.tokenizer import decode, encode_prompt, load_tokenizer
     from tests.helpers_models import save_tiny_tokenizer
 
@@ -178,7 +178,7 @@ def test_earlier_tool_calls_reach_the_chat_template(tmp_path, renders):
 def test_only_the_mistral_parser_keeps_special_tokens(parser):
     """Mistral's [TOOL_CALLS] is a special token, which detokenization skips: its requests keep special tokens in
     their text (as vLLM's mistral parser sets skip_special_tokens=False); the others' requests leave the default."""
-    from coordinator.openai_schema import ChatCompletionRequest
+    from coordinator.http_api.schema import ChatCompletionRequest
 
     body = ChatCompletionRequest(messages=[{"role": "user", "content": "weather?"}], tools=TOOLS)
     body.tool.parser = parser

@@ -10,7 +10,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import StatusCode
 
 from coordinator.tracing import init_tracer
-from specdec.pb import generation_pb2 as g
+from specdec_rpc.pb import generation_pb2 as g
 from tests.test_grammar_wire import PROMPT, Stack
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")

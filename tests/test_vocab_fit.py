@@ -124,7 +124,7 @@ def test_pairs_that_cannot_share_a_tokenizer_are_refused():
 def test_the_draft_service_fits_its_model_to_target_vocab_size():
     """DRAFT_TARGET_VOCAB_SIZE: the replica reports the target's vocabulary and takes a prompt with ids past its
     rows (before, INVALID_ARGUMENT 'outside the vocabulary'); a larger draft does not start."""
-    from specdec.pb import draft_pb2, draft_pb2_grpc
+    from specdec_rpc.pb import draft_pb2, draft_pb2_grpc
 
     async def run():
         app = await start_replica("draft", _pair()[1], target_vocab_size=VT)
@@ -148,7 +148,7 @@ def test_the_embedded_stack_fits_a_smaller_draft(tmp_path):
     (read from both config.json files), so a prompt with ids past the draft's rows is drafted for, not run
     target-only."""
     from coordinator.stack import LocalStack, config_vocab_size
-    from specdec.bench.runners import StackClient
+    from specdec_bench.runners import StackClient
     from tests.helpers_models import save_model, save_tiny_tokenizer
 
     target, draft = _pair()
@@ -188,7 +188,7 @@ def test_the_coordinator_names_the_setting_a_short_draft_replica_lacks(fitted, c
         for a in (coord, d, t):
             await a.shutdown(0)
 
-    with caplog.at_level("WARNING", logger="coordinator.pool"):
+    with caplog.at_level("WARNING", logger="coordinator.routing.pool"):
         asyncio.run(run())
     warned = [r.getMessage() for r in caplog.records if "vocabulary rows" in r.getMessage()]
     if fitted:

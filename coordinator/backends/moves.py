@@ -1,0 +1,152 @@
+"""A pinned session's moves between replica calls (the mixin of coordinator/backends/clients.py's `_Pinned`): scale-in (its
+replica left the pool) and preemption by priority (coordinator/routing/preemption.py). Each happens before a call, where
+the session holds nothing in flight, and ends with the session rebuilt from what it verified, as after a failover.
+
+A preempted request gives up its sessions in both pools, not just the one a waiter wants: while it waits for room
+in one pool it makes no calls, so a session it kept in the other would sit idle where another request may need it
+(and, with both pools full, the waiter and the victim could each wait for what the other holds). The backend a
+call is in flight on (PEARL's shadow draft stream) gives its session up when that call ends. Each backend takes
+room again at its own next call, the draft before the target (the order a new request takes them in).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from specdec.errors import CapacityError
+
+log = logging.getLogger(__name__)
+
+
+_ENDING: set[asyncio.Task] = set()  # EndSessions on their way, awaited by nobody (kept from the GC)
+
+
+def end_in_background(coro) -> asyncio.Task:
+    task = asyncio.ensure_future(coro)
+    _ENDING.add(task)
+    task.add_done_callback(_ENDING.discard)
+    return task
+
+
+async def ending(timeout: float) -> None:
+    """Wait (at most `timeout`) for the EndSessions on their way: a closing pipeline lets them arrive."""
+    if _ENDING:
+        await asyncio.wait(list(_ENDING), timeout=timeout)
+
+
+class PoolView:
+    """A pipeline's cached copy of routable pool members (refreshed in the background, never per round): what
+    tells a session to move (`gone`) or to yield (`preempts`)."""
+
+    def __init__(self):
+        self.members: dict[str, list[str]] = {}
+        self.preempt: dict[str, list[str]] = {}  # holdings marked for preemption (coordinator/routing/preemption.py)
+
+    def gone(self, kind: str, endpoint: str) -> bool:
+        live = self.members.get(kind)
+        return bool(live) and endpoint not in live  # an empty view (blip, startup) moves nothing
+
+    def preempts(self, kind: str, holding: str) -> bool:
+        return bool(holding) and holding in self.preempt.get(kind, ())
+
+
+class SessionMoves:
+    rebuild_due = False  # pinned again by its sibling (`_take_room`): the session is built at the next call
+
+    async def _before_call(self, rebuild) -> None:
+        """Before a replica call: take room again after a preemption, yield to a waiter of higher priority, or move
+        off a replica that left the pool. The call counts as in flight from here (`_after_call` ends it): a
+        sibling's preemption must not end a session this is rebuilding (its StartSession would fail NOT_FOUND; found
+        by scripts/soak.py), so it leaves `give_up` for the call's end instead."""
+        self.in_call += 1
+        try:
+            if self.endpoint is None and self.sid:  # given up with its sibling's preemption
+                await self._take_room(rebuild)
+            elif self.rebuild_due:
+                self.rebuild_due = False
+                await rebuild()
+            elif (self.endpoint is not None and self.view.preempts(self.kind, self.holding)
+                  and await self.pool.marked(self.kind, self.holding)):  # the view may be a refresh old
+                await self._yield_session(rebuild)
+            elif self.endpoint is not None and self.view.gone(self.kind, self.endpoint):
+                old = self.endpoint
+                log.info("%s replica %s left the pool; moving session %s", self.kind, old, self.sid)
+                await self._release(old)
+                self.failed.append(old)
+                await self._pin()
+                await rebuild()
+                self._end_later(old)  # best effort: free its slot if it is still up
+        except BaseException:
+            self.in_call -= 1
+            raise
+
+    def _end_later(self, endpoint: str) -> None:
+        """End this session on a replica it moved off, in the background (the move does not wait for it)."""
+        end_in_background(self._end_on(endpoint))
+
+    async def _after_call(self) -> None:
+        self.in_call -= 1
+        if self.give_up and not self.in_call:
+            await self._give_up()
+
+    async def _yield_session(self, rebuild) -> None:
+        """Preempted: give up this session and the sibling's, wait for room with this request's own priority, and
+        rebuild the session from what it verified (exact)."""
+        log.info("%s session %s (priority %d) preempted on %s: it waits for room, then resumes", self.kind,
+                 self.sid, self.priority, self.endpoint)
+        self.preemptions += 1
+        await self._give_up()
+        sib = self.sibling
+        if sib is not None and sib.endpoint is not None:
+            if sib.in_call:
+                sib.give_up = True  # when its call in flight ends
+            else:
+                await sib._give_up()
+        await self._take_room(rebuild)
+
+    async def _give_up(self) -> None:
+        """End the session and give its room back (a waiter of higher priority takes it). The backend is free the
+        moment this starts (`endpoint` None); taking room again waits until the replica has ended the session, so
+        that a rebuilt session of the same id is never ended by this."""
+        self.give_up = False
+        ep, token, self.endpoint = self.endpoint, self.holding, None
+        if ep is None:
+            return
+        self.rounds.close()
+        done = self.gave_up = asyncio.get_running_loop().create_future()
+        try:
+            try:  # shielded: a request cancelled meanwhile (deadline, client gone) must not leave the session behind
+                await asyncio.shield(self._end_on(ep))
+            finally:
+                await self.pool.release(self.kind, ep, token)
+        finally:
+            done.set_result(None)
+
+    async def _take_room(self, rebuild=None) -> None:
+        """Pin again after giving the session up, and rebuild it (`rebuild` None: the caller does). A preempted
+        request keeps its place in line: it waits out full queues rather than fail with output already verified.
+        Calls that find the backend given up at once take room once: the first one pins and rebuilds."""
+        async with self.room_lock:
+            if self.endpoint is not None:
+                return
+            sib = self.sibling
+            if self.kind == "target" and sib is not None and sib.sid and not sib.closed:
+                # draft room before target room, the order a new request takes them in (its probe pins the draft
+                # first): else this request could hold the target and wait for a draft that a new request holds
+                # while it waits for the target, both until queue_wait_s (found by a chaos test)
+                while sib.endpoint is not None and sib.give_up:  # its call in flight gives it up as it ends
+                    await asyncio.sleep(0.005)
+                if sib.endpoint is None and not sib.closed:
+                    await sib._take_room()
+                    sib.rebuild_due = True
+            if self.gave_up is not None:
+                await asyncio.shield(self.gave_up)
+            while True:
+                try:
+                    await self._pin()
+                    break
+                except CapacityError as e:
+                    log.info("preempted session %s still waits for room (%s)", self.sid, e)
+                    await asyncio.sleep(1.0)
+            if rebuild is not None:
+                await rebuild()

@@ -1,0 +1,304 @@
+"""Request pipelines: run `specdec.schedule.generate` for one request against pinned gRPC replicas.
+
+A plain async class (no Ray, no tokenizer): token ids in, events out. `coordinator/actor.py` hosts it in an async
+Ray actor; with `--no-ray` the front server uses it directly. Ray is never on the per-round path: the only Ray
+calls are pinning (one per request and per failover), unpinning, and a pool-membership refresh every
+`view_refresh_s`.
+
+Events (dicts, so they cross Ray cheaply):
+    {"tokens": [ids]}                                   newly verified tokens, in order
+    {"done": True, "token_ids", "finish_reason", "stats"}  the last event
+    {"error": {"code": "INVALID_ARGUMENT"|..., "message"}}  the last event on failure
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+from typing import AsyncIterator
+
+import grpc
+
+from specdec.errors import (CapacityError, ContextOverflowError, InvalidRequestError, SessionNotFoundError,
+                            SpecDecError, StalePositionError)
+from specdec.sampling import SamplingParams
+from specdec.schedule import GenerationRequest, GenerationResult, GenerationStats, generate
+from specdec.worker_base import PREFILL_CHUNK
+
+from coordinator.routing.affinity import prefix_keys
+from coordinator.channels import Channels
+from coordinator.backends.clients import RemoteDraft, RemoteTarget
+from coordinator.routing.pool import DraftContextError, ReplicaUnavailableError
+from coordinator.backends.moves import PoolView, ending
+
+log = logging.getLogger(__name__)
+
+_CODES = [(InvalidRequestError, "INVALID_ARGUMENT"), (ReplicaUnavailableError, "UNAVAILABLE"),
+          (SessionNotFoundError, "NOT_FOUND"), (StalePositionError, "FAILED_PRECONDITION"),
+          (ContextOverflowError, "OUT_OF_RANGE"), (CapacityError, "RESOURCE_EXHAUSTED"),
+          (SpecDecError, "FAILED_PRECONDITION")]
+
+
+def error_event(e: BaseException) -> dict:
+    if isinstance(e, grpc.aio.AioRpcError):  # a replica's answer: pass its status through
+        return {"error": {"code": e.code().name, "message": e.details() or str(e.code())}}
+    for cls, code in _CODES:
+        if isinstance(e, cls):
+            return {"error": {"code": code, "message": str(e)}}
+    return {"error": {"code": "INTERNAL", "message": f"{type(e).__name__}: {e}"}}
+
+
+def request_from_dict(d: dict) -> GenerationRequest:
+    params = SamplingParams(temperature=float(d.get("temperature", 0.0)), top_k=int(d.get("top_k", 0)),
+                            top_p=float(d.get("top_p", 1.0)), seed=int(d.get("seed", 0)),
+                            logprobs=int(d.get("logprobs", -1)), prompt_logprobs=int(d.get("prompt_logprobs", -1)),
+                            cache_salt=str(d.get("cache_salt", "")),
+                            presence_penalty=float(d.get("presence_penalty", 0.0)),
+                            frequency_penalty=float(d.get("frequency_penalty", 0.0)),
+                            repetition_penalty=float(d.get("repetition_penalty", 1.0)),
+                            logit_bias=tuple((int(t), float(b)) for t, b in d.get("logit_bias", ())),
+                            grammar=str(d.get("grammar", "")), min_p=float(d.get("min_p", 0.0)),
+                            min_tokens=int(d.get("min_tokens", 0)),
+                            stop_ids=tuple(d.get("eos_token_ids", ())) if d.get("min_tokens") else (),
+                            allowed_token_ids=tuple(d.get("allowed_token_ids", ())),
+                            bad_words=tuple(tuple(w) for w in d.get("bad_words", ())))
+    keys = ("max_new_tokens", "mode", "gamma", "block_size", "verify_method", "pacer_threshold", "pacer_skip_below",
+            "pearl_first_block", "spec_off_batch", "pacer_post_threshold", "pearl_overlap", "priority")
+    kw = {k: d[k] for k in keys if d.get(k) is not None}
+    req = GenerationRequest(prompt_ids=list(d["prompt_ids"]), params=params,
+                            eos_token_ids=tuple(d.get("eos_token_ids", ())), **kw)
+    if d.get("request_id"):
+        req.session_id = d["request_id"]
+    return req
+
+
+class AsyncPool:
+    """Awaitable facade over an in-process PoolManager (the Ray facade lives in actor.py)."""
+
+    def __init__(self, manager):
+        self.manager = manager
+
+    async def acquire(self, kind, exclude=(), keys=(), priority=0, holder=""):
+        return await self.manager.acquire(kind, list(exclude), list(keys), priority, holder)
+
+    async def release(self, kind, endpoint, holder=""):
+        self.manager.release(kind, endpoint, holder)
+
+    async def report_failure(self, kind, endpoint, error=""):
+        self.manager.report_failure(kind, endpoint, error)
+
+    async def members(self):
+        return self.manager.members()
+
+    async def view(self):
+        return self.manager.view()
+
+    async def marked(self, kind, holder):
+        return self.manager.marked(kind, holder)
+
+
+class Pipeline:
+    def __init__(self, pool, dialer=None, rpc_timeout_s: float = 60.0, view_refresh_s: float = 0.5,
+                 replica_streams: bool = True, affinity_chunk: int = PREFILL_CHUNK, tag: str = ""):
+        self.pool = pool  # async acquire/release/report_failure/members (AsyncPool or the Ray facade)
+        self.tag = tag  # the prefix of its requests' holder tokens (a Ray pipeline actor's: coordinator/routing/router.py)
+        self.channels = Channels(dialer)  # how replicas are dialed (coordinator/channels.py)
+        self.view = PoolView()
+        self.rpc_timeout_s, self.view_refresh_s = rpc_timeout_s, view_refresh_s
+        self.replica_streams = replica_streams  # per-round calls as stream messages (coordinator/backends/rounds.py)
+        self.affinity_chunk = affinity_chunk  # positions per prefix key: the replicas' prefill chunk (0: no keys)
+        self._tasks: dict[str, asyncio.Task] = {}
+        self._stop: set[str] = set()
+        self._cancelled: set[str] = set()  # cancelled requests: the next round's tokens cancel them again
+        self._view_task: asyncio.Task | None = None
+        self._fallback_warned = float("-inf")
+
+    async def _refresh_view(self):
+        while True:
+            with contextlib.suppress(Exception):
+                state = await self.pool.view()
+                self.view.members, self.view.preempt = state["members"], state["preempt"]
+            await asyncio.sleep(self.view_refresh_s)
+
+    def _ensure_view(self):
+        if self._view_task is None:
+            self._view_task = asyncio.get_running_loop().create_task(self._refresh_view())
+
+    async def stream(self, request: dict) -> AsyncIterator[dict]:
+        """Run one request; yield events as tokens are verified (see module docstring)."""
+        self._ensure_view()
+        queue: asyncio.Queue = asyncio.Queue()
+        try:
+            req = request_from_dict(request)
+        except Exception as e:  # noqa: BLE001
+            yield error_event(InvalidRequestError("request", str(e)))
+            return
+        rid = req.session_id
+        incremental = not request.get("final_only")  # False: the caller reads only the last event
+
+        def on_tokens(new: list[int], logprobs: list | None = None) -> bool:
+            if rid in self._cancelled:  # a cancel the request's task lost (a callee that swallowed it)
+                raise asyncio.CancelledError
+            if incremental:
+                queue.put_nowait({"tokens": list(new), "logprobs": logprobs})
+            return rid in self._stop
+
+        task = asyncio.ensure_future(self._run(req, on_tokens, bool(request.get("draft_fallback"))))
+        self._tasks[rid] = task
+        task.add_done_callback(lambda t: queue.put_nowait(None))
+        try:
+            while True:
+                ev = await queue.get()
+                if ev is None:
+                    break
+                yield ev
+            yield ({"error": {"code": "CANCELLED", "message": "the request was cancelled"}} if task.cancelled()
+                   else task.result())
+        finally:
+            if not task.done():  # the consumer went away (client cancel / deadline): end both sessions
+                self._cancel(rid, task)
+                with contextlib.suppress(BaseException):
+                    await task
+            self._tasks.pop(rid, None)
+            self._stop.discard(rid)
+            self._cancelled.discard(rid)
+
+    def _backends(self, req: GenerationRequest, output_start: int, reserve: int, with_draft: bool):
+        """(RemoteTarget, RemoteDraft or None) for `req`, routed by its prompt's prefix (coordinator/routing/affinity.py).
+        A replica whose context is too small refuses before any work (`reserve`); a session rebuilt from the
+        history holds output too, and the penalties, min_tokens and a grammar count only the output
+        (`output_start`)."""
+        kw = dict(view=self.view, timeout=self.rpc_timeout_s, streams=self.replica_streams)
+        target = RemoteTarget(self.pool, self.channels, **kw)
+        draft = RemoteDraft(self.pool, self.channels, **kw) if with_draft else None
+        keys = prefix_keys(req.prompt_ids, self.affinity_chunk, req.params.cache_salt)
+        # one per request: the pools see its two sessions as one request's, and can end them if this pipeline dies
+        holder = self.tag + req.session_id
+        for backend in (target, draft):
+            if backend is not None:
+                backend.start_kw.update(reserve_positions=reserve, output_start=output_start)
+                backend.prefix_keys, backend.priority, backend.holder = keys, req.priority, holder
+        if draft is not None:  # preempted, a request gives up both sessions (coordinator/backends/moves.py)
+            target.sibling, draft.sibling = draft, target
+        return target, draft
+
+    async def _run(self, req: GenerationRequest, on_tokens, draft_fallback: bool = False) -> dict:
+        """`draft_fallback`: with no draft replica reachable, at the start or mid-request, go on target-only
+        instead of failing."""
+        n_prompt, reserve = len(req.prompt_ids), len(req.prompt_ids) + req.max_new_tokens
+        target, draft = self._backends(req, n_prompt, reserve, req.mode != "ar")
+        first_target, first_draft = target, draft
+        committed, seen_logprobs = [], []
+
+        def tracking(new: list[int], logprobs: list | None = None) -> bool:
+            committed.extend(new)
+            seen_logprobs.extend(logprobs or ())
+            return on_tokens(new, logprobs)
+
+        fallback = ""  # why it went target-only: "unreachable" (no draft replica) or "context" (past the draft's)
+        try:
+            req.validate()  # before the probe pins a draft replica: a refused request holds no room
+            if draft is not None:
+                try:
+                    await draft.probe()
+                except ReplicaUnavailableError as e:
+                    if not draft_fallback:
+                        raise
+                    self._warn_fallback(e, req.session_id)
+                    draft, fallback, req = None, "unreachable", dataclasses.replace(req, mode="ar")
+            try:
+                res = await generate(req, draft, target, tracking)
+            except (ReplicaUnavailableError, DraftContextError) as e:  # the draft pool is gone, or too short for it
+                if not (draft_fallback and draft is not None and getattr(e, "kind", "") == "draft"):
+                    raise
+                # the draft pool went away mid-request: the committed tokens stand (the target verified them);
+                # a target-only request goes on from them, in a session of its own (the failed one has ended)
+                self._warn_fallback(e, req.session_id)
+                fallback = "context" if isinstance(e, DraftContextError) else "unreachable"
+                head, head_logprobs = list(committed), list(seen_logprobs)
+                ended = next((t for t in head if t in req.eos_token_ids), None) is not None
+                if ended or len(head) >= req.max_new_tokens:  # it failed after its last token: nothing is left
+                    res = GenerationResult(head, "stop" if ended else "length", GenerationStats(mode=req.mode),
+                                           head_logprobs if req.params.logprobs >= 0 else None)
+                else:
+                    rest = dataclasses.replace(req, prompt_ids=req.prompt_ids + head, mode="ar",
+                                               max_new_tokens=req.max_new_tokens - len(head),
+                                               session_id=f"{req.session_id}-ar")
+                    target, draft = self._backends(rest, n_prompt, reserve, False)
+                    res = await generate(rest, None, target, tracking)
+                    res = GenerationResult(head + res.token_ids, res.finish_reason, res.stats,
+                                           head_logprobs + res.logprobs if res.logprobs is not None else None)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - reported to the client as a status
+            if not isinstance(e, (SpecDecError, grpc.aio.AioRpcError)):
+                log.exception("request %s failed", req.session_id)
+            return error_event(e)
+        finally:  # generate ends the sessions it started; this releases what a failure before it left pinned
+            # (the draft's probe, a cancel during it); ending an ended backend does nothing
+            left = [b for b in (first_draft, first_target, target) if b is not None and b.endpoint is not None]
+            if left:
+                await asyncio.shield(asyncio.gather(*(b.end(req.session_id) for b in left), return_exceptions=True))
+        targets = [first_target] + ([target] if target is not first_target else [])
+        drafts = [first_draft] if first_draft is not None else []
+        stats = res.stats.to_dict()
+        stats["network_s"] = sum(b.network_ns for b in targets + drafts) / 1e9
+        stats["queued_s"] = sum(b.queued_ns for b in targets + drafts) / 1e9
+        stats["prompt_tokens"] = n_prompt
+        stats["cached_prompt_tokens"] = first_target.cached_tokens
+        stats["completion_tokens"] = len(res.token_ids)
+        stats["draft_replica"] = ",".join(ep for b in drafts for ep in b.served)
+        stats["target_replica"] = ",".join(ep for b in targets for ep in b.served)
+        stats["draft_unavailable"], stats["draft_fallback"] = bool(fallback), fallback
+        stats["preemptions"] = sum(b.preemptions for b in targets + drafts)
+        finish = "stop" if res.finish_reason == "stop" else res.finish_reason
+        pl = first_target.prompt_logprobs
+        return {"done": True, "token_ids": res.token_ids, "finish_reason": finish, "stats": stats,
+                "logprobs": res.logprobs,
+                "prompt_logprobs": list(zip(pl.logprobs, pl.top_ids, pl.top_logprobs)) if pl is not None else None}
+
+    def _warn_fallback(self, e: Exception, rid: str) -> None:
+        """One warning per 30 s while the draft pool is down (every request would log it)."""
+        now = time.monotonic()
+        if now - self._fallback_warned >= 30.0:
+            self._fallback_warned = now
+            if isinstance(e, DraftContextError):  # this request's length, not the pool's health
+                log.warning("request %s: %s; it runs target-only (ar) where the target replica holds it "
+                            "(COORDINATOR_DRAFT_FALLBACK)", rid, e)
+            else:
+                log.warning("%s: serving requests target-only (ar) until a draft replica is back "
+                            "(COORDINATOR_DRAFT_FALLBACK)", e)
+
+    def stop(self, rid: str) -> None:
+        """Finish the request after its current round (a stop string was seen downstream)."""
+        if rid in self._tasks:
+            self._stop.add(rid)
+
+    def _cancel(self, rid: str, task: asyncio.Task) -> None:
+        self._cancelled.add(rid)
+        task.cancel()
+
+    def cancel(self, rid: str) -> bool:
+        task = self._tasks.get(rid)
+        if task is not None and not task.done():
+            self._cancel(rid, task)
+            return True
+        return False
+
+    def active(self) -> int:
+        return len(self._tasks)
+
+    async def close(self, wait_s: float = 5.0):
+        """Cancel the requests in flight, wait (at most `wait_s`) for them to end their replica sessions, then close
+        the channels (closed first, the EndSessions failed and the sessions stayed until their TTL)."""
+        tasks = list(self._tasks.values())
+        for rid, t in list(self._tasks.items()):
+            self._cancel(rid, t)
+        if tasks:
+            await asyncio.wait(tasks, timeout=wait_s)
+        await ending(wait_s)
+        if self._view_task is not None:
+            self._view_task.cancel()
+        await self.channels.close()

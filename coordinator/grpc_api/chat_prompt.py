@@ -1,0 +1,81 @@
+"""A GenerateRequest's chat side, for the coordinator: its messages and chat-template fields as the chat template
+takes them (specdec/tokenizer.py renders them), the request ids clients may send, and the log line of a finished
+request. Pure: the generated proto, no grpc."""
+from __future__ import annotations
+
+import json
+import logging
+import re
+
+from specdec.errors import InvalidRequestError
+from specdec_rpc.pb import generation_pb2
+
+
+def chat_message(m: generation_pb2.ChatMessage) -> dict:
+    """A ChatMessage → the chat template's dict (`tool_calls` parsed; specdec/tokenizer.py adapts them)."""
+    out = {"role": m.role, "content": m.content}
+    if m.tool_calls:
+        try:
+            calls = json.loads(m.tool_calls)
+        except ValueError:
+            calls = None
+        if not isinstance(calls, list) or not all(isinstance(c, dict) for c in calls):
+            raise InvalidRequestError("messages", "an assistant message's tool_calls must be a JSON list of "
+                                                  "OpenAI tool calls")
+        out["tool_calls"] = calls
+    for name in ("tool_call_id", "name"):
+        if value := getattr(m, name):
+            out[name] = value
+    if m.reasoning:  # the name Qwen3's and DeepSeek's templates read
+        out["reasoning_content"] = m.reasoning
+    return out
+
+
+REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")  # + "-" + 12 hex: a replica session id (<= 128)
+requests_log = logging.getLogger("coordinator.requests")  # one INFO line per finished request
+
+
+def log_request(stats: dict, finish: str, wall_s: float) -> None:
+    if requests_log.isEnabledFor(logging.INFO):
+        n, forwards = stats.get("completion_tokens", 0), stats.get("target_forwards", 0)
+        requests_log.info("request %s: %s, %d prompt (%d cached) + %d completion tokens, finish %s, %.3f s, %.2f "
+                          "tokens per target forward, target %s, draft %s", stats["request_id"], stats.get("mode"),
+                          stats.get("prompt_tokens", 0), stats.get("cached_prompt_tokens", 0), n, finish, wall_s,
+                          n / forwards if forwards else 0.0, stats.get("target_replica") or "-",
+                          stats.get("draft_replica") or "-")
+
+
+def log_failure(request_id: str, code: str, message: str, wall_s: float) -> None:
+    """A failed request's one line: the client's mistakes at INFO, the service's failures at WARNING (the
+    SpecdecRequestErrors alert points here)."""
+    level = logging.WARNING if code in ("UNAVAILABLE", "INTERNAL", "DEADLINE_EXCEEDED", "UNKNOWN") else logging.INFO
+    if requests_log.isEnabledFor(level):
+        requests_log.log(level, "request %s: failed %s after %.3f s: %s", request_id, code, wall_s,
+                         message if len(message) <= 300 else message[:300] + "...")
+
+
+def template_options(r: generation_pb2.GenerateRequest):
+    """GenerateRequest's chat-template fields → (tools or None, TemplateOptions); they apply to `messages` only."""
+    from specdec.tokenizer import TemplateOptions
+
+    def loads(name: str, kind: type):
+        text = getattr(r, name)
+        try:
+            value = json.loads(text) if text else None
+        except ValueError:
+            value = None
+        if text and not isinstance(value, kind):
+            what = "list of tool definitions (OpenAI's)" if name == "tools" else "object of template variables"
+            raise InvalidRequestError(name, f"must be a JSON {what}")
+        return value
+
+    tools, kwargs = loads("tools", list), loads("chat_template_kwargs", dict) or {}
+    template = TemplateOptions(r.add_generation_prompt if r.HasField("add_generation_prompt") else True,
+                               r.continue_final_message, kwargs)
+    if tools and not r.messages:
+        raise InvalidRequestError("tools", "the chat template shows them to the model: send messages")
+    if template != TemplateOptions() and not r.messages:
+        name = ("continue_final_message" if r.continue_final_message else
+                "chat_template_kwargs" if r.chat_template_kwargs else "add_generation_prompt")
+        raise InvalidRequestError(name, "applies to the chat template: send messages")
+    return tools, template

@@ -1,7 +1,0 @@
-"""Benchmark suite: every decoding mode against ar and Hugging Face assisted generation (`python -m specdec.bench`)."""
-
-
-def main(argv: list[str] | None = None) -> int:
-    from specdec.bench.cli import main as _main
-
-    return _main(argv)

@@ -1,5 +1,0 @@
-import sys
-
-from specdec.bench.cli import main
-
-sys.exit(main())

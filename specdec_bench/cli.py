@@ -1,0 +1,119 @@
+"""`specdec bench` / `python -m specdec_bench`: every mode against ar and Hugging Face assisted generation.
+
+    python -m specdec_bench --quick --json out.json --markdown out.md --plot out.png
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+import time
+from pathlib import Path
+
+from specdec_bench.harness import ALL_MODES, Bench, BenchOptions, acceptance, aggregate
+from specdec_bench.report import machine_info, markdown, plot
+from specdec.defaults import PROMPT_LOOKUP_MIN_NGRAM
+
+QUICK = dict(n_per_set=2, repeats=1, gammas=(2, 4), temperatures=(0.0,), concurrency=(1, 2, 4, 8), concurrency_repeats=1)
+
+
+def _csv(kind):
+    return lambda s: tuple(kind(x) for x in s.replace(",", " ").split())
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="specdec bench", description=__doc__.splitlines()[0])
+    ap.add_argument("--prompts", default=None, help="JSONL of {\"prompt\": ...} or {\"messages\": [...]} lines "
+                                                    "(default: HumanEval + the repo's chat set)")
+    ap.add_argument("--prompt-sets", type=_csv(str), default=("humaneval", "chat"), help="default: humaneval,chat")
+    ap.add_argument("--n-prompts", type=int, default=None, help="prompts per set (default 8; --quick 2)")
+    ap.add_argument("--modes", nargs="+", default=list(ALL_MODES), choices=ALL_MODES,
+                    help="ar, hf (assisted generation), sd, pacer, pearl, pacer_pearl (default: all)")
+    ap.add_argument("--gammas", type=_csv(int), default=None, help="sd draft lengths (default 2,3,4,6; --quick 2,4)")
+    ap.add_argument("--temperatures", type=_csv(float), default=None, help="default: 0,1 (--quick: 0)")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=None, help="rounds per prompt (default 3; --quick 1)")
+    ap.add_argument("--concurrency", type=_csv(int), default=None, help="sweep levels (default 1,2,4,8; '' = off)")
+    ap.add_argument("--concurrency-repeats", type=int, default=None, help="default 2; --quick 1")
+    ap.add_argument("--quick", action="store_true",
+                    help="2 prompts per set, 1 repeat, greedy only, sd γ∈{2,4}, one concurrency sweep")
+    ap.add_argument("--target-model", default="default-target")
+    ap.add_argument("--draft-model", default="default-draft")
+    ap.add_argument("--preverifier", default=None, help="PACER pre-verifier dir (default: the shipped one)")
+    ap.add_argument("--prompt-lookup-min-ngram", type=int, default=PROMPT_LOOKUP_MIN_NGRAM,
+                    help="prompt lookup beside the draft model (specdec/lookup.py); 0: off (default: %(default)s)")
+    ap.add_argument("--prefix-cache", action="store_true",
+                    help="let requests reuse prompt prefixes (off by default: every request prefills its whole "
+                         "prompt, as the HF baseline does, so the suite compares generation; "
+                         "scripts/prefix_cache_ab.py measures the prefix cache)")
+    ap.add_argument("--no-ray", action="store_true", help="coordinator pipelines in the driver (tests)")
+    ap.add_argument("--json", default=None, help="write the rows (a JSON list) here")
+    ap.add_argument("--markdown", default=None, help="write the tables here")
+    ap.add_argument("--plot", default=None, help="write the plot (PNG) here")
+    ap.add_argument("--no-progress", action="store_true")
+    return ap
+
+
+def options(args) -> BenchOptions:
+    q = QUICK if args.quick else {}
+    pick = lambda name, default: getattr(args, name) if getattr(args, name) is not None else q.get(name, default)  # noqa: E731
+    n = args.n_prompts if args.n_prompts is not None else q.get("n_per_set", 8)
+    return BenchOptions(
+        target=args.target_model, draft=args.draft_model, preverifier=args.preverifier,
+        prompt_sets=tuple(args.prompt_sets), prompts_file=args.prompts, n_per_set=n or None, modes=tuple(args.modes),
+        gammas=pick("gammas", (2, 3, 4, 6)), temperatures=tuple(pick("temperatures", (0.0, 1.0))),
+        max_new_tokens=args.max_new_tokens, repeats=pick("repeats", 3),
+        concurrency=pick("concurrency", (1, 2, 4, 8)), concurrency_repeats=pick("concurrency_repeats", 2),
+        prompt_lookup_min_ngram=args.prompt_lookup_min_ngram, use_ray=not args.no_ray, prefix_cache=args.prefix_cache,
+        progress=not args.no_progress)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    for out in (args.json, args.markdown, args.plot):  # before the run: a missing folder must not lose its results
+        if out:
+            try:
+                Path(out).resolve().parent.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise SystemExit(f"cannot write {out}: {e}") from None
+    opts = options(args)
+    meta = {"machine": machine_info(), "command": "python -m specdec_bench " + shlex.join(argv)}
+    t0 = time.time()
+    log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+    bench = Bench(opts, log=log)
+    try:
+        bench.setup()
+        records, crecs = bench.run()
+    finally:
+        bench.close()
+    rows = aggregate(records, crecs, bench.configs, opts.concurrency_mode)
+    goals = acceptance(records, rows, opts.concurrency_mode)
+    meta.update(load_avg_end=list(os.getloadavg()), elapsed_s=time.time() - t0, notes=bench.notes,
+                max_new_tokens=opts.max_new_tokens, repeats=opts.repeats,
+                prompts=", ".join(f"{s} ×{sum(p.prompt_set == s for p in bench.prompts)}"
+                                  for s in dict.fromkeys(p.prompt_set for p in bench.prompts)))
+    run = {k: meta[k] for k in ("command", "elapsed_s", "load_avg_end", "max_new_tokens", "repeats", "prompts")}
+    run.update(meta["machine"])
+    for r in rows:
+        r["run"] = run
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+        with open(args.json + ".goals.json" if not args.json.endswith(".json") else args.json[:-5] + ".goals.json",
+                  "w") as f:
+            json.dump({"goals": goals, "notes": bench.notes, **run}, f, indent=1)
+    md = markdown(rows, goals, meta)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(md + "\n")
+    if args.plot:
+        plot(rows, args.plot, title=f"specdec bench ({meta['machine']['git_commit']})")
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

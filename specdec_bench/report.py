@@ -1,0 +1,147 @@
+"""Machine description, the markdown tables and the plot of a benchmark run."""
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import time
+from pathlib import Path
+
+
+def machine_info() -> dict:
+    model, cores = platform.processor() or "unknown", os.cpu_count()
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+        for line in out.splitlines():
+            if line.startswith("Model name:"):
+                model = line.split(":", 1)[1].strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,
+                                cwd=Path(__file__).resolve().parents[1]).stdout.strip() or None
+        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "specdec", "coordinator",
+                                     "draft_service", "target_service"], capture_output=True, text=True, timeout=10,
+                                    cwd=Path(__file__).resolve().parents[1]).stdout.strip())
+    except (OSError, subprocess.SubprocessError):
+        commit, dirty = None, None
+    import torch
+    import transformers
+
+    return {"cpu": model, "cores": cores, "usable_cores": len(os.sched_getaffinity(0)),
+            "load_avg_start": list(os.getloadavg()), "git_commit": commit, "git_dirty": dirty, "python": platform.python_version(),
+            "torch": torch.__version__, "transformers": transformers.__version__,
+            "date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())}
+
+
+def _f(x, fmt="{:.2f}", dash="–"):
+    return dash if x is None else fmt.format(x)
+
+
+MAIN_COLS = ("config", "tok/s", "× ar (2t)", "× HF (2t)", "accepted len", "target fwd/token", "wasted draft/req",
+             "overlap eff.", "network share", "stack slowdown", "output = ar")
+
+
+def _main_row(r: dict) -> str:
+    cells = [r["config"], _f(r["tokens_per_s"], "{:.1f}"), _f(r["speedup_vs_ar"]), _f(r["speedup_vs_hf"]),
+             _f(r.get("mean_accepted_length")), _f(r.get("target_forwards_per_token")),
+             _f(r.get("wasted_draft_tokens"), "{:.0f}"), _f(r.get("overlap_efficiency"), "{:.0%}"),
+             _f(r.get("network_share"), "{:.1%}"), _f(r.get("stack_slowdown_vs_in_process"), "{:+.1%}"),
+             _f(r.get("greedy_match_ar"), "{:.0%}")]
+    return "| " + " | ".join(cells) + " |"
+
+
+def markdown(rows: list[dict], goals: list[dict], meta: dict) -> str:
+    L = [f"Machine: {meta['machine']['cpu']}, {meta['machine']['usable_cores']} usable cores; load average at start "
+         f"{', '.join(f'{x:.2f}' for x in meta['machine']['load_avg_start'])}, at end "
+         f"{', '.join(f'{x:.2f}' for x in meta.get('load_avg_end', []))}; commit `{meta['machine']['git_commit']}`"
+         f"{' (+ uncommitted changes)' if meta['machine'].get('git_dirty') else ''}; "
+         f"torch {meta['machine']['torch']}, transformers {meta['machine']['transformers']}; "
+         f"{meta['machine']['date_utc']} UTC; run took {meta.get('elapsed_s', 0) / 60:.1f} min.",
+         "",
+         f"Command: `{meta['command']}`",
+         "",
+         f"Prompts: {meta['prompts']}; {meta['max_new_tokens']} new tokens; {meta['repeats']} repeat(s); medians "
+         f"over requests, speedups are medians of paired per-request ratios (same prompt, same round).", ""]
+    for n in meta.get("notes", []):
+        L += [f"- Note: {n}"]
+    if meta.get("notes"):
+        L.append("")
+    if goals:
+        L += ["### Acceptance goals (greedy, all prompt sets)", "", "| goal | want | measured | met |",
+              "|---|---|---|---|"]
+        for g in goals:
+            want = f"≤ {g['want']:.0%}" if "slowdown" in g["goal"] else f"≥ {g['want']:.2f}×"
+            meas = (_f(g["measured"], "{:+.1%}") if "slowdown" in g["goal"] else _f(g["measured"], "{:.2f}×"))
+            L.append(f"| {g['goal']} | {want} | {meas} | {'n/a' if g['met'] is None else ('yes' if g['met'] else 'NO')} |")
+        L.append("")
+    single = [r for r in rows if not r.get("sweep")]
+    temps = sorted({r["temperature"] for r in single})
+    sets = list(dict.fromkeys(r["prompt_set"] for r in single))
+    for t in temps:
+        for s in sets:
+            sel = [r for r in single if r["temperature"] == t and r["prompt_set"] == s]
+            if not sel:
+                continue
+            L += [f"### {'greedy' if t == 0 else f'temperature {t:g}'}, prompt set: {s}", "",
+                  "| " + " | ".join(MAIN_COLS) + " |", "|" + "---|" * len(MAIN_COLS)]
+            L += [_main_row(r) for r in sel]
+            L.append("")
+    conc = [r for r in rows if r.get("sweep")]
+    if conc:
+        L += [f"### Concurrency sweep ({conc[0]['mode']} through the stack, greedy)", "",
+              "| simultaneous requests | aggregate tok/s | × 1 request | per-request tok/s | p50 latency s | "
+              "p99 latency s | × ar (2t) |", "|---|---|---|---|---|---|---|"]
+        base = conc[0]["tokens_per_s"]
+        for r in conc:
+            L.append(f"| {r['concurrency']} | {_f(r['tokens_per_s'], '{:.1f}')} | "
+                     f"{_f(r['tokens_per_s'] / base if base else None)} | {_f(r['per_request_tokens_per_s'], '{:.1f}')}"
+                     f" | {_f(r['latency_p50_s'])} | {_f(r['latency_p99_s'])} | {_f(r['speedup_vs_ar'])} |")
+        L.append("")
+    L += ["Columns: tok/s = generated tokens / wall time per request (client side for the stack); accepted len = "
+          "generated tokens per target forward (counts the bonus/recovered token); wasted draft/req = drafted "
+          "tokens never verified or discarded (median per request); overlap eff. = target busy time / wall time; "
+          "network share = (time in replica calls − compute the replicas report) / wall time; stack slowdown = "
+          "1 − (stack tok/s ÷ the same schedule in one process), paired per request; output = ar: share of greedy "
+          "requests whose tokens equal ar (2 threads) exactly (lossless check).", ""]
+    return "\n".join(L)
+
+
+def plot(rows: list[dict], path: str | Path, title: str = "") -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    single = [r for r in rows if not r.get("sweep") and r["prompt_set"] == "all"] or \
+        [r for r in rows if not r.get("sweep")]
+    configs = list(dict.fromkeys(r["config"] for r in single))
+    temps = sorted({r["temperature"] for r in single})
+    conc = [r for r in rows if r.get("sweep")]
+    fig, axes = plt.subplots(1, 2 if conc else 1, figsize=(14 if conc else 10, 6),
+                             gridspec_kw={"width_ratios": [3, 1]} if conc else None)
+    ax = axes[0] if conc else axes
+    w = 0.8 / max(1, len(temps))
+    for i, t in enumerate(temps):
+        vals = []
+        for c in configs:
+            r = next((x for x in single if x["config"] == c and x["temperature"] == t), None)
+            vals.append((r and r["speedup_vs_ar"]) or 0.0)
+        ax.barh([k + i * w for k in range(len(configs))], vals, height=w,
+                label="greedy" if t == 0 else f"T={t:g}")
+    ax.axvline(1.0, color="k", lw=0.8)
+    ax.set_yticks([k + w * (len(temps) - 1) / 2 for k in range(len(configs))], configs, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("speedup vs ar (2 threads), median of paired ratios")
+    ax.legend()
+    ax.set_title(title or "specdec bench")
+    if conc:
+        ax2 = axes[1]
+        ax2.plot([r["concurrency"] for r in conc], [r["tokens_per_s"] for r in conc], "o-")
+        ax2.set_xscale("log", base=2)
+        ax2.set_xlabel("simultaneous requests")
+        ax2.set_ylabel("aggregate tokens/s")
+        ax2.set_title(f"{conc[0]['mode']} (stack)")
+    fig.tight_layout()
+    fig.savefig(str(path), dpi=110)
+    plt.close(fig)

@@ -1,0 +1,379 @@
+"""`specdec` command line: `serve` (the whole stack on one machine) and `generate` (one request).
+
+    specdec serve [--draft-model P] [--target-model P] [--preverifier P] [--host H] [--port N]
+    specdec generate "PROMPT" [--mode M] [--json] [--coordinator ADDR | --in-process]
+    specdec bench [...]              (specdec_bench)
+    specdec batch -i IN -o OUT       (specdec_cli.batch: a file of OpenAI Batch API requests)
+    specdec distill-draft [...]      (specdec_train.distill: rebuild the default draft)
+    specdec train-preverifier [...]  (specdec_train.preverifier: rebuild the PACER pre-verifier)
+
+Without `--coordinator`, `generate` starts the embedded stack (draft and target replicas on loopback with
+`--threads` torch threads each, a local Ray instance, the coordinator), generates, and stops it. The shells
+(grpc, ray, coordinator) are imported lazily so `specdec --help` stays fast.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+from pathlib import Path
+
+from specdec import __version__
+from specdec.defaults import (COORDINATOR_HTTP_PORT, COORDINATOR_PORT, DEFAULT_DRAFT, DEFAULT_TARGET,
+                              PROMPT_LOOKUP_MIN_NGRAM)
+
+MODES = ("ar", "sd", "pacer", "pearl", "pacer_pearl")
+
+
+def _default_preverifier(args) -> str | None:
+    """--preverifier, else the shipped one when the shipped draft is used (and present)."""
+    if args.preverifier:
+        return args.preverifier
+    if args.draft_model == DEFAULT_DRAFT:
+        from specdec.preverifier import DEFAULT_PREVERIFIER_DIR
+
+        if DEFAULT_PREVERIFIER_DIR.is_dir() and any(DEFAULT_PREVERIFIER_DIR.iterdir()):
+            return str(DEFAULT_PREVERIFIER_DIR)
+    return None
+
+
+def _add_models(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target-model", default=DEFAULT_TARGET, help="target model spec (default: %(default)s)")
+    p.add_argument("--draft-model", default=DEFAULT_DRAFT, help="draft model spec (default: %(default)s)")
+    p.add_argument("--preverifier", default=None, help="PACER pre-verifier dir (default: the shipped one, if any)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per model server (default: 1)")
+    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
+                   help="weights and activations (default: auto, bf16 where the hardware runs bf16 GEMMs natively)")
+    p.add_argument("--ray-cpus", type=int, default=2, help="CPUs of the local Ray instance (default: 2)")
+    p.add_argument("--max-sessions", type=int, default=8, help="session slots per model server (default: 8)")
+    p.add_argument("--max-context", type=int, default=2048,
+                   help="positions per session; KV memory is preallocated for all slots (default: 2048)")
+    p.add_argument("--prompt-lookup-min-ngram", type=int, default=PROMPT_LOOKUP_MIN_NGRAM,
+                   help="draft the token that followed the context's last N tokens where they occurred before "
+                        "(N >= this; lossless); 0: the draft model only (default: %(default)s)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="specdec", description="Disaggregated speculative decoding.")
+    ap.add_argument("--version", action="version", version=f"specdec {__version__}")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("serve", help="run draft server, target server and coordinator on this machine")
+    _add_models(s)
+    s.add_argument("--host", default="0.0.0.0")
+    s.add_argument("--port", type=int, default=COORDINATOR_PORT, help="gRPC port (default: %(default)s)")
+    s.add_argument("--http-port", type=int, default=COORDINATOR_HTTP_PORT,
+                   help="OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions); 0: off "
+                        "(default: %(default)s)")
+    s.add_argument("--pipelines", type=int, default=2, help="pipeline actors (default: 2)")
+    s.add_argument("--default-mode", choices=MODES, default="sd",
+                   help="the mode of requests that name none, as OpenAI clients (default: %(default)s)")
+    s.add_argument("--tool-call-parser", choices=["hermes", "llama3_json", "pythonic", "mistral"], default="",
+                   help="how the model writes tool calls, for the HTTP API's tool_choice 'auto' (hermes: "
+                        "<tool_call>{json}</tool_call>; llama3_json: Llama 3.1+; pythonic: [f(a=1)], Llama 3.2 / 4; "
+                        "mistral: [TOOL_CALLS]); unset: 'auto' is refused")
+    s.add_argument("--reasoning-parser", choices=["deepseek_r1", "qwen3"], default="",
+                   help="return a reasoning model's <think>...</think> as the chat API's `reasoning`, apart from "
+                        "its answer (deepseek_r1: DeepSeek-R1 and distills, QwQ, Qwen3 Thinking-2507; qwen3: "
+                        "Qwen3's hybrid models); unset: the text is left whole")
+    sub.add_parser("bench", help="run the benchmark suite (`specdec bench --help`)", add_help=False)
+    sub.add_parser("batch", help="answer a file of OpenAI Batch API requests (`specdec batch --help`)",
+                   add_help=False)
+    sub.add_parser("distill-draft", help="distill a draft from the target (`specdec distill-draft --help`)",
+                   add_help=False)
+    sub.add_parser("train-preverifier", help="train the PACER pre-verifier (`specdec train-preverifier --help`)",
+                   add_help=False)
+    g = sub.add_parser("generate", help="generate a continuation of PROMPT")
+    g.add_argument("prompt", help="prompt text (wrapped in the chat template when the model has one)")
+    g.add_argument("--mode", choices=MODES, default="sd")
+    g.add_argument("--gamma", type=int, default=None,
+                   help="sd: draft length (default 4); pacer: max draft length (default 8); "
+                        "pearl modes: the window (default 8)")
+    g.add_argument("--block-size", type=int, default=None,
+                   help="PACER block size (default: the pre-verifier's trained B)")
+    g.add_argument("--pacer-threshold", type=float, default=None)
+    g.add_argument("--verify-method", choices=("token", "block"), default="block")
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=None)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--logprobs", type=int, default=None, metavar="K",
+                   help="with --json: each token's logprob under the target, with K top alternatives (0-20)")
+    so = g.add_mutually_exclusive_group()  # structured output (specdec/grammar.py)
+    so.add_argument("--json-schema", default=None, metavar="SCHEMA",
+                    help="the answer is JSON following this schema (JSON text, or @file)")
+    so.add_argument("--json-object", action="store_true", help="the answer is a JSON object")
+    so.add_argument("--regex", default=None, help="the answer matches this regex")
+    so.add_argument("--choice", action="append", default=None, help="the answer is one of these (repeatable)")
+    so.add_argument("--grammar", default=None, metavar="LARK", help="the answer follows this Lark grammar (or @file)")
+    g.add_argument("--json", action="store_true", help="print one JSON object (text, token_ids, finish_reason, "
+                                                       "stats, and logprobs with --logprobs)")
+    g.add_argument("--coordinator", default=None, help="host:port of a running coordinator")
+    g.add_argument("--api-key", default=os.environ.get("SPECDEC_API_KEY", ""),
+                   help="with --coordinator: its COORDINATOR_API_KEY (default: $SPECDEC_API_KEY)")
+    g.add_argument("--in-process", action="store_true", help="run specdec.engine.Engine in this process")
+    g.add_argument("--timeout", type=float, default=None, help="request deadline in seconds")
+    _add_models(g)
+    return ap
+
+
+# ---- output ---------------------------------------------------------------------------------------------------
+def stats_line(st: dict, n_tokens: int) -> str:
+    wall = st.get("wall_s") or 0.0
+    busy = (st.get("draft_busy_s") or 0.0) + (st.get("target_busy_s") or 0.0)
+    parts = [f"[{st.get('mode', '')}] {n_tokens} tokens in {wall:.2f}s"
+             + (f" ({n_tokens / wall:.1f} tok/s)" if wall else ""),
+             f"{st.get('rounds', 0)} rounds"
+             + (f" ({st['sequential_rounds']} sequential)" if st.get("sequential_rounds") else "")
+             + f", {st.get('target_forwards', 0)} target forwards, "
+             f"{st.get('mean_accepted_length', 0.0):.2f} tokens/forward",
+             f"busy: draft {st.get('draft_busy_s', 0.0):.2f}s + target {st.get('target_busy_s', 0.0):.2f}s"
+             + (f" = {busy:.2f}s (wall {100 * wall / busy:.0f}% of it)" if busy else ""),
+             f"network {st.get('network_s', 0.0):.2f}s"]
+    if (st.get("queued_s") or 0.0) >= 0.01:  # waited for free replica sessions (a pool at capacity)
+        parts.append(f"queued {st['queued_s']:.2f}s")
+    return " | ".join(parts)
+
+
+def _emit(out: dict, args, streamed: bool) -> None:
+    if args.json:
+        print(json.dumps(out, ensure_ascii=False))
+        return
+    if not streamed:
+        sys.stdout.write(out["text"])
+    sys.stdout.write("\n")
+    print(stats_line(out["stats"], len(out["token_ids"])), flush=True)
+
+
+# ---- generate -------------------------------------------------------------------------------------------------
+def _request(args):
+    from specdec_rpc.pb import generation_pb2
+
+    r = generation_pb2.GenerateRequest(prompt=args.prompt, max_new_tokens=args.max_new_tokens,
+                                       temperature=args.temperature, top_k=args.top_k, seed=args.seed,
+                                       stop=args.stop, mode=args.mode, verify_method=args.verify_method)
+    for name in ("top_p", "gamma", "block_size", "pacer_threshold", "logprobs"):
+        if getattr(args, name) is not None:
+            setattr(r, name, getattr(args, name))
+    form = _structured(args)
+    if form is not None:
+        if form.kind == "choice":  # the proto's fields are named as the kinds
+            r.structured_output.choice.choices.extend(args.choice)
+        else:
+            setattr(r.structured_output, form.kind, True if form.kind == "json_object" else form.value)
+    return r
+
+
+def _structured(args):
+    """The --json-schema / --json-object / --regex / --choice / --grammar form, or None."""
+    from specdec.grammar import StructuredOutput
+
+    def text(v: str) -> str:
+        return Path(v[1:]).read_text() if v.startswith("@") else v
+
+    if args.json_schema is not None:
+        return StructuredOutput("json_schema", text(args.json_schema))
+    if args.json_object:
+        return StructuredOutput("json_object")
+    if args.regex is not None:
+        return StructuredOutput("regex", args.regex)
+    if args.choice:
+        return StructuredOutput("choice", json.dumps(args.choice))
+    if args.grammar is not None:
+        return StructuredOutput("grammar", text(args.grammar))
+    return None
+
+
+def _stats_dict(st) -> dict:
+    return {f.name: getattr(st, f.name) for f in st.DESCRIPTOR.fields}
+
+
+async def _call(address: str, args) -> dict:
+    import grpc
+
+    from specdec_rpc.pb import generation_pb2_grpc
+    from coordinator.grpc_api.service import FINISH_NAME
+
+    async with grpc.aio.insecure_channel(address) as ch:
+        stub = generation_pb2_grpc.GenerationServiceStub(ch)
+        text, ids, out, lps = [], [], {}, []
+        metadata = (("authorization", f"Bearer {args.api_key}"),) if args.api_key else None
+        async for resp in stub.GenerateStream(_request(args), timeout=args.timeout, metadata=metadata):
+            text.append(resp.text_delta)
+            ids.extend(resp.token_ids)
+            lps += [(lp, list(top.ids), list(top.logprobs)) for lp, top in zip(resp.logprobs.logprobs,
+                                                                              resp.logprobs.top)]
+            if not args.json and resp.text_delta:
+                sys.stdout.write(resp.text_delta)
+                sys.stdout.flush()
+            if resp.finish_reason:
+                out = {"finish_reason": FINISH_NAME.get(resp.finish_reason, "length"),
+                       "stats": _stats_dict(resp.stats)}
+        if args.logprobs is not None:
+            out["logprobs"] = _logprobs_json(lps)
+        return {"text": "".join(text), "token_ids": ids, **out}
+
+
+def _logprobs_json(entries) -> list[dict]:
+    return [{"logprob": lp, "top": [{"id": i, "logprob": v} for i, v in zip(ids, vals)]} for lp, ids, vals in entries]
+
+
+async def _generate_remote(args) -> dict:
+    if args.coordinator:
+        return await _call(args.coordinator, args)
+    from coordinator.stack import LocalStack
+
+    draft = None if args.mode == "ar" and args.draft_model == DEFAULT_DRAFT else args.draft_model
+    async with LocalStack(args.target_model, draft, _default_preverifier(args), threads=args.threads,
+                          ray_cpus=args.ray_cpus, max_sessions=args.max_sessions,
+                          max_context=args.max_context, dtype=args.dtype,
+                          prompt_lookup_min_ngram=args.prompt_lookup_min_ngram) as stack:
+        return await _call(stack.address, args)
+
+
+def _generate_in_process(args) -> dict:
+    from specdec.engine import Engine
+    from specdec.hub import resolve_model
+    from specdec.lookup import prompt_lookup
+    from specdec.model import load_model_dir
+    from specdec.sampling import SamplingParams
+    from specdec.schedule import GenerationRequest
+    from specdec.threads import orchestrator_threads
+    from specdec.tokenizer import IncrementalDetokenizer, encode_prompt, eos_token_ids, load_tokenizer
+
+    orchestrator_threads()  # 1 torch thread here: a sequential mode's worker calls run on this thread (engine.py)
+    tdir = resolve_model(args.target_model)
+    tok = load_tokenizer(tdir)
+    if tok is None:
+        raise SystemExit(f"error: {args.target_model} has no tokenizer; the CLI needs one for text prompts")
+    draft = None
+    pv = None
+    if args.mode != "ar":
+        draft = load_model_dir(resolve_model(args.draft_model), dtype=args.dtype, role="draft")
+        pv_path = _default_preverifier(args)
+        if pv_path:
+            from specdec.preverifier import load_preverifier
+
+            pv = load_preverifier(pv_path, draft_model=draft)
+    engine = Engine(load_model_dir(tdir, dtype=args.dtype, role="target"), draft, preverifier=pv,
+                    threads_per_model=args.threads, max_sessions=1, max_context=args.max_context,
+                    lookup=prompt_lookup(args.prompt_lookup_min_ngram))
+    ids = encode_prompt(tok, prompt=args.prompt)
+    kw = {k: getattr(args, k) for k in ("gamma", "block_size", "pacer_threshold") if getattr(args, k) is not None}
+    form = _structured(args)
+    req = GenerationRequest(prompt_ids=ids, max_new_tokens=args.max_new_tokens, mode=args.mode,
+                            verify_method=args.verify_method, eos_token_ids=tuple(sorted(eos_token_ids(tdir))),
+                            params=SamplingParams(temperature=args.temperature, top_k=args.top_k,
+                                                  top_p=args.top_p if args.top_p is not None else 1.0,
+                                                  seed=args.seed, grammar=form.grammar() if form else "",
+                                                  logprobs=args.logprobs if args.logprobs is not None else -1), **kw)
+    detok = IncrementalDetokenizer(tok, prefix_ids=ids)
+
+    def on_tokens(new, _logprobs=None):
+        piece = detok.push(new)
+        if piece and not args.json:
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+        return False
+
+    try:
+        res = engine.generate(req, on_tokens)
+    finally:
+        engine.close()
+    tail = detok.flush()
+    if tail and not args.json:
+        sys.stdout.write(tail)
+    from specdec.tokenizer import decode
+
+    out = {"text": decode(tok, res.token_ids), "token_ids": res.token_ids, "finish_reason": res.finish_reason,
+           "stats": res.stats.to_dict()}
+    if res.logprobs is not None:
+        out["logprobs"] = _logprobs_json(res.logprobs)
+    return out
+
+
+def cmd_generate(args) -> int:
+    if args.in_process:
+        out = _generate_in_process(args)
+    else:
+        import grpc
+
+        try:
+            out = asyncio.run(_generate_remote(args))
+        except grpc.aio.AioRpcError as e:
+            print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
+    _emit(out, args, streamed=True)
+    return 0
+
+
+# ---- serve ----------------------------------------------------------------------------------------------------
+def cmd_serve(args) -> int:
+    import logging
+    import signal
+
+    from coordinator.stack import LocalStack
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    async def run():
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        async with LocalStack(args.target_model, args.draft_model, _default_preverifier(args), host=args.host,
+                              port=args.port, threads=args.threads, ray_cpus=args.ray_cpus,
+                              pipelines=args.pipelines, quiet=False, max_sessions=args.max_sessions,
+                              max_context=args.max_context, dtype=args.dtype,
+                              prompt_lookup_min_ngram=args.prompt_lookup_min_ngram,
+                              http_port=args.http_port or None, default_mode=args.default_mode,
+                              tool_call_parser=args.tool_call_parser,
+                              reasoning_parser=args.reasoning_parser) as stack:
+            # after the stack's ray.init: Ray installs abseil's failure handler for SIGTERM, which then ran before
+            # ours, armed a 3 s abort and crashed the drain (SIGSEGV); ours replaces it
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(sig, stop.set)
+            http = f", OpenAI-compatible HTTP on {args.host}:{stack.app.http_port}" if stack.app.http_port else ""
+            print(f"specdec serving specdec.v1.GenerationService on {args.host}:{stack.app.port}{http} "
+                  f"(target {args.target_model}, draft {args.draft_model}); Ctrl-C stops", flush=True)
+            await stop.wait()
+            print("stopping...", file=sys.stderr, flush=True)
+
+    asyncio.run(run())
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from specdec.errors import SpecDecError
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:  # its own parser: specdec_bench/cli.py
+        from specdec_bench import main as bench_main
+
+        return bench_main(argv[1:])
+    if argv[:1] == ["batch"]:  # its own parser: specdec_cli/batch.py
+        from specdec_cli.batch import main as batch_main
+
+        return batch_main(argv[1:])
+    if argv[:1] == ["distill-draft"]:  # pipelines with their own parsers
+        from specdec_train.distill.__main__ import main as distill_main
+
+        return distill_main(argv[1:]) or 0
+    if argv[:1] == ["train-preverifier"]:
+        from specdec_train.preverifier.__main__ import main as pacer_main
+
+        return pacer_main(argv[1:]) or 0
+    args = build_parser().parse_args(argv)
+    try:
+        rc = cmd_serve(args) if args.cmd == "serve" else cmd_generate(args)
+    except KeyboardInterrupt:
+        rc = 130
+    except (SpecDecError, FileNotFoundError, TimeoutError, RuntimeError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        rc = 1
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,220 @@
+"""Proto <-> tensor conversion; the only code that knows both wire layouts and torch.
+
+Sparse q, layout "sparse-q v1" (msgpack, see proto/specdec/v1/draft.proto):
+    [[ids_bin, probs_bin], ...]   one pair per drafted position
+    ids_bin   little-endian int32 token ids   (k_i of them)
+    probs_bin little-endian float32 probs     (k_i of them)
+Raw little-endian bytes inside msgpack `bin` cost 8 bytes per entry and decode with one frombuffer.
+"""
+from __future__ import annotations
+
+import math
+
+import msgpack
+import numpy as np
+import torch
+
+from specdec.errors import InvalidRequestError
+from specdec_rpc.pb import common_pb2, draft_pb2
+
+_TO_PB = {torch.float32: common_pb2.DTYPE_FLOAT32, torch.float16: common_pb2.DTYPE_FLOAT16,
+          torch.bfloat16: common_pb2.DTYPE_BFLOAT16, torch.int32: common_pb2.DTYPE_INT32,
+          torch.int64: common_pb2.DTYPE_INT64}
+_FROM_PB = {v: k for k, v in _TO_PB.items()}
+_LE_I32, _LE_F32 = np.dtype("<i4"), np.dtype("<f4")
+
+
+def tensor_to_proto(t: torch.Tensor) -> common_pb2.Tensor:
+    if t.dtype not in _TO_PB:
+        raise TypeError(f"unsupported tensor dtype {t.dtype}")
+    t = t.detach().contiguous().cpu()
+    raw = t.view(torch.int16) if t.dtype == torch.bfloat16 else t  # numpy has no bfloat16
+    return common_pb2.Tensor(data=raw.numpy().tobytes(), dtype=_TO_PB[t.dtype], shape=list(t.shape))
+
+
+def tensor_from_proto(msg: common_pb2.Tensor, field: str = "tensor") -> torch.Tensor:
+    if msg.dtype not in _FROM_PB:
+        raise InvalidRequestError(f"{field}.dtype", "is unspecified or unknown; set a DType")
+    dtype = _FROM_PB[msg.dtype]
+    shape = list(msg.shape)
+    if any(d < 0 for d in shape):
+        raise InvalidRequestError(f"{field}.shape", f"has a negative dimension {shape}")
+    numel = math.prod(shape)  # Python ints: a shape like [2**40, 2**40] must not wrap around
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    if len(msg.data) != numel * itemsize:
+        raise InvalidRequestError(f"{field}.data", f"has {len(msg.data)} bytes but shape {shape} of "
+                                  f"{dtype} needs {numel * itemsize}")
+    if numel == 0:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(bytearray(msg.data), dtype=dtype).reshape(shape)
+
+
+def encode_q(q) -> bytes:
+    """list[SparseDist] -> msgpack bytes (sparse-q v1)."""
+    return msgpack.packb([[d.ids.to(torch.int32).cpu().numpy().astype(_LE_I32, copy=False).tobytes(),
+                           d.probs.to(torch.float32).cpu().numpy().astype(_LE_F32, copy=False).tobytes()]
+                          for d in q], use_bin_type=True)
+
+
+def decode_q(data: bytes, field: str = "q", check: bool = True) -> list:
+    """msgpack bytes (sparse-q v1) -> list[SparseDist]; malformed input is INVALID_ARGUMENT. `check`: also each
+    row's values (`_distribution`), where q comes from a client (the target's Verify); the coordinator reading its
+    own draft replica's answers skips it."""
+    from specdec.verify import SparseDist
+
+    if not data:
+        return []
+    try:
+        rows = msgpack.unpackb(data, raw=False)
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise InvalidRequestError(field, f"is not msgpack sparse-q v1 ({exc})") from None
+    if not isinstance(rows, list):
+        raise InvalidRequestError(field, "must be a msgpack array of [ids, probs] pairs")
+    out = []
+    for i, row in enumerate(rows):
+        if (not isinstance(row, (list, tuple)) or len(row) != 2 or not isinstance(row[0], bytes)
+                or not isinstance(row[1], bytes) or len(row[0]) != len(row[1]) or len(row[0]) % 4):
+            raise InvalidRequestError(f"{field}[{i}]", "must be [ids: bin int32 LE, probs: bin float32 LE] "
+                                      "of equal length")
+        ids = torch.from_numpy(np.frombuffer(row[0], dtype=_LE_I32).astype(np.int64))
+        probs = torch.from_numpy(np.frombuffer(row[1], dtype=_LE_F32).astype(np.float32))
+        q = SparseDist(ids=ids, probs=probs)
+        out.append(_distribution(q, f"{field}[{i}]") if check else q)
+    return out
+
+
+def _distribution(q, field: str):
+    """A draft distribution row as verification needs it: finite, non-negative probabilities summing to at most 1
+    (float32 rounding aside), each token once."""
+    if not bool(torch.isfinite(q.probs).all()) or bool((q.probs < 0).any()):
+        raise InvalidRequestError(field, "probabilities must be finite and >= 0")
+    if float(q.probs.double().sum()) > 1.0 + 1e-3:
+        raise InvalidRequestError(field, f"probabilities sum to {float(q.probs.double().sum()):.6g}; a distribution "
+                                         f"sums to at most 1")
+    if q.ids.numel() != q.ids.unique().numel():
+        raise InvalidRequestError(field, "names a token id more than once")
+    return q
+
+
+def dense_q_to_sparse(q: torch.Tensor, field: str = "q_dense") -> list:
+    """[g, vocab] float rows -> list[SparseDist] keeping the nonzero entries (exactly the same q)."""
+    from specdec.verify import SparseDist
+
+    if q.dim() != 2:
+        raise InvalidRequestError(field, f"must have shape [len(draft_ids), vocab], got {list(q.shape)}")
+    q = q.float()
+    out = []
+    for i, row in enumerate(q):
+        ids = torch.nonzero(row != 0).flatten()  # NaN, inf and negative entries too: `_distribution` refuses them
+        out.append(_distribution(SparseDist(ids=ids, probs=row[ids]), f"{field}[{i}]"))
+    return out
+
+
+def sampling_from_proto(msg: common_pb2.SamplingParams):
+    from specdec.sampling import SamplingParams
+
+    return SamplingParams(temperature=float(msg.temperature), top_k=int(msg.top_k),
+                          top_p=float(msg.top_p) if msg.HasField("top_p") else 1.0, seed=int(msg.seed),
+                          logprobs=int(msg.logprobs) if msg.HasField("logprobs") else -1,
+                          prompt_logprobs=int(msg.prompt_logprobs) if msg.HasField("prompt_logprobs") else -1,
+                          cache_salt=msg.cache_salt, presence_penalty=float(msg.presence_penalty),
+                          frequency_penalty=float(msg.frequency_penalty),
+                          repetition_penalty=(float(msg.repetition_penalty) if msg.HasField("repetition_penalty")
+                                              else 1.0),
+                          logit_bias=tuple(sorted((int(k), float(v)) for k, v in msg.logit_bias.items())),
+                          grammar=msg.grammar, min_p=float(msg.min_p), min_tokens=int(msg.min_tokens),
+                          stop_ids=tuple(int(t) for t in msg.stop_ids),
+                          allowed_token_ids=tuple(int(t) for t in msg.allowed_token_ids),
+                          bad_words=tuple(tuple(int(t) for t in w.ids) for w in msg.bad_words))
+
+
+def sampling_to_proto(p) -> common_pb2.SamplingParams:
+    msg = common_pb2.SamplingParams(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=p.seed,
+                                    cache_salt=p.cache_salt, presence_penalty=p.presence_penalty,
+                                    frequency_penalty=p.frequency_penalty, logit_bias=dict(p.logit_bias),
+                                    grammar=p.grammar, min_p=p.min_p, min_tokens=p.min_tokens,
+                                    stop_ids=list(p.stop_ids), allowed_token_ids=list(p.allowed_token_ids),
+                                    bad_words=[common_pb2.TokenIds(ids=list(w)) for w in p.bad_words])
+    if p.repetition_penalty != 1.0:
+        msg.repetition_penalty = p.repetition_penalty
+    if p.logprobs >= 0:
+        msg.logprobs = p.logprobs
+    if p.prompt_logprobs >= 0:
+        msg.prompt_logprobs = p.prompt_logprobs
+    return msg
+
+
+def logprobs_to_proto(lp) -> common_pb2.TokenLogprobs:
+    return common_pb2.TokenLogprobs(position=lp.position, token_ids=lp.token_ids, logprobs=lp.logprobs,
+                                    top=[common_pb2.TopLogprobs(ids=i, logprobs=v)
+                                         for i, v in zip(lp.top_ids, lp.top_logprobs)])
+
+
+def logprobs_from_proto(msg: common_pb2.TokenLogprobs):
+    from specdec.sampling import TokenLogprobs
+
+    return TokenLogprobs(int(msg.position), list(msg.token_ids), list(msg.logprobs), [list(t.ids) for t in msg.top],
+                         [list(t.logprobs) for t in msg.top])
+
+
+
+def features_to_proto(f) -> common_pb2.Features:
+    """TargetFeatures -> Features (rows travel in the model's dtype, bf16 on CPU targets)."""
+    return common_pb2.Features(start=f.start, rows=tensor_to_proto(f.rows))
+
+
+def features_from_proto(msgs, field: str = "features") -> list:
+    """repeated Features -> list[TargetFeatures]; shape and dtype are checked here, positions by the worker."""
+    from specdec.worker_base import TargetFeatures
+
+    out = []
+    for i, m in enumerate(msgs):
+        rows = tensor_from_proto(m.rows, f"{field}[{i}].rows")
+        if rows.ndim != 2 or not rows.is_floating_point():
+            raise InvalidRequestError(f"{field}[{i}].rows", f"must be a 2-D float tensor [n, hidden], got "
+                                      f"{rows.dtype} {list(rows.shape)}")
+        out.append(TargetFeatures(int(m.start), rows))
+    return out
+
+
+_STOP_KIND_PB = {"fixed": draft_pb2.STOP_KIND_FIXED, "pacer": draft_pb2.STOP_KIND_PREVERIFIER}
+_STOP_REASON = {draft_pb2.STOP_REASON_GAMMA_MAX: "gamma_max", draft_pb2.STOP_REASON_PREVERIFIER: "preverifier",
+                draft_pb2.STOP_REASON_CANCELLED: "cancelled"}
+
+
+def draft_request(msg, session_id: str, base_position: int, append: list[int], gamma_max: int, stop,
+                  block_size: int, features=None):
+    """A DraftRequest or DraftStreamRequest (`msg`) from a draft call's arguments (`stop`: a StopSpec)."""
+    rule = draft_pb2.StopRule(kind=_STOP_KIND_PB[stop.kind])
+    if stop.threshold is not None:
+        rule.threshold = stop.threshold
+    if stop.skip_below is not None:
+        rule.skip_below = stop.skip_below
+    return msg(session_id=session_id, base_position=base_position, append_ids=append, gamma_max=gamma_max,
+               stop=rule, block_size=block_size, features=[features_to_proto(f) for f in features or []])
+
+
+def draft_block(r, tokens: list[int] | None = None, q: list | None = None):
+    """A DraftResponse / DraftStreamResponse as a DraftBlock (`tokens`/`q`: override, e.g. a resumed stream's
+    undelivered part)."""
+    from specdec.workers import DraftBlock
+
+    return DraftBlock(tokens=list(r.token_ids) if tokens is None else tokens,
+                      q=decode_q(r.q, check=False) if q is None else q, stop_reason=_STOP_REASON.get(r.stop_reason, ""),
+                      draft_ns=r.draft_ns, final=getattr(r, "last", True))
+
+
+def structured_from_proto(msg):
+    """GenerateRequest.structured_output → specdec.grammar.StructuredOutput."""
+    import json
+
+    from specdec.grammar import StructuredOutput
+
+    kind = msg.WhichOneof("kind")
+    if kind is None or (kind == "json_object" and not msg.json_object):
+        raise InvalidRequestError("structured_output", "set one of json_schema, json_object (true), regex, choice, "
+                                                       "grammar")
+    if kind == "choice":
+        return StructuredOutput("choice", json.dumps(list(msg.choice.choices)))
+    return StructuredOutput(kind, "" if kind == "json_object" else getattr(msg, kind))
+

@@ -1,0 +1,176 @@
+"""What both servicers share: one worker on its model thread, the session table, metrics, the reaper.
+
+The worker (specdec.workers) owns KV slots and the position protocol; this class adds the shell's session
+policy (TTL checked on every call, LRU eviction when full; see sessions.py) and keeps every worker call on
+the model thread. Servicers translate proto <-> these calls and nothing else.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from specdec import native
+from specdec_rpc.pb import common_pb2
+from specdec.quant import weight_quant
+from specdec_rpc.interceptor import ServiceDraining
+from specdec_rpc.metrics import ServiceMetrics
+from specdec_rpc.runner import ModelThread, cancel_and_wait
+from specdec_rpc.sessions import SessionTable
+from specdec_rpc.settings import ServerSettings
+from specdec.worker_base import feature_size
+
+log = logging.getLogger(__name__)
+
+
+class SessionHost:
+    def __init__(self, worker, runner: ModelThread, settings: ServerSettings, metrics: ServiceMetrics,
+                 model_name: str = ""):
+        self.worker, self.runner, self.metrics = worker, runner, metrics
+        self.table = SessionTable(settings.max_sessions, settings.session_ttl_s, settings.lru_min_idle_s)
+        self.info = common_pb2.ModelInfo(
+            model=model_name, vocab_size=worker.vocab_size, max_position_embeddings=worker.max_context,
+            device=str(worker.model.device), dtype=str(worker.model.dtype).removeprefix("torch."),
+            max_sessions=settings.max_sessions, feature_size=feature_size(worker.model),
+            weight_quant=weight_quant(worker.model),
+            prompt_lookup_min_ngram=getattr(getattr(worker, "lookup", None), "min_ngram", 0),
+            attention_kernel="native" if native.supports(worker.kv.k[0]) else "torch")
+        self._reaper: asyncio.Task | None = None
+        self.draining = False  # set when the server starts draining: per-round streams end (UNAVAILABLE)
+        self._reap_every = min(30.0, max(0.05, settings.session_ttl_s / 4))
+        self.interleave_prefill = settings.interleave_prefill
+        # sessions whose StartSession is running (how many calls each): they cannot verify or draft yet
+        self.prefilling: dict[str, int] = {}
+        self._starts: dict[str, object] = {}  # each session id's latest StartSession call (last writer wins)
+
+    # -- sessions ------------------------------------------------------------------------------------------
+    async def start_session(self, sid: str, prompt_ids: list[int], params, **kw) -> tuple[int, int, object, int]:
+        """Admit (maybe evicting), then prefill on the model thread (`kw` go to the worker's start_session).
+        Returns (position, prefill_ns, what start_session returned, positions reused from the prefix cache).
+
+        A plain prefill runs chunk by chunk, each chunk its own model-thread call (`interleave_prefill`): other
+        sessions' verify and draft steps queued meanwhile run between the chunks, so a long prompt delays running
+        streams by one chunk's forward at a time, not by its whole prefill (vLLM's chunked prefill)."""
+        if self.draining:  # the coordinator starts it elsewhere; the sessions already here finish first
+            raise ServiceDraining("this replica is draining (shutting down): start the session on another replica")
+        vocab = self.worker.grammar_vocab if params.grammar else None
+        if vocab is not None:  # compile off the model thread (cached): a large schema must not stall other sessions
+            self.table.check_room(sid)  # a start that will be refused compiles nothing
+            await asyncio.to_thread(vocab.check, params.grammar)
+        evicted = self.table.admit(sid)
+        self.prefilling[sid] = self.prefilling.get(sid, 0) + 1
+        self._starts[sid] = call = object()
+        try:
+            # prompt logprobs, features and feature drafts need the worker's own start_session
+            plain = not any(v for k, v in kw.items() if k != "output_start")
+            if (self.interleave_prefill and plain and params.prompt_logprobs < 0
+                    and not feature_size(self.worker.model)):
+                out = await self._start_interleaved(sid, evicted, prompt_ids, params, kw.get("output_start", 0))
+            else:
+                out = await self.runner.run(self._start, sid, evicted, prompt_ids, params, kw)
+            self.metrics.prefix_cache_queries.inc(len(prompt_ids) - 1)
+            self.metrics.prefix_cache_hits.inc(out[3])
+            return out
+        except BaseException:
+            # a refused, failed or cancelled start leaves no session with this id, KV slot included (a restart
+            # stopped between chunks would otherwise leave a half-prefilled one; its next call gets NOT_FOUND and
+            # the caller starts it again). Unless a later StartSession of the same id replaced it: that one's.
+            if self._starts.get(sid) is call:
+                self.table.remove(sid)
+                self.runner.post(self.worker.end_session, sid)
+            raise
+        finally:
+            if self._starts.get(sid) is call:
+                del self._starts[sid]
+            self.prefilling[sid] -= 1
+            if not self.prefilling[sid]:
+                del self.prefilling[sid]
+            self.metrics.sessions_active.set(len(self.table))
+
+    def open_sessions(self):
+        """{session id: last use} of the sessions that may call soon: those in the table, less those still in
+        StartSession (the target's batcher waits for the former, and must not for a prefill)."""
+        last = self.table.last_used()
+        return {k: v for k, v in last.items() if k not in self.prefilling} if self.prefilling else last
+
+    def _start(self, sid, evicted, prompt_ids, params, kw):
+        for e in evicted:
+            self.worker.end_session(e)
+        t0 = time.perf_counter_ns()
+        out = self.worker.start_session(sid, prompt_ids, params, **kw)
+        ns = time.perf_counter_ns() - t0
+        return self.worker.session_length(sid), ns, out, self.worker.sessions[sid].cached_tokens
+
+    async def _start_interleaved(self, sid, evicted, prompt_ids, params, output_start: int = 0):
+        def open_():
+            for e in evicted:
+                self.worker.end_session(e)
+            t0 = time.perf_counter_ns()
+            s = self.worker.open_session(sid, prompt_ids, params, output_start=output_start)
+            return s, self.worker.prefill_ranges(s, prompt_ids), time.perf_counter_ns() - t0
+
+        def chunk(s, start, end):
+            t0 = time.perf_counter_ns()
+            self.worker.prefill_chunk_of(s, prompt_ids, start, end)
+            return time.perf_counter_ns() - t0
+
+        s, ranges, ns = await self.runner.run(open_)
+        for start, end in ranges:
+            self.table.touch(sid)  # a long prefill is use: LRU eviction must not pick this session meanwhile
+            ns += await self.runner.run(chunk, s, start, end)
+        # this call's session, not the id's: a later StartSession of the same id may have replaced it meanwhile
+        return len(s.tokens) + len(s.pending), ns, None, s.cached_tokens
+
+    def begin_drain(self) -> None:
+        """The server drains: new sessions are refused and per-round streams end; open sessions go on (`idle`)."""
+        self.draining = True
+
+    def idle(self) -> bool:
+        """No session is open or starting: a draining server may stop without cutting a request short."""
+        return not len(self.table) and not self.prefilling
+
+    async def rounds(self, request_iterator, context, handle, field: str, wrap):
+        """Serve a per-round stream: `handle` each request's `field` (the unary handler) and yield
+        `wrap(response)`, one per request, in order. Ends with UNAVAILABLE once the server drains, so the
+        caller moves its session (or resends the call unary) instead of holding the replica past its grace."""
+        async for request in request_iterator:
+            if self.draining:
+                raise ServiceDraining("this replica is draining; resend the call as a unary RPC or to another replica")
+            yield wrap(await handle(getattr(request, field), context))
+
+    def touch(self, sid: str) -> None:
+        """NOT_FOUND for unknown/expired ids; refreshes LRU order."""
+        self.table.touch(sid)
+
+    async def end_session(self, sid: str) -> bool:
+        self.table.check_id(sid)
+        self.table.remove(sid)
+        self.metrics.sessions_active.set(len(self.table))
+        self.worker.cancel(sid)  # stops a draft stream of this session at its next token
+        return await self.runner.run(self.worker.end_session, sid)
+
+    # -- background reaper of expired sessions --------------------------------------------------------------
+    def start_reaper(self) -> None:
+        self._reaper = asyncio.get_running_loop().create_task(self._reap_loop())
+
+    async def _reap_loop(self):
+        while True:
+            await asyncio.sleep(self._reap_every)
+            gone = self.table.reap()
+            if gone:
+                log.info("expired %d idle session(s)", len(gone))
+                self.metrics.sessions_active.set(len(self.table))
+                await self.runner.run(lambda: [self.worker.end_session(s) for s in gone])
+
+    async def close(self):
+        await cancel_and_wait(self._reaper)
+        self.runner.close()
+
+    def warmup_sync(self) -> None:
+        """One tiny prefill so the first real call skips lazy initialisation. Runs on the model thread; the
+        worker holds one slot more than max_sessions, so this never competes with client sessions."""
+        from specdec.sampling import SamplingParams
+
+        self.worker.start_session("__warmup__", [0, 0, 0], SamplingParams())
+        self.worker.end_session("__warmup__")
+        _ = self.worker.grammar_vocab  # structured output's vocabulary (0.4 s for 49k tokens), not on a request

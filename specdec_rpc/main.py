@@ -1,0 +1,42 @@
+"""`python -m draft_service` / `python -m target_service` entry-point helper."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+
+log = logging.getLogger("specdec_rpc")
+
+
+async def _exit_with_parent(app, parent_pid: int, every_s: float = 1.0) -> None:
+    """Shut `app` down once `parent_pid` is no longer our parent (it died: we were re-parented)."""
+    while os.getppid() == parent_pid:
+        await asyncio.sleep(every_s)
+    log.warning("parent process %d is gone: shutting down", parent_pid)
+    await app.shutdown()
+
+
+def run_service(build_app, settings) -> None:
+    """settings: a parsed ServerSettings; build_app(settings) -> ServerApp (async, inside the loop)."""
+    from specdec.threads import orchestrator_threads
+
+    logging.basicConfig(level=settings.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    orchestrator_threads()  # the event loop only translates; the model thread computes with settings.threads
+    from specdec_rpc.settings import startup_warnings
+
+    for warning in startup_warnings(settings):
+        log.warning("%s", warning)
+
+    async def _main():
+        app = await build_app(settings)
+        await app.start()
+        watch = (asyncio.ensure_future(_exit_with_parent(app, settings.exit_with_parent))
+                 if settings.exit_with_parent else None)
+        try:
+            await app.run_until_signal()
+        finally:
+            if watch is not None:
+                watch.cancel()
+
+    asyncio.run(_main())
