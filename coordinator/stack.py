@@ -63,7 +63,7 @@ class LocalStack:
         self.target, self.draft, self.preverifier = target, draft, preverifier
         self.prompt_lookup_min_ngram = prompt_lookup_min_ngram  # the draft replica's (None: its default)
         self.dtype = dtype  # the replicas' --dtype
-        self.prefix_cache = prefix_cache  # the replicas' --prefix-cache (A/B runs: scripts/prefix_cache_ab.py)
+        self.prefix_cache = prefix_cache  # the replicas' --prefix-cache
         self.replica_args = tuple(replica_args)  # more flags for both replicas (A/B runs)
         self.http_port = http_port  # the OpenAI-compatible HTTP API: None off, 0 a free port
         self.http_address = ""

@@ -44,6 +44,25 @@ from concurrency_probe import scrape
 MODES = ["ar", "sd", "pacer", "pearl", "pacer_pearl"]
 # a share of the greedy requests carry these (specdec/penalties.py); checked against `ar` with the same
 PENALTIES = {"presence_penalty": 0.5, "frequency_penalty": 0.25, "repetition_penalty": 1.25}
+# a long system prompt every prompt is also sent behind (the prefix cache's hits; `--no-shared-prefix`: not)
+SHARED_PREFIX = (
+    "You are the support assistant of Northwind Outfitters, an online shop for hiking, camping and climbing gear. "
+    "Follow these rules in every answer. Be friendly and brief: at most four sentences unless the customer asks "
+    "for detail. Never invent order numbers, tracking codes, prices or stock levels; if the customer needs one, "
+    "tell them where to find it in their account. Returns: unused items can be returned within 60 days with the "
+    "receipt, used items within 30 days if they failed in normal use; the customer prints a free label from the "
+    "Orders page. Refunds go back to the original payment method within 5 business days of the item arriving at "
+    "our warehouse. Exchanges for another size are free and ship as soon as the return is scanned by the carrier. "
+    "Shipping: standard delivery takes 3 to 5 business days and is free above 50 dollars; express takes 1 to 2 "
+    "business days and costs 15 dollars; we ship to the United States and Canada only. Warranty: tents, packs and "
+    "sleeping bags carry a lifetime warranty against defects in materials and workmanship; footwear and apparel "
+    "carry one year. Damage from accidents, animals or fire is not covered, but our repair service can often fix "
+    "it for a flat fee. Safety: for questions about climbing protection, ropes, harnesses or avalanche gear, give "
+    "general information only and always recommend instruction from a certified guide; never tell a customer that "
+    "a piece of gear is safe for a specific route or condition. Sizing: point customers to the size chart on each "
+    "product page and mention that boots run half a size small. If the customer is upset, apologise once, then "
+    "focus on what we can do. If a question is outside these topics, say that you can only help with Northwind "
+    "orders and gear, and suggest contacting the team at the help center for anything else.")
 
 
 def rss_mb(pid: int) -> float:
@@ -272,11 +291,9 @@ async def main(args) -> int:
     tok = load_tokenizer(tdir)
     prompts = load_prompt_sets(tok, ["humaneval", "chat"], args.n_prompts)
     if not args.no_shared_prefix:  # each prompt again behind one long shared prefix: the prefix cache's hits
-        from prefix_cache_ab import SYSTEM
-
         from specdec_bench.prompts import Prompt
 
-        shared = [int(t) for t in tok(SYSTEM + "\n\n")["input_ids"]]
+        shared = [int(t) for t in tok(SHARED_PREFIX + "\n\n")["input_ids"]]
         prompts += [Prompt(p.prompt_set, p.key + "+shared", shared + p.ids) for p in prompts]
     stack = LocalStack(str(tdir), str(resolve_model(DEFAULT_DRAFT)), _default_preverifier(DEFAULT_DRAFT), threads=1,
                        ray_cpus=2, pipelines=2, max_sessions=args.max_sessions, metrics=True,

@@ -3,7 +3,7 @@
 A few bf16/fp16 queries on a CPU (a decode step, or a verify block of 1 + γ rows) take two small fp32 matmuls,
 the query heads that share a K/V head stacked into one matrix, and the mask applied to the scores. PyTorch's
 fused CPU kernel costs 5-7× more for one query (default target shapes, 1 thread, 320 / 1,000 / 2,000 keys:
-252 / 862 / 1,776 µs vs 53 / 125 / 251 µs, `scripts/kernel_micro.py`) and ~1.4× more for a 3-row verify block
+252 / 862 / 1,776 µs vs 53 / 125 / 251 µs, `experiments/kernel_micro.py`) and ~1.4× more for a 3-row verify block
 (104 vs 71 µs at 300 keys; 9 rows: 154 vs 143 µs), and fp32 scores are at least as accurate as the fused kernel's
 (docs/benchmarks.md, "Kernels per host and decode attention"). Longer blocks (a prefill) take the fused kernel.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-DECODE_ATTENTION = True  # False: every call takes the fused SDPA kernel (A/B: scripts/kernel_ab.py --attention)
+DECODE_ATTENTION = True  # False: every call takes the fused SDPA kernel (an A/B switch)
 SMALL_BLOCK_ROWS = 16  # query rows up to which the two-matmul path runs (a verify block is 1 + γ ≤ 9 rows)
 
 

@@ -31,7 +31,7 @@ Row invariance (`set_row_invariant`, the target's layers; `SPECDEC_ROW_INVARIANT
 must not depend on how many rows its call has, or a target's greedy output depends on the load (a decode step alone
 is one row, batched with other sessions it is one of many) and on what tuning chose in this process. oneDNN's
 one-row path rounds some rows unlike its multi-row one (default target, AMD host: 5 of 48 random rows of the
-1536-wide down projection; `scripts/row_invariance.py`). So a row-invariant layer never runs a one-row oneDNN call:
+1536-wide down projection; `experiments/row_invariance.py`). So a row-invariant layer never runs a one-row oneDNN call:
 one row runs as at least MIN_INVARIANT_ROWS rows (a zero row appended), or on `torch.mv` where that was tuned
 fastest. `tune_linears` then checks each shape (`check_row_invariance`) and moves a shape whose `torch.mv` rounds
 unlike its multi-row kernel to the padded oneDNN call.

@@ -23,7 +23,7 @@ class PromptLookup:
     the draft); `max_ngram`: matches are compared up to this length, the longest wins, the latest among equals;
     `window`: only the last `window` tokens of the context are searched (bounds the cost per drafted token);
     `accept_prob`: the measured share of looked-up tokens the target accepts (0.883 on held-out text, 0.885 on
-    the benchmark's prompts, greedy, min_ngram 3: `scripts/lookup_agreement.py`), which PACER's stop rule takes as
+    the benchmark's prompts, greedy, min_ngram 3: `experiments/lookup_agreement.py`), which PACER's stop rule takes as
     a looked-up block's predicted acceptance in place of the pre-verifier's (trained on the draft's own tokens);
     `greedy_only`: propose for greedy requests only. Sampled requests are exact with lookup too, but at T = 1.0
     it measured neutral on the default pair (tokens per target forward 1.65 vs 1.68 for sd γ = 2): the target

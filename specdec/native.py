@@ -37,7 +37,7 @@ SOURCES = tuple(Path(__file__).resolve().parent / "csrc" / f for f in ("decode_a
 # numerics; the link step runs without it (tests/test_native.py checks that subnormals survive the load).
 CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC")
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # the caches the kernel reads; others take the torch path
-ENABLED = True  # False: models take the torch path (in-process A/B: scripts/switch_ab.py --switch native-kernels)
+ENABLED = True  # False: models take the torch path (an in-process A/B switch)
 
 
 def _cpu_flags() -> str:

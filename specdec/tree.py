@@ -9,7 +9,7 @@ the output is the target's greedy output, as with a chain (a chain is the shape 
 
 Why trees: on a CPU with native bf16 GEMMs, a verify forward of 20 rows costs about what 4 rows do
 (docs/benchmarks.md, "Target dtype"), and the draft's top-2..4 hold the target's token far more often than its
-top-1 (`scripts/tree_headroom.py`). Sampling (T > 0) needs multi-draft rejection sampling and is not supported:
+top-1 (`experiments/tree_headroom.py`). Sampling (T > 0) needs multi-draft rejection sampling and is not supported:
 use sd there.
 
 K/V of tree rows go to scratch cache indices right after the committed prefix (`CausalLM.forward(cache_at=...,

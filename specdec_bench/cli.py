@@ -46,8 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="prompt lookup beside the draft model (specdec/lookup.py); 0: off (default: %(default)s)")
     ap.add_argument("--prefix-cache", action="store_true",
                     help="let requests reuse prompt prefixes (off by default: every request prefills its whole "
-                         "prompt, as the HF baseline does, so the suite compares generation; "
-                         "scripts/prefix_cache_ab.py measures the prefix cache)")
+                         "prompt, as the HF baseline does, so the suite compares generation)")
     ap.add_argument("--no-ray", action="store_true", help="coordinator pipelines in the driver (tests)")
     ap.add_argument("--json", default=None, help="write the rows (a JSON list) here")
     ap.add_argument("--markdown", default=None, help="write the tables here")

@@ -42,7 +42,7 @@ class BenchOptions:
     prompt_lookup_min_ngram: int = PROMPT_LOOKUP_MIN_NGRAM  # in-process engines and the stack's draft replica
     use_ray: bool = True
     # off: every request prefills its whole prompt (the HF baseline has no prefix cache, and with one the mode that
-    # runs a prompt first would pay the prefill the others skip); scripts/prefix_cache_ab.py measures the cache
+    # runs a prompt first would pay the prefill the others skip)
     prefix_cache: bool = False
     warmup_tokens: int = 8
     progress: bool = True

@@ -81,7 +81,7 @@ def load_prompt_sets(tok, sets: list[str], n_per_set: int | None, prompts_file: 
 
 def default_target_prompts(humaneval: int, chat: int):
     """(the default target's directory, its first `humaneval` HumanEval and `chat` chat prompts): what the
-    scripts that check the target itself (scripts/row_invariance.py, scripts/rebuild_kv.py) decode."""
+    experiments that check the target itself (experiments/row_invariance.py) decode."""
     from specdec.defaults import DEFAULT_TARGET
     from specdec.hub import resolve_model
     from specdec.tokenizer import load_tokenizer

@@ -5,7 +5,7 @@ a forward runs. One thread (not a pool) serialises access to the model and its K
 
 The one exception (`can_run_here`): a single-stream call may run on the event loop's own thread while the model
 thread has nothing queued or running. A hand-off to a sleeping thread and back costs 0.2-0.6 ms on a loaded
-2-vCPU host (`scripts/handoff_latency.py`); a single stream has nothing to overlap with it. Only the loop
+2-vCPU host; a single stream has nothing to overlap with it. Only the loop
 submits work, and it is busy for the whole call, so the model is never driven from two threads at once.
 """
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Greedy headroom of token trees for a draft, teacher-forced on the target's own greedy continuations.
 
-    python scripts/tree_headroom.py specdec/assets/default_draft --shapes 1 1,1,1 2,1,1 4,2,1
+    python experiments/tree_headroom.py specdec/assets/default_draft --shapes 1 1,1,1 2,1,1 4,2,1
 
 For a tree whose depth-d nodes are the draft's top-k_d tokens after each depth-(d-1) node, greedy verification
 accepts depth d exactly when the target's greedy token there is among the draft's top-k_d *given the target's own

@@ -1,7 +1,7 @@
-"""Microbenchmarks behind the per-host kernel plans and the decode attention (docs/benchmarks.md, "Kernels per host").
+"""Microbenchmarks behind the per-host kernel plans (specdec/linear.py) and the decode attention (specdec/attention.py).
 
-    python scripts/kernel_micro.py                 # both tables, 1 thread
-    python scripts/kernel_micro.py --only linear   # or: attention
+    python experiments/kernel_micro.py                 # both tables, 1 thread
+    python experiments/kernel_micro.py --only linear   # or: attention
 
 Linear: one layer of each of the default target's shapes, bf16 (and the fp32 F.linear for reference), every
 kernel `specdec.linear.Linear` / `specdec.quant.Int8Linear` can run, 1 / 4 / 8 rows. Attention: one query and four

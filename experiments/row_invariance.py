@@ -2,9 +2,9 @@
 same prompts decoded as one batch (a row each, one forward for all), under several kernel choices for the target's
 bf16 linears.
 
-    python scripts/row_invariance.py --humaneval 4 --chat 4 --tokens 48
+    python experiments/row_invariance.py --humaneval 4 --chat 4 --tokens 48
 
-Configurations: row-invariant (the default since session 20: no one-row oneDNN call, torch.mv only where the
+Configurations: row-invariant (the default: no one-row oneDNN call, torch.mv only where the
 load-time check passes), and with it off: the plan tuning picked, one-row calls on torch.mv, one-row calls on
 oneDNN unpadded. Prints, per
 configuration, the prompts whose batched text differs from their text alone and at which token.

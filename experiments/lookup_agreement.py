@@ -1,7 +1,7 @@
 """Greedy agreement with the target of the draft model alone, of prompt lookup beside it, and of their union.
 
-    python scripts/lookup_agreement.py --set online --rows 200            # held-out text (never trained on)
-    python scripts/lookup_agreement.py --set bench --humaneval 16 --chat 16  # the benchmark's own prompts
+    python experiments/lookup_agreement.py --set online --rows 200            # held-out text (never trained on)
+    python experiments/lookup_agreement.py --set bench --humaneval 16 --chat 16  # the benchmark's own prompts
 
 Teacher-forced over the target's greedy continuations: `online` reads them from the shipped held-out set
 (`specdec_train/data/distill_heldout.jsonl.gz`); `bench` decodes them here with the target as served (bf16, 128 new

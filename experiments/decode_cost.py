@@ -1,9 +1,9 @@
 """Per-token decode cost of the draft vs the target, as the services run them: specdec's own model, one KV-cached
 single-token forward (head included) after `--context` cached positions, 1 thread, side by side in one process.
 
-    python scripts/decode_cost.py --dtypes auto float32 --repeats 15
-    python scripts/decode_cost.py --dtypes auto --draft-quants none int8 --repeats 15   # int8 draft weights
-    python scripts/decode_cost.py --dtypes auto --draft default-draft /tmp/d3 --repeats 15  # several drafts
+    python experiments/decode_cost.py --dtypes auto float32 --repeats 15
+    python experiments/decode_cost.py --dtypes auto --draft-quants none int8 --repeats 15   # int8 draft weights
+    python experiments/decode_cost.py --dtypes auto --draft default-draft DRAFT_DIR --repeats 15  # several drafts
 
 A draft with a compact vocabulary head is timed twice: returning its head's logits (what greedy drafting runs) and
 the full-vocabulary row (what sampled drafting runs).

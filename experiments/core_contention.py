@@ -1,7 +1,7 @@
 """How much a second busy core slows a one-thread decode step on this host (the PEARL question: does drafting
 beside a verify cost the verify?).
 
-    python scripts/core_contention.py --repeats 9
+    python experiments/core_contention.py --repeats 9
 
 Times the served target's decode step (1 thread, 300 cached positions) alone, then while another process decodes
 with the draft (or the target: `--neighbour target`) on the other core without pause, alternating alone / beside

@@ -1,8 +1,8 @@
 """Held-out greedy agreement of one or more drafts, per data set (each set's own 5 % split by prompt).
 
-    python scripts/heldout_agreement.py /tmp/r4 specdec/assets/default_draft
-    python scripts/heldout_agreement.py specdec/assets/default_draft --served none int8   # as the service runs it
-    python scripts/heldout_agreement.py DRAFT --set online=specdec_train/data/distill_heldout.jsonl.gz --max-rows 300
+    python experiments/heldout_agreement.py DRAFT_DIR specdec/assets/default_draft
+    python experiments/heldout_agreement.py specdec/assets/default_draft --served none int8   # as the service runs it
+    python experiments/heldout_agreement.py DRAFT --set online=specdec_train/data/distill_heldout.jsonl.gz --max-rows 300
 
 Sets: the shared data's held-out split, and the online held-out set (`specdec_train/data/distill_heldout.jsonl.gz`: the
 target's greedy continuations of the held-out prompts met while generating the shipped draft's training text,
