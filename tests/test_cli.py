@@ -163,8 +163,8 @@ def test_every_makefile_command_parses():
         assert e.value.code in (0, None), ln
 
 
-def test_readme_limits_table_states_the_defaults():
-    """The README's limits table quotes default values; they must be the settings' defaults."""
+def test_limits_table_states_the_defaults():
+    """The configuration guide's limits table quotes default values; they must be the settings' defaults."""
     import re
     from pathlib import Path
 
@@ -172,14 +172,14 @@ def test_readme_limits_table_states_the_defaults():
     from draft_service.config import DraftSettings
     from target_service.config import TargetSettings
 
-    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    table = text[text.index("## Limits"):text.index("## Using it")]
+    text = (Path(__file__).resolve().parents[1] / "docs" / "guide" / "configuration.md").read_text()
+    table = text[text.index("## Limits"):]
     quoted = re.findall(r"`([a-z_]+)` \(([0-9.]+)( MiB)?", table)
     assert len(quoted) >= 10
     for name, value, mib in quoted:
         value = float(value) * (1 << 20 if mib else 1)
         owners = [c for c in (DraftSettings, TargetSettings, CoordinatorSettings) if name in c.model_fields]
-        assert owners, f"README names a setting that does not exist: {name}"
+        assert owners, f"the limits table names a setting that does not exist: {name}"
         defaults = {float(c.model_fields[name].default) for c in owners}
         assert value in defaults, (name, value, defaults)
 
