@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from specdec_bench.harness import ALL_MODES, Bench, BenchOptions, acceptance, aggregate
-from specdec_bench.report import machine_info, markdown, plot
+from specdec_bench.report import machine_info, markdown, plot, write_markdown
 from specdec.defaults import PROMPT_LOOKUP_MIN_NGRAM
 
 QUICK = dict(n_per_set=2, repeats=1, gammas=(2, 4), temperatures=(0.0,), concurrency=(1, 2, 4, 8), concurrency_repeats=1)
@@ -106,8 +106,7 @@ def main(argv: list[str] | None = None) -> int:
             json.dump({"goals": goals, "notes": bench.notes, **run}, f, indent=1)
     md = markdown(rows, goals, meta)
     if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write(md + "\n")
+        write_markdown(args.markdown, md)  # into docs/benchmarks.md's generated section, between its markers
     if args.plot:
         plot(rows, args.plot, title=f"specdec bench ({meta['machine']['git_commit']})")
     print(md)

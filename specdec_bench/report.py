@@ -107,6 +107,23 @@ def markdown(rows: list[dict], goals: list[dict], meta: dict) -> str:
     return "\n".join(L)
 
 
+BEGIN = "<!-- specdec bench: generated tables begin -->"
+END = "<!-- specdec bench: generated tables end -->"
+
+
+def write_markdown(path: str | Path, md: str) -> None:
+    """Write the tables to `path`. A file that holds the BEGIN and END markers (docs/benchmarks.md) keeps what lies
+    outside them, and the tables replace what lies between; any other file is overwritten."""
+    path = Path(path)
+    old = path.read_text() if path.exists() else ""
+    i, j = old.find(BEGIN), old.find(END)
+    if 0 <= i < j:
+        text = old[:i + len(BEGIN)] + "\n\n" + md.strip("\n") + "\n\n" + old[j:]
+    else:
+        text = md + "\n"
+    path.write_text(text)
+
+
 def plot(rows: list[dict], path: str | Path, title: str = "") -> None:
     import matplotlib
 

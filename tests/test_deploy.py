@@ -421,8 +421,8 @@ def test_grpc_tls_health_probe_script():
 
 
 def test_the_metrics_table_names_what_the_processes_export():
-    """docs/deploy.md's metrics table is what dashboards and alerts are built from: every name in it must exist,
-    and every specdec_* metric must be in it (counters as exported, with `_total`)."""
+    """docs/operations/metrics.md's metrics table is what dashboards and alerts are built from: every name in it
+    must exist, and every specdec_* metric must be in it (counters as exported, with `_total`)."""
     from prometheus_client import CollectorRegistry
 
     from coordinator.metrics import CoordinatorMetrics
@@ -431,7 +431,7 @@ def test_the_metrics_table_names_what_the_processes_export():
     registry = CollectorRegistry()
     CoordinatorMetrics(ServiceMetrics(registry).registry)
     exported = {mf.name + ("_total" if mf.type == "counter" else "") for mf in registry.collect()}
-    text = (ROOT / "docs" / "deploy.md").read_text()
+    text = (ROOT / "docs" / "operations" / "metrics.md").read_text()
     section = text[text.index("## Read the metrics"):text.index("Useful queries:")]
     documented = set(re.findall(r"^\| `(specdec_[a-z0-9_]+)` \|", section, flags=re.M))
     assert documented == exported, (sorted(documented - exported), sorted(exported - documented))

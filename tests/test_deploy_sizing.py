@@ -141,7 +141,8 @@ def test_coordinator_api_key_comes_from_a_secret(overlay):
     assert (ref["name"], ref["key"]) == ("specdec-coordinator-api-key", "api-key")
     assert ref["optional"] is (overlay != "gpu"), "optional in base and cpu-demo, required in gpu"
     assert "COORDINATOR_API_KEY" not in configmap_env(objs, "specdec-coordinator-config"), "a key is no setting"
-    assert "create secret generic specdec-coordinator-api-key" in (ROOT / "docs" / "deploy.md").read_text()
+    guide = (ROOT / "docs" / "operations" / "deploy.md").read_text()
+    assert "create secret generic specdec-coordinator-api-key" in guide
 
 
 @pytest.mark.parametrize("overlay", ["base", *OVERLAYS])
@@ -170,7 +171,7 @@ def test_ray_pods_work_with_minimal_ray(overlay):
         assert quantity(g["rayStartParams"]["num-cpus"]) == quantity(c["resources"]["limits"]["cpu"])
     (policy,) = find(objs, "NetworkPolicy", "specdec-coordinator")
     assert 8080 not in {p["port"] for r in policy["spec"]["ingress"] for p in r.get("ports", [])}
-    assert ":8080" not in (ROOT / "docs" / "deploy.md").read_text()
+    assert ":8080" not in (ROOT / "docs" / "operations" / "deploy.md").read_text()
 
 
 def test_tls_reaches_the_coordinator_workers():
@@ -219,7 +220,7 @@ def test_images_are_pinned_per_component(overlay):
 # ---------------------------------------------------------------- docs
 
 def test_deploy_doc_is_complete():
-    text = (ROOT / "docs" / "deploy.md").read_text()
+    text = (ROOT / "docs" / "operations" / "deploy.md").read_text()
     assert not re.search(r"<[A-Z_]+>", text), "unfilled placeholders"
     assert "session 27" not in text.lower(), "project history belongs in the changelog, not the guide"
     probe = re.search(r"`python /etc/specdec/probe/grpc_tls_health\.py[^`]*`", text)
