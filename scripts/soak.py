@@ -14,10 +14,11 @@ Checked:
   another (`--json-share`) asks for a JSON object (structured output) and is checked against `ar` asking the same.
   With `--dtype float32` a difference is a failure. In bf16 (`auto`) a logit depends slightly on how many rows
   its forward has, so under concurrent load a greedy near-tie may resolve differently than alone, in every mode
-  including `ar` (README, "Dtypes"): differences are counted, with the position of the first;
+  including `ar` (docs/guide/features.md, "Precision, weights and kernels"): differences are counted, with the
+  position of the first;
 - sampled answers with the same prompt, mode, seed and request fields are compared on their common prefix and
   the pairs that differ are counted (reported, not a failure: a seed fixes each draw by position and purpose, but
-  which positions get a draft token depends on load and timing; see docs/coordinator.md, "Seeds");
+  which positions get a draft token depends on load and timing; see docs/api/grpc.md, "Seeds and reproducibility");
 - a stream's concatenated deltas equal its token ids; a fifth of the requests ask for logprobs (one per token); over HTTP, greedy text equals the decoded `ar` prefix of the
   answer's length, streamed or whole; a share of the unary greedy HTTP requests (`--batch-share`) sends two
   prompts in one request and both answers are checked; every unary HTTP request sends an X-Request-Id and checks

@@ -9,7 +9,7 @@ it: it starts overlapped, tries sequential rounds, then keeps the faster kind an
 `explore_every` decisions. Both kinds are exact, so the choice changes speed, never the output distribution.
 Sampled requests adapt too: their rounds already depend on timing (where PEARL's shadow stream is cut, when the
 target's load switches speculation off), so a seed fixes each draw, not the whole text of a separate request
-(docs/coordinator.md, "Seeds").
+(docs/api/grpc.md, "Seeds and reproducibility").
 
 Sequential rounds are tried `explore_rounds` at a time. One round's rate is mostly the luck of its content (a
 round of 8 looked-up tokens against one rejected at its first token), while an overlapped stretch spans several

@@ -16,7 +16,7 @@ Exact, bitwise: a prefill runs in chunks of `prefill_chunk` positions aligned to
 ...), and only whole chunks that a prefill computed are reused. A warm prefill then runs the very same forwards,
 on the same inputs, as the tail of a cold one, so it writes the same bits whatever the kernels' blocking (a
 prefill's rows do round differently with the call's row count: a split prefill is not a whole one;
-docs/services.md, "Prefix caching"). Positions written by decode steps or verify blocks are never reused. Pure
+docs/guide/features.md, "Prefix caching"). Positions written by decode steps or verify blocks are never reused. Pure
 Python; the worker copies the K/V (KVSlots.copy_prefix)."""
 from __future__ import annotations
 

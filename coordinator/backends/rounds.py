@@ -3,7 +3,7 @@
 A sequential round (sd, pacer) makes two replica calls, a Draft and a Verify. As unary RPCs each pays a call's
 set-up and tear-down on both ends; on an open stream it is one message each way (measured on the 2-vCPU dev host
 against a server that computes 20 ms per call: 1.13 ms over the compute for a unary call, 0.55 ms for a message
-on an open stream; docs/services.md, "Per-round streams").
+on an open stream; docs/operations/failures.md, "Per-round streams").
 
 The stream is only a faster wire for the same unary call, never a different protocol:
 
