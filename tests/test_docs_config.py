@@ -229,3 +229,53 @@ def test_every_path_the_doc_names_exists():
         assert (ROOT / path).exists(), path
     for link in re.findall(r"\]\((\.\./[^)#]+)", text):
         assert (DOC.parent / link).resolve().is_relative_to(ROOT / "docs"), link
+
+
+USER_DOCS = ("README.md", "docs/guide/quickstart.md", "docs/guide/features.md", "docs/api/grpc.md",
+             "docs/api/openai.md")
+
+
+def _commands(prefix: str) -> list[tuple[str, str]]:
+    """(doc, command line) for every line of a fenced block in the user docs that runs `prefix` (continuation
+    lines joined, comments dropped)."""
+    import shlex
+
+    out = []
+    for doc in USER_DOCS:
+        text = (ROOT / doc).read_text()
+        for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
+            for line in block.replace("\\\n", " ").splitlines():
+                line = re.sub(r"^(?:[A-Z_]+=\S+\s+)*", "", line.strip())  # leading VAR=value assignments
+                line = re.sub(r"^\.venv/bin/", "", line)
+                if line.startswith(prefix + " "):
+                    words = shlex.split(line, comments=True)
+                    out.append((doc, words))
+    return out
+
+
+def test_every_specdec_command_in_the_user_docs_parses():
+    """`specdec ...` lines in the README, the guides and the API docs name subcommands and flags that exist
+    (`--help` appended: argparse checks everything before it, prints help and exits 0)."""
+    from specdec_cli import main as cli
+
+    commands = _commands("specdec")
+    assert len(commands) >= 10
+    for doc, words in commands:
+        with pytest.raises(SystemExit) as e:
+            cli.main(words[1:] + ["--help"])
+        assert e.value.code in (0, None), (doc, words)
+
+
+def test_every_service_command_in_the_user_docs_parses():
+    """`python -m draft_service / target_service / coordinator ...` lines name flags those processes take."""
+    classes = {"draft_service": "draft", "target_service": "target", "coordinator": "coordinator"}
+    commands = _commands("python")
+    checked = 0
+    for doc, words in commands:
+        if words[:2] != ["python", "-m"] or words[2] not in classes:
+            continue
+        flags = {"--" + n.replace("_", "-") for n in _fields(_classes()[classes[words[2]]])}
+        named = [w.split("=")[0] for w in words[3:] if w.startswith("--")]
+        assert set(named) <= flags, (doc, words)
+        checked += 1
+    assert checked >= 3
