@@ -164,7 +164,7 @@ def test_every_makefile_command_parses():
 
 
 def test_limits_table_states_the_defaults():
-    """The configuration guide's limits table quotes default values; they must be the settings' defaults."""
+    """The limits table (docs/operations/limits.md) quotes default values; they must be the settings' defaults."""
     import re
     from pathlib import Path
 
@@ -172,8 +172,8 @@ def test_limits_table_states_the_defaults():
     from draft_service.config import DraftSettings
     from target_service.config import TargetSettings
 
-    text = (Path(__file__).resolve().parents[1] / "docs" / "guide" / "configuration.md").read_text()
-    table = text[text.index("## Limits"):]
+    text = (Path(__file__).resolve().parents[1] / "docs" / "operations" / "limits.md").read_text()
+    table = text[text.index("## The limits"):text.index("## Status codes")]
     quoted = re.findall(r"`([a-z_]+)` \(([0-9.]+)( MiB)?", table)
     assert len(quoted) >= 10
     for name, value, mib in quoted:
