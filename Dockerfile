@@ -13,7 +13,7 @@
 #
 # No model weights are baked in: the model cache is the volume /models/cache (XDG_CACHE_HOME), filled at
 # pod start by an init container (`specdec.hub.resolve_model`) or mounted from a pre-populated volume.
-# TLS material is never in the image either: it is mounted from Kubernetes Secrets (see docs/deploy.md).
+# TLS material is never in the image either: it is mounted from Kubernetes Secrets (see docs/operations/deploy.md).
 
 ARG PYTHON_VERSION=3.11
 # cpu | cuda
@@ -50,7 +50,7 @@ COPY specdec/ ./specdec/
 COPY draft_service/ ./draft_service/
 COPY target_service/ ./target_service/
 COPY coordinator/ ./coordinator/
-# Stubs are generated at build time (specdec/pb is not committed). gen_protos.py needs grpcio-tools at the
+# Stubs are generated at build time (specdec_rpc/pb is not committed). gen_protos.py needs grpcio-tools at the
 # version of grpcio (the pins in pyproject.toml). Then the project is installed non-editable and without the dev
 # extras, so that the runtime stage needs nothing from /src. The import check runs isolated (-I), on the
 # installed package rather than on /src.

@@ -47,7 +47,7 @@ bench: install
 bench-quick: install
 	$(VENV)/bin/specdec bench --quick --json bench-results/bench-quick.json
 
-# the shipped draft's recipe (docs/distill.md, "Online distillation"): sized for one GPU (~20 min on an H100);
+# the shipped draft's recipe (docs/design/distillation.md, "Online distillation"): sized for one GPU (~20 min on an H100);
 # on a CPU pass smaller numbers, e.g. DISTILL_ARGS="--gen-seconds 3600 --gen-batch 16 --steps 3000 --batch-size 8",
 # or use the stored-label CPU pipeline: specdec distill-draft all
 DISTILL_ARGS ?= --gen-seconds 530 --gen-batch 3072 --steps 6000 --batch-size 128 --warmup 200 --eval-every 500

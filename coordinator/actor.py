@@ -1,7 +1,7 @@
 """Ray actors: thin hosts of `PoolManager` (one per coordinator) and `Pipeline` (N, requests round-robin).
 
 Adding Ray workers adds room for more pipeline actors; each pipeline talks to the replicas directly over gRPC,
-so Ray stays off the per-round path (STYLE A6.1: the actors are wrappers; the logic is in plain classes).
+so Ray stays off the per-round path (the actors are thin wrappers; the logic is in plain classes).
 """
 from __future__ import annotations
 

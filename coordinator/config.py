@@ -37,9 +37,9 @@ class CoordinatorSettings(ProcessSettings):
     default_mode: Literal[MODES] = Field("sd", description="the mode of requests that leave it unset (OpenAI clients send none): "
                                                 "ar, sd, pacer, pearl or pacer_pearl")
     max_new_tokens_cap: int = Field(4096, ge=1, description="largest max_new_tokens a request may ask for")
-    # measured on the default pair (2-core CPU, docs/benchmarks.md "Load-adaptive speculation"): since session 18
-    # (cheaper drafting) speculation still wins at 2-4 sessions per forward (c = 2: +25-35 %, c = 4: +25-35 %),
-    # plain batched target steps at 8
+    # measured on the default pair (2-core CPU, docs/benchmarks.md, "Load-adaptive speculation"): speculation wins
+    # at 2-4 sessions per forward (c = 2: +25-35 %, c = 4: +25-35 % against a threshold of 2), plain batched target
+    # steps at 8
     spec_off_batch: int = Field(4, ge=0, le=MAX_SPEC_OFF_BATCH,
                                 description="requests that leave spec_off_batch unset get this: rounds are plain "
                                             "target steps while the target batches at least this many sessions "

@@ -1,4 +1,5 @@
-"""Coordinator metrics (STYLE B4), registered next to the shared server metrics on the same /metrics port."""
+"""Coordinator metrics, every name in one place, registered next to the shared server metrics on the same /metrics
+port."""
 from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram

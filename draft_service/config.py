@@ -22,7 +22,7 @@ class DraftSettings(ServerSettings):
     pacer_threshold: float | None = Field(
         None, ge=0.0, le=1.0, description="θ of PACER's stop rule for requests that set none (default: the "
         "pre-verifier's own, tuned on the host its card names). The best θ follows the host's draft/target cost "
-        "ratio (docs/pacer.md, 'Choosing θ')")
+        "ratio (docs/design/pacer.md, 'Choosing θ')")
     q_top_k: int = Field(64, ge=1, description="the draft samples from its top-k, so q is exactly sparse")
     target_vocab_size: int = Field(
         0, ge=0, description="the target model's vocabulary size where the draft checkpoint has fewer rows of the "

@@ -49,7 +49,7 @@ class ModelConfig:
     eos_token_id: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
     architecture: str = "LlamaForCausalLM"
-    # feature draft (EAGLE-style, docs/feature_draft.md): the input at position t is fc([embed(x_t); f_{t-1}]),
+    # feature draft (EAGLE-style, docs/design/feature_draft.md): the input at position t is fc([embed(x_t); f_{t-1}]),
     # f_{t-1} = the target's final (post-norm) hidden state at t-1, of width `feature_size`
     feature_size: int = 0
     feature_scale: float = 1.0  # features are multiplied by this before fc (brings them to the embeddings' scale)
@@ -225,8 +225,8 @@ class CausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, vocab_subset: torch.Tensor | None = None, oov_compact_id: int = 0):
         super().__init__()
         self.config = cfg
-        # Compact-vocabulary drafts (docs/distill.md) embed and predict only a frequency-ranked subset of the
-        # target's vocabulary: input ids map full → compact (others to an OOV row) and logits are -inf outside the
+        # Compact-vocabulary drafts (docs/design/distillation.md) embed and predict only a frequency-ranked subset of
+        # the target's vocabulary: input ids map full → compact (others to an OOV row) and logits are -inf outside the
         # subset, so the draft distribution is exactly zero there (still lossless: q is what was sampled).
         rows = cfg.vocab_size if vocab_subset is None else len(vocab_subset)
         self.model = Backbone(cfg, rows)
@@ -339,7 +339,7 @@ def load_model_dir(path: str | Path, device: str = "cpu", dtype: str | torch.dty
     path = Path(path)
     raw = json.loads((path / "config.json").read_text())
     cfg = ModelConfig.from_hf(raw)
-    subset_file = raw.get("specdec_vocab_subset")  # compact-vocabulary draft (docs/distill.md)
+    subset_file = raw.get("specdec_vocab_subset")  # compact-vocabulary draft (docs/design/distillation.md)
     subset = load_file(str(path / subset_file))["vocab_subset"].long() if subset_file else None
     files = [f for f in sorted(path.glob("*.safetensors")) if f.name != subset_file]
     if not files:

@@ -4,8 +4,9 @@ before temperature / top-k / top-p (specdec/sampling.py).
 Lossless by construction: p, the distribution the output must follow, is the adjusted target. Verification
 accepts a draft token against the adjusted p of its own position (that position's history: the output so far plus
 the draft tokens before it), and q is whatever the draft sampled from, which is all the speculative-sampling proof
-asks of q (ALGORITHMS.md). The draft applies the same adjustments to its proposals (DraftWorker._draft_token) only
-to be accepted more often: with draft == target every draft token is accepted (tests/test_penalties.py).
+asks of q (docs/design/algorithms.md, "Logits adjustments"). The draft applies the same adjustments to its
+proposals (DraftWorker._draft_token) only to be accepted more often: with draft == target every draft token is
+accepted (tests/test_penalties.py).
 
 Definitions (vLLM's):
 - logit_bias: logit[t] += bias[t];

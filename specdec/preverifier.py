@@ -1,4 +1,4 @@
-"""PACER's learned blockwise pre-verifier (ALGORITHMS.md §4.4; docs/pacer.md).
+"""PACER's learned blockwise pre-verifier (docs/design/pacer.md).
 
 The draft drafts in blocks of B tokens. After each block the pre-verifier estimates
     s_k = P(every token of block k is accepted by the target | the earlier blocks of this round were),
@@ -312,7 +312,7 @@ def _mismatch(msg: str, strict: bool) -> None:
 
 def derive_threshold(cost_ratio: float, mean_accepted: float, gamma: float, accept_rate: float = 0.8,
                      verify_slope_ratio: float = 0.0) -> float:
-    """θ from the cost model in docs/pacer.md: continue after a block while
+    """θ from the cost model in docs/design/pacer.md: continue after a block while
     s · a · B · v > B · (T_draft + slope), with v = (T_target + γ̄ T_draft) / τ the time per generated token at the
     current speed, a the mean per-token acceptance and slope the target's extra verify cost per drafted row;
     so θ = τ (1 + slope/T_draft) / (a · (c + γ̄)), c = T_target / T_draft (clipped to [0, 0.99])."""

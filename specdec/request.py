@@ -22,9 +22,9 @@ MAX_SPEC_OFF_BATCH = 1024  # largest spec_off_batch a request (or the coordinato
 # shadow draft token cost only its extra verify row, θ_post = (cost of a row) / (wall time per generated token)
 # ≈ 0.01 here. But where draft and target share a host's cores and memory bandwidth (the 2-core CPU deployment,
 # `specdec serve`), every shadow token also slows the verify it hides behind. In process, greedy, θ_post 0.3 / 0.6 /
-# 0.9: 42.3 / 48.4 / 49.7 tok/s over 16 prompts (session 12), 44.5 / 47.2 / 45.8 over 8 (session 11); 0.6 and 0.9
-# tie, 0.3 loses 6-17 % (docs/pacer.md, "Shadow drafting θ"). Replicas on machines of their own should set a low
-# value (COORDINATOR_PACER_POST_THRESHOLD, or per request).
+# 0.9: 42.3 / 48.4 / 49.7 tok/s over 16 prompts, 44.5 / 47.2 / 45.8 over 8; 0.6 and 0.9 tie, 0.3 loses 6-17 %
+# (docs/design/pacer.md, "Shadow drafting θ"). Replicas on machines of their own should set a low value
+# (COORDINATOR_PACER_POST_THRESHOLD, or per request).
 DEFAULT_POST_THRESHOLD = 0.6
 PEARL_OVERLAP = ("auto", "always")
 DEFAULT_GAMMA = {"ar": 4, "sd": 4, "pacer": 8, "pearl": 8, "pacer_pearl": 8}

@@ -1,5 +1,5 @@
 """The pre-verifier on the draft's critical path: one drafting round's blocks scored incrementally, each new token
-through the network with its LayerNorms folded into NumPy matrices (docs/pacer.md, "Pre-verifier cost").
+through the network with its LayerNorms folded into NumPy matrices (docs/design/pacer.md, "Pre-verifier cost").
 
 `specdec.preverifier.Preverifier.round_scorer()` builds a `RoundScorer`; its scores equal `block_accept_prob` up to
 float rounding (tested). Kept apart from the module definition, training and I/O in `specdec.preverifier`.
@@ -41,7 +41,8 @@ class Folded:
 
     Why NumPy: right after a draft forward has streamed the draft's weights through the caches, every small
     torch op costs ~5× what it costs warm (~25 µs for a GELU of 64 numbers), and the network is ~35 of them per
-    token; NumPy's calls are lighter (docs/pacer.md, "Pre-verifier cost"). float64 after the hidden-state GEMM."""
+    token; NumPy's calls are lighter (docs/design/pacer.md, "Pre-verifier cost"). float64 after the hidden-state
+    GEMM."""
 
     def __init__(self, pv: "Preverifier"):
         with torch.no_grad():

@@ -12,7 +12,7 @@ from specdec.workers import DraftBlock, TargetFeatures, VerifyOutcome
 
 
 class DraftBackend(Protocol):
-    reads_features: bool  # a feature draft: send it the target's features (docs/feature_draft.md)
+    reads_features: bool  # a feature draft: send it the target's features (docs/design/feature_draft.md)
 
     async def start(self, session_id: str, prompt_ids: list[int], params: SamplingParams,
                     features: list[TargetFeatures] | None = None) -> None: ...

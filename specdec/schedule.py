@@ -4,7 +4,7 @@ The same code runs in one process (`specdec.engine`, workers in threads) and acr
 gRPC clients), so the two can be compared like for like. The schedule owns the request's token history, the
 source of truth: what a backend holds is always re-derived from it (`base_position` + the tokens it lacks).
 
-PEARL (ALGORITHMS.md §3.2), adapted to services:
+PEARL (docs/design/algorithms.md, "PEARL: overlapped drafting"), adapted to services:
 - PRE round, pre-verify (`pearl_first_block` = 0): the target forwards the pending token while the draft writes
   the block's first token; that token is then checked against the target's stored row (a check-only verify, no
   forward) while the draft writes the rest.

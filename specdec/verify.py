@@ -97,7 +97,8 @@ def verify_token(draft: list[int], q: torch.Tensor, p: torch.Tensor, seed: int, 
 
 
 def block_acceptance_weights(draft: list[int], q: torch.Tensor, p: torch.Tensor):
-    """Block verification's running capped ratios P_0..P_g and acceptance weights h_1..h_g (ALGORITHMS §2.2)."""
+    """Block verification's running capped ratios P_0..P_g and acceptance weights h_1..h_g
+    (docs/design/algorithms.md, "Block verification")."""
     g = len(draft)
     log_run = [0.0]
     for i, x in enumerate(draft):

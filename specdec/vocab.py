@@ -6,9 +6,9 @@ draft/target pair). Such a draft has no row for the target's last ids: the targe
 row's probability is tiny, not zero), a request may name one (logit_bias, allowed_token_ids), and the draft's q
 must be a distribution over the target's vocabulary.
 
-`fit_draft_vocabulary` makes the draft a compact-vocabulary draft (docs/distill.md) over its own rows within the
-target's vocabulary: it takes every target id (ids past its rows embed as its OOV row, so only its guess of what
-follows suffers), and its logits are -inf past its rows, so q is exactly zero there and verification stays
+`fit_draft_vocabulary` makes the draft a compact-vocabulary draft (docs/design/distillation.md) over its own rows
+within the target's vocabulary: it takes every target id (ids past its rows embed as its OOV row, so only its guess
+of what follows suffers), and its logits are -inf past its rows, so q is exactly zero there and verification stays
 lossless (q is what was sampled). No weight moves. A draft with *more* rows than the target could propose a token
 the target has no row for, and is refused; so is one whose size is too far from the target's to be padding.
 """

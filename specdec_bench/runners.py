@@ -106,12 +106,12 @@ def load_hf(model_dir: str | Path, dtype: torch.dtype = torch.float32):
 def load_hf_draft(draft_dir: str | Path):
     """The draft as a Hugging Face model over the full vocabulary.
 
-    A plain Llama directory loads as is. The shipped draft stores a compact vocabulary subset (docs/distill.md:
-    `specdec_vocab_subset` in config.json, or a `specdec.vocab_subset` tensor): Hugging Face cannot load that as a
-    standard LlamaForCausalLM with the target's vocabulary, so the same weights are expanded in memory: input
-    embeddings gathered to full ids (ids outside the subset -> the OOV row) and the compact output head kept
-    (`SubsetHead`: the same head cost as specdec's draft) with logits -inf outside the subset, exactly the
-    distribution `specdec` drafts from.
+    A plain Llama directory loads as is. The shipped draft stores a compact vocabulary subset
+    (docs/design/distillation.md: `specdec_vocab_subset` in config.json, or a `specdec.vocab_subset` tensor):
+    Hugging Face cannot load that as a standard LlamaForCausalLM with the target's vocabulary, so the same weights
+    are expanded in memory: input embeddings gathered to full ids (ids outside the subset -> the OOV row) and the
+    compact output head kept (`SubsetHead`: the same head cost as specdec's draft) with logits -inf outside the
+    subset, exactly the distribution `specdec` drafts from.
     """
     from transformers import LlamaConfig, LlamaForCausalLM
 

@@ -10,7 +10,7 @@ from typing import Awaitable
 async def within(aw: Awaitable, timeout: float):
     """`aw`'s result, or asyncio.TimeoutError after `timeout` seconds (`aw` cancelled). Not `asyncio.wait_for`:
     before Python 3.12 it returns the result, swallowing the cancel, when `aw` finishes as the caller is cancelled,
-    and a request whose client went away then ran to its last token (1 cancel in 6 through Ray, session 28)."""
+    and a request whose client went away then ran to its last token (1 cancel in 6 through Ray, measured)."""
     task = asyncio.ensure_future(aw)
     task.add_done_callback(lambda t: t.cancelled() or t.exception())  # an error after a cancel is not "unretrieved"
     try:

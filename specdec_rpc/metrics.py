@@ -1,4 +1,4 @@
-"""Prometheus metrics of a draft/target replica: every name in one place (STYLE B4).
+"""Prometheus metrics of a draft/target replica: every name in one place.
 
 Each server gets its own CollectorRegistry (several servers can live in one test process) and serves
 it on a separate HTTP port. Labels stay low-cardinality: `method` only, never a session id.

@@ -69,8 +69,8 @@ def test_bench_end_to_end(models):
 
 
 def test_hf_draft_from_compact_vocabulary(tmp_path):
-    """A draft storing a vocabulary subset (docs/distill.md format) becomes a full-vocabulary HF model with the
-    same distribution as specdec's loader gives (logits -inf outside the subset)."""
+    """A draft storing a vocabulary subset (docs/design/distillation.md format) becomes a full-vocabulary HF model
+    with the same distribution as specdec's loader gives (logits -inf outside the subset)."""
     from safetensors.torch import load_file, save_file
 
     from specdec_bench.runners import SubsetHead, load_hf_draft

@@ -1,6 +1,6 @@
-"""A compact-head draft (one head row per vocabulary-subset entry, docs/distill.md) drafts from its compact logits
-(`CausalLM.forward(compact_logits=True)`), never expanding a full-vocabulary row per token: it must propose exactly
-the tokens the full row gives, and decoding with it stays the target's."""
+"""A compact-head draft (one head row per vocabulary-subset entry, docs/design/distillation.md) drafts from its
+compact logits (`CausalLM.forward(compact_logits=True)`), never expanding a full-vocabulary row per token: it must
+propose exactly the tokens the full row gives, and decoding with it stays the target's."""
 import pytest
 import torch
 

@@ -2,8 +2,8 @@
 
 On a vocabulary of 8, the exact distribution of every 3-token continuation is computed from the target; the
 empirical distribution of 20,000 seeded runs of `sd` (token and block verification) must pass a chi-square test.
-Block verification's expected accepted length on the toy example of ALGORITHMS.md §2.4 must be exactly 11/9
-(token-level: 10/9), by enumeration.
+Block verification's expected accepted length on the toy example of docs/design/algorithms.md ("Block
+verification") must be exactly 11/9 (token-level: 10/9), by enumeration.
 """
 import asyncio
 import itertools

@@ -1,4 +1,4 @@
-"""Feature drafts (EAGLE-style, docs/feature_draft.md): the draft reads the target's hidden states.
+"""Feature drafts (EAGLE-style, docs/design/feature_draft.md): the draft reads the target's hidden states.
 
 The features only steer the draft: outputs stay exactly the target's (greedy equality, chi-square against the
 exact distribution), the target returns the features of exactly the positions a call committed, and a draft

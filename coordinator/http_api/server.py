@@ -87,7 +87,7 @@ def headers_within(timeout_s: float):
     """uvicorn's h11 protocol, closing a connection that takes longer than `timeout_s` to send a request's headers
     (its first, or the next one on a kept-alive connection). uvicorn has no such limit: connections that sent
     nothing, or half a request line, stayed open, and 2,112 of them (the connection cap) made every request, /health
-    included, a 503 for as long as they stayed (found by an audit of session 27)."""
+    included, a 503 for as long as they stayed."""
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
     class H11WithHeaderTimeout(H11Protocol):

@@ -67,7 +67,7 @@ def vocabulary_mismatch(tokenizer_size: int, vocab_size: int, kind: str = "targe
     model's vocabulary holds its tokenizer's tokens plus some padding (Qwen2.5: 151,665 in 151,936); the
     coordinator's tokenizer with 64 tokens more, or with fewer than half, is another model's. A target's answers
     would be decoded with the wrong vocabulary (silently: a gpu deployment whose coordinator read the default SmolLM2
-    tokenizer for a Llama target, found by an audit of session 28); a draft of another tokenizer proposes tokens
+    tokenizer for a Llama target); a draft of another tokenizer proposes tokens
     that mean something else to the target, so requests would run slower than the target alone."""
     if not tokenizer_size or not vocab_size or tokenizer_size - 64 <= vocab_size <= 2 * tokenizer_size + 1024:
         return ""

@@ -35,7 +35,7 @@ def feature_size(model) -> int:
 @dataclass
 class TargetFeatures:
     """The target's final hidden states at positions start, start+1, ...: rows [n, D]. A feature draft reads
-    them as its inputs (docs/feature_draft.md); they only steer the draft, never what is accepted."""
+    them as its inputs (docs/design/feature_draft.md); they only steer the draft, never what is accepted."""
     start: int
     rows: torch.Tensor
 

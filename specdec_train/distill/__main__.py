@@ -1,5 +1,6 @@
-"""``python -m specdec_train.distill {generate,teacher,train,evaluate,export,all}`` (plain drafts, docs/distill.md) and
-``{features,train-features,export-features}`` (feature drafts, docs/feature_draft.md)."""
+"""``python -m specdec_train.distill {generate,teacher,train,evaluate,export,all}`` (plain drafts,
+docs/design/distillation.md) and ``{features,train-features,export-features}`` (feature drafts,
+docs/design/feature_draft.md)."""
 from __future__ import annotations
 
 import argparse

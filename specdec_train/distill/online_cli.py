@@ -1,5 +1,5 @@
 """``python -m specdec_train.distill online``: generate, distill and write a draft in one resumable command
-(`online.py`; docs/distill.md, "Online distillation")."""
+(`online.py`; docs/design/distillation.md, "Online distillation")."""
 from __future__ import annotations
 
 import json

@@ -1,4 +1,4 @@
-"""python -m specdec_train.preverifier {collect,train,eval,run,ablate} ... (see --help and docs/pacer.md)."""
+"""python -m specdec_train.preverifier {collect,train,eval,run,ablate} ... (see --help and docs/design/pacer.md)."""
 from __future__ import annotations
 
 import argparse
@@ -260,7 +260,8 @@ def _fingerprint(ddir: Path) -> str:
 
 
 def cmd_run(args) -> None:
-    """docs/pacer.md's recipe as one command: each step is the documented subcommand; existing outputs are kept."""
+    """docs/design/pacer.md's recipe as one command: each step is the documented subcommand; existing outputs are
+    kept."""
     from specdec_train.distill.__main__ import main as distill_main
 
     work = Path(args.work)
@@ -352,7 +353,7 @@ def main(argv=None):
     t.add_argument("--draft", default="default-draft", help="with --measure-costs")
     t.add_argument("--target", default="default-target", help="with --measure-costs")
 
-    r = sub.add_parser("run", help="the whole recipe of the shipped pre-verifier (docs/pacer.md): fresh text, "
+    r = sub.add_parser("run", help="the whole recipe of the shipped pre-verifier (docs/design/pacer.md): fresh text, "
                                    "labels, training")
     pair(r)
     r.add_argument("--work", default=str(D.CACHE_DIR / "run"))
@@ -364,7 +365,8 @@ def main(argv=None):
     r.add_argument("--out", default=str(D.CACHE_DIR / "preverifier"), help="e.g. specdec/assets/default_preverifier")
     r.add_argument("--exact-replay", action="store_true",
                    help="collect the greedy rounds at every position, so θ is tuned by replaying the decoder exactly "
-                        "(docs/pacer.md, Session 15; the shipped weights predate it)")
+                        "(docs/design/pacer.md, 'Evaluating on another domain'; the shipped weights were tuned "
+                        "without it)")
 
     e = sub.add_parser("eval", help="score saved pre-verifiers on label files (any domain): AUC, simulated gain "
                                     "over the best fixed γ, a perfect stop rule's")

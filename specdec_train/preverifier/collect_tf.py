@@ -117,7 +117,7 @@ def measure_costs(draft_model, target_model, gamma_max: int = 12, ctx: int = 64,
     The draft's cost per token is read in the DraftWorker's own drafting loop (greedy rounds of `loop_tokens`,
     no stop rule: `draft_token_s`, the worker's bookkeeping included; the bare forward is `draft_forward_s`).
     With `preverifier`, also `preverifier_s`: what a call adds per block there (B = 1, θ = 0, so both ways draft
-    the same tokens). An isolated call understates it 2-4× (docs/pacer.md, "Pre-verifier cost"), which biases θ
+    the same tokens). An isolated call understates it 2-4× (docs/design/pacer.md, "Pre-verifier cost"), which biases θ
     high."""
     import statistics
 

@@ -1,5 +1,5 @@
 """`python -m specdec_train.preverifier eval`: a trained pre-verifier on any label files, against fixed γ and a perfect
-stop rule, in the same simulation `train` tunes θ with (docs/pacer.md, "Evaluating on another domain").
+stop rule, in the same simulation `train` tunes θ with (docs/design/pacer.md, "Evaluating on another domain").
 
 Training reports its metrics on its own test split; a pre-verifier is served on other text (the benchmark's code
 and chat turns). This scores a saved pre-verifier, unchanged, on rounds from elsewhere (e.g. a domain it did not
