@@ -1,1 +1,1 @@
-"""DraftService replica: a thin gRPC shell over `specdec.workers.DraftWorker` (see docs/services.md)."""
+"""DraftService replica: a thin gRPC shell over `specdec.workers.draft.DraftWorker` (see docs/api/grpc.md)."""

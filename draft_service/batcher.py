@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from specdec.drafting import DraftBlock
 from specdec.errors import CapacityError
 from specdec_rpc.interceptor import ServiceDraining
-from specdec_rpc.runner import cancel_and_wait
+from specdec_rpc.aio import cancel_and_wait
 
 _END = object()
 

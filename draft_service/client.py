@@ -14,7 +14,8 @@ from specdec_rpc.pb import draft_pb2, draft_pb2_grpc
 from specdec.sampling import SamplingParams
 from specdec_rpc.convert import draft_block, draft_request, features_to_proto, sampling_to_proto
 from specdec.stop import StopSpec
-from specdec.workers import DraftBlock, TargetFeatures
+from specdec.drafting import DraftBlock
+from specdec.workers.base import TargetFeatures
 
 
 class DraftClient:

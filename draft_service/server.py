@@ -5,7 +5,7 @@ from specdec.defaults import DRAFT_SERVICE_NAME
 from specdec_rpc.app import ServerApp
 from specdec_rpc.host import SessionHost
 from specdec_rpc.metrics import ServiceMetrics
-from specdec_rpc.runner import ModelThread
+from specdec.threads import ModelThread
 from specdec_rpc.settings import resolve_device, resolve_dtype
 
 from draft_service.batcher import DraftBatcher
@@ -16,7 +16,7 @@ from draft_service.servicer import DraftServicer, add_to_server
 async def build_app(settings: DraftSettings, model=None, preverifier=None, warmup: bool = True) -> ServerApp:
     """`model`: an already built CausalLM (tests); otherwise `settings.model` is loaded onto device/dtype.
     `preverifier`: a loaded pre-verifier; otherwise `settings.preverifier` (a path) is loaded if set."""
-    from specdec.workers import DraftWorker
+    from specdec.workers.draft import DraftWorker
 
     runner = ModelThread("draft-model", settings.threads)
     if model is None:

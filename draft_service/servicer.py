@@ -7,7 +7,7 @@ from specdec.errors import InvalidRequestError, StalePositionError
 from specdec_rpc.pb import draft_pb2, draft_pb2_grpc
 from specdec_rpc.convert import encode_q, features_from_proto, sampling_from_proto
 from specdec_rpc.host import SessionHost
-from specdec.engine import make_stop_rule
+from specdec.stop import make_stop_rule
 from specdec.stop import StopSpec
 
 _REASONS = {"gamma_max": draft_pb2.STOP_REASON_GAMMA_MAX, "preverifier": draft_pb2.STOP_REASON_PREVERIFIER,

@@ -18,7 +18,7 @@ import torch
 
 def greedy(model, prompts, group: list[int], n: int) -> dict[int, list[int]]:
     from specdec.sampling import SamplingParams
-    from specdec.workers import TargetWorker, VerifyArgs
+    from specdec.workers.target import TargetWorker, VerifyArgs
 
     w = TargetWorker(model, max_sessions=len(group) + 1, max_context=2048)
     out = {}

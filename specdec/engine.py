@@ -12,77 +12,55 @@ the default; a worker is only ever driven by one thread at a time either way).
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextvars
 import threading
 from typing import AsyncIterator
 
 import torch
 
-from specdec.errors import InvalidRequestError
 from specdec.linear import tune_linears
 from specdec.lookup import PromptLookup
+from specdec.request import GenerationRequest, GenerationResult
 from specdec.sampling import SamplingParams
-from specdec.schedule import GenerationRequest, GenerationResult, generate
-from specdec.stop import FixedLength, PreverifierStop, StopRule, StopSpec
-from specdec.threads import set_thread_count
+from specdec.schedule import generate
+from specdec.stop import StopSpec, make_stop_rule
+from specdec.threads import ModelThread
 from specdec.verify import SparseDist
 from specdec.vocab import fit_draft_vocabulary
-from specdec.worker_base import PREFILL_CHUNK
-from specdec.workers import DraftBlock, DraftWorker, TargetFeatures, TargetWorker, VerifyOutcome
+from specdec.workers.base import PREFILL_CHUNK, TargetFeatures
+from specdec.workers.draft import DraftBlock, DraftWorker
+from specdec.workers.target import TargetWorker, VerifyOutcome
 
-DEFAULT_PACER_THRESHOLD = 0.5
 SEQUENTIAL_MODES = ("ar", "sd", "pacer")  # schedules whose draft and target never compute at the same time
 
 # set per request by Engine.agenerate: this request's worker calls may run on the caller's thread
 _INLINE_OK: contextvars.ContextVar[bool] = contextvars.ContextVar("specdec_inline_ok", default=False)
 
 
-def make_stop_rule(spec: StopSpec, preverifier) -> StopRule:
-    """Map a wire-level stop spec to a stop rule of this draft worker."""
-    if spec.kind == "fixed":
-        return FixedLength()
-    if spec.kind == "pacer":
-        if preverifier is None:
-            raise InvalidRequestError("mode", "this draft has no pre-verifier loaded; use mode sd/pearl or start the "
-                                              "draft with --preverifier")
-        threshold = spec.threshold if spec.threshold is not None else getattr(preverifier, "threshold",
-                                                                              DEFAULT_PACER_THRESHOLD)
-        return PreverifierStop(preverifier, threshold, spec.skip_below or 0.0)
-    raise InvalidRequestError("stop", f"unknown stop rule {spec.kind!r}; use fixed or pacer")
+class _LocalWorker:
+    """A worker and its model thread. A call runs on the thread, or inline on the event loop: always
+    (`inline=True`: no overlap; the same schedule logic, used by the many-run statistical tests), or for a request
+    that allows it (`_INLINE_OK`) while the thread is idle (specdec/threads.py: the model is never driven from
+    two threads at once)."""
 
-
-class _ThreadOwner:
-    """Runs a worker's calls on one dedicated thread, or inline on the event loop: always (`inline=True`: no
-    overlap; the same schedule logic, used by the many-run statistical tests), or for a request that allows it
-    (`_INLINE_OK`) while the thread has nothing queued. Only the event loop submits work, and it is busy for the
-    whole of an inline call, so the worker is never driven from two threads at once."""
-
-    def __init__(self, name: str, threads: int | None, inline: bool = False):
+    def __init__(self, worker, name: str, threads: int | None, inline: bool = False):
+        self.worker = worker
         self.inline = inline
-        self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=name)
-        self._last: concurrent.futures.Future | None = None  # the latest submission (the pool runs them in order)
-        if threads:
-            self.pool.submit(set_thread_count, threads).result()
+        self.thread = ModelThread(name, threads or 0)
+        self.thread.submit(tune_linears, worker.model)  # the plan for the thread count it runs with
 
     def runs_inline(self) -> bool:
-        return self.inline or (_INLINE_OK.get() and (self._last is None or self._last.done()))
-
-    def submit(self, fn) -> concurrent.futures.Future:
-        self._last = self.pool.submit(fn)
-        return self._last
+        return self.inline or (_INLINE_OK.get() and self.thread.idle())
 
     async def call(self, fn, *args, **kw):
         if self.runs_inline():
             return fn(*args, **kw)
-        return await asyncio.wrap_future(self.submit(lambda: fn(*args, **kw)))
+        return await self.thread.run(fn, *args, **kw)
 
 
-class LocalDraft(_ThreadOwner):
+class LocalDraft(_LocalWorker):
     def __init__(self, worker: DraftWorker, threads: int | None = None, inline: bool = False):
-        super().__init__("draft", threads, inline)
-        self.worker = worker
-        self.pool.submit(tune_linears, worker.model).result()  # the plan for the thread count it runs with
+        super().__init__(worker, "draft", threads, inline)
         self.reads_features = worker.reads_features
 
     async def start(self, session_id: str, prompt_ids: list[int], params: SamplingParams,
@@ -109,7 +87,7 @@ class LocalDraft(_ThreadOwner):
                 loop.call_soon_threadsafe(queue.put_nowait, e)
             loop.call_soon_threadsafe(queue.put_nowait, None)
 
-        self.submit(produce)
+        self.thread.post(produce)
         while True:
             item = await queue.get()
             if item is None:
@@ -131,13 +109,11 @@ class LocalDraft(_ThreadOwner):
         await self.call(self.worker.end_session, session_id)
 
 
-class LocalTarget(_ThreadOwner):
+class LocalTarget(_LocalWorker):
     def __init__(self, worker: TargetWorker, threads: int | None = None, inline: bool = False):
-        super().__init__("target", threads, inline)
-        self.worker = worker
+        super().__init__(worker, "target", threads, inline)
         self.prompt_logprobs: dict[str, object] = {}  # session id -> its prompt's TokenLogprobs, until generate ends
         self.cached_tokens: dict[str, int] = {}  # session id -> prompt positions reused from the prefix cache
-        self.pool.submit(tune_linears, worker.model).result()
 
     async def start(self, session_id: str, prompt_ids: list[int], params: SamplingParams,
                     want_features: bool = False) -> TargetFeatures | None:
@@ -212,9 +188,9 @@ class Engine:
             return self._loop.run_until_complete(self.agenerate(req, on_tokens))
 
     def close(self) -> None:
-        self.target.pool.shutdown(wait=False)
+        self.target.thread.close(wait=False)
         if self.draft is not None:
-            self.draft.pool.shutdown(wait=False)
+            self.draft.thread.close(wait=False)
         if self._loop is not None:
             self._loop.close()
             self._loop = None

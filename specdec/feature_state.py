@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from specdec.errors import InvalidRequestError
-from specdec.worker_base import TargetFeatures
+from specdec.workers.base import TargetFeatures
 
 
 class FeatureState:

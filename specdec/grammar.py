@@ -11,7 +11,7 @@ masks its own rows the same way only to be accepted more often: with draft == ta
 
 Forced tokens: where the grammar admits one continuation only (a JSON key, `": "`), `GrammarState.forced` gives
 its tokens, and the draft proposes them without a forward, with q one-hot, as it does prompt lookup's tokens
-(specdec/drafting.py).
+(specdec/workers/draft.py).
 """
 from __future__ import annotations
 
@@ -26,8 +26,11 @@ from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 import torch
+from llguidance import LLMatcher, LLTokenizer, TokenizerWrapper
+from tokenizers import Tokenizer
 
 from specdec.errors import InvalidRequestError
+from specdec.tokenizer import eos_token_ids
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +49,6 @@ class StructuredOutput:
 
     def grammar(self) -> str:
         """→ the llguidance grammar (the string SamplingParams.grammar carries to the replicas)."""
-        from llguidance import LLMatcher
-
         field = f"structured_output.{self.kind}"
         if self.kind not in KINDS:
             raise InvalidRequestError("structured_output", f"unknown kind {self.kind!r}; use one of {', '.join(KINDS)}")
@@ -104,8 +105,6 @@ class _TokenBytes:
 def _eos_ids(d: pathlib.Path, tk) -> set[int]:
     """EOS ids a model directory names (its configs' eos_token_id, tokenizer_config.json's eos_token), read without
     transformers (which a replica would otherwise import for this alone: ~130 MB)."""
-    from specdec.tokenizer import eos_token_ids
-
     out: set[int] = set()
     for name in ("generation_config.json", "config.json"):
         if (d / name).is_file():
@@ -124,9 +123,6 @@ class GrammarVocab:
     `tokenizers.Tokenizer`, if the caller has it already."""
 
     def __init__(self, tokenizer_json: str, vocab_size: int, eos_ids: Sequence[int], parsed=None):
-        from llguidance import LLTokenizer, TokenizerWrapper
-        from tokenizers import Tokenizer
-
         eos = sorted(int(t) for t in eos_ids)
         if not eos:
             raise ValueError("structured output needs the model's EOS token id(s)")
@@ -177,8 +173,6 @@ class GrammarVocab:
     def _compiled_matcher(self, grammar: str):
         """`grammar`'s unused LLMatcher. Compiled grammars are kept (LRU, GRAMMAR_CACHE): a schema that many requests
         share compiles once (compiling a large schema can take 100 ms or more)."""
-        from llguidance import LLMatcher
-
         with self._lock:
             pristine = self._compiled.get(grammar)
             if pristine is not None:

@@ -8,7 +8,9 @@ from specdec.request import GenerationRequest, GenerationStats
 from specdec.sampling import SamplingParams
 from specdec.stop import StopSpec
 from specdec.verify import SparseDist
-from specdec.workers import DraftBlock, TargetFeatures, VerifyOutcome
+from specdec.drafting import DraftBlock
+from specdec.workers.base import TargetFeatures
+from specdec.workers.target import VerifyOutcome
 
 
 class DraftBackend(Protocol):

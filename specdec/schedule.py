@@ -37,7 +37,7 @@ from specdec.request import GenerationRequest, GenerationResult, GenerationStats
 from specdec.request import DEFAULT_POST_THRESHOLD
 from specdec.run_state import DraftBackend, TargetBackend, _Run  # noqa: F401 - the backends' types, re-exported
 from specdec.stop import StopSpec
-from specdec.workers import DraftBlock
+from specdec.drafting import DraftBlock
 
 # pearl: draft tokens a draft-first PRE round waits for before its first verify; pacer_pearl lets PACER choose
 # that length instead (up to the window). Used when the request leaves pearl_first_block unset and the session's

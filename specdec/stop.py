@@ -5,10 +5,14 @@ so it can never change the output distribution (the target's verification is wha
 """
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
+
+from specdec.errors import InvalidRequestError
+
+DEFAULT_PACER_THRESHOLD = 0.5  # a pre-verifier's θ where neither the request nor the pre-verifier sets one
 
 
 @dataclass
@@ -25,10 +29,25 @@ class DraftFeatures:
     margin: torch.Tensor | None = None
 
 
-class StopRule(Protocol):
-    needs_features: bool  # False: the rule never reads them and the draft skips computing them (None is passed)
+class StopRule(ABC):
+    """What a drafting call asks of its stop rule. Every rule has every attribute; these are the defaults."""
 
-    def should_stop(self, features: DraftFeatures | None) -> bool: ...
+    needs_features: bool = True  # False: the rule never reads them and the draft skips computing them (None is passed)
+    needs_hidden: bool = True  # of the features: the draft's hidden rows (False: an empty [n, 0] tensor)
+    needs_margin: bool = False  # of the features: the top-1 - top-2 margin (DraftFeatures.margin)
+    block_size: int = 0  # the block size the rule was tuned for, taken where a call sets none (0: one block)
+    # a block prompt lookup proposed is not scored by the rule: its predicted acceptance is lookup's measured
+    # precision, and drafting stops when that falls below `threshold`
+    threshold: float = 0.0
+    skip_below: float = 0.0  # the first block of a greedy call scoring below this: draft nothing (StopSpec)
+    last_score: float | None = None  # the score behind the latest `should_stop` (None: the rule scores nothing)
+
+    def reset(self) -> None:
+        """A new drafting round (`DraftWorker.begin`): per-round state starts over."""
+
+    @abstractmethod
+    def should_stop(self, features: DraftFeatures | None) -> bool:
+        """After each block: stop drafting here?"""
 
 
 @dataclass(frozen=True)
@@ -42,7 +61,7 @@ class StopSpec:
     skip_below: float | None = None
 
 
-class FixedLength:
+class FixedLength(StopRule):
     """Never stops early: the draft length is gamma_max (standard speculative decoding)."""
 
     needs_features = False
@@ -51,12 +70,10 @@ class FixedLength:
         return False
 
 
-class PreverifierStop:
+class PreverifierStop(StopRule):
     """PACER: stop when the pre-verifier's P(every token of this block is accepted) falls below `threshold`."""
 
     needs_features = True
-    needs_margin = False
-    needs_hidden = True
 
     def __init__(self, preverifier, threshold: float, skip_below: float = 0.0):
         self.preverifier = preverifier
@@ -79,3 +96,17 @@ class PreverifierStop:
         self.last_score = float(self._scorer.score(features) if self._scorer is not None
                                 else self.preverifier.block_accept_prob(features))
         return self.last_score < self.threshold
+
+
+def make_stop_rule(spec: StopSpec, preverifier) -> StopRule:
+    """Map a wire-level stop spec to a stop rule of a draft with this pre-verifier (None: it has none)."""
+    if spec.kind == "fixed":
+        return FixedLength()
+    if spec.kind == "pacer":
+        if preverifier is None:
+            raise InvalidRequestError("mode", "this draft has no pre-verifier loaded; use mode sd/pearl or start the "
+                                              "draft with --preverifier")
+        threshold = spec.threshold if spec.threshold is not None else getattr(preverifier, "threshold",
+                                                                              DEFAULT_PACER_THRESHOLD)
+        return PreverifierStop(preverifier, threshold, spec.skip_below or 0.0)
+    raise InvalidRequestError("stop", f"unknown stop rule {spec.kind!r}; use fixed or pacer")

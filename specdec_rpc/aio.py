@@ -1,5 +1,5 @@
 """asyncio helpers the servers share: `within`, a timeout that never loses a cancel (the per-round streams, the HTTP
-door's body and send timeouts, the target's batch gathering)."""
+door's body and send timeouts, the target's batch gathering); `cancel_and_wait`, the stop of a background task."""
 from __future__ import annotations
 
 import asyncio
@@ -24,3 +24,11 @@ async def within(aw: Awaitable, timeout: float):
             await task
         raise asyncio.TimeoutError
     return task.result()
+
+
+async def cancel_and_wait(task: asyncio.Task | None) -> None:
+    """Cancel a background task (a batcher's loop, the session reaper) and wait until it has stopped."""
+    if task is not None:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task

@@ -1,7 +1,7 @@
 """What both servicers share: one worker on its model thread, the session table, metrics, the reaper.
 
 The worker (specdec.workers) owns KV slots and the position protocol; this class adds the shell's session
-policy (TTL checked on every call, LRU eviction when full; see sessions.py) and keeps every worker call on
+policy (TTL checked on every call, LRU eviction when full; specdec/sessions.py) and keeps every worker call on
 the model thread. Servicers translate proto <-> these calls and nothing else.
 """
 from __future__ import annotations
@@ -11,14 +11,16 @@ import logging
 import time
 
 from specdec import native
+from specdec.sampling import SamplingParams
 from specdec_rpc.pb import common_pb2
 from specdec.quant import weight_quant
 from specdec_rpc.interceptor import ServiceDraining
 from specdec_rpc.metrics import ServiceMetrics
-from specdec_rpc.runner import ModelThread, cancel_and_wait
-from specdec_rpc.sessions import SessionTable
+from specdec.threads import ModelThread
+from specdec_rpc.aio import cancel_and_wait
+from specdec.sessions import SessionTable
 from specdec_rpc.settings import ServerSettings
-from specdec.worker_base import feature_size
+from specdec.workers.base import feature_size
 
 log = logging.getLogger(__name__)
 
@@ -169,8 +171,6 @@ class SessionHost:
     def warmup_sync(self) -> None:
         """One tiny prefill so the first real call skips lazy initialisation. Runs on the model thread; the
         worker holds one slot more than max_sessions, so this never competes with client sessions."""
-        from specdec.sampling import SamplingParams
-
         self.worker.start_session("__warmup__", [0, 0, 0], SamplingParams())
         self.worker.end_session("__warmup__")
         _ = self.worker.grammar_vocab  # structured output's vocabulary (0.4 s for 49k tokens), not on a request

@@ -1,1 +1,1 @@
-"""TargetService replica: a thin gRPC shell over `specdec.workers.TargetWorker` with a verify batcher."""
+"""TargetService replica: a thin gRPC shell over `specdec.workers.target.TargetWorker` with a verify batcher."""

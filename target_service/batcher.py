@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from specdec.errors import CapacityError
 from specdec_rpc.interceptor import ServiceDraining
 from specdec_rpc.aio import within
-from specdec_rpc.runner import cancel_and_wait
+from specdec_rpc.aio import cancel_and_wait
 
 
 @dataclass
@@ -137,7 +137,7 @@ class VerifyBatcher:
     async def _direct(self, args):
         self._running = {args.session_id}
         try:
-            if self.runner.can_run_here():  # no hand-off to the model thread and back (specdec_rpc/runner.py)
+            if self.runner.can_run_here():  # no hand-off to the model thread and back (specdec/threads.py)
                 out = self.worker.verify_batch([args])[0]
             else:
                 out = (await self.runner.run(self.worker.verify_batch, [args]))[0]

@@ -10,7 +10,8 @@ from specdec_rpc.pb import common_pb2, target_pb2, target_pb2_grpc
 from specdec.sampling import SamplingParams
 from specdec_rpc.convert import encode_q, features_from_proto, logprobs_from_proto
 from specdec.verify import SparseDist
-from specdec.workers import TargetFeatures, VerifyOutcome
+from specdec.workers.base import TargetFeatures
+from specdec.workers.target import VerifyOutcome
 
 METHOD_PB = {"greedy": common_pb2.VERIFY_METHOD_GREEDY, "token": common_pb2.VERIFY_METHOD_TOKEN,
              "block": common_pb2.VERIFY_METHOD_BLOCK}

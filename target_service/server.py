@@ -5,7 +5,7 @@ from specdec.defaults import TARGET_SERVICE_NAME
 from specdec_rpc.app import ServerApp
 from specdec_rpc.host import SessionHost
 from specdec_rpc.metrics import ServiceMetrics
-from specdec_rpc.runner import ModelThread
+from specdec.threads import ModelThread
 from specdec_rpc.settings import resolve_device, resolve_dtype
 
 from target_service.batcher import VerifyBatcher
@@ -15,7 +15,7 @@ from target_service.servicer import TargetServicer, add_to_server
 
 async def build_app(settings: TargetSettings, model=None, warmup: bool = True) -> ServerApp:
     """`model`: an already built CausalLM (tests); otherwise `settings.model` is loaded onto device/dtype."""
-    from specdec.workers import TargetWorker
+    from specdec.workers.target import TargetWorker
 
     runner = ModelThread("target-model", settings.threads)
     if model is None:

@@ -42,7 +42,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         return target_pb2.TargetServiceEndSessionResponse(existed=await self.host.end_session(request.session_id))
 
     async def Verify(self, request, context) -> target_pb2.VerifyResponse:
-        from specdec.workers import VerifyArgs
+        from specdec.workers.target import VerifyArgs
 
         self.host.touch(request.session_id)
         if request.method not in _METHODS:

@@ -7,8 +7,8 @@ import time
 import pytest
 
 from specdec.errors import CapacityError
-from specdec_rpc.runner import ModelThread
-from specdec.workers import VerifyArgs, VerifyOutcome
+from specdec.threads import ModelThread
+from specdec.workers.target import VerifyArgs, VerifyOutcome
 from target_service.batcher import VerifyBatcher
 
 
@@ -96,7 +96,7 @@ class BlockDraft:
         return SimpleNamespace(done=False, made=0, base=base)
 
     def advance(self, calls):
-        from specdec.workers import DraftBlock
+        from specdec.drafting import DraftBlock
 
         time.sleep(self.step_s)
         out = []

@@ -8,7 +8,7 @@ from specdec.engine import Engine
 from specdec.model import CausalLM
 from specdec.sampling import SamplingParams
 from specdec.schedule import GenerationRequest
-from specdec.workers import DraftWorker
+from specdec.workers.draft import DraftWorker
 from tests.helpers_models import build_tiny_model, target_greedy
 
 VOCAB = 32

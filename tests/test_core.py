@@ -7,7 +7,8 @@ from specdec.errors import (CapacityError, ContextOverflowError, InvalidRequestE
                             StalePositionError)
 from specdec.sampling import SamplingParams, logits_to_probs
 from specdec.request import MODES, GenerationRequest
-from specdec.workers import DraftWorker, TargetWorker, VerifyArgs
+from specdec.workers.draft import DraftWorker
+from specdec.workers.target import TargetWorker, VerifyArgs
 from tests.helpers_models import build_tiny_model
 
 PROMPT = [3, 1, 4, 1, 5]

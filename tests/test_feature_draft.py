@@ -16,7 +16,9 @@ from specdec.errors import InvalidRequestError
 from specdec.preverifier import build_random_preverifier
 from specdec.sampling import SamplingParams, logits_to_probs
 from specdec.schedule import GenerationRequest
-from specdec.workers import DraftWorker, TargetFeatures, TargetWorker
+from specdec.workers.base import TargetFeatures
+from specdec.workers.draft import DraftWorker
+from specdec.workers.target import TargetWorker
 from tests.helpers_models import build_tiny_model
 
 PROMPT = [3, 1, 4, 1, 5]

@@ -141,7 +141,7 @@ def test_sampled_requests_draft_from_the_model_unless_asked():
 def test_batched_drafting_with_lookup_equals_separate():
     """Sessions drafting in shared forwards draft what each would alone with lookup too: each session looks up in
     its own context, and its KV state after the calls is the same."""
-    from specdec.workers import DraftWorker
+    from specdec.workers.draft import DraftWorker
     from tests.test_core import draft_all
 
     draft = build_tiny_model(vocab_size=32, seed=2, logit_scale=2.0)
@@ -171,10 +171,11 @@ class IntermittentLookup(PromptLookup):
 
 def _counting_worker(draft, pv=None, lazy=True, lookup=None):
     """A draft worker with lookup that counts its forwards; `lazy`: looked-up tokens drafted without one."""
-    from specdec.workers import DraftWorker
+    from specdec.workers.draft import DraftWorker
 
     dw = DraftWorker(draft, preverifier=pv, max_sessions=2, lookup=lookup or PromptLookup(min_ngram=2, max_ngram=4))
-    dw.lookup_without_forward = lazy
+    if not lazy:  # every token after a forward: lookup asked only once the forward fed the position
+        dw._propose_before_forward = lambda c: None
     dw.forwards = 0
     feed_many = dw._feed_many
 

@@ -11,7 +11,7 @@ from specdec.penalties import adjust_logits
 from specdec.preverifier import build_random_preverifier
 from specdec.request import MODES, GenerationRequest
 from specdec.sampling import SamplingParams, logits_to_probs
-from specdec.workers import TargetWorker
+from specdec.workers.target import TargetWorker
 from tests.helpers_models import build_tiny_model
 from tests.table_lm import TableLM
 from tests.test_exactness import PROMPT as TABLE_PROMPT, V as TABLE_V, chi_square_pvalue, run_many

@@ -126,7 +126,7 @@ def test_a_rebuilt_target_session_holds_the_kv_its_verifies_wrote(interleave):
     row's last bits depend on its call's row count, far below a greedy near-tie)."""
     from specdec.linear import prepack_linears, set_row_invariant
     from specdec.sampling import SamplingParams
-    from specdec.workers import TargetWorker
+    from specdec.workers.target import TargetWorker
 
     model = build_tiny_model(vocab_size=40, hidden_size=64, seed=5, max_position_embeddings=256).to(torch.bfloat16)
     set_row_invariant(model)

@@ -11,7 +11,8 @@ from specdec.engine import Engine
 from specdec.prefix_cache import SlotPrefixes, common_prefix_len
 from specdec.request import MODES, GenerationRequest
 from specdec.sampling import SamplingParams
-from specdec.workers import DraftWorker, TargetWorker
+from specdec.workers.draft import DraftWorker
+from specdec.workers.target import TargetWorker
 from tests.helpers_models import build_tiny_model
 
 CHUNK = 4

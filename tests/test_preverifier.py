@@ -9,7 +9,8 @@ import warnings
 import pytest
 import torch
 
-from specdec.engine import Engine, make_stop_rule
+from specdec.engine import Engine
+from specdec.stop import make_stop_rule
 from specdec.preverifier import (DEFAULT_PREVERIFIER_DIR, Preverifier, PreverifierMismatchError,
                                  build_random_preverifier, derive_threshold, draft_fingerprint, load_preverifier,
                                  save_preverifier)
@@ -175,7 +176,7 @@ def test_random_preverifier_actually_varies_the_draft_length():
 
 def _exact_continuation_dist(model, prompt, vocab, n_new, params):
     """Enumerate every n_new-token continuation: exact P under the target at `params`."""
-    from specdec.workers import TargetWorker
+    from specdec.workers.target import TargetWorker
 
     probs = {}
     cache = {}
@@ -402,7 +403,7 @@ def test_pacer_skip_drafts_nothing_when_the_first_block_scores_low(temperature):
 def test_greedy_confidence_of_a_compact_head_draft_equals_the_full_row():
     """The pre-verifier's log q(x) and entropy, taken on a compact-head draft's subset logits, are the numbers the
     full (-inf outside the subset) row gives."""
-    from specdec.drafting import DraftWorker
+    from specdec.drafting import confidence
     from specdec.model import CausalLM, ModelConfig
 
     torch.manual_seed(0)
@@ -410,14 +411,13 @@ def test_greedy_confidence_of_a_compact_head_draft_equals_the_full_row():
                       num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
     subset = torch.tensor([0, 2, 3, 7, 8, 11, 19, 20, 25, 31])
     model = CausalLM(cfg, vocab_subset=subset).eval()
-    worker = DraftWorker(model, max_sessions=1, max_context=32)
     with torch.no_grad():
         compact = model.lm_head(torch.randn(16)).float()
     row = model.expand_logits(compact)
     x = int(row.argmax())
     assert x in subset.tolist() and x == int(subset[int(compact.argmax())])
     lq = torch.log_softmax(row, -1)
-    logq, ent = worker._confidence(compact, int(compact.argmax()))  # what advance feeds it: the compact row
+    logq, ent = confidence(compact, int(compact.argmax()))  # what advance feeds it: the compact row
     assert logq == pytest.approx(float(lq[x]), abs=1e-6)
     assert ent == pytest.approx(float(torch.special.entr(lq.exp()).sum()), abs=1e-5)
 
@@ -475,7 +475,7 @@ def test_measured_costs_read_the_drafting_loop_with_the_preverifier():
 def test_worker_margin_equals_the_collected_head_statistic(temperature):
     """DraftFeatures.margin (drafting loop) is the margin the collectors store (head_stats' third column)."""
     from specdec.preverifier import head_stats
-    from specdec.workers import DraftWorker
+    from specdec.workers.draft import DraftWorker
 
     _, draft = _pair()
     pv = build_random_preverifier(32, seed=2, block_size=1, threshold=0.0, use_hidden=False, use_margin=True)

@@ -26,7 +26,7 @@ from specdec_rpc.pb import common_pb2  # noqa: E402
 from specdec_rpc import convert  # noqa: E402
 from specdec_rpc.app import ServerApp  # noqa: E402
 from specdec_rpc.metrics import ServiceMetrics  # noqa: E402
-from specdec_rpc.sessions import SessionTable  # noqa: E402
+from specdec.sessions import SessionTable  # noqa: E402
 from specdec_rpc.settings import ServerSettings, TLSSettings, resolve_device  # noqa: E402
 from specdec_rpc.tls import channel_credentials  # noqa: E402
 

@@ -35,7 +35,7 @@ from specdec_rpc.pb import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, ta
 from specdec.sampling import SamplingParams  # noqa: E402
 from specdec.schedule import GenerationRequest, generate  # noqa: E402
 from specdec.verify import SparseDist  # noqa: E402
-from specdec.workers import TargetWorker  # noqa: E402
+from specdec.workers.target import TargetWorker  # noqa: E402
 from target_service.client import TargetClient  # noqa: E402
 from target_service.config import TargetSettings  # noqa: E402
 from target_service.server import build_app as build_target  # noqa: E402
@@ -148,7 +148,7 @@ async def test_draft_replica_pacer_threshold_is_the_default_theta(models):
     """DRAFT_PACER_THRESHOLD sets the θ of requests that name none; a request's own θ still wins."""
     from pydantic import ValidationError
 
-    from specdec.engine import make_stop_rule
+    from specdec.stop import make_stop_rule
     from specdec.preverifier import build_random_preverifier
     from specdec.stop import StopSpec
 
@@ -214,7 +214,7 @@ async def test_batched_verify_equals_separate(models, temperature, method):
 
 async def test_concurrent_draft_streams_share_forwards(models, stack):
     """4 sessions drafting at once go through shared (batched) draft steps and draft what each would alone."""
-    from specdec.workers import DraftWorker
+    from specdec.workers.draft import DraftWorker
 
     ref = DraftWorker(models[1], max_sessions=4, lookup=SERVED_LOOKUP)
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11, 12], [16] * 10]

@@ -74,18 +74,21 @@ def test_inline_waits_for_work_queued_on_the_worker_thread():
     (a worker is never driven from two threads at once)."""
     import threading
 
-    from specdec.engine import _INLINE_OK, _ThreadOwner
+    from specdec.engine import _INLINE_OK, _LocalWorker
 
-    owner = _ThreadOwner("t", 1)
+    class Idle:  # a worker with a model that needs no tuning
+        model = torch.nn.Module()
+
+    owner = _LocalWorker(Idle(), "t", 1)
     gate = threading.Event()
-    owner.submit(gate.wait)
+    running = owner.thread.post(gate.wait)
     token = _INLINE_OK.set(True)
     try:
         assert not owner.runs_inline()
         gate.set()
-        owner._last.result(timeout=5)
+        running.result(timeout=5)
         assert owner.runs_inline()
     finally:
         _INLINE_OK.reset(token)
     assert not owner.runs_inline()
-    owner.pool.shutdown()
+    owner.thread.close()

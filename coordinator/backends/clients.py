@@ -34,7 +34,9 @@ from specdec_rpc.convert import (decode_q, draft_block, draft_request, encode_q,
                                    features_to_proto, logprobs_from_proto, sampling_to_proto)
 from specdec.stop import StopSpec
 from specdec.verify import SparseDist
-from specdec.workers import DraftBlock, TargetFeatures, VerifyOutcome
+from specdec.drafting import DraftBlock
+from specdec.workers.base import TargetFeatures
+from specdec.workers.target import VerifyOutcome
 
 from coordinator.channels import Channels
 from coordinator.routing.pool import DraftContextError

@@ -25,7 +25,7 @@ from specdec.errors import (CapacityError, ContextOverflowError, InvalidRequestE
                             SpecDecError, StalePositionError)
 from specdec.sampling import SamplingParams
 from specdec.schedule import GenerationRequest, GenerationResult, GenerationStats, generate
-from specdec.worker_base import PREFILL_CHUNK
+from specdec.workers.base import PREFILL_CHUNK
 
 from coordinator.routing.affinity import prefix_keys
 from coordinator.channels import Channels

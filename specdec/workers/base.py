@@ -1,24 +1,20 @@
-"""The shared half of the draft and target workers: per-session KV slots and the absolute-position protocol.
-
-See specdec/workers.py for the protocol; specdec/drafting.py (DraftWorker) and specdec/workers.py (TargetWorker)
-build on `Worker`. Torch only."""
+"""What the draft and target workers share: the session table, per-session KV slots, prefill, and the
+absolute-position protocol (specdec/workers/__init__.py). DraftWorker (workers/draft.py) and TargetWorker
+(workers/target.py) build on `Worker`. Torch only."""
 
 from __future__ import annotations
 
 import dataclasses
-
-import time
-from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
 
-from specdec.errors import (CapacityError, ContextOverflowError, InvalidRequestError, SessionNotFoundError,
-                            StalePositionError)
+from specdec.errors import ContextOverflowError, InvalidRequestError, SessionNotFoundError, StalePositionError
 from specdec.grammar import GrammarState, GrammarVocab
 from specdec.model import CausalLM
 from specdec.prefix_cache import SlotPrefixes
 from specdec.sampling import SamplingParams
+from specdec.sessions import SessionTable
 
 PAD_SLACK = 64  # extra KV positions per slot for padded rows of batched forwards
 PREFILL_CHUNK = 128  # positions per prefill forward, aligned to absolute positions (specdec/prefix_cache.py)
@@ -43,13 +39,19 @@ class TargetFeatures:
         return int(self.rows.shape[0])
 
 
+def kv_bytes_per_session(model: CausalLM, max_context: int) -> int:
+    """The KV cache bytes of one session slot of a worker of this model."""
+    cfg = model.config
+    per_pos = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * model.dtype.itemsize
+    return per_pos * (max_context + PAD_SLACK)
+
+
 @dataclass
 class Session:
     slot: int
     params: SamplingParams
     tokens: list[int] = field(default_factory=list)  # tokens whose KV is in the cache, in order
     last_row: torch.Tensor | None = None  # logits predicting position len(tokens) (target only)
-    last_used: float = field(default_factory=time.monotonic)
     epoch: int = 0  # bumped by cancel(); a draft loop stops when it changes
     want_features: bool = False  # target: return features with each result (a feature draft reads them)
     feats: object | None = None  # draft: a feature draft's per-position inputs (specdec.feature_state.FeatureState)
@@ -78,9 +80,10 @@ class Worker:
         self.max_context = min(max_context or model.config.max_position_embeddings,
                                model.config.max_position_embeddings)
         self.max_sessions = max_sessions
-        self.session_ttl_s = session_ttl_s
         self.kv = model.new_kv_slots(max_sessions, self.max_context + PAD_SLACK)
-        self.sessions: OrderedDict[str, Session] = OrderedDict()  # LRU order: oldest first
+        # one KV slot per session; a session idle past its TTL is freed when a start needs its slot, and a full
+        # table refuses a start (a replica's own table evicts by LRU first: specdec_rpc/host.py)
+        self.sessions: SessionTable[Session] = SessionTable(max_sessions, session_ttl_s, lru_min_idle_s=None)
         # free slots, oldest released first, with the tokens whose K/V each still holds (specdec/prefix_cache.py)
         self.free_slots = SlotPrefixes(max_sessions)
         # a prefill runs in aligned chunks of `prefill_chunk` positions (0: the whole prompt in one forward), and a
@@ -120,20 +123,9 @@ class Worker:
         return self.grammar_vocab.state(params.grammar)
 
     # ---- sessions -------------------------------------------------------------------------------------------
-    def evict_expired(self, now: float | None = None) -> list[str]:
-        now = time.monotonic() if now is None else now
-        expired = [sid for sid, s in self.sessions.items() if now - s.last_used > self.session_ttl_s]
-        for sid in expired:
-            self.end_session(sid)
-        return expired
-
     def _get(self, session_id: str) -> Session:
-        s = self.sessions.get(session_id)
-        if s is None:
-            raise SessionNotFoundError(f"session {session_id!r} is unknown or expired; start a new session")
-        s.last_used = time.monotonic()
-        self.sessions.move_to_end(session_id)
-        return s
+        """A call's session (its last use now); NOT_FOUND if unknown or expired."""
+        return self.sessions.touch(session_id)
 
     def _check_tokens(self, field_name: str, ids: list[int]) -> None:
         for t in ids:
@@ -216,8 +208,7 @@ class Worker:
         """A session in a free slot, holding (`Session.cached_tokens`) the longest prefix of prompt_ids[:-1]
         that some slot's K/V holds, unless the prefix cache is off or `reuse` is False (the caller needs the
         prefill's rows of every position: prompt logprobs, features)."""
-        if not session_id:
-            raise InvalidRequestError("session_id", "must be a non-empty string")
+        self.sessions.check_id(session_id)
         if not prompt_ids:
             raise InvalidRequestError("prompt_ids", "the prompt is empty; send at least one token")
         self._check_tokens("prompt_ids", prompt_ids)
@@ -232,11 +223,8 @@ class Worker:
         grammar = self._grammar_state(params)
         if session_id in self.sessions:  # idempotent restart: same id → fresh state
             self.end_session(session_id)
-        if not self.free_slots:
-            self.evict_expired()
-        if not self.free_slots:
-            raise CapacityError(f"all {self.max_sessions} session slots are busy; retry later, end idle sessions, "
-                                f"or raise max_sessions")
+        for _, gone in self.sessions.make_room(session_id):  # expired sessions go; a full table: CapacityError
+            self._release(gone)
         want = prompt_ids[:self.prefill_cut(len(prompt_ids), output_start)] if reuse and self.prefix_cache else None
         live = {o.slot: (o.params.cache_salt, o.tokens[:o.chunked]) for o in self.sessions.values()} if want else {}
         got = self.free_slots.take(want, live, align=self.prefill_chunk or 1, salt=params.cache_salt)
@@ -245,18 +233,22 @@ class Worker:
         s = Session(slot=got.slot, params=params, tokens=list(prompt_ids[:got.tokens]), cached_tokens=got.tokens,
                     chunked=got.tokens, sid=session_id, output_start=output_start or len(prompt_ids),
                     grammar=grammar)
-        self.sessions[session_id] = s
+        self.sessions.add(session_id, s)
         self.prefix_queries += len(prompt_ids) - 1
         self.prefix_hits += got.tokens
         return s
 
     def end_session(self, session_id: str) -> bool:
-        s = self.sessions.pop(session_id, None)
+        s = self.sessions.remove(session_id)
         if s is None:
             return False
+        self._release(s)
+        return True
+
+    def _release(self, s: Session) -> None:
+        """Stop the session's calls and free its slot (its whole chunks stay reusable: prefix_cache.py)."""
         s.epoch += 1
         self.free_slots.release(s.slot, s.tokens[:s.chunked], s.params.cache_salt)
-        return True
 
     def cancel(self, session_id: str) -> None:
         s = self.sessions.get(session_id)
@@ -291,7 +283,7 @@ class Worker:
             s.chunked = min(s.chunked, base)  # what is fed again there comes from decode steps, not prefill chunks
             s.last_row = None
 
-    # feature drafts (specdec/drafting.py) supply each fed token's input feature and record what they computed
+    # feature drafts (workers/draft.py) supply each fed token's input feature and record what they computed
     def _input_features(self, s: Session, base: int, ids: list[int]) -> torch.Tensor | None:
         return None
 

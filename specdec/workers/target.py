@@ -1,12 +1,4 @@
-"""Draft and target workers: one model each, per-session KV slots, the absolute-position protocol.
-
-Pure core (torch only); the gRPC servicers and the in-process engine both drive these. A worker is not
-thread-safe: its owner runs every call on one thread (only `cancel` may be called from elsewhere).
-
-Protocol (docs/ARCHITECTURE.md): every mutating call names `base_position` — "truncate what you have fed to this
-many tokens, then feed these". Truncation is free (the KV cache is written by position), a retry of the same call
-replays exactly (keyed randomness), and a `base_position` beyond what the session holds is refused.
-"""
+"""TargetWorker: hosts the target model and verifies draft blocks, batching sessions into one forward. Torch only."""
 from __future__ import annotations
 
 import time
@@ -15,13 +7,12 @@ from dataclasses import dataclass
 import torch
 
 from specdec.attention import SMALL_BLOCK_ROWS
-from specdec.drafting import DraftBlock, DraftCall, DraftWorker
 from specdec.errors import InvalidRequestError, StalePositionError
-from specdec.model import CausalLM
 from specdec.penalties import adjust_logits, adjusts, live_rows
 from specdec.sampling import SamplingParams, TokenLogprobs, concat_logprobs, logits_to_probs, target_logprobs
 from specdec.verify import SparseDist, verify
-from specdec.worker_base import PAD_SLACK, Session, TargetFeatures, Worker
+from specdec.workers.base import Session, TargetFeatures, Worker
+
 
 @dataclass
 class VerifyArgs:
@@ -202,12 +193,3 @@ class TargetWorker(Worker):
             out.logprobs = target_logprobs(rows, committed, pos0, s.params.logprobs)
         return out
 
-
-def kv_bytes_per_session(model: CausalLM, max_context: int) -> int:
-    cfg = model.config
-    per_pos = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * model.dtype.itemsize
-    return per_pos * (max_context + PAD_SLACK)
-
-
-__all__ = ["DraftWorker", "TargetWorker", "DraftBlock", "DraftCall", "VerifyOutcome", "VerifyArgs", "Session",
-           "TargetFeatures", "Worker", "kv_bytes_per_session"]

@@ -19,7 +19,8 @@ import torch
 from specdec.preverifier import head_stats
 from specdec.sampling import SamplingParams, logits_to_probs
 from specdec.stop import FixedLength
-from specdec.workers import DraftWorker, TargetWorker
+from specdec.workers.draft import DraftWorker
+from specdec.workers.target import TargetWorker
 
 
 class _LabelTarget(TargetWorker):
