@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from specdec import native
+from specdec import settings
 from specdec.linear import Linear, padding, set_plan
 from specdec.model import load_model
 
@@ -54,16 +54,17 @@ def main(argv=None) -> None:
 
     def once(variant: tuple[str, str, str], shape: tuple[int, int]) -> float:
         dt, kernel, attention = variant
-        (b, n), native.ENABLED = shape, attention == "native"
+        b, n = shape
         for m, (plan, pad) in tuned[dt].items():
             m.plan, m.pad_to = plan, pad if kernel == "tuned" else None
         if kernel in PLANS:
             set_plan(models[dt], PLANS[kernel])
         toks = torch.randint(0, 1000, (b, n))
         pos = torch.stack([torch.arange(args.context + 8 * i, args.context + 8 * i + n) for i in range(b)])
-        t = time.perf_counter()
-        models[dt](toks, pos, torch.arange(b), kvs[dt])
-        return time.perf_counter() - t
+        with settings.override(native=attention == "native"):
+            t = time.perf_counter()
+            models[dt](toks, pos, torch.arange(b), kvs[dt])
+            return time.perf_counter() - t
 
     for dt in args.dtypes:  # fills the cache positions the timed forwards attend to
         for i in range(n_slots):
@@ -77,7 +78,6 @@ def main(argv=None) -> None:
         for v in variants:
             for shape in shapes:
                 times[(v, shape)].append(once(v, shape))
-    native.ENABLED = True
     for dt, plans in tuned.items():
         if dt == "bfloat16":
             print(f"tuned plans (kernel for 1 / 4 / 8 / more rows): {sorted({p for p, _ in plans.values() if p})}")

@@ -6,13 +6,15 @@ fused CPU kernel costs 5-7× more for one query (default target shapes, 1 thread
 252 / 862 / 1,776 µs vs 53 / 125 / 251 µs, `experiments/kernel_micro.py`) and ~1.4× more for a 3-row verify block
 (104 vs 71 µs at 300 keys; 9 rows: 154 vs 143 µs), and fp32 scores are at least as accurate as the fused kernel's
 (docs/benchmarks.md, "Kernels per host and decode attention"). Longer blocks (a prefill) take the fused kernel.
+The switch is `specdec.settings` `decode_attention` (SPECDEC_DECODE_ATTENTION).
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-DECODE_ATTENTION = True  # False: every call takes the fused SDPA kernel (an A/B switch)
+from specdec import settings
+
 SMALL_BLOCK_ROWS = 16  # query rows up to which the two-matmul path runs (a verify block is 1 + γ ≤ 9 rows)
 
 
@@ -21,7 +23,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     Every query must see at least one key."""
     H, KV, S, hd = q.shape[1], k.shape[1], q.shape[2], q.shape[-1]
     small = S <= SMALL_BLOCK_ROWS and q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16)
-    if DECODE_ATTENTION and small:
+    if small and settings.get().decode_attention:
         G = H // KV  # query head h reads K/V head h // G: stack each K/V head's G query heads (rows g, s)
         qg = q.reshape(1, KV, G * S, hd).float()
         scores = torch.matmul(qg, k.float().transpose(-1, -2)) * (hd ** -0.5)  # [1, KV, G * S, L]

@@ -31,6 +31,8 @@ import tempfile
 import zipfile
 import tarfile
 
+from specdec import settings
+
 __all__ = [
     "ModelNotFoundError",
     "resolve_model",
@@ -56,10 +58,10 @@ class ModelNotFoundError(FileNotFoundError):
 
 
 def cache_root() -> pathlib.Path:
-    """``$SPECDEC_CACHE`` if set, else ``platformdirs.user_cache_dir("specdec")`` (honours XDG_CACHE_HOME)."""
-    env = os.environ.get("SPECDEC_CACHE")
-    if env:
-        return pathlib.Path(env)
+    """``specdec.settings`` ``cache`` (``$SPECDEC_CACHE``) if set, else ``platformdirs.user_cache_dir("specdec")``
+    (honours XDG_CACHE_HOME)."""
+    if settings.get().cache is not None:
+        return settings.get().cache
     import platformdirs
 
     return pathlib.Path(platformdirs.user_cache_dir("specdec"))
@@ -228,12 +230,12 @@ def _default_target(progress: _Progress) -> pathlib.Path:
 
 
 def _hub_reachable(timeout: float = 3.0) -> bool:
-    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+    if settings.get().hf_hub_offline:
         return False
     import socket
     from urllib.parse import urlparse
 
-    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+    endpoint = settings.get().hf_endpoint
     u = urlparse(endpoint)
     port = u.port or (443 if u.scheme == "https" else 80)
     try:

@@ -35,11 +35,18 @@ one-row path rounds some rows unlike its multi-row one (default target, AMD host
 one row runs as at least MIN_INVARIANT_ROWS rows (a zero row appended), or on `torch.mv` where that was tuned
 fastest. `tune_linears` then checks each shape (`check_row_invariance`) and moves a shape whose `torch.mv` rounds
 unlike its multi-row kernel to the padded oneDNN call.
+
+The switches are `specdec.settings` fields: `kernel_tune`, `row_invariant`, and `onednn_cache_capacity`, the size of
+oneDNN's kernel caches, which `settings.prepare_process()` sets before the first oneDNN call (the first model load
+and `prepack_linears` call it).
+
+Packing needs oneDNN's bf16 path, which runs only on CPUs with AVX512 (BW/VL/DQ) or AVX-NE-CONVERT
+(`packing_supported`). Elsewhere (an AVX2-only CPU) nothing is packed, `packed` is never a candidate, and a bf16
+call runs on `gemm` or `gemv`: PyTorch's own bf16 GEMM, whose rows are computed independently of each other.
 """
 from __future__ import annotations
 
 import logging
-import os
 import statistics
 import time
 
@@ -47,16 +54,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-log = logging.getLogger(__name__)
+from specdec import settings
+from specdec.dtypes import cpu_has_fast_bf16
 
-# oneDNN and ideep keep a compiled kernel per (row count, weight shape) in LRU caches of 1024 entries each. A
-# replica's prefill tails, feeds and batches come in every row count: a draft replica's RSS grew from 533 to 791 MB
-# in 2 minutes of prompts of random lengths, still rising (an audit of session 28); at 256 entries it stayed at
-# ~640 MB. Three shapes fed 1-319 rows: +551 MB at 1024, +214 MB at 256. A miss rebuilds a kernel in ~17 µs: 32 row
-# counts cycled through the default target's linears took 1-3 % longer at 256. Read at the first oneDNN call; set
-# them in the environment to choose otherwise.
-os.environ.setdefault("LRU_CACHE_CAPACITY", "256")
-os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "256")
+log = logging.getLogger(__name__)
 
 ROW_CLASSES = (1, 4, 8)  # the row counts a plan is tuned at: a call with r rows uses the first class >= r
 _TUNED: dict[tuple, tuple[str, ...]] = {}  # (class, shape, bias, threads) → plan, shared by same-shaped layers
@@ -72,11 +73,15 @@ def row_class(rows: int) -> int:
 
 
 def packing_supported() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    """Whether `prepack` can lay bf16 weights out for oneDNN here: oneDNN is built in, has the packing op, and runs
+    bf16 on this CPU (`specdec.dtypes.cpu_has_fast_bf16`; oneDNN refuses to pack bf16 weights elsewhere)."""
+    return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+            and cpu_has_fast_bf16())
 
 
 def tuning_enabled() -> bool:
-    return os.environ.get("SPECDEC_KERNEL_TUNE", "1").strip().lower() not in ("0", "false", "no", "off")
+    """`specdec.settings` `kernel_tune` (SPECDEC_KERNEL_TUNE)."""
+    return settings.get().kernel_tune
 
 
 class Linear(nn.Linear):
@@ -144,7 +149,9 @@ class Linear(nn.Linear):
 
 
 def prepack_linears(model: nn.Module, rows_hint: int = 4) -> int:
-    """`prepack` every `Linear` of an inference model; returns how many were packed (0 off a bf16 CPU)."""
+    """`prepack` every `Linear` of an inference model; returns how many were packed (0 off a bf16 CPU, and where
+    `packing_supported()` is False)."""
+    settings.prepare_process()  # oneDNN's cache sizes, before the first packing
     return sum(m.prepack(rows_hint) for m in model.modules() if isinstance(m, Linear))
 
 
@@ -267,7 +274,8 @@ def set_row_invariant(model: nn.Module, on: bool = True) -> None:
 
 
 def row_invariance_enabled() -> bool:
-    return os.environ.get("SPECDEC_ROW_INVARIANT", "1").strip().lower() not in ("0", "false", "no", "off")
+    """`specdec.settings` `row_invariant` (SPECDEC_ROW_INVARIANT)."""
+    return settings.get().row_invariant
 
 
 def check_row_invariance(model: nn.Module, max_rows: int = 16) -> list[tuple[int, int]]:

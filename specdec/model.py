@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,8 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import specdec.attention
-from specdec import native
+from specdec import native, settings
 from specdec.attention import SMALL_BLOCK_ROWS, attention
 from specdec.dtypes import auto_dtype, cpu_has_fast_bf16, resolve_dtype  # noqa: F401 (re-exported: their old home)
 from specdec.kv_slots import KVSlots
@@ -298,7 +296,7 @@ class CausalLM(nn.Module):
         if kv_len > kv.max_len:
             raise ValueError(f"position {kv_len - 1} is beyond the KV cache ({kv.max_len} positions)")
         visible = None
-        if attn_mask is None and S <= SMALL_BLOCK_ROWS and specdec.attention.DECODE_ATTENTION \
+        if attn_mask is None and S <= SMALL_BLOCK_ROWS and settings.get().decode_attention \
                 and native.supports(kv.k[0]):
             # a decode step or verify block: row s of sequence b sees positions 0..positions[b, s] of its slot
             if int(positions.min()) < 0 or int(slots.min()) < 0 or int(slots.max()) >= kv.num_slots:
@@ -336,6 +334,7 @@ def load_model_dir(path: str | Path, device: str = "cpu", dtype: str | torch.dty
     from specdec.fusion import fuse_projections_
     from specdec.quant import quantize_int8_, resolve_quant
 
+    settings.prepare_process()  # oneDNN's cache sizes, before this process's first oneDNN call
     path = Path(path)
     raw = json.loads((path / "config.json").read_text())
     cfg = ModelConfig.from_hf(raw)
@@ -356,7 +355,7 @@ def load_model_dir(path: str | Path, device: str = "cpu", dtype: str | torch.dty
     dtype = resolve_dtype(dtype, device, role)
     model = model.to(device=device, dtype=dtype).eval()
     model.source_dir = path  # its tokenizer.json, for structured output (specdec/grammar.py)
-    if os.environ.get("SPECDEC_FUSE", "1") != "0":  # SPECDEC_FUSE=0: the checkpoint's layout (for A/B runs)
+    if settings.get().fuse:  # off (SPECDEC_FUSE=0): the checkpoint's layout (for A/B runs)
         fuse_projections_(model)
     if resolve_quant(quant, role, device, dtype) == "int8":
         from specdec.preverifier import draft_fingerprint

@@ -11,8 +11,9 @@ The build is a plain shared object (no torch or Python headers: it compiles in w
 this CPU (`-march=native`) and cached under `cache_root()/native/`, keyed by the sources, the flags, the compiler
 and the CPU's feature flags, so a cache shared by different hosts never hands one host another's build. It is
 written to a temporary name and renamed into place, so processes that start together (a draft and a target
-server) never load a half-written file. Where there is no compiler, or `SPECDEC_NATIVE=0`, `available()` is
-False and callers take the torch path; the reason is logged once.
+server) never load a half-written file. Where there is no compiler, or the kernels are switched off
+(`specdec.settings` `native`, SPECDEC_NATIVE=0), `available()` is False and callers take the torch path; the reason
+is logged once. Switched off, nothing is compiled.
 """
 from __future__ import annotations
 
@@ -29,6 +30,8 @@ from pathlib import Path
 
 import torch
 
+from specdec import settings
+
 log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).resolve().parent / "csrc" / f for f in ("decode_attention.c", "rms_norm.c"))
@@ -37,7 +40,6 @@ SOURCES = tuple(Path(__file__).resolve().parent / "csrc" / f for f in ("decode_a
 # numerics; the link step runs without it (tests/test_native.py checks that subnormals survive the load).
 CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC")
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # the caches the kernel reads; others take the torch path
-ENABLED = True  # False: models take the torch path (an in-process A/B switch)
 
 
 def _cpu_flags() -> str:
@@ -51,7 +53,7 @@ def _cpu_flags() -> str:
 
 
 def _compiler() -> str | None:
-    return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc") or shutil.which("clang")
+    return shutil.which(settings.get().cc) or shutil.which("gcc") or shutil.which("clang")
 
 
 def _build(cc: str) -> Path:
@@ -77,11 +79,13 @@ def _build(cc: str) -> Path:
 
 
 @functools.lru_cache(maxsize=None)
+def _log_off() -> None:
+    log.info("native kernels are off (SPECDEC_NATIVE=0): attention and RMSNorm take the torch path")
+
+
+@functools.lru_cache(maxsize=None)
 def _library():
-    """The loaded kernel library, or None (logged once) where it cannot be built or is switched off."""
-    if os.environ.get("SPECDEC_NATIVE", "1") == "0":
-        log.info("native kernels are off (SPECDEC_NATIVE=0): attention and RMSNorm take the torch path")
-        return None
+    """The loaded kernel library, or None (logged once) where it cannot be built."""
     cc = _compiler()
     if cc is None:
         log.warning("no C compiler found (set CC): attention and RMSNorm take the slower torch path")
@@ -101,7 +105,11 @@ def _library():
 
 
 def available() -> bool:
-    """Whether the native kernels are built and loaded (builds them on the first call)."""
+    """Whether the native kernels are switched on, built and loaded (builds them on the first call that finds them
+    on)."""
+    if not settings.get().native:
+        _log_off()
+        return False
     return _library() is not None
 
 
@@ -128,16 +136,16 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 
 def supports(k_cache: torch.Tensor) -> bool:
-    """Whether `decode_attention` runs for a model with this cache (its queries share the cache's dtype): on, a
-    CPU cache of float32 or bfloat16 with unit stride on the head dim, and the kernel built."""
-    return (ENABLED and k_cache.device.type == "cpu" and k_cache.dtype in DTYPES and k_cache.stride(-1) == 1
+    """Whether `decode_attention` runs for a model with this cache (its queries share the cache's dtype): a CPU
+    cache of float32 or bfloat16 with unit stride on the head dim, and the kernels on and built."""
+    return (k_cache.device.type == "cpu" and k_cache.dtype in DTYPES and k_cache.stride(-1) == 1
             and available())
 
 
 def rms_norm_supported(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None) -> bool:
-    """Whether `rms_norm` takes these: on, inference (no autograd), CPU, float32 or bfloat16 alike, x contiguous,
-    a residual of x's shape."""
-    return (ENABLED and not torch.is_grad_enabled() and x.device.type == "cpu" and x.dtype in DTYPES
+    """Whether `rms_norm` takes these: inference (no autograd), CPU, float32 or bfloat16 alike, x contiguous, a
+    residual of x's shape, and the kernels on and built."""
+    return (not torch.is_grad_enabled() and x.device.type == "cpu" and x.dtype in DTYPES
             and weight.dtype == x.dtype and weight.shape == x.shape[-1:] and x.is_contiguous()
             and (residual is None or (residual.dtype == x.dtype and residual.shape == x.shape)) and available())
 

@@ -27,22 +27,21 @@ def test_local_dir_without_config(tmp_path):
         resolve_model(str(tmp_path / "empty"), progress=False)
 
 
-def test_unreachable_hub_id(monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+def test_unreachable_hub_id(runtime_settings):
+    runtime_settings(hf_hub_offline=True)
     with pytest.raises(ModelNotFoundError) as e:
         resolve_model("someorg/some-model", progress=False)
     msg = str(e.value)
     assert "\n" not in msg and "local" in msg and ".gguf" in msg
 
 
-def test_hub_unreachable_by_network(monkeypatch):
-    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # discard port: connection refused
+def test_hub_unreachable_by_network(runtime_settings):
+    runtime_settings(hf_hub_offline=False, hf_endpoint="http://127.0.0.1:9")  # discard port: connection refused
     with pytest.raises(ModelNotFoundError, match="not reachable"):
         resolve_model("someorg/some-model", progress=False)
 
 
-def test_a_hub_id_in_the_local_cache_needs_no_hub(tmp_path, monkeypatch):
+def test_a_hub_id_in_the_local_cache_needs_no_hub(tmp_path, monkeypatch, runtime_settings):
     """A pod whose init container filled the cache starts with the hub unreachable, or HF_HUB_OFFLINE set (it
     failed "not reachable" before, whatever the cache held)."""
     from huggingface_hub import constants
@@ -54,7 +53,7 @@ def test_a_hub_id_in_the_local_cache_needs_no_hub(tmp_path, monkeypatch):
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text("a" * 40)
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
-    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # discard port: connection refused
+    runtime_settings(hf_endpoint="http://127.0.0.1:9")  # discard port: connection refused
     assert resolve_model("someorg/cached-model", progress=False) == snap
     with pytest.raises(ModelNotFoundError, match="not in the local Hugging Face cache"):
         resolve_model("someorg/other-model", progress=False)
@@ -87,9 +86,9 @@ def test_missing_path():
         resolve_model("./does/not/exist.gguf", progress=False)
 
 
-def test_gguf_cache_key_and_atomicity(tmp_path, monkeypatch):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    monkeypatch.delenv("SPECDEC_CACHE", raising=False)
+def test_gguf_cache_key_and_atomicity(tmp_path, monkeypatch, runtime_settings):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))  # read by platformdirs
+    runtime_settings(cache=None)
     gguf = tmp_path / "tiny.gguf"
     gguf.write_bytes(b"not really a gguf")
     calls = []
@@ -125,8 +124,8 @@ def test_gguf_cache_key_and_atomicity(tmp_path, monkeypatch):
     assert resolve_model(str(other), progress=False) == d and len(calls) == n
 
 
-def test_incomplete_cache_is_rebuilt(tmp_path, monkeypatch):
-    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "c"))
+def test_incomplete_cache_is_rebuilt(tmp_path, monkeypatch, runtime_settings):
+    runtime_settings(cache=tmp_path / "c")
     gguf = tmp_path / "a.gguf"
     gguf.write_bytes(b"abc")
     stale = tmp_path / "c" / "gguf" / hub.sha256_file(gguf)[:32]

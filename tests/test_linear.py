@@ -1,12 +1,17 @@
+"""specdec.linear on any x86-64 host. Where oneDNN runs bf16 (AVX512 BW/VL/DQ, AVX512-BF16, AMX:
+`packing_supported()`), bf16 weights are packed and `packed` is a candidate; on an AVX2-only CPU nothing is packed
+and the plain kernels (`gemm`, `gemv`) must keep the same invariants. Each test asks the host which it is and checks
+what follows (an AVX2-only host can be simulated on a newer one: ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2)."""
 import os
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from specdec.attention import attention
+from specdec.dtypes import cpu_has_fast_bf16
 from specdec.linear import (PAD_MAX_ROWS, Linear, packing_supported, prepack_linears, set_padding, set_plan,
                             tune_linears)
-from specdec.attention import attention
 from tests.helpers_models import build_tiny_model
 
 
@@ -84,7 +89,7 @@ def test_every_kernel_computes_the_linear():
     assert "gemv" in lin.kernels(1) and "gemv" not in lin.kernels(2)
 
 
-def test_tuning_gives_every_bf16_linear_a_plan_of_runnable_kernels(monkeypatch):
+def test_tuning_gives_every_bf16_linear_a_plan_of_runnable_kernels(runtime_settings):
     from specdec.quant import Int8Linear, int8_supported, quantize_int8_
 
     m = build_tiny_model(vocab_size=32, seed=3).to(torch.bfloat16)
@@ -102,7 +107,7 @@ def test_tuning_gives_every_bf16_linear_a_plan_of_runnable_kernels(monkeypatch):
         # row padding: a call of r rows runs as p >= r rows, never more than PAD_MAX_ROWS
         assert x.pad_to is None or (len(x.pad_to) == PAD_MAX_ROWS
                                     and all(r <= p <= PAD_MAX_ROWS for r, p in enumerate(x.pad_to, 1)))
-    monkeypatch.setenv("SPECDEC_KERNEL_TUNE", "0")  # off: no measurement, plans untouched
+    runtime_settings(kernel_tune=False)  # off: no measurement, plans untouched
     set_plan(m, None)
     set_padding(m, None)
     assert tune_linears(m) == {} and all(x.plan is None and x.pad_to is None for x in layers)
@@ -144,10 +149,10 @@ def test_verify_block_attention_matches_the_fused_kernel(S):
 
 
 def test_prepacked_multi_row_kernel_is_bit_identical_and_never_stale():
+    """Packed where this host packs (else the multi-row calls are F.linear itself): bit-identical to F.linear."""
     torch.manual_seed(1)
     lin = Linear(64, 48, bias=False).to(torch.bfloat16)
-    if not lin.prepack():
-        pytest.skip("oneDNN weight packing is not available in this torch build")
+    assert lin.prepack() == packing_supported()
     for shape in [(1, 2, 64), (4, 64), (1, 17, 64), (300, 64)]:
         x = torch.randn(shape).to(torch.bfloat16)
         assert torch.equal(lin(x), F.linear(x, lin.weight))
@@ -158,10 +163,22 @@ def test_prepacked_multi_row_kernel_is_bit_identical_and_never_stale():
 
 
 def test_prepack_skips_what_it_cannot_pack():
-    assert not Linear(8, 8).prepack()  # fp32: F.linear already has a good kernel
+    """fp32 weights are never packed (F.linear already has a good kernel); bf16 ones are where oneDNN runs bf16 on
+    this CPU, and on a CPU without (AVX2 only) none is, and the unpacked model still runs every row class."""
+    assert not Linear(8, 8).prepack()
+    if torch.backends.mkldnn.is_available():
+        assert packing_supported() == cpu_has_fast_bf16()
     m = build_tiny_model(vocab_size=32, seed=3).to(torch.bfloat16)
-    from specdec.linear import packing_supported
-    assert prepack_linears(m) == (sum(isinstance(x, Linear) for x in m.modules()) if packing_supported() else 0)
+    layers = [x for x in m.modules() if isinstance(x, Linear)]
+    packed = prepack_linears(m)
+    if packing_supported():
+        assert packed == len(layers) and all("packed" in x.kernels(rows) for x in layers for rows in (1, 4, 9))
+    else:
+        assert packed == 0 and all(x.kernels(rows) == ["gemm"] for x in layers for rows in (4, 9))
+    kv = m.new_kv_slots(1, 32)
+    for n, start in ((12, 0), (4, 12), (1, 16)):  # a prefill, a verify block, a decode step: default plans
+        logits = m(torch.arange(n)[None] % 32, torch.arange(start, start + n)[None], torch.tensor([0]), kv)[0]
+        assert logits.shape == (1, n, 32) and torch.isfinite(logits).all()
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -260,7 +277,7 @@ def test_the_invariance_check_sees_a_one_row_path_that_rounds_differently(monkey
     assert linear.check_row_invariance(lin, max_rows=48) == []
 
 
-def test_only_the_target_is_row_invariant(tmp_path, monkeypatch):
+def test_only_the_target_is_row_invariant(tmp_path, runtime_settings):
     """load_model_dir makes a target's linears row-invariant (unless SPECDEC_ROW_INVARIANT=0), not a draft's."""
     from specdec.model import load_model_dir
     from tests.helpers_models import save_model
@@ -274,7 +291,7 @@ def test_only_the_target_is_row_invariant(tmp_path, monkeypatch):
         return flags.pop()
 
     assert invariant("target") and not invariant("draft")
-    monkeypatch.setenv("SPECDEC_ROW_INVARIANT", "0")
+    runtime_settings(row_invariant=False)
     assert not invariant("target")
 
 
@@ -298,36 +315,62 @@ def test_a_one_row_gemv_that_rounds_unlike_the_batch_is_replaced_at_load(monkeyp
     lin.plan, lin.pad_to = ("gemv", "packed", "packed", "packed"), None
     assert linear.check_row_invariance(lin) == [(576, 1536)]
     assert linear.enforce_row_invariance(lin) == []
-    assert lin.plan[0] == "packed" and lin.rows_to_run(1) == linear.MIN_INVARIANT_ROWS
+    # the padded multi-row call: the packed kernel where this host packs bf16 weights, else F.linear
+    assert lin.plan[0] == ("packed" if packing_supported() else "gemm")
+    assert lin.rows_to_run(1) == linear.MIN_INVARIANT_ROWS
 
 
-@pytest.mark.skipif(not packing_supported(), reason="needs oneDNN's packed bf16 linear")
-def test_onednn_kernel_caches_stay_bounded_over_every_row_count():
-    """oneDNN and ideep keep a kernel per (row count, weight shape), 1024 of each by default: a replica fed every
-    row count grew by hundreds of MB (an audit of session 28). specdec.linear caps both caches at 256."""
-    import subprocess
-    import sys
-
-    code = """
-import torch, specdec.linear as L
+_CACHE_PROBE = """
+import sys, torch
+from specdec import settings
+if sys.argv[1] == "1":
+    settings.prepare_process()  # as a model load does, after torch is imported
+import specdec.linear as L
 rss = lambda: int([l for l in open('/proc/self/status') if l.startswith('VmRSS')][0].split()[1]) // 1024
 torch.set_num_threads(1)
-lins = [L.Linear(576, n, bias=False).to(torch.bfloat16) for n in (576, 192, 1536)]
-for m in lins: m.prepack()
+dtype = getattr(torch, sys.argv[3])
+if sys.argv[2] == "linear":  # specdec.linear.Linear, packed where this host packs
+    lins = [L.Linear(576, n, bias=False).to(dtype) for n in (576, 192, 1536)]
+    for m in lins: m.prepack()
+    calls = [(m, m.in_features) for m in lins]
+else:  # oneDNN's own packed linear, which runs fp32 on any x86-64 CPU
+    ws = [torch.randn(n, 576).to(dtype) for n in (576, 192, 1536)]
+    packed = [torch.ops.mkldnn._reorder_linear_weight(w, 4) for w in ws]
+    calls = [(lambda x, w=w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""), 576) for w in packed]
 r0 = rss()
 with torch.no_grad():
     for rows in range(1, 320):
-        for m in lins:
-            m(torch.randn(rows, m.in_features, dtype=torch.bfloat16))
+        for f, k in calls:
+            f(torch.randn(rows, k, dtype=dtype))
 print(rss() - r0)
 """
 
-    def grown(cap: str | None) -> int:
-        env = {k: v for k, v in os.environ.items() if k not in ("LRU_CACHE_CAPACITY", "ONEDNN_PRIMITIVE_CACHE_CAPACITY")}
-        env.update({"LRU_CACHE_CAPACITY": cap, "ONEDNN_PRIMITIVE_CACHE_CAPACITY": cap} if cap else {})
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True,
-                             timeout=300)
-        return int(out.stdout.split()[-1])
 
-    capped, default = grown(None), grown("1024")  # measured: 214 MB against 551 MB
-    assert capped < 0.6 * default, (capped, default)
+def _cache_growth(prepare: bool, path: str, dtype: str, cap: str | None = None) -> int:
+    """MB an interpreter grows by running 3 weight shapes at 1-319 rows each (in a fresh process: the caches' sizes
+    are read at its first oneDNN call). `prepare`: it calls settings.prepare_process() first; `cap`: both cache
+    sizes set in its environment."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("LRU_CACHE_CAPACITY", "ONEDNN_PRIMITIVE_CACHE_CAPACITY")}
+    env.update({"LRU_CACHE_CAPACITY": cap, "ONEDNN_PRIMITIVE_CACHE_CAPACITY": cap} if cap else {})
+    out = subprocess.run([sys.executable, "-c", _CACHE_PROBE, str(int(prepare)), path, dtype], capture_output=True,
+                         text=True, env=env, check=True, timeout=300)
+    return int(out.stdout.split()[-1])
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="a torch build without oneDNN")
+def test_onednn_kernel_caches_stay_bounded_over_every_row_count():
+    """oneDNN and ideep keep a kernel per (row count, weight shape), 1024 of each by default: a replica fed every
+    row count grew by hundreds of MB. settings.prepare_process() caps both caches at 256. Where this host packs bf16
+    weights, the bf16 linears fill those caches; where it does not (AVX2 only), they build no oneDNN kernels at all,
+    and the cap is checked on oneDNN's fp32 packed linear, which runs on any x86-64 CPU."""
+    if packing_supported():
+        path, dtype = "linear", "bfloat16"
+    else:
+        assert _cache_growth(True, "linear", "bfloat16") < 64  # measured: 3 MB, capped or not
+        assert _cache_growth(False, "linear", "bfloat16", cap="1024") < 64
+        path, dtype = "onednn", "float32"
+    capped, default = _cache_growth(True, path, dtype), _cache_growth(False, path, dtype, cap="1024")
+    assert capped < 0.6 * default, (capped, default)  # measured: 265 MB against 570 MB (bf16, AMX host)

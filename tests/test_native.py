@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from specdec import native
+from specdec import native, settings
 from tests.helpers_models import build_tiny_model
 
 needs_kernel = pytest.mark.skipif(not native.available(), reason="no C compiler: the native kernel is not built")
@@ -64,8 +64,7 @@ def test_kernel_exact_on_peaked_scores():
 def _decode(model, native_on: bool, dtype: torch.dtype, rows: int):
     """Prefill three sessions of different lengths, then one batched forward of `rows` rows each, and one
     single-session verify block: the logits of both."""
-    native.ENABLED = native_on
-    try:
+    with settings.override(native=native_on):
         gen = torch.Generator().manual_seed(3)
         kv = model.new_kv_slots(4, 64)
         slots, lengths = torch.tensor([2, 0, 3]), [9, 17, 12]
@@ -76,8 +75,6 @@ def _decode(model, native_on: bool, dtype: torch.dtype, rows: int):
         batched, _ = model(tokens, positions, slots, kv)
         single, _ = model(tokens[1:2], positions[1:2], slots[1:2], kv)
         return batched, single
-    finally:
-        native.ENABLED = True
 
 
 @needs_kernel
