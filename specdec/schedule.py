@@ -4,30 +4,33 @@ The same code runs in one process (`specdec.engine`, workers in threads) and acr
 gRPC clients), so the two can be compared like for like. The schedule owns the request's token history, the
 source of truth: what a backend holds is always re-derived from it (`base_position` + the tokens it lacks).
 
-PEARL (docs/design/algorithms.md, "PEARL: overlapped drafting"), adapted to services:
-- PRE round, pre-verify (`pearl_first_block` = 0): the target forwards the pending token while the draft writes
-  the block's first token; that token is then checked against the target's stored row (a check-only verify, no
-  forward) while the draft writes the rest.
-  Rejected → the draft is cancelled, the recovered token is committed, stay PRE. Accepted → POST.
-- PRE round, draft first (`pearl_first_block` = k ≥ 1): the draft writes up to k tokens (pacer_pearl: PACER
-  decides how many, at most the window) and they go straight to POST with the pending token.
+PEARL (docs/design/algorithms.md, "PEARL: overlapped drafting"), adapted to services: `PearlRounds`, a state
+machine whose phase between two rounds is PRE_VERIFY (no block pending) or POST_VERIFY (a block pending).
+- PRE_VERIFY round, pre-verify (`pearl_first_block` = 0): the target forwards the pending token while the draft
+  writes the block's first token; that token is then checked against the target's stored row (a check-only
+  verify, no forward) while the draft writes the rest.
+  Rejected → the draft is cancelled, the recovered token is committed, stay in PRE_VERIFY. Accepted →
+  POST_VERIFY, and the rest of the block is post-verified in the same round.
+- PRE_VERIFY round, draft first (`pearl_first_block` = k ≥ 1): the draft writes up to k tokens (pacer_pearl:
+  PACER decides how many, at most the window) and they are post-verified at once, with the pending token.
 - Unset (the default) picks per round: draft first (k = 3; pacer_pearl: PACER) while the session's last verify
   ran alone, pre-verify while it shared a batched forward. Alone, pre-verify spends a whole target forward on one
   token, which pays only where a few draft tokens take about as long as a forward; on a CPU the draft costs
   ~0.05 of the target. Batched, the forward runs for the other sessions anyway (a few more rows cost little) and
   a block drafted on the critical path, behind the draft replica's other sessions, is what delays the session
   (docs/benchmarks.md, "PEARL's first block").
-- POST round: the target verifies the rest of the current block while the draft already drafts the next block
-  from its last token, assuming everything is accepted (post-verify). All accepted → the next block's first token
-  is checked in the next round against the target's stored row (PEARL uses the "bonus" slot this way). A
-  rejection → the speculative block is cancelled and discarded, both sides roll back, back to PRE.
-- Adaptive overlap (`pearl_overlap` = "auto", requests with the default PRE rounds): where no block is
+- Post-verify: the target verifies the rest of the current block while the draft already drafts the next block
+  from its last token, assuming everything is accepted. All accepted → POST_VERIFY with the next block: its
+  first token is checked in the next round against the target's stored row (PEARL uses the "bonus" slot this
+  way). A rejection → the speculative block is cancelled and discarded, both sides roll back, PRE_VERIFY.
+- Adaptive overlap (`pearl_overlap` = "auto", requests with the default PRE_VERIFY rounds): where no block is
   pending, the next round may instead be one sequential sd/PACER round, whichever kind has committed more
   tokens per second in this request (`specdec/overlap.py`); overlap loses where draft and target share cores.
 """
 from __future__ import annotations
 
 import asyncio
+import enum
 import time
 from typing import AsyncIterator, Callable
 
@@ -39,7 +42,7 @@ from specdec.run_state import DraftBackend, TargetBackend, _Run  # noqa: F401 - 
 from specdec.stop import StopSpec
 from specdec.drafting import DraftBlock
 
-# pearl: draft tokens a draft-first PRE round waits for before its first verify; pacer_pearl lets PACER choose
+# pearl: draft tokens a draft-first PRE_VERIFY round waits for before its first verify; pacer_pearl lets PACER choose
 # that length instead (up to the window). Used when the request leaves pearl_first_block unset and the session's
 # last verify ran alone (batched: PEARL's pre-verify).
 DEFAULT_PEARL_FIRST_BLOCK = 3
@@ -98,7 +101,7 @@ async def generate(req: GenerationRequest, draft: DraftBackend | None, target: T
         elif req.mode in ("sd", "pacer"):
             await _run_sd(run, draft, target)
         else:
-            await _run_pearl(run, draft, target)
+            await PearlRounds(run, draft, target).run_to_end()
     except asyncio.CancelledError:
         run.finish = "cancelled"
         raise
@@ -133,7 +136,7 @@ def _post_stop_spec(req: GenerationRequest) -> StopSpec:
 
 
 def _first_block(req: GenerationRequest) -> tuple[int, StopSpec, int]:
-    """A PEARL PRE round: (most draft tokens to wait for, stop rule, block size); 0 tokens = PEARL pre-verify."""
+    """A PEARL PRE_VERIFY round: (most draft tokens to wait for, stop rule, block size); 0 tokens = PEARL pre-verify."""
     if req.pearl_first_block is None and req.mode == "pacer_pearl":
         return req.gamma, _stop_spec(req), _pacer_block(req)
     k = DEFAULT_PEARL_FIRST_BLOCK if req.pearl_first_block is None else req.pearl_first_block
@@ -207,121 +210,205 @@ async def _sd_round(run: _Run, draft: DraftBackend, target: TargetBackend, gamma
     run.commit(blk.tokens[:out.num_accepted] + [out.next_token])
 
 
-async def _run_pearl(run: _Run, draft: DraftBackend, target: TargetBackend) -> None:
-    req = run.req
-    sid = req.session_id
-    # every draft token after a round's first runs while the target works (pre- or post-verify), so the
-    # pre-verifier's shadow threshold applies throughout; the first token of a PRE round is the only wait
-    post_stop = _post_stop_spec(req)
-    # fixed rule: stream token by token (a cut keeps everything drafted so far)
-    post_block = _pacer_block(req) if post_stop.kind == "pacer" else 1
-    pending_block: DraftBlock | None = None  # POST: a block whose first token is already committed
-    first_max, first_stop, first_bs = _first_block(req)
-    # adaptive overlap (specdec/overlap.py): requests with PEARL's default PRE rounds
-    choice = OverlapChoice() if req.pearl_overlap == "auto" and req.pearl_first_block is None else None
-    episode: tuple[int, float] | None = None  # an overlapped stretch's start: (tokens generated, time)
-    while run.finish is None:
-        if episode is not None and pending_block is None:  # the overlapped stretch ended: score it
-            choice.record(True, len(run.generated) - episode[0], time.perf_counter() - episode[1])
-            episode = None
-        if pending_block is None and _target_busy(run):
-            await _target_only_round(run, target)
-            continue
-        if pending_block is None and choice is not None:
-            if not choice.next_overlapped():
+class PearlPhase(enum.Enum):
+    """Where a PEARL request stands between two rounds: the paper's two strategies, and the end."""
+    PRE_VERIFY = "pre-verify"  # no drafted block is pending: the next round opens one
+    POST_VERIFY = "post-verify"  # a drafted block is pending: the next round verifies it while the draft writes on
+    DONE = "done"  # the request finished
+
+
+# the transitions a PEARL request may take (staying in PRE_VERIFY is no transition)
+PEARL_TRANSITIONS = {
+    PearlPhase.PRE_VERIFY: {PearlPhase.POST_VERIFY, PearlPhase.DONE},
+    PearlPhase.POST_VERIFY: {PearlPhase.POST_VERIFY, PearlPhase.PRE_VERIFY, PearlPhase.DONE},
+    PearlPhase.DONE: set(),
+}
+
+
+class PearlStateError(RuntimeError):
+    """A step the PEARL state machine does not allow: a bug in the schedule, or a backend that broke the protocol
+    (a bonus token nobody asked for); never the request's fault."""
+
+
+class PearlRounds:
+    """One request's PEARL rounds (module docstring) as a state machine over `PearlPhase`.
+
+    - PRE_VERIFY: no block is pending. A round opens one: it pre-verifies the block's first token (the target
+      checks it while the draft writes the rest; `_pre_verify`) or drafts a short block first (`_draft_first`),
+      and moves to POST_VERIFY with the block, then post-verifies what of it is still unchecked in the same round.
+      A rejected first token, or a draft-first block that came back empty, stays in PRE_VERIFY; so do the rounds
+      that run outside PEARL (a target-only round under load, a sequential round the adaptive overlap chose).
+    - POST_VERIFY: a block is pending. A round verifies it while the draft writes the next block from the
+      block's last token, assuming it is all accepted (`_post_verify`). All accepted and a next block drafted:
+      POST_VERIFY with that block. A rejection, or no next block: PRE_VERIFY.
+    - DONE: the request finished (EOS, a stop, its length), entered at the end of the round that finished it.
+
+    The phase, the pending block and the adaptive-overlap bookkeeping live in fields; every phase change goes
+    through `_enter`, which refuses a transition `PEARL_TRANSITIONS` does not list.
+    """
+
+    def __init__(self, run: _Run, draft: DraftBackend, target: TargetBackend):
+        req = run.req
+        self.run, self.draft, self.target, self.sid = run, draft, target, req.session_id
+        # every draft token after a round's first runs while the target works (pre- or post-verify), so the
+        # pre-verifier's shadow threshold applies throughout; the first token of a PRE_VERIFY round is the only wait
+        self.post_stop = _post_stop_spec(req)
+        # fixed rule: stream token by token (a cut keeps everything drafted so far)
+        self.post_block = _pacer_block(req) if self.post_stop.kind == "pacer" else 1
+        self.first_max, self.first_stop, self.first_bs = _first_block(req)
+        # adaptive overlap (specdec/overlap.py): requests with PEARL's default PRE_VERIFY rounds
+        self.choice = OverlapChoice() if req.pearl_overlap == "auto" and req.pearl_first_block is None else None
+        self.episode: tuple[int, float] | None = None  # an overlapped stretch's start: (tokens generated, time)
+        self.phase = PearlPhase.PRE_VERIFY
+        self.block: DraftBlock | None = None  # POST_VERIFY: the pending block
+        self.checked = 0  # POST_VERIFY: the pending block's leading tokens already verified and committed
+
+    def _enter(self, phase: PearlPhase) -> None:
+        if phase not in PEARL_TRANSITIONS[self.phase]:
+            raise PearlStateError(f"PEARL: no transition from {self.phase.value} to {phase.value}")
+        self.phase = phase
+
+    def _to_post(self, block: DraftBlock, checked: int) -> None:
+        """A block is pending; its first `checked` tokens are verified and committed already."""
+        self._enter(PearlPhase.POST_VERIFY)
+        self.block, self.checked = block, checked
+
+    def _to_pre(self) -> None:
+        self._enter(PearlPhase.PRE_VERIFY)
+        self.block, self.checked = None, 0
+
+    async def run_to_end(self) -> None:
+        while self.phase is not PearlPhase.DONE:
+            await self.round()
+
+    async def round(self) -> None:
+        """One round from the current phase; DONE once the request has finished."""
+        if self.phase is PearlPhase.PRE_VERIFY:
+            await self._pre_verify_round()
+        elif self.phase is PearlPhase.POST_VERIFY:
+            self.run.stats.rounds += 1
+            await self._post_verify()
+        else:
+            raise PearlStateError("PEARL: the request is done; no round follows")
+        if self.run.finish is not None:
+            self._enter(PearlPhase.DONE)
+
+    async def _pre_verify_round(self) -> None:
+        run = self.run
+        if self.episode is not None:  # the overlapped stretch ended: score it
+            self.choice.record(True, len(run.generated) - self.episode[0], time.perf_counter() - self.episode[1])
+            self.episode = None
+        if _target_busy(run):
+            await _target_only_round(run, self.target)
+            return
+        if self.choice is not None:
+            if not self.choice.next_overlapped():
                 n0, t0 = len(run.generated), time.perf_counter()
-                await _sd_round(run, draft, target, first_max, first_stop, first_bs)
+                await _sd_round(run, self.draft, self.target, self.first_max, self.first_stop, self.first_bs)
                 run.stats.sequential_rounds += 1
-                choice.record(False, len(run.generated) - n0, time.perf_counter() - t0)
-                continue
-            episode = (len(run.generated), time.perf_counter())
+                self.choice.record(False, len(run.generated) - n0, time.perf_counter() - t0)
+                return
+            self.episode = (len(run.generated), time.perf_counter())
         run.stats.rounds += 1
-        draft_first = first_max > 0 and (req.pearl_first_block is not None or run.last_batch <= 1)
-        if pending_block is None and draft_first:  # ---------------- PRE, draft first: wait for a short block
-            base_d, append = run.draft_args()
-            gamma = min(first_max, req.max_new_tokens - len(run.generated))
-            pending_block = _drafted(await draft.draft(sid, base_d, append, gamma, first_stop, first_bs,
-                                                       run.take_features()), run)
-            run.draft_fed = base_d + len(append) + len(pending_block.tokens) - 1
-            if not pending_block.tokens:  # nothing drafted (cancelled): an `ar` step
-                run.draft_fed = base_d + len(append)
-                pending_block = None
-                await _target_step(run, target)
-                continue
-            to_check, to_check_q = pending_block.tokens, pending_block.q
-        elif pending_block is None:  # ---------------- PRE: pre-verify the first token while drafting the rest
-            # the target forwards the pending token(s) while the draft writes its first token, then checks that
-            # token against the stored row (no second forward): the draft's first token is off the critical path
-            base_d, append = run.draft_args()
-            stream = draft.draft_stream(sid, base_d, append, min(req.gamma, req.max_new_tokens - len(run.generated)),
-                                        post_stop, 1, run.take_features()).__aiter__()
-            first_task = asyncio.ensure_future(stream.__anext__())
-            base_t, feed = run.target_args()
-            fwd = None
-            if feed:
-                fwd = asyncio.ensure_future(target.verify(sid, base_t, feed, [], None, req.method,
-                                                          feed_draft=True, sample_bonus=False))
-            try:
-                first = await first_task
-            except BaseException:
-                if fwd is not None:
-                    fwd.cancel()
-                raise
-            rest = asyncio.ensure_future(_collect(stream, run))
-            run.stats.draft_tokens += len(first.tokens)
-            run.stats.draft_busy_s += first.draft_ns / 1e9
-            if fwd is not None:
-                run.on_verify(await fwd, 0)
-                run.target_fed = base_t + len(feed)
-            out = await target.verify(sid, run.target_fed, [], first.tokens[:1], first.q[:1], req.method,
-                                      feed_draft=False, sample_bonus=False)
-            run.on_verify(out, 1)
-            if out.num_accepted == 0:
-                await draft.cancel(sid)
-                wasted = await rest
-                run.stats.wasted_draft_tokens += len(wasted.tokens) + len(first.tokens) - 1
-                run.draft_fed = base_d + len(append)  # the first drafted token was never fed
-                run.commit([out.next_token])
-                continue
-            run.commit(first.tokens[:1])
-            tail = await _cut(draft, sid, rest)
-            pending_block = DraftBlock(tokens=first.tokens + tail.tokens, q=first.q + tail.q)
-            run.draft_fed = base_d + len(append) + len(pending_block.tokens) - 1
-            # the first token is committed: the block's remaining tokens are verified in POST below
-            to_check, to_check_q = pending_block.tokens[1:], pending_block.q[1:]
-        else:  # ------------------------------------- POST (chained): check the whole new block
-            to_check, to_check_q = pending_block.tokens, pending_block.q
-        if run.finish is not None:
-            break
-        # ---------------- POST: verify `to_check` while the draft writes the next block assuming all accepted
+        draft_first = self.first_max > 0 and (run.req.pearl_first_block is not None or run.last_batch <= 1)
+        opened = await (self._draft_first() if draft_first else self._pre_verify())
+        if opened and run.finish is None:
+            await self._post_verify()
+
+    async def _draft_first(self) -> bool:
+        """Draft a short block and wait for it (`pearl_first_block` = k ≥ 1); → whether a block is pending."""
+        run, req = self.run, self.run.req
+        base_d, append = run.draft_args()
+        gamma = min(self.first_max, req.max_new_tokens - len(run.generated))
+        blk = _drafted(await self.draft.draft(self.sid, base_d, append, gamma, self.first_stop, self.first_bs,
+                                              run.take_features()), run)
+        if not blk.tokens:  # nothing drafted (cancelled): an `ar` step
+            run.draft_fed = base_d + len(append)
+            await _target_step(run, self.target)
+            return False
+        run.draft_fed = base_d + len(append) + len(blk.tokens) - 1
+        self._to_post(blk, 0)
+        return True
+
+    async def _pre_verify(self) -> bool:
+        """PEARL's pre-verify: the target forwards the pending token(s) while the draft writes its first token, then
+        checks that token against the stored row (no second forward) while the draft writes the rest, so the
+        draft's first token is off the critical path. → whether a block is pending (its first token accepted)."""
+        run, req, sid = self.run, self.run.req, self.sid
+        base_d, append = run.draft_args()
+        stream = self.draft.draft_stream(sid, base_d, append, min(req.gamma, req.max_new_tokens - len(run.generated)),
+                                         self.post_stop, 1, run.take_features()).__aiter__()
+        first_task = asyncio.ensure_future(stream.__anext__())
         base_t, feed = run.target_args()
-        verify_task = asyncio.ensure_future(target.verify(sid, base_t, feed, to_check, to_check_q, req.method,
-                                                          feed_draft=True, sample_bonus=False))
+        fwd = None
+        if feed:
+            fwd = asyncio.ensure_future(self.target.verify(sid, base_t, feed, [], None, req.method,
+                                                           feed_draft=True, sample_bonus=False))
+        try:
+            first = await first_task
+        except BaseException:
+            if fwd is not None:
+                fwd.cancel()
+            raise
+        rest = asyncio.ensure_future(_collect(stream, run))
+        run.stats.draft_tokens += len(first.tokens)
+        run.stats.draft_busy_s += first.draft_ns / 1e9
+        if fwd is not None:
+            run.on_verify(await fwd, 0)
+            run.target_fed = base_t + len(feed)
+        out = await self.target.verify(sid, run.target_fed, [], first.tokens[:1], first.q[:1], req.method,
+                                       feed_draft=False, sample_bonus=False)
+        run.on_verify(out, 1)
+        if out.num_accepted == 0:
+            await self.draft.cancel(sid)
+            wasted = await rest
+            run.stats.wasted_draft_tokens += len(wasted.tokens) + len(first.tokens) - 1
+            run.draft_fed = base_d + len(append)  # the first drafted token was never fed
+            run.commit([out.next_token])
+            return False
+        run.commit(first.tokens[:1])
+        tail = await _cut(self.draft, sid, rest)
+        block = DraftBlock(tokens=first.tokens + tail.tokens, q=first.q + tail.q)
+        run.draft_fed = base_d + len(append) + len(block.tokens) - 1
+        self._to_post(block, 1)  # the first token is committed: post-verify checks the rest
+        return True
+
+    async def _post_verify(self) -> None:
+        """Verify the pending block's unchecked tokens while the draft writes the next block from its last token,
+        assuming everything is accepted."""
+        if self.phase is not PearlPhase.POST_VERIFY:
+            raise PearlStateError(f"PEARL: post-verify needs a pending block; the request is in {self.phase.value}")
+        run, req, sid, block = self.run, self.run.req, self.sid, self.block
+        to_check, to_check_q = block.tokens[self.checked:], block.q[self.checked:]
+        base_t, feed = run.target_args()
+        verify_task = asyncio.ensure_future(self.target.verify(sid, base_t, feed, to_check, to_check_q, req.method,
+                                                               feed_draft=True, sample_bonus=False))
         spec_base = run.draft_fed
-        spec_append = [pending_block.tokens[-1]]
         # what the request has left if `to_check` is accepted whole: no draft past its end (nor past the context)
         room = req.max_new_tokens - len(run.generated) - len(to_check)
-        spec = asyncio.ensure_future(_collect(draft.draft_stream(sid, spec_base, spec_append, min(req.gamma, room),
-                                                                 post_stop, post_block, run.take_features()), run)
-                                     if room > 0 else _no_draft())
+        spec = asyncio.ensure_future(
+            _collect(self.draft.draft_stream(sid, spec_base, [block.tokens[-1]], min(req.gamma, room), self.post_stop,
+                                             self.post_block, run.take_features()), run)
+            if room > 0 else _no_draft())
         out = await verify_task
         run.on_verify(out, len(to_check))
         run.target_fed = base_t + len(feed) + out.num_accepted
         if out.num_accepted == len(to_check):
             run.commit(to_check)
-            nxt = await _cut(draft, sid, spec)
-            run.draft_fed = spec_base + 1 + len(nxt.tokens) - 1
+            nxt = await _cut(self.draft, sid, spec)
+            if out.next_token is not None:
+                raise PearlStateError("PEARL: the target sampled a bonus token after a whole block, which post-verify "
+                                      "does not ask for (sample_bonus=False)")
+            run.draft_fed = spec_base + len(nxt.tokens)  # the block's last token and all but the last of the next
             if not nxt.tokens or run.finish is not None:
                 run.stats.wasted_draft_tokens += len(nxt.tokens)
-                pending_block = None
-                continue
-            pending_block = nxt
-            if out.next_token is not None:  # cannot happen (no bonus asked); kept for safety
-                pending_block = None
+                self._to_pre()
+            else:
+                self._to_post(nxt, 0)
         else:
             if room > 0:
-                await draft.cancel(sid)
+                await self.draft.cancel(sid)
             wasted = await spec
             run.stats.wasted_draft_tokens += len(wasted.tokens) + len(to_check) - out.num_accepted
             run.commit(to_check[:out.num_accepted] + [out.next_token])
-            pending_block = None
+            self._to_pre()
