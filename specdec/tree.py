@@ -29,7 +29,7 @@ from specdec.errors import InvalidRequestError
 from specdec.penalties import adjusts
 from specdec.run_state import _Run
 from specdec.schedule import GenerationRequest
-from specdec.workers.base import Worker, feature_size
+from specdec.worker_base import Worker, feature_size
 
 
 def parse_shape(spec: str | tuple[int, ...]) -> tuple[int, ...]:

@@ -165,7 +165,7 @@ def features_to_proto(f) -> common_pb2.Features:
 
 def features_from_proto(msgs, field: str = "features") -> list:
     """repeated Features -> list[TargetFeatures]; shape and dtype are checked here, positions by the worker."""
-    from specdec.workers.base import TargetFeatures
+    from specdec.worker_base import TargetFeatures
 
     out = []
     for i, m in enumerate(msgs):
@@ -197,7 +197,7 @@ def draft_request(msg, session_id: str, base_position: int, append: list[int], g
 def draft_block(r, tokens: list[int] | None = None, q: list | None = None):
     """A DraftResponse / DraftStreamResponse as a DraftBlock (`tokens`/`q`: override, e.g. a resumed stream's
     undelivered part)."""
-    from specdec.drafting import DraftBlock
+    from specdec.workers import DraftBlock
 
     return DraftBlock(tokens=list(r.token_ids) if tokens is None else tokens,
                       q=decode_q(r.q, check=False) if q is None else q, stop_reason=_STOP_REASON.get(r.stop_reason, ""),

@@ -6,8 +6,8 @@ from specdec.errors import InvalidRequestError
 from specdec.sampling import SamplingParams
 from specdec.tree import (DraftTree, ancestor_mask, draft_tree, generate_tree, parse_shape, tree_attention_mask,
                           tree_size, verify_tree, walk_greedy)
-from specdec.workers.draft import DraftWorker
-from specdec.workers.target import TargetWorker
+from specdec.drafting import DraftWorker
+from specdec.workers import TargetWorker
 from tests.helpers_models import build_tiny_model, target_greedy, tiny_pair
 
 

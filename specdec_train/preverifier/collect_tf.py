@@ -147,7 +147,7 @@ def _loop_costs(draft_model, preverifier, ctx: int, n: int, reps: int) -> dict:
     import statistics
 
     from specdec.stop import FixedLength, PreverifierStop
-    from specdec.workers.draft import DraftWorker
+    from specdec.workers import DraftWorker
 
     worker = DraftWorker(draft_model, preverifier=preverifier, max_sessions=1, max_context=ctx + 2 * n + 8)
     prompt = torch.randint(0, min(1000, draft_model.config.vocab_size), (ctx,),
