@@ -37,8 +37,11 @@ SKIP = ("CHANGELOG.md", "specdec_rpc/pb/")
 
 
 def repo_files() -> list[Path]:
-    out = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, capture_output=True,
-                         text=True, check=True).stdout.split("\n")
+    try:
+        out = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, capture_output=True,
+                             text=True, check=True).stdout.split("\n")
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("not a git checkout: the file list comes from git", allow_module_level=True)
     files = []
     for name in out:
         p = ROOT / name
