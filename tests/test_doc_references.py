@@ -279,24 +279,7 @@ def test_docs_and_packages_state_facts_not_history():
     assert not hits, "development history (say what is, not when it changed):\n" + "\n".join(hits)
 
 
-# ---------------------------------------------------------------- the limits table and the benchmark page
-
-def test_limits_table_quotes_the_code_defaults():
-    from coordinator.config import CoordinatorSettings
-    from draft_service.config import DraftSettings
-    from target_service.config import TargetSettings
-
-    text = (ROOT / "docs" / "operations" / "limits.md").read_text()
-    table = text[text.index("## The limits"):text.index("## Status codes")]
-    quoted = re.findall(r"`([a-z_]+)` \(([0-9.]+)( MiB)?", table)
-    assert len(quoted) >= 10
-    for name, value, mib in quoted:
-        value = float(value) * (1 << 20 if mib else 1)
-        owners = [c for c in (DraftSettings, TargetSettings, CoordinatorSettings) if name in c.model_fields]
-        assert owners, f"docs/operations/limits.md names a setting that does not exist: {name}"
-        defaults = {float(c.model_fields[name].default) for c in owners}
-        assert value in defaults, (name, value, defaults)
-
+# ---------------------------------------------------------------- the benchmark page
 
 def test_make_bench_fills_the_generated_section_and_keeps_the_page(tmp_path):
     from specdec_bench.report import BEGIN, END, write_markdown
