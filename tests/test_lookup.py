@@ -115,7 +115,7 @@ async def test_draft_replica_drafts_with_lookup_and_says_so():
         try:
             info = await stack.dstub.GetInfo(draft_pb2.DraftServiceGetInfoRequest())
             assert info.info.prompt_lookup_min_ngram == n
-            remote = await generate(dataclasses.replace(base, session_id=f"r{n}"), stack.draft, stack.target)
+            remote = await generate(dataclasses.replace(base, session_id=f"r{n}"), *stack.backends())
             assert remote.token_ids == ar
             looked = stack.draft_app.metrics.value("specdec_num_lookup_tokens_total")
             if n:

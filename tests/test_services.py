@@ -26,19 +26,20 @@ except ImportError:  # stubs are generated at install time (`make proto`); gener
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc  # noqa: E402
 
-from draft_service.client import DraftClient  # noqa: E402
 from specdec_rpc.convert import decode_q, sampling_to_proto as sampling_pb  # noqa: E402
 from draft_service.config import DraftSettings  # noqa: E402
 from draft_service.server import build_app as build_draft  # noqa: E402
 from specdec.engine import Engine  # noqa: E402
 from specdec_rpc.pb import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc  # noqa: E402
 from specdec.sampling import SamplingParams  # noqa: E402
-from specdec.schedule import GenerationRequest, generate  # noqa: E402
+from specdec.request import GenerationRequest  # noqa: E402
+from specdec.schedule import generate  # noqa: E402
 from specdec.verify import SparseDist  # noqa: E402
 from specdec.workers.target import TargetWorker  # noqa: E402
-from target_service.client import TargetClient  # noqa: E402
 from target_service.config import TargetSettings  # noqa: E402
 from target_service.server import build_app as build_target  # noqa: E402
+from coordinator.channels import Channels  # noqa: E402
+from tests.helpers_backends import remote_draft, remote_target  # noqa: E402
 from tests.helpers_models import build_tiny_model  # noqa: E402
 
 VOCAB = 64
@@ -54,16 +55,29 @@ def models():
 
 
 class Stack:
-    """A draft and a target server plus clients and raw stubs, all in this event loop."""
+    """A draft and a target server plus raw stubs and the coordinator's clients, all in this event loop."""
 
     def __init__(self, target_app, draft_app):
         self.target_app, self.draft_app = target_app, draft_app
-        self.tch = grpc.aio.insecure_channel(f"127.0.0.1:{target_app.port}")
-        self.dch = grpc.aio.insecure_channel(f"127.0.0.1:{draft_app.port}")
-        self.target, self.draft = TargetClient(self.tch), DraftClient(self.dch)
+        self.target_endpoint, self.draft_endpoint = f"127.0.0.1:{target_app.port}", f"127.0.0.1:{draft_app.port}"
+        self.tch = grpc.aio.insecure_channel(self.target_endpoint)
+        self.dch = grpc.aio.insecure_channel(self.draft_endpoint)
         self.tstub, self.dstub = target_pb2_grpc.TargetServiceStub(self.tch), draft_pb2_grpc.DraftServiceStub(self.dch)
+        self.channels = Channels()  # the clients' (coordinator/channels.py)
+
+    def remote_target(self):
+        """A `TargetBackend` for one session on this target replica (tests/helpers_backends.py)."""
+        return remote_target(self.channels, self.target_endpoint)
+
+    def remote_draft(self):
+        return remote_draft(self.channels, self.draft_endpoint)
+
+    def backends(self):
+        """One request's (draft, target) backends, as `specdec.schedule.generate` takes them."""
+        return self.remote_draft(), self.remote_target()
 
     async def close(self):
+        await self.channels.close()
         await self.tch.close()
         await self.dch.close()
         await self.target_app.shutdown(0.5)
@@ -109,7 +123,7 @@ async def test_generation_over_grpc_equals_in_process(models, stack, mode, tempe
         ar = await engine.agenerate(dataclasses.replace(base, session_id="ar", mode="ar"))
     finally:
         engine.close()
-    remote = await generate(dataclasses.replace(base, session_id="remote"), stack.draft, stack.target)
+    remote = await generate(dataclasses.replace(base, session_id="remote"), *stack.backends())
     assert remote.token_ids == local.token_ids, (remote.token_ids, local.token_ids)
     assert len(remote.token_ids) == 24
     if temperature == 0.0:
@@ -136,7 +150,7 @@ async def test_pacer_over_grpc_equals_in_process(models):
     engine = Engine(target, draft, preverifier=pv, max_sessions=2, lookup=SERVED_LOOKUP)
     try:
         local = await engine.agenerate(dataclasses.replace(req, session_id="local"))
-        remote = await generate(dataclasses.replace(req, session_id="remote"), s.draft, s.target)
+        remote = await generate(dataclasses.replace(req, session_id="remote"), *s.backends())
         assert remote.token_ids == local.token_ids
         assert remote.stats.draft_tokens == local.stats.draft_tokens  # the same stops at the same blocks
     finally:
@@ -188,10 +202,11 @@ async def test_batched_verify_equals_separate(models, temperature, method):
         gen = torch.Generator().manual_seed(3)
         prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15], [16] * 10]
         sids = [f"s{i}" for i in range(4)]
+        targets = {sid: s.remote_target() for sid in sids}
         pos = []
         for i, (sid, p) in enumerate(zip(sids, prompts)):
             params = SamplingParams(temperature=temperature, seed=100 + i)
-            await s.target.start(sid, p, params)
+            await targets[sid].start(sid, p, params)
             ref.start_session(sid, p, params)
             pos.append((len(p) - 1, [p[-1]]))
         for rnd in range(3):  # later rounds check the KV state batching left behind
@@ -200,7 +215,7 @@ async def test_batched_verify_equals_separate(models, temperature, method):
                 draft = torch.randint(0, VOCAB, (1 + (i + rnd) % 4,), generator=gen).tolist()
                 q = _sparse_q(draft, gen) if temperature else None
                 calls.append((sid, pos[i][0], pos[i][1], draft, q, method))
-            got = await asyncio.gather(*[s.target.verify(*c) for c in calls])
+            got = await asyncio.gather(*[targets[c[0]].verify(*c) for c in calls])
             for i, (c, g) in enumerate(zip(calls, got)):
                 want = ref.verify(*c)
                 assert g.batch_size == 4 or rnd > 0, "round 0's 4 calls should share one forward"
@@ -220,7 +235,7 @@ async def test_concurrent_draft_streams_share_forwards(models, stack):
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11, 12], [16] * 10]
     for i, p in enumerate(prompts):
         params = SamplingParams(temperature=1.0, seed=40 + i)
-        await stack.draft.start(f"c{i}", p, params)
+        await stack.remote_draft().start(f"c{i}", p, params)
         ref.start_session(f"c{i}", p, params)
 
     async def one(i, p):
@@ -464,7 +479,7 @@ def test_python_m_target_service_serves_and_stops_on_sigterm(models, tmp_path):
 
 # ---------------------------------------------------------------- round-trip overhead of one verify
 async def test_verify_round_trip_latency(stack, capsys):
-    await stack.target.start("lat", [1, 2, 3], SamplingParams())
+    await stack.remote_target().start("lat", [1, 2, 3], SamplingParams())
     req = dict(session_id="lat", base_position=2, feed_ids=[3], draft_ids=[4])
     rtt, compute = [], []
     for _ in range(300):
@@ -489,9 +504,10 @@ async def test_load_from_dir_with_dtype_and_device(models, tmp_path, device):
     app = await build_target(TargetSettings(host="127.0.0.1", port=0, metrics_port=0, grace_s=0.5,
                                             model=str(tmp_path / "m"), dtype="bfloat16", device=device))
     await app.start()
+    channels = Channels()
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{app.port}") as ch:
-            stub, client = target_pb2_grpc.TargetServiceStub(ch), TargetClient(ch)
+            stub, client = target_pb2_grpc.TargetServiceStub(ch), remote_target(channels, f"127.0.0.1:{app.port}")
             info = (await stub.GetInfo(target_pb2.TargetServiceGetInfoRequest())).info
             assert info.dtype == "bfloat16" and info.device.startswith(device)
             await client.start("d", [1, 2, 3], SamplingParams(temperature=1.0, seed=1))
@@ -499,6 +515,7 @@ async def test_load_from_dir_with_dtype_and_device(models, tmp_path, device):
             out = await client.verify("d", 2, [3], [4, 5], q, "block")
             assert 0 <= out.num_accepted <= 2 and out.next_token is not None and 0 <= out.next_token < VOCAB
     finally:
+        await channels.close()
         await app.shutdown(0.5)
 
 
@@ -506,10 +523,11 @@ async def test_dense_q_tensor_equals_sparse_q(stack):
     from specdec_rpc.convert import tensor_to_proto
 
     gen = torch.Generator().manual_seed(9)
-    for sid in ("sp", "de"):
-        await stack.target.start(sid, [1, 2, 3], SamplingParams(temperature=1.0, seed=2))
+    targets = {sid: stack.remote_target() for sid in ("sp", "de")}
+    for sid, target in targets.items():
+        await target.start(sid, [1, 2, 3], SamplingParams(temperature=1.0, seed=2))
     q = _sparse_q([4, 5, 6], gen)
-    sparse = await stack.target.verify("sp", 2, [3], [4, 5, 6], q, "block")
+    sparse = await targets["sp"].verify("sp", 2, [3], [4, 5, 6], q, "block")
     dense = torch.stack([d.to_dense(VOCAB) for d in q])
     req = target_pb2.VerifyRequest(session_id="de", base_position=2, feed_ids=[3], draft_ids=[4, 5, 6],
                                    q_dense=tensor_to_proto(dense), method=common_pb2.VERIFY_METHOD_BLOCK)
