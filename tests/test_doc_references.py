@@ -11,8 +11,8 @@ A path is a token with a `/` whose first segment is a top-level entry of the rep
 (`deploy/base/{draft,target}/hpa.yaml`), globs (`*`) must match something, and a token with a placeholder segment
 (`WORK/online/NAME/`, `<id>`, `$VAR`, `...`) or under a git-ignored output folder (`.cache-pacer/`, `bench-results/`)
 is not a path of the repository, nor is a Kubernetes object (`deploy/specdec-draft` in a kubectl command). A .proto
-file's imports are relative to `proto/`. A path that no longer exists may still be cited in the same paragraph as a commit
-that holds it (`` `5d26e82` ``): that reference resolves in git.
+file's imports are relative to `proto/`. A path that no longer exists may still be cited in the same paragraph as a
+commit that holds it (`` `5d26e82` ``): that reference resolves in git.
 """
 from __future__ import annotations
 
