@@ -25,19 +25,18 @@ from pathlib import Path
 
 import torch
 
-from specdec_train.distill.data import SHARED_SAMPLES, load_samples, split
+from specdec_train.distill.data import load_samples, split
 from specdec_train.distill.draft_model import load_draft
 from specdec_train.distill.evaluate import greedy_agreement
 from specdec.model import load_model
 
-SETS = {"shared": str(SHARED_SAMPLES),
-        "online": str(Path(__file__).resolve().parents[1] / "specdec_train" / "data" / "distill_heldout.jsonl.gz")}
+SETS = {"online": str(Path(__file__).resolve().parents[1] / "specdec_train" / "data" / "distill_heldout.jsonl.gz")}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("drafts", nargs="+")
-    ap.add_argument("--set", action="append", help="NAME=PATH (repeatable; default: shared, online)")
+    ap.add_argument("--set", action="append", help="NAME=PATH (repeatable; default: online)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--served", nargs="+", metavar="QUANT", help="measure specdec's served model per quant mode")
     ap.add_argument("--max-rows", type=int, default=0, help="a seeded sample of at most this many rows per set")

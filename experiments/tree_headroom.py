@@ -17,11 +17,10 @@ import math
 
 import torch
 
-from specdec_train.distill.data import SHARED_SAMPLES, load_samples, split
+from specdec_train.distill.data import load_samples, split
 from specdec_train.distill.draft_model import load_draft
 
-SETS = {"shared": str(SHARED_SAMPLES), "gen7": ".cache-distill/gen/gen7.jsonl",
-        "code1": ".cache-distill/gen/code1.jsonl"}
+SETS = {"gen7": ".cache-distill/gen/gen7.jsonl", "code1": ".cache-distill/gen/code1.jsonl"}
 
 
 @torch.no_grad()

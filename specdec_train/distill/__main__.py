@@ -22,10 +22,9 @@ def _log(msg, path=None):
 
 
 def _data(args):
-    from specdec_train.distill.data import SHARED_SAMPLES, load_samples, split
+    from specdec_train.distill.data import load_samples, require_samples, split
 
-    paths = args.samples or [str(SHARED_SAMPLES)]
-    rows = load_samples(paths)
+    rows = load_samples(require_samples(args.samples, "--samples"))
     return split(rows, args.heldout_frac)
 
 
@@ -160,7 +159,7 @@ def cmd_all(args):
     layers, then the model directory and its measured card."""
     work = pathlib.Path(args.work)
     glob = ["--target", args.target, "--work", args.work, "--threads", str(args.threads), "--seed", str(args.seed)]
-    samples = list(args.samples or ([str(_shared())] if _shared().exists() else []))
+    samples = require_samples(args.samples, "--samples") if args.samples else []
     for style, seconds in (("chat", args.gen_seconds), ("code", args.code_seconds)):
         path = work / "gen" / f"{style}.jsonl"
         if seconds > 0 and not path.exists():
@@ -180,17 +179,11 @@ def cmd_all(args):
     main(glob + data + ["export", "--run", args.run, "--out", args.out, "--metrics", str(metrics)])  # card + metrics
 
 
-def _shared():
-    from specdec_train.distill.data import SHARED_SAMPLES
-
-    return SHARED_SAMPLES
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m specdec_train.distill", description=__doc__)
     ap.add_argument("--target", default="default-target")
     ap.add_argument("--samples", action="append", help="JSONL(.gz) of target continuations (repeatable); "
-                    "default: the shared head-start file")
+                    "no default: `all` can generate its own")
     ap.add_argument("--work", default=str(DEFAULT_WORK))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1)

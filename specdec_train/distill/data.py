@@ -6,14 +6,23 @@ import hashlib
 import json
 import pathlib
 
-SHARED_SAMPLES = pathlib.Path("/work/shared/data/target_samples.jsonl.gz")
-
 
 def read_jsonl(path) -> list[dict]:
     path = pathlib.Path(path)
     op = gzip.open if path.suffix == ".gz" else open
     with op(path, "rt") as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def require_samples(paths, flag: str = "--samples") -> list[str]:
+    """The sample files a command was given: at least one, each an existing file (there is no default data set);
+    else a SystemExit that names the flag."""
+    if not paths:
+        raise SystemExit(f"no training data: pass {flag} FILE (JSONL(.gz) of target continuations; repeatable)")
+    missing = [str(p) for p in paths if not pathlib.Path(p).is_file()]
+    if missing:
+        raise SystemExit(f"{flag}: no such file: {', '.join(missing)}")
+    return [str(p) for p in paths]
 
 
 def load_samples(paths) -> list[dict]:

@@ -28,11 +28,11 @@ def _rows_split(feat_dir):
 
 def cmd_features(args):
     from specdec.model import load_model
-    from specdec_train.distill.data import SHARED_SAMPLES, load_samples
+    from specdec_train.distill.data import load_samples, require_samples
     from specdec_train.distill.feature_train import run_features
 
     torch.set_num_threads(args.threads)
-    rows = load_samples(args.samples or [str(SHARED_SAMPLES)])
+    rows = load_samples(require_samples(args.samples, "--samples"))
     target = load_model(args.target, dtype=args.dtype, role="target")
     run_features(target, rows, pathlib.Path(args.work) / "features")
 

@@ -137,12 +137,11 @@ def cmd_online(args) -> None:
                       mix=mix, temperatures=tuple(float(t) for t in args.temperatures.split(",")),
                       banned_prompts=banned_ids, banned_code=banned_names, heldout_path=run_dir / "heldout.jsonl",
                       log=log)
-    from specdec_train.distill.data import SHARED_SAMPLES
+    from specdec_train.distill.data import require_samples
 
-    # extra training rows (their training split) and the held-out rows that measure agreement; the shared rows
-    # are the default target's token ids, so another tokenizer's target leaves them out
+    # extra training rows (--samples: their training split) and the held-out rows that measure agreement
     shipped_vocab = _same_vocab(tok, resolve_model("default-draft"))
-    paths = args.samples or ([str(SHARED_SAMPLES)] if SHARED_SAMPLES.exists() and shipped_vocab else [])
+    paths = require_samples(args.samples, "--samples") if args.samples else []
     extra_train, held = split(load_samples(paths), args.heldout_frac) if paths else ([], [])
     rows = (load_samples([data]) if data.exists() else []) + extra_train
     rows = [r for r in rows if r["completion_ids"]]

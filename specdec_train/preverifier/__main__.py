@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from specdec_train.distill.data import require_samples
 from specdec_train.preverifier import data as D
 
 
@@ -25,6 +26,8 @@ def _load_pair(args):
 
 
 def cmd_collect(args) -> Path:
+    if args.prompts != "benchmark":
+        require_samples([args.prompts], "--prompts")
     from specdec.preverifier import draft_dir_sha256, draft_fingerprint
     from specdec.tokenizer import eos_token_ids, load_tokenizer
 
@@ -267,7 +270,7 @@ def cmd_run(args) -> None:
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     common = ["--target", args.target, "--draft", args.draft, "--threads", str(args.threads), "--seed", str(args.seed)]
-    excl = [x for f in (args.exclude_samples or [str(D.SHARED_SAMPLES)]) for x in ("--exclude-samples", f)]
+    excl = [x for f in require_samples(args.exclude_samples, "--exclude-samples") for x in ("--exclude-samples", f)]
     data = []
     for name, temp, seed in (("g", "0", 101), ("s", "1", 202)):
         dense = args.exact_replay and temp == "0"  # greedy rounds at every position: θ tuned by exact replay
@@ -301,8 +304,8 @@ def main(argv=None):
     pair(c)
     c.add_argument("--method", choices=["tf", "workers"], default="tf",
                    help="tf: teacher-forced (fast, exact for greedy); workers: real SD rounds with the workers")
-    c.add_argument("--prompts", default=str(D.SHARED_SAMPLES),
-                   help="JSONL(.gz) with prompt_ids rows, or `benchmark`: the ablation's prompts with the target's "
+    c.add_argument("--prompts", required=True,
+                   help="JSONL(.gz) with prompt_ids rows (e.g. the draft's training samples), or `benchmark`: the ablation's prompts with the target's "
                         "greedy continuation, for diagnosis only (`eval`; `train` refuses the file)")
     c.add_argument("--benchmark-prompts", type=int, nargs=2, default=[8, 8], metavar=("HUMANEVAL", "CHAT"))
     c.add_argument("--draft-source", default=None,
@@ -360,8 +363,8 @@ def main(argv=None):
     r.add_argument("--gen-seconds", type=float, default=360, help="per fresh set (greedy, T=1)")
     r.add_argument("--collect-seconds", type=float, default=400, help="per label collection")
     r.add_argument("--exclude-samples", action="append", default=None,
-                   help="the draft's training data (its prompts are kept out of the fresh text; default: the shared "
-                        "data)")
+                   help="the draft's training data (repeatable; required): its prompts are kept out of the fresh "
+                        "text")
     r.add_argument("--out", default=str(D.CACHE_DIR / "preverifier"), help="e.g. specdec/assets/default_preverifier")
     r.add_argument("--exact-replay", action="store_true",
                    help="collect the greedy rounds at every position, so θ is tuned by replaying the decoder exactly "

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import torch
 
-SHARED_SAMPLES = Path("/work/shared/data/target_samples.jsonl.gz")
 CACHE_DIR = Path(__file__).resolve().parents[2] / ".cache-pacer"
 
 
@@ -52,7 +51,7 @@ def benchmark_prompt_ids(tok) -> set[tuple[int, ...]]:
     return out
 
 
-def training_prompts(path: Path = SHARED_SAMPLES, exclude: set | None = None, max_len: int = 384) -> list[list[int]]:
+def training_prompts(path: Path, exclude: set | None = None, max_len: int = 384) -> list[list[int]]:
     """Unique prompts of the target-continuation file (prompts built from non-benchmark templates x topics)."""
     op = gzip.open if str(path).endswith(".gz") else open
     seen, out = set(), []
