@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 
 from specdec.defaults import GENERATION_SERVICE_NAME
+from specdec.settings import setdefault_environ
 from specdec_rpc.app import ServerApp
 from specdec_rpc.metrics import ServiceMetrics
 
@@ -53,7 +53,7 @@ def init_ray(s: CoordinatorSettings, log_to_driver: bool = True) -> None:
         ray.init(address=s.ray_address, log_to_driver=log_to_driver)
     else:  # a small local instance: no dashboard, few CPUs, a small object store
         # on a loaded 2-core host the local GCS can take longer than Ray's default 30 s to publish its port
-        os.environ.setdefault("RAY_gcs_server_port_wait_time_s", "120")
+        setdefault_environ(RAY_gcs_server_port_wait_time_s="120")
         # address "local": a new instance even where another runs on this machine (ray.init() would join that
         # one and refuse num_cpus)
         ray.init(address="local", num_cpus=s.ray_num_cpus, include_dashboard=False,
@@ -158,4 +158,3 @@ async def build_coordinator(s: CoordinatorSettings, tokenizer=None, eos_token_id
     holder["app"] = app
     app.router = router
     return app, router
-

@@ -17,6 +17,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from specdec.settings import child_environ
+
 log = logging.getLogger(__name__)
 
 
@@ -94,7 +96,7 @@ class LocalStack:
                "--max-sessions", str(self.max_sessions), "--max-context", str(self.max_context),
                "--dtype", self.dtype, "--prefix-cache" if self.prefix_cache else "--no-prefix-cache",
                "--exit-with-parent", str(os.getpid()), *self.replica_args, *extra]  # a parent killed without cleanup: no orphans
-        env = dict(os.environ, OMP_NUM_THREADS=str(self.threads), MKL_NUM_THREADS=str(self.threads))
+        env = child_environ(OMP_NUM_THREADS=str(self.threads), MKL_NUM_THREADS=str(self.threads))
         proc = subprocess.Popen(cmd, stdout=logf.open("w"), stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True)
         self.procs.append(proc)

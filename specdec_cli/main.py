@@ -16,11 +16,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import sys
 from pathlib import Path
 
-from specdec import __version__
+from specdec import __version__, settings
 from specdec.defaults import (COORDINATOR_HTTP_PORT, COORDINATOR_PORT, DEFAULT_DRAFT, DEFAULT_TARGET,
                               PROMPT_LOOKUP_MIN_NGRAM)
 
@@ -112,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object (text, token_ids, finish_reason, "
                                                        "stats, and logprobs with --logprobs)")
     g.add_argument("--coordinator", default=None, help="host:port of a running coordinator")
-    g.add_argument("--api-key", default=os.environ.get("SPECDEC_API_KEY", ""),
+    g.add_argument("--api-key", default=settings.get().api_key,
                    help="with --coordinator: its COORDINATOR_API_KEY (default: $SPECDEC_API_KEY)")
     g.add_argument("--in-process", action="store_true", help="run specdec.engine.Engine in this process")
     g.add_argument("--timeout", type=float, default=None, help="request deadline in seconds")
