@@ -5,7 +5,8 @@ import torch
 
 
 def cpu_has_fast_bf16() -> bool:
-    """True when oneDNN runs bf16 GEMMs natively here (AVX512-BF16 / AMX)."""
+    """True when oneDNN runs bf16 GEMMs on this CPU: natively with AVX512-BF16 or AMX, or with AVX512 (BW/VL/DQ) or
+    AVX-NE-CONVERT; False on an AVX2-only CPU, where oneDNN refuses bf16 (the `ONEDNN_MAX_CPU_ISA` cap counts)."""
     try:
         return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError):
