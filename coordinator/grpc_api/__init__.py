@@ -1,2 +1,3 @@
-"""The gRPC front door (`GenerationService`): validation, prompt encoding, and a generation's events turned into responses and text.
+"""The gRPC front door (`GenerationService`): validation, prompt encoding, and a generation's events turned into
+responses and text.
 """

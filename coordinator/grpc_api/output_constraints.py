@@ -1,7 +1,7 @@
-"""What a request asks of its output beyond sampling, as GenerationServicer reads it: bad words as token
+"""What a request asks of its output beyond sampling, read with the coordinator's tokenizer: bad words as token
 sequences, structured output as an llguidance grammar (after the reasoning, where there is one), and where a
-reasoning model's answer starts (coordinator/grpc_api/reasoning.py). A mixin: it reads the servicer's tokenizer (`tok`), EOS
-ids (`eos`) and reasoning parser. Pure: no grpc."""
+reasoning model's answer starts (coordinator/grpc_api/reasoning.py). The servicer holds one `OutputConstraints`.
+Pure: no grpc."""
 from __future__ import annotations
 
 from coordinator.grpc_api.reasoning import ReasoningStart, ThinkTags, answer_start, gate_grammar
@@ -11,26 +11,27 @@ from specdec_rpc.pb import generation_pb2
 MAX_BAD_WORDS = 128
 
 
-class OutputForms:
-    tok = None
-    eos: tuple[int, ...] = ()
-    reasoning_parser = ""  # separate_reasoning's parser (COORDINATOR_REASONING_PARSER; "": refused)
-    _tags: ThinkTags | None = None  # the tokenizer's <think> / </think> ids, read on first use
-    _vocab = None  # structured output's GrammarVocab of this tokenizer, built on first use (False: none)
+class OutputConstraints:
+    def __init__(self, tokenizer=None, eos: tuple[int, ...] = (), reasoning_parser: str = ""):
+        self.tok, self.eos = tokenizer, eos
+        # separate_reasoning's parser (COORDINATOR_REASONING_PARSER; "": the request is refused)
+        self.reasoning_parser = reasoning_parser
+        self.tags: ThinkTags | None = None  # the tokenizer's <think> / </think> ids, read on first use
+        self._vocab = None  # structured output's GrammarVocab of this tokenizer, built on first use (False: none)
 
-    def _reasoning_start(self, r: generation_pb2.GenerateRequest, ids: list[int]) -> ReasoningStart | None:
+    def reasoning_start(self, r: generation_pb2.GenerateRequest, ids: list[int]) -> ReasoningStart | None:
         if not r.separate_reasoning:
             return None
         if not self.reasoning_parser or self.tok is None:
             raise InvalidRequestError("separate_reasoning", "this coordinator has no reasoning parser: start it "
                                                             "with COORDINATOR_REASONING_PARSER (deepseek_r1, qwen3) "
                                                             "or leave separate_reasoning unset")
-        if self._tags is None:
-            self._tags = ThinkTags.of(self.tok)
+        if self.tags is None:
+            self.tags = ThinkTags.of(self.tok)
         return answer_start(self.reasoning_parser, ids,
                             lambda t: self.tok.decode(t, skip_special_tokens=False))
 
-    def _bad_words(self, r: generation_pb2.GenerateRequest) -> list[list[int]]:
+    def bad_words(self, r: generation_pb2.GenerateRequest) -> list[list[int]]:
         """vLLM's bad_words → token sequences: each word tokenized as is and after a space (as vLLM does)."""
         if not r.bad_words:
             return []
@@ -41,9 +42,9 @@ class OutputForms:
         seqs = {tuple(self.tok.encode(text, add_special_tokens=False)) for w in r.bad_words for text in (w, " " + w)}
         return sorted(list(s) for s in seqs if s)
 
-    def _grammar(self, r: generation_pb2.GenerateRequest, reasoning: ReasoningStart | None) -> str:
+    def grammar(self, r: generation_pb2.GenerateRequest, reasoning: ReasoningStart | None) -> str:
         """The llguidance grammar of r.structured_output ("" if unset), after the reasoning where there is one;
-        `respond` checks it against the tokenizer."""
+        `check_grammar` checks it against the tokenizer."""
         if not r.HasField("structured_output"):
             return ""
         from specdec_rpc.convert import structured_from_proto
@@ -56,11 +57,11 @@ class OutputForms:
             raise InvalidRequestError("structured_output", "this model names no EOS token, which ends a structured "
                                                            "output")
         grammar = form.grammar()
-        return gate_grammar(grammar, reasoning, self._tags, self.eos) if reasoning is not None else grammar
+        return gate_grammar(grammar, reasoning, self.tags, self.eos) if reasoning is not None else grammar
 
-    def _check_grammar(self, grammar: str) -> None:
-        """Compile the grammar against this tokenizer (INVALID_ARGUMENT saying why it does not), off the event loop:
-        a large schema can take 100 ms or more, once (GrammarVocab caches compiled grammars)."""
+    def check_grammar(self, grammar: str) -> None:
+        """Compile the grammar against this tokenizer (INVALID_ARGUMENT saying why it does not); the caller runs it
+        off the event loop: a large schema can take 100 ms or more, once (GrammarVocab caches compiled grammars)."""
         if self._vocab is None and self.tok is not None:
             from specdec.grammar import GrammarVocab
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import grpc
 
 from coordinator.grpc_api.chat_prompt import REQUEST_ID, chat_message, log_failure, log_request, template_options
-from coordinator.grpc_api.output_forms import OutputForms
+from coordinator.grpc_api.output_constraints import OutputConstraints
 from coordinator.grpc_api.reasoning import ReasoningSplitter, ReasoningStart, reasoning_tokens
 from coordinator.grpc_api.text_output import TextAssembler
 from specdec.errors import InvalidRequestError
@@ -65,13 +65,14 @@ def stats_pb(stats: dict) -> generation_pb2.GenerationStats:
 class Prepared:
     request: dict
     assembler: TextAssembler
-    reasoning: ReasoningStart | None = None  # separate_reasoning: where the answer starts (coordinator/grpc_api/reasoning.py)
+    reasoning: ReasoningStart | None = None  # separate_reasoning: where the answer starts (grpc_api/reasoning.py)
 
 
-class GenerationServicer(OutputForms, generation_pb2_grpc.GenerationServiceServicer):
+class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     def __init__(self, router, tokenizer=None, eos_token_ids=(), max_new_tokens_cap: int = 4096, metrics=None,
                  spec_off_batch: int = 0, pacer_post_threshold: float | None = None, default_mode: str = "sd"):
         self.router, self.tok, self.eos = router, tokenizer, tuple(sorted(eos_token_ids))
+        self.output = OutputConstraints(tokenizer, self.eos)  # bad words, structured output, separate reasoning
         self.cap, self.metrics = max_new_tokens_cap, metrics
         self.spec_off_batch = spec_off_batch  # defaults for requests that leave them unset
         self.pacer_post_threshold = pacer_post_threshold
@@ -81,6 +82,15 @@ class GenerationServicer(OutputForms, generation_pb2_grpc.GenerationServiceServi
         self.context_len, self._context_at = 0, -1e9  # the target pool's max_model_len (0: unknown), and when read
         self.in_flight = 0  # requests between arrival and end, both doors (running + waiting for sessions)
         self.max_message_bytes = 0  # the gRPC send limit a whole answer must fit (0: unchecked)
+
+    @property
+    def reasoning_parser(self) -> str:
+        """separate_reasoning's parser (COORDINATOR_REASONING_PARSER; "": refused), which `output` applies."""
+        return self.output.reasoning_parser
+
+    @reasoning_parser.setter
+    def reasoning_parser(self, name: str) -> None:
+        self.output.reasoning_parser = name
 
     # -- request → token ids --------------------------------------------------------------------------------
     def prepare(self, r: generation_pb2.GenerateRequest) -> Prepared:
@@ -172,7 +182,7 @@ class GenerationServicer(OutputForms, generation_pb2_grpc.GenerationServiceServi
             raise InvalidRequestError("request_id", "at most 64 letters, digits and . _ : - (X-Request-Id over "
                                                     "HTTP)")
         rid = f"{r.request_id}-{uuid.uuid4().hex[:12]}" if r.request_id else uuid.uuid4().hex
-        reasoning = self._reasoning_start(r, ids)
+        reasoning = self.output.reasoning_start(r, ids)
         if to_context:  # what the context leaves (a prompt that leaves too little: OUT_OF_RANGE from the replica)
             max_new = max(min(self.cap, self.context_len - len(ids)), r.min_tokens, 1)
         req = {"request_id": rid, "prompt_ids": ids, "max_new_tokens": max_new,
@@ -194,8 +204,8 @@ class GenerationServicer(OutputForms, generation_pb2_grpc.GenerationServiceServi
                "frequency_penalty": r.frequency_penalty,
                "repetition_penalty": r.repetition_penalty if r.HasField("repetition_penalty") else 1.0,
                "logit_bias": sorted((int(k), float(v)) for k, v in r.logit_bias.items()),
-               "grammar": self._grammar(r, reasoning), "min_p": r.min_p, "min_tokens": r.min_tokens,
-               "allowed_token_ids": sorted(set(r.allowed_token_ids)), "bad_words": self._bad_words(r),
+               "grammar": self.output.grammar(r, reasoning), "min_p": r.min_p, "min_tokens": r.min_tokens,
+               "allowed_token_ids": sorted(set(r.allowed_token_ids)), "bad_words": self.output.bad_words(r),
                "draft_fallback": self.draft_fallback}
         eos = set(() if r.ignore_eos else self.eos)
         asm = TextAssembler(self.tok, ids, list(r.stop), r.min_tokens, stop_token_ids=req["eos_token_ids"],
@@ -252,7 +262,7 @@ class GenerationServicer(OutputForms, generation_pb2_grpc.GenerationServiceServi
             if trace is not None:
                 trace.request = p.request
             if p.request["grammar"]:
-                await asyncio.to_thread(self._check_grammar, p.request["grammar"])
+                await asyncio.to_thread(self.output.check_grammar, p.request["grammar"])
             asm, rid = p.assembler, p.request["request_id"]
             split = ReasoningSplitter(p.reasoning) if p.reasoning is not None else None
             n_prompt = len(p.request["prompt_ids"])
@@ -296,7 +306,7 @@ class GenerationServicer(OutputForms, generation_pb2_grpc.GenerationServiceServi
                             thought, tail = split.feed(tail)
                             more_thought, more = split.end()
                             thought, tail = thought + more_thought, tail + more
-                            stats["reasoning_tokens"] = reasoning_tokens(p.reasoning, asm.token_ids, self._tags)
+                            stats["reasoning_tokens"] = reasoning_tokens(p.reasoning, asm.token_ids, self.output.tags)
                         log_request(stats, finish, time.perf_counter() - t0)
                         if trace is not None:
                             if asm.token_ids:
