@@ -1,7 +1,8 @@
 """specdec.linear on any x86-64 host. Where oneDNN runs bf16 (AVX512 BW/VL/DQ, AVX512-BF16, AMX:
 `packing_supported()`), bf16 weights are packed and `packed` is a candidate; on an AVX2-only CPU nothing is packed
 and the plain kernels (`gemm`, `gemv`) must keep the same invariants. Each test asks the host which it is and checks
-what follows (an AVX2-only host can be simulated on a newer one: ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2)."""
+what follows. tests/test_linear_avx2.py runs the host-dependent ones again on a simulated AVX2-only CPU
+(ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2)."""
 import os
 
 import pytest

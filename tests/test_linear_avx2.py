@@ -1,0 +1,37 @@
+"""The host-dependent linear tests again, on a simulated AVX2-only CPU: oneDNN held to AVX2 (ONEDNN_MAX_CPU_ISA) and
+ATen's kernels too (ATEN_CPU_CAPABILITY), both read when torch loads, so in a fresh interpreter. On such a CPU oneDNN
+runs no bf16: nothing is packed and the plain kernels must keep the same invariants (tests/test_linear.py)."""
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+AVX2 = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
+# the tests whose assertions depend on whether oneDNN runs bf16 here (the oneDNN cache test too, but it takes a
+# minute: run it by hand with the environment above)
+HOST_DEPENDENT = ("test_prepack_skips_what_it_cannot_pack", "test_a_one_row_gemv_that_rounds_unlike_the_batch",
+                  "test_prepacked_multi_row_kernel_is_bit_identical", "test_tuning_gives_every_bf16_linear",
+                  "test_a_row_invariant_linear_rounds_every_row_alike", "test_model_logits_do_not_depend",
+                  "test_every_kernel_computes_the_linear")
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="an x86-64 simulation")
+@pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() in ("DEFAULT", "AVX2"),
+                    reason="this host is AVX2 or below: tests/test_linear.py already runs there")
+def test_linear_tests_pass_on_an_avx2_only_cpu():
+    check = subprocess.run([sys.executable, "-c", "import torch, specdec.dtypes as d; "
+                            "print(torch.backends.cpu.get_cpu_capability(), d.cpu_has_fast_bf16())"],
+                           capture_output=True, text=True, env={**os.environ, **AVX2}, cwd=ROOT, timeout=120)
+    assert check.stdout.split() == ["AVX2", "False"], check.stdout + check.stderr  # the simulation holds
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_linear.py",
+                           "-k", " or ".join(HOST_DEPENDENT)], capture_output=True, text=True,
+                          env={**os.environ, **AVX2}, cwd=ROOT, timeout=600)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    assert " passed" in done.stdout and " failed" not in done.stdout
