@@ -9,6 +9,7 @@ import time
 import grpc
 import pytest
 
+from coordinator.backends.moves import give_up_session
 from coordinator.config import CoordinatorSettings
 from coordinator.routing.preemption import Holdings
 from coordinator.server import build_coordinator
@@ -180,7 +181,7 @@ async def test_a_session_rebuilt_at_its_first_verify_holds_the_whole_prompt():
     prompt = [3, 1, 4, 1, 5]
     async with target_backend(prompt) as (target, t, _, backend, _):
         want = target_greedy(target, prompt, 2)
-        await backend._give_up()  # as a preempted sibling does: the next call takes room again and rebuilds
+        await give_up_session(backend)  # as a preempted sibling does: the next call takes room again and rebuilds
         assert backend.endpoint is None and not t.host.table
         out = await backend.verify("s", len(prompt) - 1, prompt[-1:], [], None, "greedy")
         assert out.next_token == want[0] and len(t.host.table) == 1

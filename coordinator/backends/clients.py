@@ -43,14 +43,15 @@ from coordinator.routing.pool import DraftContextError
 from coordinator.routing.probes import end_session_request
 from coordinator.backends.retries import FULL_WAITS, MAX_FAILOVERS, retryable, waited_for_room
 from coordinator.backends.rounds import RoundStream
-from coordinator.backends.moves import PoolView, SessionMoves, end_in_background
+from coordinator.backends.moves import (PoolView, after_call, before_call, end_in_background, end_later,
+                                        take_room)
 
 log = logging.getLogger(__name__)
 _METHOD = {"greedy": common_pb2.VERIFY_METHOD_GREEDY, "token": common_pb2.VERIFY_METHOD_TOKEN,
            "block": common_pb2.VERIFY_METHOD_BLOCK}
 
 
-class _Pinned(SessionMoves):
+class _Pinned:
     kind = ""
 
     def __init__(self, pool, channels: Channels, view: PoolView | None = None, timeout: float = 60.0,
@@ -75,25 +76,26 @@ class _Pinned(SessionMoves):
         self.sibling: _Pinned | None = None  # the request's backend in the other pool (it yields with this one)
         self.in_call = 0  # calls in flight (a yield waits for them: `give_up`)
         self.give_up = False  # yield the session when the call in flight ends
-        self.closed = False  # `end()` ran: no session may start on a replica after it (`_pin`)
+        self.closed = False  # `end()` ran: no session may start on a replica after it (`pin`)
         self.gave_up: asyncio.Future | None = None  # done once the last given-up session has ended and been released
+        self.rebuild_due = False  # pinned again by its sibling (`moves.take_room`): rebuilt at the next call
         self.room_lock = asyncio.Lock()  # one re-pinning at a time
 
     def _round_stream(self, enabled: bool) -> RoundStream:
         raise NotImplementedError
 
-    async def _pin(self) -> None:
+    async def pin(self) -> None:
         t0 = time.perf_counter_ns()
         self.holding = f"{self.holder}/{self.kind}/{len(self.served) + 1}"
         endpoint = await self.pool.acquire(self.kind, self.failed, self.prefix_keys, self.priority, self.holding)
         self.queued_ns += time.perf_counter_ns() - t0
         if self.closed:  # its request ended meanwhile (a call of its still in flight): start nothing
-            await self._release(endpoint)
+            await self.release(endpoint)
             raise SessionNotFoundError(f"the request ended; {self.kind} session {self.sid} is not started again")
         self.endpoint = endpoint
         self.served.append(self.endpoint)
 
-    async def _release(self, endpoint: str) -> None:
+    async def release(self, endpoint: str) -> None:
         await self.pool.release(self.kind, endpoint, self.holding)
 
     async def _start_on(self, prompt_ids: list[int], **extra):
@@ -117,7 +119,7 @@ class _Pinned(SessionMoves):
         self.in_call += 1  # a sibling's preemption waits for the prefill (coordinator/backends/moves.py)
         try:
             if self.endpoint is None:
-                await self._pin()
+                await self.pin()
             full_waits = 0
             while True:
                 try:
@@ -135,7 +137,7 @@ class _Pinned(SessionMoves):
                     else:
                         raise
         finally:
-            await self._after_call()
+            await after_call(self)
 
     async def _next_replica(self, e: BaseException, waits: int) -> int:
         """The replica refused a session for want of room the pool did not count (another coordinator's sessions,
@@ -143,9 +145,9 @@ class _Pinned(SessionMoves):
         wait (0.1 s, doubling, ~6 s in all) and ask this one again. → the waits so far."""
         full = self.endpoint
         self.failed.append(full)
-        await self._release(full)
+        await self.release(full)
         try:
-            await self._pin()
+            await self.pin()
             self.failovers += 1
             return waits
         except Exception:  # noqa: BLE001 - no other replica
@@ -154,7 +156,7 @@ class _Pinned(SessionMoves):
                 raise e from None
         self.failed.remove(full)
         await asyncio.sleep(0.1 * 2 ** waits)
-        await self._pin()
+        await self.pin()
         return waits + 1
 
     async def _failover(self, e: BaseException) -> None:
@@ -165,12 +167,12 @@ class _Pinned(SessionMoves):
         log.warning("%s replica %s failed (%s); moving session %s", self.kind, bad,
                     getattr(e, "code", lambda: e)(), self.sid)
         await self.pool.report_failure(self.kind, bad, str(getattr(e, "details", lambda: e)()))
-        await self._release(bad)
+        await self.release(bad)
         if self.sid:  # a replica that failed one call may be up and hold the session: end it there, off this path
-            self._end_later(bad)
-        await self._pin()
+            end_later(self, bad)
+        await self.pin()
 
-    async def _end_on(self, endpoint: str) -> None:
+    async def end_on(self, endpoint: str) -> None:
         stub = self.channels.draft(endpoint) if self.kind == "draft" else self.channels.target(endpoint)
         try:
             await stub.EndSession(end_session_request(self.kind, self.sid), timeout=5.0)
@@ -190,9 +192,9 @@ class _Pinned(SessionMoves):
         finally:
             try:
                 # a cancel arriving now must not leave the session behind (a closing pipeline awaits it)
-                await asyncio.shield(end_in_background(self._end_on(ep)))
+                await asyncio.shield(end_in_background(self.end_on(ep)))
             finally:
-                await self._release(ep)
+                await self.release(ep)
 
     async def _with_failover(self, call, rebuild, compute):
         """One round call (`call()` makes it: a stream message, or a unary RPC) with failover: after a retryable
@@ -218,7 +220,7 @@ class _Pinned(SessionMoves):
         """After a retryable error: pin elsewhere (UNAVAILABLE) or stay (NOT_FOUND); the caller rebuilds. A session
         given up meanwhile (preemption) takes room again."""
         if self.endpoint is None and self.sid:
-            await self._take_room()
+            await take_room(self)
             return
         why = retryable(e)
         if why is None or self.failovers >= MAX_FAILOVERS:
@@ -250,7 +252,7 @@ class RemoteDraft(_Pinned):
     async def probe(self) -> None:
         """Pin a replica now and learn whether it reads target features (the schedule asks before starting)."""
         if self.endpoint is None:
-            await self._pin()
+            await self.pin()
         try:  # before any session exists: a sibling's preemption cannot have given this one up yet
             self.reads_features = await self.channels.draft_feature_size(self.endpoint, self.timeout) > 0
         except grpc.aio.AioRpcError as e:  # unknown: treat as plain (a feature draft then drafts without them)
@@ -271,12 +273,12 @@ class RemoteDraft(_Pinned):
         async def rebuild():
             await self._start_on(self.fed[:base_position] + append[:1])
 
-        await self._before_call(rebuild)
+        await before_call(self, rebuild)
         try:
             r = await self._with_failover(lambda: self.rounds.call(self.endpoint, req, self._unary_draft), rebuild,
                                           lambda r: r.draft_ns)
         finally:
-            await self._after_call()
+            await after_call(self)
         blk = draft_block(r)
         self.fed = self.fed[:base_position] + list(append) + blk.tokens[:-1]
         return blk
@@ -293,7 +295,7 @@ class RemoteDraft(_Pinned):
         async def rebuild():
             await self._start_on(self.fed[:base_position] + append[:1])
 
-        await self._before_call(rebuild)
+        await before_call(self, rebuild)
         try:
             while True:
                 t0, compute, skip = time.perf_counter_ns(), 0, len(got)
@@ -331,7 +333,7 @@ class RemoteDraft(_Pinned):
             self._call = None
             # the replica holds base + append + every delivered token but the last (at least)
             self.fed = self.fed[:base_position] + list(append) + got[:-1]
-            await self._after_call()
+            await after_call(self)
 
     async def cancel(self, session_id: str) -> None:
         self._cancelled = True
@@ -387,11 +389,11 @@ class RemoteTarget(_Pinned):
                                            sample_bonus=sample_bonus, q=q_bytes)
             return self.rounds.call(self.endpoint, req, self._unary_verify)
 
-        await self._before_call(rebuild)
+        await before_call(self, rebuild)
         try:
             r = await self._with_failover(call, rebuild, lambda r: r.forward_ns + r.verify_ns + r.queue_ns)
         finally:
-            await self._after_call()
+            await after_call(self)
         kept = base + len(fd) + (r.num_accepted if feed_draft else 0)
         self.fed = (self.fed[:base] + fd + (list(draft) if feed_draft else []))[:kept]
         return VerifyOutcome(r.num_accepted, r.next_token if r.HasField("next_token") else None,

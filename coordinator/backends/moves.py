@@ -1,6 +1,7 @@
-"""A pinned session's moves between replica calls (the mixin of coordinator/backends/clients.py's `_Pinned`): scale-in (its
-replica left the pool) and preemption by priority (coordinator/routing/preemption.py). Each happens before a call, where
-the session holds nothing in flight, and ends with the session rebuilt from what it verified, as after a failover.
+"""A pinned session's moves between replica calls (functions of coordinator/backends/clients.py's `_Pinned`):
+scale-in (its replica left the pool) and preemption by priority (coordinator/routing/preemption.py). Each happens
+before a call, where the session holds nothing in flight, and ends with the session rebuilt from what it verified,
+as after a failover.
 
 A preempted request gives up its sessions in both pools, not just the one a waiter wants: while it waits for room
 in one pool it makes no calls, so a session it kept in the other would sit idle where another request may need it
@@ -50,103 +51,109 @@ class PoolView:
         return bool(holding) and holding in self.preempt.get(kind, ())
 
 
-class SessionMoves:
-    rebuild_due = False  # pinned again by its sibling (`_take_room`): the session is built at the next call
+# The moves, as functions of a pinned backend `b` (clients.py's `_Pinned`): its session's state (`endpoint`, `sid`,
+# `holding`, `in_call`, `give_up`, `gave_up`, `rebuild_due`, `sibling`, `room_lock`) and its replica calls (`pin`,
+# `release`, `end_on`). `rebuild` (a coroutine function) builds the session again on the pinned replica.
 
-    async def _before_call(self, rebuild) -> None:
-        """Before a replica call: take room again after a preemption, yield to a waiter of higher priority, or move
-        off a replica that left the pool. The call counts as in flight from here (`_after_call` ends it): a
-        sibling's preemption must not end a session this is rebuilding (its StartSession would fail NOT_FOUND; found
-        by scripts/soak.py), so it leaves `give_up` for the call's end instead."""
-        self.in_call += 1
-        try:
-            if self.endpoint is None and self.sid:  # given up with its sibling's preemption
-                await self._take_room(rebuild)
-            elif self.rebuild_due:
-                self.rebuild_due = False
-                await rebuild()
-            elif (self.endpoint is not None and self.view.preempts(self.kind, self.holding)
-                  and await self.pool.marked(self.kind, self.holding)):  # the view may be a refresh old
-                await self._yield_session(rebuild)
-            elif self.endpoint is not None and self.view.gone(self.kind, self.endpoint):
-                old = self.endpoint
-                log.info("%s replica %s left the pool; moving session %s", self.kind, old, self.sid)
-                await self._release(old)
-                self.failed.append(old)
-                await self._pin()
-                await rebuild()
-                self._end_later(old)  # best effort: free its slot if it is still up
-        except BaseException:
-            self.in_call -= 1
-            raise
+async def before_call(b, rebuild) -> None:
+    """Before a replica call: take room again after a preemption, yield to a waiter of higher priority, or move off
+    a replica that left the pool. The call counts as in flight from here (`after_call` ends it): a sibling's
+    preemption must not end a session this is rebuilding (its StartSession would fail NOT_FOUND; found by
+    scripts/soak.py), so it leaves `give_up` for the call's end instead."""
+    b.in_call += 1
+    try:
+        if b.endpoint is None and b.sid:  # given up with its sibling's preemption
+            await take_room(b, rebuild)
+        elif b.rebuild_due:
+            b.rebuild_due = False
+            await rebuild()
+        elif (b.endpoint is not None and b.view.preempts(b.kind, b.holding)
+              and await b.pool.marked(b.kind, b.holding)):  # the view may be a refresh old
+            await _yield_session(b, rebuild)
+        elif b.endpoint is not None and b.view.gone(b.kind, b.endpoint):
+            old = b.endpoint
+            log.info("%s replica %s left the pool; moving session %s", b.kind, old, b.sid)
+            await b.release(old)
+            b.failed.append(old)
+            await b.pin()
+            await rebuild()
+            end_later(b, old)  # best effort: free its slot if it is still up
+    except BaseException:
+        b.in_call -= 1
+        raise
 
-    def _end_later(self, endpoint: str) -> None:
-        """End this session on a replica it moved off, in the background (the move does not wait for it)."""
-        end_in_background(self._end_on(endpoint))
 
-    async def _after_call(self) -> None:
-        self.in_call -= 1
-        if self.give_up and not self.in_call:
-            await self._give_up()
+def end_later(b, endpoint: str) -> None:
+    """End `b`'s session on a replica it moved off, in the background (the move does not wait for it)."""
+    end_in_background(b.end_on(endpoint))
 
-    async def _yield_session(self, rebuild) -> None:
-        """Preempted: give up this session and the sibling's, wait for room with this request's own priority, and
-        rebuild the session from what it verified (exact)."""
-        log.info("%s session %s (priority %d) preempted on %s: it waits for room, then resumes", self.kind,
-                 self.sid, self.priority, self.endpoint)
-        self.preemptions += 1
-        await self._give_up()
-        sib = self.sibling
-        if sib is not None and sib.endpoint is not None:
-            if sib.in_call:
-                sib.give_up = True  # when its call in flight ends
-            else:
-                await sib._give_up()
-        await self._take_room(rebuild)
 
-    async def _give_up(self) -> None:
-        """End the session and give its room back (a waiter of higher priority takes it). The backend is free the
-        moment this starts (`endpoint` None); taking room again waits until the replica has ended the session, so
-        that a rebuilt session of the same id is never ended by this."""
-        self.give_up = False
-        ep, token, self.endpoint = self.endpoint, self.holding, None
-        if ep is None:
-            return
-        self.rounds.close()
-        done = self.gave_up = asyncio.get_running_loop().create_future()
-        try:
-            try:  # shielded: a request cancelled meanwhile (deadline, client gone) must not leave the session behind
-                await asyncio.shield(self._end_on(ep))
-            finally:
-                await self.pool.release(self.kind, ep, token)
+async def after_call(b) -> None:
+    b.in_call -= 1
+    if b.give_up and not b.in_call:
+        await give_up_session(b)
+
+
+async def _yield_session(b, rebuild) -> None:
+    """Preempted: give up this session and the sibling's, wait for room with this request's own priority, and
+    rebuild the session from what it verified (exact)."""
+    log.info("%s session %s (priority %d) preempted on %s: it waits for room, then resumes", b.kind, b.sid,
+             b.priority, b.endpoint)
+    b.preemptions += 1
+    await give_up_session(b)
+    sib = b.sibling
+    if sib is not None and sib.endpoint is not None:
+        if sib.in_call:
+            sib.give_up = True  # when its call in flight ends
+        else:
+            await give_up_session(sib)
+    await take_room(b, rebuild)
+
+
+async def give_up_session(b) -> None:
+    """End the session and give its room back (a waiter of higher priority takes it). The backend is free the
+    moment this starts (`endpoint` None); taking room again waits until the replica has ended the session, so
+    that a rebuilt session of the same id is never ended by this."""
+    b.give_up = False
+    ep, token, b.endpoint = b.endpoint, b.holding, None
+    if ep is None:
+        return
+    b.rounds.close()
+    done = b.gave_up = asyncio.get_running_loop().create_future()
+    try:
+        try:  # shielded: a request cancelled meanwhile (deadline, client gone) must not leave the session behind
+            await asyncio.shield(b.end_on(ep))
         finally:
-            done.set_result(None)
+            await b.pool.release(b.kind, ep, token)
+    finally:
+        done.set_result(None)
 
-    async def _take_room(self, rebuild=None) -> None:
-        """Pin again after giving the session up, and rebuild it (`rebuild` None: the caller does). A preempted
-        request keeps its place in line: it waits out full queues rather than fail with output already verified.
-        Calls that find the backend given up at once take room once: the first one pins and rebuilds."""
-        async with self.room_lock:
-            if self.endpoint is not None:
-                return
-            sib = self.sibling
-            if self.kind == "target" and sib is not None and sib.sid and not sib.closed:
-                # draft room before target room, the order a new request takes them in (its probe pins the draft
-                # first): else this request could hold the target and wait for a draft that a new request holds
-                # while it waits for the target, both until queue_wait_s (found by a chaos test)
-                while sib.endpoint is not None and sib.give_up:  # its call in flight gives it up as it ends
-                    await asyncio.sleep(0.005)
-                if sib.endpoint is None and not sib.closed:
-                    await sib._take_room()
-                    sib.rebuild_due = True
-            if self.gave_up is not None:
-                await asyncio.shield(self.gave_up)
-            while True:
-                try:
-                    await self._pin()
-                    break
-                except CapacityError as e:
-                    log.info("preempted session %s still waits for room (%s)", self.sid, e)
-                    await asyncio.sleep(1.0)
-            if rebuild is not None:
-                await rebuild()
+
+async def take_room(b, rebuild=None) -> None:
+    """Pin again after giving the session up, and rebuild it (`rebuild` None: the caller does). A preempted
+    request keeps its place in line: it waits out full queues rather than fail with output already verified.
+    Calls that find the backend given up at once take room once: the first one pins and rebuilds."""
+    async with b.room_lock:
+        if b.endpoint is not None:
+            return
+        sib = b.sibling
+        if b.kind == "target" and sib is not None and sib.sid and not sib.closed:
+            # draft room before target room, the order a new request takes them in (its probe pins the draft
+            # first): else this request could hold the target and wait for a draft that a new request holds
+            # while it waits for the target, both until queue_wait_s (found by a chaos test)
+            while sib.endpoint is not None and sib.give_up:  # its call in flight gives it up as it ends
+                await asyncio.sleep(0.005)
+            if sib.endpoint is None and not sib.closed:
+                await take_room(sib)
+                sib.rebuild_due = True
+        if b.gave_up is not None:
+            await asyncio.shield(b.gave_up)
+        while True:
+            try:
+                await b.pin()
+                break
+            except CapacityError as e:
+                log.info("preempted session %s still waits for room (%s)", b.sid, e)
+                await asyncio.sleep(1.0)
+        if rebuild is not None:
+            await rebuild()

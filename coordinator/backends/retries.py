@@ -1,5 +1,5 @@
-"""When a replica call that failed is tried again (coordinator/backends/clients.py): the statuses that move a session, and
-the backoffs for a replica that is full."""
+"""When a replica call that failed is tried again (coordinator/backends/clients.py): the statuses that move a
+session, and the backoffs for a replica that is full."""
 from __future__ import annotations
 
 import asyncio
