@@ -39,14 +39,14 @@ async def main(args) -> None:
     from coordinator.stack import LocalStack
     from specdec_bench.prompts import load_prompt_sets
     from specdec_bench.runners import StackClient
-    from specdec_bench.harness import _default_preverifier
     from specdec.defaults import DEFAULT_DRAFT, DEFAULT_TARGET
     from specdec.hub import resolve_model
+    from specdec.preverifier import default_preverifier_dir
     from specdec.tokenizer import load_tokenizer
 
     tdir = resolve_model(DEFAULT_TARGET)
     prompts = load_prompt_sets(load_tokenizer(tdir), ["humaneval", "chat"], args.n_prompts)
-    stack = LocalStack(str(tdir), str(resolve_model(DEFAULT_DRAFT)), _default_preverifier(DEFAULT_DRAFT), threads=1,
+    stack = LocalStack(str(tdir), str(resolve_model(DEFAULT_DRAFT)), default_preverifier_dir(DEFAULT_DRAFT), threads=1,
                        ray_cpus=2, pipelines=2, use_ray=not args.no_ray, max_sessions=max(8, max(args.levels)),
                        metrics=True)
     await stack.start()

@@ -281,10 +281,10 @@ async def main(args) -> int:
     import grpc
 
     from coordinator.stack import LocalStack
-    from specdec_bench.harness import _default_preverifier
     from specdec_bench.prompts import load_prompt_sets
     from specdec.defaults import DEFAULT_DRAFT, DEFAULT_TARGET
     from specdec.hub import resolve_model
+    from specdec.preverifier import default_preverifier_dir
     from specdec_rpc.pb import generation_pb2, generation_pb2_grpc
     from specdec.tokenizer import load_tokenizer
 
@@ -296,7 +296,7 @@ async def main(args) -> int:
 
         shared = [int(t) for t in tok(SHARED_PREFIX + "\n\n")["input_ids"]]
         prompts += [Prompt(p.prompt_set, p.key + "+shared", shared + p.ids) for p in prompts]
-    stack = LocalStack(str(tdir), str(resolve_model(DEFAULT_DRAFT)), _default_preverifier(DEFAULT_DRAFT), threads=1,
+    stack = LocalStack(str(tdir), str(resolve_model(DEFAULT_DRAFT)), default_preverifier_dir(DEFAULT_DRAFT), threads=1,
                        ray_cpus=2, pipelines=2, max_sessions=args.max_sessions, metrics=True,
                        dtype=args.dtype, http_port=0 if args.http_share > 0 else None)
     await stack.start()

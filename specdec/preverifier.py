@@ -29,12 +29,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specdec.defaults import DEFAULT_DRAFT
 from specdec.round_scorer import HASH_MULT, Folded, RoundScorer, scalar_row  # noqa: F401 - scalar_row re-exported
 from specdec.stop import DraftFeatures
 
 DEFAULT_PREVERIFIER_DIR = Path(__file__).resolve().parent / "assets" / "default_preverifier"
 N_SCALARS = 8
 N_HEAD = 4  # statistics of the draft's own temperature-1 distribution (when the draft head is attached)
+
+
+def default_preverifier_dir(draft: str | None) -> str | None:
+    """The pre-verifier a command uses when it names none: the shipped one where `draft` is the shipped draft's
+    spec and the pre-verifier is present (its config.json), else None."""
+    if draft == DEFAULT_DRAFT and (DEFAULT_PREVERIFIER_DIR / "config.json").is_file():
+        return str(DEFAULT_PREVERIFIER_DIR)
+    return None
 
 
 class PreverifierMismatchError(ValueError):
@@ -323,4 +332,4 @@ def derive_threshold(cost_ratio: float, mean_accepted: float, gamma: float, acce
 
 __all__ = ["Preverifier", "head_stats", "N_HEAD", "PreverifierMismatchError", "build_random_preverifier", "load_preverifier",
            "save_preverifier", "draft_fingerprint", "draft_dir_sha256", "derive_threshold", "token_scalars",
-           "DEFAULT_PREVERIFIER_DIR"]
+           "DEFAULT_PREVERIFIER_DIR", "default_preverifier_dir"]

@@ -17,6 +17,7 @@ import torch
 from specdec_bench.runners import Config, EngineRunner, HFModels, HFRunner, Sample, StackClient, StackRunner
 from specdec.defaults import PROMPT_LOOKUP_MIN_NGRAM
 from specdec.lookup import prompt_lookup
+from specdec.preverifier import default_preverifier_dir
 
 ALL_MODES = ("ar", "hf", "sd", "pacer", "pearl", "pacer_pearl")
 AR_BASE = "ar (2 threads)"
@@ -107,7 +108,7 @@ class Bench:
         torch.set_num_threads(1)  # this thread only orchestrates; compute threads set their own counts
         self.target_dir = resolve_model(o.target)
         self.draft_dir = resolve_model(o.draft) if o.draft else None
-        self.pv_path = o.preverifier or _default_preverifier(o.draft)
+        self.pv_path = o.preverifier or default_preverifier_dir(o.draft)
         tok = load_tokenizer(self.target_dir)
         self.prompts = load_prompt_sets(tok, list(o.prompt_sets), o.n_per_set, o.prompts_file)
         if not self.prompts:
@@ -243,15 +244,6 @@ async def _drain(tasks) -> None:
 
 async def _client(address: str) -> StackClient:
     return StackClient(address)
-
-
-def _default_preverifier(draft: str | None) -> str | None:
-    from specdec.defaults import DEFAULT_DRAFT
-    from specdec.preverifier import DEFAULT_PREVERIFIER_DIR
-
-    if draft == DEFAULT_DRAFT and DEFAULT_PREVERIFIER_DIR.is_dir() and (DEFAULT_PREVERIFIER_DIR / "config.json").is_file():
-        return str(DEFAULT_PREVERIFIER_DIR)
-    return None
 
 
 def _progress(total: int, enabled: bool):

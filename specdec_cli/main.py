@@ -22,20 +22,14 @@ from pathlib import Path
 from specdec import __version__, settings
 from specdec.defaults import (COORDINATOR_HTTP_PORT, COORDINATOR_PORT, DEFAULT_DRAFT, DEFAULT_TARGET,
                               PROMPT_LOOKUP_MIN_NGRAM)
+from specdec.preverifier import default_preverifier_dir
 
 MODES = ("ar", "sd", "pacer", "pearl", "pacer_pearl")
 
 
 def _default_preverifier(args) -> str | None:
     """--preverifier, else the shipped one when the shipped draft is used (and present)."""
-    if args.preverifier:
-        return args.preverifier
-    if args.draft_model == DEFAULT_DRAFT:
-        from specdec.preverifier import DEFAULT_PREVERIFIER_DIR
-
-        if DEFAULT_PREVERIFIER_DIR.is_dir() and any(DEFAULT_PREVERIFIER_DIR.iterdir()):
-            return str(DEFAULT_PREVERIFIER_DIR)
-    return None
+    return args.preverifier or default_preverifier_dir(args.draft_model)
 
 
 def _add_models(p: argparse.ArgumentParser) -> None:
