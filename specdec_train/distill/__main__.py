@@ -10,43 +10,35 @@ import shlex
 import sys
 
 import torch
+from transformers import AutoModelForCausalLM
+
+from specdec.hub import resolve_model
+from specdec.model import load_model
+from specdec_train.distill.bench import cost_ratio, served_cost_ratio
+from specdec_train.distill.data import load_samples, require_samples
+from specdec_train.distill.draft_model import load_draft
+from specdec_train.distill.evaluate import greedy_agreement
+from specdec_train.distill.export import export
+from specdec_train.distill.feature_cli import add_parsers
+from specdec_train.distill.generate import generate
+from specdec_train.distill.online_cli import add_parser as add_online
+from specdec_train.distill.setup import load_split, log_line, setup_draft
+from specdec_train.distill.teacher import run_teacher
+from specdec_train.distill.train import train, warm_start
 
 DEFAULT_WORK = pathlib.Path(".cache-distill")
 
 
-def _log(msg, path=None):
-    print(msg, flush=True)
-    if path:
-        with open(path, "a") as f:
-            f.write(msg + "\n")
-
-
-def _data(args):
-    from specdec_train.distill.data import load_samples, require_samples, split
-
-    rows = load_samples(require_samples(args.samples, "--samples"))
-    return split(rows, args.heldout_frac)
-
-
 def _target(args):
-    from transformers import AutoModelForCausalLM
-
-    from specdec.hub import resolve_model
-
     d = resolve_model(args.target)
     return d, AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32).eval()
 
 
 def cmd_generate(args):
-    from specdec_train.distill.generate import generate
-
     torch.set_num_threads(args.threads)
-    from specdec.hub import resolve_model
 
     exclude = None
     if args.exclude_samples:
-        from specdec_train.distill.data import load_samples
-
         exclude = {tuple(r["prompt_ids"]) for r in load_samples(args.exclude_samples)}
     generate(resolve_model(args.target), args.out, seconds=args.seconds, seed=args.seed,
              batch_size=args.batch_size, max_new_tokens=args.max_new_tokens, dtype=args.dtype,
@@ -55,57 +47,23 @@ def cmd_generate(args):
 
 
 def cmd_teacher(args):
-    from specdec.hub import resolve_model
-    from specdec_train.distill.teacher import run_teacher
-
-    train_rows, _ = _data(args)
+    train_rows, _ = load_split(args)
     run_teacher(resolve_model(args.target), train_rows, pathlib.Path(args.work) / "teacher", k=args.k,
                 seed=args.seed, threads=args.threads, max_shards=args.max_shards, dtype=args.dtype)
 
 
-def _setup_draft(args, train_rows, target):
-    from specdec_train.distill.draft_model import build_from_target, frequency_subset, full_to_compact_map, special_ids
-
-    if getattr(args, "subset_samples", None):  # e.g. the data a warm-start checkpoint was trained on
-        from specdec_train.distill.data import load_samples, split
-
-        train_rows = split(load_samples(args.subset_samples), args.heldout_frac)[0]
-    subset = frequency_subset(train_rows, args.vocab_subset, always=special_ids(target.config),
-                              vocab_size=target.config.vocab_size)
-    oov = int((subset == 0).nonzero()[0, 0])
-    to_compact = full_to_compact_map(subset, target.config.vocab_size, oov)
-    layers = tuple(int(x) for x in args.init_layers.split(","))
-    torch.manual_seed(args.seed)
-    draft = build_from_target(target, subset, layers, copy_layers=not args.no_copy_layers)
-    if args.random_init:
-        draft.init_weights() if hasattr(draft, "init_weights") else None
-        for mod in draft.modules():
-            if isinstance(mod, (torch.nn.Linear, torch.nn.Embedding)):
-                torch.nn.init.normal_(mod.weight, std=0.02)
-    if getattr(args, "final_norm_scale", 1.0) != 1.0:
-        # the target's final norm is tuned for its 30-layer residual stream; in a 2-layer draft the residual is
-        # still mostly the input embedding, so the tied head would predict "repeat the current token" with huge
-        # logits (initial loss ~16). Scaling the final norm calibrates the start (loss ~8).
-        with torch.no_grad():
-            draft.model.norm.weight.mul_(args.final_norm_scale)
-    return draft, subset, oov, to_compact
-
-
 def cmd_train(args):
-    from specdec_train.distill.evaluate import greedy_agreement
-    from specdec_train.distill.train import train, warm_start
-
     torch.set_num_threads(args.threads)
-    train_rows, held = _data(args)
+    train_rows, held = load_split(args)
     tdir, target = _target(args)
-    draft, subset, oov, to_compact = _setup_draft(args, train_rows, target)
+    draft, subset, oov, to_compact = setup_draft(args, train_rows, target)
     del target
     run_dir = pathlib.Path(args.work) / "runs" / args.run
     run_dir.mkdir(parents=True, exist_ok=True)
     if args.init_from and not (run_dir / "ckpt.pt").exists():  # warm start (weights only; fresh optimizer)
         grown = warm_start(draft, torch.load(args.init_from, weights_only=False)["model"])
-        _log(f"initialised from {args.init_from}" + (f"; new identity layers {grown}" if grown else ""),
-             run_dir / "log.jsonl")
+        log_line(f"initialised from {args.init_from}" + (f"; new identity layers {grown}" if grown else ""),
+                 run_dir / "log.jsonl")
     logf = run_dir / "log.jsonl"
     (run_dir / "command.txt").write_text("python -m specdec_train.distill " + " ".join(map(shlex.quote, sys.argv[1:])) + "\n")
     eval_fn = lambda m: greedy_agreement(m, held, subset, to_compact)
@@ -114,29 +72,23 @@ def cmd_train(args):
                 k_soft=args.k, seed=args.seed, threads=args.threads, bf16=not args.fp32,
                 time_budget_s=args.time_budget, top1_weight=args.top1_weight, eval_fn=eval_fn,
                 eval_every=args.eval_every,
-                log=lambda m: _log(m, logf))
+                log=lambda m: log_line(m, logf))
     final = greedy_agreement(draft, held, subset, to_compact)
     summary = {"run": args.run, "steps": res["steps"], "train_wall_s": round(res["wall_s"], 1),
                "soft_label_rows": res["soft_rows"], "train_rows": len(train_rows), "heldout": final,
                "args": vars(args)}
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
-    _log(json.dumps({k: summary[k] for k in ("run", "steps", "train_wall_s", "heldout")}), logf)
+    log_line(json.dumps({k: summary[k] for k in ("run", "steps", "train_wall_s", "heldout")}), logf)
 
 
 def cmd_evaluate(args):
-    from specdec_train.distill.bench import cost_ratio, served_cost_ratio
-    from specdec_train.distill.draft_model import load_draft
-    from specdec_train.distill.evaluate import greedy_agreement
-
-    _, held = _data(args)
+    _, held = load_split(args)
     _, target = _target(args)
     draft = load_draft(args.draft)
     agree = greedy_agreement(draft, held, None, None)
     cost = cost_ratio(draft, target, threads=1, rounds=args.rounds, repeats=args.repeats, steps=args.decode_steps)
     del target
     # the same pair as the services run it: specdec's models, dtype auto, the draft's int8 weights where they pay
-    from specdec.hub import resolve_model
-    from specdec.model import load_model
 
     served = served_cost_ratio(load_model(args.draft, dtype="auto", role="draft"),
                                load_model(resolve_model(args.target), dtype="auto", role="target"),
@@ -148,8 +100,6 @@ def cmd_evaluate(args):
 
 
 def cmd_export(args):
-    from specdec_train.distill.export import export
-
     export(args)
 
 
@@ -256,9 +206,6 @@ def main(argv=None):
     al.add_argument("--code-seconds", type=float, default=900, help="raw code completions (0: none)")
     al.add_argument("--out", default=str(DEFAULT_WORK / "draft"), help="e.g. specdec/assets/default_draft")
     al.set_defaults(fn=cmd_all)
-
-    from specdec_train.distill.feature_cli import add_parsers
-    from specdec_train.distill.online_cli import add_parser as add_online
 
     add_parsers(sub)
     add_online(sub)

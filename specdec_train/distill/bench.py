@@ -6,6 +6,8 @@ import time
 
 import torch
 
+from specdec.quant import weight_quant
+
 
 @torch.no_grad()
 def per_token_decode_s(model, prompt_len: int = 64, steps: int = 32, repeats: int = 5, vocab: int | None = None,
@@ -66,8 +68,6 @@ def served_per_token_s(model, context: int = 300, steps: int = 16, seed: int = 0
 def served_cost_ratio(draft, target, threads: int = 1, rounds: int = 15, **kw) -> dict:
     """Draft/target per-token cost as served (specdec models, e.g. dtype auto + the draft's int8 weights),
     interleaved per round, medians."""
-    from specdec.quant import weight_quant
-
     return {**_interleaved_ratio(served_per_token_s, draft, target, threads, rounds, **kw),
             "draft_dtype": str(draft.dtype).removeprefix("torch."), "draft_weights": weight_quant(draft),
             "target_dtype": str(target.dtype).removeprefix("torch.")}

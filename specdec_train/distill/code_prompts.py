@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import random
 
+from specdec_bench.prompts import humaneval_path, read_jsonl
+
 # (name, parameters, return annotation, docstring)
 TASKS = [
     ("count_vowels", "text: str", "int", "Return the number of vowels (a, e, i, o, u) in text, ignoring case."),
@@ -107,8 +109,6 @@ def chat_code_prompts(rng: random.Random, n: int, exclude_names: set[str] = froz
 
 
 def humaneval_entry_points() -> set[str]:
-    from specdec_bench.prompts import humaneval_path, read_jsonl
-
     try:
         return {r["entry_point"] for r in read_jsonl(humaneval_path())}
     except Exception:  # noqa: BLE001 - without the package there is nothing to exclude

@@ -6,17 +6,17 @@ import pathlib
 import shutil
 
 import torch
+from transformers import AutoModelForCausalLM
+
+from specdec.hub import resolve_model
+from specdec_train.distill.setup import load_split, setup_draft
+from specdec_train.distill.draft_model import save_draft
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json",
                    "generation_config.json")
 
 
 def export(args) -> pathlib.Path:
-    from transformers import AutoModelForCausalLM
-
-    from specdec.hub import resolve_model
-    from specdec_train.distill.__main__ import _data, _setup_draft
-
     run_dir = pathlib.Path(args.work) / "runs" / args.run
     summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
     targs = summary.get("args", {})
@@ -28,14 +28,13 @@ def export(args) -> pathlib.Path:
     # the depth is the checkpoint's (a run still in progress has no summary yet; the copied layers are overwritten)
     depth = 1 + max(int(k.split(".")[2]) for k in st["model"] if k.startswith("model.layers."))
     args.init_layers = ",".join(map(str, range(depth)))
-    train_rows, _ = _data(args)
+    train_rows, _ = load_split(args)
     tdir = resolve_model(args.target)
     target = AutoModelForCausalLM.from_pretrained(str(tdir), dtype=torch.float32)
-    draft, subset, oov, _ = _setup_draft(args, train_rows, target)
+    draft, subset, oov, _ = setup_draft(args, train_rows, target)
     draft.load_state_dict(st["model"])
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    from specdec_train.distill.draft_model import save_draft
 
     save_draft(draft, subset, out, full_vocab=target.config.vocab_size, extra_config={
         "bos_token_id": target.config.bos_token_id, "eos_token_id": target.config.eos_token_id,

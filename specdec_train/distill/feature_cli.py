@@ -14,12 +14,17 @@ import shutil
 import sys
 
 import torch
+from safetensors.torch import save_file
+
+from specdec.hub import resolve_model
+from specdec.model import load_model
+from specdec_train.distill.data import is_heldout, load_samples, require_samples
+from specdec_train.distill.export import TOKENIZER_FILES
+from specdec_train.distill.feature_train import (build_feature_draft, feature_agreement, load_features, run_features,
+                                                 train_feature_draft)
 
 
 def _rows_split(feat_dir):
-    from specdec_train.distill.data import is_heldout
-    from specdec_train.distill.feature_train import load_features
-
     train, held = [], []
     for r in load_features(feat_dir):
         (held if is_heldout({"prompt_ids": r["ids"][:r["start"]].tolist()}) else train).append(r)
@@ -27,10 +32,6 @@ def _rows_split(feat_dir):
 
 
 def cmd_features(args):
-    from specdec.model import load_model
-    from specdec_train.distill.data import load_samples, require_samples
-    from specdec_train.distill.feature_train import run_features
-
     torch.set_num_threads(args.threads)
     rows = load_samples(require_samples(args.samples, "--samples"))
     target = load_model(args.target, dtype=args.dtype, role="target")
@@ -38,8 +39,6 @@ def cmd_features(args):
 
 
 def _plain_and_head(args):
-    from specdec.model import load_model
-
     target = load_model(args.target, dtype="float32")
     plain = load_model(args.init_draft, dtype="float32")
     if args.init_ckpt:
@@ -51,8 +50,6 @@ def _plain_and_head(args):
 
 
 def cmd_train_features(args):
-    from specdec_train.distill.feature_train import build_feature_draft, feature_agreement, train_feature_draft
-
     torch.set_num_threads(args.threads)
     target, plain, head = _plain_and_head(args)
     train, held = _rows_split(pathlib.Path(args.work) / "features")
@@ -84,12 +81,6 @@ def cmd_train_features(args):
 
 
 def cmd_export_features(args):
-    from safetensors.torch import save_file
-
-    from specdec.hub import resolve_model
-    from specdec_train.distill.export import TOKENIZER_FILES
-    from specdec_train.distill.feature_train import build_feature_draft
-
     run_dir = pathlib.Path(args.work) / "runs" / args.run
     summary = json.loads((run_dir / "summary.json").read_text())
     for k in ("init_draft", "init_ckpt", "feature_scale"):

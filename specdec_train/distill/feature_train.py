@@ -21,6 +21,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from tqdm import tqdm
 
 from specdec.model import CausalLM, ModelConfig, rope_tables, rotate_half
 from specdec_train.distill.train import resume, save_checkpoint, warmup_cosine
@@ -40,8 +41,6 @@ def target_features(target: CausalLM, ids: list[int]) -> torch.Tensor:
 
 def run_features(target: CausalLM, rows: list[dict], out_dir, shard_size: int = 128, progress: bool = True) -> None:
     """Write ``out_dir/shard_NNNNN.pt`` (rows in input order); existing shards are skipped (resumable)."""
-    from tqdm import tqdm
-
     out_dir = pathlib.Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     shards = [rows[i:i + shard_size] for i in range(0, len(rows), shard_size)]
@@ -181,8 +180,6 @@ def train_feature_draft(m: CausalLM, teacher_head: torch.Tensor, rows: list[dict
                         train_only: tuple[str, ...] = (), progress: bool = True, log=print) -> dict:
     """AdamW on everything but the input embeddings; bf16 autocast; resumable from ``out_dir/ckpt.pt``.
     ``teacher_head``: the target's output-head rows of the draft's vocabulary subset [V_s, D]."""
-    from tqdm import tqdm
-
     torch.set_num_threads(threads)
     torch.manual_seed(seed)
     rng = random.Random(seed)

@@ -13,6 +13,11 @@ import time
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from specdec.dtypes import resolve_dtype
+from specdec_train.distill.code_prompts import chat_code_prompts, code_prompts, humaneval_entry_points
 
 TOPICS = [
     # code
@@ -87,6 +92,29 @@ def chat_text(tok, user: str) -> str:
     return tok.apply_chat_template([{"role": "user", "content": user}], add_generation_prompt=True, tokenize=False)
 
 
+def self_instruct(model, tok, n: int, temperature: float = 1.0, max_tokens: int = 64, min_chars: int = 12) -> list[str]:
+    """Up to n user messages sampled from the target after the chat template's user header, each ended by the
+    tokenizer's EOS (the turn's end for chat models); short or unfinished ones are dropped."""
+    marker = "\x00"
+    header = chat_text(tok, marker).split(marker)[0]
+    if not header:
+        raise ValueError("the chat template writes nothing before a user's message, so the target cannot be asked "
+                         "for one: generate with another style (chat: templates x topics)")
+    dev = next(model.parameters()).device
+    enc = tok([header] * n, return_tensors="pt").to(dev)
+    end = tok.eos_token_id  # SmolLM2: <|im_end|>, which also closes a user turn
+    g = model.generate(**enc, do_sample=True, temperature=temperature, top_k=0, top_p=1.0,
+                       max_new_tokens=max_tokens, eos_token_id=end, pad_token_id=tok.pad_token_id).cpu()
+    out = []
+    for row in g[:, enc["input_ids"].shape[1]:].tolist():
+        if end not in row:
+            continue
+        text = tok.decode(row[:row.index(end)], skip_special_tokens=True).strip()
+        if len(text) >= min_chars:
+            out.append(text)
+    return out
+
+
 @torch.no_grad()
 def complete(model, tok, texts: list[str], temperature: float, max_new_tokens: int) -> list[dict]:
     """Target continuations of `texts` (already chat-templated where wanted), batched with left padding; each row
@@ -116,24 +144,18 @@ def generate(model_dir, out_path, seconds: float = 600, seed: int = 0, batch_siz
     """`exclude_prompt_ids`: chat-templated prompt ids to avoid (e.g. everything a draft trained on, so that a
     pre-verifier sees the draft on text it has not memorised); then no prompt repeats within the run either.
     `style`: "chat" (templates x topics, chat-templated), "self" (user turns sampled from the target itself,
-    `online.self_instruct`: an open-ended supply of new prompts), "code" (raw Python stubs, `code_prompts.py`) or
+    `self_instruct`: an open-ended supply of new prompts), "code" (raw Python stubs, `code_prompts.py`) or
     "chatcode" (the same stubs asked for in a chat turn, chat-templated)."""
-    from tqdm import tqdm
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     rng = random.Random(seed)
     torch.manual_seed(seed)
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     tok.padding_side = "left"
-    from specdec.dtypes import resolve_dtype
 
     # the served dtype (`auto`: bf16 on CPUs with native bf16 GEMMs, where batched decoding is also much faster)
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=resolve_dtype(dtype, "cpu", "target")).eval()
     t0, n_tok, batch_i = time.time(), 0, 0
     encode_chat = lambda p: tok(chat_text(tok, p))["input_ids"]  # noqa: E731 - the ids `complete` stores
     if style in ("code", "chatcode"):
-        from specdec_train.distill.code_prompts import chat_code_prompts, code_prompts, humaneval_entry_points
-
         banned, used = humaneval_entry_points(), set()
     bar = tqdm(desc="generate", unit="tok", disable=not progress)
     Path(out_path).parent.mkdir(parents=True, exist_ok=True)
@@ -150,8 +172,6 @@ def generate(model_dir, out_path, seconds: float = 600, seed: int = 0, batch_siz
                 if not prompts:
                     break
             elif style == "self":
-                from specdec_train.distill.online import self_instruct
-
                 prompts = [p for p in self_instruct(model, tok, batch_size)
                            if tuple(encode_chat(p)) not in (exclude_prompt_ids or ())]
             elif exclude_prompt_ids is None:

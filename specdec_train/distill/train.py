@@ -17,6 +17,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from tqdm import tqdm
 
 
 class Pool:
@@ -152,8 +153,6 @@ def train(draft, rows, teacher_dir, to_compact, oov_compact, out_dir, *, steps: 
           lr: float = 1e-3, warmup: int = 20, k_soft: int = 32, seed: int = 0, threads: int = 1,
           ckpt_every: int = 100, reload_every: int = 25, bf16: bool = True, time_budget_s: float | None = None,
           top1_weight: float = 0.0, eval_fn=None, eval_every: int = 0, progress: bool = True, log=print):
-    from tqdm import tqdm
-
     torch.set_num_threads(threads)
     out_dir = pathlib.Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
