@@ -151,8 +151,6 @@ class GrammarVocab:
         if not (d / "tokenizer.json").is_file():
             return None
         try:
-            from tokenizers import Tokenizer
-
             text = (d / "tokenizer.json").read_text()
             tk = Tokenizer.from_str(text)
             return cls(text, vocab_size, _eos_ids(d, tk), parsed=tk)

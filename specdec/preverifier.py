@@ -27,9 +27,11 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 from specdec.defaults import DEFAULT_DRAFT
+from specdec.fusion import unfused_state
 from specdec.round_scorer import HASH_MULT, Folded, RoundScorer, scalar_row  # noqa: F401 - scalar_row re-exported
 from specdec.stop import DraftFeatures
 
@@ -220,7 +222,6 @@ def draft_fingerprint(draft_model: nn.Module) -> str:
     quantized at load time (specdec.quant) carries the fingerprint of the weights it was loaded from."""
     if getattr(draft_model, "weights_fingerprint", None):
         return draft_model.weights_fingerprint
-    from specdec.fusion import unfused_state
 
     h = hashlib.sha256()
     state = unfused_state(draft_model) if hasattr(draft_model, "config") else draft_model.state_dict()
@@ -250,8 +251,6 @@ def draft_dir_sha256(path: str | Path) -> str:
 
 def save_preverifier(model: Preverifier, path: str | Path, card: dict) -> Path:
     """Write `config.json`, `model.safetensors`, `card.json` and a readable `README.md` into `path`."""
-    from safetensors.torch import save_file
-
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     cfg = model.config()
@@ -282,8 +281,6 @@ def load_preverifier(path: str | Path | None = None, draft_model: nn.Module | No
                      draft_dir: str | Path | None = None, strict: bool = False) -> Preverifier:
     """Load a saved pre-verifier. With `draft_model` (or `draft_dir`) the draft it was trained for is checked:
     a different hidden size is refused (`PreverifierMismatchError`); different weights warn (`strict`: refuse)."""
-    from safetensors.torch import load_file
-
     path = Path(path) if path is not None else DEFAULT_PREVERIFIER_DIR
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"no pre-verifier at {path} (expected config.json + model.safetensors); train one "

@@ -25,7 +25,7 @@ def load_tokenizer(model_dir: os.PathLike | str):
     d = pathlib.Path(model_dir)
     if not any((d / f).is_file() for f in _TOKENIZER_FILES):
         return None
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # lazy: transformers is heavy (~1 s) and the replicas never need it
 
     return AutoTokenizer.from_pretrained(str(d))
 

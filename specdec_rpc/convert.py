@@ -8,6 +8,7 @@ Raw little-endian bytes inside msgpack `bin` cost 8 bytes per entry and decode w
 """
 from __future__ import annotations
 
+import json
 import math
 
 import msgpack
@@ -15,6 +16,9 @@ import numpy as np
 import torch
 
 from specdec.errors import InvalidRequestError
+from specdec.grammar import StructuredOutput
+from specdec.sampling import SamplingParams, TokenLogprobs
+from specdec.verify import SparseDist
 from specdec_rpc.pb import common_pb2, draft_pb2
 
 _TO_PB = {torch.float32: common_pb2.DTYPE_FLOAT32, torch.float16: common_pb2.DTYPE_FLOAT16,
@@ -60,8 +64,6 @@ def decode_q(data: bytes, field: str = "q", check: bool = True) -> list:
     """msgpack bytes (sparse-q v1) -> list[SparseDist]; malformed input is INVALID_ARGUMENT. `check`: also each
     row's values (`_distribution`), where q comes from a client (the target's Verify); the coordinator reading its
     own draft replica's answers skips it."""
-    from specdec.verify import SparseDist
-
     if not data:
         return []
     try:
@@ -98,8 +100,6 @@ def _distribution(q, field: str):
 
 def dense_q_to_sparse(q: torch.Tensor, field: str = "q_dense") -> list:
     """[g, vocab] float rows -> list[SparseDist] keeping the nonzero entries (exactly the same q)."""
-    from specdec.verify import SparseDist
-
     if q.dim() != 2:
         raise InvalidRequestError(field, f"must have shape [len(draft_ids), vocab], got {list(q.shape)}")
     q = q.float()
@@ -111,8 +111,6 @@ def dense_q_to_sparse(q: torch.Tensor, field: str = "q_dense") -> list:
 
 
 def sampling_from_proto(msg: common_pb2.SamplingParams):
-    from specdec.sampling import SamplingParams
-
     return SamplingParams(temperature=float(msg.temperature), top_k=int(msg.top_k),
                           top_p=float(msg.top_p) if msg.HasField("top_p") else 1.0, seed=int(msg.seed),
                           logprobs=int(msg.logprobs) if msg.HasField("logprobs") else -1,
@@ -151,8 +149,6 @@ def logprobs_to_proto(lp) -> common_pb2.TokenLogprobs:
 
 
 def logprobs_from_proto(msg: common_pb2.TokenLogprobs):
-    from specdec.sampling import TokenLogprobs
-
     return TokenLogprobs(int(msg.position), list(msg.token_ids), list(msg.logprobs), [list(t.ids) for t in msg.top],
                          [list(t.logprobs) for t in msg.top])
 
@@ -206,10 +202,6 @@ def draft_block(r, tokens: list[int] | None = None, q: list | None = None):
 
 def structured_from_proto(msg):
     """GenerateRequest.structured_output → specdec.grammar.StructuredOutput."""
-    import json
-
-    from specdec.grammar import StructuredOutput
-
     kind = msg.WhichOneof("kind")
     if kind is None or (kind == "json_object" and not msg.json_object):
         raise InvalidRequestError("structured_output", "set one of json_schema, json_object (true), regex, choice, "

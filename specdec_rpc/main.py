@@ -5,6 +5,9 @@ import asyncio
 import logging
 import os
 
+from specdec.threads import orchestrator_threads
+from specdec_rpc.settings import startup_warnings
+
 log = logging.getLogger("specdec_rpc")
 
 
@@ -18,12 +21,9 @@ async def _exit_with_parent(app, parent_pid: int, every_s: float = 1.0) -> None:
 
 def run_service(build_app, settings) -> None:
     """settings: a parsed ServerSettings; build_app(settings) -> ServerApp (async, inside the loop)."""
-    from specdec.threads import orchestrator_threads
-
     logging.basicConfig(level=settings.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     orchestrator_threads()  # the event loop only translates; the model thread computes with settings.threads
-    from specdec_rpc.settings import startup_warnings
 
     for warning in startup_warnings(settings):
         log.warning("%s", warning)
