@@ -3,14 +3,13 @@ from __future__ import annotations
 
 import sys
 
+from coordinator.server import build_coordinator
 from specdec_rpc.main import run_service
 
 from coordinator.config import CoordinatorSettings
 
 
 async def _build(settings):
-    from coordinator.server import build_coordinator
-
     app, _ = await build_coordinator(settings)
     return app
 

@@ -6,11 +6,15 @@ so Ray stays off the per-round path (the actors are thin wrappers; the logic is 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections import OrderedDict
 
 import ray
 
-from coordinator.routing.pool import ReplicaUnavailableError
+from coordinator.backends.pipeline import Pipeline
+from coordinator.channels import Dialer
+from coordinator.routing.discovery import source_from_spec
+from coordinator.routing.pool import PoolManager, ReplicaUnavailableError
 
 
 # Ray restarts it if its process dies: with what it held forgotten (the replicas' own limits still apply), and its
@@ -20,13 +24,6 @@ class PoolManagerActor:
     def __init__(self, specs: dict, refresh_s: float, health_timeout_s: float, tls: dict | None = None,
                  wait_s: float = 60.0, max_waiting: int = 256, affinity_slack: int | None = 2, preempt: bool = True,
                  log_level: str = "INFO", tokenizer_size: int = 0):
-        import logging
-
-        from coordinator.routing.discovery import source_from_spec
-        from coordinator.routing.pool import PoolManager
-
-        from coordinator.channels import Dialer
-
         # its own process: replicas joining, leaving, turning unhealthy, queues filling and draining are logged here
         logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         self.pm = PoolManager({k: source_from_spec(v) for k, v in specs.items() if v}, refresh_s,
@@ -174,18 +171,12 @@ class PipelineActor:
 
     def __init__(self, pool_handle, rpc_timeout_s: float, view_refresh_s: float, tls: dict | None = None,
                  replica_streams: bool = True, affinity_chunk: int = 128, tag: str = "", log_level: str = "INFO"):
-        import logging
-
         logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         self._args = (pool_handle, rpc_timeout_s, view_refresh_s, tls, replica_streams, affinity_chunk, tag)
         self.pipeline = None
 
     def _get(self):
         if self.pipeline is None:  # grpc.aio channels must be created inside the actor's event loop
-            from coordinator.backends.pipeline import Pipeline
-
-            from coordinator.channels import Dialer
-
             handle, timeout, refresh, tls, streams, affinity_chunk, tag = self._args
             self.pipeline = Pipeline(RayPool(handle), Dialer.from_tls(tls), timeout, refresh, streams,
                                      affinity_chunk, tag)

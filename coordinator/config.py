@@ -6,12 +6,13 @@ a headless Service (`COORDINATOR_DRAFT_DNS=draft-headless.ns.svc.cluster.local:5
 """
 from __future__ import annotations
 
+from pathlib import PurePath
 from typing import Literal
 
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
-from specdec.defaults import COORDINATOR_METRICS_PORT, COORDINATOR_PORT, DEFAULT_TARGET
+from specdec.defaults import COORDINATOR_METRICS_PORT, COORDINATOR_PORT, DEFAULT_TARGET, DEFAULT_TARGET_NAME
 from specdec.request import DEFAULT_POST_THRESHOLD, MAX_SPEC_OFF_BATCH, MODES
 from specdec_rpc.settings import ProcessSettings
 
@@ -126,10 +127,6 @@ class CoordinatorSettings(ProcessSettings):
 
 def served_name(spec: str) -> str:
     """A model spec's id for the HTTP API: default-target's model name, else its last path part (no .gguf)."""
-    from pathlib import PurePath
-
-    from specdec.defaults import DEFAULT_TARGET_NAME
-
     spec = spec.rstrip("/")
     if spec == DEFAULT_TARGET:
         return DEFAULT_TARGET_NAME

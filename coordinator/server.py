@@ -8,13 +8,21 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from coordinator.backends.pipeline import AsyncPool, Pipeline
+from coordinator.channels import Dialer
+from coordinator.routing.pool import PoolManager
+from coordinator.routing.router import LocalRouter, RayRouter
+from coordinator.tracing import init_tracer
 from specdec.defaults import GENERATION_SERVICE_NAME
+from specdec.hub import resolve_tokenizer
 from specdec.settings import setdefault_environ
+from specdec.tokenizer import eos_token_ids, load_tokenizer
 from specdec_rpc.app import ServerApp
+from specdec_rpc.auth import ApiKeyInterceptor
 from specdec_rpc.metrics import ServiceMetrics
 
 from coordinator.config import CoordinatorSettings
-from coordinator.routing.discovery import split_host_port
+from coordinator.routing.discovery import source_from_spec, split_host_port
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.grpc_api.service import GenerationServicer, add_to_server
 
@@ -25,8 +33,6 @@ def load_tokenizer_for(spec: str):
     """(tokenizer | None, eos ids) of a model spec; '' / 'none' means token-id prompts only."""
     if not spec or spec.lower() == "none":
         return None, set()
-    from specdec.hub import resolve_tokenizer
-    from specdec.tokenizer import eos_token_ids, load_tokenizer
 
     d = resolve_tokenizer(spec)
     return load_tokenizer(d), eos_token_ids(d)
@@ -45,7 +51,7 @@ def client_tls(s: CoordinatorSettings) -> dict | None:
 
 
 def init_ray(s: CoordinatorSettings, log_to_driver: bool = True) -> None:
-    import ray
+    import ray  # lazy: ray (~0.6 s) loads only where the coordinator runs on Ray
 
     if ray.is_initialized():
         return
@@ -67,12 +73,6 @@ async def build_router(s: CoordinatorSettings, resolve=None, health_check=None, 
     affinity_slack = s.prefix_affinity_slack if s.prefix_affinity_chunk else None  # None: least loaded only
     tls = client_tls(s)
     if not s.ray:
-        from coordinator.channels import Dialer
-        from coordinator.routing.discovery import source_from_spec
-        from coordinator.backends.pipeline import AsyncPool, Pipeline
-        from coordinator.routing.pool import PoolManager
-        from coordinator.routing.router import LocalRouter
-
         dialer = Dialer.from_tls(tls)
         pm = PoolManager({k: source_from_spec(v, resolve) for k, v in specs.items() if v}, s.dns_refresh_s,
                          s.health_timeout_s, health_check=health_check, dialer=dialer, wait_s=s.queue_wait_s,
@@ -83,8 +83,7 @@ async def build_router(s: CoordinatorSettings, resolve=None, health_check=None, 
                                       s.replica_streams, s.prefix_affinity_chunk))
         router.pool_manager = pm
         return router
-    from coordinator.actor import PipelineActor, PoolManagerActor
-    from coordinator.routing.router import RayRouter
+    from coordinator.actor import PipelineActor, PoolManagerActor  # lazy: imports ray (~0.6 s), only on Ray
 
     pool = PoolManagerActor.remote(specs, s.dns_refresh_s, s.health_timeout_s, tls, s.queue_wait_s, s.max_waiting,
                                    affinity_slack, s.preempt, s.log_level, tokenizer_size)
@@ -134,15 +133,13 @@ async def build_coordinator(s: CoordinatorSettings, tokenizer=None, eos_token_id
     on_start, on_close, on_stop = [], [], [router.close]
     tracer = None
     if s.otlp_traces_endpoint:  # one span per generation (coordinator/tracing.py)
-        from coordinator.tracing import init_tracer
-
         tracer, provider = init_tracer(s.otlp_traces_endpoint)
 
         async def export_the_rest():  # the last requests' spans, before the process exits
             await asyncio.to_thread(provider.shutdown)
         on_stop.append(export_the_rest)
     if s.http_port:
-        from coordinator.http_api.server import HttpFrontDoor
+        from coordinator.http_api.server import HttpFrontDoor  # lazy: fastapi and uvicorn (~0.7 s), only with http_port
 
         http = HttpFrontDoor(s, lambda: holder["app"])
         on_start.append(http.start)
@@ -150,8 +147,6 @@ async def build_coordinator(s: CoordinatorSettings, tokenizer=None, eos_token_id
         on_stop.insert(0, http.wait_closed)  # in-flight HTTP requests finish before the router closes
     guards = ()
     if s.api_key:
-        from specdec_rpc.auth import ApiKeyInterceptor
-
         guards = (ApiKeyInterceptor(s.api_key, (GENERATION_SERVICE_NAME,), "COORDINATOR_API_KEY"),)
     app = ServerApp(s, GENERATION_SERVICE_NAME, register, ServiceMetrics(replica=False), on_stop=on_stop,
                     on_close=on_close, on_start=on_start, interceptors=guards)

@@ -17,6 +17,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from coordinator.config import CoordinatorSettings, served_name
+from coordinator.routing.probes import grpc_health
+from coordinator.server import build_coordinator, init_ray
+from specdec.hub import resolve_model
 from specdec.settings import child_environ
 
 log = logging.getLogger(__name__)
@@ -30,8 +34,6 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 async def wait_serving(endpoint: str, service: str, timeout: float, proc: subprocess.Popen | None = None,
                        log_path: Path | None = None) -> None:
-    from coordinator.routing.probes import grpc_health
-
     deadline = time.monotonic() + timeout
     err = ""
     while time.monotonic() < deadline:
@@ -103,11 +105,6 @@ class LocalStack:
         return proc, logf
 
     async def start(self) -> str:
-        from specdec.hub import resolve_model
-
-        from coordinator.config import CoordinatorSettings, served_name
-        from coordinator.server import build_coordinator, init_ray
-
         # resolve (download/convert, with a progress bar) here, once, before the replicas load
         target_dir = str(resolve_model(self.target))
         draft_dir = str(resolve_model(self.draft)) if self.draft else None
@@ -135,7 +132,7 @@ class LocalStack:
             tool_call_parser=self.tool_call_parser, reasoning_parser=self.reasoning_parser,
             http_port=free_port(self.host) if self.http_port == 0 else self.http_port or 0)
         if self.use_ray:  # starts while the replicas load their models
-            import ray
+            import ray  # lazy: ray (~0.6 s) loads only where the stack runs on Ray
 
             self._ray_started = not ray.is_initialized()
             init_ray(settings, log_to_driver=not self.quiet)
@@ -159,7 +156,7 @@ class LocalStack:
             await self.app.shutdown(0.5)
             self.app = None
         if self._ray_started:
-            import ray
+            import ray  # lazy: as above
 
             ray.shutdown()
             self._ray_started = False

@@ -15,6 +15,9 @@ from __future__ import annotations
 
 import time
 
+from opentelemetry.trace import SpanKind, Status, StatusCode
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
 TRACE_HEADERS = ("traceparent", "tracestate")
 
 
@@ -22,6 +25,7 @@ def init_tracer(endpoint: str, exporter=None):
     """→ (tracer, provider): a tracer exporting to `endpoint` (OTLP/gRPC, e.g. http://otel-collector:4317), in
     batches off the event loop; `exporter` (tests): export there, span by span, instead. `provider.shutdown()`
     exports what is left (the coordinator calls it when it stops)."""
+    # lazy: the SDK and the OTLP exporter (~0.7 s) load only where traces are exported
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
@@ -46,7 +50,6 @@ def parent_of(metadata) -> object | None:
             carrier[key] = value if isinstance(value, str) else value.decode("latin-1")
     if not carrier:
         return None
-    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
     return TraceContextTextMapPropagator().extract(carrier)
 
@@ -68,8 +71,6 @@ class RequestTrace:
 
     def end(self, request: dict | None, stats: dict | None = None, finish: str = "", error: str = "") -> None:
         """Record the span (once: a request that ended is not recorded again by a later error)."""
-        from opentelemetry.trace import SpanKind, Status, StatusCode
-
         if self.ended:
             return
         self.ended = True

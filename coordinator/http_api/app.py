@@ -22,6 +22,7 @@ import time
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from coordinator.http_api import bodies as responses
@@ -32,6 +33,7 @@ from coordinator.http_api.limits import Limits
 from coordinator.http_api.response_store import ResponseStore, as_items, items_page
 from coordinator.http_api.streams import (first_responses, gather_all, merged, sse, sse_response, trace_metadata,
                                       until_disconnected)
+from specdec import __version__
 from specdec_rpc.pb import generation_pb2
 
 
@@ -48,11 +50,8 @@ class OpenAIFrontDoor:
         self.client_timeout_s = client_timeout_s  # for a body to arrive, and for a stream's reader to take data
         self.requests, self.registry = None, registry
         if registry is not None:
-            from prometheus_client import Counter
-
             self.requests = Counter("specdec_http_requests", "OpenAI-compatible HTTP requests",
                                     ["route", "status"], registry=registry)
-            from prometheus_client import Gauge
 
             Gauge("specdec_responses_stored", "Responses API responses kept for previous_response_id",
                   registry=registry).set_function(lambda: len(self.store))
@@ -379,8 +378,6 @@ class OpenAIFrontDoor:
 
         @app.get("/version")
         async def version():
-            from specdec import __version__
-
             return {"version": __version__}
 
         @app.get("/health")
@@ -390,8 +387,6 @@ class OpenAIFrontDoor:
             return {"status": "serving"}
 
         if self.registry is not None:  # the coordinator's metrics here too, as vLLM serves them on its API port
-            from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-
             @app.get("/metrics")
             async def metrics():
                 return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)

@@ -8,7 +8,10 @@ import logging
 import grpc
 from fastapi.responses import JSONResponse
 
+from coordinator.grpc_api.chat_prompt import chat_message, template_options
 from coordinator.http_api import schema
+from coordinator.http_api.schema import template_fields
+from specdec.tokenizer import encode_prompt
 from specdec_rpc.pb import generation_pb2
 from specdec_rpc.interceptor import status_for
 
@@ -95,8 +98,6 @@ class ServicerBackend:
 
     def encode(self, text: str) -> list[int]:
         """A completion prompt's token ids, as the servicer encodes it (raw: no chat template)."""
-        from specdec.tokenizer import encode_prompt
-
         tok = self.tok
         if tok is None:
             raise ApiError(400, "prompt: this coordinator has no tokenizer; send token ids", "prompt")
@@ -107,14 +108,10 @@ class ServicerBackend:
 
     def tokenize(self, body: schema.TokenizeRequest) -> list[int]:
         """The ids the chat (messages) or completions (prompt) route would generate from."""
-        from specdec.tokenizer import encode_prompt
-
         if body.prompt is not None:
             return self.encode(body.prompt)
         if self.tok is None:
             raise ApiError(400, "messages: this coordinator has no tokenizer", "messages")
-        from coordinator.http_api.schema import template_fields
-        from coordinator.grpc_api.chat_prompt import chat_message, template_options
 
         pb = generation_pb2.GenerateRequest()
         for m in body.messages:  # as the chat route: through GenerateRequest.messages

@@ -4,6 +4,8 @@ proto, no web framework.
 """
 from __future__ import annotations
 
+from google.protobuf.json_format import MessageToDict
+
 from coordinator.http_api.structured import ToolChoice
 from specdec_rpc.pb import generation_pb2
 
@@ -38,8 +40,6 @@ def usage(stats: list[generation_pb2.GenerationStats], n: int = 1, reasoning: bo
 
 
 def stats_dict(stats: generation_pb2.GenerationStats) -> dict:
-    from google.protobuf.json_format import MessageToDict
-
     return MessageToDict(stats, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
 
 

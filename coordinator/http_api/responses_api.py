@@ -18,6 +18,8 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
+from coordinator.http_api.bodies import stats_dict
+from coordinator.http_api.response_store import as_items
 from coordinator.http_api.schema import INT32_MAX, ChatCompletionRequest, SpecDecKnobs
 
 _PART_TYPES = ("input_text", "output_text", "text")
@@ -158,8 +160,6 @@ class ResponsesRequest(SpecDecKnobs):
 
     def continued(self, history: list[dict[str, Any]]) -> "ResponsesRequest":
         """This request after `history` (a stored response's conversation): its input items follow it."""
-        from coordinator.http_api.response_store import as_items
-
         return type(self).model_validate({**self.model_dump(exclude_unset=True),
                                           "input": history + as_items(self.input)})
 
@@ -204,8 +204,6 @@ def call_item(call: dict, status: str = "completed") -> dict:
 def response_object(body: ResponsesRequest, rid: str, created: int, model: str, output: list[dict],
                     finish: str | None, stats=None, stored: bool = False) -> dict:
     """The `response` object; `finish` None: still in progress (the stream's first events)."""
-    from coordinator.http_api.bodies import stats_dict
-
     status = "in_progress" if finish is None else ("incomplete" if finish == "length" else "completed")
     usage = None
     if stats is not None:

@@ -6,6 +6,10 @@ import asyncio
 import contextlib
 import logging
 import socket
+import ssl
+
+import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from coordinator.http_api.app import OpenAIFrontDoor, ServicerBackend
 from coordinator.http_api.response_store import ResponseStore
@@ -25,8 +29,6 @@ class HttpFrontDoor:
         self.task: asyncio.Task | None = None
 
     async def start(self) -> int:
-        import uvicorn
-
         class Server(uvicorn.Server):
             @contextlib.contextmanager
             def capture_signals(self):
@@ -53,8 +55,6 @@ class HttpFrontDoor:
                                f"--http-port") from None
         tls = {}
         if s.tls.enabled:  # the gRPC port's certificate; mTLS when it requires client certificates
-            import ssl
-
             tls = {"ssl_certfile": s.tls.cert_file, "ssl_keyfile": s.tls.key_file, "ssl_ca_certs": s.tls.ca_file,
                    "ssl_cert_reqs": ssl.CERT_REQUIRED if s.tls.require_client_auth else ssl.CERT_NONE}
         # connections past the requests in flight (idle keep-alives, probes) are capped too: plain 503s from uvicorn
@@ -88,8 +88,6 @@ def headers_within(timeout_s: float):
     (its first, or the next one on a kept-alive connection). uvicorn has no such limit: connections that sent
     nothing, or half a request line, stayed open, and 2,112 of them (the connection cap) made every request, /health
     included, a 503 for as long as they stayed."""
-    from uvicorn.protocols.http.h11_impl import H11Protocol
-
     class H11WithHeaderTimeout(H11Protocol):
         _headers_timer = None
         _armed_for = None

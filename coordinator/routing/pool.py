@@ -35,7 +35,7 @@ import time
 from coordinator.routing.affinity import PrefixAffinity
 from coordinator.routing.members import Member, Pool, Waiter
 from coordinator.routing.preemption import on_wait
-from coordinator.routing.probes import grpc_capacity, grpc_health, vocabulary_mismatch
+from coordinator.routing.probes import end_session, grpc_capacity, grpc_health, vocabulary_mismatch
 from specdec.errors import CapacityError, ContextOverflowError, SpecDecError
 
 log = logging.getLogger(__name__)
@@ -359,8 +359,6 @@ class PoolManager:
         """Give back everything held or awaited by tokens starting with `prefix` (a pipeline that died with its
         requests), and end those sessions on their replicas (a token is `prefix + session id + /kind/n`: best
         effort); → how many sessions were released."""
-        from coordinator.routing.probes import end_session
-
         held = []
         for kind, pool in self.pools.items():
             for token, h in list(pool.holdings.by_token.items()):

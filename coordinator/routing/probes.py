@@ -7,6 +7,7 @@ import contextlib
 import logging
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from coordinator.channels import Dialer
 from specdec_rpc.pb import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
@@ -35,8 +36,6 @@ def end_session_request(kind: str, session_id: str):
 async def grpc_health(kind: str, endpoint: str, service: str, timeout: float,
                       dialer: Dialer | None = None) -> tuple[bool, str]:
     """(SERVING?, error text) of one replica via the standard health service."""
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
     async with _channel(kind, endpoint, dialer) as channel:
         try:
             resp = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service),

@@ -41,7 +41,7 @@ class LocalRouter:
 
 def wanted_pipelines() -> int:
     """One pipeline actor per CPU of the Ray cluster (at least 2): more Ray workers, more pipelines."""
-    import ray
+    import ray  # lazy: ray (~0.6 s) loads only where the coordinator runs on Ray (not with --no-ray)
 
     return max(2, int(ray.cluster_resources().get("CPU", 2)))
 
@@ -94,8 +94,6 @@ class RayRouter:
                 await self.grow()
 
     def start_autogrow(self) -> None:
-        import asyncio
-
         async def loop():
             while True:
                 await asyncio.sleep(self.grow_every_s)
@@ -108,7 +106,7 @@ class RayRouter:
             self._grow_task = asyncio.get_running_loop().create_task(loop())
 
     async def stream(self, request: dict) -> AsyncIterator[dict]:
-        import ray
+        import ray  # lazy: ray (~0.6 s) loads only where the coordinator runs on Ray (not with --no-ray)
 
         if not self.actors:
             await self.grow()
@@ -147,7 +145,7 @@ class RayRouter:
 
     def waiting_now(self) -> float:
         """Requests waiting for free replica sessions (admission), for the metrics scrape (its own thread)."""
-        import ray
+        import ray  # lazy: ray (~0.6 s) loads only where the coordinator runs on Ray (not with --no-ray)
 
         pool = getattr(self, "pool_actor", None)
         if pool is None:
@@ -163,7 +161,7 @@ class RayRouter:
         return await pool.max_model_len.remote() if pool is not None else 0
 
     async def close(self, wait_s: float = 10.0) -> None:
-        import ray
+        import ray  # lazy: ray (~0.6 s) loads only where the coordinator runs on Ray (not with --no-ray)
 
         if self._grow_task is not None:
             self._grow_task.cancel()
