@@ -5,6 +5,7 @@ from pydantic import Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
 from specdec.defaults import DEFAULT_DRAFT, DRAFT_METRICS_PORT, DRAFT_PORT, PROMPT_LOOKUP_MIN_NGRAM, QUANT_MODES
+from specdec.lookup import prompt_lookup
 from specdec_rpc.settings import ServerSettings
 
 
@@ -38,8 +39,6 @@ class DraftSettings(ServerSettings):
 
     def prompt_lookup(self):
         """The drafting's PromptLookup, or None when turned off."""
-        from specdec.lookup import prompt_lookup
-
         return prompt_lookup(self.prompt_lookup_min_ngram, self.prompt_lookup_max_ngram)
 
     @field_validator("quant")

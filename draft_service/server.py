@@ -2,10 +2,14 @@
 from __future__ import annotations
 
 from specdec.defaults import DRAFT_SERVICE_NAME
+from specdec.model import load_model
+from specdec.preverifier import load_preverifier
+from specdec.threads import ModelThread
+from specdec.vocab import fit_draft_vocabulary
+from specdec.workers.draft import DraftWorker
 from specdec_rpc.app import ServerApp
 from specdec_rpc.host import SessionHost
 from specdec_rpc.metrics import ServiceMetrics
-from specdec.threads import ModelThread
 from specdec_rpc.settings import resolve_device, resolve_dtype
 
 from draft_service.batcher import DraftBatcher
@@ -16,26 +20,18 @@ from draft_service.servicer import DraftServicer, add_to_server
 async def build_app(settings: DraftSettings, model=None, preverifier=None, warmup: bool = True) -> ServerApp:
     """`model`: an already built CausalLM (tests); otherwise `settings.model` is loaded onto device/dtype.
     `preverifier`: a loaded pre-verifier; otherwise `settings.preverifier` (a path) is loaded if set."""
-    from specdec.workers.draft import DraftWorker
-
     runner = ModelThread("draft-model", settings.threads)
     if model is None:
-        from specdec.model import load_model
-
         device = resolve_device(settings.device)
         dtype = resolve_dtype(settings.dtype, device, "draft")
         model = await runner.run(lambda: load_model(settings.model, device, dtype, role="draft",
                                                     quant=settings.quant))
     if settings.target_vocab_size:
-        from specdec.vocab import fit_draft_vocabulary
-
         try:
             fit_draft_vocabulary(model, settings.target_vocab_size, preverifier)
         except ValueError as e:
             raise ValueError(f"target_vocab_size {settings.target_vocab_size}: {e}") from None
     if preverifier is None and settings.preverifier:
-        from specdec.preverifier import load_preverifier
-
         path = None if settings.preverifier == "default" else settings.preverifier
         preverifier = await runner.run(lambda: load_preverifier(path, draft_model=model))
     if preverifier is not None and settings.pacer_threshold is not None:

@@ -4,11 +4,10 @@ from __future__ import annotations
 import grpc
 
 from specdec.errors import InvalidRequestError, StalePositionError
-from specdec_rpc.pb import draft_pb2, draft_pb2_grpc
+from specdec.stop import StopSpec, make_stop_rule
 from specdec_rpc.convert import encode_q, features_from_proto, sampling_from_proto
 from specdec_rpc.host import SessionHost
-from specdec.stop import make_stop_rule
-from specdec.stop import StopSpec
+from specdec_rpc.pb import draft_pb2, draft_pb2_grpc
 
 _REASONS = {"gamma_max": draft_pb2.STOP_REASON_GAMMA_MAX, "preverifier": draft_pb2.STOP_REASON_PREVERIFIER,
             "cancelled": draft_pb2.STOP_REASON_CANCELLED}

@@ -182,8 +182,8 @@ def one_hot(x: int) -> SparseDist:
 
 
 def certain(x: int, row_index: int | None = None) -> Choice:
-    """A token proposed with certainty (prompt lookup, a grammar's forced token): q is one-hot, exact at any
-    temperature."""
+    """A token with a one-hot q: one proposed with certainty (prompt lookup, a grammar's forced token; exact at any
+    temperature), or a greedy session's argmax."""
     return Choice(x, one_hot(x), row_index)
 
 

@@ -22,9 +22,3 @@ class KVSlots:
         """Copy the K/V of positions [0, n) of slot `src` into slot `dst`, every layer (a reused prompt prefix)."""
         for t in self.k + self.v:
             t[dst, :n] = t[src, :n]
-
-    def move(self, slot: int, src: list[int], dst: list[int]) -> None:
-        """Copy the K/V at cache indices `src` of a slot to `dst` in every layer (an accepted tree path)."""
-        if src != dst:
-            for t in self.k + self.v:
-                t[slot, dst] = t[slot, src]

@@ -18,13 +18,18 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file
 from torch import nn
 
 from specdec import native, settings
 from specdec.attention import SMALL_BLOCK_ROWS, attention
-from specdec.dtypes import auto_dtype, cpu_has_fast_bf16, resolve_dtype  # noqa: F401 (re-exported: their old home)
+from specdec.dtypes import resolve_dtype
+from specdec.fusion import fuse_projections_
+from specdec.hub import resolve_model
 from specdec.kv_slots import KVSlots
 from specdec.linear import Linear, prepack_linears, row_invariance_enabled, set_row_invariant, tune_linears
+from specdec.preverifier import draft_fingerprint
+from specdec.quant import quantize_int8_, resolve_quant
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
 
@@ -278,32 +283,24 @@ class CausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, kv: KVSlots,
-                logits_rows: slice | None = None, features: torch.Tensor | None = None,
-                cache_at: int | None = None, attn_mask: torch.Tensor | None = None, compact_logits: bool = False):
+                logits_rows: slice | None = None, features: torch.Tensor | None = None, compact_logits: bool = False):
         # tokens/positions: [B, S] (rows padded to S; padding positions lie past each row's real end); slots: [B];
         # features: [B, S, feature_size], a feature draft's f_{t-1} per row (required iff config.feature_size).
-        # Token trees (B == 1, specdec/tree.py): `positions` are RoPE positions only; the rows' K/V go to cache
-        # indices cache_at.. and row i attends to the cache indices attn_mask[i] ([S, cache_at + S], bool) marks.
         # compact_logits: a compact-head model returns its head's logits as they are (one per subset entry, in
         # vocab_subset order; expand_logits maps them), sparing the full-vocabulary expansion.
         B, S = tokens.shape
         cos, sin = self._rope(positions)
-        if attn_mask is not None:
-            if B != 1 or cache_at is None or attn_mask.shape != (S, cache_at + S):
-                raise ValueError("a tree forward takes one row, cache_at and an [S, cache_at + S] attn_mask")
-            positions = torch.arange(cache_at, cache_at + S, device=tokens.device)[None]
         kv_len = int(positions.max()) + 1
         if kv_len > kv.max_len:
             raise ValueError(f"position {kv_len - 1} is beyond the KV cache ({kv.max_len} positions)")
         visible = None
-        if attn_mask is None and S <= SMALL_BLOCK_ROWS and settings.get().decode_attention \
-                and native.supports(kv.k[0]):
+        if S <= SMALL_BLOCK_ROWS and settings.get().decode_attention and native.supports(kv.k[0]):
             # a decode step or verify block: row s of sequence b sees positions 0..positions[b, s] of its slot
             if int(positions.min()) < 0 or int(slots.min()) < 0 or int(slots.max()) >= kv.num_slots:
                 raise ValueError(f"slots must lie in [0, {kv.num_slots}) and positions be >= 0")
             visible, slots = (positions + 1).to(torch.int64).contiguous(), slots.to(torch.int64).contiguous()
-        mask = None if attn_mask is None else attn_mask[None, None]
-        if S > 1 and attn_mask is None and visible is None:
+        mask = None
+        if S > 1 and visible is None:
             key_pos = torch.arange(kv_len, device=tokens.device)
             mask = (key_pos[None, None, :] <= positions[:, :, None]).unsqueeze(1)  # [B, 1, S, kv_len]
         if B > 1 and visible is None:  # per row: (slot, its own kv length); attention row by row (Attention._per_row)
@@ -329,11 +326,6 @@ def load_model_dir(path: str | Path, device: str = "cpu", dtype: str | torch.dty
                    role: str = "target", quant: str = "auto") -> CausalLM:
     """Load a Hugging Face-style directory (config.json + *.safetensors). `role` matters for dtype and quant `auto`
     (`specdec.quant.resolve_quant`: a draft gets int8 weights on a bf16 CPU; a target never unless asked)."""
-    from safetensors.torch import load_file
-
-    from specdec.fusion import fuse_projections_
-    from specdec.quant import quantize_int8_, resolve_quant
-
     settings.prepare_process()  # oneDNN's cache sizes, before this process's first oneDNN call
     path = Path(path)
     raw = json.loads((path / "config.json").read_text())
@@ -358,8 +350,6 @@ def load_model_dir(path: str | Path, device: str = "cpu", dtype: str | torch.dty
     if settings.get().fuse:  # off (SPECDEC_FUSE=0): the checkpoint's layout (for A/B runs)
         fuse_projections_(model)
     if resolve_quant(quant, role, device, dtype) == "int8":
-        from specdec.preverifier import draft_fingerprint
-
         # a pre-verifier names its draft by the stored weights; keep that name across the quantization
         model.weights_fingerprint = draft_fingerprint(model)
         quantize_int8_(model)
@@ -376,6 +366,4 @@ def load_model_dir(path: str | Path, device: str = "cpu", dtype: str | torch.dty
 def load_model(spec: str | Path, device: str = "cpu", dtype: str | torch.dtype = "float32",
                role: str = "target", quant: str = "auto") -> CausalLM:
     """Resolve a model spec (local dir, .gguf, hub id, default-target/default-draft) and load it."""
-    from specdec.hub import resolve_model
-
     return load_model_dir(resolve_model(str(spec)), device=device, dtype=dtype, role=role, quant=quant)

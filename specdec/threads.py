@@ -54,6 +54,12 @@ class ModelThread:
                                                            initializer=set_thread_count, initargs=(self.threads,))
         self._last: concurrent.futures.Future | None = None  # the latest submission (the thread runs them in order)
 
+    @property
+    def executor(self) -> concurrent.futures.ThreadPoolExecutor:
+        """The one-thread executor, for work that must share this thread's OpenMP team (the benchmark's HF baseline
+        on a 2-thread engine's thread); calls submitted here bypass `idle`."""
+        return self._pool
+
     def idle(self) -> bool:
         """Nothing queued or running on the model thread."""
         return self._last is None or self._last.done()

@@ -149,7 +149,7 @@ class Bench:
             for c in self.configs:
                 if c.kind == "hf":  # 2 threads: on the 2-thread `ar` engine's thread, one OpenMP team (threads.py)
                     shared = engines.get(c.threads) if c.threads > 1 else None
-                    self.runners[c.name] = HFRunner(self.hf, c, pool=shared.target.pool if shared else None)
+                    self.runners[c.name] = HFRunner(self.hf, c, pool=shared.target.thread.executor if shared else None)
         if "stack" in kinds or o.concurrency:
             from coordinator.stack import LocalStack
 

@@ -53,7 +53,7 @@ class EngineRunner:
 
     async def run(self, ids: list[int], temperature: float, seed: int, max_new_tokens: int) -> Sample:
         from specdec.sampling import SamplingParams
-        from specdec.schedule import GenerationRequest
+        from specdec.request import GenerationRequest
 
         kw = {"gamma": self.cfg.gamma} if self.cfg.gamma else {}
         req = GenerationRequest(prompt_ids=list(ids), max_new_tokens=max_new_tokens, mode=self.cfg.mode,

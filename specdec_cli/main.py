@@ -233,7 +233,7 @@ def _generate_in_process(args) -> dict:
     from specdec.lookup import prompt_lookup
     from specdec.model import load_model_dir
     from specdec.sampling import SamplingParams
-    from specdec.schedule import GenerationRequest
+    from specdec.request import GenerationRequest
     from specdec.threads import orchestrator_threads
     from specdec.tokenizer import IncrementalDetokenizer, encode_prompt, eos_token_ids, load_tokenizer
 

@@ -11,16 +11,16 @@ import logging
 import time
 
 from specdec import native
-from specdec.sampling import SamplingParams
-from specdec_rpc.pb import common_pb2
 from specdec.quant import weight_quant
+from specdec.sampling import SamplingParams
+from specdec.sessions import SessionTable
+from specdec.threads import ModelThread
+from specdec.workers.base import feature_size
+from specdec_rpc.aio import cancel_and_wait
 from specdec_rpc.interceptor import ServiceDraining
 from specdec_rpc.metrics import ServiceMetrics
-from specdec.threads import ModelThread
-from specdec_rpc.aio import cancel_and_wait
-from specdec.sessions import SessionTable
+from specdec_rpc.pb import common_pb2
 from specdec_rpc.settings import ServerSettings
-from specdec.workers.base import feature_size
 
 log = logging.getLogger(__name__)
 

@@ -37,7 +37,7 @@ from specdec_rpc.aio import cancel_and_wait
 
 @dataclass
 class _Item:
-    args: object  # specdec.workers.VerifyArgs
+    args: object  # specdec.workers.target.VerifyArgs
     future: asyncio.Future
     t_enqueue: int = field(default_factory=time.perf_counter_ns)
 

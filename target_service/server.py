@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 from specdec.defaults import TARGET_SERVICE_NAME
+from specdec.model import load_model
+from specdec.threads import ModelThread
+from specdec.workers.target import TargetWorker
 from specdec_rpc.app import ServerApp
 from specdec_rpc.host import SessionHost
 from specdec_rpc.metrics import ServiceMetrics
-from specdec.threads import ModelThread
 from specdec_rpc.settings import resolve_device, resolve_dtype
 
 from target_service.batcher import VerifyBatcher
@@ -15,12 +17,8 @@ from target_service.servicer import TargetServicer, add_to_server
 
 async def build_app(settings: TargetSettings, model=None, warmup: bool = True) -> ServerApp:
     """`model`: an already built CausalLM (tests); otherwise `settings.model` is loaded onto device/dtype."""
-    from specdec.workers.target import TargetWorker
-
     runner = ModelThread("target-model", settings.threads)
     if model is None:
-        from specdec.model import load_model
-
         device = resolve_device(settings.device)
         dtype = resolve_dtype(settings.dtype, device, "target")
         model = await runner.run(load_model, settings.model, device, dtype)

@@ -4,10 +4,11 @@ from __future__ import annotations
 import grpc
 
 from specdec.errors import InvalidRequestError
-from specdec_rpc.pb import common_pb2, target_pb2, target_pb2_grpc
+from specdec.workers.target import VerifyArgs
 from specdec_rpc.convert import (decode_q, dense_q_to_sparse, features_to_proto, logprobs_to_proto,
                                    sampling_from_proto, tensor_from_proto)
 from specdec_rpc.host import SessionHost
+from specdec_rpc.pb import common_pb2, target_pb2, target_pb2_grpc
 
 from target_service.batcher import VerifyBatcher
 
@@ -42,8 +43,6 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         return target_pb2.TargetServiceEndSessionResponse(existed=await self.host.end_session(request.session_id))
 
     async def Verify(self, request, context) -> target_pb2.VerifyResponse:
-        from specdec.workers.target import VerifyArgs
-
         self.host.touch(request.session_id)
         if request.method not in _METHODS:
             raise InvalidRequestError("method", f"unknown VerifyMethod {request.method}; use GREEDY, TOKEN or BLOCK")

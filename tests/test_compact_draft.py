@@ -7,7 +7,7 @@ import torch
 from specdec.engine import Engine
 from specdec.model import CausalLM
 from specdec.sampling import SamplingParams
-from specdec.schedule import GenerationRequest
+from specdec.request import GenerationRequest
 from specdec.workers.draft import DraftWorker
 from tests.helpers_models import build_tiny_model, target_greedy
 

@@ -103,7 +103,7 @@ async def test_feature_draft_gets_the_targets_features_over_the_wire(stack):
     """Remote sd with a feature draft drafts exactly what the in-process engine drafts, which it can only do if
     every feature reached it (drafting with zeros instead proposes other tokens)."""
     from specdec.engine import Engine
-    from specdec.schedule import GenerationRequest
+    from specdec.request import GenerationRequest
 
     from draft_service.config import DraftSettings
 

@@ -18,7 +18,8 @@ from scipy.stats import chisquare
 from specdec.engine import Engine
 from specdec.preverifier import build_random_preverifier
 from specdec.sampling import SamplingParams, logits_to_probs
-from specdec.schedule import GenerationRequest, generate
+from specdec.request import GenerationRequest
+from specdec.schedule import generate
 from specdec.verify import block_acceptance_weights
 from tests.table_lm import TableLM
 

@@ -15,7 +15,7 @@ from specdec.engine import Engine
 from specdec.errors import InvalidRequestError
 from specdec.preverifier import build_random_preverifier
 from specdec.sampling import SamplingParams, logits_to_probs
-from specdec.schedule import GenerationRequest
+from specdec.request import GenerationRequest
 from specdec.workers.base import TargetFeatures
 from specdec.workers.draft import DraftWorker
 from specdec.workers.target import TargetWorker

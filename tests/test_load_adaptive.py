@@ -12,7 +12,8 @@ from specdec.engine import Engine
 from specdec.errors import InvalidRequestError
 from specdec.preverifier import build_random_preverifier
 from specdec.sampling import SamplingParams
-from specdec.schedule import GenerationRequest, generate
+from specdec.request import GenerationRequest
+from specdec.schedule import generate
 from tests.helpers_models import target_greedy
 from tests.table_lm import TableLM
 from tests.test_exactness import PROMPT, V, chi_square_pvalue, exact_continuations, sample_continuations

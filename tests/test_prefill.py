@@ -39,7 +39,7 @@ def slow_chunks(app, log: list, started: threading.Event, delay_s: float = 0.03)
         return verify_batch(batch)
 
     worker.prefill_chunk_of, worker.verify_batch = chunk, verify
-    app.host.runner._threads = 0  # every call on the model thread, none on the event loop
+    app.host.runner.threads = 0  # every call on the model thread, none on the event loop
 
 
 @pytest.mark.parametrize("interleave", [True, False])

@@ -15,7 +15,7 @@ from specdec.preverifier import (DEFAULT_PREVERIFIER_DIR, Preverifier, Preverifi
                                  build_random_preverifier, derive_threshold, draft_fingerprint, load_preverifier,
                                  save_preverifier)
 from specdec.sampling import SamplingParams, logits_to_probs
-from specdec.schedule import GenerationRequest
+from specdec.request import GenerationRequest
 from specdec.stop import DraftFeatures, PreverifierStop, StopSpec
 from tests.helpers_models import build_tiny_model
 
@@ -63,7 +63,8 @@ def test_round_scorer_equals_the_full_block_score(mode, head, lite):
 
 
 def test_scalar_rows_equal_token_scalars():
-    from specdec.preverifier import scalar_row, token_scalars
+    from specdec.preverifier import token_scalars
+    from specdec.round_scorer import scalar_row
 
     g = torch.Generator().manual_seed(0)
     logq = -torch.rand(9, generator=g) * 5

@@ -15,7 +15,7 @@ from specdec.preverifier import build_random_preverifier
 from specdec.quant import (INT8_MAX_ROWS, Int8Linear, int8_supported, quantize_int8_, resolve_quant,
                            weight_quant)
 from specdec.sampling import SamplingParams
-from specdec.schedule import GenerationRequest
+from specdec.request import GenerationRequest
 from tests.helpers_models import build_tiny_model
 
 pytestmark = pytest.mark.skipif(not int8_supported("cpu", torch.bfloat16),

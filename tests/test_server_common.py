@@ -127,6 +127,26 @@ def test_sessions_ttl_lru_capacity():
         tab.admit("")
 
 
+def test_a_worker_table_never_evicts_a_live_session_and_hands_back_what_expired():
+    """A worker's table (lru_min_idle_s None) refuses a start when full, however idle its sessions are, and
+    drops the expired ones with their values, whose slots the worker frees."""
+    clk = Clock()
+    tab = SessionTable(max_sessions=2, ttl_s=10, lru_min_idle_s=None, clock=clk)
+    tab.add("a", "slot-a")
+    tab.add("b", "slot-b")
+    clk.t = 9
+    with pytest.raises(errors.CapacityError, match="slots"):
+        tab.check_room("c")
+    with pytest.raises(errors.CapacityError, match="slots"):
+        tab.make_room("c")
+    assert tab.touch("b") == "slot-b" and list(tab) == ["a", "b"]
+    clk.t = 11  # a expired, b not
+    assert tab.get("a") == "slot-a"  # a read changes nothing
+    with pytest.raises(errors.SessionNotFoundError, match="expired"):
+        tab.touch("a")
+    assert tab.make_room("c") == [("a", "slot-a")] and "a" not in tab and tab.values() == ["slot-b"]
+
+
 # ---------------------------------------------------------------- settings
 def test_settings_env_then_cli(monkeypatch):
     class S(ServerSettings):
@@ -284,7 +304,7 @@ def test_dtype_auto_picks_bf16_where_it_is_fast():
     """`auto` (the default): bf16 on GPUs and where the CPU has native bf16 GEMMs (target and draft), else fp32."""
     import torch
 
-    from specdec.model import auto_dtype, cpu_has_fast_bf16
+    from specdec.dtypes import auto_dtype, cpu_has_fast_bf16
     from specdec_rpc.settings import resolve_dtype
 
     class S(ServerSettings):

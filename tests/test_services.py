@@ -330,7 +330,7 @@ async def test_lone_calls_run_on_the_servers_event_loops_with_the_same_results(m
         last = trunner._last
         here = await t.Verify(vreq)
         assert trunner._last is last, "the lone Verify should not go to the model thread"
-        trunner._threads = 0  # now it cannot run there: the model thread verifies the same call
+        trunner.threads = 0  # now it cannot run there: the model thread verifies the same call
         there = await t.Verify(vreq)
         assert trunner._last is not last
         assert (here.num_accepted, here.next_token) == (there.num_accepted, there.next_token)

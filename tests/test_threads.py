@@ -11,8 +11,8 @@ def test_engine_thread_counts_stick_per_engine():
     m = build_tiny_model(vocab_size=32)
     one = Engine(m, None, threads_per_model=1)
     two = Engine(m, None, threads_per_model=2)
-    assert one.target.pool.submit(torch.get_num_threads).result() == 1
-    assert two.target.pool.submit(torch.get_num_threads).result() == 2
+    assert one.target.thread.submit(torch.get_num_threads) == 1
+    assert two.target.thread.submit(torch.get_num_threads) == 2
     one.close()
     two.close()
 
@@ -40,7 +40,7 @@ def test_sequential_modes_run_inline_and_overlapping_modes_on_worker_threads():
 
     from specdec.engine import Engine
     from specdec.sampling import SamplingParams
-    from specdec.schedule import GenerationRequest
+    from specdec.request import GenerationRequest
     from tests.helpers_models import tiny_pair
 
     target, draft = tiny_pair()

@@ -13,7 +13,7 @@ import torch
 from specdec.engine import Engine
 from specdec.preverifier import build_random_preverifier
 from specdec.sampling import SamplingParams, logits_to_probs
-from specdec.schedule import GenerationRequest
+from specdec.request import GenerationRequest
 from specdec.vocab import PADDING_SLACK, draft_vocabulary_error, fit_draft_vocabulary
 from tests.helpers_models import build_tiny_model, start_replica, target_greedy
 from tests.test_exactness import chi_square_pvalue

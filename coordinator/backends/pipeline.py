@@ -24,7 +24,8 @@ import grpc
 from specdec.errors import (CapacityError, ContextOverflowError, InvalidRequestError, SessionNotFoundError,
                             SpecDecError, StalePositionError)
 from specdec.sampling import SamplingParams
-from specdec.schedule import GenerationRequest, GenerationResult, GenerationStats, generate
+from specdec.request import GenerationRequest, GenerationResult, GenerationStats
+from specdec.schedule import generate
 from specdec.workers.base import PREFILL_CHUNK
 
 from coordinator.routing.affinity import prefix_keys

@@ -56,7 +56,7 @@ class Session:
     want_features: bool = False  # target: return features with each result (a feature draft reads them)
     feats: object | None = None  # draft: a feature draft's per-position inputs (specdec.feature_state.FeatureState)
     # draft: tokens known to follow `tokens` but not fed yet (looked-up tokens drafted without a forward,
-    # specdec.drafting); the session holds them as it holds `tokens`, and the next forward feeds them
+    # workers/draft.py); the session holds them as it holds `tokens`, and the next forward feeds them
     pending: list[int] = field(default_factory=list)
     prompt_logprobs: object | None = None  # target: the prefill's TokenLogprobs (params.prompt_logprobs), until read
     cached_tokens: int = 0  # prompt positions whose K/V came from the prefix cache instead of the prefill

@@ -96,8 +96,6 @@ def add_args(a) -> None:
                         "after the first drafted token the target will reject, the ceiling of any pre-verifier")
     a.add_argument("--compare-preverifier", nargs="*", default=[], metavar="DIR",
                    help="also pacer with these pre-verifiers (each at its own B and θ), beside --preverifier's")
-    a.add_argument("--trees", nargs="*", default=[], metavar="K0,K1,...",
-                   help="also greedy token trees (specdec/tree.py) of these shapes, e.g. 2,1,1 4,2,1 (T=0 only)")
 
 
 def _configs(args, pv, quant: str = "auto", with_ar: bool = True) -> list[dict]:
@@ -134,8 +132,6 @@ def _configs(args, pv, quant: str = "auto", with_ar: bool = True) -> list[dict]:
                      "gamma": args.gamma_max, "block_size": pv.block_size, "threshold": pv.threshold,
                      "quant": quant, "pearl_first_block": None if first == "pacer" else int(first),
                      "post_threshold": post_theta})
-    cfgs += [{"name": f"tree {t}{tag}", "mode": "tree", "shape": t, "quant": quant}
-             for t in getattr(args, "trees", [])]
     if getattr(args, "oracle", False):
         cfgs.append({"name": f"oracle stop{tag}", "mode": "pacer", "gamma": args.gamma_max, "block_size": 1,
                      "threshold": 0.5, "quant": quant, "oracle": True})
@@ -186,16 +182,6 @@ class OracleStop:
         return {"oracle": True}
 
 
-def _run_tree(engine, c, ids, n, eos) -> dict:
-    """One greedy token-tree request on the engine's workers, on this thread (its rounds are sequential)."""
-    from specdec.tree import generate_tree, parse_shape
-
-    t0 = time.perf_counter()
-    out, st = generate_tree(engine.draft_worker, engine.target_worker, list(ids), n, parse_shape(c["shape"]), eos)
-    return {"tokens": len(out), "wall_s": time.perf_counter() - t0, "target_forwards": st.rounds,
-            "draft_tokens": st.drafted, "accepted_tokens": st.accepted, "output": out}
-
-
 def run_ablation(args) -> dict:
     from specdec.engine import Engine
     from specdec.hub import resolve_model
@@ -241,23 +227,14 @@ def run_ablation(args) -> dict:
                      "quant": q0, "engine": ("pv", i)})
     rows = []
     for temp in temps:
-        if getattr(args, "trees", None) and temp != 0:
-            raise SystemExit("--trees are greedy only: pass --temperatures 0")
         for c in cfgs:  # warm-up
-            if c["mode"] == "tree":
-                _run_tree(engines[c["quant"]], c, prompts[0][1][:16], 8, eos)
-            else:
-                engines[c.get("engine", c["quant"])].generate(_req(c, prompts[0][1][:16], 8, temp, 0, eos))
+            engines[c.get("engine", c["quant"])].generate(_req(c, prompts[0][1][:16], 8, temp, 0, eos))
         for pi, (src, ids) in enumerate(prompts):
             for c in (c for c in cfgs if c.get("oracle")):  # each oracle's reference, untimed
                 oracles[c["quant"]].settle(lambda: engines[c["engine"]].generate(
                     _req(c, ids, args.max_new_tokens, temp, pi, eos)).token_ids, ids)
             order = cfgs[pi % len(cfgs):] + cfgs[:pi % len(cfgs)]
             for c in order:
-                if c["mode"] == "tree":
-                    rows.append({"temperature": temp, "config": c["name"], "prompt": pi, "source": src,
-                                 **_run_tree(engines[c["quant"]], c, ids, args.max_new_tokens, eos)})
-                    continue
                 res = engines[c.get("engine", c["quant"])].generate(_req(c, ids, args.max_new_tokens, temp, pi, eos))
                 st = res.stats
                 rows.append({"temperature": temp, "config": c["name"], "prompt": pi, "source": src,
@@ -288,7 +265,7 @@ def _write(args, pv, rows, cfgs, temps) -> dict:
 
 def _req(c, ids, n, temp, seed, eos):
     from specdec.sampling import SamplingParams
-    from specdec.schedule import GenerationRequest
+    from specdec.request import GenerationRequest
 
     return GenerationRequest(prompt_ids=list(ids), max_new_tokens=n, mode=c["mode"], gamma=c.get("gamma", 4),
                              block_size=c.get("block_size", 2), pacer_threshold=c.get("threshold"),

@@ -72,7 +72,7 @@ def benchmark_rows(target, draft, tok, counts=(8, 8), max_new_tokens: int = 128)
     rows, for diagnosis only: how a saved pre-verifier and the replay fare on the benchmark's own text."""
     from specdec.engine import Engine
     from specdec_train.preverifier.bench import benchmark_prompts, encode
-    from specdec.schedule import GenerationRequest
+    from specdec.request import GenerationRequest
 
     prompts = [encode(tok, item) for _, item in benchmark_prompts(*counts)]
     engine = Engine(target, draft, max_sessions=1, max_context=max(map(len, prompts)) + max_new_tokens + 8)
