@@ -15,11 +15,11 @@ import statistics
 
 import torch
 
+from specdec.model import load_model
+from specdec_train.distill.bench import served_per_token_s
+
 
 def _neighbour(spec: str, role: str, ready, stop) -> None:
-    from specdec_train.distill.bench import served_per_token_s
-    from specdec.model import load_model
-
     torch.set_num_threads(1)
     m = load_model(spec, dtype="auto", role=role)
     ready.set()
@@ -34,8 +34,6 @@ def main() -> None:
     ap.add_argument("--neighbour", choices=["draft", "target"], default="draft")
     ap.add_argument("--repeats", type=int, default=9)
     args = ap.parse_args()
-    from specdec_train.distill.bench import served_per_token_s
-    from specdec.model import load_model
 
     torch.set_num_threads(1)
     target = load_model(args.target, dtype="auto", role="target")

@@ -19,6 +19,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specdec.attention import attention
+from specdec.linear import Linear
+from specdec.quant import Int8Linear, int8_supported
+
 SHAPES = [(576, 576, "q, o"), (192, 576, "k, v"), (1536, 576, "gate, up"), (576, 1536, "down"),
           (49152, 576, "target head"), (8192, 576, "draft head (compact)")]
 
@@ -36,9 +40,6 @@ def _median_us(fns: dict, reps: int) -> dict:
 
 
 def linear_table(reps: int) -> None:
-    from specdec.linear import Linear
-    from specdec.quant import Int8Linear, int8_supported
-
     print("| shape (out × in) | layer | rows | " + " | ".join(("gemv", "gemm", "packed", "int8", "fp32 F.linear"))
           + " |\n|---|---|---|---|---|---|---|---|")
     for out_f, in_f, what in SHAPES:
@@ -61,8 +62,6 @@ def linear_table(reps: int) -> None:
 
 
 def attention_table(reps: int, heads: int = 9, kv_heads: int = 3, head_dim: int = 64) -> None:
-    from specdec.attention import attention
-
     print(f"\n{heads} query heads, {kv_heads} K/V heads, head dim {head_dim}, bf16\n")
     print("| keys | queries | fused SDPA µs | decode path µs | SDPA max err | decode max err |\n"
           "|---|---|---|---|---|---|")

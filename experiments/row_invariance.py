@@ -15,11 +15,15 @@ import argparse
 
 import torch
 
+from specdec.linear import Linear, check_row_invariance
+from specdec.model import load_model
+from specdec.sampling import SamplingParams
+from specdec.threads import set_thread_count
+from specdec.workers.target import TargetWorker, VerifyArgs
+from specdec_bench.prompts import default_target_prompts
+
 
 def greedy(model, prompts, group: list[int], n: int) -> dict[int, list[int]]:
-    from specdec.sampling import SamplingParams
-    from specdec.workers.target import TargetWorker, VerifyArgs
-
     w = TargetWorker(model, max_sessions=len(group) + 1, max_context=2048)
     out = {}
     for k in group:
@@ -42,11 +46,6 @@ def main() -> None:
     ap.add_argument("--chat", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=48)
     args = ap.parse_args()
-
-    from specdec_bench.prompts import default_target_prompts
-    from specdec.linear import Linear, check_row_invariance
-    from specdec.model import load_model
-    from specdec.threads import set_thread_count
 
     set_thread_count(1)
     tdir, chosen = default_target_prompts(args.humaneval, args.chat)

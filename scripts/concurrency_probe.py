@@ -16,6 +16,14 @@ import statistics
 import time
 import urllib.request
 
+from coordinator.stack import LocalStack
+from specdec.defaults import DEFAULT_DRAFT, DEFAULT_TARGET
+from specdec.hub import resolve_model
+from specdec.preverifier import default_preverifier_dir
+from specdec.tokenizer import load_tokenizer
+from specdec_bench.prompts import load_prompt_sets
+from specdec_bench.runners import StackClient
+
 
 def cpu_s(pid: int) -> float:
     """User + system CPU seconds of a process (Linux /proc)."""
@@ -36,14 +44,6 @@ def scrape(port: int, name: str) -> dict[str, float]:
 
 
 async def main(args) -> None:
-    from coordinator.stack import LocalStack
-    from specdec_bench.prompts import load_prompt_sets
-    from specdec_bench.runners import StackClient
-    from specdec.defaults import DEFAULT_DRAFT, DEFAULT_TARGET
-    from specdec.hub import resolve_model
-    from specdec.preverifier import default_preverifier_dir
-    from specdec.tokenizer import load_tokenizer
-
     tdir = resolve_model(DEFAULT_TARGET)
     prompts = load_prompt_sets(load_tokenizer(tdir), ["humaneval", "chat"], args.n_prompts)
     stack = LocalStack(str(tdir), str(resolve_model(DEFAULT_DRAFT)), default_preverifier_dir(DEFAULT_DRAFT), threads=1,

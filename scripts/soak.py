@@ -40,7 +40,17 @@ import random
 import sys
 import time
 
+import grpc
+import httpx
 from concurrency_probe import scrape
+
+from coordinator.stack import LocalStack
+from specdec.defaults import DEFAULT_DRAFT, DEFAULT_TARGET
+from specdec.hub import resolve_model
+from specdec.preverifier import default_preverifier_dir
+from specdec.tokenizer import load_tokenizer
+from specdec_bench.prompts import Prompt, load_prompt_sets
+from specdec_rpc.pb import generation_pb2, generation_pb2_grpc
 
 MODES = ["ar", "sd", "pacer", "pearl", "pacer_pearl"]
 # a share of the greedy requests carry these (specdec/penalties.py); checked against `ar` with the same
@@ -97,8 +107,6 @@ class Soak:
         self.preemptions = collections.Counter()  # by priority: sessions given up to higher priorities
 
     def request(self, rng: random.Random):
-        from specdec_rpc.pb import generation_pb2
-
         p = rng.randrange(len(self.prompts))
         mode = rng.choice(MODES)
         greedy = rng.random() < self.args.greedy_share
@@ -143,8 +151,6 @@ class Soak:
             self.sampled[key] = ids
 
     async def one(self, rng: random.Random) -> None:
-        import grpc
-
         p, r, key = self.request(rng)
         stream = rng.random() < 0.5
         deadline = rng.uniform(0.2, 3.0) if rng.random() < self.args.deadline_share else None
@@ -278,29 +284,16 @@ class Soak:
 
 
 async def main(args) -> int:
-    import grpc
-
-    from coordinator.stack import LocalStack
-    from specdec_bench.prompts import load_prompt_sets
-    from specdec.defaults import DEFAULT_DRAFT, DEFAULT_TARGET
-    from specdec.hub import resolve_model
-    from specdec.preverifier import default_preverifier_dir
-    from specdec_rpc.pb import generation_pb2, generation_pb2_grpc
-    from specdec.tokenizer import load_tokenizer
-
     tdir = resolve_model(DEFAULT_TARGET)
     tok = load_tokenizer(tdir)
     prompts = load_prompt_sets(tok, ["humaneval", "chat"], args.n_prompts)
     if not args.no_shared_prefix:  # each prompt again behind one long shared prefix: the prefix cache's hits
-        from specdec_bench.prompts import Prompt
-
         shared = [int(t) for t in tok(SHARED_PREFIX + "\n\n")["input_ids"]]
         prompts += [Prompt(p.prompt_set, p.key + "+shared", shared + p.ids) for p in prompts]
     stack = LocalStack(str(tdir), str(resolve_model(DEFAULT_DRAFT)), default_preverifier_dir(DEFAULT_DRAFT), threads=1,
                        ray_cpus=2, pipelines=2, max_sessions=args.max_sessions, metrics=True,
                        dtype=args.dtype, http_port=0 if args.http_share > 0 else None)
     await stack.start()
-    import httpx
 
     http = (httpx.AsyncClient(base_url=stack.http_address, timeout=600,
                               limits=httpx.Limits(max_connections=4 * args.clients))

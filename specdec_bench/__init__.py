@@ -2,6 +2,6 @@
 
 
 def main(argv: list[str] | None = None) -> int:
-    from specdec_bench.cli import main as _main
+    from specdec_bench.cli import main as _main  # lazy: importing a submodule (prompts) loads no torch
 
     return _main(argv)

@@ -13,11 +13,18 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from tqdm import tqdm
 
+from coordinator.stack import LocalStack
+from specdec.engine import Engine
+from specdec.hub import resolve_model
+from specdec.model import load_model_dir
+from specdec.tokenizer import eos_token_ids, load_tokenizer
+from specdec_bench.prompts import load_prompt_sets
 from specdec_bench.runners import Config, EngineRunner, HFModels, HFRunner, Sample, StackClient, StackRunner
 from specdec.defaults import PROMPT_LOOKUP_MIN_NGRAM
 from specdec.lookup import prompt_lookup
-from specdec.preverifier import default_preverifier_dir
+from specdec.preverifier import default_preverifier_dir, load_preverifier
 
 ALL_MODES = ("ar", "hf", "sd", "pacer", "pearl", "pacer_pearl")
 AR_BASE = "ar (2 threads)"
@@ -98,12 +105,6 @@ class Bench:
 
     # ---- setup ------------------------------------------------------------------------------------------------
     def setup(self) -> None:
-        from specdec_bench.prompts import load_prompt_sets
-        from specdec.engine import Engine
-        from specdec.hub import resolve_model
-        from specdec.model import load_model_dir
-        from specdec.tokenizer import eos_token_ids, load_tokenizer
-
         o = self.opts
         torch.set_num_threads(1)  # this thread only orchestrates; compute threads set their own counts
         self.target_dir = resolve_model(o.target)
@@ -124,8 +125,6 @@ class Bench:
         draft = load_model_dir(self.draft_dir, dtype="auto", role="draft") if self.draft_dir else None
         pv = None
         if self.pv_path and draft is not None:
-            from specdec.preverifier import load_preverifier
-
             pv = load_preverifier(self.pv_path, draft_model=draft)
         engines: dict[int | str, Engine] = {}
         for c in self.configs:
@@ -151,8 +150,6 @@ class Bench:
                     shared = engines.get(c.threads) if c.threads > 1 else None
                     self.runners[c.name] = HFRunner(self.hf, c, pool=shared.target.thread.executor if shared else None)
         if "stack" in kinds or o.concurrency:
-            from coordinator.stack import LocalStack
-
             self.log("starting the embedded stack (draft + target servers, 1 thread each; coordinator)")
             self.stack = LocalStack(str(self.target_dir), str(self.draft_dir), self.pv_path, threads=1,
                                     ray_cpus=2, pipelines=2, use_ray=o.use_ray,
@@ -247,8 +244,6 @@ async def _client(address: str) -> StackClient:
 
 
 def _progress(total: int, enabled: bool):
-    from tqdm import tqdm
-
     return tqdm(total=total, disable=not enabled, unit="req", dynamic_ncols=True, desc="bench")
 
 

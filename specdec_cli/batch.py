@@ -20,6 +20,11 @@ import time
 import uuid
 from pathlib import Path
 
+import httpx
+from tqdm import tqdm
+
+from specdec_cli.main import _add_models, _default_preverifier
+
 URLS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 MAX_LINE_BYTES = 1 << 24
 
@@ -123,8 +128,6 @@ def http_poster(client):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from specdec_cli.main import _add_models
-
     ap = argparse.ArgumentParser(prog="specdec batch", description=__doc__.split("\n\n")[0])
     ap.add_argument("-i", "--input", required=True, help="requests, one JSON object per line ('-': stdin)")
     ap.add_argument("-o", "--output", required=True, help="results, one JSON object per line ('-': stdout)")
@@ -140,9 +143,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 async def _main(args) -> int:
-    import httpx
-    from tqdm import tqdm
-
     text = sys.stdin.read() if args.input == "-" else Path(args.input).read_text()
     lines = [ln for ln in text.splitlines() if ln.strip()]
     out = sys.stdout if args.output == "-" else Path(args.output).open("w")
@@ -160,8 +160,7 @@ async def _main(args) -> int:
         if args.url:
             counts = await run(args.url.rstrip("/"))
         else:
-            from coordinator.stack import LocalStack
-            from specdec_cli.main import _default_preverifier
+            from coordinator.stack import LocalStack  # lazy: the embedded stack loads torch (~2 s); --url needs none
 
             async with LocalStack(args.target_model, args.draft_model, _default_preverifier(args),
                                   threads=args.threads, ray_cpus=args.ray_cpus, max_sessions=args.max_sessions,

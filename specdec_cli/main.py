@@ -16,13 +16,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
+import signal
 import sys
 from pathlib import Path
 
 from specdec import __version__, settings
 from specdec.defaults import (COORDINATOR_HTTP_PORT, COORDINATOR_PORT, DEFAULT_DRAFT, DEFAULT_TARGET,
                               PROMPT_LOOKUP_MIN_NGRAM)
+from specdec.errors import SpecDecError
 from specdec.preverifier import default_preverifier_dir
+from specdec.tokenizer import IncrementalDetokenizer, decode, encode_prompt, eos_token_ids, load_tokenizer
 
 MODES = ("ar", "sd", "pacer", "pearl", "pacer_pearl")
 
@@ -235,7 +239,6 @@ def _generate_in_process(args) -> dict:
     from specdec.sampling import SamplingParams
     from specdec.request import GenerationRequest
     from specdec.threads import orchestrator_threads
-    from specdec.tokenizer import IncrementalDetokenizer, encode_prompt, eos_token_ids, load_tokenizer
 
     orchestrator_threads()  # 1 torch thread here: a sequential mode's worker calls run on this thread (engine.py)
     tdir = resolve_model(args.target_model)
@@ -279,7 +282,6 @@ def _generate_in_process(args) -> dict:
     tail = detok.flush()
     if tail and not args.json:
         sys.stdout.write(tail)
-    from specdec.tokenizer import decode
 
     out = {"text": decode(tok, res.token_ids), "token_ids": res.token_ids, "finish_reason": res.finish_reason,
            "stats": res.stats.to_dict()}
@@ -305,9 +307,6 @@ def cmd_generate(args) -> int:
 
 # ---- serve ----------------------------------------------------------------------------------------------------
 def cmd_serve(args) -> int:
-    import logging
-    import signal
-
     from coordinator.stack import LocalStack
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -338,8 +337,6 @@ def cmd_serve(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from specdec.errors import SpecDecError
-
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["bench"]:  # its own parser: specdec_bench/cli.py
         from specdec_bench import main as bench_main

@@ -11,14 +11,20 @@ from pathlib import Path
 
 import torch
 
+from specdec.hub import resolve_model
+from specdec.model import load_model_dir
+from specdec.preverifier import Preverifier, derive_threshold, draft_dir_sha256, draft_fingerprint, save_preverifier
+from specdec.tokenizer import eos_token_ids, load_tokenizer
+from specdec_train.distill.__main__ import main as distill_main
 from specdec_train.distill.data import require_samples
-from specdec_train.preverifier import data as D
+from specdec_train.preverifier import data as D, train as T
+from specdec_train.preverifier.bench import add_args, run_ablation
+from specdec_train.preverifier.collect import collect
+from specdec_train.preverifier.collect_tf import collect_tf, measure_costs
+from specdec_train.preverifier.evaluate import benchmark_rows, cmd_eval, time_preverifier_call
 
 
 def _load_pair(args):
-    from specdec.hub import resolve_model
-    from specdec.model import load_model_dir
-
     tdir, ddir = Path(resolve_model(args.target)), Path(resolve_model(args.draft))
     # the dtypes the services pick (`auto`), so labels and measured costs are those of the served pair
     return (load_model_dir(tdir, dtype="auto", role="target"), load_model_dir(ddir, dtype="auto", role="draft"),
@@ -28,8 +34,6 @@ def _load_pair(args):
 def cmd_collect(args) -> Path:
     if args.prompts != "benchmark":
         require_samples([args.prompts], "--prompts")
-    from specdec.preverifier import draft_dir_sha256, draft_fingerprint
-    from specdec.tokenizer import eos_token_ids, load_tokenizer
 
     torch.set_num_threads(args.threads)
     target, draft, tdir, ddir = _load_pair(args)
@@ -46,11 +50,7 @@ def cmd_collect(args) -> Path:
         raise SystemExit("--method tf cannot label a feature draft (inside a round its inputs depend on which target "
                          "features are known, which one teacher-forced pass cannot reproduce); use --method workers")
     if args.method == "tf":
-        from specdec_train.preverifier.collect_tf import collect_tf, measure_costs
-
         if args.prompts == "benchmark":  # diagnosis only: `train` refuses these files
-            from specdec_train.preverifier.evaluate import benchmark_rows
-
             rows = benchmark_rows(target, draft, tok, args.benchmark_prompts, args.max_new_tokens)
             exclude = set()
         else:
@@ -63,8 +63,6 @@ def cmd_collect(args) -> Path:
         costs = measure_costs(draft, target, args.gamma_max)
         n_tokens = sum(len(r["completion_ids"]) for r in rows)
     else:
-        from specdec_train.preverifier.collect import collect
-
         prompts = D.training_prompts(Path(args.prompts), exclude)
         g = torch.Generator().manual_seed(args.seed)
         order = torch.randperm(len(prompts), generator=g).tolist()
@@ -95,10 +93,6 @@ def cmd_collect(args) -> Path:
 
 
 def cmd_train(args) -> dict:
-    from specdec_train.preverifier import train as T
-    from specdec_train.preverifier.evaluate import time_preverifier_call
-    from specdec.preverifier import derive_threshold, save_preverifier
-
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     for f in [*args.hash_split, *args.tune_data]:
@@ -123,9 +117,6 @@ def cmd_train(args) -> dict:
     ddir_loaded = Path(metas[0].get("draft_loaded_from") or metas[0]["draft"])
     head = None
     if use_head:
-        from specdec.model import load_model_dir
-        from specdec.preverifier import Preverifier
-
         draft_model = load_model_dir(ddir_loaded)
         if args.head_rank > 0:
             head = Preverifier(draft_model.config.hidden_size, use_head=True, head_rank=args.head_rank)
@@ -139,10 +130,6 @@ def cmd_train(args) -> dict:
                                       use_hidden=not args.no_hidden, use_margin=args.margin)
     mc = next((m["costs"] for m in metas if m.get("costs")), None)
     if args.measure_costs:  # the pair as served now (e.g. the draft's int8 weights), not as it was at collection
-        from specdec.hub import resolve_model
-        from specdec.model import load_model_dir
-        from specdec_train.preverifier.collect_tf import measure_costs
-
         served_draft = load_model_dir(resolve_model(args.draft), dtype="auto", role="draft")
         if use_head:
             model.attach_draft(served_draft)
@@ -256,17 +243,12 @@ def cmd_train(args) -> dict:
 
 
 def _fingerprint(ddir: Path) -> str:
-    from specdec.model import load_model_dir
-    from specdec.preverifier import draft_fingerprint
-
     return draft_fingerprint(load_model_dir(ddir))
 
 
 def cmd_run(args) -> None:
     """docs/design/pacer.md's recipe as one command: each step is the documented subcommand; existing outputs are
     kept."""
-    from specdec_train.distill.__main__ import main as distill_main
-
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     common = ["--target", args.target, "--draft", args.draft, "--threads", str(args.threads), "--seed", str(args.seed)]
@@ -383,7 +365,6 @@ def main(argv=None):
 
     a = sub.add_parser("ablate", help="fixed γ vs pacer, in-process, side by side")
     pair(a)
-    from specdec_train.preverifier.bench import add_args
     add_args(a)
 
     args = p.parse_args(argv)
@@ -392,12 +373,10 @@ def main(argv=None):
     elif args.cmd == "train":
         cmd_train(args)
     elif args.cmd == "eval":
-        from specdec_train.preverifier.evaluate import cmd_eval
         cmd_eval(args)
     elif args.cmd == "run":
         cmd_run(args)
     elif args.cmd == "ablate":
-        from specdec_train.preverifier.bench import run_ablation
         run_ablation(args)
 
 

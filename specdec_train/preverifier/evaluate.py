@@ -15,7 +15,14 @@ from pathlib import Path
 
 import torch
 
-from specdec_train.preverifier import train as T
+from specdec.engine import Engine
+from specdec.model import load_model
+from specdec.preverifier import load_preverifier
+from specdec.request import GenerationRequest
+from specdec.stop import DraftFeatures
+from specdec_train.preverifier import data as D, train as T
+from specdec_train.preverifier.bench import benchmark_prompts, encode
+from specdec_train.preverifier.collect_tf import measure_costs
 
 
 def evaluate(pv, rounds: list[dict], costs: T.Costs, gamma_max: int = 12,
@@ -70,10 +77,6 @@ def format_report(name: str, r: dict) -> str:
 def benchmark_rows(target, draft, tok, counts=(8, 8), max_new_tokens: int = 128) -> list[dict]:
     """The ablation's prompts (`counts` = HumanEval, chat) with the target's greedy continuation, as `collect`
     rows, for diagnosis only: how a saved pre-verifier and the replay fare on the benchmark's own text."""
-    from specdec.engine import Engine
-    from specdec_train.preverifier.bench import benchmark_prompts, encode
-    from specdec.request import GenerationRequest
-
     prompts = [encode(tok, item) for _, item in benchmark_prompts(*counts)]
     engine = Engine(target, draft, max_sessions=1, max_context=max(map(len, prompts)) + max_new_tokens + 8)
     try:
@@ -87,8 +90,6 @@ def benchmark_rows(target, draft, tok, counts=(8, 8), max_new_tokens: int = 128)
 
 def time_preverifier_call(model, hidden_size: int, B: int, gamma: int = 12, reps: int = 200) -> float:
     """Seconds per `block_accept_prob` call in isolation (a lower bound: the drafting loop's is 2-4x)."""
-    from specdec.stop import DraftFeatures
-
     f = DraftFeatures(hidden=torch.randn(gamma, hidden_size), tokens=torch.randint(0, 1000, (gamma,)),
                       logq=-torch.rand(gamma), entropy=torch.rand(gamma), block_start=gamma - B,
                       margin=torch.rand(gamma))
@@ -102,10 +103,6 @@ def time_preverifier_call(model, hidden_size: int, B: int, gamma: int = 12, reps
 
 def cmd_eval(args) -> None:
     """`python -m specdec_train.preverifier eval` (the parser is in __main__)."""
-    from specdec.model import load_model
-    from specdec_train.preverifier import data as D
-    from specdec.preverifier import load_preverifier
-
     torch.set_num_threads(args.threads)
     rounds, metas = D.load_rounds(args.data)
     rounds = [r for r in rounds if args.split == "all" or r["split"] == args.split]
@@ -119,8 +116,6 @@ def cmd_eval(args) -> None:
         pv = load_preverifier(path, draft_model=draft)
         measured = None
         if args.measure_costs:
-            from specdec_train.preverifier.collect_tf import measure_costs
-
             measured = measure_costs(draft, load_model(args.target, dtype="auto", role="target"), 12, preverifier=pv)
         costs = costs_of(metas, measured, time_preverifier_call(pv, pv.hidden_size, pv.block_size))
         name = str(path or "shipped")
