@@ -147,7 +147,7 @@ def _emit(out: dict, args, streamed: bool) -> None:
 
 # ---- generate -------------------------------------------------------------------------------------------------
 def _request(args):
-    from specdec_rpc.pb import generation_pb2
+    from specdec_rpc.pb import generation_pb2  # lazy: the gRPC client's stubs load only for a request
 
     r = generation_pb2.GenerateRequest(prompt=args.prompt, max_new_tokens=args.max_new_tokens,
                                        temperature=args.temperature, top_k=args.top_k, seed=args.seed,
@@ -166,7 +166,7 @@ def _request(args):
 
 def _structured(args):
     """The --json-schema / --json-object / --regex / --choice / --grammar form, or None."""
-    from specdec.grammar import StructuredOutput
+    from specdec.grammar import StructuredOutput  # lazy: imports torch (~1.5 s)
 
     def text(v: str) -> str:
         return Path(v[1:]).read_text() if v.startswith("@") else v
@@ -189,6 +189,7 @@ def _stats_dict(st) -> dict:
 
 
 async def _call(address: str, args) -> dict:
+    # lazy: grpc, the stubs and the coordinator's servicer load only for a request
     import grpc
 
     from specdec_rpc.pb import generation_pb2_grpc
@@ -221,7 +222,7 @@ def _logprobs_json(entries) -> list[dict]:
 async def _generate_remote(args) -> dict:
     if args.coordinator:
         return await _call(args.coordinator, args)
-    from coordinator.stack import LocalStack
+    from coordinator.stack import LocalStack  # lazy: the embedded stack imports torch and the coordinator
 
     draft = None if args.mode == "ar" and args.draft_model == DEFAULT_DRAFT else args.draft_model
     async with LocalStack(args.target_model, draft, _default_preverifier(args), threads=args.threads,
@@ -232,6 +233,7 @@ async def _generate_remote(args) -> dict:
 
 
 def _generate_in_process(args) -> dict:
+    # lazy: torch and the model code load only for --in-process
     from specdec.engine import Engine
     from specdec.hub import resolve_model
     from specdec.lookup import prompt_lookup
@@ -294,7 +296,7 @@ def cmd_generate(args) -> int:
     if args.in_process:
         out = _generate_in_process(args)
     else:
-        import grpc
+        import grpc  # lazy: `specdec --help` loads no gRPC
 
         try:
             out = asyncio.run(_generate_remote(args))
@@ -307,7 +309,7 @@ def cmd_generate(args) -> int:
 
 # ---- serve ----------------------------------------------------------------------------------------------------
 def cmd_serve(args) -> int:
-    from coordinator.stack import LocalStack
+    from coordinator.stack import LocalStack  # lazy: the embedded stack imports torch and the coordinator
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
@@ -338,6 +340,7 @@ def cmd_serve(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    # lazy: a subcommand's package (torch, transformers) loads only when that subcommand runs
     if argv[:1] == ["bench"]:  # its own parser: specdec_bench/cli.py
         from specdec_bench import main as bench_main
 
