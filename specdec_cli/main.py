@@ -25,7 +25,6 @@ from specdec import __version__, settings
 from specdec.defaults import (COORDINATOR_HTTP_PORT, COORDINATOR_PORT, DEFAULT_DRAFT, DEFAULT_TARGET,
                               PROMPT_LOOKUP_MIN_NGRAM)
 from specdec.errors import SpecDecError
-from specdec.preverifier import default_preverifier_dir
 from specdec.tokenizer import IncrementalDetokenizer, decode, encode_prompt, eos_token_ids, load_tokenizer
 
 MODES = ("ar", "sd", "pacer", "pearl", "pacer_pearl")
@@ -33,6 +32,8 @@ MODES = ("ar", "sd", "pacer", "pearl", "pacer_pearl")
 
 def _default_preverifier(args) -> str | None:
     """--preverifier, else the shipped one when the shipped draft is used (and present)."""
+    from specdec.preverifier import default_preverifier_dir  # lazy: imports torch; `specdec --help` loads none
+
     return args.preverifier or default_preverifier_dir(args.draft_model)
 
 
