@@ -33,8 +33,10 @@ is one row, batched with other sessions it is one of many) and on what tuning ch
 one-row path rounds some rows unlike its multi-row one (default target, AMD host: 5 of 48 random rows of the
 1536-wide down projection; `experiments/row_invariance.py`). So a row-invariant layer never runs a one-row oneDNN call:
 one row runs as at least MIN_INVARIANT_ROWS rows (a zero row appended), or on `torch.mv` where that was tuned
-fastest. `tune_linears` then checks each shape (`check_row_invariance`) and moves a shape whose `torch.mv` rounds
-unlike its multi-row kernel to the padded oneDNN call.
+fastest. oneDNN's AMX kernels also round a call of more than 32 rows unlike one of 2..32 rows (a batched verify of
+8 sessions of 5 rows is 40), so a row-invariant layer runs a longer call as calls of at most MAX_INVARIANT_ROWS rows.
+`tune_linears` then checks each shape (`check_row_invariance`, across that boundary) and moves a shape whose
+`torch.mv` rounds unlike its multi-row kernel to the padded oneDNN call.
 
 The switches are `specdec.settings` fields: `kernel_tune`, `row_invariant`, and `onednn_cache_capacity`, the size of
 oneDNN's kernel caches, which `settings.prepare_process()` sets before the first oneDNN call (the first model load
@@ -64,6 +66,7 @@ _TUNED: dict[tuple, tuple[str, ...]] = {}  # (class, shape, bias, threads) → p
 PAD_MAX_ROWS = 8  # calls of up to this many rows may run padded (Linear.pad_to)
 PAD_MARGIN = 0.05  # a padded row count is taken only where it measured at least this much faster
 MIN_INVARIANT_ROWS = 2  # a row-invariant layer's calls run as at least this many rows (see the module docstring)
+MAX_INVARIANT_ROWS = 32  # ... and as calls of at most this many rows, a longer call split (see the module docstring)
 _PADS: dict[tuple, tuple[int, ...]] = {}  # (class, shape, bias, threads, plan, layers) → pad_to
 
 
@@ -140,12 +143,22 @@ class Linear(nn.Linear):
         if x.dtype is torch.bfloat16 and x.device.type == "cpu":
             rows = x.numel() // self.in_features
             x2 = x.reshape(rows, self.in_features)
-            run = self.rows_to_run(rows)
-            if run > rows:  # zero rows appended: a row count this host's kernel runs faster (tune_padding)
-                x2 = torch.cat((x2, x2.new_zeros(run - rows, self.in_features)))
-            y = self.run_kernel(self.kernel_for(run), x2)
-            return (y[:rows] if run > rows else y).view(*x.shape[:-1], self.out_features)
+            if self.row_invariant and rows > MAX_INVARIANT_ROWS:
+                y = torch.cat([self._run_rows(x2[i:i + MAX_INVARIANT_ROWS])
+                               for i in range(0, rows, MAX_INVARIANT_ROWS)])
+            else:
+                y = self._run_rows(x2)
+            return y.view(*x.shape[:-1], self.out_features)
         return F.linear(x, self.weight, self.bias)
+
+    def _run_rows(self, x2: torch.Tensor) -> torch.Tensor:
+        """One kernel call on a 2-D input, padded to the row count it runs as (`rows_to_run`)."""
+        rows = x2.shape[0]
+        run = self.rows_to_run(rows)
+        if run > rows:  # zero rows appended: a row count this host's kernel runs faster (tune_padding)
+            x2 = torch.cat((x2, x2.new_zeros(run - rows, self.in_features)))
+        y = self.run_kernel(self.kernel_for(run), x2)
+        return y[:rows] if run > rows else y
 
 
 def prepack_linears(model: nn.Module, rows_hint: int = 4) -> int:
@@ -278,7 +291,7 @@ def row_invariance_enabled() -> bool:
     return settings.get().row_invariant
 
 
-def check_row_invariance(model: nn.Module, max_rows: int = 16) -> list[tuple[int, int]]:
+def check_row_invariance(model: nn.Module, max_rows: int = MAX_INVARIANT_ROWS + 8) -> list[tuple[int, int]]:
     """The (out_features, in_features) of the row-invariant bf16 CPU `Linear`s of `model` whose rows, on random
     inputs, differ between a call of one row and calls of 2..max_rows rows as they run now (plan and padding).
     Empty: every row of every such layer rounds alike whatever its call's row count."""

@@ -256,7 +256,9 @@ def test_a_row_invariant_linear_rounds_every_row_alike_alone_or_batched(plan, mo
     with torch.inference_mode():
         alone = torch.cat([lin(x[i:i + 1]) for i in range(48)])
         assert torch.equal(lin(x), alone)
-        assert torch.equal(alone, F.linear(x, lin.weight))  # and it is still the linear
+        # and it is still the linear (bitwise only where F.linear's kernel rounds like the chunks of at most
+        # MAX_INVARIANT_ROWS rows that a row-invariant layer runs: not on AMX hosts at 48 rows)
+        torch.testing.assert_close(alone, F.linear(x, lin.weight), rtol=1.6e-2, atol=2e-2)
 
 
 def test_the_invariance_check_sees_a_one_row_path_that_rounds_differently(monkeypatch):
@@ -266,9 +268,10 @@ def test_the_invariance_check_sees_a_one_row_path_that_rounds_differently(monkey
 
     lin = _down_projection()
     lin.plan, lin.pad_to = ("packed",) * 4, None
-    x = torch.randn(48, 1536, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    n = linear.MAX_INVARIANT_ROWS  # within one call of a row-invariant layer (longer calls are split)
+    x = torch.randn(n, 1536, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     with torch.inference_mode():
-        differs = not torch.equal(torch.cat([lin(x[i:i + 1]) for i in range(48)]), lin(x))
+        differs = not torch.equal(torch.cat([lin(x[i:i + 1]) for i in range(n)]), lin(x))
     if not differs:
         pytest.skip("this host's one-row and multi-row kernels round alike")
     linear.set_row_invariant(lin)
