@@ -36,7 +36,7 @@ def test_gen_protos_check_passes():
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "gen_protos.py"), "--check"],
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
-    text = (ROOT / "specdec" / "pb" / "draft_pb2.py").read_text()
+    text = (ROOT / "specdec_rpc" / "pb" / "draft_pb2.py").read_text()
     assert "from . import common_pb2" in text and "from specdec.v1" not in text
 
 
