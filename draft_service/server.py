@@ -1,6 +1,8 @@
 """Assemble a DraftService replica: load the model on its thread, wrap it in the shared server skeleton."""
 from __future__ import annotations
 
+import math
+
 from specdec.defaults import DRAFT_SERVICE_NAME
 from specdec.model import load_model
 from specdec.preverifier import load_preverifier
@@ -36,10 +38,12 @@ async def build_app(settings: DraftSettings, model=None, preverifier=None, warmu
         preverifier = await runner.run(lambda: load_preverifier(path, draft_model=model))
     if preverifier is not None and settings.pacer_threshold is not None:
         preverifier.threshold = float(settings.pacer_threshold)  # this host's θ for requests that set none
+    # the host's session table expires and evicts sessions (specdec_rpc/host.py) and ends them in the worker,
+    # which keeps each until then
     worker = await runner.run(lambda: DraftWorker(
         model, preverifier=preverifier, q_top_k=settings.q_top_k, lookup=settings.prompt_lookup(),
         max_sessions=settings.worker_slots(), max_context=settings.max_context or None,
-        session_ttl_s=settings.session_ttl_s, prefix_cache=settings.prefix_cache,
+        session_ttl_s=math.inf, prefix_cache=settings.prefix_cache,
         prefill_chunk=settings.prefill_chunk))
     metrics = ServiceMetrics()
     host = SessionHost(worker, runner, settings, metrics, model_name=settings.model)

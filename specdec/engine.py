@@ -28,7 +28,8 @@ from specdec.threads import ModelThread
 from specdec.verify import SparseDist
 from specdec.vocab import fit_draft_vocabulary
 from specdec.workers.base import PREFILL_CHUNK, TargetFeatures
-from specdec.workers.draft import DraftBlock, DraftWorker
+from specdec.drafting import DraftBlock
+from specdec.workers.draft import DraftWorker
 from specdec.workers.target import TargetWorker, VerifyOutcome
 
 SEQUENTIAL_MODES = ("ar", "sd", "pacer")  # schedules whose draft and target never compute at the same time

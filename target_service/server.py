@@ -1,6 +1,8 @@
 """Assemble a TargetService replica: model on its thread, verify batcher, shared server skeleton."""
 from __future__ import annotations
 
+import math
+
 from specdec.defaults import TARGET_SERVICE_NAME
 from specdec.model import load_model
 from specdec.threads import ModelThread
@@ -22,9 +24,11 @@ async def build_app(settings: TargetSettings, model=None, warmup: bool = True) -
         device = resolve_device(settings.device)
         dtype = resolve_dtype(settings.dtype, device, "target")
         model = await runner.run(load_model, settings.model, device, dtype)
+    # the host's session table expires and evicts sessions (specdec_rpc/host.py) and ends them in the worker,
+    # which keeps each until then
     worker = await runner.run(lambda: TargetWorker(
         model, max_sessions=settings.worker_slots(), max_context=settings.max_context or None,
-        session_ttl_s=settings.session_ttl_s, prefix_cache=settings.prefix_cache,
+        session_ttl_s=math.inf, prefix_cache=settings.prefix_cache,
         prefill_chunk=settings.prefill_chunk))
     metrics = ServiceMetrics()
     host = SessionHost(worker, runner, settings, metrics, model_name=settings.model)
