@@ -67,6 +67,8 @@ class Session:
 
 
 class Worker:
+    """One model, its KV slots and its sessions (specdec/workers/__init__.py: the position protocol)."""
+
     # A rebuilt session (its history re-sent after a failover or a preemption: prompt + output, `output_start`)
     # feeds its output positions in blocks of this many rows, as the verifies that first wrote them did, so that
     # they get bitwise the same K/V (row invariance: specdec/linear.py, the decode attention) and a greedy answer
@@ -81,8 +83,9 @@ class Worker:
                                model.config.max_position_embeddings)
         self.max_sessions = max_sessions
         self.kv = model.new_kv_slots(max_sessions, self.max_context + PAD_SLACK)
-        # one KV slot per session; a session idle past its TTL is freed when a start needs its slot, and a full
-        # table refuses a start (a replica's own table evicts by LRU first: specdec_rpc/host.py)
+        # one KV slot per session. A session idle past `session_ttl_s` is refused and freed when a start makes room;
+        # a full table refuses a start. A replica's host table decides expiry and eviction (specdec_rpc/host.py)
+        # and ends the sessions it drops here
         self.sessions: SessionTable[Session] = SessionTable(max_sessions, session_ttl_s, lru_min_idle_s=None)
         # free slots, oldest released first, with the tokens whose K/V each still holds (specdec/prefix_cache.py)
         self.free_slots = SlotPrefixes(max_sessions)
