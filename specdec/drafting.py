@@ -259,6 +259,22 @@ def top2_margin(row: torch.Tensor) -> float:
 
 
 # ---- 5. the stop rule --------------------------------------------------------------------------------------------
+def judge_block(c: DraftCall, lookup_accept_prob: float) -> tuple[float | None, bool]:
+    """The finished block's score (P(it is all accepted); None: the rule scores nothing) and whether the rule stops
+    drafting after it."""
+    start, n = c.block.start, len(c.drafted)
+    if all(c.drafted.looked[start:]):
+        # a block prompt lookup proposed: the pre-verifier scores the draft model's own proposals, and it reads
+        # a looked-up token the draft disagrees with as a likely rejection, where such tokens are accepted far
+        # more often. Their predicted acceptance is lookup's measured precision (PromptLookup.accept_prob).
+        # The pre-verifier does not run: its round scorer scores these tokens with the next block it scores,
+        # by which time a forward has given their features (DraftWorker._fill_deferred)
+        score = lookup_accept_prob ** (n - start)
+        return score, score < c.stop.threshold
+    stop_now = c.stop.should_stop(c.features.block(c.drafted, start) if c.needs.features else None)
+    return c.stop.last_score, stop_now
+
+
 def end_of_token(c: DraftCall, lookup_accept_prob: float) -> DraftBlock | None:
     """After a token: the block it completes (the call's last, `final`, when drafting stops), or None while the
     block goes on. `lookup_accept_prob`: a looked-up token's predicted acceptance."""
@@ -271,17 +287,7 @@ def end_of_token(c: DraftCall, lookup_accept_prob: float) -> DraftBlock | None:
         return c.close("gamma_max", None)
     if not block_done and n < c.gamma_max:
         return None if s.epoch == c.epoch else c.close("cancelled", None)
-    if all(c.drafted.looked[start:]):
-        # a block prompt lookup proposed: the pre-verifier scores the draft model's own proposals, and it reads
-        # a looked-up token the draft disagrees with as a likely rejection, where such tokens are accepted far
-        # more often. Their predicted acceptance is lookup's measured precision (PromptLookup.accept_prob).
-        # The pre-verifier does not run: its round scorer scores these tokens with the next block it scores,
-        # by which time a forward has given their features (DraftWorker._fill_deferred)
-        score = lookup_accept_prob ** (n - start)
-        stop_now = score < c.stop.threshold
-    else:
-        stop_now = c.stop.should_stop(c.features.block(c.drafted, start) if c.needs.features else None)
-        score = c.stop.last_score
+    score, stop_now = judge_block(c, lookup_accept_prob)
     if skip_below and score is not None and score < skip_below:
         c.drafted.clear()  # draft length 0: the target takes a plain one-row step
         return c.close("preverifier", score)
