@@ -15,10 +15,12 @@ import msgpack
 import numpy as np
 import torch
 
+from specdec.drafting import DraftBlock
 from specdec.errors import InvalidRequestError
 from specdec.grammar import StructuredOutput
 from specdec.sampling import SamplingParams, TokenLogprobs
 from specdec.verify import SparseDist
+from specdec.workers.base import TargetFeatures
 from specdec_rpc.pb import common_pb2, draft_pb2
 
 _TO_PB = {torch.float32: common_pb2.DTYPE_FLOAT32, torch.float16: common_pb2.DTYPE_FLOAT16,
@@ -161,8 +163,6 @@ def features_to_proto(f) -> common_pb2.Features:
 
 def features_from_proto(msgs, field: str = "features") -> list:
     """repeated Features -> list[TargetFeatures]; shape and dtype are checked here, positions by the worker."""
-    from specdec.worker_base import TargetFeatures
-
     out = []
     for i, m in enumerate(msgs):
         rows = tensor_from_proto(m.rows, f"{field}[{i}].rows")
@@ -193,8 +193,6 @@ def draft_request(msg, session_id: str, base_position: int, append: list[int], g
 def draft_block(r, tokens: list[int] | None = None, q: list | None = None):
     """A DraftResponse / DraftStreamResponse as a DraftBlock (`tokens`/`q`: override, e.g. a resumed stream's
     undelivered part)."""
-    from specdec.workers import DraftBlock
-
     return DraftBlock(tokens=list(r.token_ids) if tokens is None else tokens,
                       q=decode_q(r.q, check=False) if q is None else q, stop_reason=_STOP_REASON.get(r.stop_reason, ""),
                       draft_ns=r.draft_ns, final=getattr(r, "last", True))

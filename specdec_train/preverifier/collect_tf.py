@@ -25,6 +25,7 @@ import torch
 from specdec.preverifier import head_stats
 from specdec.sampling import SamplingParams, logits_to_probs, truncate_top_k
 from specdec.stop import FixedLength, PreverifierStop
+from specdec.workers.draft import DraftWorker
 
 
 @torch.inference_mode()
@@ -144,8 +145,6 @@ def measure_costs(draft_model, target_model, gamma_max: int = 12, ctx: int = 64,
 
 
 def _loop_costs(draft_model, preverifier, ctx: int, n: int, reps: int) -> dict:
-    from specdec.workers import DraftWorker
-
     worker = DraftWorker(draft_model, preverifier=preverifier, max_sessions=1, max_context=ctx + 2 * n + 8)
     prompt = torch.randint(0, min(1000, draft_model.config.vocab_size), (ctx,),
                            generator=torch.Generator().manual_seed(0)).tolist()
