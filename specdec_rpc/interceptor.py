@@ -9,6 +9,11 @@ instead, from its request to its response.
 When a drain's grace runs out (or a second signal comes), `cut_short` cancels the calls still running and each
 ends with UNAVAILABLE and a message saying to retry, not gRPC's bare CANCELLED "Cancelling all calls" (which
 clients do not retry, and which logged an ERROR traceback per call).
+
+Requests are deserialized here, inside the handler, not by grpc before it: bytes that are not a valid message of
+the method's request type (a string field that is not UTF-8, a truncated body) end with INVALID_ARGUMENT saying
+what is wrong (specdec_rpc/wire.py), logged as one WARNING per `UNDECODABLE_LOG_S` at most, where grpc's own
+deserializer answers UNKNOWN and logs an ERROR per request.
 """
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ import time
 import grpc
 
 from specdec import errors
+from specdec_rpc.wire import UndecodableRequest, deserialize
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +59,7 @@ def _method_name(full: str) -> str:
     return full.rsplit("/", 1)[-1]  # "/specdec.v1.TargetService/Verify" -> "Verify"
 
 
+UNDECODABLE_LOG_S = 30.0  # at most one warning per this many seconds about requests that do not decode
 CUT_SHORT = "the server shut down before this call finished (its drain's grace ran out); retry it"
 
 
@@ -61,6 +68,22 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         self.metrics = metrics
         self.running: set[asyncio.Task] = set()  # the calls' handler tasks (health watches aside)
         self.cut = False
+        self._undecodable_logged, self._undecodable_since = float("-inf"), 0
+
+    def _decode(self, deserializer, data, method: str):
+        """The request message of `data` (raw bytes; a message already when grpc deserialized it)."""
+        if deserializer is None or not isinstance(data, (bytes, bytearray, memoryview)):
+            return data
+        try:
+            return deserialize(deserializer, data)
+        except UndecodableRequest as e:
+            now = time.monotonic()
+            self._undecodable_since += 1
+            if now - self._undecodable_logged >= UNDECODABLE_LOG_S:
+                log.warning("%s: %d request(s) that do not decode answered INVALID_ARGUMENT since the last such "
+                            "warning; the latest: %s", method, self._undecodable_since, e)
+                self._undecodable_logged, self._undecodable_since = now, 0
+            raise
 
     def cut_short(self) -> int:
         """End every call still running with UNAVAILABLE (`CUT_SHORT`). → how many."""
@@ -91,20 +114,17 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         method = _method_name(handler_call_details.method)
         if handler.unary_unary:
             return grpc.unary_unary_rpc_method_handler(
-                self._wrap_unary(handler.unary_unary, method),
-                request_deserializer=handler.request_deserializer,
+                self._wrap_unary(handler.unary_unary, method, handler.request_deserializer),
                 response_serializer=handler.response_serializer)
         if handler.unary_stream:
             behavior = handler.unary_stream  # async generator, or a coroutine using context.write (health Watch)
             wrap = self._wrap_stream if inspect.isasyncgenfunction(behavior) else self._wrap_unary
             return grpc.unary_stream_rpc_method_handler(
-                wrap(behavior, method),
-                request_deserializer=handler.request_deserializer,
+                wrap(behavior, method, handler.request_deserializer),
                 response_serializer=handler.response_serializer)
         if handler.stream_stream and method.endswith("Rounds"):
             return grpc.stream_stream_rpc_method_handler(
-                self._wrap_rounds(handler.stream_stream, method),
-                request_deserializer=handler.request_deserializer,
+                self._wrap_rounds(handler.stream_stream, method, handler.request_deserializer),
                 response_serializer=handler.response_serializer)
         return handler  # other client-streaming RPCs (reflection): left untouched
 
@@ -130,10 +150,11 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             code = context.code()
         self._count_error(method, code if isinstance(code, grpc.StatusCode) else grpc.StatusCode.UNKNOWN)
 
-    def _wrap_unary(self, behavior, method):
+    def _wrap_unary(self, behavior, method, deserializer=None):
         async def wrapped(request, context):
             t0 = time.perf_counter()
             try:
+                request = self._decode(deserializer, request, method)
                 async with self._tracked(context, method):
                     return await behavior(request, context)
             except grpc.aio.AbortError:
@@ -145,10 +166,11 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                 self._observe(method, t0)
         return wrapped
 
-    def _wrap_stream(self, behavior, method):
+    def _wrap_stream(self, behavior, method, deserializer=None):
         async def wrapped(request, context):
             t0 = time.perf_counter()
             try:
+                request = self._decode(deserializer, request, method)
                 async with self._tracked(context, method):
                     async for item in behavior(request, context):
                         yield item
@@ -161,7 +183,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                 self._observe(method, t0)
         return wrapped
 
-    def _wrap_rounds(self, behavior, method):
+    def _wrap_rounds(self, behavior, method, deserializer=None):
         """A per-round stream answers each request before reading the next, so a message's latency runs from
         pulling its request off the stream to yielding its response."""
         async def wrapped(request_iterator, context):
@@ -170,7 +192,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             async def timed():
                 async for req in request_iterator:
                     pulled.append(time.perf_counter())
-                    yield req
+                    yield self._decode(deserializer, req, method)
 
             try:
                 async with self._tracked(context, method):
