@@ -9,6 +9,7 @@
     GET  /version               vLLM's: the server's version
     GET  /health                200 while serving, 503 while draining
     GET  /metrics               the coordinator's Prometheus metrics (also on COORDINATOR_METRICS_PORT)
+    GET  /openapi.json, /docs   the OpenAPI 3 document of these routes (coordinator/http_api/openapi.py), rendered
 
 A thin shell: a body is validated (coordinator/http_api/schema.py), turned into a GenerateRequest and handed to the
 same GenerationServicer the gRPC API uses, in process. Errors come back in OpenAI's shape, `{"error": {"message",
@@ -29,7 +30,8 @@ from coordinator.http_api import bodies as responses
 from coordinator.http_api import schema
 from coordinator.http_api import responses_api
 from coordinator.http_api.backend import CLIENT_CLOSED, ApiError, ServicerBackend, param_of  # noqa: F401 (re-exported)
-from coordinator.http_api.limits import Limits
+from coordinator.http_api.limits import OPEN_PATHS, Limits
+from coordinator.http_api.openapi import openapi_document
 from coordinator.http_api.response_store import ResponseStore, as_items, items_page
 from coordinator.http_api.streams import (first_responses, gather_all, merged, sse, sse_response, trace_metadata,
                                       until_disconnected)
@@ -279,7 +281,14 @@ class OpenAIFrontDoor:
 
     # -- the app ----------------------------------------------------------------------------------------------
     def app(self) -> FastAPI:
-        app = FastAPI(title="specdec (OpenAI-compatible)", docs_url=None, redoc_url=None, openapi_url=None)
+        app = FastAPI(title="specdec (OpenAI-compatible)", version=__version__, docs_url="/docs", redoc_url=None,
+                      openapi_url="/openapi.json", swagger_ui_oauth2_redirect_url=None)
+
+        def openapi() -> dict:
+            if app.openapi_schema is None:
+                app.openapi_schema = openapi_document(app, OPEN_PATHS, bool(self.api_key))
+            return app.openapi_schema
+        app.openapi = openapi
 
         @app.exception_handler(ApiError)
         async def api_error(_request, exc: ApiError):

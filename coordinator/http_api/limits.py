@@ -12,9 +12,9 @@ from coordinator.grpc_api.chat_prompt import REQUEST_ID
 from specdec_rpc.aio import within
 
 log = logging.getLogger("coordinator.http_api.app")
-OPEN_PATHS = ("/health", "/metrics", "/version")  # probes and scrapers: no API key
+OPEN_PATHS = ("/health", "/metrics", "/version", "/openapi.json", "/docs")  # probes, scrapers, the schema: no key
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/responses/{id}", "/v1/models",
-          "/v1/models/{id}", "/tokenize", "/detokenize", "/health", "/metrics")
+          "/v1/models/{id}", "/tokenize", "/detokenize", "/health", "/metrics", "/version", "/openapi.json", "/docs")
 
 
 class Limits:
