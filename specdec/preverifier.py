@@ -32,7 +32,7 @@ from torch import nn
 
 from specdec.defaults import DEFAULT_DRAFT
 from specdec.fusion import unfused_state
-from specdec.round_scorer import HASH_MULT, Folded, RoundScorer, scalar_row  # noqa: F401 - scalar_row re-exported
+from specdec.round_scorer import HASH_MULT, Folded, RoundScorer
 from specdec.stop import DraftFeatures
 
 DEFAULT_PREVERIFIER_DIR = Path(__file__).resolve().parent / "assets" / "default_preverifier"

@@ -36,9 +36,8 @@ from typing import AsyncIterator, Callable
 
 from specdec.errors import InvalidRequestError
 from specdec.overlap import OverlapChoice
-from specdec.request import GenerationRequest, GenerationResult, GenerationStats  # generate's types, re-exported
-from specdec.request import DEFAULT_POST_THRESHOLD
-from specdec.run_state import DraftBackend, TargetBackend, _Run  # noqa: F401 - the backends' types, re-exported
+from specdec.request import DEFAULT_POST_THRESHOLD, GenerationRequest, GenerationResult
+from specdec.run_state import DraftBackend, TargetBackend, _Run
 from specdec.stop import StopSpec
 from specdec.drafting import DraftBlock
 
