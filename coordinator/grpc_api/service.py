@@ -16,9 +16,10 @@ import grpc
 
 from coordinator.grpc_api.chat_prompt import REQUEST_ID, chat_message, log_failure, log_request, template_options
 from coordinator.grpc_api.output_constraints import OutputConstraints
+from coordinator.grpc_api.prompt_work import PromptWork, least_prompt_tokens, longest_token_bytes, prompt_bytes
 from coordinator.grpc_api.reasoning import ReasoningSplitter, ReasoningStart, reasoning_tokens
 from coordinator.grpc_api.text_output import TextAssembler
-from specdec.errors import InvalidRequestError
+from specdec.errors import ContextOverflowError, InvalidRequestError
 from specdec_rpc.pb import common_pb2, generation_pb2, generation_pb2_grpc
 from specdec.request import MAX_SPEC_OFF_BATCH, MODES, PEARL_OVERLAP
 from specdec.sampling import MAX_TOP_LOGPROBS
@@ -31,6 +32,7 @@ FINISH_NAME = {v: k for k, v in FINISH.items()}
 VERIFY_METHODS = ("token", "block", "greedy")
 DEFAULT_MAX_NEW_TOKENS = 128
 CONTEXT_REFRESH_S = 30.0
+SIZE_CHECK_BYTES = 16 * 1024  # text this long is checked against the context before it is tokenized
 
 
 def logprobs_pb(entries: list | None) -> generation_pb2.GeneratedLogprobs | None:
@@ -82,6 +84,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         self.context_len, self._context_at = 0, -1e9  # the target pool's max_model_len (0: unknown), and when read
         self.in_flight = 0  # requests between arrival and end, both doors (running + waiting for sessions)
         self.max_message_bytes = 0  # the gRPC send limit a whole answer must fit (0: unchecked)
+        self.work = PromptWork()  # tokenizing, chat templates, grammars: off the event loop (grpc_api/prompt_work.py)
+        self._longest_token: int | None = None  # the bytes one token covers at most (0: unknown), read on first use
 
     @property
     def reasoning_parser(self) -> str:
@@ -151,6 +155,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             raise InvalidRequestError("min_tokens", f"must be in [0, max_new_tokens={max_new}], got {r.min_tokens}")
         if len(r.stop_token_ids) > MAX_STOP_TOKEN_IDS or any(t < 0 for t in r.stop_token_ids):
             raise InvalidRequestError("stop_token_ids", f"send at most {MAX_STOP_TOKEN_IDS} token ids, each >= 0")
+        if self.tok is not None and (bad := next((t for t in r.stop_token_ids if t >= len(self.tok)), None)) is not None:
+            raise InvalidRequestError("stop_token_ids", f"id {bad} is outside the vocabulary [0, {len(self.tok)})")
         if r.prompt_token_ids:
             template_options(r)  # refuses the chat template's fields: token ids go in as they are
             ids = list(r.prompt_token_ids)
@@ -250,25 +256,45 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         if not self.context_len:
             self._context_at = -1e9  # ask again on the next such request
 
+    async def check_size(self, r: generation_pb2.GenerateRequest) -> None:
+        """OUT_OF_RANGE for a text prompt longer than the context could hold, before tokenizing it: its fewest
+        possible tokens (grpc_api/prompt_work.py) leave no position to generate in. Cheap, and on the loop: a
+        refusal does not wait behind the prompt work in the pool."""
+        if self.tok is None or r.HasField("truncate_prompt_tokens") or prompt_bytes(r) < SIZE_CHECK_BYTES:
+            return
+        if self._longest_token is None:
+            self._longest_token = await self.work.run(longest_token_bytes, self.tok)
+        await self._context_len()
+        least = least_prompt_tokens(r, self._longest_token)
+        if self.context_len and least >= self.context_len:
+            raise ContextOverflowError(
+                f"This model's maximum context length is {self.context_len} tokens. However, the prompt has "
+                f"{prompt_bytes(r)} bytes of text, at least {least} tokens (a token covers at most "
+                f"{self._longest_token} bytes); shorten it, or send truncate_prompt_tokens")
+
     async def _respond(self, r, context, incremental: bool, trace):
         t0, first, ttft, m = time.perf_counter(), True, None, self.metrics
         rid, asm = r.request_id or "-", None
         self.in_flight += 1
         outcome = None  # ("error", status name) once an error event came; "done" once the answer went out
+        served: dict = {}  # what the request holds (prompt tokens, replicas), for the log line of an abort
         try:
             if r.max_new_tokens_to_context and not r.HasField("max_new_tokens"):
                 await self._context_len()
-            p = self.prepare(r)
+            await self.check_size(r)
+            p = await self.work.run(self.prepare, r)  # tokenizing, the chat template: off the loop
             if trace is not None:
                 trace.request = p.request
             if p.request["grammar"]:
-                await asyncio.to_thread(self.output.check_grammar, p.request["grammar"])
+                await self.work.run(self.output.check_grammar, p.request["grammar"])
             asm, rid = p.assembler, p.request["request_id"]
             split = ReasoningSplitter(p.reasoning) if p.reasoning is not None else None
             n_prompt = len(p.request["prompt_ids"])
             p.request["final_only"] = not (incremental or asm.stop)
+            served["prompt_tokens"] = n_prompt
             async with contextlib.aclosing(self.router.stream(p.request)) as events:
                 async for ev in events:
+                    served.update(ev.get("served") or ())
                     if "tokens" in ev:
                         was_stopped = asm.stopped
                         text, ids = asm.push(ev["tokens"])
@@ -333,7 +359,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             self.in_flight -= 1
             if isinstance(outcome, tuple):
                 sent = len(asm.token_ids) if asm is not None else 0
-                self._ended(outcome, {"request_id": rid, "mode": r.mode or self.default_mode,
+                self._ended(outcome, {**served, "request_id": rid, "mode": r.mode or self.default_mode,
                                       "completion_tokens": sent}, time.perf_counter() - t0)
 
     def _ended(self, outcome: tuple, stats: dict, wall_s: float) -> None:

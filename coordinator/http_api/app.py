@@ -105,7 +105,8 @@ class OpenAIFrontDoor:
         n = body.n
         echo_texts = [p if isinstance(p, str) else None for p in body.prompts] if echo else []
         if echo:  # the prompts' own tokens come back: encode text here, as the servicer would (raw)
-            body.prompts[:] = [self.backend.encode(p) if isinstance(p, str) else p for p in body.prompts]
+            body.prompts[:] = [await self.backend.off_loop(self.backend.encode, p) if isinstance(p, str) else p
+                               for p in body.prompts]
             if (keep := body.truncate_prompt_tokens) is not None:  # the kept tokens come back, as vLLM's echo
                 body.prompts[:] = [p[-keep:] for p in body.prompts]
                 echo_texts = [None] * len(body.prompts)
@@ -132,7 +133,8 @@ class OpenAIFrontDoor:
                                                            cached_prompt_tokens=stats.cached_prompt_tokens)
                 prompt = list(proto.prompt_token_ids)
                 echo_text = echo_texts[k // n]
-                prefix = echo_text if echo_text is not None else self.backend.decode(prompt)
+                prefix = (echo_text if echo_text is not None else
+                          await self.backend.off_loop(self.backend.decode, prompt))
                 return (prefix + text, finish, stats,
                         responses.echo_logprobs_body(prompt, last.prompt_logprobs if lps is not None else None, ids,
                                                      lps, token_text), reason, None)
@@ -377,13 +379,13 @@ class OpenAIFrontDoor:
         @app.post("/tokenize")
         async def tokenize(body: schema.TokenizeRequest, request: Request):
             self._check(request, body)
-            ids = self.backend.tokenize(body)
+            ids = await self.backend.off_loop(self.backend.tokenize, body)
             return {"count": len(ids), "tokens": ids}
 
         @app.post("/detokenize")
         async def detokenize(body: schema.DetokenizeRequest, request: Request):
             self._check(request, body)
-            return {"prompt": self.backend.detokenize(body.tokens)}
+            return {"prompt": await self.backend.off_loop(self.backend.detokenize, body.tokens)}
 
         @app.get("/version")
         async def version():

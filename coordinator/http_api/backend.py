@@ -87,6 +87,12 @@ class ServicerBackend:
         self.servicer = servicer
         self.tok = getattr(servicer, "tok", None)  # None: token-id prompts only
 
+    async def off_loop(self, fn, *args):
+        """`fn(*args)` in the servicer's prompt-work pool (coordinator/grpc_api/prompt_work.py): tokenizing and
+        decoding long texts must not hold up the streams this event loop serves."""
+        work = getattr(self.servicer, "work", None)
+        return await work.run(fn, *args) if work is not None else fn(*args)
+
     async def max_model_len(self) -> int:
         """vLLM's max_model_len: positions a target session holds, the least over the healthy target replicas (0:
         not known yet)."""
