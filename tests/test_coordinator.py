@@ -154,7 +154,8 @@ async def test_stream_concatenation_equals_unary(stack):
         r = req([2, 4, 6], mode, seed=11, temperature=temp, verify_method="token")
         events.clear()
         unary = await stack.stubs["random"].Generate(r)
-        assert len(events) == 1 and events[0]["done"], [list(e) for e in events]
+        tokens = [e for e in events if set(e) != {"served"}]  # the replicas it holds, for an abort's log line
+        assert len(tokens) == 1 and tokens[0]["done"], [list(e) for e in events]
         ids, finals = [], []
         async for part in stack.stubs["random"].GenerateStream(r):
             ids.extend(part.token_ids)

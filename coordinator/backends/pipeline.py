@@ -139,11 +139,15 @@ class Pipeline:
         rid = req.session_id
         incremental = not request.get("final_only")  # False: the caller reads only the last event
 
-        def on_tokens(new: list[int], logprobs: list | None = None) -> bool:
+        def on_tokens(new: list[int], logprobs: list | None = None, served: dict | None = None) -> bool:
+            """`served`: the replicas the request holds, when they changed (a request that ends without its last
+            event, a client's abort, is logged with them)."""
             if rid in self._cancelled:  # a cancel the request's task lost (a callee that swallowed it)
                 raise asyncio.CancelledError
             if incremental:
-                queue.put_nowait({"tokens": list(new), "logprobs": logprobs})
+                queue.put_nowait({"tokens": list(new), "logprobs": logprobs, **({"served": served} if served else {})})
+            elif served:
+                queue.put_nowait({"served": served})
             return rid in self._stop
 
         task = asyncio.ensure_future(self._run(req, on_tokens, bool(request.get("draft_fallback"))))
@@ -192,11 +196,19 @@ class Pipeline:
         target, draft = self._backends(req, n_prompt, reserve, req.mode != "ar")
         first_target, first_draft = target, draft
         committed, seen_logprobs = [], []
+        told: dict = {}
 
         def tracking(new: list[int], logprobs: list | None = None) -> bool:
             committed.extend(new)
             seen_logprobs.extend(logprobs or ())
-            return on_tokens(new, logprobs)
+            served = {"prompt_tokens": n_prompt, "cached_prompt_tokens": first_target.cached_tokens,
+                      "target_replica": ",".join(ep for b in dict.fromkeys((first_target, target)) for ep in b.served),
+                      "draft_replica": ",".join(first_draft.served) if first_draft is not None else ""}
+            if served == told:
+                return on_tokens(new, logprobs)
+            told.clear()
+            told.update(served)
+            return on_tokens(new, logprobs, dict(served))
 
         fallback = ""  # why it went target-only: "unreachable" (no draft replica) or "context" (past the draft's)
         try:
