@@ -394,3 +394,64 @@ def test_http_fuzz_long(stack):
     print(f"\nHTTP fuzz (schemathesis, /openapi.json): {sum(tally.values())} cases in {time.monotonic() - t0:.0f} s, "
           f"statuses {dict(sorted(tally.items()))}")
 
+
+
+# ---- the edges the fuzzing found ----------------------------------------------------------------------------
+def test_prompt_past_the_context_is_refused_before_tokenizing(stack, channel):
+    ctx = httpx.get(stack.url + "/v1/models", timeout=30).json()["data"][0]["max_model_len"]
+    servicer = stack.app.servicer
+    prepared = []
+    prepare = servicer.prepare
+    servicer.prepare = lambda r: prepared.append(r) or prepare(r)
+    try:
+        t0 = time.monotonic()
+        for big in (g.GenerateRequest(prompt="abc " * (64 * ctx), max_new_tokens=4),
+                    g.GenerateRequest(messages=[g.ChatMessage(role="user", content="ab " * (64 * ctx))]),
+                    g.GenerateRequest(prompt_token_ids=[3] * max(ctx, 1100))):
+            with pytest.raises(grpc.RpcError) as e:
+                raw_method(channel, "/specdec.v1.GenerationService/Generate", g.GenerateResponse)(
+                    big.SerializeToString(), timeout=30)
+            assert e.value.code() == grpc.StatusCode.OUT_OF_RANGE, e.value.details()
+            assert f"maximum context length is {ctx} tokens" in e.value.details()
+        assert time.monotonic() - t0 < 5.0 and not prepared  # refused before the prompt work
+        r = httpx.post(stack.url + "/v1/completions", json={"prompt": "abc " * (64 * ctx), "max_tokens": 2},
+                       timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+        # truncated, the same text is tokenized (off the event loop) and answered
+        ok = g.GenerateRequest(prompt="abc " * (64 * ctx), truncate_prompt_tokens=8, max_new_tokens=2)
+        assert len(raw_method(channel, "/specdec.v1.GenerationService/Generate", g.GenerateResponse)(
+            ok.SerializeToString(), timeout=60).token_ids) == 2
+    finally:
+        servicer.prepare = prepare
+
+
+@pytest.mark.parametrize("bad", [VOCAB, 2**31 - 1])
+def test_stop_token_ids_outside_the_vocabulary(stack, channel, bad):
+    req = g.GenerateRequest(prompt_token_ids=[2, 3], max_new_tokens=2, stop_token_ids=[bad])
+    with pytest.raises(grpc.RpcError) as e:
+        raw_method(channel, "/specdec.v1.GenerationService/Generate", g.GenerateResponse)(
+            req.SerializeToString(), timeout=30)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"stop_token_ids: id {bad} is outside the vocabulary [0, {VOCAB})" in e.value.details()
+
+
+def test_abort_log_names_what_the_request_held(stack, channel, caplog):
+    import logging
+
+    stub = channel.unary_stream("/specdec.v1.GenerationService/GenerateStream",
+                                request_serializer=g.GenerateRequest.SerializeToString,
+                                response_deserializer=g.GenerateStreamResponse.FromString)
+    req = g.GenerateRequest(prompt_token_ids=[2, 3, 4, 5], max_new_tokens=64, mode="sd", ignore_eos=True, gamma=1)
+    aborts = []
+    with caplog.at_level(logging.INFO, logger="coordinator.requests"):
+        for _ in range(5):
+            call = stub(req, timeout=30)
+            next(call)
+            call.cancel()
+            stack.sessions_end()
+            aborts = [r.getMessage() for r in caplog.records if "finish abort" in r.getMessage()]
+            if aborts:
+                break
+    assert aborts, "no request was cancelled before its end"
+    assert all(" 4 prompt " in line and "target 127.0.0.1:" in line and "draft 127.0.0.1:" in line
+               for line in aborts), aborts
