@@ -1,7 +1,8 @@
 """How much huge prompts stall an unrelated stream: a greedy GenerateStream's largest gap between messages, alone
 and while `--huge` prompts of `--huge-bytes` each arrive at the same coordinator (gRPC, `specdec serve` or any
 stack). A prompt that large is refused (OUT_OF_RANGE: longer than the context); what matters is whether the work
-of refusing it holds up the other stream.
+of refusing it holds up the other stream. With `--truncate N` the prompts are tokenized whole, then cut to their
+last N tokens, and generate.
 
     python scripts/prompt_stall.py --target 127.0.0.1:50051 [--rounds 3]
 """
@@ -48,10 +49,13 @@ def huge_prompt(size: int, seed: int) -> str:
     return " ".join(out)[:size]
 
 
-async def huge(stub, prompt: str) -> tuple[str, float]:
+async def huge(stub, prompt: str, truncate: int = 0) -> tuple[str, float]:
     t0 = time.perf_counter()
+    req = g.GenerateRequest(prompt=prompt, max_new_tokens=8)
+    if truncate:
+        req.truncate_prompt_tokens = truncate
     try:
-        await stub.Generate(g.GenerateRequest(prompt=prompt, max_new_tokens=8), timeout=120)
+        await stub.Generate(req, timeout=120)
         code = "OK"
     except grpc.aio.AioRpcError as e:
         code = e.code().name
@@ -65,6 +69,8 @@ async def main() -> None:
     ap.add_argument("--huge", type=int, default=3)
     ap.add_argument("--huge-bytes", type=int, default=1 << 20)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--truncate", type=int, default=0,
+                    help="send the huge prompts with truncate_prompt_tokens (they are tokenized, then generate)")
     a = ap.parse_args()
     opts = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
     prompts = [huge_prompt(a.huge_bytes, k) for k in range(a.huge)]
@@ -77,7 +83,7 @@ async def main() -> None:
             started = asyncio.Event()
             s = asyncio.ensure_future(stream_gaps(stub, a.max_new_tokens, started))
             await started.wait()
-            hs = await asyncio.gather(*(huge(stub, p) for p in prompts))
+            hs = await asyncio.gather(*(huge(stub, p, a.truncate) for p in prompts))
             out["with_huge"].append(await s)
             out["huge"].append(hs)
         alone = max(r["max_gap_s"] for r in out["alone"])

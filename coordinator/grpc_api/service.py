@@ -33,6 +33,7 @@ VERIFY_METHODS = ("token", "block", "greedy")
 DEFAULT_MAX_NEW_TOKENS = 128
 CONTEXT_REFRESH_S = 30.0
 SIZE_CHECK_BYTES = 16 * 1024  # text this long is checked against the context before it is tokenized
+SIZE_CHECK_IDS = 1024  # as many token ids: checked against the context before the request goes on
 
 
 def logprobs_pb(entries: list | None) -> generation_pb2.GeneratedLogprobs | None:
@@ -82,6 +83,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         self.tracer = None  # an OpenTelemetry tracer (COORDINATOR_OTLP_TRACES_ENDPOINT): one span per generation
         self.draft_fallback = True  # no draft replica reachable: run target-only (COORDINATOR_DRAFT_FALLBACK)
         self.context_len, self._context_at = 0, -1e9  # the target pool's max_model_len (0: unknown), and when read
+        self._context_read: asyncio.Future | None = None
         self.in_flight = 0  # requests between arrival and end, both doors (running + waiting for sessions)
         self.max_message_bytes = 0  # the gRPC send limit a whole answer must fit (0: unchecked)
         self.work = PromptWork()  # tokenizing, chat templates, grammars: off the event loop (grpc_api/prompt_work.py)
@@ -187,6 +189,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         if r.request_id and not REQUEST_ID.fullmatch(r.request_id):
             raise InvalidRequestError("request_id", "at most 64 letters, digits and . _ : - (X-Request-Id over "
                                                     "HTTP)")
+        if self.context_len and len(ids) >= self.context_len:  # refused here, not after shipping it to a replica
+            raise self._overflow(len(ids))
         rid = f"{r.request_id}-{uuid.uuid4().hex[:12]}" if r.request_id else uuid.uuid4().hex
         reasoning = self.output.reasoning_start(r, ids)
         if to_context:  # what the context leaves (a prompt that leaves too little: OUT_OF_RANGE from the replica)
@@ -248,29 +252,49 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     async def _context_len(self) -> None:
         """Refresh `context_len` (the target replicas' session context) every CONTEXT_REFRESH_S, for requests whose
         max_new_tokens defaults to what the context leaves."""
-        if time.monotonic() - self._context_at < CONTEXT_REFRESH_S or not hasattr(self.router, "max_model_len"):
+        if not hasattr(self.router, "max_model_len"):
             return
-        self._context_at = time.monotonic()
+        read = self._context_read
+        if read is None or (read.done() and time.monotonic() - self._context_at >= CONTEXT_REFRESH_S):
+            self._context_at = time.monotonic()
+            read = self._context_read = asyncio.ensure_future(self._read_context_len())
+        await asyncio.shield(read)  # requests arriving meanwhile wait for the same read, not for nothing
+
+    async def _read_context_len(self) -> None:
         with contextlib.suppress(Exception):  # unknown: the request falls back to the fixed default
             self.context_len = int(await self.router.max_model_len())
         if not self.context_len:
             self._context_at = -1e9  # ask again on the next such request
 
     async def check_size(self, r: generation_pb2.GenerateRequest) -> None:
-        """OUT_OF_RANGE for a text prompt longer than the context could hold, before tokenizing it: its fewest
-        possible tokens (grpc_api/prompt_work.py) leave no position to generate in. Cheap, and on the loop: a
-        refusal does not wait behind the prompt work in the pool."""
-        if self.tok is None or r.HasField("truncate_prompt_tokens") or prompt_bytes(r) < SIZE_CHECK_BYTES:
+        """OUT_OF_RANGE for a prompt longer than the context could hold, before tokenizing it: token ids past the
+        context, or a text whose fewest possible tokens (grpc_api/prompt_work.py) leave no position to generate
+        in. Cheap, and on the loop: a refusal does not wait behind the prompt work in the pool."""
+        n_ids = len(r.prompt_token_ids)
+        text = self.tok is not None and prompt_bytes(r) >= SIZE_CHECK_BYTES
+        if r.HasField("truncate_prompt_tokens") or not (text or n_ids >= SIZE_CHECK_IDS):
+            return
+        await self._context_len()
+        if not self.context_len:
+            return
+        if n_ids >= self.context_len:
+            raise self._overflow(n_ids)
+        if not text:
             return
         if self._longest_token is None:
             self._longest_token = await self.work.run(longest_token_bytes, self.tok)
-        await self._context_len()
         least = least_prompt_tokens(r, self._longest_token)
-        if self.context_len and least >= self.context_len:
+        if least >= self.context_len:
             raise ContextOverflowError(
                 f"This model's maximum context length is {self.context_len} tokens. However, the prompt has "
                 f"{prompt_bytes(r)} bytes of text, at least {least} tokens (a token covers at most "
                 f"{self._longest_token} bytes); shorten it, or send truncate_prompt_tokens")
+
+    def _overflow(self, n_prompt: int) -> ContextOverflowError:
+        """A prompt of `n_prompt` tokens leaves no position to generate in (the replicas' words for it)."""
+        return ContextOverflowError(f"This model's maximum context length is {self.context_len} tokens. However, "
+                                    f"the prompt alone has {n_prompt} tokens: shorten it by at least "
+                                    f"{n_prompt - self.context_len + 1}, or send truncate_prompt_tokens")
 
     async def _respond(self, r, context, incremental: bool, trace):
         t0, first, ttft, m = time.perf_counter(), True, None, self.metrics
