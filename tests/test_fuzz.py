@@ -108,7 +108,7 @@ def raw_method(channel, path: str, response_type):
 
 
 # ---- strategies ---------------------------------------------------------------------------------------------
-TEXT = st.text(alphabet=st.sampled_from("abcdefghij .,!?<") | st.characters(), max_size=40)
+TEXT = st.text(alphabet=st.sampled_from("abcdefghij .,!?<") | st.characters(codec="utf-8"), max_size=40)
 small_ints = st.integers(-3, 70) | st.sampled_from([0, 2**31 - 1, -(2**31), VOCAB, VOCAB - 1])
 floats = st.floats(allow_nan=True, allow_infinity=True, width=32) | st.sampled_from([0.0, 0.5, 1.0, -1.0])
 
