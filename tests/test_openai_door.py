@@ -32,7 +32,8 @@ class ScriptedServicer:
 def door_client(script, draining=False):
     from prometheus_client import CollectorRegistry
 
-    from coordinator.http_api.app import OpenAIFrontDoor, ServicerBackend
+    from coordinator.http_api.app import OpenAIFrontDoor
+    from coordinator.http_api.backend import ServicerBackend
 
     reg = CollectorRegistry()
     door = OpenAIFrontDoor(ServicerBackend(ScriptedServicer(script)), MODEL, is_draining=lambda: draining,
@@ -120,7 +121,8 @@ async def test_requests_in_flight_are_bounded():
 
     from prometheus_client import CollectorRegistry
 
-    from coordinator.http_api.app import OpenAIFrontDoor, ServicerBackend
+    from coordinator.http_api.app import OpenAIFrontDoor
+    from coordinator.http_api.backend import ServicerBackend
 
     release = asyncio.Event()
 

@@ -29,7 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from coordinator.http_api import bodies as responses
 from coordinator.http_api import schema
 from coordinator.http_api import responses_api
-from coordinator.http_api.backend import CLIENT_CLOSED, ApiError, ServicerBackend, param_of  # noqa: F401 (re-exported)
+from coordinator.http_api.backend import ApiError, ServicerBackend, param_of
 from coordinator.http_api.limits import OPEN_PATHS, Limits
 from coordinator.http_api.openapi import openapi_document
 from coordinator.http_api.response_store import ResponseStore, as_items, items_page

@@ -11,7 +11,8 @@ import ssl
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from coordinator.http_api.app import OpenAIFrontDoor, ServicerBackend
+from coordinator.http_api.app import OpenAIFrontDoor
+from coordinator.http_api.backend import ServicerBackend
 from coordinator.http_api.response_store import ResponseStore
 
 log = logging.getLogger(__name__)

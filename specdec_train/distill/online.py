@@ -30,7 +30,7 @@ from safetensors.torch import load_file
 
 from specdec_train.distill.code_prompts import code_prompts
 from specdec_train.distill.data import is_heldout
-from specdec_train.distill.generate import chat_text, complete, make_prompts, self_instruct  # noqa: F401 - re-exported
+from specdec_train.distill.generate import chat_text, complete, make_prompts, self_instruct
 from specdec_train.distill.train import draft_optimizer, resume, save_checkpoint, warmup_cosine
 
 
