@@ -54,8 +54,11 @@ DISTILL_ARGS ?= --gen-seconds 530 --gen-batch 3072 --steps 6000 --batch-size 128
 distill-draft: install
 	$(VENV)/bin/specdec distill-draft online --run make --out .cache-distill/draft $(DISTILL_ARGS)
 
+# the pre-verifier is trained on fresh target text whose prompts the draft never saw: name the draft's training data
 train-preverifier: install
-	$(VENV)/bin/specdec train-preverifier run
+	@test -n "$(DRAFT_SAMPLES)" || { echo "set DRAFT_SAMPLES to the draft's training samples (JSONL; repeat the flag" \
+		"with PREVERIFIER_ARGS for more): their prompts are kept out of the pre-verifier's data"; exit 2; }
+	$(VENV)/bin/specdec train-preverifier run --exclude-samples $(DRAFT_SAMPLES) $(PREVERIFIER_ARGS)
 
 clean:
 	rm -rf $(VENV) specdec_rpc/pb/*_pb2*.py specdec_rpc/pb/*_pb2*.pyi $(PROTO_STAMP) .pytest_cache
