@@ -7,7 +7,8 @@ Each kill round starts `--streams` greedy streams (sd and pacer_pearl alternatin
 replica (target and draft in turn) once the streams have sent a few messages, restarts it, and checks every
 stream's tokens equal the undisturbed run's (nothing lost, nothing twice), with its largest gap between messages.
 Then `--cancels` streams are cancelled by the client after two messages; the replicas must hold no session within
-a second. Prints one JSON report.
+a second (each cancel reports the interval its sessions were freed in, bounded by the scrape rounds of the
+replicas' metrics). Prints one JSON report.
 """
 from __future__ import annotations
 
@@ -154,11 +155,20 @@ async def main() -> None:
                         break
                 call.cancel()
                 t0 = time.perf_counter()
-                while sum(await asyncio.gather(*(r.sessions() for r in reps))) and time.perf_counter() - t0 < 5:
-                    await asyncio.sleep(0.01)
-                freed = time.perf_counter() - t0  # to within one scrape of the four replicas' metrics
+                # scrape rounds of the four replicas' metrics: the sessions were freed after the start of the last
+                # round that still saw one, and before the end of the first round that saw none
+                held_at, freed = 0.0, None
+                while time.perf_counter() - t0 < 5:
+                    start = time.perf_counter() - t0
+                    if not sum(await asyncio.gather(*(r.sessions() for r in reps))):
+                        freed = time.perf_counter() - t0
+                        break
+                    held_at = start
+                    await asyncio.sleep(0.005)
                 left = sum(await asyncio.gather(*(r.sessions() for r in reps)))
-                report["cancels"].append({"freed_s": round(freed, 3), "sessions_left": left})
+                report["cancels"].append({"freed_after_s": round(held_at, 3),
+                                          "freed_by_s": None if freed is None else round(freed, 3),
+                                          "sessions_left": left})
     finally:
         await app.shutdown(0)
         for r in reps:
