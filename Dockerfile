@@ -47,6 +47,10 @@ COPY pyproject.toml README.md ./
 COPY proto/ ./proto/
 COPY scripts/gen_protos.py ./scripts/gen_protos.py
 COPY specdec/ ./specdec/
+COPY specdec_rpc/ ./specdec_rpc/
+COPY specdec_cli/ ./specdec_cli/
+COPY specdec_bench/ ./specdec_bench/
+COPY specdec_train/ ./specdec_train/
 COPY draft_service/ ./draft_service/
 COPY target_service/ ./target_service/
 COPY coordinator/ ./coordinator/

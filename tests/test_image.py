@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 import subprocess
+import tomllib
 
 import pytest
 
@@ -149,3 +150,12 @@ def test_dockerfile_installs_the_runtime_without_dev_extras():
         assert f'"{pkg}=={pins[pkg]}"' in build, f"{pkg} must be pinned to pyproject's {pins[pkg]}"
     assert build.index("gen_protos.py") < build.index("pip install --no-cache-dir .")
     assert "[dev]" not in build and "-e " not in build
+
+
+def test_dockerfile_copies_every_package_the_project_installs():
+    """`pip install .` in the image installs the packages pyproject.toml names; each must be in /src by then, or the
+    image lacks it (the services import specdec_rpc, the `specdec` command specdec_cli)."""
+    include = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
+    packages = {p.rstrip("*") for p in include}
+    copied = {arg.split()[0].rstrip("/") for op, arg in dockerfile_instructions() if op == "COPY" and "--from=" not in arg}
+    assert packages <= copied, f"the Dockerfile copies none of {sorted(packages - copied)}"
