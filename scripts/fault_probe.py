@@ -22,6 +22,7 @@ import sys
 import time
 
 import grpc
+import httpx
 
 from coordinator.config import CoordinatorSettings
 from coordinator.server import build_coordinator
@@ -38,6 +39,7 @@ PROMPTS = [[1, 504, 3456, 314, 260, 2564, 30, 198], [1, 9690, 198, 2683, 359, 25
 class Replica:
     def __init__(self, kind: str, model: str, logdir: str):
         self.kind, self.model, self.port, self.metrics_port = kind, model, free_port(), free_port()
+        self.http: httpx.AsyncClient | None = None
         self.endpoint = f"127.0.0.1:{self.port}"
         self.log = os.path.join(logdir, f"{kind}-{self.port}.log")
         self.proc = None
@@ -73,11 +75,11 @@ class Replica:
         raise RuntimeError(f"{self.kind} {self.endpoint} did not start: {self.log}")
 
     async def sessions(self) -> int:
-        """specdec_sessions_active, from the replica's metrics port."""
-        import httpx
-
-        async with httpx.AsyncClient() as client:
-            text = (await client.get(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5)).text
+        """specdec_sessions_active, from the replica's metrics port (one client per replica: building a client per
+        scrape costs more than the scrape)."""
+        if self.http is None:
+            self.http = httpx.AsyncClient()
+        text = (await self.http.get(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5)).text
         return int(sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                        if line.startswith("specdec_sessions_active")))
 
