@@ -103,7 +103,14 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         except asyncio.CancelledError:
             if not self.cut:
                 raise
-            await context.abort(grpc.StatusCode.UNAVAILABLE, CUT_SHORT)  # counted by the caller's AbortError
+            if context.done():  # the call ended already (its client went away): there is no one to tell
+                raise
+            try:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, CUT_SHORT)  # counted by the caller's AbortError
+            except grpc.aio.AbortError:
+                raise
+            except Exception:  # noqa: BLE001 - grpc could not send the status: the call is gone, end it as cancelled
+                raise asyncio.CancelledError from None
         finally:
             self.running.discard(task)
 

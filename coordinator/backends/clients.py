@@ -41,7 +41,7 @@ from specdec.workers.target import VerifyOutcome
 from coordinator.channels import Channels
 from coordinator.routing.pool import DraftContextError
 from coordinator.routing.probes import end_session_request
-from coordinator.backends.retries import FULL_WAITS, MAX_FAILOVERS, retryable, waited_for_room
+from coordinator.backends.retries import FULL_WAITS, MAX_FAILOVERS, BusyWaits, retryable
 from coordinator.backends.rounds import RoundStream
 from coordinator.backends.moves import (PoolView, after_call, before_call, end_in_background, end_later,
                                         take_room)
@@ -200,15 +200,14 @@ class _Pinned:
         """One round call (`call()` makes it: a stream message, or a unary RPC) with failover: after a retryable
         error, `rebuild` the session and call again. Network time = wall time minus the `compute(response)` the
         replica reports."""
-        busy = 0
+        busy = BusyWaits()
         while True:
             t0 = time.perf_counter_ns()
             try:
                 r = await call()
             except grpc.aio.AioRpcError as e:
                 self.network_ns += time.perf_counter_ns() - t0
-                if await waited_for_room(e, busy):  # the replica's queue was full: nothing was applied
-                    busy += 1
+                if await busy.waited_for_room(e):  # the replica's queue was full: nothing was applied
                     continue
                 await self._recover(e)
                 await rebuild()
@@ -290,7 +289,7 @@ class RemoteDraft(_Pinned):
                             block_size, features)
         got: list[int] = []  # tokens delivered to the schedule
         self._cancelled = False
-        busy = 0
+        busy = BusyWaits()
 
         async def rebuild():
             await self._start_on(self.fed[:base_position] + append[:1])
@@ -322,8 +321,7 @@ class RemoteDraft(_Pinned):
                 except grpc.aio.AioRpcError as e:
                     if e.code() == grpc.StatusCode.CANCELLED and self._cancelled:
                         return
-                    if not got and await waited_for_room(e, busy):  # refused before drafting anything
-                        busy += 1
+                    if not got and await busy.waited_for_room(e):  # refused before drafting anything
                         continue
                     await self._recover(e)
                     await rebuild()
