@@ -37,6 +37,17 @@ class CoordinatorSettings(ProcessSettings):
                                                 "min 2, re-checked as Ray workers join)")
     default_mode: Literal[MODES] = Field("sd", description="the mode of requests that leave it unset (OpenAI clients send none): "
                                                 "ar, sd, pacer, pearl or pacer_pearl")
+    gamma: int = Field(0, ge=0, le=64, description="the draft length (sd), most tokens drafted (pacer) or draft "
+                                                   "window (PEARL modes) of requests that set none; vLLM's "
+                                                   "num_speculative_tokens (0: each mode's own default, "
+                                                   "specdec/request.py DEFAULT_GAMMA)")
+    verify_method: Literal["token", "block"] = Field("block", description="how sampled drafts of requests that "
+                                                     "set none are verified: token (per-token rejection sampling) "
+                                                     "or block (block verification; accepts at least as much); "
+                                                     "greedy requests are verified by argmax either way")
+    pacer_threshold: float | None = Field(None, ge=0.0, le=1.0, description="θ of PACER's stop rule for requests "
+                                          "that set none (unset: the draft replica's DRAFT_PACER_THRESHOLD, else "
+                                          "its pre-verifier's own)")
     max_new_tokens_cap: int = Field(4096, ge=1, description="largest max_new_tokens a request may ask for")
     # measured on the default pair (2-core CPU, docs/benchmarks.md, "Load-adaptive speculation"): speculation wins
     # at 2-4 sessions per forward (c = 2: +25-35 %, c = 4: +25-35 % against a threshold of 2), plain batched target

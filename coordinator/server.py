@@ -117,7 +117,8 @@ async def build_coordinator(s: CoordinatorSettings, tokenizer=None, eos_token_id
     def register(server):
         metrics = CoordinatorMetrics(holder["app"].metrics.registry)
         servicer = GenerationServicer(router, tokenizer, eos_token_ids or (), s.max_new_tokens_cap, metrics,
-                                    s.spec_off_batch, s.pacer_post_threshold, s.default_mode)
+                                    s.spec_off_batch, s.pacer_post_threshold, s.default_mode, s.gamma,
+                                    s.verify_method, s.pacer_threshold)
         def running() -> float:  # in flight less those waiting for sessions (waiting: NaN when it is unknown)
             w = router.waiting_now()
             return float(max(0, servicer.in_flight - (0 if w != w else w)))

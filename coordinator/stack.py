@@ -56,6 +56,19 @@ def config_vocab_size(model_dir: str) -> int:
     return int(cfg.get("specdec_full_vocab_size", cfg.get("vocab_size", 0)) or 0)
 
 
+def option_flags(options: dict) -> list[str]:
+    """Settings fields as a service's command-line flags: {"max_queue": 8, "prefix_cache": False} →
+    ["--max-queue", "8", "--no-prefix-cache"]."""
+    flags = []
+    for name, value in options.items():
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            flags.append(flag if value else f"--no-{flag[2:]}")
+        elif value is not None:
+            flags += [flag, str(value)]
+    return flags
+
+
 class LocalStack:
     def __init__(self, target: str, draft: str | None, preverifier: str | None = None, host: str = "127.0.0.1",
                  port: int = 0, threads: int = 1, ray_cpus: int = 2, pipelines: int = 1, use_ray: bool = True,
@@ -63,8 +76,15 @@ class LocalStack:
                  draft_port: int = 0, target_port: int = 0, max_sessions: int = 8, max_context: int = 2048,
                  metrics: bool = False, dtype: str = "auto", prompt_lookup_min_ngram: int | None = None,
                  http_port: int | None = None, default_mode: str = "sd", prefix_cache: bool = True,
-                 replica_args: tuple[str, ...] = (), tool_call_parser: str = "", reasoning_parser: str = ""):
+                 replica_args: tuple[str, ...] = (), tool_call_parser: str = "", reasoning_parser: str = "",
+                 grace_s: float = 1.0, log_level: str = "WARNING", coordinator_options: dict | None = None,
+                 draft_options: dict | None = None, target_options: dict | None = None):
         self.target, self.draft, self.preverifier = target, draft, preverifier
+        # settings fields beyond the ones above, by process: CoordinatorSettings fields, and the replicas' (their
+        # flags: draft_service/config.py, target_service/config.py), e.g. {"device": "cuda:1"}
+        self.coordinator_options = dict(coordinator_options or {})
+        self.replica_options = {"draft": dict(draft_options or {}), "target": dict(target_options or {})}
+        self.grace_s, self.log_level = grace_s, log_level  # every process's drain on shutdown, and its log level
         self.prompt_lookup_min_ngram = prompt_lookup_min_ngram  # the draft replica's (None: its default)
         self.dtype = dtype  # the replicas' --dtype
         self.prefix_cache = prefix_cache  # the replicas' --prefix-cache
@@ -85,19 +105,24 @@ class LocalStack:
         self.procs: list[subprocess.Popen] = []
         self.logdir = Path(tempfile.mkdtemp(prefix="specdec-stack-"))
         self.app = self.router = None
+        self.settings: CoordinatorSettings | None = None  # the coordinator's, once started
         self.address = ""
         self._ray_started = False
 
     def _launch(self, kind: str, model: str, port: int, extra: list[str]) -> tuple[subprocess.Popen, Path]:
         logf = self.logdir / f"{kind}.log"
-        if self._metrics:
+        options = self.replica_options[kind]
+        if self._metrics and "metrics_port" not in options:
             self.metrics_ports[kind] = free_port()
+        elif options.get("metrics_port"):
+            self.metrics_ports[kind] = int(options["metrics_port"])
         cmd = [sys.executable, "-m", f"{kind}_service", "--model", model, "--host", "127.0.0.1",
                "--port", str(port), "--metrics-port", str(self.metrics_ports.get(kind, 0)),
-               "--threads", str(self.threads), "--log-level", "WARNING", "--grace-s", "1",
+               "--threads", str(self.threads), "--log-level", self.log_level, "--grace-s", str(self.grace_s),
                "--max-sessions", str(self.max_sessions), "--max-context", str(self.max_context),
                "--dtype", self.dtype, "--prefix-cache" if self.prefix_cache else "--no-prefix-cache",
-               "--exit-with-parent", str(os.getpid()), *self.replica_args, *extra]  # a parent killed without cleanup: no orphans
+               "--exit-with-parent", str(os.getpid()),  # a parent killed without cleanup: no orphans
+               *option_flags({k: v for k, v in options.items() if k != "metrics_port"}), *self.replica_args, *extra]
         env = child_environ(OMP_NUM_THREADS=str(self.threads), MKL_NUM_THREADS=str(self.threads))
         proc = subprocess.Popen(cmd, stdout=logf.open("w"), stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True)
@@ -124,13 +149,16 @@ class LocalStack:
             proc, logf = self._launch("draft", draft_dir, dport, extra)
             draft_ep = f"127.0.0.1:{dport}"
             waits.append((draft_ep, "specdec.v1.DraftService", proc, logf))
-        settings = CoordinatorSettings(
-            host=self.host, port=self.port, metrics_port=0, tokenizer=target_dir, draft_endpoints=draft_ep,
-            target_endpoints=f"127.0.0.1:{tport}", ray=self.use_ray, ray_num_cpus=self.ray_cpus,
-            pipelines=self.pipelines, max_new_tokens_cap=self.cap, grace_s=1.0, dns_refresh_s=5.0,
-            log_level="WARNING", served_model_name=served_name(self.target), default_mode=self.default_mode,
-            tool_call_parser=self.tool_call_parser, reasoning_parser=self.reasoning_parser,
-            http_port=free_port(self.host) if self.http_port == 0 else self.http_port or 0)
+        settings = CoordinatorSettings(**{
+            "host": self.host, "port": self.port, "metrics_port": 0, "tokenizer": target_dir,
+            "draft_endpoints": draft_ep, "target_endpoints": f"127.0.0.1:{tport}", "ray": self.use_ray,
+            "ray_num_cpus": self.ray_cpus, "pipelines": self.pipelines, "max_new_tokens_cap": self.cap,
+            "grace_s": self.grace_s, "dns_refresh_s": 5.0, "log_level": self.log_level,
+            "served_model_name": served_name(self.target), "default_mode": self.default_mode,
+            "tool_call_parser": self.tool_call_parser, "reasoning_parser": self.reasoning_parser,
+            "http_port": free_port(self.host) if self.http_port == 0 else self.http_port or 0,
+            **self.coordinator_options})
+        self.settings = settings
         if self.use_ray:  # starts while the replicas load their models
             import ray  # lazy: ray (~0.6 s) loads only where the stack runs on Ray
 
@@ -153,7 +181,7 @@ class LocalStack:
 
     async def stop(self) -> None:
         if self.app is not None:
-            await self.app.shutdown(0.5)
+            await self.app.shutdown(self.grace_s)
             self.app = None
         if self._ray_started:
             import ray  # lazy: as above

@@ -1,6 +1,6 @@
 """`specdec` command line: `serve` (the whole stack on one machine) and `generate` (one request).
 
-    specdec serve [--draft-model P] [--target-model P] [--preverifier P] [--host H] [--port N]
+    specdec serve [TARGET] [--draft P] [--device D] [...]   (specdec_cli.serve: `specdec serve --help`)
     specdec generate "PROMPT" [--mode M] [--json] [--coordinator ADDR | --in-process]
     specdec bench [...]              (specdec_bench)
     specdec batch -i IN -o OUT       (specdec_cli.batch: a file of OpenAI Batch API requests)
@@ -16,14 +16,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import logging
-import signal
 import sys
 from pathlib import Path
 
 from specdec import __version__, settings
-from specdec.defaults import (COORDINATOR_HTTP_PORT, COORDINATOR_PORT, DEFAULT_DRAFT, DEFAULT_TARGET,
-                              PROMPT_LOOKUP_MIN_NGRAM)
+from specdec.defaults import DEFAULT_DRAFT, DEFAULT_TARGET, PROMPT_LOOKUP_MIN_NGRAM
 from specdec.errors import SpecDecError
 from specdec.tokenizer import IncrementalDetokenizer, decode, encode_prompt, eos_token_ids, load_tokenizer
 
@@ -57,24 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="specdec", description="Disaggregated speculative decoding.")
     ap.add_argument("--version", action="version", version=f"specdec {__version__}")
     sub = ap.add_subparsers(dest="cmd", required=True)
-    s = sub.add_parser("serve", help="run draft server, target server and coordinator on this machine")
-    _add_models(s)
-    s.add_argument("--host", default="0.0.0.0")
-    s.add_argument("--port", type=int, default=COORDINATOR_PORT, help="gRPC port (default: %(default)s)")
-    s.add_argument("--http-port", type=int, default=COORDINATOR_HTTP_PORT,
-                   help="OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions); 0: off "
-                        "(default: %(default)s)")
-    s.add_argument("--pipelines", type=int, default=2, help="pipeline actors (default: 2)")
-    s.add_argument("--default-mode", choices=MODES, default="sd",
-                   help="the mode of requests that name none, as OpenAI clients (default: %(default)s)")
-    s.add_argument("--tool-call-parser", choices=["hermes", "llama3_json", "pythonic", "mistral"], default="",
-                   help="how the model writes tool calls, for the HTTP API's tool_choice 'auto' (hermes: "
-                        "<tool_call>{json}</tool_call>; llama3_json: Llama 3.1+; pythonic: [f(a=1)], Llama 3.2 / 4; "
-                        "mistral: [TOOL_CALLS]); unset: 'auto' is refused")
-    s.add_argument("--reasoning-parser", choices=["deepseek_r1", "qwen3"], default="",
-                   help="return a reasoning model's <think>...</think> as the chat API's `reasoning`, apart from "
-                        "its answer (deepseek_r1: DeepSeek-R1 and distills, QwQ, Qwen3 Thinking-2507; qwen3: "
-                        "Qwen3's hybrid models); unset: the text is left whole")
+    sub.add_parser("serve", help="serve TARGET with a draft on this machine: gRPC and an OpenAI-compatible HTTP "
+                                 "API (`specdec serve --help`)", add_help=False)
     sub.add_parser("bench", help="run the benchmark suite (`specdec bench --help`)", add_help=False)
     sub.add_parser("batch", help="answer a file of OpenAI Batch API requests (`specdec batch --help`)",
                    add_help=False)
@@ -308,37 +289,6 @@ def cmd_generate(args) -> int:
     return 0
 
 
-# ---- serve ----------------------------------------------------------------------------------------------------
-def cmd_serve(args) -> int:
-    from coordinator.stack import LocalStack  # lazy: the embedded stack imports torch and the coordinator
-
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-
-    async def run():
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        async with LocalStack(args.target_model, args.draft_model, _default_preverifier(args), host=args.host,
-                              port=args.port, threads=args.threads, ray_cpus=args.ray_cpus,
-                              pipelines=args.pipelines, quiet=False, max_sessions=args.max_sessions,
-                              max_context=args.max_context, dtype=args.dtype,
-                              prompt_lookup_min_ngram=args.prompt_lookup_min_ngram,
-                              http_port=args.http_port or None, default_mode=args.default_mode,
-                              tool_call_parser=args.tool_call_parser,
-                              reasoning_parser=args.reasoning_parser) as stack:
-            # after the stack's ray.init: Ray installs abseil's failure handler for SIGTERM, which then ran before
-            # ours, armed a 3 s abort and crashed the drain (SIGSEGV); ours replaces it
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                loop.add_signal_handler(sig, stop.set)
-            http = f", OpenAI-compatible HTTP on {args.host}:{stack.app.http_port}" if stack.app.http_port else ""
-            print(f"specdec serving specdec.v1.GenerationService on {args.host}:{stack.app.port}{http} "
-                  f"(target {args.target_model}, draft {args.draft_model}); Ctrl-C stops", flush=True)
-            await stop.wait()
-            print("stopping...", file=sys.stderr, flush=True)
-
-    asyncio.run(run())
-    return 0
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     # lazy: a subcommand's package (torch, transformers) loads only when that subcommand runs
@@ -346,6 +296,10 @@ def main(argv: list[str] | None = None) -> int:
         from specdec_bench import main as bench_main
 
         return bench_main(argv[1:])
+    if argv[:1] == ["serve"]:  # its own parser, built from the services' settings: specdec_cli/serve.py
+        from specdec_cli.serve import main as serve_main
+
+        return _reporting_errors(serve_main, argv[1:])
     if argv[:1] == ["batch"]:  # its own parser: specdec_cli/batch.py
         from specdec_cli.batch import main as batch_main
 
@@ -359,14 +313,19 @@ def main(argv: list[str] | None = None) -> int:
 
         return pacer_main(argv[1:]) or 0
     args = build_parser().parse_args(argv)
+    return _reporting_errors(cmd_generate, args)
+
+
+def _reporting_errors(command, *args) -> int:
+    """Run a command; what the user can fix (a model that cannot load, a port in use, a bad value) is one line on
+    stderr and exit status 1, not a traceback."""
     try:
-        rc = cmd_serve(args) if args.cmd == "serve" else cmd_generate(args)
+        return command(*args)
     except KeyboardInterrupt:
-        rc = 130
+        return 130
     except (SpecDecError, FileNotFoundError, TimeoutError, RuntimeError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
-        rc = 1
-    return rc
+        return 1
 
 
 if __name__ == "__main__":

@@ -9,12 +9,13 @@ from __future__ import annotations
 import os
 import re
 import sys
+from typing import Literal
 
 from pydantic import BaseModel, Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-_DEVICE = re.compile(r"^(cpu|cuda|cuda:\d+)$")
+DEVICE = re.compile(r"^(cpu|cuda|cuda:\d+)$")
 
 
 class TLSSettings(BaseModel):
@@ -51,6 +52,9 @@ class ProcessSettings(BaseSettings):
                                   "without cleanup leaves no orphan servers")
     tls: TLSSettings = TLSSettings()
     log_level: str = "INFO"
+    log_format: Literal["text", "json"] = Field("text", description="log lines as text, or as one JSON object per "
+                                                "line with the request id, session id, replica and timings "
+                                                "(specdec_rpc/logs.py)")
 
     @classmethod
     def from_cli(cls, argv: list[str] | None = None, **overrides):
@@ -106,6 +110,10 @@ class ServerSettings(ProcessSettings):
                                      "call, so other sessions' steps run between chunks (a long prompt stalls running "
                                      "streams by one chunk at a time); off: one call per prefill")
     lru_min_idle_s: float = Field(5.0, ge=0, description="when full, evict the LRU session if idle this long")
+    otlp_traces_endpoint: str = Field("", description="export OpenTelemetry spans of prefill, draft, verify and "
+                                      "batching waits, children of the coordinator's request spans (W3C "
+                                      "traceparent), to this OTLP/gRPC endpoint (e.g. http://otel-collector:4317); "
+                                      "'': no tracing")
 
     def worker_slots(self) -> int:
         """KV slots a worker allocates: the sessions', one for warm-up (never competing with them), and the prefix
@@ -115,7 +123,7 @@ class ServerSettings(ProcessSettings):
     @field_validator("device")
     @classmethod
     def _device(cls, v: str) -> str:
-        if not _DEVICE.match(v):
+        if not DEVICE.match(v):
             raise ValueError(f"device must be cpu, cuda or cuda:N, got {v!r}")
         return v
 

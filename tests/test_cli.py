@@ -28,8 +28,6 @@ def pair(tmp_path_factory):
 def test_parser_and_stats_line():
     a = cli.build_parser().parse_args(["generate", "x", "--mode", "pacer_pearl", "--json", "--gamma", "3"])
     assert (a.mode, a.json, a.gamma, a.coordinator, a.threads) == ("pacer_pearl", True, 3, None, 1)
-    s = cli.build_parser().parse_args(["serve", "--port", "6000"])
-    assert (s.port, s.host, s.draft_model, s.target_model) == (6000, "0.0.0.0", "default-draft", "default-target")
     line = cli.stats_line({"mode": "pearl", "wall_s": 2.0, "draft_busy_s": 1.5, "target_busy_s": 1.5,
                            "rounds": 3, "target_forwards": 4, "mean_accepted_length": 2.5}, 10)
     assert "[pearl] 10 tokens in 2.00s" in line and "wall 67% of it" in line and "queued" not in line
@@ -213,3 +211,111 @@ def test_serve_drains_and_exits_cleanly_on_sigterm(tmp_path):
             os.killpg(p.pid, signal.SIGKILL)
     err = p.stderr.read()
     assert rc == 0 and "draining" in err and "SIGTERM received" not in err and "SIGSEGV" not in err, err[-2000:]
+
+
+def test_serve_options_come_from_the_settings_classes():
+    """`specdec serve`'s defaults are the services' settings defaults; serve's own (HTTP on, threads split) are
+    the ones its help names."""
+    from coordinator.config import CoordinatorSettings
+    from specdec_cli import serve
+    from target_service.config import TargetSettings
+
+    a = serve.build_parser().parse_args([])
+    assert (a.max_sessions, a.max_context, a.grace_s, a.default_mode, a.gamma, a.verify_method) == (
+        TargetSettings().max_sessions, TargetSettings().max_context, CoordinatorSettings().grace_s, "sd", 0, "block")
+    p = serve.plan(a)
+    assert (p.target, p.draft) == ("default-target", "default-draft")
+    assert p.stack["grace_s"] == CoordinatorSettings().grace_s and p.stack["http_port"] == 8000
+    assert p.stack["draft_options"]["metrics_port"] == 9401 and p.stack["target_options"]["metrics_port"] == 9402
+    a = serve.build_parser().parse_args(["./some-llama", "--draft", "./small", "--target-device", "cuda:0",
+                                         "--draft-device", "cuda:1", "--num-speculative-tokens", "3",
+                                         "--max-model-len", "8192", "--metrics-port", "0"])
+    p = serve.plan(a)
+    assert (p.target, p.draft, p.stack["max_context"]) == ("./some-llama", "./small", 8192)
+    assert p.stack["target_options"] == {"device": "cuda:0", "metrics_port": 0}
+    assert p.stack["draft_options"] == {"device": "cuda:1", "metrics_port": 0}
+    assert p.stack["coordinator_options"]["gamma"] == 3
+    p = serve.plan(serve.build_parser().parse_args(["./some-llama"]))  # another target: no draft unless named
+    assert p.draft is None and p.stack["default_mode"] == "ar"
+    with pytest.raises(SystemExit):
+        serve.build_parser().parse_args(["--verify-method", "both"])
+    with pytest.raises(ValueError, match="--draft-device tpu: use cpu, cuda or cuda:N"):
+        serve.plan(serve.build_parser().parse_args(["--draft-device", "tpu"]))
+    with pytest.raises(ValueError, match="two targets"):
+        serve.plan(serve.build_parser().parse_args(["a", "--target-model", "b"]))
+
+
+def _free_port_run(n: int) -> int:
+    """A port p with p, p+1, ..., p+n-1 all free on loopback."""
+    import socket
+
+    from coordinator.stack import free_port
+
+    for _ in range(50):
+        base = free_port()
+        try:
+            socks = []
+            for i in range(n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("0.0.0.0", base + i))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no run of free ports")
+
+
+def test_serve_applies_grace_sessions_and_speculation_settings(tmp_path):
+    """`specdec serve TARGET --draft DRAFT` with non-default grace, sessions and speculation settings: each one
+    is observed taking effect (the drain's grace, requests queued for the one session slot, requests that set no
+    mode or γ running with the server's, the served model id, every process's /metrics)."""
+    import signal
+    import time
+    import urllib.request
+
+    import grpc
+
+    from coordinator.stack import free_port
+    from specdec_rpc.pb import generation_pb2 as g, generation_pb2_grpc as gg
+    from tests.helpers_models import save_tiny_pair
+
+    tdir, ddir = save_tiny_pair(tmp_path)
+    port, http, metrics = free_port(), free_port(), _free_port_run(3)
+    p = subprocess.Popen([sys.executable, "-m", "specdec_cli.main", "serve", str(tdir), "--draft", str(ddir),
+                          "--port", str(port), "--http-port", str(http), "--metrics-port", str(metrics),
+                          "--max-num-seqs", "1", "--grace-s", "7.5", "--speculative-mode", "sd",
+                          "--num-speculative-tokens", "2", "--served-model-name", "tiny-llm", "--dtype", "float32",
+                          "--threads", "1", "--ray-cpus", "1", "--pipelines", "1"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.time() + 180
+        while "serving" not in (line := p.stdout.readline()):
+            assert time.time() < deadline and p.poll() is None, f"specdec serve did not start: {p.stderr.read()}"
+        assert "model id tiny-llm" in line
+        models = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{http}/v1/models", timeout=10).read())
+        assert [m["id"] for m in models["data"]] == ["tiny-llm"]
+
+        async def two_requests():
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+                stub = gg.GenerationServiceStub(ch)
+                return await asyncio.gather(*(stub.Generate(g.GenerateRequest(
+                    prompt_token_ids=prompt_ids() + [i + 1], max_new_tokens=48, ignore_eos=True)) for i in range(2)))
+
+        outs = asyncio.run(two_requests())
+        for out in outs:  # no mode and no gamma in the request: the server's sd with γ = 2
+            st = out.stats
+            assert st.mode == "sd" and st.rounds > 0 and st.rounds < st.draft_tokens <= 2 * st.rounds, st
+        assert max(out.stats.queued_s for out in outs) > 0.01, "two requests ran at once in one session slot"
+        for i, kind in enumerate(("coordinator", "draft", "target")):
+            body = urllib.request.urlopen(f"http://127.0.0.1:{metrics + i}/metrics", timeout=10).read().decode()
+            assert "specdec_" in body, kind
+        p.send_signal(signal.SIGTERM)
+        rc = p.wait(90)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    err = p.stderr.read()
+    assert rc == 0 and "grace 7.5s" in err, err[-2000:]

@@ -35,9 +35,10 @@ def _parsers() -> dict[str, argparse.ArgumentParser]:
     from specdec_bench.cli import build_parser as bench_parser
     from specdec_cli.batch import build_parser as batch_parser
     from specdec_cli.main import build_parser
+    from specdec_cli.serve import build_parser as serve_parser
 
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
-    return {"serve": sub.choices["serve"], "generate": sub.choices["generate"], "batch": batch_parser(),
+    return {"serve": serve_parser(), "generate": sub.choices["generate"], "batch": batch_parser(),
             "bench": bench_parser()}
 
 

@@ -73,13 +73,16 @@ class Prepared:
 
 class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     def __init__(self, router, tokenizer=None, eos_token_ids=(), max_new_tokens_cap: int = 4096, metrics=None,
-                 spec_off_batch: int = 0, pacer_post_threshold: float | None = None, default_mode: str = "sd"):
+                 spec_off_batch: int = 0, pacer_post_threshold: float | None = None, default_mode: str = "sd",
+                 gamma: int = 0, verify_method: str = "block", pacer_threshold: float | None = None):
         self.router, self.tok, self.eos = router, tokenizer, tuple(sorted(eos_token_ids))
         self.output = OutputConstraints(tokenizer, self.eos)  # bad words, structured output, separate reasoning
         self.cap, self.metrics = max_new_tokens_cap, metrics
         self.spec_off_batch = spec_off_batch  # defaults for requests that leave them unset
         self.pacer_post_threshold = pacer_post_threshold
         self.default_mode = default_mode
+        self.gamma = gamma or None  # the server-wide speculation settings (0 / None: the mode's own)
+        self.verify_method, self.pacer_threshold = verify_method, pacer_threshold
         self.tracer = None  # an OpenTelemetry tracer (COORDINATOR_OTLP_TRACES_ENDPOINT): one span per generation
         self.draft_fallback = True  # no draft replica reachable: run target-only (COORDINATOR_DRAFT_FALLBACK)
         self.context_len, self._context_at = 0, -1e9  # the target pool's max_model_len (0: unknown), and when read
@@ -118,7 +121,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         if not 0 < max_new <= self.cap:
             raise InvalidRequestError("max_new_tokens", f"must be in [1, {self.cap}] (the coordinator's cap), "
                                                         f"got {max_new}")
-        method = r.verify_method or "block"
+        method = r.verify_method or self.verify_method
         if method not in VERIFY_METHODS:
             raise InvalidRequestError("verify_method", f"unknown {r.verify_method!r}; use token or block")
         if r.HasField("pacer_threshold") and not 0.0 <= r.pacer_threshold <= 1.0:
@@ -198,9 +201,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         req = {"request_id": rid, "prompt_ids": ids, "max_new_tokens": max_new,
                "temperature": r.temperature, "top_k": r.top_k, "top_p": r.top_p if r.HasField("top_p") else 1.0,
                "seed": r.seed, "mode": mode, "verify_method": method,
-               "gamma": r.gamma if r.HasField("gamma") else None,
+               "gamma": r.gamma if r.HasField("gamma") else self.gamma,
                "block_size": r.block_size if r.HasField("block_size") else None,
-               "pacer_threshold": r.pacer_threshold if r.HasField("pacer_threshold") else None,
+               "pacer_threshold": r.pacer_threshold if r.HasField("pacer_threshold") else self.pacer_threshold,
                "pacer_skip_below": r.pacer_skip_below if r.HasField("pacer_skip_below") else None,
                "pearl_first_block": r.pearl_first_block if r.HasField("pearl_first_block") else None,
                "spec_off_batch": r.spec_off_batch if r.HasField("spec_off_batch") else self.spec_off_batch,
