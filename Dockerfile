@@ -43,7 +43,7 @@ RUN pip install --no-cache-dir "torch==${TORCH_VERSION}"
 FROM torch-${VARIANT} AS app
 WORKDIR /src
 # Only what the package needs; .dockerignore keeps out .venv, caches, tests and any model weights.
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py constraints.txt README.md LICENSE ./
 COPY proto/ ./proto/
 COPY scripts/gen_protos.py ./scripts/gen_protos.py
 COPY specdec/ ./specdec/
@@ -54,13 +54,12 @@ COPY specdec_train/ ./specdec_train/
 COPY draft_service/ ./draft_service/
 COPY target_service/ ./target_service/
 COPY coordinator/ ./coordinator/
-# Stubs are generated at build time (specdec_rpc/pb is not committed). gen_protos.py needs grpcio-tools at the
-# version of grpcio (the pins in pyproject.toml). Then the project is installed non-editable and without the dev
-# extras, so that the runtime stage needs nothing from /src. The import check runs isolated (-I), on the
-# installed package rather than on /src.
-RUN pip install --no-cache-dir "grpcio==1.85.1" "grpcio-tools==1.85.1" \
- && python scripts/gen_protos.py \
- && pip install --no-cache-dir . \
+# Stubs are generated while pip builds the wheel (specdec_rpc/pb is not committed): setup.py's build hook runs
+# scripts/gen_protos.py with the grpcio-tools [build-system] pins. The project is installed non-editable, at the
+# versions constraints.txt locks (torch: the build above, which `torch==` there matches), without extras (no bench,
+# train or dev packages), so that the runtime stage needs nothing from /src. The import check runs isolated (-I),
+# on the installed package rather than on /src.
+RUN pip install --no-cache-dir -c constraints.txt . \
  && python -I -c "from specdec_rpc.pb import generation_pb2_grpc; import draft_service, target_service, coordinator"
 
 ############################ runtime ############################

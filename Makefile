@@ -1,28 +1,54 @@
-# One-command setup: every target installs what it needs into .venv from nothing (idempotent).
+# One-command setup: every target installs what it needs into .venv from nothing (idempotent). The exact versions
+# come from constraints.txt (pyproject.toml states ranges); `make demo` / `make serve` install the runtime only,
+# the other targets everything (the bench, train and dev extras).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
+CONSTRAINTS := constraints.txt
+PIP_INSTALL := $(PY) -m pip install --quiet -c $(CONSTRAINTS)
+RUNTIME_STAMP := $(VENV)/.installed-runtime
 STAMP := $(VENV)/.installed
+INSTALL_DEPS := pyproject.toml setup.py $(CONSTRAINTS)
 PROTOS := $(wildcard proto/specdec/v1/*.proto)
 PROTO_STAMP := specdec_rpc/pb/.generated
 PROMPT ?= Explain how a hash map works, with an example in Python.
 
-.PHONY: install proto lint-imports test test-fast demo serve bench bench-quick distill-draft train-preverifier clean
+.PHONY: install install-runtime proto lock lint-imports test test-fast demo serve bench bench-quick distill-draft \
+	train-preverifier clean
 
 install: $(STAMP) $(PROTO_STAMP)
 
-$(STAMP): pyproject.toml
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	# torch==2.13.0 resolves to the CPU wheel on disk; nothing here may pull a CUDA build
-	$(PY) -m pip install --quiet -e '.[dev]'
-	touch $(STAMP)
+install-runtime: $(RUNTIME_STAMP) $(PROTO_STAMP)
 
-$(PROTO_STAMP): $(STAMP) $(PROTOS) scripts/gen_protos.py
-	$(PY) scripts/gen_protos.py
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+
+# torch==2.13.0 (constraints.txt) resolves to the CPU wheel on disk; nothing here may pull a CUDA build.
+# Building the editable install runs setup.py's hook, which generates the gRPC stubs into specdec_rpc/pb.
+$(RUNTIME_STAMP): $(INSTALL_DEPS) | $(PY)
+	$(PIP_INSTALL) -e .
+	touch $(RUNTIME_STAMP)
+	touch $(PROTO_STAMP)
+
+$(STAMP): $(INSTALL_DEPS) | $(PY)
+	$(PIP_INSTALL) -e '.[dev]'
+	touch $(STAMP) $(RUNTIME_STAMP)
+	touch $(PROTO_STAMP)
+
+# a .proto changed: the same build hook regenerates the stubs (with the grpcio-tools pyproject's [build-system]
+# pins, so a runtime-only .venv needs no grpcio-tools); `python scripts/gen_protos.py [--check]` is the hook's code
+$(PROTO_STAMP): $(PROTOS) scripts/gen_protos.py setup.py | $(PY)
+	$(PIP_INSTALL) --no-deps -e .
 	touch $(PROTO_STAMP)
 
 proto: $(PROTO_STAMP)
+
+# rewrite constraints.txt from .venv (after changing a range in pyproject.toml and installing): exact versions of
+# everything the project installs; torch keeps its plain version (the local +cpu label is the wheel path's business)
+lock: install
+	{ sed -n '/^#/p' $(CONSTRAINTS); $(PY) -m pip freeze --exclude-editable | sed 's/^torch==\(.*\)+cpu$$/torch==\1/'; } \
+		> $(CONSTRAINTS).new && mv $(CONSTRAINTS).new $(CONSTRAINTS)
 
 # the architecture contracts in pyproject.toml ([tool.importlinter]): the core imports no transport, the layers
 lint-imports: install
@@ -35,10 +61,10 @@ test: install lint-imports
 test-fast: install
 	$(PY) -m pytest -ra -x -m "not slow"
 
-demo: install
+demo: install-runtime
 	$(VENV)/bin/specdec generate "$(PROMPT)" --mode pacer_pearl --max-new-tokens 128
 
-serve: install
+serve: install-runtime
 	$(VENV)/bin/specdec serve
 
 bench: install

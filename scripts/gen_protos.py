@@ -4,10 +4,13 @@
     python scripts/gen_protos.py           # (re)generate specdec_rpc/pb/*_pb2*.py(i)
     python scripts/gen_protos.py --check   # exit 1 if the stubs are missing or stale
 
-Uses the protoc bundled with grpcio-tools, which must be the same version as the runtime grpcio
-(generated `_pb2_grpc.py` files refuse to import on an older grpcio). protoc emits absolute imports
-(`from specdec.v1 import common_pb2`); they are rewritten to package-relative ones (`from . import
-common_pb2`) so the stubs live flat in `specdec_rpc.pb`. The generated files are git-ignored.
+Building the package runs the same generation (setup.py's build hook: `pip install .` puts the stubs in the wheel,
+`pip install -e .` into specdec_rpc/pb/ of the checkout); `make proto` runs this script after a .proto changed.
+
+Uses the protoc bundled with grpcio-tools, which must not be newer than the runtime grpcio (generated
+`_pb2_grpc.py` files refuse to import on an older grpcio): the same version here, the pinned one in the build hook.
+protoc emits absolute imports (`from specdec.v1 import common_pb2`); they are rewritten to package-relative ones
+(`from . import common_pb2`) so the stubs live flat in `specdec_rpc.pb`. The generated files are git-ignored.
 """
 from __future__ import annotations
 
@@ -75,6 +78,14 @@ def check() -> int:
     return 0
 
 
+def regenerate(out_dir: Path) -> list[Path]:
+    """Generate the stubs into out_dir, first removing stubs there of protos that no longer exist."""
+    for p in out_dir.iterdir() if out_dir.exists() else []:
+        if p.name.endswith(_SUFFIXES):
+            p.unlink()
+    return generate(out_dir)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="fail if the stubs are missing or stale")
@@ -82,10 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     check_versions()
     if args.check:
         return check()
-    for p in OUT_DIR.iterdir() if OUT_DIR.exists() else []:
-        if p.name.endswith(_SUFFIXES):  # drop stubs of deleted protos
-            p.unlink()
-    written = generate(OUT_DIR)
+    written = regenerate(OUT_DIR)
     print(f"wrote {len(written)} files to {OUT_DIR.relative_to(ROOT)}")
     return 0
 

@@ -153,7 +153,7 @@ def test_ray_pods_work_with_minimal_ray(overlay):
     import tomllib
 
     deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
-    assert any(d.startswith("ray==") for d in deps), "these checks assume the minimal ray package"
+    assert any(re.match(r"ray[<>=]", d) for d in deps), "these checks assume the minimal ray package"
     objs = render(BASE if overlay == "base" else DEPLOY / "overlays" / overlay)
     head, workers = head_and_workers(objs)
     assert workers
