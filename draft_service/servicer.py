@@ -22,7 +22,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         self._latest: dict[str, object] = {}  # session id -> token of its newest Draft/DraftStream call
 
     async def GetInfo(self, request, context) -> draft_pb2.DraftServiceGetInfoResponse:
-        return draft_pb2.DraftServiceGetInfoResponse(info=self.host.info)
+        return draft_pb2.DraftServiceGetInfoResponse(info=self.host.info_for(request.tokenizer_prefix))
 
     async def StartSession(self, request, context) -> draft_pb2.DraftServiceStartSessionResponse:
         params = sampling_from_proto(request.params)

@@ -20,6 +20,7 @@ import torch
 
 from specdec.linear import tune_linears
 from specdec.lookup import PromptLookup
+from specdec.pairing import check_pair
 from specdec.request import GenerationRequest, GenerationResult
 from specdec.sampling import SamplingParams
 from specdec.schedule import generate
@@ -152,8 +153,10 @@ class Engine:
         self.target = LocalTarget(self.target_worker, threads_per_model, inline)
         self.draft_worker = self.draft = None
         if draft_model is not None:
-            # a draft checkpoint padded to fewer rows than its target's (Qwen2.5-0.5B for -7B) takes and proposes
-            # the target's ids (specdec/vocab.py); a pair of two tokenizers is refused here
+            # a draft of another tokenizer is refused (PairError naming both models, specdec/pairing.py); a draft
+            # checkpoint padded to fewer rows than its target's (Qwen2.5-0.5B for -7B) takes and proposes the
+            # target's ids (specdec/vocab.py)
+            check_pair(draft_model, target_model)
             fit_draft_vocabulary(draft_model, target_model.config.vocab_size, preverifier)
             self.draft_worker = DraftWorker(draft_model, preverifier=preverifier, q_top_k=q_top_k, lookup=lookup,
                                             max_sessions=max_sessions, max_context=max_context, **cache)

@@ -11,6 +11,7 @@ import logging
 import time
 
 from specdec import native
+from specdec.pairing import TokenizerVocab
 from specdec.quant import weight_quant
 from specdec.sampling import SamplingParams
 from specdec.sessions import SessionTable
@@ -37,6 +38,10 @@ class SessionHost:
             weight_quant=weight_quant(worker.model),
             prompt_lookup_min_ngram=getattr(getattr(worker, "lookup", None), "min_ngram", 0),
             attention_kernel="native" if native.supports(worker.kv.k[0]) else "torch")
+        # the model directory's tokenizer, read once: the coordinator pairs drafts and targets by its fingerprint
+        self.tokenizer = TokenizerVocab.of(worker.model, model_name)
+        if self.tokenizer is not None:
+            self.info.tokenizer_fingerprint = str(self.tokenizer.fingerprint())
         self._reaper: asyncio.Task | None = None
         self.draining = False  # set when the server starts draining: per-round streams end (UNAVAILABLE)
         self._reap_every = min(30.0, max(0.05, settings.session_ttl_s / 4))
@@ -44,6 +49,15 @@ class SessionHost:
         # sessions whose StartSession is running (how many calls each): they cannot verify or draft yet
         self.prefilling: dict[str, int] = {}
         self._starts: dict[str, object] = {}  # each session id's latest StartSession call (last writer wins)
+
+    def info_for(self, tokenizer_prefix: int = 0):
+        """`info`, its tokenizer fingerprint over the first `tokenizer_prefix` ids only when > 0 (GetInfo)."""
+        if tokenizer_prefix <= 0 or self.tokenizer is None:
+            return self.info
+        info = common_pb2.ModelInfo()
+        info.CopyFrom(self.info)
+        info.tokenizer_fingerprint = str(self.tokenizer.fingerprint(tokenizer_prefix))
+        return info
 
     # -- sessions ------------------------------------------------------------------------------------------
     async def start_session(self, sid: str, prompt_ids: list[int], params, **kw) -> tuple[int, int, object, int]:

@@ -22,7 +22,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         self.host, self.batcher, self.metrics = host, batcher, host.metrics
 
     async def GetInfo(self, request, context) -> target_pb2.TargetServiceGetInfoResponse:
-        return target_pb2.TargetServiceGetInfoResponse(info=self.host.info)
+        return target_pb2.TargetServiceGetInfoResponse(info=self.host.info_for(request.tokenizer_prefix))
 
     async def StartSession(self, request, context) -> target_pb2.TargetServiceStartSessionResponse:
         params = sampling_from_proto(request.params)

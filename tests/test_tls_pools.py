@@ -124,7 +124,8 @@ async def test_a_target_whose_vocabulary_is_not_the_tokenizers_gets_no_requests(
 @pytest.mark.asyncio
 async def test_a_draft_whose_vocabulary_is_not_the_tokenizers_is_left_out(tmp_path):
     """A draft replica of another tokenizer proposes tokens that mean something else to the target: lossless, but
-    slower than the target alone, and silent. It is refused like such a target, and requests run target-only."""
+    slower than the target alone, and silent. It is refused like such a target; requests that need a draft fail
+    FAILED_PRECONDITION saying why (not target-only: the operator must see it), `ar` requests are served."""
     from specdec.tokenizer import load_tokenizer
     from tests.helpers_models import build_tiny_model, save_tiny_tokenizer
 
@@ -138,10 +139,14 @@ async def test_a_draft_whose_vocabulary_is_not_the_tokenizers_is_left_out(tmp_pa
     await app.start()
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{app.port}") as ch:
-            r = await gg.GenerationServiceStub(ch).Generate(g.GenerateRequest(
-                prompt_token_ids=[3, 1, 4], max_new_tokens=6, mode="sd", ignore_eos=True))
+            stub = gg.GenerationServiceStub(ch)
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await stub.Generate(g.GenerateRequest(prompt_token_ids=[3, 1, 4], max_new_tokens=6, mode="sd",
+                                                      ignore_eos=True))
+            assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "4096 tokens" in e.value.details()
+            r = await stub.Generate(g.GenerateRequest(prompt_token_ids=[3, 1, 4], max_new_tokens=6, mode="ar",
+                                                      ignore_eos=True))
         assert list(r.token_ids) == target_greedy(target, [3, 1, 4], 6)
-        assert r.stats.draft_unavailable and r.stats.draft_tokens == 0
         error = router.pool_manager.snapshot()["draft"][wide.endpoint]["error"]
         assert "4096 tokens" in error and "draft of the target's tokenizer" in error
     finally:

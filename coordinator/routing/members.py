@@ -21,6 +21,10 @@ class Member:
     capacity: int | None = None  # ModelInfo.max_sessions; 0: unknown (no limit); None: not asked yet
     max_context: int = 0  # positions a session holds (ModelInfo.max_position_embeddings); 0: unknown
     refused: str = ""  # why it counts as unhealthy though it serves (a model that does not fit the tokenizer)
+    pair_refused: bool = False  # a draft refused because it does not share the target's tokenizer (pool.py)
+    model: str = ""  # ModelInfo.model
+    fingerprint: str = ""  # ModelInfo.tokenizer_fingerprint ('': no tokenizer, not compared)
+    paired_with: str | None = None  # the target fingerprint a draft was last compared with
     vocab: int = 0  # its model's vocabulary size (ModelInfo.vocab_size); 0: unknown
     vocab_warned: bool = False  # a draft replica with fewer vocabulary rows than the target's was logged
     slow_checks: int = 0  # health checks in a row that timed out while it counted as healthy

@@ -18,8 +18,14 @@ Admission (a pool at capacity queues, it does not fail)
 - Each replica's capacity is its `ModelInfo.max_sessions`, read with `GetInfo` when it turns healthy (0 when
   unknown: no limit here, the replica's own RESOURCE_EXHAUSTED still applies).
 - The same read checks a replica's vocabulary against the coordinator's tokenizer: one that cannot be that
-  tokenizer's counts as unhealthy until it goes away (`replica_probes.vocabulary_mismatch`); with no draft
-  replica left, requests run target-only (`draft_fallback`).
+  tokenizer's counts as unhealthy until it goes away (`replica_probes.vocabulary_mismatch`).
+- Pairing: each draft replica's tokenizer fingerprint (`ModelInfo.tokenizer_fingerprint`, specdec/pairing.py) is
+  compared with the target replicas' on the ids both have (of different sizes: the larger side's fingerprint of
+  its first ids, from a second `GetInfo`). A draft of another tokenizer is refused like a wrong vocabulary: unusable
+  until it goes away, with an ERROR naming both models and the first difference. A request that needs a draft
+  while every draft replica is refused so fails with `DraftPairError` (→ FAILED_PRECONDITION) instead of going
+  target-only (`draft_fallback` covers unreachable drafts, not wrong ones): the operator's mistake is reported,
+  not hidden as a slow target-only service. A replica without a tokenizer (fingerprint '') is not compared.
 - When every routable replica holds as many sessions pinned by this coordinator as its capacity, `acquire` waits
   for one to be released, first come first served within a request's `priority` (lower first), at most
   `wait_s`; then, or when `max_waiting` requests already wait, it fails with `CapacityError`
@@ -32,11 +38,14 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import Counter
 from coordinator.routing.affinity import PrefixAffinity
 from coordinator.routing.members import Member, Pool, Waiter
 from coordinator.routing.preemption import on_wait
-from coordinator.routing.probes import end_session, grpc_capacity, grpc_health, vocabulary_mismatch
+from coordinator.routing.probes import (ReplicaInfo, end_session, grpc_capacity, grpc_health, grpc_tokenizer_prefix,
+                                        vocabulary_mismatch)
 from specdec.errors import CapacityError, ContextOverflowError, SpecDecError
+from specdec.pairing import PairError, TokenizerFingerprint, fingerprint_difference, mismatch_message
 
 log = logging.getLogger(__name__)
 KINDS = ("draft", "target")
@@ -56,19 +65,26 @@ class ReplicaUnavailableError(SpecDecError):
         return type(self), (str(self), self.kind)
 
 
+class DraftPairError(PairError):
+    """Every draft replica is refused: none shares the target's tokenizer (→ FAILED_PRECONDITION). The message is
+    the refusal of one of them, naming both models and the first difference."""
+    kind = "draft"
+
+
 class DraftContextError(ContextOverflowError):
     """The draft replicas' context is shorter than the request: it goes on target-only (COORDINATOR_DRAFT_FALLBACK)."""
     kind = "draft"
 
 
 class PoolManager:
-    """Owns the draft and target pools. `health_check(endpoint, service)` and `capacity_check(kind, endpoint)`
-    are injectable (tests); with an injected health check and no capacity check, capacities are unknown."""
+    """Owns the draft and target pools. `health_check(endpoint, service)`, `capacity_check(kind, endpoint)` and
+    `prefix_check(kind, endpoint, prefix)` (a tokenizer fingerprint of the first ids) are injectable (tests); with an
+    injected health check and no capacity check, capacities are unknown."""
 
     def __init__(self, sources: dict, refresh_s: float = 5.0, health_timeout_s: float = 1.0,
                  health_check=None, dialer=None, capacity_check=None, wait_s: float = 60.0,
                  max_waiting: int = 256, affinity_slack: int | None = 2, preempt: bool = True,
-                 tokenizer_size: int = 0):
+                 tokenizer_size: int = 0, prefix_check=None):
         """`affinity_slack`: sessions a replica may hold beyond the least loaded one and still get the requests
         whose prefixes it was sent (None: no prefix affinity). `preempt`: waiters take the sessions of running
         requests of lower priority (coordinator/routing/preemption.py)."""
@@ -81,6 +97,7 @@ class PoolManager:
         self.tokenizer_size = tokenizer_size  # the coordinator's tokens (0: no tokenizer): target vocabularies fit it
         self._health = health_check
         self._capacity = capacity_check
+        self._prefix = prefix_check
         self._dialer = dialer  # coordinator/channels.py: plaintext unless set
         self._task: asyncio.Task | None = None
         self._lock = asyncio.Lock()
@@ -113,15 +130,24 @@ class PoolManager:
             return await self._health(endpoint, SERVICE_NAMES[kind])
         return await grpc_health(kind, endpoint, SERVICE_NAMES[kind], self.health_timeout_s, self._dialer)
 
-    async def _check_capacity(self, kind: str, endpoint: str) -> tuple[int, int, int]:
-        """(max_sessions, max_context, vocab_size) of a replica; 0: unknown. An injected check may answer
-        max_sessions alone, or without the vocabulary."""
+    async def _check_capacity(self, kind: str, endpoint: str) -> ReplicaInfo:
+        """A replica's `ReplicaInfo` (0 / '': unknown). An injected check may answer max_sessions alone, or a tuple
+        (max_sessions, max_context, vocab_size, model, tokenizer fingerprint) cut anywhere after the first."""
         if self._capacity is not None:
             got = await self._capacity(kind, endpoint)
-            return (got, 0, 0) if isinstance(got, int) else (tuple(got) + (0, 0))[:3]
+            return ReplicaInfo(got) if isinstance(got, int) else ReplicaInfo(*got)
         if self._health is not None:
-            return 0, 0, 0
+            return ReplicaInfo()
         return await grpc_capacity(kind, endpoint, self.health_timeout_s, self._dialer)
+
+    async def _tokenizer_prefix(self, kind: str, endpoint: str, prefix: int) -> TokenizerFingerprint | None:
+        if self._prefix is not None:
+            got = await self._prefix(kind, endpoint, prefix)
+        elif self._health is not None:
+            return None
+        else:
+            got = await grpc_tokenizer_prefix(kind, endpoint, prefix, self.health_timeout_s, self._dialer)
+        return TokenizerFingerprint.parse(got)
 
     async def refresh(self) -> None:
         """Re-resolve every pool, health-check its members, learn new members' capacity, serve waiters."""
@@ -151,7 +177,8 @@ class PoolManager:
                                  ep, m.slow_checks, SLOW_CHECKS)
                         continue
                     if not ok:
-                        m.refused = ""  # checked anew when it is back (a restarted replica may serve another model)
+                        # checked anew when it is back (a restarted replica may serve another model)
+                        m.refused, m.pair_refused = "", False
                     elif m.refused:
                         ok, err = False, m.refused
                     if ok != m.healthy and not m.refused:
@@ -162,17 +189,64 @@ class PoolManager:
                         m.capacity = None  # ask again when it is back (a restarted replica may hold more or fewer)
                 ask = [m for m in pool.members.values() if m.healthy and m.capacity is None]
                 caps = await asyncio.gather(*(self._check_capacity(pool.kind, m.endpoint) for m in ask))
-                for m, (cap, context, vocab) in zip(ask, caps):
-                    m.capacity, m.max_context, m.vocab, m.vocab_warned = cap, context, vocab, False
-                    m.refused = vocabulary_mismatch(self.tokenizer_size, vocab, pool.kind)
+                for m, info in zip(ask, caps):
+                    m.capacity, m.max_context, m.vocab, m.vocab_warned = (info.max_sessions, info.max_context,
+                                                                          info.vocab, False)
+                    m.model, m.fingerprint, m.paired_with = info.model, info.tokenizer_fingerprint, None
+                    m.refused = vocabulary_mismatch(self.tokenizer_size, info.vocab, pool.kind)
+                    m.pair_refused = bool(m.refused) and pool.kind == "draft"
                     if m.refused:
                         log.error("%s replica %s gets no requests: %s", pool.kind, m.endpoint, m.refused)
                         m.healthy, m.last_error = False, m.refused
                 if gone or any(not m.healthy for m in pool.members.values()):
                     self.generation += 1
                 self._serve_waiters(pool)
+            if await self._check_pairs():
+                self._serve_waiters(self.pools["draft"])  # a waiter for a refused pool fails now
             self._warn_short_drafts()
             self.generation += 1
+
+    async def _check_pairs(self) -> bool:
+        """Compare each healthy draft replica's tokenizer with the target replicas' (module docstring, "Pairing"),
+        once per target tokenizer it meets; → whether one was refused."""
+        if "draft" not in self.pools or "target" not in self.pools:
+            return False
+        targets = [m for m in self.pools["target"].members.values() if m.healthy and m.fingerprint]
+        if not targets:
+            return False  # nothing to compare with yet: checked when a target replica reports its tokenizer
+        common = Counter(m.fingerprint for m in targets).most_common(1)[0][0]
+        target = next(m for m in targets if m.fingerprint == common)
+        refused = False
+        for m in self.pools["draft"].members.values():
+            if not (m.healthy and m.fingerprint) or m.paired_with == common:
+                continue
+            why = await self._pair_difference(m, target)
+            if why is None:  # a fingerprint could not be read: ask again at the next refresh
+                continue
+            m.paired_with = common
+            if why:
+                m.refused = mismatch_message(m.model or m.endpoint, target.model or target.endpoint, why)
+                m.pair_refused, refused = True, True
+                log.error("draft replica %s gets no requests: %s", m.endpoint, m.refused)
+                m.healthy, m.last_error, m.capacity = False, m.refused, None
+                self.generation += 1
+        return refused
+
+    async def _pair_difference(self, draft: Member, target: Member) -> str | None:
+        """The first difference of two replicas' tokenizers on the ids both have ('' none; None: not readable)."""
+        d, t = TokenizerFingerprint.parse(draft.fingerprint), TokenizerFingerprint.parse(target.fingerprint)
+        if d is None or t is None:
+            return ""  # a fingerprint of another format: not comparable here (the vocabulary check still applies)
+        why = fingerprint_difference(d, t)
+        if why is None:  # different sizes: the larger side's fingerprint of the ids both have
+            if d.size > t.size:
+                d = await self._tokenizer_prefix("draft", draft.endpoint, t.size)
+            else:
+                t = await self._tokenizer_prefix("target", target.endpoint, d.size)
+            if d is None or t is None:
+                return None
+            why = fingerprint_difference(d, t)
+        return why
 
     def _warn_short_drafts(self) -> None:
         """A draft replica whose model has fewer vocabulary rows than the target's (Qwen2.5-0.5B's for Qwen2.5-7B)
@@ -254,7 +328,11 @@ class PoolManager:
             raise self._unavailable(pool, exclude)
         return await self._wait(pool, exclude, keys, priority, holder)
 
-    def _unavailable(self, pool: Pool, exclude: set[str]) -> ReplicaUnavailableError:
+    def _unavailable(self, pool: Pool, exclude: set[str]) -> ReplicaUnavailableError | DraftPairError:
+        refused = [m for ep, m in pool.members.items() if m.pair_refused and ep not in exclude]
+        if refused and not pool.any_routable(exclude):
+            return DraftPairError(f"no draft replica can serve this target: {refused[0].refused}"
+                                  + (f" ({len(refused)} draft replicas refused so)" if len(refused) > 1 else ""))
         tried = sorted(set(pool.members) | exclude)
         detail = "; ".join(f"{e} ({pool.members[e].last_error or 'excluded'})" if e in pool.members
                            else f"{e} (failed)" for e in tried)

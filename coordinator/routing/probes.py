@@ -1,9 +1,10 @@
 """One-off calls to a replica, each on a channel of its own: its health (the standard gRPC health service), its
-capacity (`GetInfo`), and ending a session whose caller died. The pools (coordinator/routing/pool.py) and the embedded
+capacity, model and tokenizer fingerprint (`GetInfo`), and ending a session whose caller died. The pools (coordinator/routing/pool.py) and the embedded
 stack use them; `end_session_request` is the EndSession message the pipelines' backends send too."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 
 import grpc
@@ -46,19 +47,44 @@ async def grpc_health(kind: str, endpoint: str, service: str, timeout: float,
         return ok, "" if ok else "NOT_SERVING (draining)"
 
 
-async def grpc_capacity(kind: str, endpoint: str, timeout: float,
-                        dialer: Dialer | None = None) -> tuple[int, int, int]:
-    """A replica's `ModelInfo` (max_sessions, max_position_embeddings: positions a session holds, vocab_size) via
-    its `GetInfo`; (0, 0, 0) if it cannot be read."""
-    request = draft_pb2.DraftServiceGetInfoRequest() if kind == "draft" else target_pb2.TargetServiceGetInfoRequest()
+@dataclasses.dataclass
+class ReplicaInfo:
+    """What the pools read from a replica's `ModelInfo` (0 / '': unknown)."""
+    max_sessions: int = 0
+    max_context: int = 0  # max_position_embeddings: positions a session holds
+    vocab: int = 0  # vocab_size: its model's rows
+    model: str = ""
+    tokenizer_fingerprint: str = ""  # specdec/pairing.py; '' for a model without a tokenizer
+
+
+def _info_request(kind: str, tokenizer_prefix: int = 0):
+    return (draft_pb2.DraftServiceGetInfoRequest(tokenizer_prefix=tokenizer_prefix) if kind == "draft"
+            else target_pb2.TargetServiceGetInfoRequest(tokenizer_prefix=tokenizer_prefix))
+
+
+async def grpc_capacity(kind: str, endpoint: str, timeout: float, dialer: Dialer | None = None) -> ReplicaInfo:
+    """A replica's `ModelInfo` via its `GetInfo`; all unknown if it cannot be read."""
     async with _channel(kind, endpoint, dialer) as channel:
         try:
-            r = await _stub(kind, channel).GetInfo(request, timeout=timeout)
+            r = await _stub(kind, channel).GetInfo(_info_request(kind), timeout=timeout)
         except grpc.aio.AioRpcError as e:
             log.warning("%s replica %s: GetInfo failed (%s); no session limit known for it", kind, endpoint,
                         e.code())
-            return 0, 0, 0
-        return max(0, r.info.max_sessions), max(0, r.info.max_position_embeddings), max(0, r.info.vocab_size)
+            return ReplicaInfo()
+        return ReplicaInfo(max(0, r.info.max_sessions), max(0, r.info.max_position_embeddings),
+                           max(0, r.info.vocab_size), r.info.model, r.info.tokenizer_fingerprint)
+
+
+async def grpc_tokenizer_prefix(kind: str, endpoint: str, prefix: int, timeout: float,
+                                dialer: Dialer | None = None) -> str:
+    """A replica's tokenizer fingerprint over its first `prefix` ids ('' if it cannot be read)."""
+    async with _channel(kind, endpoint, dialer) as channel:
+        try:
+            r = await _stub(kind, channel).GetInfo(_info_request(kind, prefix), timeout=timeout)
+        except grpc.aio.AioRpcError as e:
+            log.warning("%s replica %s: GetInfo failed (%s)", kind, endpoint, e.code())
+            return ""
+        return r.info.tokenizer_fingerprint
 
 
 def vocabulary_mismatch(tokenizer_size: int, vocab_size: int, kind: str = "target") -> str:
@@ -71,7 +97,7 @@ def vocabulary_mismatch(tokenizer_size: int, vocab_size: int, kind: str = "targe
     if not tokenizer_size or not vocab_size or tokenizer_size - 64 <= vocab_size <= 2 * tokenizer_size + 1024:
         return ""
     fix = ("set COORDINATOR_TOKENIZER to the target's model" if kind == "target" else
-           "serve a draft of the target's tokenizer; requests run target-only meanwhile")
+           "serve a draft of the target's tokenizer; speculative requests fail FAILED_PRECONDITION meanwhile")
     return (f"its model's vocabulary has {vocab_size} tokens and the coordinator's tokenizer {tokenizer_size}: "
             f"they are different models' ({fix})")
 
