@@ -21,6 +21,8 @@ from coordinator.config import CoordinatorSettings, served_name
 from coordinator.routing.probes import grpc_health
 from coordinator.server import build_coordinator, init_ray
 from specdec.hub import resolve_model
+from specdec.model import ModelConfig
+from specdec.pairing import check_pair
 from specdec.settings import child_environ
 
 log = logging.getLogger(__name__)
@@ -67,6 +69,22 @@ def option_flags(options: dict) -> list[str]:
         elif value is not None:
             flags += [flag, str(value)]
     return flags
+
+
+def check_models(target_dir: str, draft_dir: str | None, target: str, draft: str | None) -> None:
+    """Refuse, before any replica starts, what would make one fail or a pair useless: a config.json that cannot be
+    served exactly (specdec/model.py, one line naming the field) and a draft of another tokenizer
+    (specdec/pairing.py, one line naming both models). A .gguf file or a directory without config.json is left to
+    the replica."""
+    for spec, path in ((target, target_dir), (draft, draft_dir)):
+        cfg = Path(path) / "config.json" if path else None
+        if cfg is not None and cfg.is_file():
+            try:
+                ModelConfig.from_hf(json.loads(cfg.read_text()))
+            except ValueError as e:
+                raise ValueError(f"{spec}: {e}") from None
+    if draft_dir:
+        check_pair(draft_dir, target_dir, draft or draft_dir, target)
 
 
 class LocalStack:
@@ -133,6 +151,7 @@ class LocalStack:
         # resolve (download/convert, with a progress bar) here, once, before the replicas load
         target_dir = str(resolve_model(self.target))
         draft_dir = str(resolve_model(self.draft)) if self.draft else None
+        check_models(target_dir, draft_dir, self.target, self.draft)
         tport = self.target_port or free_port()
         waits = []
         proc, logf = self._launch("target", target_dir, tport, [])

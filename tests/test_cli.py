@@ -319,3 +319,23 @@ def test_serve_applies_grace_sessions_and_speculation_settings(tmp_path):
             os.killpg(p.pid, signal.SIGKILL)
     err = p.stderr.read()
     assert rc == 0 and "grace 7.5s" in err, err[-2000:]
+
+
+def test_serve_refuses_a_draft_of_another_tokenizer_and_a_config_it_cannot_serve_in_one_line(tmp_path, capsys):
+    """Before any replica starts: a draft whose tokenizer maps ids to other strings (same vocabulary size), and a
+    config.json with a RoPE type that does not exist, each end `specdec serve` with one line and exit status 1."""
+    from tests.helpers_models import save_tiny_pair
+    from tests.test_pairing import save_tokenizer
+
+    tdir, ddir = save_tiny_pair(tmp_path)
+    save_tokenizer(ddir, TOKENIZER_CHARS[0] + TOKENIZER_CHARS[1:][::-1])  # the same 32 symbols, other ids
+    assert cli.main(["serve", str(tdir), "--draft", str(ddir), "--port", "0", "--http-port", "0"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and str(ddir) in err and str(tdir) in err and "tokenizer" in err, err
+
+    cfg = json.loads((tdir / "config.json").read_text())
+    cfg["rope_scaling"] = {"rope_type": "spiral", "factor": 2.0}
+    (tdir / "config.json").write_text(json.dumps(cfg))
+    assert cli.main(["serve", str(tdir), "--no-draft", "--port", "0", "--http-port", "0"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "spiral" in err and "Traceback" not in err, err
