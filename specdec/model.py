@@ -1,8 +1,10 @@
 """A Llama-family causal LM with a slot-addressed KV cache, in plain torch (gpt-fast style).
 
-Loads Hugging Face checkpoints of `LlamaForCausalLM` (SmolLM2, Llama 2/3, TinyLlama...) and `Qwen2ForCausalLM`
-(q/k/v bias). Parameter names match Hugging Face's, so a safetensors state dict loads as is; the loader then
-stacks q/k/v and gate/up into one GEMM each (`specdec/fusion.py`).
+Loads Hugging Face checkpoints of `LlamaForCausalLM` (SmolLM2, Llama 1/2/3.x, TinyLlama...), `Qwen2ForCausalLM`
+(q/k/v bias), `Qwen3ForCausalLM` (per-head q/k RMSNorm) and `MistralForCausalLM`, with every RoPE type transformers
+defines (specdec/rope.py); a config that cannot be served exactly is refused at load, naming the field
+(docs/guide/models.md). Parameter names match Hugging Face's, so a safetensors state dict loads as is; the loader
+then stacks q/k/v and gate/up into one GEMM each (`specdec/fusion.py`).
 
 The KV cache is preallocated per *slot* (one slot = one session) and written by absolute position, so rolling a
 session back is free: positions past its length are simply overwritten by the next forward, and causal masking by
@@ -21,7 +23,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import nn
 
-from specdec import native, settings
+from specdec import native, rope, settings
 from specdec.attention import SMALL_BLOCK_ROWS, attention
 from specdec.dtypes import resolve_dtype
 from specdec.fusion import fuse_projections_
@@ -32,6 +34,19 @@ from specdec.preverifier import draft_fingerprint
 from specdec.quant import quantize_int8_, resolve_quant
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
+REQUIRED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+# transformers' defaults for the fields a config.json may leave out, per family (tests/test_families.py holds them to
+# transformers' config classes). num_key_value_heads None: one per attention head; head_dim None: hidden / heads
+FAMILY_DEFAULTS = {
+    "LlamaForCausalLM": dict(rms_norm_eps=1e-6, max_position_embeddings=2048, num_key_value_heads=None,
+                             head_dim=None, sliding_window=None),
+    "Qwen2ForCausalLM": dict(rms_norm_eps=1e-6, max_position_embeddings=32768, num_key_value_heads=32,
+                             head_dim=None, sliding_window=4096, max_window_layers=28),
+    "Qwen3ForCausalLM": dict(rms_norm_eps=1e-6, max_position_embeddings=32768, num_key_value_heads=32,
+                             head_dim=128, sliding_window=4096, max_window_layers=28),
+    "MistralForCausalLM": dict(rms_norm_eps=1e-6, max_position_embeddings=131072, num_key_value_heads=8,
+                               head_dim=None, sliding_window=4096),
+}
 
 
 @dataclass
@@ -49,6 +64,12 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # bias on q/k/v (Qwen2)
     qk_norm: bool = False  # an RMSNorm over each head of q and of k before RoPE (Qwen3)
+    # a scaled RoPE: transformers' standardized RoPE parameters (rope_type, rope_theta, factor, ...), whose
+    # frequencies come from transformers' init functions (specdec/rope.py); None: plain RoPE at rope_theta
+    rope_parameters: dict | None = None
+    # sliding-window attention (Mistral; Qwen2/3 with use_sliding_window): served up to the window, where it equals
+    # full causal attention (`context_limit`)
+    sliding_window: int | None = None
     eos_token_id: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
     architecture: str = "LlamaForCausalLM"
@@ -63,44 +84,104 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, cfg: dict) -> "ModelConfig":
+        """A config.json → ModelConfig, with transformers' defaults for the family. Raises ValueError, one line
+        naming the field and its value, for a config that cannot be served exactly."""
         arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
         if arch not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(f"architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
-        if cfg.get("rope_scaling") or (cfg.get("rope_parameters") or {}).get("rope_type", "default") != "default":
-            raise ValueError("rope scaling is not supported yet; use a model with default RoPE")
-        if arch == "MistralForCausalLM" and cfg.get("sliding_window"):
-            raise ValueError("sliding-window attention is not supported; use a model without sliding_window")
-        rope_theta = cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+            raise ValueError(f"architectures={arch!r} is not supported; supported: "
+                             f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+        for key in REQUIRED_FIELDS:
+            if cfg.get(key) is None:
+                raise ValueError(f"config.json has no {key!r} (required for {arch})")
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act={cfg['hidden_act']!r} is not supported for {arch}; only 'silu'")
+        if arch in ("LlamaForCausalLM", "Qwen3ForCausalLM") and cfg.get("attention_bias"):
+            raise ValueError(f"attention_bias=True is not supported for {arch} (a bias on o_proj too)")
+        if arch == "LlamaForCausalLM" and cfg.get("mlp_bias"):
+            raise ValueError(f"mlp_bias=True is not supported for {arch}")
+        d = FAMILY_DEFAULTS[arch]
+        heads = cfg["num_attention_heads"]
+        head_dim = cfg.get("head_dim", d["head_dim"]) or cfg["hidden_size"] // heads
+        rope_src = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+        rope_theta = ((rope_src.get("rope_theta") if isinstance(rope_src, dict) else None) or cfg.get("rope_theta")
+                      or 10000.0)
+        rope_parameters = rope.read_rope_parameters(cfg, arch, head_dim, float(rope_theta))
         eos = cfg.get("eos_token_id")
         eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
-        return cls(
+        out = cls(
             vocab_size=cfg.get("specdec_full_vocab_size", cfg["vocab_size"]),
             hidden_size=cfg["hidden_size"],
             intermediate_size=cfg["intermediate_size"],
             num_hidden_layers=cfg["num_hidden_layers"],
-            num_attention_heads=cfg["num_attention_heads"],
-            num_key_value_heads=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
-            head_dim=cfg.get("head_dim"),
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
+            num_attention_heads=heads,
+            num_key_value_heads=cfg.get("num_key_value_heads", d["num_key_value_heads"]) or heads,
+            head_dim=head_dim,
+            rms_norm_eps=cfg.get("rms_norm_eps", d["rms_norm_eps"]),
             rope_theta=float(rope_theta),
-            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            max_position_embeddings=cfg.get("max_position_embeddings", d["max_position_embeddings"]),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
+            attention_bias=arch == "Qwen2ForCausalLM",  # Qwen2: q/k/v always; the others none (refused above)
             qk_norm=arch == "Qwen3ForCausalLM",
+            rope_parameters=rope_parameters,
+            sliding_window=_sliding_window(cfg, arch),
             eos_token_id=eos,
             bos_token_id=cfg.get("bos_token_id"),
             architecture=arch,
             feature_size=int(cfg.get("specdec_feature_size", 0)),
             feature_scale=float(cfg.get("specdec_feature_scale", 1.0)),
         )
+        if rope_parameters is not None:  # transformers' defaults filled in; its init function runs once here
+            out.rope_parameters = rope.standardized(out)
+            try:
+                inv, _ = rope.inv_freq(out)
+            except (ArithmeticError, TypeError, KeyError, RuntimeError) as e:  # e.g. a factor that is not a number
+                raise ValueError(f"rope_parameters={out.rope_parameters!r}: {e}") from None
+            if inv.shape != (head_dim // 2,) or not bool(torch.isfinite(inv).all()):
+                raise ValueError(f"rope_parameters={out.rope_parameters!r} give no finite frequencies for "
+                                 f"head_dim {head_dim}")
+        return out
+
+
+def _sliding_window(cfg: dict, arch: str) -> int | None:
+    """The attention window of a config.json as transformers reads it: Mistral's `sliding_window` on every layer;
+    Qwen2/3's only with use_sliding_window and on the layers layer_types (or max_window_layers) makes sliding."""
+    d = FAMILY_DEFAULTS[arch]
+    if arch == "MistralForCausalLM":
+        return cfg.get("sliding_window", d["sliding_window"])
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and cfg.get("use_sliding_window"):
+        window = cfg.get("sliding_window", d["sliding_window"])
+        first = cfg.get("max_window_layers", d["max_window_layers"])
+        kinds = cfg.get("layer_types") or ["sliding_attention" if window is not None and i >= first
+                                           else "full_attention" for i in range(cfg["num_hidden_layers"])]
+        return window if "sliding_attention" in kinds else None
+    return None
+
+
+def context_limit(cfg) -> tuple[int, str]:
+    """(positions a session may hold, the config field that bounds them): max_position_embeddings, or less where the
+    model's attention or RoPE would change past it (sliding_window, longrope's original_max_position_embeddings).
+    Any model config: a test double's may carry max_position_embeddings only."""
+    limit, field_name = cfg.max_position_embeddings, "max_position_embeddings"
+    for bound in (rope.context_bound(cfg), (getattr(cfg, "sliding_window", None), "sliding_window")):
+        if bound and bound[0] is not None and bound[0] < limit:
+            limit, field_name = bound
+    return limit, field_name
 
 
 def rope_tables(cfg: ModelConfig, n: int, device=None, dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-    """RoPE cos/sin tables [n, head_dim] for positions 0..n-1."""
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim))
+    """RoPE cos/sin tables [n, head_dim] for positions 0..n-1, as transformers' rotary embedding computes them: a
+    scaled RoPE's frequencies and cos/sin scaling from transformers' init function (specdec/rope.py)."""
+    scaling = 1.0
+    if getattr(cfg, "rope_parameters", None):
+        inv, scaling = rope.inv_freq(cfg)
+    else:
+        inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim))
     freqs = torch.outer(torch.arange(n, dtype=torch.float32), inv)
     emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(device, dtype), emb.sin().to(device, dtype)
+    cos, sin = emb.cos(), emb.sin()
+    if scaling != 1.0:  # yarn's and longrope's attention factor
+        cos, sin = cos * scaling, sin * scaling
+    return cos.to(device, dtype), sin.to(device, dtype)
 
 
 class RMSNorm(nn.Module):

@@ -81,7 +81,7 @@ def test_a_prompt_past_the_context_is_told_to_shorten_the_prompt():
     from specdec.workers.base import Worker
 
     class Sized:
-        max_context = 64
+        max_context, context_bound = 64, "--max-context"
 
     with pytest.raises(ContextOverflowError, match="the prompt alone has 70 tokens: shorten it by at least 7$"):
         Worker.check_reserve(Sized(), 71, 70)

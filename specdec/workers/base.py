@@ -11,7 +11,7 @@ import torch
 
 from specdec.errors import ContextOverflowError, InvalidRequestError, SessionNotFoundError, StalePositionError
 from specdec.grammar import GrammarState, GrammarVocab
-from specdec.model import CausalLM
+from specdec.model import CausalLM, context_limit
 from specdec.prefix_cache import SlotPrefixes
 from specdec.sampling import SamplingParams
 from specdec.sessions import SessionTable
@@ -79,8 +79,11 @@ class Worker:
                  session_ttl_s: float = 600.0, prefix_cache: bool = True, prefill_chunk: int = PREFILL_CHUNK):
         self.model = model
         self.vocab_size = model.config.vocab_size
-        self.max_context = min(max_context or model.config.max_position_embeddings,
-                               model.config.max_position_embeddings)
+        # the model's own bound (max_position_embeddings, or a sliding window / longrope's original length where
+        # its numerics would change past it: specdec/model.py), or less where the operator asks (--max-context)
+        limit, bound = context_limit(model.config)
+        self.max_context = min(max_context or limit, limit)
+        self.context_bound = f"the model's {bound}" if self.max_context == limit else "--max-context"
         self.max_sessions = max_sessions
         self.kv = model.new_kv_slots(max_sessions, self.max_context + PAD_SLACK)
         # one KV slot per session. A session idle past `session_ttl_s` is refused and freed when a start makes room;
@@ -146,8 +149,8 @@ class Worker:
 
     def _check_context(self, length: int, what: str) -> None:
         if length > self.max_context:
-            raise ContextOverflowError(f"{what} needs {length} positions but the context holds {self.max_context}; "
-                                       f"shorten the prompt or lower max_new_tokens / gamma")
+            raise ContextOverflowError(f"{what} needs {length} positions but the context holds {self.max_context} "
+                                       f"({self.context_bound}); shorten the prompt or lower max_new_tokens / gamma")
 
     def check_reserve(self, positions: int, prompt_len: int = 0) -> None:
         """Refuse up front a session that will need more positions than the context holds (StartSession's
@@ -157,8 +160,8 @@ class Worker:
                    f"{prompt_len - self.max_context + 1}" if prompt_len >= self.max_context else
                    f"lower max_new_tokens by {positions - self.max_context} or shorten the prompt")
             raise ContextOverflowError(f"This model's maximum context length is {self.max_context} tokens "
-                                       f"(--max-context). However, the request needs up to {positions} positions "
-                                       f"(prompt + max_new_tokens); {fix}")
+                                       f"({self.context_bound}). However, the request needs up to {positions} "
+                                       f"positions (prompt + max_new_tokens); {fix}")
 
     def start_session(self, session_id: str, prompt_ids: list[int], params: SamplingParams) -> Session:
         s = self.open_session(session_id, prompt_ids, params)
