@@ -2,8 +2,8 @@
 carries the family's real keys (its RoPE scaling in the key style its public configs use), saved by transformers and
 loaded by specdec's loader. fp32 logits within 1e-5 of transformers' forward; greedy `ar` and `sd` (a second tiny
 model of the family as the draft, so drafts are rejected and the KV slots roll back) token for token equal to
-transformers' greedy `generate`, in process (specdec.engine.Engine, what `specdec generate --in-process` runs) and
-through the served stack (replicas and coordinator over gRPC). Also: each family's defaults are transformers', the
+transformers' greedy `generate`, in process (specdec.engine.Engine, and the `specdec generate --in-process`
+command that runs it) and through the served stack (replicas and coordinator over gRPC). Also: each family's defaults are transformers', the
 context bounds (sliding window, longrope) refuse past them naming the field, configs that cannot be served are
 refused in one line, and the gpu overlay's models (their public config.json values, tests/data/configs/) load
 with transformers' RoPE tables."""
@@ -264,6 +264,24 @@ def test_sliding_window_bounds_the_context_and_a_longer_request_is_refused_namin
             eng.generate(GenerationRequest(PROMPT, N + 1, mode="sd"))
     finally:
         eng.close()
+
+
+async def test_a_served_request_past_the_window_is_refused_naming_it(root):
+    _, tdir, _, ddir = family("mistral", root)
+    t = await start_replica("target", load_model_dir(tdir, dtype="float32"), max_context=CONTEXT, max_sessions=2)
+    d = await start_replica("draft", load_model_dir(ddir, dtype="float32", role="draft"), max_context=CONTEXT,
+                            max_sessions=2)
+    coord = await start_coordinator(t.endpoint, d.endpoint)
+    ch = grpc.aio.insecure_channel(f"127.0.0.1:{coord.port}")
+    try:
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await gg.GenerationServiceStub(ch).Generate(g.GenerateRequest(prompt_token_ids=PROMPT, mode="sd",
+                                                                          max_new_tokens=N + 1, ignore_eos=True))
+        assert e.value.code() == grpc.StatusCode.OUT_OF_RANGE and "sliding_window" in e.value.details()
+    finally:
+        await ch.close()
+        for app in (coord, d, t):
+            await app.shutdown(0)
 
 
 def test_longrope_is_served_up_to_its_original_length(root):
