@@ -3,10 +3,10 @@ carries the family's real keys (its RoPE scaling in the key style its public con
 loaded by specdec's loader. fp32 logits within 1e-5 of transformers' forward; greedy `ar` and `sd` (a second tiny
 model of the family as the draft, so drafts are rejected and the KV slots roll back) token for token equal to
 transformers' greedy `generate`, in process (specdec.engine.Engine, and the `specdec generate --in-process`
-command that runs it) and through the served stack (replicas and coordinator over gRPC). Also: each family's defaults are transformers', the
-context bounds (sliding window, longrope) refuse past them naming the field, configs that cannot be served are
-refused in one line, and the gpu overlay's models (their public config.json values, tests/data/configs/) load
-with transformers' RoPE tables."""
+command that runs it) and through the served stack (replicas and coordinator over gRPC). Also: each family's
+defaults are transformers', the context bounds (sliding window, longrope) refuse past them naming the field,
+configs that cannot be served are refused in one line, and the gpu overlay's models (their public config.json
+values, tests/data/configs/) load with transformers' RoPE tables."""
 from __future__ import annotations
 
 import copy
