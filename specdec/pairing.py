@@ -7,7 +7,10 @@ rejects them) but every draft is wasted, silently. Comparing vocabulary *sizes* 
 
 - the token → id maps, on the ids both tokenizers have (a tokenizer that is the other's plus tokens appended past
   its last id still agrees on every id the draft and the target share), and
-- the special tokens both define: bos, eos, pad (the same ids).
+- the special tokens both define that a prompt carries: bos and pad (the same ids). eos is not compared: a base
+  draft and an instruct target of one tokenizer name different end tokens (Llama 3.2 1B's `<|end_of_text|>`,
+  Llama 3.1 8B Instruct's `<|eot_id|>`), both ids mean the same strings on either side, and a request stops on the
+  target's eos ids whatever the draft's.
 
 How many *rows* the models' embeddings have is another matter: a draft checkpoint padded to fewer rows than its
 target's, of the same tokenizer (Qwen2.5-0.5B for -7B), is fitted by `specdec.vocab.fit_draft_vocabulary`.
@@ -31,6 +34,7 @@ import re
 from specdec.errors import SpecDecError
 
 SPECIALS = ("bos", "eos", "pad")
+COMPARED_SPECIALS = ("bos", "pad")  # eos: see the module docstring
 _FORMAT = "tokfp1"  # the fingerprint's text form and digest recipe; a new recipe gets a new tag
 
 
@@ -149,9 +153,9 @@ def _show(tok: str | None) -> str:
 
 
 def specials_difference(draft: tuple[int, ...], target: tuple[int, ...]) -> str:
-    """The first special token (bos, eos, pad) both define with different ids ('' when none)."""
+    """The first special token of COMPARED_SPECIALS both define with different ids ('' when none)."""
     for key, d, t in zip(SPECIALS, draft, target):
-        if d >= 0 and t >= 0 and d != t:
+        if key in COMPARED_SPECIALS and d >= 0 and t >= 0 and d != t:
             return f"{key} is id {d} in the draft's tokenizer and {t} in the target's"
     return ""
 

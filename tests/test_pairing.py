@@ -23,13 +23,16 @@ from tests.helpers_models import (TOKENIZER_CHARS, build_tiny_model, start_coord
 OTHER_CHARS = TOKENIZER_CHARS[0] + TOKENIZER_CHARS[1:][::-1]  # the same 32 symbols, other ids: another tokenizer
 
 
-def save_tokenizer(path, chars: str = TOKENIZER_CHARS, eos: str | None = "."):
-    """A model directory's tokenizer files: the character-level tokenizer over `chars`, `eos` its eos token."""
+def save_tokenizer(path, chars: str = TOKENIZER_CHARS, eos: str | None = ".", bos: str | None = None):
+    """A model directory's tokenizer files: the character-level tokenizer over `chars`, `eos` its eos token (and
+    `bos` its bos token)."""
     path.mkdir(parents=True, exist_ok=True)
     tiny_tokenizer(chars).save(str(path / "tokenizer.json"))
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "<unk>"}
     if eos is not None:
         config["eos_token"] = eos
+    if bos is not None:
+        config["bos_token"] = bos
     (path / "tokenizer_config.json").write_text(json.dumps(config))
     return path
 
@@ -63,11 +66,15 @@ def test_another_tokenizer_of_the_same_size_is_refused_in_one_line_naming_both(t
     assert "id 1 is '?' in the draft's tokenizer and 'a' in the target's" in msg
 
 
-def test_the_same_vocabulary_with_another_eos_is_refused(tmp_path):
+def test_the_same_vocabulary_with_another_bos_is_refused_another_eos_is_not(tmp_path):
+    """A base draft and an instruct target of one tokenizer name different eos tokens (Llama 3.2 1B and Llama 3.1
+    8B Instruct): a pair. A prompt's bos must be the same id on both sides."""
     t, d = save_tokenizer(tmp_path / "target", eos="."), save_tokenizer(tmp_path / "draft", eos="!")
-    with pytest.raises(PairError, match=r"eos is id 30 in the draft's tokenizer and 28 in the target's"):
+    check_pair(d, t, "draft-x", "target-y")
+    t, d = save_tokenizer(tmp_path / "target-b", bos="."), save_tokenizer(tmp_path / "draft-b", bos="!")
+    with pytest.raises(PairError, match=r"bos is id 30 in the draft's tokenizer and 28 in the target's"):
         check_pair(d, t, "draft-x", "target-y")
-    check_pair(save_tokenizer(tmp_path / "no-eos", eos=None), t)  # a special only one side defines: not compared
+    check_pair(save_tokenizer(tmp_path / "no-bos", bos=None), t)  # a special only one side defines: not compared
 
 
 def test_a_loaded_tokenizer_compares_like_its_directory(tmp_path):
