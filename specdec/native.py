@@ -1,19 +1,25 @@
 """Native CPU kernels: C sources in `specdec/csrc`, built with the host's C compiler on first use, called by ctypes.
 
-Two kernels, each replacing a run of small torch ops whose dispatch cost more than their arithmetic
+Three kernels. Two replace a run of small torch ops whose dispatch cost more than their arithmetic
 (docs/benchmarks.md, "Native decode attention"):
 - `decode_attention` (`csrc/decode_attention.c`): a whole layer's attention for a batch of sequences with a few
   query rows each, reading the KV cache in place. The torch path runs ~10 small ops per sequence and layer; at 8
   sessions per target step that was a third of the step.
 - `rms_norm` (`csrc/rms_norm.c`): an RMSNorm, optionally with the residual add before it, in one pass (~7 ops).
 
-The build is a plain shared object (no torch or Python headers: it compiles in well under a second), tuned for
-this CPU (`-march=native`) and cached under `cache_root()/native/`, keyed by the sources, the flags, the compiler
-and the CPU's feature flags, so a cache shared by different hosts never hands one host another's build. It is
+The third, `stream_linear` (`csrc/stream_linear.c`, AVX2 + FMA), is a linear layer for a few rows that reads the
+weight once for all of them, bitwise row-invariant: `specdec.linear`'s kernel for hosts without native bf16 GEMMs
+(docs/benchmarks.md, "AVX2-only hosts").
+
+The build is a plain shared object (no torch or Python headers: it compiles in about a second), tuned for this
+CPU (`-march=native`; `-mavx2 -mfma -mf16c` where `specdec.settings` `isa` is avx2) and cached under
+`cache_root()/native/`, keyed by the sources, the flags, the compiler and the CPU's feature flags, so a cache
+shared by different hosts never hands one host another's build. It is
 written to a temporary name and renamed into place, so processes that start together (a draft and a target
 server) never load a half-written file. Where there is no compiler, or the kernels are switched off
 (`specdec.settings` `native`, SPECDEC_NATIVE=0), `available()` is False and callers take the torch path; the reason
-is logged once. Switched off, nothing is compiled.
+is logged once. Switched off, nothing is compiled. A compiler without OpenMP builds the streaming linear for one
+thread.
 """
 from __future__ import annotations
 
@@ -34,11 +40,20 @@ from specdec import settings
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).resolve().parent / "csrc" / f for f in ("decode_attention.c", "rms_norm.c"))
-# -ffast-math for the compile only: it lets the reductions and expf vectorize. Linked with it, gcc < 13 adds
-# crtfastmath.o, whose constructor sets flush-to-zero for the whole process on load and would change torch's
-# numerics; the link step runs without it (tests/test_native.py checks that subnormals survive the load).
-CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC")
+_CSRC = Path(__file__).resolve().parent / "csrc"
+# Each source with its own flags. -ffast-math for attention and RMSNorm, compile only: it lets the reductions and
+# expf vectorize. Linked with it, gcc < 13 adds crtfastmath.o, whose constructor sets flush-to-zero for the whole
+# process on load and would change torch's numerics; the link step runs without it (tests/test_native.py checks
+# that subnormals survive the load). The streaming linear is row-invariant only if the compiler keeps its order of
+# operations: no -ffast-math, no contraction beyond its own FMAs; -fopenmp splits its output features across threads
+# (the library then needs libgomp.so.1, which resolves to the one torch has already loaded).
+SOURCES = {_CSRC / "decode_attention.c": ("-ffast-math",), _CSRC / "rms_norm.c": ("-ffast-math",),
+           _CSRC / "stream_linear.c": ("-ffp-contract=off", "-fopenmp")}
+CFLAGS = ("-O3", "-fPIC")
+# The instruction set the build targets (`specdec.settings` `isa`): this CPU's, or an AVX2-only x86 host's (the
+# emulation of one on a richer host).
+ISA_FLAGS = {"native": ("-march=native",), "avx2": ("-mavx2", "-mfma", "-mf16c")}
+LINK_FLAGS = ("-fopenmp",)  # dropped, with the sources' -fopenmp, where the compiler has no OpenMP
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # the caches the kernel reads; others take the torch path
 
 
@@ -56,24 +71,41 @@ def _compiler() -> str | None:
     return shutil.which(settings.get().cc) or shutil.which("gcc") or shutil.which("clang")
 
 
+def _commands(cc: str, tmp: str, openmp: bool) -> tuple[list[list[str]], str]:
+    """The compile and link commands of the library (into `tmp`), and the library's path."""
+    isa = ISA_FLAGS[settings.get().isa]
+    keep = (lambda f: True) if openmp else (lambda f: f != "-fopenmp")
+    objs = [os.path.join(tmp, f.stem + ".o") for f in SOURCES]
+    lib = os.path.join(tmp, "kernels.so")
+    cmds = [[cc, *CFLAGS, *isa, *filter(keep, extra), "-c", str(f), "-o", o]
+            for (f, extra), o in zip(SOURCES.items(), objs)]
+    return cmds + [[cc, "-shared", *filter(keep, LINK_FLAGS), *objs, "-o", lib, "-lm"]], lib
+
+
 def _build(cc: str) -> Path:
     from specdec.hub import cache_root
 
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256("\0".join((*(f.read_text() for f in SOURCES), " ".join(CFLAGS), version,
+    flags = " ".join(f"{f.name}:{' '.join(e)}" for f, e in SOURCES.items())
+    key = hashlib.sha256("\0".join((*(f.read_text() for f in SOURCES), " ".join(CFLAGS), flags,
+                                    " ".join(ISA_FLAGS[settings.get().isa]), " ".join(LINK_FLAGS), version,
                                     platform.machine(), _cpu_flags())).encode()).hexdigest()[:24]
     out = cache_root() / "native" / f"specdec-kernels-{key}.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        objs = [os.path.join(tmp, f.stem + ".o") for f in SOURCES]
-        lib = os.path.join(tmp, "kernels.so")
-        cmds = [[cc, *CFLAGS, "-c", str(f), "-o", o] for f, o in zip(SOURCES, objs)]
-        for cmd in cmds + [[cc, "-shared", *objs, "-o", lib, "-lm"]]:
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-            if done.returncode != 0:
-                raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr.strip()[-2000:]}")
+        for openmp in (True, False):  # a compiler without OpenMP: the streaming linear runs on one thread
+            cmds, lib = _commands(cc, tmp, openmp)
+            for cmd in cmds:
+                done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+                if done.returncode != 0:
+                    error = f"{' '.join(cmd)} failed: {done.stderr.strip()[-2000:]}"
+                    break
+            else:
+                break
+        else:
+            raise RuntimeError(error)
         os.replace(lib, out)  # atomic: a process starting beside this one loads a whole file or builds its own
     return out
 
@@ -101,6 +133,10 @@ def _library():
     lib.specdec_decode_attention.restype = i32
     lib.specdec_rms_norm.argtypes = [i32, i64, i64, ptr, ptr, ptr, ptr, ctypes.c_float, ptr]
     lib.specdec_rms_norm.restype = None
+    lib.specdec_stream_linear.argtypes = [i32] * 3 + [i64] * 3 + [ptr] * 4 + [i32]
+    lib.specdec_stream_linear.restype = i32
+    lib.specdec_stream_linear_supported.argtypes = []
+    lib.specdec_stream_linear_supported.restype = i32
     return lib
 
 
@@ -163,3 +199,30 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
                                 None if residual is None else residual.data_ptr(),
                                 None if total is None else total.data_ptr(), weight.data_ptr(), eps, out.data_ptr())
     return out if residual is None else (total, out)
+
+
+def stream_linear_supported() -> bool:
+    """Whether `stream_linear` runs here: the kernels on and built, and the CPU has AVX2 and FMA (the kernel's own
+    check; a build for another instruction set has no kernel)."""
+    return available() and bool(_library().specdec_stream_linear_supported())
+
+
+def stream_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [rows, in] @ weight[out, in]^T (+ bias) → [rows, out] of x's dtype, reading the weight once per 16 rows
+    (csrc/stream_linear.c): weight bf16 or fp32, x bf16 or fp32, accumulation fp32, each row's result bitwise the
+    same whatever the number of rows in the call. Output features split across torch's intra-op threads. The caller
+    checks `stream_linear_supported`."""
+    if x.dtype not in DTYPES or weight.dtype not in DTYPES or (bias is not None and bias.dtype != weight.dtype):
+        raise ValueError(f"stream_linear takes fp32/bf16 inputs and a bias of the weight's dtype; got x {x.dtype}, "
+                         f"weight {weight.dtype}, bias {None if bias is None else bias.dtype}")
+    x, weight = x.contiguous(), weight.contiguous()
+    bias = None if bias is None else bias.contiguous()
+    rows, out_f = x.shape[0], weight.shape[0]
+    y = torch.empty((rows, out_f), dtype=x.dtype)
+    rc = _library().specdec_stream_linear(DTYPES[x.dtype], DTYPES[weight.dtype], DTYPES[x.dtype], rows,
+                                          weight.shape[1], out_f, x.data_ptr(), weight.data_ptr(),
+                                          None if bias is None else bias.data_ptr(), y.data_ptr(),
+                                          torch.get_num_threads())
+    if rc != 0:
+        raise MemoryError("the native streaming linear could not allocate its scratch")
+    return y

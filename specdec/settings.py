@@ -17,6 +17,7 @@ import contextlib
 import os
 import threading
 from pathlib import Path
+from typing import Literal
 
 from pydantic import AliasChoices, Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -44,6 +45,12 @@ class RuntimeSettings(BaseSettings):
         "each layer's default plan, unpadded, so outputs also repeat across processes"))
     row_invariant: bool = Field(True, description=(
         "a target's bf16 CPU linears round each row alike whether it runs alone or batched (specdec.linear)"))
+    isa: Literal["native", "avx2"] = Field("native", description=(
+        "the x86 instruction set the CPU kernels assume: native = this host's; avx2 = behave as on an AVX2-only host "
+        "(no AVX512, no native bf16 GEMMs), to emulate one on a richer CPU: bf16 counts as slow "
+        "(specdec.dtypes.cpu_has_fast_bf16), the native kernels build with -mavx2 -mfma -mf16c, and prepare_process "
+        "caps oneDNN and MKL at AVX2 (ONEDNN_MAX_CPU_ISA, MKL_ENABLE_INSTRUCTIONS; ATen's own kernels follow "
+        "ATEN_CPU_CAPABILITY=avx2, which must be set before torch loads)"))
     onednn_cache_capacity: int = Field(256, ge=1, description=(
         "entries in oneDNN's primitive cache and ideep's kernel cache (their defaults: 1024 each), set by "
         "prepare_process as ONEDNN_PRIMITIVE_CACHE_CAPACITY and LRU_CACHE_CAPACITY unless those are set"))
@@ -130,9 +137,14 @@ def prepare_process() -> None:
     at the first oneDNN call. A replica's prefill tails, feeds and batches come in every row count: a draft
     replica's RSS grew from 533 to 791 MB in 2 minutes of prompts of random lengths, still rising; at 256 entries
     it stayed at ~640 MB. Three shapes fed 1-319 rows: +551 MB at 1024, +214 MB at 256. A miss rebuilds a kernel in
-    ~17 µs: 32 row counts cycled through the default target's linears took 1-3 % longer at 256."""
+    ~17 µs: 32 row counts cycled through the default target's linears took 1-3 % longer at 256.
+
+    With `isa` avx2 it also caps oneDNN and MKL at AVX2, so that this host runs their kernels as an AVX2-only one
+    would."""
     cap = str(get().onednn_cache_capacity)
     setdefault_environ(LRU_CACHE_CAPACITY=cap, ONEDNN_PRIMITIVE_CACHE_CAPACITY=cap)
+    if get().isa == "avx2":  # an AVX2-only host emulated: oneDNN and MKL read these at their first call
+        setdefault_environ(ONEDNN_MAX_CPU_ISA="AVX2", MKL_ENABLE_INSTRUCTIONS="AVX2")
 
 
 def child_environ(**overrides: str) -> dict[str, str]:
