@@ -3,10 +3,16 @@
     python scripts/forward_cost.py --model default-target --dtypes float32 bfloat16 --rows 1 2 4 8 16
     python scripts/forward_cost.py --dtypes bfloat16 --kernels gemm gemv gemv+packed packed tuned --rows 1 2 4 8 300
     python scripts/forward_cost.py --dtypes bfloat16 --attention native torch --sessions 1 8 --rows 1 4
+    SPECDEC_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 python scripts/forward_cost.py --dtypes float32 bfloat16 \
+        --kernels gemm tuned --bandwidth     # an AVX2-only host emulated; against the memory-bandwidth bound
 
 Why it matters: a verify forwards 1 + (drafted tokens) rows. If that cost grows with the rows, long drafts are
 expensive and the best draft length shrinks. Dtypes and row counts are interleaved per repeat (machine drift hits
 all alike); medians are printed as a markdown table.
+
+`--bandwidth` also times a STREAM-style copy once per repeat (interleaved with the forwards, so it sees the same
+machine load) and prints the bound it sets: the bytes a one-row step must read (every linear weight once, the KV
+cache up to the context) over the copy bandwidth, against the measured one-row step.
 """
 from __future__ import annotations
 
@@ -21,7 +27,19 @@ from specdec.linear import Linear, padding, set_plan
 from specdec.model import load_model
 
 PLANS = {"gemm": ("gemm",) * 4, "gemv": ("gemv", "gemm", "gemm", "gemm"),
-         "gemv+packed": ("gemv", "packed", "packed", "packed"), "packed": ("packed",) * 4}
+         "gemv+packed": ("gemv", "packed", "packed", "packed"), "packed": ("packed",) * 4,
+         "stream": ("stream",) * 4}
+COPY_BYTES = 1 << 29  # per array of the copy: well past any cache
+
+
+def step_bytes(model, context: int) -> int:
+    """Bytes a one-row decode step reads at least: every linear weight once (a weight shared by two layers, as a
+    tied head, once) and the cached keys and values of `context` positions; the embedding row and norms are noise."""
+    weights = {m.weight.data_ptr(): m.weight.numel() * m.weight.element_size() for m in model.modules()
+               if isinstance(m, torch.nn.Linear)}
+    cfg = model.config
+    kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * context * model.dtype.itemsize
+    return sum(weights.values()) + kv
 
 
 def main(argv=None) -> None:
@@ -42,14 +60,18 @@ def main(argv=None) -> None:
                          "path (specdec/attention.py, row by row in a batch)")
     ap.add_argument("--sessions", nargs="+", type=int, default=[1],
                     help="sessions per forward (a batched step: each session's rows, contexts 8 positions apart)")
+    ap.add_argument("--bandwidth", action="store_true",
+                    help="time a STREAM-style copy per repeat and print the bandwidth bound of a one-row step")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     models = {dt: load_model(args.model, dtype=dt) for dt in args.dtypes}
     tuned = {dt: {m: (m.plan, m.pad_to) for m in models[dt].modules() if isinstance(m, Linear)} for dt in args.dtypes}
     n_slots = max(args.sessions)
     kvs = {dt: m.new_kv_slots(n_slots, args.context + 8 * n_slots + max(args.rows) + 1) for dt, m in models.items()}
-    variants = [(dt, k, a) for dt in args.dtypes for k in (args.kernels if dt == "bfloat16" else ["gemm"])
-                for a in args.attention]
+    # fp32 linears run a plan only where tuning gave them one (hosts without native bf16 GEMMs: the streaming kernel)
+    fp32_plans = any(p for p, _ in tuned.get("float32", {}).values())
+    variants = [(dt, k, a) for dt in args.dtypes
+                for k in (args.kernels if dt == "bfloat16" or fp32_plans else ["gemm"]) for a in args.attention]
     shapes = [(b, n) for b in args.sessions for n in args.rows]
 
     def once(variant: tuple[str, str, str], shape: tuple[int, int]) -> float:
@@ -74,26 +96,45 @@ def main(argv=None) -> None:
         for shape in shapes:
             once(v, shape)
     times = {(v, shape): [] for v in variants for shape in shapes}
+    src = torch.ones(COPY_BYTES // 4) if args.bandwidth else None
+    dst = torch.empty_like(src) if args.bandwidth else None
+    copies = []
     for _ in range(args.repeats):
+        if args.bandwidth:
+            t = time.perf_counter()
+            dst.copy_(src)
+            copies.append(2 * COPY_BYTES / (time.perf_counter() - t))  # STREAM counts a copy's read and write
         for v in variants:
             for shape in shapes:
                 times[(v, shape)].append(once(v, shape))
     for dt, plans in tuned.items():
-        if dt == "bfloat16":
-            print(f"tuned plans (kernel for 1 / 4 / 8 / more rows): {sorted({p for p, _ in plans.values() if p})}")
-            print(f"tuned row padding ((out, in) features: rows 1..8 run as): {padding(models[dt])}\n")
+        if any(p for p, _ in plans.values()):
+            print(f"{dt} tuned plans (kernel for 1 / 4 / 8 / more rows): {sorted({p for p, _ in plans.values() if p})}")
+            print(f"{dt} tuned row padding ((out, in) features: rows 1..8 run as): {padding(models[dt])}\n")
     print(f"model {args.model}, {args.threads} thread(s), context {args.context}, median (min) of {args.repeats} "
           f"(ms)\n")
     print("| dtype | kernels | attention | sessions | " + " | ".join(f"{n} row{'s' if n > 1 else ''}" for n in args.rows)
-          + " | cost(8)/cost(1) |")
-    print("|---|---|---|---|" + "---|" * (len(args.rows) + 1))
+          + " | cost(8)/cost(1) | cost(16)/cost(1) |")
+    print("|---|---|---|---|" + "---|" * (len(args.rows) + 2))
     for v in variants:
         for b in args.sessions:
             med = {n: statistics.median(times[(v, (b, n))]) * 1e3 for n in args.rows}
             low = {n: min(times[(v, (b, n))]) * 1e3 for n in args.rows}
-            ratio = f"{med[8] / med[1]:.2f}" if 8 in med and 1 in med else "-"
+            ratio = " | ".join(f"{med[n] / med[1]:.2f}" if n in med and 1 in med else "-" for n in (8, 16))
             print(f"| {v[0]} | {v[1]} | {v[2]} | {b} | " + " | ".join(f"{med[n]:.1f} ({low[n]:.1f})" for n in args.rows)
                   + f" | {ratio} |")
+    if args.bandwidth:
+        bw = statistics.median(copies)
+        print(f"\ncopy bandwidth ({args.threads} thread(s), {COPY_BYTES >> 20} MiB arrays, median (max) of "
+              f"{len(copies)}): {bw / 1e9:.1f} ({max(copies) / 1e9:.1f}) GB/s\n")
+        print("| dtype | kernels | bytes per one-row step | best one-row time | measured one row | measured / best |")
+        print("|---|---|---|---|---|---|")
+        for v in variants:
+            if 1 in args.rows and v[2] == args.attention[0]:
+                need = step_bytes(models[v[0]], args.context)
+                one = statistics.median(times[(v, (1, 1))]) if 1 in args.sessions else float("nan")
+                print(f"| {v[0]} | {v[1]} | {need / 1e6:.0f} MB | {need / bw * 1e3:.1f} ms | {one * 1e3:.1f} ms | "
+                      f"{one / (need / bw):.2f} |")
 
 
 if __name__ == "__main__":

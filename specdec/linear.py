@@ -8,11 +8,14 @@ one-row bf16 weight fastest, on another the prepacked oneDNN kernel does. The ca
 - `gemv`: `torch.mv(W, x)`, one row only;
 - `packed`: the weight laid out for oneDNN once (`prepack`, `torch.ops.mkldnn._reorder_linear_weight`), then
   `mkldnn._linear_pointwise`: bit-identical to `gemm`, at the price of a second copy of the weight in memory;
-- `int8` (`specdec.quant.Int8Linear` only): `torch._weight_int8pack_mm`.
+- `int8` (`specdec.quant.Int8Linear` only): `torch._weight_int8pack_mm`;
+- `stream` (hosts without native bf16 GEMMs only: `stream_supported`): the native streaming linear
+  (`specdec.native.stream_linear`, AVX2 + FMA), which reads the weight once for up to 16 rows, bf16 or fp32, with
+  fp32 arithmetic, and rounds every row alike whatever its call's row count.
 
 `tune_linears(model)` times the candidates per distinct layer shape for 1, 4 and 8 rows, interleaved, and keeps the
-fastest: a *plan*, one kernel per row class. Calls with more than 8 rows take `packed` where it exists, else
-`gemm`.
+fastest: a *plan*, one kernel per row class. Calls with more than 8 rows take `packed` where it exists, else the
+faster of `gemm` and `stream` (timed at 32 rows), else `gemm`.
 
 It then tunes *row padding*: oneDNN's kernels are not monotone in the row count. With weights streaming from memory
 (a forward over all layers), one or two rows can cost more than four (default target, AMD host, 1 thread: the
@@ -43,8 +46,15 @@ oneDNN's kernel caches, which `settings.prepare_process()` sets before the first
 and `prepack_linears` call it).
 
 Packing needs oneDNN's bf16 path, which runs only on CPUs with AVX512 (BW/VL/DQ) or AVX-NE-CONVERT
-(`packing_supported`). Elsewhere (an AVX2-only CPU) nothing is packed, `packed` is never a candidate, and a bf16
-call runs on `gemm` or `gemv`: PyTorch's own bf16 GEMM, whose rows are computed independently of each other.
+(`packing_supported`). Elsewhere (an AVX2-only CPU) nothing is packed and `packed` is never a candidate; `stream`
+is, where the native kernels are built (`stream_supported`). There torch's GEMMs do not read the weight once for
+several rows (default target, AMD EPYC: 8 rows cost 2.9× one row in fp32, 4.6× in bf16), the streaming kernel does,
+so on such hosts fp32 layers are tuned too (the same candidates, on fp32 weights), `--dtype auto` picks bf16
+(`specdec.dtypes.auto_dtype`), and with tuning off a bf16 layer's default plan runs on `stream` (`default_plan`; an
+untuned fp32 layer keeps `F.linear`). Its rows round alike at any row count, so a row-invariant layer on it needs
+no padding to two rows and no split; one whose tuned plan mixes it with `gemm` or `gemv` fails the invariance check
+and moves to `stream` for every row count. On hosts with native bf16 GEMMs nothing of this applies: fp32 layers run
+`F.linear`, as ever.
 """
 from __future__ import annotations
 
@@ -56,18 +66,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdec import settings
+from specdec import native, settings
 from specdec.dtypes import cpu_has_fast_bf16
 
 log = logging.getLogger(__name__)
 
 ROW_CLASSES = (1, 4, 8)  # the row counts a plan is tuned at: a call with r rows uses the first class >= r
-_TUNED: dict[tuple, tuple[str, ...]] = {}  # (class, shape, bias, threads) → plan, shared by same-shaped layers
+_TUNED: dict[tuple, tuple[str, ...]] = {}  # (class, shape, bias, threads, ..., dtype) → plan, for same-shaped layers
 PAD_MAX_ROWS = 8  # calls of up to this many rows may run padded (Linear.pad_to)
 PAD_MARGIN = 0.05  # a padded row count is taken only where it measured at least this much faster
 MIN_INVARIANT_ROWS = 2  # a row-invariant layer's calls run as at least this many rows (see the module docstring)
 MAX_INVARIANT_ROWS = 32  # ... and as calls of at most this many rows, a longer call split (see the module docstring)
-_PADS: dict[tuple, tuple[int, ...]] = {}  # (class, shape, bias, threads, plan, layers) → pad_to
+_PADS: dict[tuple, tuple[int, ...]] = {}  # (class, shape, bias, threads, plan, layers, ..., dtype) → pad_to
 
 
 def row_class(rows: int) -> int:
@@ -80,6 +90,33 @@ def packing_supported() -> bool:
     bf16 on this CPU (`specdec.dtypes.cpu_has_fast_bf16`; oneDNN refuses to pack bf16 weights elsewhere)."""
     return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
             and cpu_has_fast_bf16())
+
+
+def stream_supported() -> bool:
+    """Whether `stream` is a candidate here: a host without native bf16 GEMMs (`cpu_has_fast_bf16` False, as on an
+    AVX2-only CPU or with `specdec.settings` `isa` avx2) where the native streaming kernel runs (AVX2 + FMA, the
+    native kernels on and built). Never on hosts with native bf16 GEMMs: their paths stay as they are."""
+    return not cpu_has_fast_bf16() and native.stream_linear_supported()
+
+
+STREAM_PLAN = ("stream",) * 4  # every row count on the streaming kernel: row-invariant by construction
+_STREAM_DTYPES = (torch.bfloat16, torch.float32)
+_stream_host: tuple[settings.RuntimeSettings, bool] | None = None  # (the settings it was asked under, answer)
+
+
+def _streams_here() -> bool:
+    """`stream_supported()`, asked once per settings object: untuned layers ask it on every call."""
+    global _stream_host
+    s = settings.get()
+    if _stream_host is None or _stream_host[0] is not s:
+        _stream_host = (s, stream_supported())
+    return _stream_host[1]
+
+
+def _tunable(m: nn.Module, stream: bool) -> bool:
+    """A CPU `Linear` that `tune_linears` plans: bf16, and fp32 where `stream` (`stream_supported`) is a candidate."""
+    return (isinstance(m, Linear) and m.weight.device.type == "cpu"
+            and (m.weight.dtype is torch.bfloat16 or (stream and m.weight.dtype is torch.float32)))
 
 
 def tuning_enabled() -> bool:
@@ -113,9 +150,13 @@ class Linear(nn.Linear):
         return p[2] if p is not None and p[0] == self.weight.data_ptr() and p[1] == self.weight._version else None
 
     def kernels(self, rows: int) -> list[str]:
-        """The kernels that can run a bf16 CPU call of `rows` rows on this layer now."""
+        """The kernels that can run a bf16 (or, where `stream_supported`, fp32) CPU call of `rows` rows on this
+        layer now."""
         out = ["gemm"] + (["gemv"] if rows == 1 else [])
-        return out + (["packed"] if self._packed_weight() is not None else [])
+        out += ["packed"] if self._packed_weight() is not None else []
+        stream = (self.weight.dtype in _STREAM_DTYPES and self.weight.device.type == "cpu"
+                  and (self.bias is None or self.bias.dtype == self.weight.dtype) and stream_supported())
+        return out + (["stream"] if stream else [])
 
     def run_kernel(self, kernel: str, x2: torch.Tensor) -> torch.Tensor:
         """`kernel` on a 2-D input [rows, in_features] → [rows, out_features] (a kernel that cannot run: gemm)."""
@@ -126,21 +167,33 @@ class Linear(nn.Linear):
             pw = self._packed_weight()
             if pw is not None:
                 return torch.ops.mkldnn._linear_pointwise(x2, pw, self.bias, "none", [], "")
+        if kernel == "stream" and x2.dtype in _STREAM_DTYPES and self.weight.dtype in _STREAM_DTYPES:
+            return native.stream_linear(x2, self.weight, self.bias)
         return F.linear(x2, self.weight, self.bias)
 
+    def default_plan(self) -> tuple[str, ...]:
+        """The plan until tuned (or with tuning off): DEFAULT_PLAN, or INVARIANT_PLAN for a row-invariant layer;
+        where `stream_supported`, its torch and oneDNN entries run on `stream` instead."""
+        plan = self.INVARIANT_PLAN if self.row_invariant else self.DEFAULT_PLAN
+        if self.weight.dtype in _STREAM_DTYPES and _streams_here():
+            return tuple("stream" if k in ("gemm", "gemv", "packed") else k for k in plan)
+        return plan
+
     def kernel_for(self, rows: int) -> str:
-        return (self.plan or (self.INVARIANT_PLAN if self.row_invariant else self.DEFAULT_PLAN))[row_class(rows)]
+        return (self.plan or self.default_plan())[row_class(rows)]
 
     def rows_to_run(self, rows: int) -> int:
         """The row count a call of `rows` rows runs as (row padding; a row-invariant layer never makes a one-row
-        oneDNN call)."""
+        oneDNN call; `gemv` and `stream` round one row as they round it batched)."""
         run = self.pad_to[rows - 1] if self.pad_to is not None and rows <= len(self.pad_to) else rows
-        if self.row_invariant and run < MIN_INVARIANT_ROWS and self.kernel_for(run) != "gemv":
+        if self.row_invariant and run < MIN_INVARIANT_ROWS and self.kernel_for(run) not in ("gemv", "stream"):
             return MIN_INVARIANT_ROWS  # never a one-row oneDNN call
         return run
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype is torch.bfloat16 and x.device.type == "cpu":
+        # bf16 on a CPU: the plan; fp32 only where tuning gave it one (hosts where `stream_supported`)
+        if x.device.type == "cpu" and (x.dtype is torch.bfloat16 or (x.dtype is torch.float32 and self.plan is not None
+                                                                       and self.weight.dtype is torch.float32)):
             rows = x.numel() // self.in_features
             x2 = x.reshape(rows, self.in_features)
             if self.row_invariant and rows > MAX_INVARIANT_ROWS:
@@ -189,7 +242,7 @@ def _time_kernels(layer: Linear, rows: int, kernels: list[str], budget_s: float 
 def tune_plan(layer: Linear) -> tuple[str, ...]:
     """The fastest kernel per row class for this layer's shape, measured now (cached per shape and thread count)."""
     key = (type(layer).__name__, layer.out_features, layer.in_features, layer.bias is not None,
-           torch.get_num_threads(), layer.row_invariant)
+           torch.get_num_threads(), layer.row_invariant, layer.weight.dtype)
     if key not in _TUNED:
         plan = []
         for rows in ROW_CLASSES:
@@ -197,7 +250,13 @@ def tune_plan(layer: Linear) -> tuple[str, ...]:
             times = _time_kernels(layer, rows, cands) if len(cands) > 1 else {cands[0]: 0.0}
             plan.append(min(times, key=times.get))
         many = layer.kernels(ROW_CLASSES[-1] + 1)
-        plan.append("packed" if "packed" in many else "gemm")
+        if "packed" in many:
+            plan.append("packed")
+        elif "stream" in many:  # a prefill chunk's worth of rows
+            times = _time_kernels(layer, 4 * ROW_CLASSES[-1], ["gemm", "stream"])
+            plan.append(min(times, key=times.get))
+        else:
+            plan.append("gemm")
         _TUNED[key] = tuple(plan)
     return _TUNED[key]
 
@@ -227,12 +286,12 @@ def tune_padding(layers: list[Linear]) -> tuple[int, ...]:
     shape, plan, threads and group size)."""
     m = layers[0]
     key = (type(m).__name__, m.out_features, m.in_features, m.bias is not None, torch.get_num_threads(),
-           m.plan, len(layers), m.row_invariant)
+           m.plan, len(layers), m.row_invariant, m.weight.dtype)
     if key not in _PADS:
         reps = _time_rows(layers)
         pad = []
         for r in range(1, PAD_MAX_ROWS + 1):
-            low = r if not m.row_invariant or m.kernel_for(r) == "gemv" else max(r, MIN_INVARIANT_ROWS)
+            low = r if not m.row_invariant or m.kernel_for(r) in ("gemv", "stream") else max(r, MIN_INVARIANT_ROWS)
             ratio = {p: statistics.median(t[p] / t[low] for t in reps) for p in range(low, PAD_MAX_ROWS + 1)}
             p = min(ratio, key=ratio.get)
             pad.append(p if ratio[p] < 1.0 - PAD_MARGIN else low)
@@ -241,18 +300,22 @@ def tune_padding(layers: list[Linear]) -> tuple[int, ...]:
 
 
 def tune_linears(model: nn.Module) -> dict[str, int]:
-    """Give every bf16 CPU `Linear` of `model` its measured plan and row padding (call where the model will run:
-    both are per thread count). → how many layers took each plan, e.g. {"packed/packed/packed/packed": 211}. No
-    tuning when it is off (SPECDEC_KERNEL_TUNE=0), on other dtypes and devices. Row-invariant layers are checked
-    either way (`check_row_invariance`; a warning names the shapes that fail)."""
+    """Give every bf16 CPU `Linear` of `model` (and fp32 one, where `stream_supported`) its measured plan and row
+    padding (call where the model will run: both are per thread count). → how many layers took each plan, e.g.
+    {"packed/packed/packed/packed": 211}. No tuning when it is off (SPECDEC_KERNEL_TUNE=0: each layer's
+    `default_plan`), on other dtypes and devices. Row-invariant layers are checked either way
+    (`check_row_invariance`; a warning names the shapes that fail)."""
     counts: dict[str, int] = {}
     groups: dict[tuple, list[Linear]] = {}
+    stream = stream_supported()
     for m in model.modules() if tuning_enabled() else ():
-        if isinstance(m, Linear) and m.weight.dtype is torch.bfloat16 and m.weight.device.type == "cpu":
-            m.plan = tune_plan(m)
-            name = "/".join(m.plan)
-            counts[name] = counts.get(name, 0) + 1
-            groups.setdefault((type(m), m.out_features, m.in_features, m.bias is not None, m.plan), []).append(m)
+        if not _tunable(m, stream):
+            continue
+        m.plan = tune_plan(m)
+        name = "/".join(m.plan)
+        counts[name] = counts.get(name, 0) + 1
+        groups.setdefault((type(m), m.out_features, m.in_features, m.bias is not None, m.weight.dtype, m.plan),
+                          []).append(m)
     for layers in groups.values():
         pad = tune_padding(layers)
         for m in layers:
@@ -265,18 +328,25 @@ def tune_linears(model: nn.Module) -> dict[str, int]:
 
 
 def enforce_row_invariance(model: nn.Module) -> list[tuple[int, int]]:
-    """Check the row-invariant layers; a shape that fails while one row runs on `torch.mv` moves one-row calls to
-    the padded multi-row kernel, and is checked again. → the shapes that still fail (none expected)."""
+    """Check the row-invariant layers. A shape that fails while one row runs on `torch.mv` moves one-row calls to
+    the padded multi-row kernel; one that still fails where `stream` is a candidate moves to it for every row
+    count, unpadded (it rounds every row alike by construction). Each step is checked again. → the shapes that
+    still fail (none expected)."""
     bad = check_row_invariance(model)
     if not bad:
         return bad
-    for m in model.modules():
-        if isinstance(m, Linear) and m.row_invariant and (m.out_features, m.in_features) in bad \
-                and m.kernel_for(1) == "gemv":
-            m.plan = ("packed" if m._packed_weight() is not None else "gemm",) + tuple(m.plan or m.DEFAULT_PLAN)[1:]
+    layers = [m for m in model.modules() if isinstance(m, Linear) and m.row_invariant]
+    for m in layers:
+        if (m.out_features, m.in_features) in bad and m.kernel_for(1) == "gemv":
+            m.plan = ("packed" if m._packed_weight() is not None else "gemm",) + tuple(m.plan or m.default_plan())[1:]
             if m.pad_to is not None and m.pad_to[0] < MIN_INVARIANT_ROWS:
                 m.pad_to = (MIN_INVARIANT_ROWS,) + m.pad_to[1:]
-    return check_row_invariance(model)
+    bad = check_row_invariance(model)
+    moved = False
+    for m in layers:
+        if (m.out_features, m.in_features) in bad and "stream" in m.kernels(1):
+            m.plan, m.pad_to, moved = STREAM_PLAN, None, True
+    return check_row_invariance(model) if moved else bad
 
 
 def set_row_invariant(model: nn.Module, on: bool = True) -> None:
@@ -292,21 +362,23 @@ def row_invariance_enabled() -> bool:
 
 
 def check_row_invariance(model: nn.Module, max_rows: int = MAX_INVARIANT_ROWS + 8) -> list[tuple[int, int]]:
-    """The (out_features, in_features) of the row-invariant bf16 CPU `Linear`s of `model` whose rows, on random
-    inputs, differ between a call of one row and calls of 2..max_rows rows as they run now (plan and padding).
-    Empty: every row of every such layer rounds alike whatever its call's row count."""
+    """The (out_features, in_features) of the row-invariant bf16 CPU `Linear`s of `model` (and fp32 ones that run a
+    plan: hosts where `stream_supported`) whose rows, on random inputs, differ between a call of one row and calls
+    of 2..max_rows rows as they run now (plan and padding). Empty: every row of every such layer rounds alike
+    whatever its call's row count."""
     bad, seen = [], set()
     gen = torch.Generator().manual_seed(0)
     with torch.inference_mode():
         for m in model.modules():
-            if not (isinstance(m, Linear) and m.row_invariant and m.weight.dtype is torch.bfloat16
-                    and m.weight.device.type == "cpu"):
+            if not (isinstance(m, Linear) and m.row_invariant and m.weight.device.type == "cpu"
+                    and (m.weight.dtype is torch.bfloat16 or (m.weight.dtype is torch.float32
+                                                              and m.plan is not None))):
                 continue
-            key = (m.out_features, m.in_features, m.plan, m.pad_to)
+            key = (m.out_features, m.in_features, m.weight.dtype, m.plan, m.pad_to)
             if key in seen:
                 continue
             seen.add(key)
-            x = torch.randn(max_rows, m.in_features, generator=gen).to(torch.bfloat16)
+            x = torch.randn(max_rows, m.in_features, generator=gen).to(m.weight.dtype)
             alone = torch.cat([m(x[i:i + 1]) for i in range(max_rows)])
             if not all(torch.equal(m(x[:n]), alone[:n]) for n in range(2, max_rows + 1)):
                 bad.append((m.out_features, m.in_features))
