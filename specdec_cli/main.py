@@ -167,7 +167,9 @@ def _structured(args):
 
 
 def _stats_dict(st) -> dict:
-    return {f.name: getattr(st, f.name) for f in st.DESCRIPTOR.fields}
+    """GenerationStats as JSON-ready values (repeated fields as lists)."""
+    return {f.name: list(getattr(st, f.name)) if f.is_repeated else getattr(st, f.name)
+            for f in st.DESCRIPTOR.fields}
 
 
 async def _call(address: str, args) -> dict:
