@@ -126,6 +126,17 @@ def _atomic_build(final: pathlib.Path, build) -> pathlib.Path:
     return final
 
 
+def refuse_lossy_gguf(gguf_path: pathlib.Path) -> None:
+    """Refuse a GGUF whose conversion would serve another model. llama.cpp stores Llama 3.1+'s RoPE scaling (and
+    other scaled RoPEs) as a `rope_freqs.weight` tensor of per-frequency factors, which transformers' GGUF loader
+    drops: the converted model would run plain RoPE and differ from the checkpoint at every position."""
+    from gguf import GGUFReader  # lazy: only for .gguf models
+
+    if any(t.name == "rope_freqs.weight" for t in GGUFReader(str(gguf_path)).tensors):
+        raise ValueError(f"{gguf_path.name}: its RoPE frequency factors (rope_freqs.weight: Llama 3.1+ rope "
+                         f"scaling) are lost in conversion; serve the model's Hugging Face checkpoint instead")
+
+
 def convert_gguf(gguf_path: os.PathLike | str, out_dir: os.PathLike | str) -> None:
     """Dequantize a GGUF causal LM to float32 and save it as an HF directory (safetensors + tokenizer)."""
     import torch
@@ -133,6 +144,7 @@ def convert_gguf(gguf_path: os.PathLike | str, out_dir: os.PathLike | str) -> No
 
     gguf_path = pathlib.Path(gguf_path)
     out_dir = pathlib.Path(out_dir)
+    refuse_lossy_gguf(gguf_path)
     loaded = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
                                                   dtype=torch.float32)
     # transformers marks GGUF-loaded models as "quantized" and refuses to serialize them; the weights are already

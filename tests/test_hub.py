@@ -210,3 +210,29 @@ def test_default_target_if_cached():
     out = m.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)
     assert "Paris" in tok.decode(out[0, len(ids):])
     assert 2 in eos_token_ids(d)
+
+
+def test_a_gguf_with_rope_frequency_factors_is_refused_before_conversion(tmp_path):
+    """transformers' GGUF loader drops llama.cpp's rope_freqs tensor (Llama 3.1+ RoPE scaling): converting would
+    serve plain RoPE. The refusal names the tensor; a GGUF without it is not refused."""
+    import numpy as np
+    from gguf import GGUFWriter
+
+    from specdec.hub import refuse_lossy_gguf
+
+    def write(name: str, tensors: dict):
+        path = tmp_path / name
+        w = GGUFWriter(str(path), "llama")
+        for tname, value in tensors.items():
+            w.add_tensor(tname, value)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        return path
+
+    emb = np.zeros((4, 8), dtype=np.float32)
+    scaled = write("scaled.gguf", {"token_embd.weight": emb, "rope_freqs.weight": np.ones(4, dtype=np.float32)})
+    with pytest.raises(ValueError, match=r"scaled.gguf: its RoPE frequency factors \(rope_freqs.weight"):
+        refuse_lossy_gguf(scaled)
+    refuse_lossy_gguf(write("plain.gguf", {"token_embd.weight": emb}))
