@@ -1,6 +1,17 @@
 """Coordinator metrics, every name in one place, registered next to the shared server metrics on the same /metrics
-port."""
+port.
+
+Speculative decoding follows vLLM's metrics one for one under our prefix: vLLM's `vllm:spec_decode_<name>` is
+`specdec_spec_decode_<name>` here (num_drafts, num_draft_tokens, num_accepted_tokens,
+num_accepted_tokens_per_pos with its `position` label), so a vLLM dashboard ports by changing the prefix
+(docs/operations/metrics.md shows the PromQL side by side). They count finished requests (each request's own
+stats), by `mode` and model pair (`draft_model`, `target_model`: the replicas' model names). Beside them, what only
+a disaggregated PEARL/PACER deployment has: PACER's false stops and continues, each side's idle time in overlapped
+rounds, and the time a request spends on each network link.
+"""
 from __future__ import annotations
+
+from pathlib import PurePath
 
 from prometheus_client import Counter, Gauge, Histogram
 
@@ -9,6 +20,17 @@ _SECONDS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _REQUEST_SECONDS = _SECONDS[:-1] + (60.0, 120.0, 300.0, 600.0, 1200.0, 1800.0)
 FINISH_REASONS = ("stop", "length", "abort")  # vLLM's finish_reason label values; "abort": the client went away
 MODES = ("ar", "sd", "pacer", "pearl", "pacer_pearl")
+PACER_MODES = ("pacer", "pacer_pearl")
+PEARL_MODES = ("pearl", "pacer_pearl")
+LINKS = ("coordinator-draft", "coordinator-target")  # draft and target never call each other
+_NETWORK_SECONDS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
+
+
+def model_label(spec: str) -> str:
+    """A replica's model (ModelInfo.model: a name, a directory or a .gguf file) as a label value: its last path
+    part."""
+    spec = (spec or "").rstrip("/")
+    return PurePath(spec).name.removesuffix(".gguf") if spec else ""
 
 
 class CoordinatorMetrics:
@@ -53,24 +75,66 @@ class CoordinatorMetrics:
         # sessions given up to requests of higher priority (COORDINATOR_PREEMPT; coordinator/routing/preemption.py)
         self.preemptions = Counter("specdec_preemptions", "Replica sessions requests gave up to requests of higher "
                                    "priority, to resume later", registry=r)
-        # vLLM's spec_decode_num_draft_tokens / _num_accepted_tokens / _num_emitted_tokens, by decoding mode, from
-        # each finished request's stats; emitted / target forwards is the mode's mean accepted length
-        self.spec_draft_tokens = Counter("specdec_spec_decode_num_draft_tokens", "Draft tokens proposed, by mode",
-                                         ["mode"], registry=r)
-        self.spec_accepted_tokens = Counter("specdec_spec_decode_num_accepted_tokens", "Draft tokens accepted, by "
-                                            "mode", ["mode"], registry=r)
-        self.spec_emitted_tokens = Counter("specdec_spec_decode_num_emitted_tokens", "Tokens generated, by mode",
-                                           ["mode"], registry=r)
-        self.spec_target_forwards = Counter("specdec_spec_decode_num_target_forwards", "Target forwards, by mode",
-                                            ["mode"], registry=r)
+        # vLLM's spec_decode_num_drafts / _num_draft_tokens / _num_accepted_tokens / _num_accepted_tokens_per_pos
+        # (+ _num_emitted_tokens of vLLM V0, and target forwards), from each finished request's stats, by mode and
+        # model pair. Draft tokens: those the target verified (vLLM's meaning: acceptance rate = accepted / draft
+        # tokens; PEARL's discarded speculation is not in it); mean acceptance length = 1 + accepted / drafts
+        pair = ["mode", "draft_model", "target_model"]
+        self.spec_drafts = Counter("specdec_spec_decode_num_drafts", "Drafted blocks the target verified",
+                                   pair, registry=r)
+        self.spec_draft_tokens = Counter("specdec_spec_decode_num_draft_tokens", "Draft tokens the target verified",
+                                         pair, registry=r)
+        self.spec_accepted_tokens = Counter("specdec_spec_decode_num_accepted_tokens", "Draft tokens accepted",
+                                            pair, registry=r)
+        self.spec_accepted_per_pos = Counter("specdec_spec_decode_num_accepted_tokens_per_pos", "Draft tokens "
+                                             "accepted, by their position in their block (0: a block's first)",
+                                             pair + ["position"], registry=r)
+        self.spec_emitted_tokens = Counter("specdec_spec_decode_num_emitted_tokens", "Tokens generated", pair,
+                                           registry=r)
+        self.spec_target_forwards = Counter("specdec_spec_decode_num_target_forwards", "Target forwards", pair,
+                                            registry=r)
+        # PACER's decisions after each block of a draft the target verified whole (pacer, pacer_pearl): a false stop
+        # stopped a draft the target accepted whole; a false continue drafted a block the target accepted none of
+        self.pacer_stops = Counter("specdec_pacer_stops", "Drafts the pre-verifier stopped", ["mode"], registry=r)
+        self.pacer_false_stops = Counter("specdec_pacer_false_stops", "Drafts the pre-verifier stopped that the "
+                                         "target accepted whole", ["mode"], registry=r)
+        self.pacer_continues = Counter("specdec_pacer_continues", "Blocks the pre-verifier let a draft go on "
+                                       "into", ["mode"], registry=r)
+        self.pacer_false_continues = Counter("specdec_pacer_false_continues", "Blocks the pre-verifier let a draft "
+                                             "go on into that the target accepted none of", ["mode"], registry=r)
+        # PEARL's overlap (pearl, pacer_pearl): overlapped rounds, their wall time, and of it each side's idle time
+        self.overlap_rounds = Counter("specdec_overlap_rounds", "Rounds run overlapped (PEARL)", ["mode"],
+                                      registry=r)
+        self.overlap_seconds = Counter("specdec_overlap_seconds", "Wall time of overlapped rounds", ["mode"],
+                                       registry=r)
+        self.draft_idle = Counter("specdec_overlap_draft_idle_seconds", "Of the overlapped rounds' wall time, the "
+                                  "draft replica's time not drafting", ["mode"], registry=r)
+        self.target_idle = Counter("specdec_overlap_target_idle_seconds", "Of the overlapped rounds' wall time, "
+                                   "the target replica's time not verifying", ["mode"], registry=r)
+        # a request's time in replica calls less the compute (and queueing) the replicas report, per link
+        self.network = Histogram("specdec_request_network_seconds", "A request's network time, per link", ["link"],
+                                 buckets=_NETWORK_SECONDS, registry=r)
+        self._pairs: set[tuple[str, str]] = set()
         for reason in FINISH_REASONS:  # every known series from the start, as vLLM does: no "No data" panels
             self.requests.labels(reason)
-        for mode in MODES:
-            for c in (self.spec_draft_tokens, self.spec_accepted_tokens, self.spec_emitted_tokens,
-                      self.spec_target_forwards):
-                c.labels(mode)
         for kind in ("speculative", "target_only"):
             self.rounds.labels(kind)
+        for mode in PACER_MODES:
+            for c in (self.pacer_stops, self.pacer_false_stops, self.pacer_continues, self.pacer_false_continues):
+                c.labels(mode)
+        for mode in PEARL_MODES:
+            for c in (self.overlap_rounds, self.overlap_seconds, self.draft_idle, self.target_idle):
+                c.labels(mode)
+        for link in LINKS:
+            self.network.labels(link)
+
+    def _new_pair(self, draft: str, target: str) -> None:
+        """A model pair's spec-decode series for every mode, at its first request (the pair is known only then)."""
+        self._pairs.add((draft, target))
+        for mode in MODES:
+            for c in (self.spec_drafts, self.spec_draft_tokens, self.spec_accepted_tokens, self.spec_emitted_tokens,
+                      self.spec_target_forwards):
+                c.labels(mode, draft, target)
 
     def finished(self, stats: dict, finish: str, n_tokens: int, e2e: float, ttft: float | None) -> None:
         """A request that generated to its end (`finish`: stop, length, ...)."""
@@ -91,7 +155,29 @@ class CoordinatorMetrics:
         if mode != "ar":
             self.rounds.labels("speculative").inc(max(0, stats.get("rounds", 0) - off))
         if mode in MODES:
-            self.spec_draft_tokens.labels(mode).inc(stats.get("draft_tokens", 0))
-            self.spec_accepted_tokens.labels(mode).inc(stats.get("accepted_tokens", 0))
-            self.spec_emitted_tokens.labels(mode).inc(n_tokens)
-            self.spec_target_forwards.labels(mode).inc(stats.get("target_forwards", 0))
+            draft, target = model_label(stats.get("draft_model", "")), model_label(stats.get("target_model", ""))
+            if (draft, target) not in self._pairs:
+                self._new_pair(draft, target)
+            pair = (mode, draft, target)
+            self.spec_drafts.labels(*pair).inc(stats.get("drafts", 0))
+            self.spec_draft_tokens.labels(*pair).inc(stats.get("verified_draft_tokens", 0))
+            self.spec_accepted_tokens.labels(*pair).inc(stats.get("accepted_tokens", 0))
+            for pos, n in enumerate(stats.get("accepted_per_position") or ()):
+                self.spec_accepted_per_pos.labels(*pair, str(pos)).inc(n)
+            self.spec_emitted_tokens.labels(*pair).inc(n_tokens)
+            self.spec_target_forwards.labels(*pair).inc(stats.get("target_forwards", 0))
+        if mode in PACER_MODES:
+            self.pacer_stops.labels(mode).inc(stats.get("pacer_stops", 0))
+            self.pacer_false_stops.labels(mode).inc(stats.get("pacer_false_stops", 0))
+            self.pacer_continues.labels(mode).inc(stats.get("pacer_continues", 0))
+            self.pacer_false_continues.labels(mode).inc(stats.get("pacer_false_continues", 0))
+        if mode in PEARL_MODES:
+            self.overlap_rounds.labels(mode).inc(max(0, stats.get("rounds", 0) - off
+                                                     - stats.get("sequential_rounds", 0)))
+            self.overlap_seconds.labels(mode).inc(stats.get("overlap_wall_s", 0.0))
+            self.draft_idle.labels(mode).inc(stats.get("draft_idle_s", 0.0))
+            self.target_idle.labels(mode).inc(stats.get("target_idle_s", 0.0))
+        if stats.get("draft_replica"):
+            self.network.labels("coordinator-draft").observe(stats.get("draft_network_s", 0.0))
+        if stats.get("target_replica"):
+            self.network.labels("coordinator-target").observe(stats.get("target_network_s", 0.0))

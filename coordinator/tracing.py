@@ -9,6 +9,9 @@ set, every generation the coordinator serves becomes one `llm_request` span, exp
   tokens, tokens per target forward and the replicas that served it.
 - A request that fails (a refused body, a replica error, a client gone) ends its span with status ERROR and the
   message.
+- The span's own `traceparent` goes with every replica call of the request (gRPC metadata): replicas that export
+  traces too record their prefill, draft, verify and batching-wait spans as its children (specdec_rpc/tracing.py),
+  so one trace follows the request into the replicas that served it.
 Unset, nothing is imported and nothing is recorded.
 """
 from __future__ import annotations
@@ -16,54 +19,45 @@ from __future__ import annotations
 import time
 
 from opentelemetry.trace import SpanKind, Status, StatusCode
-from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-TRACE_HEADERS = ("traceparent", "tracestate")
+from specdec_rpc.tracing import TRACE_HEADERS, init_tracer as _init_tracer, parent_of, traceparent
+
+__all__ = ["TRACE_HEADERS", "RequestTrace", "init_tracer", "parent_of"]
 
 
 def init_tracer(endpoint: str, exporter=None):
     """→ (tracer, provider): a tracer exporting to `endpoint` (OTLP/gRPC, e.g. http://otel-collector:4317), in
     batches off the event loop; `exporter` (tests): export there, span by span, instead. `provider.shutdown()`
     exports what is left (the coordinator calls it when it stops)."""
-    # lazy: the SDK and the OTLP exporter (~0.7 s) load only where traces are exported
-    from opentelemetry.sdk.resources import Resource
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
-
-    provider = TracerProvider(resource=Resource.create({"service.name": "specdec-coordinator"}))
-    if exporter is None:
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-
-        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(
-            endpoint=endpoint, insecure=not endpoint.startswith("https://"))))
-    else:
-        provider.add_span_processor(SimpleSpanProcessor(exporter))
-    return provider.get_tracer("specdec.coordinator"), provider
-
-
-def parent_of(metadata) -> object | None:
-    """The caller's trace context from (key, value) pairs (gRPC metadata, HTTP headers), or None."""
-    carrier = {}
-    for key, value in metadata or ():
-        key = key.lower() if isinstance(key, str) else key.decode("latin-1").lower()
-        if key in TRACE_HEADERS:
-            carrier[key] = value if isinstance(value, str) else value.decode("latin-1")
-    if not carrier:
-        return None
-
-    return TraceContextTextMapPropagator().extract(carrier)
+    return _init_tracer(endpoint, "specdec-coordinator", exporter, scope="specdec.coordinator")
 
 
 class RequestTrace:
-    """One generation's span, recorded when it ends (so a request costs nothing while it runs)."""
+    """One generation's span: started on arrival (its id goes to the replicas), its attributes set when it ends."""
 
     def __init__(self, tracer, metadata):
         self.tracer, self.parent = tracer, parent_of(metadata)
         self.start_ns, self.t0 = time.time_ns(), time.perf_counter()
+        self.span = tracer.start_span("llm_request", context=self.parent, kind=SpanKind.SERVER,
+                                      start_time=self.start_ns)
+        self.traceparent = traceparent(self.span)
         self.ttft_s: float | None = None
-        self.request: dict | None = None  # the prepared request, once it is
+        self._request: dict | None = None
         self.error = ""  # the replica's or pipeline's error, before the abort that carries it
         self.ended = False
+
+    @property
+    def request(self) -> dict | None:
+        """The prepared request, once it is."""
+        return self._request
+
+    @request.setter
+    def request(self, request: dict | None) -> None:
+        """Setting it also gives the request this span's traceparent: the pipeline sends it with every replica
+        call (coordinator/backends/clients.py), so the replicas' spans are this span's children."""
+        if request is not None:
+            request["traceparent"] = self.traceparent
+        self._request = request
 
     def first_token(self) -> None:
         if self.ttft_s is None:
@@ -91,11 +85,16 @@ class RequestTrace:
                           "specdec.tokens_per_target_forward": n / forwards if forwards else 0.0,
                           "specdec.cached_prompt_tokens": stats.get("cached_prompt_tokens", 0),
                           "specdec.target_replica": stats.get("target_replica", ""),
-                          "specdec.draft_replica": stats.get("draft_replica", "")})
+                          "specdec.draft_replica": stats.get("draft_replica", ""),
+                          "specdec.drafts": stats.get("drafts", 0),
+                          "specdec.network.draft_s": stats.get("draft_network_s", 0.0),
+                          "specdec.network.target_s": stats.get("target_network_s", 0.0),
+                          "specdec.draft_idle_s": stats.get("draft_idle_s", 0.0),
+                          "specdec.target_idle_s": stats.get("target_idle_s", 0.0)})
         if self.ttft_s is not None:
             attrs["gen_ai.latency.time_to_first_token"] = self.ttft_s
-        span = self.tracer.start_span("llm_request", context=self.parent, kind=SpanKind.SERVER,
-                                      start_time=self.start_ns, attributes=attrs)
+        span = self.span
+        span.set_attributes(attrs)
         if self.ttft_s is not None:
             span.add_event("first_token", timestamp=self.start_ns + int(self.ttft_s * 1e9))
         if error:

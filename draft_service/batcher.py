@@ -18,6 +18,7 @@ Blocks go to each call's consumer through an asyncio queue, so a stream sends bl
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 
 from specdec.drafting import DraftBlock
@@ -30,7 +31,8 @@ _END = object()
 
 def _join(a: DraftBlock, b: DraftBlock) -> DraftBlock:
     """Two consecutive blocks of one call as one (b's end state: final, stop reason, score)."""
-    return DraftBlock(a.tokens + b.tokens, a.q + b.q, b.stop_reason, a.draft_ns + b.draft_ns, b.final, b.score)
+    return DraftBlock(a.tokens + b.tokens, a.q + b.q, b.stop_reason, a.draft_ns + b.draft_ns, b.final, b.score,
+                      a.looked_up + b.looked_up, b.block_size)
 
 
 @dataclass(eq=False)
@@ -40,6 +42,11 @@ class DraftEntry:
     blocks: asyncio.Queue = field(default_factory=asyncio.Queue)  # DraftBlock | Exception | _END
     call: object | None = None  # the DraftCall once begun
     abandoned: bool = False  # the consumer went away: leave at the next step
+    submitted_ns: int = field(default_factory=time.perf_counter_ns)
+    admitted_ns: int = 0  # when it joined the step loop: it waited from `submitted_ns` (a trace's batch_wait)
+
+    def wait_ns(self) -> int:
+        return max(0, self.admitted_ns - self.submitted_ns) if self.admitted_ns else 0
 
 
 class DraftBatcher:
@@ -125,6 +132,7 @@ class DraftBatcher:
                 e.blocks.put_nowait(_END)
             elif room > 0 and e.session_id not in busy:
                 busy.add(e.session_id)
+                e.admitted_ns = time.perf_counter_ns()
                 admitted.append(e)
                 room -= 1
             else:

@@ -1,6 +1,7 @@
 """Assemble a DraftService replica: load the model on its thread, wrap it in the shared server skeleton."""
 from __future__ import annotations
 
+import asyncio
 import math
 
 from specdec.defaults import DRAFT_SERVICE_NAME
@@ -13,6 +14,7 @@ from specdec_rpc.app import ServerApp
 from specdec_rpc.host import SessionHost
 from specdec_rpc.metrics import ServiceMetrics
 from specdec_rpc.settings import resolve_device, resolve_dtype
+from specdec_rpc.tracing import replica_spans
 
 from draft_service.batcher import DraftBatcher
 from draft_service.config import DraftSettings
@@ -51,10 +53,14 @@ async def build_app(settings: DraftSettings, model=None, preverifier=None, warmu
         await runner.run(host.warmup_sync)
     batcher = DraftBatcher(worker, runner, settings.max_batch_size, settings.max_queue, metrics)
     servicer = DraftServicer(host, batcher)
+    # spans of prefill, draft and batching waits, children of the coordinator's (specdec_rpc/tracing.py)
+    servicer.spans = replica_spans(settings.otlp_traces_endpoint, "specdec-draft")
 
     async def _close():
         await batcher.close()
         await host.close()
+        if servicer.spans is not None:  # the last calls' spans, before the process exits
+            await asyncio.to_thread(servicer.spans.shutdown)
 
     app = ServerApp(settings, DRAFT_SERVICE_NAME, lambda server: add_to_server(servicer, server), metrics,
                     on_stop=[_close], on_drain=[host.begin_drain], idle=host.idle)

@@ -8,6 +8,7 @@ from specdec.stop import StopSpec, make_stop_rule
 from specdec_rpc.convert import encode_q, features_from_proto, sampling_from_proto
 from specdec_rpc.host import SessionHost
 from specdec_rpc.pb import draft_pb2, draft_pb2_grpc
+from specdec_rpc.tracing import CallClock
 
 _REASONS = {"gamma_max": draft_pb2.STOP_REASON_GAMMA_MAX, "preverifier": draft_pb2.STOP_REASON_PREVERIFIER,
             "cancelled": draft_pb2.STOP_REASON_CANCELLED}
@@ -20,11 +21,13 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         self.host, self.worker, self.metrics, self.batcher = host, host.worker, host.metrics, batcher
         self.committed: dict[str, int] = {}  # session id -> committed fed tokens (Commit)
         self._latest: dict[str, object] = {}  # session id -> token of its newest Draft/DraftStream call
+        self.spans = None  # a ReplicaSpans when traces are exported (specdec_rpc/tracing.py)
 
     async def GetInfo(self, request, context) -> draft_pb2.DraftServiceGetInfoResponse:
         return draft_pb2.DraftServiceGetInfoResponse(info=self.host.info_for(request.tokenizer_prefix))
 
     async def StartSession(self, request, context) -> draft_pb2.DraftServiceStartSessionResponse:
+        clock = CallClock() if self.spans is not None else None
         params = sampling_from_proto(request.params)
         if request.reserve_positions:
             self.host.worker.check_reserve(request.reserve_positions, len(request.prompt_ids))
@@ -32,7 +35,12 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         position, ns, _, cached = await self.host.start_session(request.session_id, list(request.prompt_ids), params,
                                                                 features=feats, output_start=request.output_start)
         self.committed.pop(request.session_id, None)
-        return draft_pb2.DraftServiceStartSessionResponse(position=position, prefill_ns=ns, cached_tokens=cached)
+        if clock is not None:
+            self.spans.record("prefill", context, clock, {
+                "specdec.session_id": request.session_id, "specdec.prompt_tokens": len(request.prompt_ids),
+                "specdec.cached_tokens": cached, "specdec.prefill_ns": ns})
+        return draft_pb2.DraftServiceStartSessionResponse(position=position, prefill_ns=ns, cached_tokens=cached,
+                                                          model=self.host.info.model)
 
     async def EndSession(self, request, context) -> draft_pb2.DraftServiceEndSessionResponse:
         self.committed.pop(request.session_id, None)
@@ -71,8 +79,10 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         self.metrics.num_lookup_tokens.inc(sum(b.looked_up for b in blocks))
 
     async def Draft(self, request, context) -> draft_pb2.DraftResponse:
+        clock = CallClock() if self.spans is not None else None
         _, args = self._args(request)
         blk = self.batcher.draft_here(*args)
+        entry = None
         if blk is not None:
             blocks = [blk]
         else:
@@ -84,9 +94,11 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         self.metrics.num_drafts.inc()
         tokens = [t for b in blocks for t in b.tokens]
         self._count(blocks)
+        if clock is not None:
+            self._span(context, clock, request, blocks, entry)
         return draft_pb2.DraftResponse(token_ids=tokens, q=encode_q([d for b in blocks for d in b.q]),
                                        stop_reason=_REASONS.get(blocks[-1].stop_reason, 0),
-                                       draft_ns=sum(b.draft_ns for b in blocks))
+                                       draft_ns=sum(b.draft_ns for b in blocks), block_size=blocks[-1].block_size)
 
     async def DraftRounds(self, request_iterator, context):
         async for resp in self.host.rounds(request_iterator, context, self.Draft, "draft",
@@ -97,15 +109,19 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         """Blocks are sent as the batcher completes them; drafting goes on while a block is on the wire."""
         token, args = self._args(request)
         sid = request.session_id
+        clock = CallClock() if self.spans is not None else None
         entry = self.batcher.submit(*args)
-        offset, finished = 0, False
+        offset, finished, sent = 0, False, []
         self.metrics.num_drafts.inc()
         try:
             async for block in self.batcher.blocks(entry):
                 self._count([block])
+                if clock is not None:
+                    sent.append(block)
                 yield draft_pb2.DraftStreamResponse(
                     token_ids=block.tokens, q=encode_q(block.q), offset=offset, last=block.final,
-                    stop_reason=_REASONS.get(block.stop_reason, 0), draft_ns=block.draft_ns)
+                    stop_reason=_REASONS.get(block.stop_reason, 0), draft_ns=block.draft_ns,
+                    block_size=block.block_size)
                 offset += len(block.tokens)
                 if block.final:
                     finished = True
@@ -114,10 +130,21 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             # Client cancelled or deadline: stop the drafting at its next token, unless a newer call of this
             # session already started (the cancel would stop that one instead; this one is abandoned instead).
             entry.abandoned = True
+            if clock is not None:
+                self._span(context, clock, request, sent, entry)
             if not finished and self._latest.get(sid) is token:
                 self.worker.cancel(sid)
             if self._latest.get(sid) is token:
                 del self._latest[sid]
+
+    def _span(self, context, clock, request, blocks, entry) -> None:
+        """The call's `draft` span, with its wait for the step loop (`entry`: None where drafted at once)."""
+        self.spans.record("draft", context, clock, {
+            "specdec.session_id": request.session_id, "specdec.base_position": request.base_position,
+            "specdec.draft_tokens": sum(len(b.tokens) for b in blocks),
+            "specdec.draft_ns": sum(b.draft_ns for b in blocks),
+            "specdec.stop_reason": blocks[-1].stop_reason if blocks else "cancelled"},
+            wait_ns=entry.wait_ns() if entry is not None else 0)
 
     # -- positions -----------------------------------------------------------------------------------------
     async def Rollback(self, request, context) -> draft_pb2.RollbackResponse:

@@ -40,6 +40,7 @@ class DraftBlock:
     final: bool = True  # last block of the call
     score: float | None = None  # pre-verifier's P(block accepted), when one ran
     looked_up: int = 0  # of `tokens`, those prompt lookup proposed
+    block_size: int = 0  # tokens per stop-rule decision of the call (PACER's B; its stats judge the decisions)
 
 
 # ---- one call's state ---------------------------------------------------------------------------------------------
@@ -164,7 +165,8 @@ class DraftCall:
     def _block(self, reason: str, score: float | None, final: bool, ns: int | None = None) -> DraftBlock:
         b = self.block.start
         return DraftBlock(self.drafted.tokens[b:], self.drafted.q[b:], reason, self.block.ns if ns is None else ns,
-                          final=final, score=score, looked_up=sum(self.drafted.looked[b:]))
+                          final=final, score=score, looked_up=sum(self.drafted.looked[b:]),
+                          block_size=self.block.size)
 
 
 # ---- 1. proposal source ------------------------------------------------------------------------------------------

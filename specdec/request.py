@@ -106,6 +106,23 @@ class GenerationStats:
     network_s: float = 0.0  # filled by remote backends: time in calls minus compute reported by servers
     cached_prompt_tokens: int = 0  # prompt positions the target reused from its prefix cache (not prefilled)
     wall_s: float = 0.0
+    # vLLM's spec-decode counters, per request: drafted blocks the target verified (one per round that drafted),
+    # the draft tokens it checked (`draft_tokens` also counts those proposed and never checked), and of the
+    # accepted tokens those at each position of their block (index 0: a block's first token; sums to accepted)
+    drafts: int = 0
+    verified_draft_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    # PACER's decisions (pacer, pacer_pearl; docs/operations/metrics.md, "What only a disaggregated stack shows"):
+    # after each block of a draft the pre-verifier stops or continues. A false stop: it stopped a draft the target
+    # then accepted whole; a false continue: it continued, and the target accepted none of the block it went into
+    pacer_stops: int = 0
+    pacer_false_stops: int = 0
+    pacer_continues: int = 0
+    pacer_false_continues: int = 0
+    # PEARL modes, overlapped rounds only: their wall time, and how much of it each side spent not computing
+    overlap_wall_s: float = 0.0
+    draft_idle_s: float = 0.0
+    target_idle_s: float = 0.0
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -102,10 +102,21 @@ class _Run:
             return len(self.history), []
         return self.target_fed, self.history[self.target_fed:]
 
-    def on_verify(self, out: VerifyOutcome, n_checked: int) -> None:
-        self.stats.target_forwards += int(out.forwarded)
-        self.stats.target_busy_s += (out.forward_ns + out.verify_ns) / 1e9
-        self.stats.accepted_tokens += out.num_accepted
+    def on_verify(self, out: VerifyOutcome, n_checked: int, position: int = 0) -> None:
+        """`n_checked` draft tokens were verified, the first at `position` of its drafted block (PEARL checks a
+        block in pieces); a block whose first token is checked is one draft."""
+        st = self.stats
+        st.target_forwards += int(out.forwarded)
+        st.target_busy_s += (out.forward_ns + out.verify_ns) / 1e9
+        st.accepted_tokens += out.num_accepted
+        if n_checked:
+            st.drafts += position == 0
+            st.verified_draft_tokens += n_checked
+            per_pos = st.accepted_per_position
+            if len(per_pos) < position + out.num_accepted:
+                per_pos.extend([0] * (position + out.num_accepted - len(per_pos)))
+            for i in range(position, position + out.num_accepted):
+                per_pos[i] += 1
         if out.forwarded:
             self.last_batch = out.batch_size
         if out.features is not None and len(out.features):
@@ -114,3 +125,20 @@ class _Run:
             lp = out.logprobs
             for i, t in enumerate(lp.token_ids):
                 self.logprob_at[lp.position + i] = (t, (lp.logprobs[i], lp.top_ids[i], lp.top_logprobs[i]))
+
+    def judge_pacer(self, block: DraftBlock, accepted: int) -> None:
+        """PACER's decisions in a draft the target verified whole (`accepted` of its tokens, from its first): after
+        each of its blocks but the last it continued, after the last it stopped (stop reason `preverifier`) or ran
+        into gamma_max / a cut. A stop is false where the target accepted the whole draft (drafting on might have
+        paid); a continue is false where the target accepted none of the block it continued into."""
+        n, size = len(block.tokens), block.block_size
+        if not n or size <= 0:
+            return
+        st = self.stats
+        blocks = -(-n // size)
+        st.pacer_continues += blocks - 1
+        if accepted < n:  # the continues into blocks that start at or past the first rejection
+            st.pacer_false_continues += max(0, blocks - max(1, -(-accepted // size)))  # i*size >= accepted
+        if block.stop_reason == "preverifier":
+            st.pacer_stops += 1
+            st.pacer_false_stops += accepted >= n

@@ -57,7 +57,8 @@ async def _collect(stream: AsyncIterator[DraftBlock], run: _Run) -> DraftBlock:
     blocks = [b async for b in stream]
     return _drafted(DraftBlock(tokens=[t for b in blocks for t in b.tokens], q=[d for b in blocks for d in b.q],
                                stop_reason=blocks[-1].stop_reason if blocks else "cancelled",
-                               draft_ns=sum(b.draft_ns for b in blocks)), run)
+                               draft_ns=sum(b.draft_ns for b in blocks),
+                               block_size=blocks[-1].block_size if blocks else 0), run)
 
 
 async def _all_or_none(starts) -> list:
@@ -205,6 +206,8 @@ async def _sd_round(run: _Run, draft: DraftBackend, target: TargetBackend, gamma
     out = await target.verify(req.session_id, base_t, feed, blk.tokens, blk.q, req.method)
     run.stats.rounds += 1
     run.on_verify(out, len(blk.tokens))
+    if stop.kind == "pacer":
+        run.judge_pacer(blk, out.num_accepted)
     run.target_fed = base_t + len(feed) + out.num_accepted
     run.commit(blk.tokens[:out.num_accepted] + [out.next_token])
 
@@ -260,6 +263,7 @@ class PearlRounds:
         self.episode: tuple[int, float] | None = None  # an overlapped stretch's start: (tokens generated, time)
         self.phase = PearlPhase.PRE_VERIFY
         self.block: DraftBlock | None = None  # POST_VERIFY: the pending block
+        self.block_pacer = False  # the pending block's length was PACER's choice (its decisions are judged)
         self.checked = 0  # POST_VERIFY: the pending block's leading tokens already verified and committed
 
     def _enter(self, phase: PearlPhase) -> None:
@@ -267,10 +271,11 @@ class PearlRounds:
             raise PearlStateError(f"PEARL: no transition from {self.phase.value} to {phase.value}")
         self.phase = phase
 
-    def _to_post(self, block: DraftBlock, checked: int) -> None:
-        """A block is pending; its first `checked` tokens are verified and committed already."""
+    def _to_post(self, block: DraftBlock, checked: int, pacer: bool = False) -> None:
+        """A block is pending; its first `checked` tokens are verified and committed already; `pacer`: PACER chose
+        its length."""
         self._enter(PearlPhase.POST_VERIFY)
-        self.block, self.checked = block, checked
+        self.block, self.checked, self.block_pacer = block, checked, pacer
 
     def _to_pre(self) -> None:
         self._enter(PearlPhase.PRE_VERIFY)
@@ -282,13 +287,21 @@ class PearlRounds:
 
     async def round(self) -> None:
         """One round from the current phase; DONE once the request has finished."""
+        st = self.run.stats
+        t0, busy, apart = time.perf_counter(), (st.draft_busy_s, st.target_busy_s), \
+            st.target_only_rounds + st.sequential_rounds
         if self.phase is PearlPhase.PRE_VERIFY:
             await self._pre_verify_round()
         elif self.phase is PearlPhase.POST_VERIFY:
-            self.run.stats.rounds += 1
+            st.rounds += 1
             await self._post_verify()
         else:
             raise PearlStateError("PEARL: the request is done; no round follows")
+        if st.target_only_rounds + st.sequential_rounds == apart:  # an overlapped round: how long each side idled
+            wall = time.perf_counter() - t0
+            st.overlap_wall_s += wall
+            st.draft_idle_s += max(0.0, wall - (st.draft_busy_s - busy[0]))
+            st.target_idle_s += max(0.0, wall - (st.target_busy_s - busy[1]))
         if self.run.finish is not None:
             self._enter(PearlPhase.DONE)
 
@@ -326,7 +339,7 @@ class PearlRounds:
             await _target_step(run, self.target)
             return False
         run.draft_fed = base_d + len(append) + len(blk.tokens) - 1
-        self._to_post(blk, 0)
+        self._to_post(blk, 0, self.first_stop.kind == "pacer")
         return True
 
     async def _pre_verify(self) -> bool:
@@ -367,9 +380,11 @@ class PearlRounds:
             return False
         run.commit(first.tokens[:1])
         tail = await _cut(self.draft, sid, rest)
-        block = DraftBlock(tokens=first.tokens + tail.tokens, q=first.q + tail.q)
+        block = DraftBlock(tokens=first.tokens + tail.tokens, q=first.q + tail.q, stop_reason=tail.stop_reason,
+                           block_size=tail.block_size or first.block_size)
         run.draft_fed = base_d + len(append) + len(block.tokens) - 1
-        self._to_post(block, 1)  # the first token is committed: post-verify checks the rest
+        # the first token is committed: post-verify checks the rest
+        self._to_post(block, 1, self.post_stop.kind == "pacer")
         return True
 
     async def _post_verify(self) -> None:
@@ -390,7 +405,9 @@ class PearlRounds:
                                              self.post_block, run.take_features()), run)
             if room > 0 else _no_draft())
         out = await verify_task
-        run.on_verify(out, len(to_check))
+        run.on_verify(out, len(to_check), self.checked)
+        if self.block_pacer:
+            run.judge_pacer(block, self.checked + out.num_accepted)
         run.target_fed = base_t + len(feed) + out.num_accepted
         if out.num_accepted == len(to_check):
             run.commit(to_check)
@@ -403,7 +420,7 @@ class PearlRounds:
                 run.stats.wasted_draft_tokens += len(nxt.tokens)
                 self._to_pre()
             else:
-                self._to_post(nxt, 0)
+                self._to_post(nxt, 0, self.post_stop.kind == "pacer")
         else:
             if room > 0:
                 await self.draft.cancel(sid)

@@ -24,6 +24,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from specdec_rpc.interceptor import ErrorInterceptor
+from specdec_rpc.logs import set_process
 from specdec_rpc.metrics import ServiceMetrics
 from specdec_rpc.settings import ServerSettings
 from specdec_rpc.tls import server_credentials
@@ -113,6 +114,7 @@ class ServerApp:
         await self.server.start()
         for hook in self._on_start:
             await hook()
+        set_process(replica=f"{s.host}:{self.port}")  # JSON log lines name the process by its address
         await self.health.set("", SERVING)
         await self.health.set(self.service_name, SERVING)
         log.info("%s serving on %s:%d%s", self.service_name, s.host, self.port, " (TLS)" if creds else "")

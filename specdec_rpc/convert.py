@@ -195,7 +195,7 @@ def draft_block(r, tokens: list[int] | None = None, q: list | None = None):
     undelivered part)."""
     return DraftBlock(tokens=list(r.token_ids) if tokens is None else tokens,
                       q=decode_q(r.q, check=False) if q is None else q, stop_reason=_STOP_REASON.get(r.stop_reason, ""),
-                      draft_ns=r.draft_ns, final=getattr(r, "last", True))
+                      draft_ns=r.draft_ns, final=getattr(r, "last", True), block_size=r.block_size)
 
 
 def structured_from_proto(msg):

@@ -86,6 +86,9 @@ class SessionHost:
                 out = await self.runner.run(self._start, sid, evicted, prompt_ids, params, kw)
             self.metrics.prefix_cache_queries.inc(len(prompt_ids) - 1)
             self.metrics.prefix_cache_hits.inc(out[3])
+            if log.isEnabledFor(logging.DEBUG):  # JSON logs add the session id (bound by the interceptor)
+                log.debug("session %s started: %d prompt positions, %d from the prefix cache, prefill %.1f ms", sid,
+                          len(prompt_ids), out[3], out[1] / 1e6, extra={"timings": {"prefill_s": out[1] / 1e9}})
             return out
         except BaseException:
             # a refused, failed or cancelled start leaves no session with this id, KV slot included (a restart
@@ -159,6 +162,7 @@ class SessionHost:
         self.table.touch(sid)
 
     async def end_session(self, sid: str) -> bool:
+        log.debug("session %s ended", sid)
         self.table.check_id(sid)
         self.table.remove(sid)
         self.metrics.sessions_active.set(len(self.table))

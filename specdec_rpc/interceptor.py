@@ -26,6 +26,7 @@ import time
 import grpc
 
 from specdec import errors
+from specdec_rpc.logs import bind
 from specdec_rpc.wire import UndecodableRequest, deserialize
 
 log = logging.getLogger(__name__)
@@ -71,11 +72,20 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         self._undecodable_logged, self._undecodable_since = float("-inf"), 0
 
     def _decode(self, deserializer, data, method: str):
-        """The request message of `data` (raw bytes; a message already when grpc deserialized it)."""
+        """The request message of `data` (raw bytes; a message already when grpc deserialized it). Its session id
+        (a replica call's; a per-round stream's message wraps it) is bound to the call's log lines."""
         if deserializer is None or not isinstance(data, (bytes, bytearray, memoryview)):
             return data
         try:
-            return deserialize(deserializer, data)
+            request = deserialize(deserializer, data)
+            sid = getattr(request, "session_id", None)
+            if sid is None and method.endswith("Rounds"):
+                sid = getattr(getattr(request, "verify" if method == "VerifyRounds" else "draft", None), "session_id",
+                              None)
+            if sid:
+                # the coordinator names a request's sessions by its request id (a target-only rest: + "-ar")
+                bind(session_id=sid, request_id=sid.removesuffix("-ar"))
+            return request
         except UndecodableRequest as e:
             now = time.monotonic()
             self._undecodable_since += 1

@@ -6,6 +6,7 @@ import logging
 import os
 
 from specdec.threads import orchestrator_threads
+from specdec_rpc.logs import configure_logging
 from specdec_rpc.settings import startup_warnings
 
 log = logging.getLogger("specdec_rpc")
@@ -19,10 +20,14 @@ async def _exit_with_parent(app, parent_pid: int, every_s: float = 1.0) -> None:
     await app.shutdown()
 
 
+def service_name(settings) -> str:
+    """draft, target or coordinator: the process's settings prefix, as JSON log lines name it."""
+    return settings.model_config.get("env_prefix", "").rstrip("_").lower()
+
+
 def run_service(build_app, settings) -> None:
     """settings: a parsed ServerSettings; build_app(settings) -> ServerApp (async, inside the loop)."""
-    logging.basicConfig(level=settings.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(settings.log_level, settings.log_format, service_name(settings))
     orchestrator_threads()  # the event loop only translates; the model thread computes with settings.threads
 
     for warning in startup_warnings(settings):

@@ -1,6 +1,7 @@
 """Assemble a TargetService replica: model on its thread, verify batcher, shared server skeleton."""
 from __future__ import annotations
 
+import asyncio
 import math
 
 from specdec.defaults import TARGET_SERVICE_NAME
@@ -11,6 +12,7 @@ from specdec_rpc.app import ServerApp
 from specdec_rpc.host import SessionHost
 from specdec_rpc.metrics import ServiceMetrics
 from specdec_rpc.settings import resolve_device, resolve_dtype
+from specdec_rpc.tracing import replica_spans
 
 from target_service.batcher import VerifyBatcher
 from target_service.config import TargetSettings
@@ -37,10 +39,14 @@ async def build_app(settings: TargetSettings, model=None, warmup: bool = True) -
     batcher = VerifyBatcher(worker, runner, host.open_sessions, settings.batch_window_ms,
                             settings.max_batch_size, settings.max_queue, metrics)
     servicer = TargetServicer(host, batcher)
+    # spans of prefill, target and batching waits, children of the coordinator's (specdec_rpc/tracing.py)
+    servicer.spans = replica_spans(settings.otlp_traces_endpoint, "specdec-target")
 
     async def _close():
         await batcher.close()
         await host.close()
+        if servicer.spans is not None:  # the last calls' spans, before the process exits
+            await asyncio.to_thread(servicer.spans.shutdown)
 
     app = ServerApp(settings, TARGET_SERVICE_NAME, lambda server: add_to_server(servicer, server), metrics,
                     on_stop=[_close], on_drain=[host.begin_drain], idle=host.idle)

@@ -9,6 +9,7 @@ from specdec_rpc.convert import (decode_q, dense_q_to_sparse, features_to_proto,
                                    sampling_from_proto, tensor_from_proto)
 from specdec_rpc.host import SessionHost
 from specdec_rpc.pb import common_pb2, target_pb2, target_pb2_grpc
+from specdec_rpc.tracing import CallClock
 
 from target_service.batcher import VerifyBatcher
 
@@ -20,22 +21,29 @@ _METHODS = {common_pb2.VERIFY_METHOD_UNSPECIFIED: "block",  # greedy sessions ta
 class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     def __init__(self, host: SessionHost, batcher: VerifyBatcher):
         self.host, self.batcher, self.metrics = host, batcher, host.metrics
+        self.spans = None  # a ReplicaSpans when traces are exported (specdec_rpc/tracing.py)
 
     async def GetInfo(self, request, context) -> target_pb2.TargetServiceGetInfoResponse:
         return target_pb2.TargetServiceGetInfoResponse(info=self.host.info_for(request.tokenizer_prefix))
 
     async def StartSession(self, request, context) -> target_pb2.TargetServiceStartSessionResponse:
+        clock = CallClock() if self.spans is not None else None
         params = sampling_from_proto(request.params)
         if request.reserve_positions:
             self.host.worker.check_reserve(request.reserve_positions, len(request.prompt_ids))
         position, ns, feats, cached = await self.host.start_session(request.session_id, list(request.prompt_ids),
                                                                     params, want_features=request.return_features,
                                                                     output_start=request.output_start)
-        resp = target_pb2.TargetServiceStartSessionResponse(position=position, prefill_ns=ns, cached_tokens=cached)
+        resp = target_pb2.TargetServiceStartSessionResponse(position=position, prefill_ns=ns, cached_tokens=cached,
+                                                            model=self.host.info.model)
         if feats is not None:
             resp.features.CopyFrom(features_to_proto(feats))
         if params.prompt_logprobs >= 0 and (lp := self.host.worker.take_prompt_logprobs(request.session_id)):
             resp.prompt_logprobs.CopyFrom(logprobs_to_proto(lp))
+        if clock is not None:
+            self.spans.record("prefill", context, clock, {
+                "specdec.session_id": request.session_id, "specdec.prompt_tokens": len(request.prompt_ids),
+                "specdec.cached_tokens": cached, "specdec.prefill_ns": ns})
         return resp
 
     async def EndSession(self, request, context) -> target_pb2.TargetServiceEndSessionResponse:
@@ -43,6 +51,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         return target_pb2.TargetServiceEndSessionResponse(existed=await self.host.end_session(request.session_id))
 
     async def Verify(self, request, context) -> target_pb2.VerifyResponse:
+        clock = CallClock() if self.spans is not None else None
         self.host.touch(request.session_id)
         if request.method not in _METHODS:
             raise InvalidRequestError("method", f"unknown VerifyMethod {request.method}; use GREEDY, TOKEN or BLOCK")
@@ -66,6 +75,12 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             resp.features.CopyFrom(features_to_proto(out.features))
         if out.logprobs is not None:
             resp.logprobs.CopyFrom(logprobs_to_proto(out.logprobs))
+        if clock is not None:
+            self.spans.record("verify", context, clock, {
+                "specdec.session_id": request.session_id, "specdec.base_position": request.base_position,
+                "specdec.draft_tokens": len(args.draft), "specdec.accepted_tokens": out.num_accepted,
+                "specdec.batch_size": out.batch_size, "specdec.forward_ns": out.forward_ns,
+                "specdec.queue_ns": queue_ns}, wait_ns=queue_ns)
         return resp
 
     async def VerifyRounds(self, request_iterator, context):

@@ -37,7 +37,12 @@ async def stack():
 
 
 def value(app, name, **labels) -> float:
-    return app.metrics.registry.get_sample_value(name, labels) or 0.0
+    """The sample's value; a series with more labels than given: the sum over the others (the model pair)."""
+    exact = app.metrics.registry.get_sample_value(name, labels)
+    if exact is not None:
+        return exact
+    return sum(s.value for m in app.metrics.registry.collect() for s in m.samples
+               if s.name == name and labels.items() <= s.labels.items())
 
 
 def req(n=8, mode="sd", **kw):
@@ -57,12 +62,15 @@ async def test_a_whole_answer_counts_its_first_token_and_its_mode(stack):
     assert value(app, "specdec_e2e_request_latency_seconds_count") == \
         before["specdec_e2e_request_latency_seconds_count"] + 1
     got = {k: value(app, k, mode="sd") - v for k, v in mode_before.items()}
-    assert got == {"specdec_spec_decode_num_draft_tokens_total": r.stats.draft_tokens,
+    assert got == {"specdec_spec_decode_num_draft_tokens_total": r.stats.verified_draft_tokens,
                    "specdec_spec_decode_num_accepted_tokens_total": r.stats.accepted_tokens,
                    "specdec_spec_decode_num_emitted_tokens_total": len(r.token_ids),
                    "specdec_spec_decode_num_target_forwards_total": r.stats.target_forwards}
-    assert r.stats.draft_tokens > 0
-    assert value(app, "specdec_spec_decode_num_draft_tokens_total", mode="pacer_pearl") == 0  # a series from the start
+    assert r.stats.draft_tokens == r.stats.verified_draft_tokens > 0  # sd verifies every token it drafts
+    pair = {"draft_model": "default-draft", "target_model": "default-target"}  # the replicas' ModelInfo.model
+    # every mode's series of a pair from the pair's first request on
+    assert app.metrics.registry.get_sample_value("specdec_spec_decode_num_draft_tokens_total",
+                                                 {"mode": "pacer_pearl", **pair}) == 0
     assert (d.metrics.value("specdec_batch_size_count") or 0) > 0  # the draft's one-call fast path observes 1
 
 

@@ -14,7 +14,11 @@ replica (chosen by the pool) and mirrors what that replica has fed, so the sessi
 Per-round calls (Draft, Verify) travel as messages on one open stream per session and replica
 (`coordinator/backends/rounds.py`) unless `streams=False`; any trouble with a stream resends the call unary.
 
-network_ns = wall time inside calls minus the compute (and queueing) the replicas report.
+network_ns = wall time inside calls minus the compute (and queueing) the replicas report, per link: a request's
+draft backend holds the coordinator <-> draft time, its target backend the coordinator <-> target time.
+
+With a trace context (`metadata`: the W3C `traceparent` of the request's span, coordinator/tracing.py), every call
+carries it as gRPC metadata, so the replicas' spans join the request's trace; without one, calls carry none.
 """
 from __future__ import annotations
 
@@ -74,6 +78,8 @@ class _Pinned:
         self.holding = ""  # the current one (preemption marks it)
         self.preemptions = 0
         self.sibling: _Pinned | None = None  # the request's backend in the other pool (it yields with this one)
+        self.metadata: tuple | None = None  # (("traceparent", ...),) of a traced request: sent with every call
+        self.model = ""  # the pinned replica's model (its StartSession answer says)
         self.in_call = 0  # calls in flight (a yield waits for them: `give_up`)
         self.give_up = False  # yield the session when the call in flight ends
         self.closed = False  # `end()` ran: no session may start on a replica after it (`pin`)
@@ -105,8 +111,9 @@ class _Pinned:
         t0 = time.perf_counter_ns()
         r = await stub.StartSession(req_cls(session_id=self.sid, prompt_ids=prompt_ids,
                                             params=sampling_to_proto(self.params), **self.start_kw, **extra),
-                                    timeout=self.timeout)
+                                    timeout=self.timeout, metadata=self.metadata)
         self.network_ns += time.perf_counter_ns() - t0 - r.prefill_ns
+        self.model = r.model or self.model
         self.fed = list(prompt_ids[:-1])
         return r
 
@@ -175,7 +182,7 @@ class _Pinned:
     async def end_on(self, endpoint: str) -> None:
         stub = self.channels.draft(endpoint) if self.kind == "draft" else self.channels.target(endpoint)
         try:
-            await stub.EndSession(end_session_request(self.kind, self.sid), timeout=5.0)
+            await stub.EndSession(end_session_request(self.kind, self.sid), timeout=5.0, metadata=self.metadata)
         except grpc.aio.AioRpcError:
             pass
 
@@ -241,12 +248,12 @@ class RemoteDraft(_Pinned):
         self.reads_features = False
 
     def _round_stream(self, enabled: bool) -> RoundStream:
-        return RoundStream(lambda ep: self.channels.draft(ep).DraftRounds(),
+        return RoundStream(lambda ep: self.channels.draft(ep).DraftRounds(metadata=self.metadata),
                            lambda req: draft_pb2.DraftRoundsRequest(draft=req), lambda m: m.draft,
                            self.timeout, enabled)
 
     def _unary_draft(self, req: draft_pb2.DraftRequest):
-        return self._stub().Draft(req, timeout=self.timeout)
+        return self._stub().Draft(req, timeout=self.timeout, metadata=self.metadata)
 
     async def probe(self) -> None:
         """Pin a replica now and learn whether it reads target features (the schedule asks before starting)."""
@@ -298,7 +305,7 @@ class RemoteDraft(_Pinned):
         try:
             while True:
                 t0, compute, skip = time.perf_counter_ns(), 0, len(got)
-                call = self._call = self._stub().DraftStream(req, timeout=self.timeout)
+                call = self._call = self._stub().DraftStream(req, timeout=self.timeout, metadata=self.metadata)
                 try:
                     async for r in call:
                         compute += r.draft_ns
@@ -345,12 +352,12 @@ class RemoteTarget(_Pinned):
     cached_tokens = 0  # prompt positions the replica reused from its prefix cache at the session's first start
 
     def _round_stream(self, enabled: bool) -> RoundStream:
-        return RoundStream(lambda ep: self.channels.target(ep).VerifyRounds(),
+        return RoundStream(lambda ep: self.channels.target(ep).VerifyRounds(metadata=self.metadata),
                            lambda req: target_pb2.VerifyRoundsRequest(verify=req), lambda m: m.verify,
                            self.timeout, enabled)
 
     def _unary_verify(self, req: target_pb2.VerifyRequest):
-        return self._stub().Verify(req, timeout=self.timeout)
+        return self._stub().Verify(req, timeout=self.timeout, metadata=self.metadata)
 
     async def start(self, session_id: str, prompt_ids: list[int], params: SamplingParams,
                     want_features: bool = False) -> TargetFeatures | None:

@@ -27,6 +27,7 @@ from specdec.sampling import SamplingParams
 from specdec.request import GenerationRequest, GenerationResult, GenerationStats
 from specdec.schedule import generate
 from specdec.workers.base import PREFILL_CHUNK
+from specdec_rpc.logs import bind
 
 from coordinator.routing.affinity import prefix_keys
 from coordinator.channels import Channels
@@ -36,6 +37,9 @@ from coordinator.backends.moves import PoolView, ending
 
 log = logging.getLogger(__name__)
 
+# the seconds a request's JSON log lines carry once it ends (its `timings`)
+_LOG_TIMINGS = ("wall_s", "queued_s", "draft_busy_s", "target_busy_s", "draft_network_s", "target_network_s",
+                "draft_idle_s", "target_idle_s")
 _CODES = [(InvalidRequestError, "INVALID_ARGUMENT"), (ReplicaUnavailableError, "UNAVAILABLE"),
           (SessionNotFoundError, "NOT_FOUND"), (StalePositionError, "FAILED_PRECONDITION"),
           (ContextOverflowError, "OUT_OF_RANGE"), (CapacityError, "RESOURCE_EXHAUSTED"),
@@ -138,6 +142,9 @@ class Pipeline:
             return
         rid = req.session_id
         incremental = not request.get("final_only")  # False: the caller reads only the last event
+        # this request's log lines (JSON logs, specdec_rpc/logs.py) name it; its end adds replicas and timings
+        log_fields = bind(request_id=rid, session_id=rid)
+        trace = (("traceparent", request["traceparent"]),) if request.get("traceparent") else None
 
         def on_tokens(new: list[int], logprobs: list | None = None, served: dict | None = None) -> bool:
             """`served`: the replicas the request holds, when they changed (a request that ends without its last
@@ -150,7 +157,8 @@ class Pipeline:
                 queue.put_nowait({"served": served})
             return rid in self._stop
 
-        task = asyncio.ensure_future(self._run(req, on_tokens, bool(request.get("draft_fallback"))))
+        task = asyncio.ensure_future(self._run(req, on_tokens, bool(request.get("draft_fallback")), trace,
+                                               log_fields))
         self._tasks[rid] = task
         task.add_done_callback(lambda t: queue.put_nowait(None))
         try:
@@ -170,11 +178,11 @@ class Pipeline:
             self._stop.discard(rid)
             self._cancelled.discard(rid)
 
-    def _backends(self, req: GenerationRequest, output_start: int, reserve: int, with_draft: bool):
+    def _backends(self, req: GenerationRequest, output_start: int, reserve: int, with_draft: bool, trace=None):
         """(RemoteTarget, RemoteDraft or None) for `req`, routed by its prompt's prefix (coordinator/routing/affinity.py).
         A replica whose context is too small refuses before any work (`reserve`); a session rebuilt from the
         history holds output too, and the penalties, min_tokens and a grammar count only the output
-        (`output_start`)."""
+        (`output_start`). `trace`: the request span's traceparent metadata, sent with every replica call."""
         kw = dict(view=self.view, timeout=self.rpc_timeout_s, streams=self.replica_streams)
         target = RemoteTarget(self.pool, self.channels, **kw)
         draft = RemoteDraft(self.pool, self.channels, **kw) if with_draft else None
@@ -185,15 +193,18 @@ class Pipeline:
             if backend is not None:
                 backend.start_kw.update(reserve_positions=reserve, output_start=output_start)
                 backend.prefix_keys, backend.priority, backend.holder = keys, req.priority, holder
+                backend.metadata = trace
         if draft is not None:  # preempted, a request gives up both sessions (coordinator/backends/moves.py)
             target.sibling, draft.sibling = draft, target
         return target, draft
 
-    async def _run(self, req: GenerationRequest, on_tokens, draft_fallback: bool = False) -> dict:
+    async def _run(self, req: GenerationRequest, on_tokens, draft_fallback: bool = False, trace=None,
+                   log_fields: dict | None = None) -> dict:
         """`draft_fallback`: with no draft replica reachable, at the start or mid-request, go on target-only
-        instead of failing."""
+        instead of failing. `trace`: traceparent metadata for the replica calls; `log_fields`: the request's log
+        fields, completed with its replicas and timings when it ends."""
         n_prompt, reserve = len(req.prompt_ids), len(req.prompt_ids) + req.max_new_tokens
-        target, draft = self._backends(req, n_prompt, reserve, req.mode != "ar")
+        target, draft = self._backends(req, n_prompt, reserve, req.mode != "ar", trace)
         first_target, first_draft = target, draft
         committed, seen_logprobs = [], []
         told: dict = {}
@@ -239,7 +250,7 @@ class Pipeline:
                     rest = dataclasses.replace(req, prompt_ids=req.prompt_ids + head, mode="ar",
                                                max_new_tokens=req.max_new_tokens - len(head),
                                                session_id=f"{req.session_id}-ar")
-                    target, draft = self._backends(rest, n_prompt, reserve, False)
+                    target, draft = self._backends(rest, n_prompt, reserve, False, trace)
                     res = await generate(rest, None, target, tracking)
                     res = GenerationResult(head + res.token_ids, res.finish_reason, res.stats,
                                            head_logprobs + res.logprobs if res.logprobs is not None else None)
@@ -257,7 +268,11 @@ class Pipeline:
         targets = [first_target] + ([target] if target is not first_target else [])
         drafts = [first_draft] if first_draft is not None else []
         stats = res.stats.to_dict()
-        stats["network_s"] = sum(b.network_ns for b in targets + drafts) / 1e9
+        stats["draft_network_s"] = sum(b.network_ns for b in drafts) / 1e9  # per link
+        stats["target_network_s"] = sum(b.network_ns for b in targets) / 1e9
+        stats["network_s"] = stats["draft_network_s"] + stats["target_network_s"]
+        stats["draft_model"] = first_draft.model if first_draft is not None else ""
+        stats["target_model"] = target.model or first_target.model
         stats["queued_s"] = sum(b.queued_ns for b in targets + drafts) / 1e9
         stats["prompt_tokens"] = n_prompt
         stats["cached_prompt_tokens"] = first_target.cached_tokens
@@ -267,6 +282,9 @@ class Pipeline:
         stats["draft_unavailable"], stats["draft_fallback"] = bool(fallback), fallback
         stats["preemptions"] = sum(b.preemptions for b in targets + drafts)
         finish = "stop" if res.finish_reason == "stop" else res.finish_reason
+        if log_fields is not None:
+            log_fields.update(draft_replica=stats["draft_replica"], target_replica=stats["target_replica"],
+                              timings={k: round(stats[k], 6) for k in _LOG_TIMINGS})
         pl = first_target.prompt_logprobs
         return {"done": True, "token_ids": res.token_ids, "finish_reason": finish, "stats": stats,
                 "logprobs": res.logprobs,

@@ -246,4 +246,5 @@ class DraftWorker(Worker):
         blocks = list(self.draft_blocks(session_id, base_position, append, gamma_max, stop, block_size, features))
         return DraftBlock(tokens=[t for b in blocks for t in b.tokens], q=[d for b in blocks for d in b.q],
                           stop_reason=blocks[-1].stop_reason, draft_ns=sum(b.draft_ns for b in blocks),
-                          score=blocks[-1].score, looked_up=sum(b.looked_up for b in blocks))
+                          score=blocks[-1].score, looked_up=sum(b.looked_up for b in blocks),
+                          block_size=blocks[-1].block_size)
