@@ -89,3 +89,20 @@ def test_every_alert_says_what_to_do():
         assert re.fullmatch(r"\d+[smh]", r["for"]), r["alert"]
         assert r["labels"]["severity"] in {"critical", "warning", "info"}, r["alert"]
         assert r["annotations"]["summary"] and len(r["annotations"]["description"]) > 40, r["alert"]
+
+
+def test_the_dashboard_shows_vllms_speculation_series_and_what_only_specdec_has():
+    """Issue 43: the vLLM-ported spec-decode series and the disaggregated stack's own are on the dashboard, and the
+    alerts watch acceptance, PACER's stops, PEARL's overlap and the network on their new series."""
+    panels = {name for _, expr in queries() if _.startswith("panel") for name in re.findall(r"\bspecdec_[a-z0-9_]+",
+                                                                                           expr)}
+    alerts = {name for _, expr in queries() if _.startswith("alert") for name in re.findall(r"\bspecdec_[a-z0-9_]+",
+                                                                                           expr)}
+    ported = {f"specdec_spec_decode_num_{n}_total" for n in ("drafts", "draft_tokens", "accepted_tokens",
+                                                            "accepted_tokens_per_pos")}
+    ours = {"specdec_pacer_false_stops_total", "specdec_pacer_false_continues_total",
+            "specdec_overlap_draft_idle_seconds_total", "specdec_overlap_target_idle_seconds_total",
+            "specdec_request_network_seconds_bucket"}
+    assert ported | ours <= panels, sorted((ported | ours) - panels)
+    assert {"specdec_spec_decode_num_accepted_tokens_total", "specdec_pacer_false_stops_total",
+            "specdec_overlap_target_idle_seconds_total", "specdec_request_network_seconds_bucket"} <= alerts
