@@ -76,12 +76,27 @@ class ReplicaSpans:
         from opentelemetry.trace import SpanKind
 
         self._set_span_in_context, self._server = trace.set_span_in_context, SpanKind.SERVER
+        self._parents: dict[tuple, object] = {}  # metadata's trace headers -> context: a request's calls share one
+
+    def _parent(self, context):
+        """The trace context in the call's metadata, parsed once per request (its calls all carry the same)."""
+        if context is None:
+            return None
+        key = tuple((k, v) for k, v in context.invocation_metadata() or () if k in TRACE_HEADERS)
+        if not key:
+            return None
+        parent = self._parents.get(key)
+        if parent is None:
+            if len(self._parents) >= 1024:  # requests come and go: keep the recent ones
+                self._parents.clear()
+            parent = self._parents[key] = parent_of(key)
+        return parent
 
     def record(self, name: str, context, clock: CallClock, attributes: dict, wait_ns: int = 0) -> None:
         """A span `name` from `clock` to now, child of the trace context in the call's metadata (`context`: the
         grpc ServicerContext); `wait_ns` > 0 adds its first `wait_ns` as a `batch_wait` child."""
         end = clock.at(time.perf_counter_ns())
-        parent = parent_of(context.invocation_metadata()) if context is not None else None
+        parent = self._parent(context)
         span = self.tracer.start_span(name, context=parent, kind=self._server, start_time=clock.wall_ns,
                                       attributes=attributes)
         if wait_ns > 0:
