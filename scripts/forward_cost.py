@@ -12,7 +12,9 @@ all alike); medians are printed as a markdown table.
 
 `--bandwidth` also times a STREAM-style copy once per repeat (interleaved with the forwards, so it sees the same
 machine load) and prints the bound it sets: the bytes a one-row step must read (every linear weight once, the KV
-cache up to the context) over the copy bandwidth, against the measured one-row step.
+cache up to the context) over the copy bandwidth, against the measured one-row step and the part of it spent in the
+linears' kernels (timed around each `Linear.run_kernel` call: the weights' share of the bytes, without the
+attention, norms and per-op dispatch between them).
 """
 from __future__ import annotations
 
@@ -74,19 +76,35 @@ def main(argv=None) -> None:
                 for k in (args.kernels if dt == "bfloat16" or fp32_plans else ["gemm"]) for a in args.attention]
     shapes = [(b, n) for b in args.sessions for n in args.rows]
 
+    in_linears = [0.0]
+    if args.bandwidth:  # time spent in the linears' kernels, per forward
+        run_kernel = Linear.run_kernel
+
+        def timed(self, kernel, x2):
+            t = time.perf_counter()
+            y = run_kernel(self, kernel, x2)
+            in_linears[0] += time.perf_counter() - t
+            return y
+
+        Linear.run_kernel = timed
+    linear_times: dict[tuple, list[float]] = {}
+
     def once(variant: tuple[str, str, str], shape: tuple[int, int]) -> float:
         dt, kernel, attention = variant
         b, n = shape
         for m, (plan, pad) in tuned[dt].items():
             m.plan, m.pad_to = plan, pad if kernel == "tuned" else None
-        if kernel in PLANS:
+        if kernel in PLANS and (dt == "bfloat16" or fp32_plans):  # an unplanned fp32 model runs F.linear as served
             set_plan(models[dt], PLANS[kernel])
         toks = torch.randint(0, 1000, (b, n))
         pos = torch.stack([torch.arange(args.context + 8 * i, args.context + 8 * i + n) for i in range(b)])
         with settings.override(native=attention == "native"):
+            in_linears[0] = 0.0
             t = time.perf_counter()
             models[dt](toks, pos, torch.arange(b), kvs[dt])
-            return time.perf_counter() - t
+            elapsed = time.perf_counter() - t
+            linear_times.setdefault((variant, shape), []).append(in_linears[0])
+            return elapsed
 
     for dt in args.dtypes:  # fills the cache positions the timed forwards attend to
         for i in range(n_slots):
@@ -127,14 +145,18 @@ def main(argv=None) -> None:
         bw = statistics.median(copies)
         print(f"\ncopy bandwidth ({args.threads} thread(s), {COPY_BYTES >> 20} MiB arrays, median (max) of "
               f"{len(copies)}): {bw / 1e9:.1f} ({max(copies) / 1e9:.1f}) GB/s\n")
-        print("| dtype | kernels | bytes per one-row step | best one-row time | measured one row | measured / best |")
-        print("|---|---|---|---|---|---|")
+        print("| dtype | kernels | bytes per one-row step | best one-row time | measured one row | measured / best "
+              "| in the linears | their bytes / bandwidth | linears / their best |")
+        print("|---|---|---|---|---|---|---|---|---|")
         for v in variants:
-            if 1 in args.rows and v[2] == args.attention[0]:
+            if 1 in args.rows and 1 in args.sessions and v[2] == args.attention[0]:
                 need = step_bytes(models[v[0]], args.context)
-                one = statistics.median(times[(v, (1, 1))]) if 1 in args.sessions else float("nan")
+                weights = step_bytes(models[v[0]], 0)
+                one = statistics.median(times[(v, (1, 1))])
+                lin = statistics.median(linear_times[(v, (1, 1))][-args.repeats:])
                 print(f"| {v[0]} | {v[1]} | {need / 1e6:.0f} MB | {need / bw * 1e3:.1f} ms | {one * 1e3:.1f} ms | "
-                      f"{one / (need / bw):.2f} |")
+                      f"{one / (need / bw):.2f} | {lin * 1e3:.1f} ms | {weights / bw * 1e3:.1f} ms | "
+                      f"{lin / (weights / bw):.2f} |")
 
 
 if __name__ == "__main__":

@@ -9,9 +9,9 @@
  * Numerics: weights bf16 (widened to fp32 in registers: a 16-bit shift) or fp32; activations bf16 or fp32,
  * widened into an fp32 scratch; accumulation fp32; the output bf16 (rounded to nearest even, once) or fp32. Row
  * invariance by construction: y[r, n] is always the same sequence of operations — 8 fp32 lanes of fused
- * multiply-adds over k in increasing blocks, a fixed horizontal sum, the tail of k in order, then the bias — however
- * many rows the call has, however the rows and columns are blocked, and whichever thread computes it. So a row's
- * result is bitwise the same alone, in a verify block, or batched. This file is compiled without -ffast-math and
+ * multiply-adds over k in increasing blocks, a fixed horizontal-sum tree, the tail of k in order, then the bias —
+ * however many rows the call has, however the rows and columns are blocked, and whichever thread computes it. So a
+ * row's result is bitwise the same alone, in a verify block, or batched. This file is compiled without -ffast-math and
  * with -ffp-contract=off (specdec/native.py), so the compiler may not reassociate or contract any of it.
  *
  * bf16 weights: a 32-byte load holds 16 weights; as eight 32-bit lanes, lane j holds w[2j] (low half) and w[2j+1]
@@ -52,11 +52,11 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even; NaN stay
     return (uint16_t)(u >> 16);
 }
 
-static inline float hsum(__m256 v) { /* fixed order: (lo + hi) halves, then pairs, then the last two */
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
+/* The horizontal sum of 8 lanes, always the same tree: ((v0 + v1) + (v2 + v3)) + ((v4 + v5) + (v6 + v7)), four
+ * accumulators at a time (their sums land in the four lanes of one register: fewer shuffles per output). */
+static inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
+    const __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+    return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
 }
 
 /* One tile: RG rows x NB output features over the vector part of k. xs: the rows' scratch (row stride xs_stride
@@ -119,27 +119,38 @@ typedef struct {
     void *y;
 } job_t;
 
-/* Finish (row, feature) outputs: horizontal sum, the k tail in order, the bias, the store. */
-static inline __attribute__((always_inline)) void finish(const job_t *J, const int RG, const int NB, int64_t r0,
-                                                         int64_t n0, __m256 acc[4][8]) {
+/* Finish (row, feature) outputs: horizontal sum, the k tail in order, the bias, the store. WB, YB: bf16 weights,
+ * bf16 output (compile-time constants). */
+static inline __attribute__((always_inline)) void finish(const job_t *J, const int RG, const int NB, const int WB,
+                                                         const int YB, int64_t r0, int64_t n0, __m256 acc[4][8]) {
     const int64_t tail = J->in_f - J->kvec;
 #pragma GCC unroll 4
     for (int i = 0; i < RG; i++) {
+        float sums[8];
+#pragma GCC unroll 2
+        for (int j = 0; j < NB; j += 4) { /* a short group repeats its last accumulator; those lanes are dropped */
+            const __m256 a = acc[i][j], b = acc[i][j + 1 < NB ? j + 1 : j], c = acc[i][j + 2 < NB ? j + 2 : j],
+                         d = acc[i][j + 3 < NB ? j + 3 : j];
+            float q[4];
+            _mm_storeu_ps(q, hsum4(a, b, c, d));
+            for (int t = 0; t < 4 && j + t < NB; t++) sums[j + t] = q[t];
+        }
 #pragma GCC unroll 8
         for (int j = 0; j < NB; j++) {
             const int64_t n = n0 + j;
-            float s = hsum(acc[i][j]);
-            const float *xt = J->xt + (r0 + i) * tail;
-            if (J->w_bf16) {
-                const uint16_t *wt = (const uint16_t *)J->w + n * J->in_f + J->kvec;
-                for (int64_t k = 0; k < tail; k++) s = fmaf(xt[k], bf16_to_f32(wt[k]), s);
-                if (J->bias) s += bf16_to_f32(((const uint16_t *)J->bias)[n]);
-            } else {
-                const float *wt = (const float *)J->w + n * J->in_f + J->kvec;
-                for (int64_t k = 0; k < tail; k++) s = fmaf(xt[k], wt[k], s);
-                if (J->bias) s += ((const float *)J->bias)[n];
+            float s = sums[j];
+            if (tail) {
+                const float *xt = J->xt + (r0 + i) * tail;
+                if (WB) {
+                    const uint16_t *wt = (const uint16_t *)J->w + n * J->in_f + J->kvec;
+                    for (int64_t k = 0; k < tail; k++) s = fmaf(xt[k], bf16_to_f32(wt[k]), s);
+                } else {
+                    const float *wt = (const float *)J->w + n * J->in_f + J->kvec;
+                    for (int64_t k = 0; k < tail; k++) s = fmaf(xt[k], wt[k], s);
+                }
             }
-            if (J->y_bf16)
+            if (J->bias) s += WB ? bf16_to_f32(((const uint16_t *)J->bias)[n]) : ((const float *)J->bias)[n];
+            if (YB)
                 ((uint16_t *)J->y)[(r0 + i) * J->out_f + n] = f32_to_bf16(s);
             else
                 ((float *)J->y)[(r0 + i) * J->out_f + n] = s;
@@ -149,26 +160,30 @@ static inline __attribute__((always_inline)) void finish(const job_t *J, const i
 
 /* RG rows x NB features from n0; with `prefetch`, the NB weight rows PF_AHEAD tiles on are fetched meanwhile (a
  * tile's weight rows are contiguous, so the whole matrix streams in order). */
-static inline __attribute__((always_inline)) void run_tile(const job_t *J, const int RG, const int NB, int64_t r0,
-                                                           int64_t n0, int prefetch) {
+static inline __attribute__((always_inline)) void run_tile_t(const job_t *J, const int RG, const int NB,
+                                                             const int WB, const int YB, int64_t r0, int64_t n0,
+                                                             int prefetch) {
     __m256 acc[4][8];
     const float *xs = J->xs + r0 * J->xs_stride;
-    const int64_t esize = J->w_bf16 ? 2 : 4;
+    const int64_t esize = WB ? 2 : 4;
     const char *pf = prefetch && n0 + (PF_AHEAD + 1) * NB <= J->out_f
                          ? (const char *)J->w + (n0 + PF_AHEAD * NB) * J->in_f * esize
                          : NULL;
-    if (J->w_bf16)
+    if (WB)
         tile_bf16(RG, NB, J->kvec / 16, xs, J->xs_stride, (const uint16_t *)J->w + n0 * J->in_f, J->in_f, pf, acc);
     else
         tile_f32(RG, NB, J->kvec / 8, xs, J->xs_stride, (const float *)J->w + n0 * J->in_f, J->in_f, pf, acc);
-    finish(J, RG, NB, r0, n0, acc);
+    finish(J, RG, NB, WB, YB, r0, n0, acc);
 }
+
+#define run_tile(J, RG, NB, r0, n0, prefetch) run_tile_t(J, RG, NB, WB, YB, r0, n0, prefetch)
 
 /* Features [n0, n1) for rows [r0, r1) (at most ROW_BLOCK): per tile-wide column block, every row group in turn,
  * so the block's weights come from memory once (prefetched during the block before) and from L1 for the other
  * groups. Tile widths keep the accumulators within the 16 ymm registers: 1 row x 8 features, 2 x 6, 3 x 4, 4 x 3;
  * the column tail runs 1 feature wide. */
-static void panel(const job_t *J, int64_t r0, int64_t r1, int64_t n0, int64_t n1) {
+static inline __attribute__((always_inline)) void panel_t(const job_t *J, const int WB, const int YB, int64_t r0,
+                                                          int64_t r1, int64_t n0, int64_t n1) {
     const int64_t rows = r1 - r0;
     int64_t n = n0;
     if (rows == 1) {
@@ -198,6 +213,13 @@ static void panel(const job_t *J, int64_t r0, int64_t r1, int64_t n0, int64_t n1
         case 1: run_tile(J, 1, 1, r, n, 0); break;
         }
     }
+}
+
+static void panel(const job_t *J, int64_t r0, int64_t r1, int64_t n0, int64_t n1) {
+    if (J->w_bf16)
+        J->y_bf16 ? panel_t(J, 1, 1, r0, r1, n0, n1) : panel_t(J, 1, 0, r0, r1, n0, n1);
+    else
+        J->y_bf16 ? panel_t(J, 0, 1, r0, r1, n0, n1) : panel_t(J, 0, 0, r0, r1, n0, n1);
 }
 
 static __thread float *scratch;
