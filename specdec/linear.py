@@ -167,8 +167,9 @@ class Linear(nn.Linear):
             pw = self._packed_weight()
             if pw is not None:
                 return torch.ops.mkldnn._linear_pointwise(x2, pw, self.bias, "none", [], "")
-        if kernel == "stream" and x2.dtype in _STREAM_DTYPES and self.weight.dtype in _STREAM_DTYPES:
-            return native.stream_linear(x2, self.weight, self.bias)
+        if kernel == "stream" and x2.dtype in _STREAM_DTYPES and self.weight.dtype in _STREAM_DTYPES \
+                and not (torch.is_grad_enabled() and (x2.requires_grad or self.weight.requires_grad)):
+            return native.stream_linear(x2, self.weight, self.bias)  # no autograd: a training call takes F.linear
         return F.linear(x2, self.weight, self.bias)
 
     def default_plan(self) -> tuple[str, ...]:

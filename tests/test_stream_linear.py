@@ -218,3 +218,16 @@ def test_the_emulation_builds_for_avx2_and_caps_onednn(tmp_path):
     if native.available():  # a compiler here: the AVX2 build was made and runs the kernel
         assert done.stdout.split() == ["True"]
         assert len(list((tmp_path / "native").glob("specdec-kernels-*.so"))) == 1
+
+
+@needs_avx2
+@needs_kernel
+def test_a_call_that_needs_gradients_takes_the_autograd_path():
+    """The kernel has no backward: with gradients on, a layer planned on it computes F.linear, and they flow."""
+    lin = Linear(48, 20)
+    lin.plan = STREAM_PLAN
+    x = torch.randn(3, 48, requires_grad=True)
+    lin(x).sum().backward()
+    assert x.grad is not None and lin.weight.grad is not None
+    with torch.inference_mode():
+        torch.testing.assert_close(lin(x.detach()), torch.nn.functional.linear(x.detach(), lin.weight, lin.bias))
