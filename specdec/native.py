@@ -18,8 +18,7 @@ shared by different hosts never hands one host another's build. It is
 written to a temporary name and renamed into place, so processes that start together (a draft and a target
 server) never load a half-written file. Where there is no compiler, or the kernels are switched off
 (`specdec.settings` `native`, SPECDEC_NATIVE=0), `available()` is False and callers take the torch path; the reason
-is logged once. Switched off, nothing is compiled. A compiler without OpenMP builds the streaming linear for one
-thread.
+is logged once. Switched off, nothing is compiled.
 """
 from __future__ import annotations
 
@@ -45,15 +44,13 @@ _CSRC = Path(__file__).resolve().parent / "csrc"
 # expf vectorize. Linked with it, gcc < 13 adds crtfastmath.o, whose constructor sets flush-to-zero for the whole
 # process on load and would change torch's numerics; the link step runs without it (tests/test_native.py checks
 # that subnormals survive the load). The streaming linear is row-invariant only if the compiler keeps its order of
-# operations: no -ffast-math, no contraction beyond its own FMAs; -fopenmp splits its output features across threads
-# (the library then needs libgomp.so.1, which resolves to the one torch has already loaded).
+# operations: no -ffast-math, no contraction beyond its own FMAs.
 SOURCES = {_CSRC / "decode_attention.c": ("-ffast-math",), _CSRC / "rms_norm.c": ("-ffast-math",),
-           _CSRC / "stream_linear.c": ("-ffp-contract=off", "-fopenmp")}
+           _CSRC / "stream_linear.c": ("-ffp-contract=off",)}
 CFLAGS = ("-O3", "-fPIC")
 # The instruction set the build targets (`specdec.settings` `isa`): this CPU's, or an AVX2-only x86 host's (the
 # emulation of one on a richer host).
 ISA_FLAGS = {"native": ("-march=native",), "avx2": ("-mavx2", "-mfma", "-mf16c")}
-LINK_FLAGS = ("-fopenmp",)  # dropped, with the sources' -fopenmp, where the compiler has no OpenMP
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # the caches the kernel reads; others take the torch path
 
 
@@ -71,15 +68,13 @@ def _compiler() -> str | None:
     return shutil.which(settings.get().cc) or shutil.which("gcc") or shutil.which("clang")
 
 
-def _commands(cc: str, tmp: str, openmp: bool) -> tuple[list[list[str]], str]:
+def _commands(cc: str, tmp: str) -> tuple[list[list[str]], str]:
     """The compile and link commands of the library (into `tmp`), and the library's path."""
     isa = ISA_FLAGS[settings.get().isa]
-    keep = (lambda f: True) if openmp else (lambda f: f != "-fopenmp")
     objs = [os.path.join(tmp, f.stem + ".o") for f in SOURCES]
     lib = os.path.join(tmp, "kernels.so")
-    cmds = [[cc, *CFLAGS, *isa, *filter(keep, extra), "-c", str(f), "-o", o]
-            for (f, extra), o in zip(SOURCES.items(), objs)]
-    return cmds + [[cc, "-shared", *filter(keep, LINK_FLAGS), *objs, "-o", lib, "-lm"]], lib
+    cmds = [[cc, *CFLAGS, *isa, *extra, "-c", str(f), "-o", o] for (f, extra), o in zip(SOURCES.items(), objs)]
+    return cmds + [[cc, "-shared", *objs, "-o", lib, "-lm"]], lib
 
 
 def _build(cc: str) -> Path:
@@ -88,24 +83,18 @@ def _build(cc: str) -> Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     flags = " ".join(f"{f.name}:{' '.join(e)}" for f, e in SOURCES.items())
     key = hashlib.sha256("\0".join((*(f.read_text() for f in SOURCES), " ".join(CFLAGS), flags,
-                                    " ".join(ISA_FLAGS[settings.get().isa]), " ".join(LINK_FLAGS), version,
+                                    " ".join(ISA_FLAGS[settings.get().isa]), version,
                                     platform.machine(), _cpu_flags())).encode()).hexdigest()[:24]
     out = cache_root() / "native" / f"specdec-kernels-{key}.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        for openmp in (True, False):  # a compiler without OpenMP: the streaming linear runs on one thread
-            cmds, lib = _commands(cc, tmp, openmp)
-            for cmd in cmds:
-                done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-                if done.returncode != 0:
-                    error = f"{' '.join(cmd)} failed: {done.stderr.strip()[-2000:]}"
-                    break
-            else:
-                break
-        else:
-            raise RuntimeError(error)
+        cmds, lib = _commands(cc, tmp)
+        for cmd in cmds:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+            if done.returncode != 0:
+                raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr.strip()[-2000:]}")
         os.replace(lib, out)  # atomic: a process starting beside this one loads a whole file or builds its own
     return out
 
@@ -133,7 +122,7 @@ def _library():
     lib.specdec_decode_attention.restype = i32
     lib.specdec_rms_norm.argtypes = [i32, i64, i64, ptr, ptr, ptr, ptr, ctypes.c_float, ptr]
     lib.specdec_rms_norm.restype = None
-    lib.specdec_stream_linear.argtypes = [i32] * 3 + [i64] * 3 + [ptr] * 4 + [i32]
+    lib.specdec_stream_linear.argtypes = [i32] * 3 + [i64] * 3 + [ptr] * 4
     lib.specdec_stream_linear.restype = i32
     lib.specdec_stream_linear_supported.argtypes = []
     lib.specdec_stream_linear_supported.restype = i32
@@ -210,8 +199,8 @@ def stream_linear_supported() -> bool:
 def stream_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [rows, in] @ weight[out, in]^T (+ bias) → [rows, out] of x's dtype, reading the weight once per 16 rows
     (csrc/stream_linear.c): weight bf16 or fp32, x bf16 or fp32, accumulation fp32, each row's result bitwise the
-    same whatever the number of rows in the call. Output features split across torch's intra-op threads. The caller
-    checks `stream_linear_supported`."""
+    same whatever the number of rows in the call. One thread (csrc/stream_linear.c says why). The caller checks
+    `stream_linear_supported`."""
     if x.dtype not in DTYPES or weight.dtype not in DTYPES or (bias is not None and bias.dtype != weight.dtype):
         raise ValueError(f"stream_linear takes fp32/bf16 inputs and a bias of the weight's dtype; got x {x.dtype}, "
                          f"weight {weight.dtype}, bias {None if bias is None else bias.dtype}")
@@ -221,8 +210,7 @@ def stream_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     y = torch.empty((rows, out_f), dtype=x.dtype)
     rc = _library().specdec_stream_linear(DTYPES[x.dtype], DTYPES[weight.dtype], DTYPES[x.dtype], rows,
                                           weight.shape[1], out_f, x.data_ptr(), weight.data_ptr(),
-                                          None if bias is None else bias.data_ptr(), y.data_ptr(),
-                                          torch.get_num_threads())
+                                          None if bias is None else bias.data_ptr(), y.data_ptr())
     if rc != 0:
         raise MemoryError("the native streaming linear could not allocate its scratch")
     return y

@@ -18,8 +18,10 @@
  * (high half). `lane << 16` is w[2j] as fp32 and `lane & 0xffff0000` is w[2j+1]: two cheap ALU ops, no shuffle. The
  * activations are laid out to match once per call (each 16-block: its 8 even elements, then its 8 odd ones).
  *
- * Threads: the output features are split in static chunks across `threads` OpenMP threads (the caller passes
- * torch's intra-op thread count; built with -fopenmp, this library shares torch's libgomp by its soname).
+ * One thread: splitting the output features over OpenMP threads (torch's libgomp, torch's intra-op count) made every
+ * call a parallel region whose end waits for all its threads, and on a 2-core host shared with other processes a
+ * region waited for a scheduler time slice (one 3072 x 576 row: 0.11 ms on one thread, 12 ms median on two; `ar`
+ * on two threads 2.3 tokens/s against 20 on one). A one-row step is bound by one core's memory bandwidth anyway.
  */
 #include <math.h>
 #include <stdint.h>
@@ -30,7 +32,7 @@
 #include <immintrin.h>
 
 #define ROW_BLOCK 16 /* rows per pass over the weight; a longer call makes ceil(rows / 16) passes */
-#define PANEL 48     /* output features per unit of work (divisible by every tile width below) */
+#define PANEL 48     /* output features per panel (divisible by every tile width below) */
 /* Software prefetch into L2, PF_AHEAD tiles ahead: a tile's 1-12 weight rows are short streams (in_features
  * elements each) that the hardware prefetcher picks up too late (1 row, default target: ~40 -> ~30 ms a forward's
  * linears, the plain sequential read of the same bytes ~24 ms on the same host). */
@@ -229,7 +231,7 @@ static __thread size_t scratch_floats;
  * weight's dtype or NULL, y: [rows, out_f] (bf16 if y_bf16 else fp32); all contiguous. Returns 0, or -1 where the
  * scratch could not be allocated. */
 int specdec_stream_linear(int x_bf16, int w_bf16, int y_bf16, int64_t rows, int64_t in_f, int64_t out_f,
-                          const void *x, const void *w, const void *bias, void *y, int threads) {
+                          const void *x, const void *w, const void *bias, void *y) {
     const int64_t kvec = w_bf16 ? in_f / 16 * 16 : in_f / 8 * 8, tail = in_f - kvec;
     const int64_t xs_stride = kvec + 16; /* a little slack between rows */
     const size_t need = (size_t)(ROW_BLOCK * xs_stride + ROW_BLOCK * tail + 16);
@@ -258,12 +260,7 @@ int specdec_stream_linear(int x_bf16, int w_bf16, int y_bf16, int64_t rows, int6
         }
         job_t J = {w_bf16, y_bf16, in_f, out_f, kvec, xs, xs_stride, xt, w, bias,
                    y_bf16 ? (void *)((uint16_t *)y + rb * out_f) : (void *)((float *)y + rb * out_f)};
-        const int64_t panels = (out_f + PANEL - 1) / PANEL;
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && panels > 1)
-        for (int64_t p = 0; p < panels; p++) {
-            const int64_t n0 = p * PANEL, n1 = n0 + PANEL < out_f ? n0 + PANEL : out_f;
-            panel(&J, 0, nr, n0, n1);
-        }
+        for (int64_t n0 = 0; n0 < out_f; n0 += PANEL) panel(&J, 0, nr, n0, n0 + PANEL < out_f ? n0 + PANEL : out_f);
     }
     return 0;
 }
@@ -276,7 +273,7 @@ int specdec_stream_linear_supported(void) {
 #else /* a build for a CPU without AVX2 + FMA: no kernel (specdec.native.stream_linear_supported is False) */
 
 int specdec_stream_linear(int x_bf16, int w_bf16, int y_bf16, int64_t rows, int64_t in_f, int64_t out_f,
-                          const void *x, const void *w, const void *bias, void *y, int threads) {
+                          const void *x, const void *w, const void *bias, void *y) {
     return -2;
 }
 
