@@ -6,7 +6,6 @@ so Ray stays off the per-round path (the actors are thin wrappers; the logic is 
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections import OrderedDict
 
 import ray
@@ -15,6 +14,7 @@ from coordinator.backends.pipeline import Pipeline
 from coordinator.channels import Dialer
 from coordinator.routing.discovery import source_from_spec
 from coordinator.routing.pool import PoolManager, ReplicaUnavailableError
+from specdec_rpc.logs import configure_logging
 
 
 # Ray restarts it if its process dies: with what it held forgotten (the replicas' own limits still apply), and its
@@ -23,9 +23,9 @@ from coordinator.routing.pool import PoolManager, ReplicaUnavailableError
 class PoolManagerActor:
     def __init__(self, specs: dict, refresh_s: float, health_timeout_s: float, tls: dict | None = None,
                  wait_s: float = 60.0, max_waiting: int = 256, affinity_slack: int | None = 2, preempt: bool = True,
-                 log_level: str = "INFO", tokenizer_size: int = 0):
+                 log_level: str = "INFO", tokenizer_size: int = 0, log_format: str = "text"):
         # its own process: replicas joining, leaving, turning unhealthy, queues filling and draining are logged here
-        logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        configure_logging(log_level, log_format, service="coordinator")
         self.pm = PoolManager({k: source_from_spec(v) for k, v in specs.items() if v}, refresh_s,
                               health_timeout_s, dialer=Dialer.from_tls(tls), wait_s=wait_s,
                               max_waiting=max_waiting, affinity_slack=affinity_slack, preempt=preempt,
@@ -170,8 +170,9 @@ class PipelineActor:
     """`tag`: this actor's prefix of its requests' holder tokens; the router gives back what a dead one held."""
 
     def __init__(self, pool_handle, rpc_timeout_s: float, view_refresh_s: float, tls: dict | None = None,
-                 replica_streams: bool = True, affinity_chunk: int = 128, tag: str = "", log_level: str = "INFO"):
-        logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+                 replica_streams: bool = True, affinity_chunk: int = 128, tag: str = "", log_level: str = "INFO",
+                 log_format: str = "text"):
+        configure_logging(log_level, log_format, service="coordinator")
         self._args = (pool_handle, rpc_timeout_s, view_refresh_s, tls, replica_streams, affinity_chunk, tag)
         self.pipeline = None
 

@@ -19,6 +19,7 @@ from specdec.settings import setdefault_environ
 from specdec.tokenizer import eos_token_ids, load_tokenizer
 from specdec_rpc.app import ServerApp
 from specdec_rpc.auth import ApiKeyInterceptor
+from specdec_rpc.logs import adopt_loggers
 from specdec_rpc.metrics import ServiceMetrics
 
 from coordinator.config import CoordinatorSettings
@@ -55,6 +56,8 @@ def init_ray(s: CoordinatorSettings, log_to_driver: bool = True) -> None:
 
     if ray.is_initialized():
         return
+    if s.log_format == "json":
+        adopt_loggers("ray")  # Ray's own handler writes plain text
     if s.ray_address:
         ray.init(address=s.ray_address, log_to_driver=log_to_driver)
     else:  # a small local instance: no dashboard, few CPUs, a small object store
@@ -86,7 +89,7 @@ async def build_router(s: CoordinatorSettings, resolve=None, health_check=None, 
     from coordinator.actor import PipelineActor, PoolManagerActor  # lazy: imports ray (~0.6 s), only on Ray
 
     pool = PoolManagerActor.remote(specs, s.dns_refresh_s, s.health_timeout_s, tls, s.queue_wait_s, s.max_waiting,
-                                   affinity_slack, s.preempt, s.log_level, tokenizer_size)
+                                   affinity_slack, s.preempt, s.log_level, tokenizer_size, s.log_format)
     snap = await pool.start.remote()
     log.info("pools: %s", snap)
 
@@ -95,7 +98,7 @@ async def build_router(s: CoordinatorSettings, resolve=None, health_check=None, 
                                                                            s.pool_view_refresh_s, tls,
                                                                            s.replica_streams,
                                                                            s.prefix_affinity_chunk, tag,
-                                                                           s.log_level)
+                                                                           s.log_level, s.log_format)
 
     router = RayRouter([], make_actor, fixed=s.pipelines or None)
     await router.grow()  # fail fast (and warm up) before serving

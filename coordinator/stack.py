@@ -40,7 +40,7 @@ async def wait_serving(endpoint: str, service: str, timeout: float, proc: subpro
     err = ""
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
-            tail = log_path.read_text()[-3000:] if log_path and log_path.exists() else ""
+            tail = log_path.read_text()[-3000:] if log_path and log_path.exists() else "(its log is above)"
             raise RuntimeError(f"{service} replica on {endpoint} exited with code {proc.returncode}:\n{tail}")
         ok, err = await grpc_health("", endpoint, service, 1.0)  # a loopback replica, plaintext
         if ok:
@@ -142,7 +142,9 @@ class LocalStack:
                "--exit-with-parent", str(os.getpid()),  # a parent killed without cleanup: no orphans
                *option_flags({k: v for k, v in options.items() if k != "metrics_port"}), *self.replica_args, *extra]
         env = child_environ(OMP_NUM_THREADS=str(self.threads), MKL_NUM_THREADS=str(self.threads))
-        proc = subprocess.Popen(cmd, stdout=logf.open("w"), stderr=subprocess.STDOUT, env=env,
+        # quiet: each replica's log in a file (its tail reported if it fails to start); else on this process's stderr
+        out = logf.open("w") if self.quiet else None
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if out else None, env=env,
                                 start_new_session=True)
         self.procs.append(proc)
         return proc, logf
@@ -182,7 +184,9 @@ class LocalStack:
             import ray  # lazy: ray (~0.6 s) loads only where the stack runs on Ray
 
             self._ray_started = not ray.is_initialized()
-            init_ray(settings, log_to_driver=not self.quiet)
+            # the actors' lines reach this process's output prefixed by Ray, which JSON lines must not be: with
+            # log_format json they stay in Ray's session logs
+            init_ray(settings, log_to_driver=not self.quiet and settings.log_format == "text")
         # the coordinator's actors start while the replicas load; its pools are refreshed once they serve
         built = asyncio.ensure_future(build_coordinator(settings))
         try:

@@ -26,6 +26,7 @@ from draft_service.config import DraftSettings
 from specdec.defaults import COORDINATOR_HTTP_PORT, COORDINATOR_METRICS_PORT, DEFAULT_DRAFT, DEFAULT_TARGET, \
     DRAFT_METRICS_PORT, TARGET_METRICS_PORT
 from specdec.request import MODES
+from specdec_rpc.logs import configure_logging
 from specdec_rpc.settings import DEVICE, DTYPES, ServerSettings
 from target_service.config import TargetSettings
 
@@ -107,6 +108,11 @@ def build_parser() -> argparse.ArgumentParser:
     _opt(net, CoordinatorSettings, "grace_s", "--grace-s", note="the replicas' drain too")
     _opt(net, CoordinatorSettings, "log_level", "--log-level", type=str.upper,
          choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    _opt(net, CoordinatorSettings, "log_format", "--log-format", note="every process's")
+    _opt(net, CoordinatorSettings, "otlp_traces_endpoint", "--otlp-traces-endpoint",
+         text="export OpenTelemetry traces of every process (the coordinator's request spans, the replicas' prefill, "
+              "draft, verify and batching spans) to this OTLP/gRPC endpoint, e.g. http://otel-collector:4317 ('': "
+              "no tracing)")
     _opt(net, CoordinatorSettings, "tool_call_parser", "--tool-call-parser")
     _opt(net, CoordinatorSettings, "reasoning_parser", "--reasoning-parser")
     _opt(net, CoordinatorSettings, "ray_num_cpus", "--ray-cpus")
@@ -151,6 +157,7 @@ def plan(args: argparse.Namespace) -> ServePlan:
         on_cpu = [k for k in (("target", "draft") if draft else ("target",)) if devices[k] == "cpu"]
         threads = max(1, (os.cpu_count() or 2) // max(1, len(on_cpu)))
     metrics = args.metrics_port
+    every = {"log_format": args.log_format, "otlp_traces_endpoint": args.otlp_traces_endpoint}  # all 3 processes
     stack = dict(
         preverifier=(args.preverifier or default_preverifier_dir(draft)) if draft else None,
         host=args.host, port=args.port, threads=threads, ray_cpus=args.ray_num_cpus, pipelines=args.pipelines,
@@ -162,11 +169,11 @@ def plan(args: argparse.Namespace) -> ServePlan:
             metrics_port=metrics, api_key=args.api_key or _env_api_key(), gamma=args.gamma, verify_method=args.verify_method,
             pacer_threshold=args.pacer_threshold, pacer_post_threshold=args.pacer_post_threshold,
             spec_off_batch=args.spec_off_batch, queue_wait_s=args.queue_wait_s, max_waiting=args.max_waiting,
-            http_max_in_flight=args.http_max_in_flight,
+            http_max_in_flight=args.http_max_in_flight, **every,
             **({"served_model_name": args.served_model_name} if args.served_model_name else {})),
         # the ports of the processes' own defaults (9400, 9401, 9402) follow the same rule
-        target_options={"device": devices["target"], "metrics_port": metrics + 2 if metrics else 0},
-        draft_options={"device": devices["draft"], "metrics_port": metrics + 1 if metrics else 0})
+        target_options={"device": devices["target"], "metrics_port": metrics + 2 if metrics else 0, **every},
+        draft_options={"device": devices["draft"], "metrics_port": metrics + 1 if metrics else 0, **every})
     return ServePlan(target, draft, stack)
 
 
@@ -175,8 +182,8 @@ def main(argv: list[str]) -> int:
 
     args = build_parser().parse_args(argv)
     p = plan(args)
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if p.draft is None:
+    configure_logging(args.log_level, args.log_format, service="coordinator")  # the coordinator runs here
+    if p.draft is None and not args.no_draft:
         log.warning("no draft model: serving %s target-only (every request runs as ar); name one with --draft",
                     p.target)
 
@@ -193,7 +200,7 @@ def main(argv: list[str]) -> int:
             print(f"specdec serving specdec.v1.GenerationService on {args.host}:{stack.app.port}{http} "
                   f"(target {p.target}, {draft}; model id {stack.settings.model_name()}); Ctrl-C stops", flush=True)
             await stop.wait()
-            print("stopping...", file=sys.stderr, flush=True)
+            log.info("stopping: draining requests in flight (grace %.1fs)", args.grace_s)
 
     asyncio.run(run())
     return 0

@@ -72,6 +72,16 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(out, default=str, ensure_ascii=False)
 
 
+def adopt_loggers(*names: str) -> None:
+    """Send these libraries' loggers through the root handler, in the process's format: some (Ray's) install their
+    own handler, which writes plain text whatever `log_format` says."""
+    for name in names:
+        lg = logging.getLogger(name)
+        for h in list(lg.handlers):
+            lg.removeHandler(h)
+        lg.propagate = True
+
+
 def configure_logging(level: str = "INFO", log_format: str = "text", service: str = "", stream=None) -> None:
     """The root logger's one handler (stderr), in `log_format`; replaces handlers set before (the last call wins).
     `service`: the process's name in JSON lines (draft, target, coordinator)."""

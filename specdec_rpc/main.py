@@ -5,6 +5,7 @@ import asyncio
 import logging
 import os
 
+from specdec.errors import SpecDecError
 from specdec.threads import orchestrator_threads
 from specdec_rpc.logs import configure_logging
 from specdec_rpc.settings import startup_warnings
@@ -34,8 +35,13 @@ def run_service(build_app, settings) -> None:
         log.warning("%s", warning)
 
     async def _main():
-        app = await build_app(settings)
-        await app.start()
+        try:
+            app = await build_app(settings)
+            await app.start()
+        except (SpecDecError, ValueError, FileNotFoundError, RuntimeError) as e:
+            # what the operator can fix (a model config it cannot serve, a missing file, a port in use): one line
+            log.error("cannot start: %s", e)
+            raise SystemExit(1) from None
         watch = (asyncio.ensure_future(_exit_with_parent(app, settings.exit_with_parent))
                  if settings.exit_with_parent else None)
         try:

@@ -232,8 +232,9 @@ def test_serve_options_come_from_the_settings_classes():
                                          "--max-model-len", "8192", "--metrics-port", "0"])
     p = serve.plan(a)
     assert (p.target, p.draft, p.stack["max_context"]) == ("./some-llama", "./small", 8192)
-    assert p.stack["target_options"] == {"device": "cuda:0", "metrics_port": 0}
-    assert p.stack["draft_options"] == {"device": "cuda:1", "metrics_port": 0}
+    assert p.stack["target_options"] == {"device": "cuda:0", "metrics_port": 0, "log_format": "text",
+                                         "otlp_traces_endpoint": ""}
+    assert p.stack["draft_options"]["device"] == "cuda:1"
     assert p.stack["coordinator_options"]["gamma"] == 3
     p = serve.plan(serve.build_parser().parse_args(["./some-llama"]))  # another target: no draft unless named
     assert p.draft is None and p.stack["default_mode"] == "ar"
@@ -288,7 +289,7 @@ def test_serve_applies_grace_sessions_and_speculation_settings(tmp_path):
                           "--port", str(port), "--http-port", str(http), "--metrics-port", str(metrics),
                           "--max-num-seqs", "1", "--grace-s", "7.5", "--speculative-mode", "sd",
                           "--num-speculative-tokens", "2", "--served-model-name", "tiny-llm", "--dtype", "float32",
-                          "--threads", "1", "--ray-cpus", "1", "--pipelines", "1"],
+                          "--threads", "1", "--ray-cpus", "1", "--pipelines", "1", "--log-format", "json"],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         deadline = time.time() + 180
@@ -319,6 +320,13 @@ def test_serve_applies_grace_sessions_and_speculation_settings(tmp_path):
             os.killpg(p.pid, signal.SIGKILL)
     err = p.stderr.read()
     assert rc == 0 and "grace 7.5s" in err, err[-2000:]
+    not_json = [line for line in err.splitlines() if line.strip() and not line.startswith("{")]
+    assert not not_json, not_json[:10]
+    lines = [json.loads(line) for line in err.splitlines() if line.strip()]  # --log-format json: every process's
+    assert {line.get("service") for line in lines} >= {"coordinator", "draft", "target"}, lines[:5]
+    done = [line for line in lines if line["logger"] == "coordinator.requests"]  # the driver's, under Ray
+    assert sorted(d["request_id"] for d in done) == sorted(out.stats.request_id for out in outs), done
+    assert all(d["timings"]["wall_s"] > 0 for d in done)
 
 
 def test_serve_refuses_a_draft_of_another_tokenizer_and_a_config_it_cannot_serve_in_one_line(tmp_path, capsys):

@@ -33,6 +33,8 @@ def chat_message(m: generation_pb2.ChatMessage) -> dict:
 
 REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")  # + "-" + 12 hex: a replica session id (<= 128)
 requests_log = logging.getLogger("coordinator.requests")  # one INFO line per finished request
+# the per-request times a finished request's line carries as fields (JSON logs: `timings`)
+REQUEST_TIMINGS = ("queued_s", "draft_busy_s", "target_busy_s", "draft_network_s", "target_network_s")
 
 
 def log_request(stats: dict, finish: str, wall_s: float) -> None:
@@ -42,7 +44,12 @@ def log_request(stats: dict, finish: str, wall_s: float) -> None:
                           "tokens per target forward, target %s, draft %s", stats["request_id"], stats.get("mode"),
                           stats.get("prompt_tokens", 0), stats.get("cached_prompt_tokens", 0), n, finish, wall_s,
                           n / forwards if forwards else 0.0, stats.get("target_replica") or "-",
-                          stats.get("draft_replica") or "-")
+                          stats.get("draft_replica") or "-", extra={
+                              "request_id": stats["request_id"], "mode": stats.get("mode"), "finish": finish,
+                              "prompt_tokens": stats.get("prompt_tokens", 0), "completion_tokens": n,
+                              "target_replica": stats.get("target_replica", ""),
+                              "draft_replica": stats.get("draft_replica", ""),
+                              "timings": {k: stats.get(k, 0.0) for k in REQUEST_TIMINGS} | {"wall_s": wall_s}})
 
 
 def log_failure(request_id: str, code: str, message: str, wall_s: float) -> None:
@@ -51,7 +58,8 @@ def log_failure(request_id: str, code: str, message: str, wall_s: float) -> None
     level = logging.WARNING if code in ("UNAVAILABLE", "INTERNAL", "DEADLINE_EXCEEDED", "UNKNOWN") else logging.INFO
     if requests_log.isEnabledFor(level):
         requests_log.log(level, "request %s: failed %s after %.3f s: %s", request_id, code, wall_s,
-                         message if len(message) <= 300 else message[:300] + "...")
+                         message if len(message) <= 300 else message[:300] + "...",
+                         extra={"request_id": request_id, "code": code, "timings": {"wall_s": wall_s}})
 
 
 def template_options(r: generation_pb2.GenerateRequest):
