@@ -175,7 +175,9 @@ def test_prepack_skips_what_it_cannot_pack():
     if packing_supported():
         assert packed == len(layers) and all("packed" in x.kernels(rows) for x in layers for rows in (1, 4, 9))
     else:
-        assert packed == 0 and all(x.kernels(rows) == ["gemm"] for x in layers for rows in (4, 9))
+        # without fast bf16 GEMMs the weight-streaming kernel is a candidate where it builds (specdec/linear.py)
+        assert packed == 0 and all(x.kernels(rows) in (["gemm"], ["gemm", "stream"]) for x in layers
+                                   for rows in (4, 9))
     kv = m.new_kv_slots(1, 32)
     for n, start in ((12, 0), (4, 12), (1, 16)):  # a prefill, a verify block, a decode step: default plans
         logits = m(torch.arange(n)[None] % 32, torch.arange(start, start + n)[None], torch.tensor([0]), kv)[0]
@@ -247,7 +249,8 @@ def test_a_row_invariant_linear_rounds_every_row_alike_alone_or_batched(plan, mo
     monkeypatch.setattr(linear, "_PADS", {})
     if plan == "tuned":
         tune_linears(lin)
-        assert lin.plan[0] == "gemv" or lin.rows_to_run(1) >= linear.MIN_INVARIANT_ROWS
+        # gemv, the weight-streaming kernel (row-invariant by construction, AVX2-only hosts), or a padded call
+        assert lin.plan[0] in ("gemv", "stream") or lin.rows_to_run(1) >= linear.MIN_INVARIANT_ROWS
     else:  # what a tuner may pick elsewhere, unpadded
         lin.plan, lin.pad_to = (plan, "packed", "packed", "packed"), None
         assert linear.enforce_row_invariance(lin) == []
