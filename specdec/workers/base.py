@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specdec import cuda_graphs
 from specdec.errors import ContextOverflowError, InvalidRequestError, SessionNotFoundError, StalePositionError
 from specdec.grammar import GrammarState, GrammarVocab
 from specdec.model import CausalLM, context_limit
@@ -85,7 +86,12 @@ class Worker:
         self.max_context = min(max_context or limit, limit)
         self.context_bound = f"the model's {bound}" if self.max_context == limit else "--max-context"
         self.max_sessions = max_sessions
-        self.kv = model.new_kv_slots(max_sessions, self.max_context + PAD_SLACK)
+        # a CUDA model replays its decode steps and verify blocks as CUDA graphs (specdec/cuda_graphs.py); their
+        # padded rows write a scratch slot past the sessions' slots. Elsewhere (CPU) nothing changes
+        graphs = (model.device.type == "cuda" and cuda_graphs.graphs_enabled()
+                  and cuda_graphs.supports_model(model))
+        self.kv = model.new_kv_slots(max_sessions + graphs, self.max_context + PAD_SLACK)
+        self.graphs = cuda_graphs.GraphRunner(model, self.kv, scratch_slot=max_sessions) if graphs else None
         # one KV slot per session. A session idle past `session_ttl_s` is refused and freed when a start makes room;
         # a full table refuses a start. A replica's host table decides expiry and eviction (specdec_rpc/host.py)
         # and ends the sessions it drops here
@@ -296,6 +302,14 @@ class Worker:
     def _after_feed(self, s: Session, base: int, hidden: torch.Tensor) -> None:
         pass
 
+    def _replay(self, tokens, positions, slots, kv_len: int, compact: bool):
+        """A CUDA graph's (logits, hidden) for this forward where one serves its shape (specdec/cuda_graphs.py),
+        copied out of the graph's buffers; None: run the model eagerly (CPU models, other shapes)."""
+        if self.graphs is None:
+            return None
+        out = self.graphs.try_forward(tokens, positions, slots, kv_len, compact)
+        return None if out is None else (out[0].clone(), out[1].clone())
+
     def _feed(self, s: Session, base: int, ids: list[int], compact: bool = False, logits_rows: slice | None = None):
         """Forward `ids` at positions base.. → (logits [m, V] fp32, hidden [m, D]). `compact`: a compact-head
         model's logits stay compact ([m, len(vocab_subset)], `CausalLM.forward`'s compact_logits).
@@ -309,7 +323,9 @@ class Worker:
             kw["compact_logits"] = True
         if logits_rows is not None:
             kw["logits_rows"] = logits_rows
-        logits, hidden = self.model(tokens, positions, torch.tensor([s.slot], device=dev), self.kv, **kw)
+        slots = torch.tensor([s.slot], device=dev)
+        out = self._replay(tokens, positions, slots, base + len(ids), compact) if logits_rows is None else None
+        logits, hidden = out if out is not None else self.model(tokens, positions, slots, self.kv, **kw)
         s.tokens.extend(ids)
         self._after_feed(s, base, hidden[0])
         return logits[0], hidden[0]
@@ -338,7 +354,9 @@ class Worker:
             kw["features"] = feats
         if compact:
             kw["compact_logits"] = True
-        logits, hidden = self.model(tokens, positions, slots, self.kv, **kw)
+        kv_len = min(max(base for _, base, _ in items) + width, self.kv.max_len)
+        out = self._replay(tokens, positions, slots, kv_len, compact) if "features" not in kw else None
+        logits, hidden = out if out is not None else self.model(tokens, positions, slots, self.kv, **kw)
         out = []
         for r, (s, base, ids) in enumerate(items):
             s.tokens.extend(ids)

@@ -8,7 +8,7 @@ from typing import Iterator
 import torch
 
 from specdec.drafting import (FORCED_ACCEPT_PROB, BlockShape, DraftBlock, DraftCall, FeatureNeeds, certain,
-                              choose_token, end_of_token, grammar_allows, row_index)
+                              choose_token, end_of_token, grammar_allows, processes_logits, row_index)
 from specdec.errors import InvalidRequestError
 from specdec.feature_state import FeatureState
 from specdec.lookup import PromptLookup
@@ -217,7 +217,12 @@ class DraftWorker(Worker):
         else:  # 2.-3. the draft model's: its logits processed as the target's are, then argmax or a sample
             subset = self._subset
             expand = None if subset is None else self.model.expand_logits
-            choice = choose_token(c, row, subset, expand, self.q_top_k)
+            if row.device.type != "cpu" and not (c.s.params.greedy and not processes_logits(c.s)):
+                # a GPU draft samples (keyed CPU generators) and processes logits on the host: one copy of its
+                # full-vocabulary row per drafted token; a plain greedy step reads the argmax on the device
+                choice = choose_token(c, (row if subset is None else expand(row)).cpu(), None, None, self.q_top_k)
+            else:
+                choice = choose_token(c, row, subset, expand, self.q_top_k)
         c.add(choice, looked is not None, deferred)
         if c.needs.features:  # 4. the pre-verifier's features (a deferred token's come with the next forward)
             c.features.add(c.needs, None if deferred else row, row_hidden, choice)

@@ -166,6 +166,10 @@ class TargetWorker(Worker):
         g = len(a.draft)
         sample_bonus = a.sample_bonus and (a.feed_draft or g == 0)
         checked = rows[: g + (1 if sample_bonus else 0)]
+        if checked.device.type != "cpu" and not (s.params.greedy and not adjusts(s.params) and s.grammar is None):
+            # sampling (keyed CPU generators, the draft's q), penalties and grammars run on the host: one copy of
+            # the checked rows per verify. A plain greedy verify reads argmaxes on the device (one sync)
+            checked = checked.cpu()
         # greedy verification reads only each row's argmax: that of the logits is that of logits_to_probs' one-hot
         # (first index among ties in both), without building a [rows, V] tensor per session per step
         if adjusts(s.params):  # penalties and logit_bias: p is the adjusted target (specdec/penalties.py)

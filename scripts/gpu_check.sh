@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# The prepared GPU check of issue 42 (docs/operations/gpu.md). On a bare GPU machine, from the working tree:
+#   scripts/gpu_check.sh                 # all phases, ~7 minutes, report under $OUT (or ./gpu-check-out)
+#   scripts/gpu_check.sh --dry-run       # CPU, tiny shapes, about a minute: shows the check works end to end
+# Extra arguments go to scripts/gpu_check.py (--budget-s, --phases, --out, --device).
+#
+# What a bare machine lacks (pydantic-settings and the rest the core and the services import, pytest) travels as
+# wheels in .whl/ (carried: `carry: [".whl", "specdec_rpc/pb"]`); they install into /tmp/site, no index, no deps.
+# The generated gRPC stubs (specdec_rpc/pb/*_pb2*.py, git-ignored) travel the same way.
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 1
+ROOT=$PWD
+OUT=${OUT:-$ROOT/gpu-check-out}
+mkdir -p "$OUT"
+export OUT PYTHONUNBUFFERED=1 SPECDEC_TEST_THREADS=${SPECDEC_TEST_THREADS:-4}
+
+if [ -x .venv/bin/python ] && .venv/bin/python -c "import pydantic_settings" 2>/dev/null; then
+  PY=$ROOT/.venv/bin/python  # a development checkout: its environment has everything
+else
+  PY=${PYTHON:-python3}
+  if ls .whl/*.whl >/dev/null 2>&1; then
+    t0=$(date +%s)
+    pipi() { "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$@"; }
+    if ! pipi .whl/*.whl; then  # one wheel this machine refuses (its glibc, say) stops the rest: one at a time
+      for w in .whl/*.whl; do pipi "$w" || echo "gpu_check: could not install $w" >&2; done
+    fi
+    echo "gpu_check: carried wheels installed into /tmp/site in $(( $(date +%s) - t0 )) s"
+  fi
+  export PYTHONPATH=/tmp/site:$ROOT${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
+
+if ! ls specdec_rpc/pb/*_pb2.py >/dev/null 2>&1; then
+  "$PY" scripts/gen_protos.py || echo "gpu_check: no generated gRPC stubs (carry specdec_rpc/pb): the stack phase will fail" >&2
+fi
+
+command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,memory.used,clocks.sm,temperature.gpu \
+  --format=csv > "$OUT/nvidia-smi.csv" 2>&1
+"$PY" -u scripts/gpu_check.py "$@" 2>&1 | tee "$OUT/log.txt"
+exit "${PIPESTATUS[0]}"
