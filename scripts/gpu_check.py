@@ -505,7 +505,8 @@ def main() -> int:
     if dev.type == "cpu" and not args.dry_run:
         print("no CUDA device: run with --dry-run (CPU, tiny shapes)", file=sys.stderr)
         return 2
-    if dev.type == "cuda":
+    if dev.type == "cuda":  # an explicit index: torch.cuda.set_device refuses a bare "cuda"
+        dev = torch.device("cuda", torch.cuda.current_device() if dev.index is None else dev.index)
         torch.cuda.set_device(dev)
     torch.manual_seed(0)
     report = Report(Path(args.out), args.dry_run)

@@ -71,10 +71,10 @@ def test_gpu_dtype_is_bf16():
 def test_cuda_model_forward_matches_cpu_and_uses_no_cpu_kernels(monkeypatch):
     cpu = build_tiny_model()
     gpu = build_tiny_model().to("cuda")
+    toks, pos = torch.tensor([[1, 2, 3, 4]]), torch.arange(4)[None]
+    want, _ = cpu(toks, pos, torch.tensor([0]), cpu.new_kv_slots(1, 16))  # the CPU reference may use them
     monkeypatch.setattr(native, "available", lambda: pytest.fail("native kernels asked for on CUDA"))
     monkeypatch.setattr(Linear, "run_kernel", lambda *a: pytest.fail("a CPU kernel plan ran on CUDA"))
-    toks, pos = torch.tensor([[1, 2, 3, 4]]), torch.arange(4)[None]
-    want, _ = cpu(toks, pos, torch.tensor([0]), cpu.new_kv_slots(1, 16))
     got, _ = gpu(toks.cuda(), pos.cuda(), torch.tensor([0], device="cuda"), gpu.new_kv_slots(1, 16))
     torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-4)
 

@@ -173,3 +173,38 @@ def test_static_forward_of_a_compact_vocabulary_draft(compact):
     finite = torch.isfinite(ref)
     assert torch.equal(finite, torch.isfinite(out))
     torch.testing.assert_close(out[finite], ref[finite], rtol=1e-4, atol=1e-4)
+
+
+def test_replay_copies_inputs_and_pads_rows_onto_the_scratch_slot(monkeypatch):
+    """`_Graph.replay` on a CPU, the captured graph replaced by what it replays (`static_forward` over the static
+    buffers): a batch of 3 runs in the 4-row bucket, its padded row writes only the scratch slot, and the real rows
+    get what `static_forward` gives them directly."""
+    import contextlib
+    import copy
+
+    model = build_tiny_model()
+    kv = model.new_kv_slots(5, 128)
+    _prefill(model, kv, 3, [6, 9, 4], torch.Generator().manual_seed(7))
+    kv_ref = copy.deepcopy(kv)
+    runner = cg.GraphRunner(model, kv, scratch_slot=4, enabled=False)
+    g = cg._Graph.__new__(cg._Graph)
+    g.tokens, g.positions = torch.full((4, 1), 9), torch.full((4, 1), 50)  # stale values from an earlier replay
+    g.slots, g.ctx, g.device = torch.tensor([0, 1, 2, 3]), 128, None
+    g.logits, g.hidden = torch.empty(4, 1, model.config.vocab_size), torch.empty(4, 1, model.config.hidden_size)
+
+    class Replayed:
+        def replay(self):
+            logits, hidden = cg.static_forward(model, kv, g.tokens, g.positions, g.slots, g.ctx, runner.cos, runner.sin)
+            g.logits.copy_(logits)
+            g.hidden.copy_(hidden)
+
+    g.graph = Replayed()
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    tokens, positions, slots = torch.tensor([[3], [5], [7]]), torch.tensor([[6], [9], [4]]), torch.tensor([0, 1, 2])
+    got, _ = g.replay(tokens, positions, slots, scratch_slot=4)
+    want, _ = cg.static_forward(model, kv_ref, tokens, positions, slots, 128, runner.cos, runner.sin)
+    assert got.shape == want.shape and torch.equal(got, want)
+    assert g.slots.tolist() == [0, 1, 2, 4] and g.positions[3].tolist() == [0] and g.tokens[3].tolist() == [0]
+    for layer in range(model.config.num_hidden_layers):
+        assert torch.equal(kv.k[layer][:4], kv_ref.k[layer][:4])  # slot 3 untouched; 0-2 as written directly
+        assert kv.k[layer][4, 0].abs().sum() > 0 and kv.k[layer][4, 1:].abs().sum() == 0  # scratch: position 0
