@@ -255,10 +255,34 @@ def phase_exactness(dev: torch.device, args, deadline: float) -> dict:
             eng.close()
     ok = all(c[m] for c in out["cases"] for m in ("ar", "sd", "pearl")) and all(
         c.get("all_accepted", True) for c in out["cases"])
+    out["pacer_probe"] = pacer_probe(target, draft, refs, prompts)
     out["chi_square"] = chi_square_sd(dev, deadline, runs=300 if args.dry_run else 3000)
     ok = ok and out["chi_square"].get("pvalue", 0.0) > 0.001
     out["status"] = "ok" if ok else "FAILED"
     return out
+
+
+def pacer_probe(target, draft, refs: dict, prompts: list) -> str:
+    """Greedy `pacer` with a random pre-verifier on the models' device. Reported, not counted in the phase's status:
+    the pre-verifier runs on the host and reads the draft's hidden rows, which on a GPU are device tensors
+    (docs/operations/gpu.md, "Not yet on the GPU path")."""
+    from specdec.engine import Engine
+    from specdec.preverifier import build_random_preverifier
+    from specdec.request import GenerationRequest
+    from specdec.sampling import SamplingParams
+
+    pv = build_random_preverifier(draft.config.hidden_size, seed=5, block_size=2, threshold=0.5)
+    try:
+        eng = Engine(target, draft, preverifier=pv, inline=True, max_sessions=2)
+        try:
+            same = [eng.generate(GenerationRequest(prompt_ids=p, max_new_tokens=24, mode="pacer", gamma=4,
+                                                   params=SamplingParams(temperature=0.0))).token_ids == refs[tuple(p)]
+                    for p in prompts]
+        finally:
+            eng.close()
+        return "ok: equals the greedy reference" if all(same) else f"DIFFERS from the greedy reference: {same}"
+    except Exception as e:  # noqa: BLE001 - the probe reports what happens
+        return f"error: {type(e).__name__}: {str(e)[:300]}"
 
 
 def chi_square_sd(dev: torch.device, deadline: float, runs: int, vocab: int = 12) -> dict:
