@@ -19,8 +19,8 @@ one memory pool, and replays it after copying the inputs into the graph's static
 it on a GPU; scripts/gpu_check.py reports it). `static_forward` and `CausalLM.forward` compute the same function up
 to summation order (attention over `ctx` keys, the masked ones contributing zero).
 
-The switch: `specdec.settings` `cuda_graphs` where that field exists (SPECDEC_CUDA_GRAPHS=0 turns graphs off),
-else on; `GraphRunner(enabled=False)` too. Nothing here runs on a CPU model: the CPU path is untouched.
+The switch: `specdec.settings` `cuda_graphs` (SPECDEC_CUDA_GRAPHS=0 turns graphs off; `GraphRunner(enabled=False)`
+too). Nothing here runs on a CPU model: the CPU path is untouched.
 """
 from __future__ import annotations
 
@@ -38,8 +38,8 @@ MAX_GRAPHS = 64  # captures kept per runner (each holds its activations in the s
 
 
 def graphs_enabled() -> bool:
-    """The `cuda_graphs` switch of `specdec.settings` (SPECDEC_CUDA_GRAPHS), on where that field is absent."""
-    return bool(getattr(settings.get(), "cuda_graphs", True))
+    """The `cuda_graphs` switch of `specdec.settings` (SPECDEC_CUDA_GRAPHS)."""
+    return settings.get().cuda_graphs
 
 
 def batch_bucket(rows: int, buckets: tuple[int, ...] = BATCH_BUCKETS) -> int | None:

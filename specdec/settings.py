@@ -45,6 +45,9 @@ class RuntimeSettings(BaseSettings):
         "each layer's default plan, unpadded, so outputs also repeat across processes"))
     row_invariant: bool = Field(True, description=(
         "a target's bf16 CPU linears round each row alike whether it runs alone or batched (specdec.linear)"))
+    cuda_graphs: bool = Field(True, description=(
+        "a model on a CUDA device replays its decode steps and verify blocks as CUDA graphs (specdec.cuda_graphs); "
+        "off: every forward runs eagerly"))
     isa: Literal["native", "avx2"] = Field("native", description=(
         "the x86 instruction set the CPU kernels assume: native = this host's; avx2 = behave as on an AVX2-only host "
         "(no AVX512, no native bf16 GEMMs), to emulate one on a richer CPU: bf16 counts as slow "
