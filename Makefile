@@ -14,7 +14,7 @@ PROTO_STAMP := specdec_rpc/pb/.generated
 PROMPT ?= Explain how a hash map works, with an example in Python.
 
 .PHONY: install install-runtime proto lock lint-imports test test-fast demo serve bench bench-quick distill-draft \
-	train-preverifier clean
+	distill-draft-gpu train-preverifier clean
 
 install: $(STAMP) $(PROTO_STAMP)
 
@@ -79,6 +79,12 @@ bench-quick: install
 DISTILL_ARGS ?= --gen-seconds 530 --gen-batch 3072 --steps 6000 --batch-size 128 --warmup 200 --eval-every 500
 distill-draft: install
 	$(VENV)/bin/specdec distill-draft online --run make --out .cache-distill/draft $(DISTILL_ARGS)
+
+# the prepared GPU run (docs/design/distillation.md, "The prepared GPU run"): on a bare device machine (python3 with
+# torch, no .venv, no install), the target from its carried GGUF parts; DRY_RUN=1: the same path on the CPU in ~1 min
+GPU_PYTHON ?= $(if $(wildcard $(PY)),$(PY),python3)
+distill-draft-gpu:
+	PYTHONUNBUFFERED=1 PYTHONPATH=. $(GPU_PYTHON) -m specdec_train.distill.gpu_run $(if $(DRY_RUN),--dry-run) $(GPU_ARGS)
 
 # the pre-verifier is trained on fresh target text whose prompts the draft never saw: name the draft's training data
 train-preverifier: install

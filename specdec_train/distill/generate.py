@@ -16,7 +16,6 @@ import torch
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from specdec.dtypes import resolve_dtype
 from specdec_train.distill.code_prompts import chat_code_prompts, code_prompts, humaneval_entry_points
 
 TOPICS = [
@@ -146,6 +145,8 @@ def generate(model_dir, out_path, seconds: float = 600, seed: int = 0, batch_siz
     `style`: "chat" (templates x topics, chat-templated), "self" (user turns sampled from the target itself,
     `self_instruct`: an open-ended supply of new prompts), "code" (raw Python stubs, `code_prompts.py`) or
     "chatcode" (the same stubs asked for in a chat turn, chat-templated)."""
+    from specdec.dtypes import resolve_dtype  # here: the core's settings need pydantic, which `gpu_run` avoids
+
     rng = random.Random(seed)
     torch.manual_seed(seed)
     tok = AutoTokenizer.from_pretrained(str(model_dir))
