@@ -84,7 +84,8 @@ distill-draft: install
 # torch, no .venv, no install), the target from its carried GGUF parts; DRY_RUN=1: the same path on the CPU in < 2 min
 GPU_PYTHON ?= $(if $(wildcard $(PY)),$(PY),python3)
 distill-draft-gpu:
-	PYTHONUNBUFFERED=1 PYTHONPATH=. $(GPU_PYTHON) -m specdec_train.distill.gpu_run $(if $(DRY_RUN),--dry-run) $(GPU_ARGS)
+	PYTHONUNBUFFERED=1 PYTHONPATH=. $(GPU_PYTHON) -m specdec_train.distill.gpu_run $(if $(DRY_RUN),--dry-run) \
+		$(if $(OUT),--out "$(OUT)") $(GPU_ARGS)
 
 # the pre-verifier is trained on fresh target text whose prompts the draft never saw: name the draft's training data
 train-preverifier: install

@@ -18,11 +18,11 @@ Phases, each stopped by the wall clock (``--budget`` seconds for the whole run, 
    still ends decayed. Checkpoint (model, optimizer, RNG, wall time) every ``--ckpt-seconds``, written atomically,
    and the draft exported with it, so a run killed at its limit leaves a usable draft. A rerun with the same
    ``--run`` resumes: it keeps the text and continues training from the checkpoint.
-5. **After.** The held-out sets again, the model directory and its card, and (with ``$OUT`` set, as on the device
-   machine) what comes back: the model as ``draft.tar.part-NN`` (≤ 15 MiB each), the card, ``metrics.json``,
+5. **After.** The held-out sets again, the model directory and its card, and in ``--out`` (the device machine's
+   ``$OUT``, which `make distill-draft-gpu` passes) what comes back: the model as ``draft.tar.part-NN`` (≤ 15 MiB each), the card, ``metrics.json``,
    the log and ``train_prompts.jsonl.gz`` (the training prompts, for the pre-verifier's ``--exclude-samples``).
 
-The model directory is also shipped at every checkpoint, with a card that says so, so ``$OUT`` holds a usable
+The model directory is also shipped at every checkpoint, with a card that says so, so ``--out`` holds a usable
 draft whenever the run is cut off.
 
 ``--dry-run``: the same code path on the CPU with tiny batches, a 100 s budget and a capped held-out set.
@@ -275,8 +275,8 @@ def main(argv=None) -> None:
     ap.add_argument("--init-draft", default=str(INIT_DRAFT))
     ap.add_argument("--run", default="gpu")
     ap.add_argument("--work", default=".cache-distill/gpu-run")
-    ap.add_argument("--out", default=None, help="where the files that come back go (default: $OUT if set, else "
-                    "WORK/RUN/out)")
+    ap.add_argument("--out", default=None, help="where the files that come back go: the device machine's $OUT "
+                    "(default: WORK/RUN/out)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's; dry run 2)")
     ap.add_argument("--mix", default=MIX)
@@ -308,7 +308,7 @@ def main(argv=None) -> None:
         torch.set_num_threads(args.threads)
     run_dir = pathlib.Path(args.work) / args.run
     run_dir.mkdir(parents=True, exist_ok=True)
-    out_dir = pathlib.Path(args.out or os.environ.get("OUT") or run_dir / "out")
+    out_dir = pathlib.Path(args.out or run_dir / "out")
     command = "python -m specdec_train.distill.gpu_run " + " ".join(map(shlex.quote, sys.argv[1:] if argv is None
                                                                          else argv))
 

