@@ -203,8 +203,12 @@ def test_replay_copies_inputs_and_pads_rows_onto_the_scratch_slot(monkeypatch):
     tokens, positions, slots = torch.tensor([[3], [5], [7]]), torch.tensor([[6], [9], [4]]), torch.tensor([0, 1, 2])
     got, _ = g.replay(tokens, positions, slots, scratch_slot=4)
     want, _ = cg.static_forward(model, kv_ref, tokens, positions, slots, 128, runner.cos, runner.sin)
-    assert got.shape == want.shape and torch.equal(got, want)
+    # a CPU GEMM of 4 rows may round a row unlike one of 3 (MKL on AVX2 hosts): close here; bitwise is the CUDA
+    # tests' claim, where the graph and the eager step run the same kernels
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert g.slots.tolist() == [0, 1, 2, 4] and g.positions[3].tolist() == [0] and g.tokens[3].tolist() == [0]
     for layer in range(model.config.num_hidden_layers):
-        assert torch.equal(kv.k[layer][:4], kv_ref.k[layer][:4])  # slot 3 untouched; 0-2 as written directly
+        torch.testing.assert_close(kv.k[layer][:4], kv_ref.k[layer][:4], rtol=1e-5, atol=1e-5)  # 0-2 as written directly
+        assert torch.equal(kv.k[layer][3], kv_ref.k[layer][3])  # slot 3 untouched
         assert kv.k[layer][4, 0].abs().sum() > 0 and kv.k[layer][4, 1:].abs().sum() == 0  # scratch: position 0

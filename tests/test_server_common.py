@@ -301,9 +301,11 @@ def test_metrics_names():
 
 
 def test_dtype_auto_picks_bf16_where_it_is_fast():
-    """`auto` (the default): bf16 on GPUs and where the CPU has native bf16 GEMMs (target and draft), else fp32."""
+    """`auto` (the default): bf16 on GPUs, where the CPU has native bf16 GEMMs, and where it has not but the native
+    weight-streaming linear runs (target and draft); else fp32."""
     import torch
 
+    from specdec import native
     from specdec.dtypes import auto_dtype, cpu_has_fast_bf16
     from specdec_rpc.settings import resolve_dtype
 
@@ -311,7 +313,7 @@ def test_dtype_auto_picks_bf16_where_it_is_fast():
         model_config = SettingsConfigDict(env_prefix="XTEST2_")
 
     assert S.from_cli([]).dtype == "auto"
-    fast = cpu_has_fast_bf16()
+    fast = cpu_has_fast_bf16() or native.stream_linear_supported()
     assert resolve_dtype("auto", "cpu", "target") == (torch.bfloat16 if fast else torch.float32)
     assert resolve_dtype("auto", "cpu", "draft") == (torch.bfloat16 if fast else torch.float32)
     assert auto_dtype("cuda:0", "draft") == torch.bfloat16
