@@ -178,12 +178,14 @@ def test_auto_dtype_on_an_avx2_host_is_bf16_through_the_kernel(runtime_settings)
 @needs_kernel
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("mode,gamma", [("sd", 2), ("sd", 4), ("sd", 7), ("pearl", 3)])
-def test_greedy_sd_equals_ar_with_the_kernel_in_use(dtype, mode, gamma, monkeypatch):
+def test_greedy_sd_equals_ar_with_the_kernel_in_use(dtype, mode, gamma, monkeypatch, runtime_settings):
     """The target's every linear on the kernel (a verify of gamma + 1 rows, a decode step of one): greedy `sd` and
     `pearl` give `ar`'s tokens, and the kernel did run."""
     from specdec import linear
 
-    # the padding earlier tests tuned for these shapes stays out: each call runs as the rows it has
+    # the engine keeps the plan set below (no tuning), and no padding tuned by earlier tests applies: each call
+    # runs on the kernel as the rows it has
+    runtime_settings(kernel_tune=False)
     monkeypatch.setattr(linear, "_TUNED", {})
     monkeypatch.setattr(linear, "_PADS", {})
     calls = []
