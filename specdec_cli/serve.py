@@ -45,7 +45,7 @@ def _opt(group, cls, field: str, *flags: str, default=None, note: str = "", text
         kw.setdefault("metavar", flags[0].lstrip("-").replace("-", "_").upper())
     text = ((info.description or "") if text is None else text).replace("%", "%%")
     text = f"{text}{'; ' if text and note else ''}{note}".strip()
-    group.add_argument(*flags, dest=field if not kw.get("dest") else kw.pop("dest"), default=value,
+    group.add_argument(*flags, dest=kw.pop("dest", field), default=value,
                        help=f"{text} (default: %(default)s)" if text else "(default: %(default)s)", **kw)
 
 

@@ -55,7 +55,7 @@ from specdec_train.distill.draft_model import SUBSET_FILE, full_to_compact_map, 
 from specdec_train.distill.generate import complete
 from specdec_train.distill.gpu_prompts import MIX, PromptMix, load_banned, prompt_sha
 from specdec_train.distill.gpu_target import REPO, TOKENIZER_FILES, load_target
-from specdec_train.distill.online import batch_tensors, subset_kl
+from specdec_train.distill.online import distill_step
 from specdec_train.distill.train import draft_optimizer, resume, save_checkpoint
 
 HELDOUT = REPO / "specdec_train" / "data" / "distill_heldout.jsonl.gz"
@@ -393,24 +393,14 @@ def main(argv=None) -> None:
         ts = time.time()
         wall = wall0 + ts - t_train
         batch = [rows[rng.randrange(len(rows))] for _ in range(args.batch_size)]
-        ids, cids, mask = batch_tensors(batch, to_compact_d, dev)
-        with torch.no_grad(), torch.autocast(**amp):
-            tl = target(input_ids=ids).logits
-        with torch.autocast(**amp):
-            dl = draft(input_ids=cids).logits
-        loss, agree = subset_kl(dl, tl, subset_d, mask)
-        del tl
-        for g in opt.param_groups:
-            g["lr"] = args.lr * lr_factor(wall / horizon)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
-        opt.step()
+        loss, agree = distill_step(draft, target, opt, batch, to_compact_d, subset_d, amp, dev,
+                                   args.lr * lr_factor(wall / horizon))
         step += 1
         ema = loss.item() if ema is None else 0.98 * ema + 0.02 * loss.item()
         t_step = 0.9 * t_step + 0.1 * (time.time() - ts) if step > 3 else time.time() - ts
         if step % 100 == 0 or dry:
-            log(f"distill: step {step} kl(ema) {ema:.4f} batch top-1 {agree.item():.3f} lr {g['lr']:.2e}")
+            log(f"distill: step {step} kl(ema) {ema:.4f} batch top-1 {agree.item():.3f} "
+                f"lr {opt.param_groups[0]['lr']:.2e}")
         if time.time() - last_ck > args.ckpt_seconds or step % args.ckpt_every == 0:
             wall = wall0 + time.time() - t_train
             history.append({"step": step, "wall_s": round(wall, 1), "kl_ema": round(ema, 4)})

@@ -117,6 +117,25 @@ def batch_tensors(rows, to_compact, device):
     return ids, to_compact.to(device)[ids], mask.to(device)
 
 
+def distill_step(draft, target, opt, batch, to_compact, subset, amp: dict, dev, lr: float):
+    """One optimizer step of the draft on `batch`: the target's logits recomputed (no grad), the subset KL, clipped
+    gradients at learning rate `lr`. → (loss, top-1 agreement), as tensors."""
+    ids, cids, mask = batch_tensors(batch, to_compact, dev)
+    with torch.no_grad(), torch.autocast(**amp):
+        tl = target(input_ids=ids).logits
+    with torch.autocast(**amp):
+        dl = draft(input_ids=cids).logits
+    loss, agree = subset_kl(dl, tl, subset, mask)
+    del tl
+    for g in opt.param_groups:
+        g["lr"] = lr
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
+    opt.step()
+    return loss, agree
+
+
 def subset_kl(draft_logits, target_logits, subset, mask):
     """Mean over masked positions of KL(p_S || q), p_S = the target's distribution restricted to the subset S and
     renormalised, q = the draft's (which lives on S). Also returns top-1 agreement on those positions (with the
@@ -148,19 +167,8 @@ def distill(target, draft, subset, to_compact, rows, run_dir: pathlib.Path, *, s
     draft.train()
     while step < steps:
         batch = [rows[rng.randrange(len(rows))] for _ in range(batch_size)]
-        ids, cids, mask = batch_tensors(batch, to_compact_d, dev)
-        with torch.no_grad(), torch.autocast(**amp):
-            tl = target(input_ids=ids).logits
-        with torch.autocast(**amp):
-            dl = draft(input_ids=cids).logits
-        loss, agree = subset_kl(dl, tl, subset_d, mask)
-        del tl
-        for g in opt.param_groups:
-            g["lr"] = lr * warmup_cosine(step, warmup, steps)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
-        opt.step()
+        loss, agree = distill_step(draft, target, opt, batch, to_compact_d, subset_d, amp, dev,
+                                   lr * warmup_cosine(step, warmup, steps))
         step += 1
         ema = loss.item() if ema is None else 0.95 * ema + 0.05 * loss.item()
         wall = wall0 + time.time() - t0
