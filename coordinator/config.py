@@ -73,6 +73,12 @@ class CoordinatorSettings(ProcessSettings):
     replica_streams: bool = Field(True, description="send each session's Draft/Verify calls as messages on one "
                                                     "open stream per replica (VerifyRounds/DraftRounds); off: "
                                                     "unary calls")
+    data_plane: Literal["coordinator", "direct"] = Field(
+        "coordinator", description="who carries a speculative request's rounds: 'coordinator' (each round's draft "
+        "and verify calls go coordinator -> replica -> coordinator) or 'direct' (the pinned draft replica runs the "
+        "rounds and calls the pinned target replica itself; the coordinator keeps placement, failover and the "
+        "client's stream). Direct pays one network round trip per round instead of two or more: run it where the "
+        "pools are on different machines (docs/operations/network.md)")
     pool_view_refresh_s: float = Field(0.5, gt=0, description="how often pipelines refresh pool membership")
     prefix_affinity_chunk: int = Field(128, ge=0, description="prefix-aware routing: a request goes to the replica "
                                        "its prompt's longest whole-chunk prefix went to (its prefix cache reuses it); "

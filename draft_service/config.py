@@ -34,6 +34,10 @@ class DraftSettings(ServerSettings):
         "the token that followed them instead of the model's (q one-hot: lossless); 0 turns it off "
         "(specdec/lookup.py)")
     prompt_lookup_max_ngram: int = Field(6, ge=1, description="prompt lookup: the longest n-gram compared")
+    target_routes: str = Field(
+        "", description="direct data plane (COORDINATOR_DATA_PLANE=direct): the address this replica dials for a "
+        "target endpoint the coordinator names, as 'endpoint=address,...' (a proxy or relay between the pools, as "
+        "`specdec serve --emulate-rtt-ms` puts there); an endpoint not listed is dialed as named")
     max_batch_size: int = Field(16, ge=1, description="sessions drafting in one batched forward")
     max_queue: int = Field(256, ge=1, description="queued draft calls before RESOURCE_EXHAUSTED")
 
