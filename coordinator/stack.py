@@ -3,6 +3,10 @@ each), a local Ray instance, and the coordinator's front server, all on loopback
 
     async with LocalStack(target="default-target", draft="default-draft") as stack:
         stub = GenerationServiceStub(grpc.aio.insecure_channel(stack.address))
+
+`emulate_rtt_ms` puts a delay relay (specdec_rpc/netem.py, a process each) on every link between the three
+processes: coordinator -> target, coordinator -> draft, and draft -> target (the direct data plane's rounds), each
+delaying every byte by half the round trip each way. A test and planning aid: the pools' machines apart, on one.
 """
 from __future__ import annotations
 
@@ -96,12 +100,17 @@ class LocalStack:
                  http_port: int | None = None, default_mode: str = "sd", prefix_cache: bool = True,
                  replica_args: tuple[str, ...] = (), tool_call_parser: str = "", reasoning_parser: str = "",
                  grace_s: float = 1.0, log_level: str = "WARNING", coordinator_options: dict | None = None,
-                 draft_options: dict | None = None, target_options: dict | None = None):
+                 draft_options: dict | None = None, target_options: dict | None = None, emulate_rtt_ms: float = 0.0):
         self.target, self.draft, self.preverifier = target, draft, preverifier
         # settings fields beyond the ones above, by process: CoordinatorSettings fields, and the replicas' (their
         # flags: draft_service/config.py, target_service/config.py), e.g. {"device": "cuda:1"}
         self.coordinator_options = dict(coordinator_options or {})
         self.replica_options = {"draft": dict(draft_options or {}), "target": dict(target_options or {})}
+        if not emulate_rtt_ms >= 0:
+            raise ValueError(f"emulate_rtt_ms {emulate_rtt_ms!r}: must be 0 (no relays) or more milliseconds")
+        self.emulate_rtt_ms = float(emulate_rtt_ms)  # > 0: a delay relay on every link (the module docstring)
+        self.relays: dict[str, str] = {}  # link ("coordinator-target", ...) -> the relay's address, once started
+        self._draft_routes = self.replica_options["draft"].get("target_routes", "")  # the caller's, if any
         self.grace_s, self.log_level = grace_s, log_level  # every process's drain on shutdown, and its log level
         self.prompt_lookup_min_ngram = prompt_lookup_min_ngram  # the draft replica's (None: its default)
         self.dtype = dtype  # the replicas' --dtype
@@ -149,18 +158,55 @@ class LocalStack:
         self.procs.append(proc)
         return proc, logf
 
+    def _launch_relay(self, link: str, upstream: str) -> tuple[subprocess.Popen, str]:
+        """A delay relay process in front of `upstream` (half the round trip each way), on a free port."""
+        address = f"127.0.0.1:{free_port()}"
+        cmd = [sys.executable, "-m", "specdec_rpc.netem", "--upstream", upstream,
+               "--delay-ms", str(self.emulate_rtt_ms / 2), "--listen-port", address.rsplit(":", 1)[1],
+               "--exit-with-parent", str(os.getpid())]
+        err = (self.logdir / f"relay-{link}.log").open("w") if self.quiet else None
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, env=child_environ(),
+                                start_new_session=True)
+        self.procs.append(proc)
+        self.relays[link] = address
+        return proc, address
+
+    async def _relays_listening(self, procs: list[tuple[str, subprocess.Popen]]) -> None:
+        """Wait for each relay's `listening` line (its socket accepts from then on)."""
+        for link, proc in procs:
+            line = await asyncio.to_thread(proc.stdout.readline)
+            if not line.startswith(b"listening "):
+                log_path = self.logdir / f"relay-{link}.log"
+                tail = log_path.read_text()[-2000:] if log_path.exists() else "(its log is above)"
+                raise RuntimeError(f"the {link} delay relay did not start (exit code {proc.poll()}):\n{tail}")
+
     async def start(self) -> str:
         # resolve (download/convert, with a progress bar) here, once, before the replicas load
         target_dir = str(resolve_model(self.target))
         draft_dir = str(resolve_model(self.draft)) if self.draft else None
         check_models(target_dir, draft_dir, self.target, self.draft)
         tport = self.target_port or free_port()
+        target_ep = f"127.0.0.1:{tport}"
+        relay_procs = []
+        if self.emulate_rtt_ms > 0:  # the coordinator dials the relays, the relays the replicas
+            proc, target_ep = self._launch_relay("coordinator-target", f"127.0.0.1:{tport}")
+            relay_procs.append(("coordinator-target", proc))
         waits = []
         proc, logf = self._launch("target", target_dir, tport, [])
         waits.append((f"127.0.0.1:{tport}", "specdec.v1.TargetService", proc, logf))
         draft_ep = ""
         if draft_dir:
             dport = self.draft_port or free_port()
+            draft_ep = f"127.0.0.1:{dport}"
+            if self.emulate_rtt_ms > 0:
+                proc, draft_ep = self._launch_relay("coordinator-draft", draft_ep)
+                relay_procs.append(("coordinator-draft", proc))
+                # the direct data plane: the draft replica dials the target endpoint the coordinator names
+                # through a relay of its own
+                proc, peer = self._launch_relay("draft-target", f"127.0.0.1:{tport}")
+                relay_procs.append(("draft-target", proc))
+                self.replica_options["draft"]["target_routes"] = ",".join(
+                    filter(None, (self._draft_routes, f"{target_ep}={peer}")))
             extra = ["--preverifier", self.preverifier] if self.preverifier else []
             if self.prompt_lookup_min_ngram is not None:
                 extra += ["--prompt-lookup-min-ngram", str(self.prompt_lookup_min_ngram)]
@@ -168,11 +214,11 @@ class LocalStack:
             if 0 < config_vocab_size(draft_dir) < target_vocab:  # fewer rows, one tokenizer (specdec/vocab.py)
                 extra += ["--target-vocab-size", str(target_vocab)]
             proc, logf = self._launch("draft", draft_dir, dport, extra)
-            draft_ep = f"127.0.0.1:{dport}"
-            waits.append((draft_ep, "specdec.v1.DraftService", proc, logf))
+            waits.append((f"127.0.0.1:{dport}", "specdec.v1.DraftService", proc, logf))
+        await self._relays_listening(relay_procs)
         settings = CoordinatorSettings(**{
             "host": self.host, "port": self.port, "metrics_port": 0, "tokenizer": target_dir,
-            "draft_endpoints": draft_ep, "target_endpoints": f"127.0.0.1:{tport}", "ray": self.use_ray,
+            "draft_endpoints": draft_ep, "target_endpoints": target_ep, "ray": self.use_ray,
             "ray_num_cpus": self.ray_cpus, "pipelines": self.pipelines, "max_new_tokens_cap": self.cap,
             "grace_s": self.grace_s, "dns_refresh_s": 5.0, "log_level": self.log_level,
             "served_model_name": served_name(self.target), "default_mode": self.default_mode,
@@ -219,7 +265,10 @@ class LocalStack:
                 p.wait(10)
             except subprocess.TimeoutExpired:
                 p.kill()
+            if p.stdout is not None:  # a relay's
+                p.stdout.close()
         self.procs.clear()
+        self.relays.clear()
 
     async def __aenter__(self):
         try:

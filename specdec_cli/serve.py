@@ -86,6 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     _opt(sp, CoordinatorSettings, "pacer_threshold", "--pacer-threshold", type=float)
     _opt(sp, CoordinatorSettings, "pacer_post_threshold", "--pacer-post-threshold")
     _opt(sp, CoordinatorSettings, "spec_off_batch", "--spec-off-batch")
+    _opt(sp, CoordinatorSettings, "data_plane", "--data-plane")
 
     lim = ap.add_argument_group("limits")
     _opt(lim, ServerSettings, "max_sessions", "--max-num-seqs", "--max-sessions",
@@ -117,6 +118,12 @@ def build_parser() -> argparse.ArgumentParser:
     _opt(net, CoordinatorSettings, "reasoning_parser", "--reasoning-parser")
     _opt(net, CoordinatorSettings, "ray_num_cpus", "--ray-cpus")
     _opt(net, CoordinatorSettings, "pipelines", "--pipelines")
+    net.add_argument("--emulate-rtt-ms", type=float, default=0.0, metavar="MS",
+                     help="a test and planning aid: delay every link between the three processes (coordinator to "
+                          "target, coordinator to draft, draft to target) by a network round trip of MS "
+                          "milliseconds, through a delay relay process per link (specdec_rpc/netem.py), as if the "
+                          "pools ran on separate machines; never for production traffic (default: %(default)s, "
+                          "no relays)")
     return ap
 
 
@@ -152,6 +159,8 @@ def plan(args: argparse.Namespace) -> ServePlan:
                         ("--draft-device", args.draft_device)):
         if value is not None and not DEVICE.match(value):
             raise ValueError(f"{flag} {value}: use cpu, cuda or cuda:N")
+    if not args.emulate_rtt_ms >= 0:
+        raise ValueError(f"--emulate-rtt-ms {args.emulate_rtt_ms}: must be 0 (no emulated network) or more")
     threads = args.threads
     if threads == 0:  # replicas on the CPU share its cores
         on_cpu = [k for k in (("target", "draft") if draft else ("target",)) if devices[k] == "cpu"]
@@ -165,10 +174,12 @@ def plan(args: argparse.Namespace) -> ServePlan:
         prompt_lookup_min_ngram=args.prompt_lookup_min_ngram, http_port=args.http_port or None,
         default_mode=mode, tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
         max_new_tokens_cap=args.max_new_tokens_cap, grace_s=args.grace_s, log_level=args.log_level,
+        emulate_rtt_ms=args.emulate_rtt_ms,
         coordinator_options=dict(
             metrics_port=metrics, api_key=args.api_key or _env_api_key(), gamma=args.gamma, verify_method=args.verify_method,
             pacer_threshold=args.pacer_threshold, pacer_post_threshold=args.pacer_post_threshold,
-            spec_off_batch=args.spec_off_batch, queue_wait_s=args.queue_wait_s, max_waiting=args.max_waiting,
+            spec_off_batch=args.spec_off_batch, data_plane=args.data_plane, queue_wait_s=args.queue_wait_s,
+            max_waiting=args.max_waiting,
             http_max_in_flight=args.http_max_in_flight, **every,
             **({"served_model_name": args.served_model_name} if args.served_model_name else {})),
         # the ports of the processes' own defaults (9400, 9401, 9402) follow the same rule
