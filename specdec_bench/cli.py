@@ -1,6 +1,10 @@
 """`specdec bench` / `python -m specdec_bench`: every mode against ar and Hugging Face assisted generation.
 
     python -m specdec_bench --quick --json out.json --markdown out.md --plot out.png
+    python -m specdec_bench --quick --rtt-ms 0,2,10,30 --data-plane coordinator,direct --json net.json
+
+With --rtt-ms or --rtt-t the run is the network sweep instead (specdec_bench/network.py): every mode through the
+embedded stack with a network round trip emulated on each link between its processes.
 """
 from __future__ import annotations
 
@@ -13,7 +17,8 @@ import time
 from pathlib import Path
 
 from specdec_bench.harness import ALL_MODES, Bench, BenchOptions, acceptance, aggregate
-from specdec_bench.report import machine_info, markdown, plot, write_markdown
+from specdec_bench.report import machine_info, markdown, markdown_target_error, network_markdown, plot, \
+    write_markdown
 from specdec.defaults import PROMPT_LOOKUP_MIN_NGRAM
 
 QUICK = dict(n_per_set=2, repeats=1, gammas=(2, 4), temperatures=(0.0,), concurrency=(1, 2, 4, 8), concurrency_repeats=1)
@@ -52,7 +57,37 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--markdown", default=None, help="write the tables here")
     ap.add_argument("--plot", default=None, help="write the plot (PNG) here")
     ap.add_argument("--no-progress", action="store_true")
+    net = ap.add_argument_group("network sweep (instead of the suite above; docs/operations/network.md)")
+    net.add_argument("--rtt-ms", type=_csv(float), default=None, metavar="MS,...",
+                     help="network round trips to emulate on every link of the embedded stack, in milliseconds "
+                          "(e.g. 0,2,10,30): each mode runs through the stack at each")
+    net.add_argument("--rtt-t", type=_csv(float), default=None, metavar="K,...",
+                     help="the round trips in units of T, this host's one-row target forward, measured first and "
+                          "reported (e.g. 0,1,3)")
+    net.add_argument("--data-plane", type=_csv(str), default=None, metavar="PLANE,...",
+                     help="the network sweep's data planes (COORDINATOR_DATA_PLANE), each configuration runs under "
+                          "each: coordinator, direct (default: coordinator)")
     return ap
+
+
+def network_args(args) -> tuple[tuple[float, ...], tuple[float, ...], tuple[str, ...]] | None:
+    """(round trips in ms, round trips in T, data planes) of a network sweep; None: the main suite runs."""
+    if args.rtt_ms is None and args.rtt_t is None:
+        if args.data_plane is not None:
+            raise SystemExit("--data-plane applies to the network sweep: add --rtt-ms or --rtt-t")
+        return None
+    if args.rtt_ms is not None and args.rtt_t is not None:
+        raise SystemExit("--rtt-ms and --rtt-t both given: name the round trips one way")
+    rtts = args.rtt_ms if args.rtt_ms is not None else args.rtt_t
+    if not rtts or any(not x >= 0 for x in rtts):
+        raise SystemExit(f"round trips must be a list of values of 0 or more, e.g. 0,2,10,30: got {rtts}")
+    planes = args.data_plane or ("coordinator",)
+    from specdec_bench.network import DATA_PLANES  # lazy: imports the stack
+
+    unknown = [p for p in planes if p not in DATA_PLANES]
+    if unknown:
+        raise SystemExit(f"--data-plane {','.join(unknown)}: use {', '.join(DATA_PLANES)}")
+    return tuple(args.rtt_ms or ()), tuple(args.rtt_t or ()), tuple(planes)
 
 
 def options(args) -> BenchOptions:
@@ -72,16 +107,21 @@ def options(args) -> BenchOptions:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    network = network_args(args)
     for out in (args.json, args.markdown, args.plot):  # before the run: a missing folder must not lose its results
         if out:
             try:
                 Path(out).resolve().parent.mkdir(parents=True, exist_ok=True)
             except OSError as e:
                 raise SystemExit(f"cannot write {out}: {e}") from None
+    if args.markdown and (why := markdown_target_error(args.markdown, network is not None)):
+        raise SystemExit(why)
     opts = options(args)
     meta = {"machine": machine_info(), "command": "python -m specdec_bench " + shlex.join(argv)}
     t0 = time.time()
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+    if network is not None:
+        return network_main(args, opts, network, meta, t0, log)
     bench = Bench(opts, log=log)
     try:
         bench.setup()
@@ -109,6 +149,41 @@ def main(argv: list[str] | None = None) -> int:
         write_markdown(args.markdown, md)  # into docs/benchmarks.md's generated section, between its markers
     if args.plot:
         plot(rows, args.plot, title=f"specdec bench ({meta['machine']['git_commit']})")
+    print(md)
+    return 0
+
+
+def network_main(args, opts: BenchOptions, network, meta: dict, t0: float, log) -> int:
+    """The network sweep: run it, then write its rows (JSON, each with "section": "network") and its tables."""
+    from specdec_bench.network import NetworkBench, aggregate_network  # lazy: the main suite does not need it
+
+    rtts_ms, rtts_t, planes = network
+    if args.plot:
+        log("--plot: the network sweep has no plot; its tables and JSON rows are written")
+    bench = NetworkBench(opts, rtts_ms, rtts_t, planes, log=log)
+    try:
+        bench.setup()
+        records = bench.run()
+    finally:
+        bench.close()
+    T = bench.target_forward_s
+    rows = aggregate_network(records, bench.configs, T)
+    meta.update(load_avg_end=list(os.getloadavg()), elapsed_s=time.time() - t0, notes=bench.notes,
+                max_new_tokens=opts.max_new_tokens, repeats=opts.repeats,
+                target_forward_ms=T * 1e3 if T else None,
+                prompts=", ".join(f"{s} ×{sum(p.prompt_set == s for p in bench.prompts)}"
+                                  for s in dict.fromkeys(p.prompt_set for p in bench.prompts)))
+    run = {k: meta[k] for k in ("command", "elapsed_s", "load_avg_end", "max_new_tokens", "repeats", "prompts",
+                                "target_forward_ms", "notes")}
+    run.update(meta["machine"])
+    for r in rows:
+        r["run"] = run
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    md = network_markdown(rows, meta)
+    if args.markdown:
+        write_markdown(args.markdown, md, network=True)
     print(md)
     return 0
 

@@ -51,7 +51,8 @@ def _main_row(r: dict) -> str:
     return "| " + " | ".join(cells) + " |"
 
 
-def markdown(rows: list[dict], goals: list[dict], meta: dict) -> str:
+def _header(meta: dict) -> list[str]:
+    """The machine, the command and the prompts of a run: the first lines of every report."""
     L = [f"Machine: {meta['machine']['cpu']}, {meta['machine']['usable_cores']} usable cores; load average at start "
          f"{', '.join(f'{x:.2f}' for x in meta['machine']['load_avg_start'])}, at end "
          f"{', '.join(f'{x:.2f}' for x in meta.get('load_avg_end', []))}; commit `{meta['machine']['git_commit']}`"
@@ -67,6 +68,11 @@ def markdown(rows: list[dict], goals: list[dict], meta: dict) -> str:
         L += [f"- Note: {n}"]
     if meta.get("notes"):
         L.append("")
+    return L
+
+
+def markdown(rows: list[dict], goals: list[dict], meta: dict) -> str:
+    L = _header(meta)
     if goals:
         L += ["### Acceptance goals (greedy, all prompt sets)", "", "| goal | want | measured | met |",
               "|---|---|---|---|"]
@@ -107,18 +113,71 @@ def markdown(rows: list[dict], goals: list[dict], meta: dict) -> str:
     return "\n".join(L)
 
 
+NETWORK_COLS = ("data plane", "RTT ms", "config", "tok/s", "TTFT ms", "rounds", "ms/round", "accepted len",
+                "wait c↔d", "wait c↔t", "wait d↔t", "kept", "× sd", "× ar", "output = ar")
+
+
+def network_markdown(rows: list[dict], meta: dict) -> str:
+    """The network sweep's report (specdec_bench/network.py): the run's header and one table per temperature."""
+    L = _header(meta)
+    t_ms = meta.get("target_forward_ms")
+    if t_ms:
+        L += [f"T (one-row target forward on this host, 1 thread, median) = {t_ms:.2f} ms; RTT in units of T in "
+              f"brackets.", ""]
+    for temp in sorted({r["temperature"] for r in rows}):
+        sel = [r for r in rows if r["temperature"] == temp]
+        L += [f"### Network: a round trip on every link ({'greedy' if temp == 0 else f'temperature {temp:g}'})", "",
+              "| " + " | ".join(NETWORK_COLS) + " |", "|" + "---|" * len(NETWORK_COLS)]
+        for r in sel:
+            rtt = f"{r['rtt_ms']:g}" if r.get("rtt_t") is None else f"{r['rtt_ms']:.1f} ({r['rtt_t']:g}T)"
+            cells = [r["data_plane"], rtt, r["config"], _f(r["tokens_per_s"], "{:.1f}"), _f(r.get("ttft_ms"), "{:.1f}"),
+                     _f(r.get("rounds"), "{:.0f}"), _f(r.get("wall_ms_per_round"), "{:.1f}"),
+                     _f(r.get("mean_accepted_length")), _f(r.get("draft_link_share"), "{:.0%}"),
+                     _f(r.get("target_link_share"), "{:.0%}"), _f(r.get("peer_link_share"), "{:.0%}"),
+                     _f(r.get("kept")), _f(r.get("vs_best_sd")), _f(r.get("vs_ar")),
+                     _f(r.get("greedy_match_ar"), "{:.0%}")]
+            L.append("| " + " | ".join(cells) + " |")
+        L.append("")
+    L += ["Columns: each link delays every byte by RTT/2 each way (a delay relay per link, specdec_rpc/netem.py); "
+          "tok/s = generated tokens / wall time per request (client side, streamed), median; TTFT = time to the "
+          "first streamed token, median; rounds = the schedule's rounds per request, median; ms/round = wall time / "
+          "rounds, median; accepted len = generated tokens per target forward; wait c↔d, c↔t, d↔t = the share of "
+          "wall time in the network of the coordinator ↔ draft, coordinator ↔ target and draft ↔ target links (the "
+          "last: the direct data plane), median; kept = tok/s ÷ the same configuration's at RTT 0; × sd = ÷ the best "
+          "fixed-γ sd at the same RTT; × ar = ÷ ar at the same RTT (all three: medians of paired per-request "
+          "ratios); output = ar: share of greedy requests whose tokens equal ar's at the same RTT exactly.", ""]
+    return "\n".join(L)
+
+
 BEGIN = "<!-- specdec bench: generated tables begin -->"
 END = "<!-- specdec bench: generated tables end -->"
+NETWORK_BEGIN = "<!-- specdec bench: network tables begin -->"
+NETWORK_END = "<!-- specdec bench: network tables end -->"
 
 
-def write_markdown(path: str | Path, md: str) -> None:
-    """Write the tables to `path`. A file that holds the BEGIN and END markers (docs/benchmarks.md) keeps what lies
-    outside them, and the tables replace what lies between; any other file is overwritten."""
+def markdown_target_error(path: str | Path, network: bool) -> str:
+    """Why the report cannot go to `path` ('' if it can): a page with the main suite's markers but not the network
+    sweep's must not lose its tables to a network report (checked before a run, so none is lost)."""
+    path = Path(path)
+    if not network or not path.is_file():
+        return ""
+    text = path.read_text()
+    if (BEGIN in text or END in text) and not (NETWORK_BEGIN in text and NETWORK_END in text):
+        return (f"{path} holds the main suite's tables: add the lines {NETWORK_BEGIN} and {NETWORK_END} where the "
+                f"network tables go, or write them to another file")
+    return ""
+
+
+def write_markdown(path: str | Path, md: str, network: bool = False) -> None:
+    """Write the tables to `path`. A file that holds the BEGIN and END markers (docs/benchmarks.md; the network
+    sweep's: NETWORK_BEGIN and NETWORK_END) keeps what lies outside them, and the tables replace what lies between;
+    any other file is overwritten."""
+    begin, end = (NETWORK_BEGIN, NETWORK_END) if network else (BEGIN, END)
     path = Path(path)
     old = path.read_text() if path.exists() else ""
-    i, j = old.find(BEGIN), old.find(END)
+    i, j = old.find(begin), old.find(end)
     if 0 <= i < j:
-        text = old[:i + len(BEGIN)] + "\n\n" + md.strip("\n") + "\n\n" + old[j:]
+        text = old[:i + len(begin)] + "\n\n" + md.strip("\n") + "\n\n" + old[j:]
     else:
         text = md + "\n"
     path.write_text(text)

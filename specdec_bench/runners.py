@@ -27,6 +27,15 @@ from specdec_rpc.pb import generation_pb2, generation_pb2_grpc
 STACK_STAT_FIELDS = ("rounds", "target_forwards", "draft_tokens", "accepted_tokens", "mean_accepted_length",
                      "draft_busy_s", "target_busy_s", "network_s", "wall_s", "wasted_draft_tokens",
                      "target_only_rounds")
+# a request's network time per link: coordinator <-> draft, coordinator <-> target, and draft <-> target (the
+# direct data plane); a field the coordinator's GenerationStats lacks reads as 0
+LINK_STAT_FIELDS = ("draft_network_s", "target_network_s", "peer_network_s")
+
+
+def stack_stats(stats) -> dict:
+    """A GenerationStats message → the bench's stats dict (STACK_STAT_FIELDS and LINK_STAT_FIELDS)."""
+    known = stats.DESCRIPTOR.fields_by_name
+    return {f: getattr(stats, f) if f in known else 0.0 for f in STACK_STAT_FIELDS + LINK_STAT_FIELDS}
 
 
 @dataclass(frozen=True)
@@ -45,6 +54,7 @@ class Sample:
     wall_s: float  # measured by the bench (client side for the stack)
     stats: dict = field(default_factory=dict)  # the schedule's GenerationStats (empty for Hugging Face)
     token_ids: list[int] = field(default_factory=list)
+    ttft_s: float | None = None  # time to the first token (streamed requests only)
 
     @property
     def tokens_per_s(self) -> float:
@@ -206,16 +216,35 @@ class StackClient:
         t0 = time.perf_counter()
         resp = await self.stub.Generate(r, timeout=600)
         wall = time.perf_counter() - t0
-        stats = {f: getattr(resp.stats, f) for f in STACK_STAT_FIELDS}
-        return Sample(len(resp.token_ids), wall, stats, list(resp.token_ids))
+        return Sample(len(resp.token_ids), wall, stack_stats(resp.stats), list(resp.token_ids))
+
+    async def stream(self, ids, mode, gamma, temperature, seed, max_new_tokens) -> Sample:
+        """As `generate`, through GenerateStream: the Sample also carries the time to the first token."""
+        r = generation_pb2.GenerateRequest(prompt_token_ids=list(ids), max_new_tokens=max_new_tokens,
+                                           temperature=temperature, top_k=0, seed=seed, mode=mode)
+        if gamma:
+            r.gamma = gamma
+        token_ids: list[int] = []
+        ttft = stats = None
+        t0 = time.perf_counter()
+        async for part in self.stub.GenerateStream(r, timeout=600):
+            if part.token_ids and ttft is None:
+                ttft = time.perf_counter() - t0
+            token_ids += part.token_ids
+            if part.HasField("stats"):
+                stats = part.stats
+        wall = time.perf_counter() - t0
+        return Sample(len(token_ids), wall, stack_stats(stats) if stats is not None else {}, token_ids, ttft)
 
     async def close(self) -> None:
         await self.channel.close()
 
 
 class StackRunner:
-    def __init__(self, client: StackClient, cfg: Config):
-        self.client, self.cfg = client, cfg
+    def __init__(self, client: StackClient, cfg: Config, stream: bool = False):
+        """`stream`: through GenerateStream (the time to the first token measured), else Generate."""
+        self.client, self.cfg, self.stream = client, cfg, stream
 
     async def run(self, ids, temperature, seed, max_new_tokens) -> Sample:
-        return await self.client.generate(ids, self.cfg.mode, self.cfg.gamma, temperature, seed, max_new_tokens)
+        call = self.client.stream if self.stream else self.client.generate
+        return await call(ids, self.cfg.mode, self.cfg.gamma, temperature, seed, max_new_tokens)

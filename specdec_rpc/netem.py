@@ -11,7 +11,8 @@ stamps every chunk it reads with the time it is due at the other side (read time
 chunks before it have passed the bandwidth cap) and queues it; a writer sleeps until each chunk is due and writes
 it. The reader never waits for the delay, so a bulk transfer streams at the link's rate and pays the delay once,
 as on a real link (the delay is latency, not a throughput limit). Both sockets set TCP_NODELAY, so loopback adds
-no batching of its own. When one side closes, what was already read from it is still delivered (on time), then
+no batching of its own. The delay is a floor: each crossing also pays the host's wake-up latency (tens of
+microseconds on an idle host, a few tenths of a millisecond on a loaded one). When one side closes, what was already read from it is still delivered (on time), then
 the other side gets the close; once both directions have ended (or either side resets) both sockets are closed.
 
     async with DelayRelay("127.0.0.1:50061", one_way_delay_s=0.005) as relay:
@@ -31,6 +32,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import selectors
 import signal
 import socket
 import sys
@@ -173,6 +175,8 @@ class DelayRelay:
                 await asyncio.gather(*pumps, return_exceptions=True)
                 client_writer.close()
                 up_writer.close()
+        except asyncio.CancelledError:
+            pass  # stop(): the connection's own task ends here (asyncio's server would log a cancelled handler)
         finally:
             self.connections.discard(task)
 
@@ -234,7 +238,13 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(str(e))
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s netem %(levelname)s %(message)s")
     try:
-        asyncio.run(_serve(args))
+        # select() waits to the microsecond, where epoll (asyncio's default) rounds each wait up to a whole
+        # millisecond: a sub-millisecond delay would come out as ~1 ms per crossing. A relay holds a few sockets.
+        loop = asyncio.SelectorEventLoop(selectors.SelectSelector())
+        try:
+            loop.run_until_complete(_serve(args))
+        finally:
+            loop.close()
     except OSError as e:  # the port in use, an address this host lacks
         print(f"netem: cannot listen on {args.listen_host}:{args.listen_port}: {e}", file=sys.stderr)
         return 1
