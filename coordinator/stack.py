@@ -174,7 +174,10 @@ class LocalStack:
     async def _relays_listening(self, procs: list[tuple[str, subprocess.Popen]]) -> None:
         """Wait for each relay's `listening` line (its socket accepts from then on)."""
         for link, proc in procs:
-            line = await asyncio.to_thread(proc.stdout.readline)
+            try:
+                line = await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), 60)
+            except asyncio.TimeoutError:
+                line = b""  # stop() ends the process, and with it the read
             if not line.startswith(b"listening "):
                 log_path = self.logdir / f"relay-{link}.log"
                 tail = log_path.read_text()[-2000:] if log_path.exists() else "(its log is above)"

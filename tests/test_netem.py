@@ -164,3 +164,21 @@ async def test_process_prints_its_address_and_serves():
         finally:
             proc.send_signal(signal.SIGTERM)
             assert await asyncio.wait_for(proc.wait(), 10) == 0
+
+
+def test_serve_passes_the_emulated_round_trip_and_the_data_plane():
+    from specdec_cli import serve
+
+    p = serve.plan(serve.build_parser().parse_args([]))
+    assert p.stack["emulate_rtt_ms"] == 0.0 and p.stack["coordinator_options"]["data_plane"] == "coordinator"
+    p = serve.plan(serve.build_parser().parse_args(["--emulate-rtt-ms", "10", "--data-plane", "direct"]))
+    assert p.stack["emulate_rtt_ms"] == 10.0 and p.stack["coordinator_options"]["data_plane"] == "direct"
+    with pytest.raises(ValueError, match="--emulate-rtt-ms"):
+        serve.plan(serve.build_parser().parse_args(["--emulate-rtt-ms", "-1"]))
+
+
+def test_stack_refuses_a_negative_round_trip():
+    from coordinator.stack import LocalStack
+
+    with pytest.raises(ValueError, match="emulate_rtt_ms"):
+        LocalStack("target", "draft", emulate_rtt_ms=-5)
