@@ -14,11 +14,13 @@ from specdec_rpc.app import ServerApp
 from specdec_rpc.host import SessionHost
 from specdec_rpc.metrics import ServiceMetrics
 from specdec_rpc.settings import resolve_device, resolve_dtype
+from specdec_rpc.tls import channel_credentials
 from specdec_rpc.tracing import replica_spans
 
 from draft_service.batcher import DraftBatcher
 from draft_service.config import DraftSettings
 from draft_service.servicer import DraftServicer, add_to_server
+from draft_service.speculate import PeerChannels, parse_routes
 
 
 async def build_app(settings: DraftSettings, model=None, preverifier=None, warmup: bool = True) -> ServerApp:
@@ -55,10 +57,15 @@ async def build_app(settings: DraftSettings, model=None, preverifier=None, warmu
     servicer = DraftServicer(host, batcher)
     # spans of prefill, draft and batching waits, children of the coordinator's (specdec_rpc/tracing.py)
     servicer.spans = replica_spans(settings.otlp_traces_endpoint, "specdec-draft")
+    # the direct data plane dials target replicas: through `target_routes`, with this replica's mTLS identity
+    credentials = (channel_credentials(settings.tls.ca_file, settings.tls.cert_file, settings.tls.key_file)
+                   if settings.tls.ca_file else None)
+    servicer.peers = PeerChannels(parse_routes(settings.target_routes), credentials)
 
     async def _close():
         await batcher.close()
         await host.close()
+        await servicer.peers.close()
         if servicer.spans is not None:  # the last calls' spans, before the process exits
             await asyncio.to_thread(servicer.spans.shutdown)
 

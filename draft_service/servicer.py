@@ -10,6 +10,8 @@ from specdec_rpc.host import SessionHost
 from specdec_rpc.pb import draft_pb2, draft_pb2_grpc
 from specdec_rpc.tracing import CallClock
 
+from draft_service.speculate import PEER_TIMEOUT_S, PeerChannels, speculate
+
 _REASONS = {"gamma_max": draft_pb2.STOP_REASON_GAMMA_MAX, "preverifier": draft_pb2.STOP_REASON_PREVERIFIER,
             "cancelled": draft_pb2.STOP_REASON_CANCELLED}
 _STOP_KINDS = {draft_pb2.STOP_KIND_UNSPECIFIED: "fixed", draft_pb2.STOP_KIND_FIXED: "fixed",
@@ -22,6 +24,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         self.committed: dict[str, int] = {}  # session id -> committed fed tokens (Commit)
         self._latest: dict[str, object] = {}  # session id -> token of its newest Draft/DraftStream call
         self.spans = None  # a ReplicaSpans when traces are exported (specdec_rpc/tracing.py)
+        self.peers: PeerChannels | None = None  # the target replicas this one dials for `Speculate`
 
     async def GetInfo(self, request, context) -> draft_pb2.DraftServiceGetInfoResponse:
         return draft_pb2.DraftServiceGetInfoResponse(info=self.host.info_for(request.tokenizer_prefix))
@@ -74,7 +77,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         return token, (request.session_id, request.base_position, list(request.append_ids), request.gamma_max,
                        self._stop_rule(request.stop), request.block_size, feats)
 
-    def _count(self, blocks) -> None:
+    def count_blocks(self, blocks) -> None:
         self.metrics.num_draft_tokens.inc(sum(len(b.tokens) for b in blocks))
         self.metrics.num_lookup_tokens.inc(sum(b.looked_up for b in blocks))
 
@@ -93,7 +96,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                 entry.abandoned = True
         self.metrics.num_drafts.inc()
         tokens = [t for b in blocks for t in b.tokens]
-        self._count(blocks)
+        self.count_blocks(blocks)
         if clock is not None:
             self._span(context, clock, request, blocks, entry)
         return draft_pb2.DraftResponse(token_ids=tokens, q=encode_q([d for b in blocks for d in b.q]),
@@ -115,7 +118,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         self.metrics.num_drafts.inc()
         try:
             async for block in self.batcher.blocks(entry):
-                self._count([block])
+                self.count_blocks([block])
                 if clock is not None:
                     sent.append(block)
                 yield draft_pb2.DraftStreamResponse(
@@ -145,6 +148,11 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             "specdec.draft_ns": sum(b.draft_ns for b in blocks),
             "specdec.stop_reason": blocks[-1].stop_reason if blocks else "cancelled"},
             wait_ns=entry.wait_ns() if entry is not None else 0)
+
+    async def Speculate(self, request, context):
+        """The direct data plane: run the request's rounds here against its target replica (draft_service/speculate.py)."""
+        async for resp in speculate(self, self.peers, request, context, PEER_TIMEOUT_S):
+            yield resp
 
     # -- positions -----------------------------------------------------------------------------------------
     async def Rollback(self, request, context) -> draft_pb2.RollbackResponse:

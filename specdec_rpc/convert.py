@@ -18,6 +18,7 @@ import torch
 from specdec.drafting import DraftBlock
 from specdec.errors import InvalidRequestError
 from specdec.grammar import StructuredOutput
+from specdec.request import GenerationRequest, GenerationStats
 from specdec.sampling import SamplingParams, TokenLogprobs
 from specdec.verify import SparseDist
 from specdec.workers.base import TargetFeatures
@@ -196,6 +197,67 @@ def draft_block(r, tokens: list[int] | None = None, q: list | None = None):
     return DraftBlock(tokens=list(r.token_ids) if tokens is None else tokens,
                       q=decode_q(r.q, check=False) if q is None else q, stop_reason=_STOP_REASON.get(r.stop_reason, ""),
                       draft_ns=r.draft_ns, final=getattr(r, "last", True), block_size=r.block_size)
+
+
+_OPTIONAL_REQUEST = ("gamma", "block_size", "pacer_threshold", "pacer_post_threshold", "pacer_skip_below",
+                     "pearl_first_block", "spec_off_batch")
+
+
+def speculate_request(req: GenerationRequest, **fields) -> draft_pb2.SpeculateRequest:
+    """A GenerationRequest as the SpeculateRequest of the direct data plane (`fields`: its transport fields,
+    target_endpoint and the like)."""
+    msg = draft_pb2.SpeculateRequest(session_id=req.session_id, prompt_ids=req.prompt_ids,
+                                     params=sampling_to_proto(req.params), max_new_tokens=req.max_new_tokens,
+                                     mode=req.mode, verify_method=req.verify_method, pearl_overlap=req.pearl_overlap,
+                                     eos_token_ids=list(req.eos_token_ids), priority=req.priority, **fields)
+    for name in _OPTIONAL_REQUEST:
+        if getattr(req, name) is not None:
+            setattr(msg, name, getattr(req, name))
+    return msg
+
+
+def request_from_speculate(msg: draft_pb2.SpeculateRequest) -> GenerationRequest:
+    """The GenerationRequest a SpeculateRequest carries (validated by the schedule)."""
+    kw = {name: getattr(msg, name) for name in _OPTIONAL_REQUEST if msg.HasField(name)}
+    return GenerationRequest(prompt_ids=list(msg.prompt_ids), max_new_tokens=int(msg.max_new_tokens),
+                             params=sampling_from_proto(msg.params), mode=msg.mode,
+                             verify_method=msg.verify_method or "block", pearl_overlap=msg.pearl_overlap or "auto",
+                             eos_token_ids=tuple(msg.eos_token_ids), priority=int(msg.priority),
+                             session_id=msg.session_id, **kw)
+
+
+def stats_to_proto(stats: GenerationStats, msg: draft_pb2.SpeculateResponse, **extra: float) -> None:
+    """A request's GenerationStats into a SpeculateResponse (numeric fields in `stats`, plus `extra`)."""
+    for k, v in stats.to_dict().items():
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            msg.stats[k] = float(v)
+    for k, v in extra.items():
+        msg.stats[k] = float(v)
+    msg.accepted_per_position.extend(stats.accepted_per_position)
+
+
+def stats_from_proto(msg: draft_pb2.SpeculateResponse, mode: str) -> tuple[GenerationStats, dict[str, float]]:
+    """→ (the GenerationStats, the numbers that are not its fields: the link and queue times)."""
+    known = {f for f in GenerationStats.__dataclass_fields__}
+    ints = {f for f, v in GenerationStats().to_dict().items() if isinstance(v, int) and not isinstance(v, bool)}
+    st = GenerationStats(mode=mode, accepted_per_position=list(msg.accepted_per_position))
+    extra = {}
+    for k, v in msg.stats.items():
+        if k in known:
+            setattr(st, k, int(v) if k in ints else float(v))
+        else:
+            extra[k] = float(v)
+    return st, extra
+
+
+def logprobs_rows_to_proto(rows, tokens: list[int]) -> common_pb2.TokenLogprobs:
+    """The schedule's per-token logprobs ((logprob, top ids, top logprobs) per committed token) as TokenLogprobs."""
+    return common_pb2.TokenLogprobs(token_ids=tokens, logprobs=[r[0] for r in rows],
+                                    top=[common_pb2.TopLogprobs(ids=r[1], logprobs=r[2]) for r in rows])
+
+
+def logprobs_rows_from_proto(msg: common_pb2.TokenLogprobs) -> list[tuple[float, list[int], list[float]]]:
+    return [(float(lp), list(t.ids), list(t.logprobs)) for lp, t in zip(msg.logprobs, msg.top)]
 
 
 def structured_from_proto(msg):

@@ -1,4 +1,4 @@
-"""Per-round streams (`VerifyRounds`, `DraftRounds`, `coordinator/backends/rounds.py`): the same answers as the unary calls,
+"""Per-round streams (`VerifyRounds`, `DraftRounds`, `specdec_rpc/rounds.py`): the same answers as the unary calls,
 the same statuses, an end on drain, and a client that falls back to unary on any trouble."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import grpc
 import pytest
 
 from coordinator.config import CoordinatorSettings
-from coordinator.backends.rounds import RoundStream
+from specdec_rpc.rounds import RoundStream
 from coordinator.server import build_coordinator
 from specdec_rpc.pb import common_pb2, draft_pb2, generation_pb2 as g, generation_pb2_grpc as gg, target_pb2
 from tests.helpers_models import start_replica, target_greedy, tiny_pair

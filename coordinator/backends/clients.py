@@ -12,7 +12,7 @@ replica (chosen by the pool) and mirrors what that replica has fed, so the sessi
 - The replica left the pool (scale-in; `PoolView` says so): move the session before the next call.
 
 Per-round calls (Draft, Verify) travel as messages on one open stream per session and replica
-(`coordinator/backends/rounds.py`) unless `streams=False`; any trouble with a stream resends the call unary.
+(`specdec_rpc/rounds.py`) unless `streams=False`; any trouble with a stream resends the call unary.
 
 network_ns = wall time inside calls minus the compute (and queueing) the replicas report, per link: a request's
 draft backend holds the coordinator <-> draft time, its target backend the coordinator <-> target time.
@@ -36,6 +36,7 @@ from specdec_rpc.pb import common_pb2, draft_pb2, target_pb2
 from specdec.sampling import SamplingParams
 from specdec_rpc.convert import (decode_q, draft_block, draft_request, encode_q, features_from_proto,
                                    features_to_proto, logprobs_from_proto, sampling_to_proto)
+from specdec_rpc.rounds import BusyWaits, RoundStream
 from specdec.stop import StopSpec
 from specdec.verify import SparseDist
 from specdec.drafting import DraftBlock
@@ -45,8 +46,7 @@ from specdec.workers.target import VerifyOutcome
 from coordinator.channels import Channels
 from coordinator.routing.pool import DraftContextError
 from coordinator.routing.probes import end_session_request
-from coordinator.backends.retries import FULL_WAITS, MAX_FAILOVERS, BusyWaits, retryable
-from coordinator.backends.rounds import RoundStream
+from coordinator.backends.retries import FULL_WAITS, MAX_FAILOVERS, retryable
 from coordinator.backends.moves import (PoolView, after_call, before_call, end_in_background, end_later,
                                         take_room)
 
@@ -69,6 +69,7 @@ class _Pinned:
         self.params: SamplingParams | None = None
         self.fed: list[int] = []  # mirror of the tokens the pinned replica holds fed
         self.network_ns = 0
+        self.peer_network_ns = 0  # the direct data plane: draft <-> target time the draft replica measured
         self.queued_ns = 0  # time spent waiting for room in the pool (admission)
         self.failovers = 0
         self.start_kw: dict = {}  # extra StartSession fields (return_features), kept for rebuilds
@@ -179,10 +180,12 @@ class _Pinned:
             end_later(self, bad)
         await self.pin()
 
-    async def end_on(self, endpoint: str) -> None:
+    async def end_on(self, endpoint: str, session_id: str | None = None) -> None:
+        """End the session (this backend's, or `session_id`) on `endpoint`; a replica that is gone is let be."""
         stub = self.channels.draft(endpoint) if self.kind == "draft" else self.channels.target(endpoint)
         try:
-            await stub.EndSession(end_session_request(self.kind, self.sid), timeout=5.0, metadata=self.metadata)
+            await stub.EndSession(end_session_request(self.kind, session_id or self.sid), timeout=5.0,
+                                  metadata=self.metadata)
         except grpc.aio.AioRpcError:
             pass
 
@@ -202,6 +205,19 @@ class _Pinned:
                 await asyncio.shield(end_in_background(self.end_on(ep)))
             finally:
                 await self.release(ep)
+
+    async def replace_replica(self, e: BaseException) -> None:
+        """The pinned replica failed in a call this backend did not make (the direct data plane's `Speculate`):
+        report it and pin another."""
+        await self._failover(e)
+
+    async def unpin(self) -> None:
+        """Give the pinned replica's room back without an EndSession: no session of this backend is there (the
+        direct data plane's draft replica started and ended the request's sessions)."""
+        self.closed = True
+        ep, self.endpoint = self.endpoint, None
+        if ep is not None:
+            await self.release(ep)
 
     async def _with_failover(self, call, rebuild, compute):
         """One round call (`call()` makes it: a stream message, or a unary RPC) with failover: after a retryable

@@ -33,13 +33,14 @@ from coordinator.routing.affinity import prefix_keys
 from coordinator.channels import Channels
 from coordinator.backends.clients import RemoteDraft, RemoteTarget
 from coordinator.routing.pool import DraftContextError, ReplicaUnavailableError
-from coordinator.backends.moves import PoolView, ending
+from coordinator.backends.direct import DirectInterrupted, run_direct, runs_direct
+from coordinator.backends.moves import PoolView, end_in_background, ending
 
 log = logging.getLogger(__name__)
 
 # the seconds a request's JSON log lines carry once it ends (its `timings`)
 _LOG_TIMINGS = ("wall_s", "queued_s", "draft_busy_s", "target_busy_s", "draft_network_s", "target_network_s",
-                "draft_idle_s", "target_idle_s")
+                "peer_network_s", "draft_idle_s", "target_idle_s")
 _CODES = [(InvalidRequestError, "INVALID_ARGUMENT"), (ReplicaUnavailableError, "UNAVAILABLE"),
           (SessionNotFoundError, "NOT_FOUND"), (StalePositionError, "FAILED_PRECONDITION"),
           (ContextOverflowError, "OUT_OF_RANGE"), (CapacityError, "RESOURCE_EXHAUSTED"),
@@ -106,14 +107,16 @@ class AsyncPool:
 
 class Pipeline:
     def __init__(self, pool, dialer=None, rpc_timeout_s: float = 60.0, view_refresh_s: float = 0.5,
-                 replica_streams: bool = True, affinity_chunk: int = PREFILL_CHUNK, tag: str = ""):
+                 replica_streams: bool = True, affinity_chunk: int = PREFILL_CHUNK, tag: str = "",
+                 data_plane: str = "coordinator"):
         self.pool = pool  # async acquire/release/report_failure/members (AsyncPool or the Ray facade)
         self.tag = tag  # the prefix of its requests' holder tokens (a Ray pipeline actor's: coordinator/routing/router.py)
         self.channels = Channels(dialer)  # how replicas are dialed (coordinator/channels.py)
         self.view = PoolView()
         self.rpc_timeout_s, self.view_refresh_s = rpc_timeout_s, view_refresh_s
-        self.replica_streams = replica_streams  # per-round calls as stream messages (coordinator/backends/rounds.py)
+        self.replica_streams = replica_streams  # per-round calls as stream messages (specdec_rpc/rounds.py)
         self.affinity_chunk = affinity_chunk  # positions per prefix key: the replicas' prefill chunk (0: no keys)
+        self.data_plane = data_plane  # "direct": speculative rounds run on the draft replica (coordinator/backends/direct.py)
         self._tasks: dict[str, asyncio.Task] = {}
         self._stop: set[str] = set()
         self._cancelled: set[str] = set()  # cancelled requests: the next round's tokens cancel them again
@@ -233,7 +236,10 @@ class Pipeline:
                     self._warn_fallback(e, req.session_id)
                     draft, fallback, req = None, "unreachable", dataclasses.replace(req, mode="ar")
             try:
-                res = await generate(req, draft, target, tracking)
+                if self.data_plane == "direct" and draft is not None and runs_direct(req):
+                    res = await self._direct(req, draft, target, tracking, committed, seen_logprobs)
+                else:
+                    res = await generate(req, draft, target, tracking)
             except (ReplicaUnavailableError, DraftContextError) as e:  # the draft pool is gone, or too short for it
                 if not (draft_fallback and draft is not None and getattr(e, "kind", "") == "draft"):
                     raise
@@ -270,7 +276,8 @@ class Pipeline:
         stats = res.stats.to_dict()
         stats["draft_network_s"] = sum(b.network_ns for b in drafts) / 1e9  # per link
         stats["target_network_s"] = sum(b.network_ns for b in targets) / 1e9
-        stats["network_s"] = stats["draft_network_s"] + stats["target_network_s"]
+        stats["peer_network_s"] = sum(b.peer_network_ns for b in drafts) / 1e9  # draft <-> target (direct)
+        stats["network_s"] = stats["draft_network_s"] + stats["target_network_s"] + stats["peer_network_s"]
         stats["draft_model"] = first_draft.model if first_draft is not None else ""
         stats["target_model"] = target.model or first_target.model
         stats["queued_s"] = sum(b.queued_ns for b in targets + drafts) / 1e9
@@ -289,6 +296,35 @@ class Pipeline:
         return {"done": True, "token_ids": res.token_ids, "finish_reason": finish, "stats": stats,
                 "logprobs": res.logprobs,
                 "prompt_logprobs": list(zip(pl.logprobs, pl.top_ids, pl.top_logprobs)) if pl is not None else None}
+
+    async def _direct(self, req: GenerationRequest, draft: RemoteDraft, target: RemoteTarget, tracking,
+                      committed: list[int], seen_logprobs: list) -> GenerationResult:
+        """The request's rounds on its draft replica (coordinator/backends/direct.py). Interrupted, it goes on from
+        the tokens delivered (`committed`) with the coordinator's own rounds, on another replica where one failed."""
+        sid = req.session_id
+        try:
+            res = await run_direct(req, draft, target, tracking, self.rpc_timeout_s,
+                                   self.channels.dialer.server_names.get("target", ""))
+        except DirectInterrupted as e:
+            # the draft replica's target session, if it is left: ended off this path (a gone replica is let be)
+            end_in_background(target.end_on(target.endpoint, sid))
+            log.warning("request %s: direct rounds on %s ended (%s: %s); going on from %d tokens with the "
+                        "coordinator's rounds", sid, draft.endpoint, e.error.code().name, e.error.details(),
+                        len(committed))
+            if e.failed:
+                await (target if e.failed == "target" else draft).replace_replica(e.error)
+            head, head_logprobs = list(committed), list(seen_logprobs)
+            ended = next((t for t in head if t in req.eos_token_ids), None) is not None
+            if ended or len(head) >= req.max_new_tokens:
+                return GenerationResult(head, "stop" if ended else "length", GenerationStats(mode=req.mode),
+                                        head_logprobs if req.params.logprobs >= 0 else None)
+            rest = dataclasses.replace(req, prompt_ids=req.prompt_ids + head,
+                                       max_new_tokens=req.max_new_tokens - len(head), session_id=f"{sid}-resumed")
+            res = await generate(rest, draft, target, tracking)
+            return GenerationResult(head + res.token_ids, res.finish_reason, res.stats,
+                                    head_logprobs + res.logprobs if res.logprobs is not None else None)
+        await asyncio.gather(draft.unpin(), target.unpin())  # the draft replica ended both sessions
+        return res
 
     def _warn_fallback(self, e: Exception, rid: str) -> None:
         """One warning per 30 s while the draft pool is down (every request would log it)."""

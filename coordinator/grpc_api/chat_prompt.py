@@ -34,7 +34,8 @@ def chat_message(m: generation_pb2.ChatMessage) -> dict:
 REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")  # + "-" + 12 hex: a replica session id (<= 128)
 requests_log = logging.getLogger("coordinator.requests")  # one INFO line per finished request
 # the per-request times a finished request's line carries as fields (JSON logs: `timings`)
-REQUEST_TIMINGS = ("queued_s", "draft_busy_s", "target_busy_s", "draft_network_s", "target_network_s")
+REQUEST_TIMINGS = ("queued_s", "draft_busy_s", "target_busy_s", "draft_network_s", "target_network_s",
+                   "peer_network_s")
 
 
 def log_request(stats: dict, finish: str, wall_s: float) -> None:

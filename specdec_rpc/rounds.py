@@ -21,11 +21,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
+import time
 from typing import Awaitable, Callable
 
 import grpc
 
 from specdec_rpc.aio import within
+
+BUSY_WAIT_S = 30.0  # how long one round call is sent again after full replica queues (`BusyWaits`)
+BUSY_FIRST_S, BUSY_MAX_S = 0.02, 0.5  # its backoff: 20 ms, doubling, at most 0.5 s a wait, jittered
 
 # statuses after which this request stops using streams to that replica (the unary call decides what next)
 _STREAMS_OFF = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.CANCELLED,
@@ -99,3 +104,29 @@ class RoundStream:
         if call is not None and not call.done():
             with contextlib.suppress(Exception):
                 await call.done_writing()
+
+
+class BusyWaits:
+    """The waits of one round call refused by full replica queues. A full queue is backpressure, not a fault: the
+    call is sent again after a jittered, doubling backoff (so that the sessions refused together do not come back
+    together) for up to `BUSY_WAIT_S` in all, however many refusals that takes."""
+
+    __slots__ = ("tries", "since")
+
+    def __init__(self):
+        self.tries, self.since = 0, None
+
+    async def waited_for_room(self, e: grpc.aio.AioRpcError) -> bool:
+        """`e` refused the call for a full queue (RESOURCE_EXHAUSTED; the replica applied nothing): back off and say
+        to send it again. False: not that, or the call has waited `BUSY_WAIT_S` already."""
+        if e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+            return False
+        now = time.monotonic()
+        if self.since is None:
+            self.since = now
+        if now - self.since >= BUSY_WAIT_S:
+            return False
+        cap = min(BUSY_MAX_S, BUSY_FIRST_S * 2 ** min(self.tries, 16))
+        self.tries += 1
+        await asyncio.sleep(random.uniform(cap / 2, cap))
+        return True

@@ -1,0 +1,107 @@
+"""The direct data plane (`COORDINATOR_DATA_PLANE=direct`): a speculative request's rounds run on its draft replica.
+
+The coordinator pins a draft and a target replica as for its own rounds, then calls the draft replica's
+`Speculate` with the target's endpoint: the draft replica drafts locally and verifies on the target replica
+directly (draft_service/speculate.py), streaming the committed tokens back. A round then pays one network round
+trip (draft <-> target) instead of the two or more of the coordinator's rounds (coordinator <-> draft,
+coordinator <-> target, PEARL's cancels), which is what matters where the pools run on different machines
+(docs/operations/network.md).
+
+The coordinator keeps what only it can do: placement (the pools' room and prefix affinity), the request's history
+and the client's stream, cancellation, and failover. When the call fails the tokens it delivered stand (the target
+verified them) and `DirectInterrupted` says which replica failed, if any; the pipeline then moves that replica's
+backend and goes on from the delivered tokens with its own rounds (exact: the same schedule, keyed randomness).
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+
+from specdec.request import GenerationRequest, GenerationResult, GenerationStats
+from specdec_rpc.aio import within
+from specdec_rpc.convert import logprobs_rows_from_proto, speculate_request, stats_from_proto
+
+from coordinator.backends.clients import RemoteDraft, RemoteTarget
+
+FAILED_TARGET_KEY = "specdec-failed-target"  # draft_service/speculate.py: names a target replica that failed
+# statuses after which the request goes on with the coordinator's own rounds (the replica's fault, or an older
+# draft replica without `Speculate`); any other status is the request's answer
+_RESUMABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN,
+              grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNIMPLEMENTED,
+              grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INTERNAL}
+# of those, the ones that say the replica is gone (reported to the pool, the backend moves)
+_GONE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN,
+         grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.INTERNAL}
+
+
+def runs_direct(req: GenerationRequest) -> bool:
+    """Whether a request can take the direct data plane: a speculative mode, and no prompt logprobs (those come
+    with the target's session start, which the draft replica does not pass on)."""
+    return req.mode != "ar" and req.params.prompt_logprobs < 0
+
+
+class DirectInterrupted(Exception):
+    """The `Speculate` call ended before its last message. `failed`: "draft", "target" or "" (no replica is at fault:
+    an older draft replica, a lost session); `error`: the status it ended with."""
+
+    def __init__(self, error: grpc.aio.AioRpcError, failed: str):
+        super().__init__(f"direct rounds interrupted: {error.code().name} ({failed or 'no replica at fault'})")
+        self.error, self.failed = error, failed
+
+
+async def run_direct(req: GenerationRequest, draft: RemoteDraft, target: RemoteTarget, tracking, timeout: float,
+                     server_name: str = "") -> GenerationResult:
+    """Run `req` on its draft replica against its target replica; `tracking(new, logprobs)` gets the committed tokens
+    as they arrive (True: stop the request). Both backends are pinned here (no session: the draft replica starts
+    and ends both). → the result; DirectInterrupted after a resumable failure (the tokens delivered stand)."""
+    if target.endpoint is None:
+        await target.pin()
+    if draft.endpoint is None:
+        await draft.pin()
+    msg = speculate_request(req, target_endpoint=target.endpoint, reserve_positions=target.start_kw["reserve_positions"],
+                            output_start=target.start_kw["output_start"], target_server_name=server_name)
+    t0 = time.perf_counter_ns()
+    call = draft.channels.draft(draft.endpoint).Speculate(msg, metadata=draft.metadata)
+    tokens: list[int] = []
+    logprobs: list = []
+    try:
+        while True:
+            try:
+                r = await within(call.read(), timeout)
+            except asyncio.TimeoutError:
+                call.cancel()
+                raise grpc.aio.AioRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, details=f"draft replica {draft.endpoint} sent nothing for {timeout} s")
+            if r is grpc.aio.EOF:
+                raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, details=f"draft replica {draft.endpoint} ended the call early")
+            if r.done:
+                break
+            new = list(r.token_ids)
+            rows = logprobs_rows_from_proto(r.logprobs) if r.HasField("logprobs") else None
+            tokens += new
+            logprobs += rows or []
+            if tracking(new, rows):  # a stop string downstream: the request ends here
+                call.cancel()
+                return GenerationResult(tokens, "stop", GenerationStats(mode=req.mode, rounds=0),
+                                        logprobs if req.params.logprobs >= 0 else None)
+    except grpc.aio.AioRpcError as e:
+        draft.network_ns += time.perf_counter_ns() - t0
+        if e.code() not in _RESUMABLE:
+            raise
+        failed_target = dict(e.trailing_metadata() or ()).get(FAILED_TARGET_KEY)
+        failed = "target" if failed_target else ("draft" if e.code() in _GONE else "")
+        raise DirectInterrupted(e, failed) from None
+    except BaseException:
+        call.cancel()  # our cancel: the draft replica ends both sessions
+        raise
+    stats, extra = stats_from_proto(r, req.mode)
+    # the coordinator <-> draft link: the call's wall time less the replica's own run of the request
+    wall_ns = time.perf_counter_ns() - t0
+    draft.network_ns += max(0, wall_ns - int(stats.wall_s * 1e9))
+    stats.wall_s = wall_ns / 1e9  # the request's, as the coordinator saw it
+    draft.peer_network_ns = int(extra.get("peer_network_s", 0.0) * 1e9)
+    target.model, target.cached_tokens = r.target_model or target.model, int(r.cached_tokens)
+    return GenerationResult(tokens, r.finish_reason or "length", stats,
+                            logprobs if req.params.logprobs >= 0 else None)
+

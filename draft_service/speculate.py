@@ -1,0 +1,263 @@
+"""The direct data plane (`Speculate`): this draft replica runs one request's rounds itself.
+
+With `COORDINATOR_DATA_PLANE=direct` the coordinator pins a draft and a target replica as always, then hands the
+request to the draft replica, which runs `specdec.schedule.generate` with two backends:
+
+- `LocalDraft`: this replica's own drafting, through its batcher (concurrent sessions still share forwards), with
+  no network between the schedule and the draft: a PEARL cut or a new block costs nothing on the wire;
+- `PeerTarget`: the pinned target replica, called directly (its per-round stream, `specdec_rpc.rounds`).
+
+So a round pays one network round trip (draft replica <-> target replica) where the coordinator's own rounds pay
+two or more (coordinator <-> draft, coordinator <-> target, and PEARL's cancels). The committed tokens stream back
+to the coordinator as they are verified; the coordinator keeps placement, the history and failover: if this call
+fails, the tokens it sent stand (the target verified them) and the coordinator resumes from them. A failure of the
+target replica ends the call with that replica's status and names it in the `specdec-failed-target` trailing
+metadata, so the coordinator marks the right replica down.
+
+The schedule is the same code as the coordinator's and the in-process engine's: every mode stays exactly lossless
+here (tests/test_direct.py).
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import AsyncIterator
+
+import grpc
+
+from specdec.drafting import DraftBlock
+from specdec.errors import InvalidRequestError
+from specdec.request import GenerationRequest
+from specdec.sampling import SamplingParams
+from specdec.schedule import generate
+from specdec.stop import StopSpec, make_stop_rule
+from specdec.verify import SparseDist
+from specdec.workers.base import TargetFeatures
+from specdec.workers.target import VerifyOutcome
+from specdec_rpc.convert import (encode_q, features_from_proto, logprobs_from_proto, logprobs_rows_to_proto,
+                                 request_from_speculate, sampling_to_proto, stats_to_proto)
+from specdec_rpc.pb import common_pb2, draft_pb2, target_pb2, target_pb2_grpc
+from specdec_rpc.rounds import BusyWaits, RoundStream
+
+log = logging.getLogger(__name__)
+
+PEER_TIMEOUT_S = 60.0  # the longest one call to the target replica may take (the coordinator's rpc_timeout_s)
+FAILED_TARGET_KEY = "specdec-failed-target"  # trailing metadata: the target replica whose failure ended the call
+_METHOD = {"greedy": common_pb2.VERIFY_METHOD_GREEDY, "token": common_pb2.VERIFY_METHOD_TOKEN,
+           "block": common_pb2.VERIFY_METHOD_BLOCK}
+_PEER_OPTIONS = [("grpc.keepalive_time_ms", 30_000), ("grpc.keepalive_timeout_ms", 10_000),
+                 ("grpc.max_receive_message_length", 16 * 1024 * 1024),
+                 ("grpc.max_send_message_length", 16 * 1024 * 1024),
+                 ("grpc.initial_reconnect_backoff_ms", 250), ("grpc.min_reconnect_backoff_ms", 250),
+                 ("grpc.max_reconnect_backoff_ms", 2_000)]
+
+
+def parse_routes(spec: str) -> dict[str, str]:
+    """`target_routes` ('endpoint=address,...') → {endpoint: address}; a malformed entry is a start-up error."""
+    routes = {}
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        endpoint, sep, address = item.partition("=")
+        if not sep or not endpoint.strip() or not address.strip():
+            raise ValueError(f"target_routes entry {item!r} is not 'endpoint=address'; e.g. "
+                             f"'10.0.0.5:50052=127.0.0.1:7001'")
+        routes[endpoint.strip()] = address.strip()
+    return routes
+
+
+class LocalDraft:
+    """`DraftBackend` over this replica's worker and batcher: what the Draft/DraftStream RPCs do, without the wire."""
+
+    def __init__(self, servicer, output_start: int, reserve: int):
+        self.servicer, self.host, self.worker, self.batcher = (servicer, servicer.host, servicer.worker,
+                                                               servicer.batcher)
+        self.reads_features = self.worker.reads_features
+        self.output_start, self.reserve = output_start, reserve
+
+    async def start(self, session_id: str, prompt_ids: list[int], params: SamplingParams,
+                    features: list[TargetFeatures] | None = None) -> None:
+        if self.reserve:
+            self.worker.check_reserve(self.reserve, len(prompt_ids))
+        await self.host.start_session(session_id, list(prompt_ids), params,
+                                      features=features if self.reads_features else None,
+                                      output_start=self.output_start)
+
+    def _args(self, session_id, base_position, append, gamma_max, stop: StopSpec, block_size, features):
+        self.host.touch(session_id)
+        return (session_id, base_position, list(append), gamma_max,
+                make_stop_rule(stop, self.worker.preverifier), block_size,
+                features if self.reads_features else None)
+
+    async def draft_stream(self, session_id: str, base_position: int, append: list[int], gamma_max: int,
+                           stop: StopSpec, block_size: int,
+                           features: list[TargetFeatures] | None = None) -> AsyncIterator[DraftBlock]:
+        entry = self.batcher.submit(*self._args(session_id, base_position, append, gamma_max, stop, block_size,
+                                                features))
+        self.servicer.metrics.num_drafts.inc()
+        try:
+            async for block in self.batcher.blocks(entry):
+                self.servicer.count_blocks([block])
+                yield block
+        finally:
+            entry.abandoned = True
+
+    async def draft(self, session_id: str, base_position: int, append: list[int], gamma_max: int, stop: StopSpec,
+                    block_size: int, features: list[TargetFeatures] | None = None) -> DraftBlock:
+        args = self._args(session_id, base_position, append, gamma_max, stop, block_size, features)
+        self.servicer.metrics.num_drafts.inc()
+        blk = self.batcher.draft_here(*args)
+        if blk is not None:
+            self.servicer.count_blocks([blk])
+            return blk
+        entry = self.batcher.submit(*args)
+        try:
+            blocks = [b async for b in self.batcher.blocks(entry)]
+        finally:
+            entry.abandoned = True
+        self.servicer.count_blocks(blocks)
+        return DraftBlock(tokens=[t for b in blocks for t in b.tokens], q=[d for b in blocks for d in b.q],
+                          stop_reason=blocks[-1].stop_reason, draft_ns=sum(b.draft_ns for b in blocks),
+                          block_size=blocks[-1].block_size)
+
+    async def cancel(self, session_id: str) -> None:
+        self.worker.cancel(session_id)  # the drafting stops at its next token
+
+    async def end(self, session_id: str) -> None:
+        with contextlib.suppress(Exception):  # expired or evicted meanwhile: nothing to end
+            await self.host.end_session(session_id)
+
+
+class PeerTarget:
+    """`TargetBackend` over the pinned target replica, dialed directly. No failover here: an error ends the request's
+    `Speculate` call and the coordinator, which owns placement, moves it. A full call queue (RESOURCE_EXHAUSTED:
+    nothing applied) is waited out as the coordinator would (`BusyWaits`).
+
+    network_ns: wall time inside calls minus the compute and queueing the target reports (the draft <-> target
+    link)."""
+
+    def __init__(self, channel: grpc.aio.Channel, endpoint: str, timeout: float, metadata, reserve: int,
+                 output_start: int):
+        self.stub = target_pb2_grpc.TargetServiceStub(channel)
+        self.endpoint, self.timeout, self.metadata = endpoint, timeout, metadata
+        self.start_kw = {"reserve_positions": reserve, "output_start": output_start}
+        self.rounds = RoundStream(lambda ep: self.stub.VerifyRounds(metadata=self.metadata),
+                                  lambda req: target_pb2.VerifyRoundsRequest(verify=req), lambda m: m.verify,
+                                  timeout)
+        self.network_ns = self.queue_ns = 0
+        self.model, self.cached_tokens, self.started = "", 0, False
+
+    async def start(self, session_id: str, prompt_ids: list[int], params: SamplingParams,
+                    want_features: bool = False) -> TargetFeatures | None:
+        t0 = time.perf_counter_ns()
+        r = await self.stub.StartSession(target_pb2.TargetServiceStartSessionRequest(
+            session_id=session_id, prompt_ids=prompt_ids, params=sampling_to_proto(params),
+            return_features=want_features, **self.start_kw), timeout=self.timeout, metadata=self.metadata)
+        self.network_ns += max(0, time.perf_counter_ns() - t0 - r.prefill_ns)
+        self.model, self.cached_tokens, self.started = r.model, r.cached_tokens, True
+        return features_from_proto([r.features])[0] if r.HasField("features") else None
+
+    async def verify(self, session_id: str, base_position: int, feed: list[int], draft: list[int],
+                     q: list[SparseDist] | None, method: str, feed_draft: bool = True,
+                     sample_bonus: bool = True) -> VerifyOutcome:
+        req = target_pb2.VerifyRequest(session_id=session_id, base_position=base_position, feed_ids=feed,
+                                       draft_ids=draft, method=_METHOD[method], feed_draft=feed_draft,
+                                       sample_bonus=sample_bonus, q=encode_q(q) if q else None)
+        busy = BusyWaits()
+        while True:
+            t0 = time.perf_counter_ns()
+            try:
+                r = await self.rounds.call(self.endpoint, req, self._unary)
+            except grpc.aio.AioRpcError as e:
+                self.network_ns += time.perf_counter_ns() - t0
+                if await busy.waited_for_room(e):
+                    continue
+                raise
+            self.network_ns += max(0, time.perf_counter_ns() - t0 - r.forward_ns - r.verify_ns - r.queue_ns)
+            self.queue_ns += r.queue_ns
+            return VerifyOutcome(r.num_accepted, r.next_token if r.HasField("next_token") else None,
+                                 forward_ns=r.forward_ns, verify_ns=r.verify_ns, forwarded=r.forward_ns > 0,
+                                 batch_size=r.batch_size,
+                                 features=features_from_proto([r.features])[0] if r.HasField("features") else None,
+                                 logprobs=logprobs_from_proto(r.logprobs) if r.HasField("logprobs") else None)
+
+    def _unary(self, req: target_pb2.VerifyRequest):
+        return self.stub.Verify(req, timeout=self.timeout, metadata=self.metadata)
+
+    async def end(self, session_id: str) -> None:
+        await self.rounds.aclose()
+        if self.started:  # a target that failed may be gone: a short wait, and the coordinator ends it too
+            with contextlib.suppress(grpc.aio.AioRpcError):
+                await self.stub.EndSession(target_pb2.TargetServiceEndSessionRequest(session_id=session_id),
+                                           timeout=5.0, metadata=self.metadata)
+
+
+class PeerChannels:
+    """One channel per target address this replica dials (shared by its requests), with `target_routes` applied
+    and the replica's TLS settings as client credentials."""
+
+    def __init__(self, routes: dict[str, str], credentials: grpc.ChannelCredentials | None = None):
+        self.routes, self.credentials = routes, credentials
+        self._ch: dict[tuple[str, str], grpc.aio.Channel] = {}
+
+    def get(self, endpoint: str, server_name: str = "") -> grpc.aio.Channel:
+        address = self.routes.get(endpoint, endpoint)
+        key = (address, server_name)
+        if key not in self._ch:
+            if self.credentials is None:
+                self._ch[key] = grpc.aio.insecure_channel(address, options=_PEER_OPTIONS)
+            else:
+                extra = [("grpc.ssl_target_name_override", server_name)] if server_name else []
+                self._ch[key] = grpc.aio.secure_channel(address, self.credentials, options=_PEER_OPTIONS + extra)
+        return self._ch[key]
+
+    async def close(self) -> None:
+        chans, self._ch = list(self._ch.values()), {}
+        for ch in chans:
+            await ch.close()
+
+
+async def speculate(servicer, peers: PeerChannels, request: draft_pb2.SpeculateRequest, context,
+                    timeout: float) -> AsyncIterator[draft_pb2.SpeculateResponse]:
+    """The `Speculate` RPC: run the request's schedule here, stream its committed tokens (module docstring)."""
+    req: GenerationRequest = request_from_speculate(request)
+    if req.mode == "ar":
+        raise InvalidRequestError("mode", "Speculate runs speculative modes; an 'ar' request goes to the target")
+    if not request.target_endpoint:
+        raise InvalidRequestError("target_endpoint", "name the target replica to verify on (host:port)")
+    if req.params.prompt_logprobs >= 0:
+        raise InvalidRequestError("params.prompt_logprobs", "Speculate returns no prompt logprobs; ask the "
+                                  "coordinator's own rounds for them")
+    metadata = tuple((k, v) for k, v in context.invocation_metadata() if k == "traceparent") or None
+    draft = LocalDraft(servicer, int(request.output_start), int(request.reserve_positions))
+    target = PeerTarget(peers.get(request.target_endpoint, request.target_server_name), request.target_endpoint,
+                        timeout, metadata, int(request.reserve_positions), int(request.output_start))
+    queue: asyncio.Queue = asyncio.Queue()
+
+    def on_tokens(new: list[int], logprobs: list | None = None) -> bool:
+        queue.put_nowait((list(new), logprobs))
+        return False  # the coordinator stops a request by cancelling this call
+
+    task = asyncio.ensure_future(generate(req, draft, target, on_tokens))
+    task.add_done_callback(lambda t: queue.put_nowait(None))
+    try:
+        while (item := await queue.get()) is not None:
+            new, logprobs = item
+            msg = draft_pb2.SpeculateResponse(token_ids=new)
+            if logprobs:
+                msg.logprobs.CopyFrom(logprobs_rows_to_proto(logprobs, new))
+            yield msg
+        try:
+            res = task.result()
+        except grpc.aio.AioRpcError as e:  # the target replica's status: pass it on, and say whose it is
+            context.set_trailing_metadata(((FAILED_TARGET_KEY, request.target_endpoint),))
+            await context.abort(e.code(), f"target replica {request.target_endpoint}: {e.details() or e.code().name}")
+        done = draft_pb2.SpeculateResponse(done=True, finish_reason=res.finish_reason, target_model=target.model,
+                                           cached_tokens=target.cached_tokens)
+        stats_to_proto(res.stats, done, peer_network_s=target.network_ns / 1e9, target_queued_s=target.queue_ns / 1e9)
+        yield done
+    finally:
+        if not task.done():  # the coordinator cancelled (its client went away, a stop string, a deadline)
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task

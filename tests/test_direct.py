@@ -1,0 +1,215 @@
+"""The direct data plane (COORDINATOR_DATA_PLANE=direct; draft_service/speculate.py, coordinator/backends/direct.py):
+the draft replica runs a request's rounds and calls the target replica itself.
+
+Every mode stays lossless through it (greedy equal to the target alone, sampled output by a chi-square test against
+the exact distribution), the coordinator never calls the target for such a request, and a draft or target replica
+lost mid-request, a cancel and bad input all end as with the coordinator's own rounds."""
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections import Counter
+
+import grpc
+import pytest
+import torch
+import pytest_asyncio
+
+from draft_service.speculate import parse_routes
+from specdec_rpc.pb import draft_pb2, draft_pb2_grpc, generation_pb2 as g, generation_pb2_grpc as gg
+from tests.helpers_models import start_coordinator, start_replica, target_greedy, tiny_pair
+from tests.test_exactness import chi_square_pvalue
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+PROMPT = [3, 1, 4, 1, 5]
+MODES = ["sd", "pacer", "pearl", "pacer_pearl"]
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def direct():
+    target, draft = tiny_pair()
+    t1, t2 = await start_replica("target", target), await start_replica("target", target)
+    d1, d2 = (await start_replica("draft", draft, preverifier="random"),
+              await start_replica("draft", draft, preverifier="random"))
+    app = await start_coordinator(f"{t1.endpoint},{t2.endpoint}", f"{d1.endpoint},{d2.endpoint}",
+                                  data_plane="direct", dns_refresh_s=60)
+    ch = grpc.aio.insecure_channel(f"127.0.0.1:{app.port}")
+    yield {"target": target, "stub": gg.GenerationServiceStub(ch), "targets": (t1, t2), "drafts": (d1, d2)}
+    await ch.close()
+    for a in (app, t1, t2, d1, d2):
+        await a.shutdown(0)
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_greedy_output_equals_the_target_alone_and_the_coordinator_never_calls_the_target(direct, mode):
+    want = target_greedy(direct["target"], PROMPT, 24)
+    out = await direct["stub"].Generate(g.GenerateRequest(prompt_token_ids=PROMPT, max_new_tokens=24, mode=mode,
+                                                          ignore_eos=True))
+    assert list(out.token_ids) == want
+    st = out.stats
+    assert st.rounds > 0 and st.draft_tokens > 0 and st.target_forwards > 0
+    assert st.peer_network_s > 0, "the draft replica called the target"
+    assert st.target_network_s == 0, "the coordinator made no target call"
+    streamed = [t async for part in direct["stub"].GenerateStream(g.GenerateRequest(
+        prompt_token_ids=PROMPT, max_new_tokens=24, mode=mode, ignore_eos=True)) for t in part.token_ids]
+    assert streamed == want
+
+
+async def test_ar_and_prompt_logprobs_take_the_coordinators_rounds(direct):
+    want = target_greedy(direct["target"], PROMPT, 10)
+    ar = await direct["stub"].Generate(g.GenerateRequest(prompt_token_ids=PROMPT, max_new_tokens=10, mode="ar",
+                                                         ignore_eos=True))
+    assert list(ar.token_ids) == want and ar.stats.peer_network_s == 0 and ar.stats.target_network_s > 0
+    pl = await direct["stub"].Generate(g.GenerateRequest(prompt_token_ids=PROMPT, max_new_tokens=10, mode="sd",
+                                                         ignore_eos=True, prompt_logprobs=2))
+    assert list(pl.token_ids) == want and pl.stats.peer_network_s == 0 and len(pl.prompt_logprobs.logprobs) > 0
+
+
+async def test_logprobs_match_the_coordinators_rounds(direct):
+    """The per-token logprobs travel back with the tokens: the same numbers as the coordinator's own rounds give."""
+    t1, _ = direct["targets"]
+    d1, _ = direct["drafts"]
+    own = await start_coordinator(t1.endpoint, d1.endpoint)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{own.port}") as ch:
+            req = g.GenerateRequest(prompt_token_ids=PROMPT, max_new_tokens=12, mode="sd", ignore_eos=True,
+                                    logprobs=3)
+            a = await direct["stub"].Generate(req)
+            b = await gg.GenerationServiceStub(ch).Generate(req)
+    finally:
+        await own.shutdown(0)
+    assert list(a.token_ids) == list(b.token_ids)
+    assert list(a.logprobs.logprobs) == pytest.approx(list(b.logprobs.logprobs), abs=1e-6)
+    assert [list(t.ids) for t in a.logprobs.top] == [list(t.ids) for t in b.logprobs.top]
+
+
+async def _stream_killing(stub, request, replicas, after: int):
+    """Stream `request`; once `after` tokens arrived, shut down whichever of `replicas` holds a session."""
+    ids, last = [], None
+    async for part in stub.GenerateStream(request):
+        ids.extend(part.token_ids)
+        last = part
+        if len(ids) >= after and not any(r.draining for r in replicas):
+            await next(r for r in replicas if len(r.host.table)).shutdown(0)
+    return ids, last
+
+
+@pytest.mark.parametrize("kind", ["target", "draft"])
+async def test_a_replica_lost_mid_request_still_gives_exact_output(kind):
+    """The tokens already streamed stand; the rest comes from the coordinator's rounds on the replica left: no
+    token lost or repeated."""
+    target, draft = tiny_pair()
+    t1, t2 = await start_replica("target", target), await start_replica("target", target)
+    d1, d2 = await start_replica("draft", draft), await start_replica("draft", draft)
+    app = await start_coordinator(f"{t1.endpoint},{t2.endpoint}", f"{d1.endpoint},{d2.endpoint}",
+                                  data_plane="direct", dns_refresh_s=60)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{app.port}") as ch:
+            stub = gg.GenerationServiceStub(ch)
+            for mode in ("sd", "pacer_pearl"):
+                want = target_greedy(target, PROMPT, 60)
+                req = g.GenerateRequest(prompt_token_ids=PROMPT, max_new_tokens=60, mode=mode, ignore_eos=True)
+                pool = (t1, t2) if kind == "target" else (d1, d2)
+                if all(r.draining for r in pool):
+                    break
+                ids, last = await _stream_killing(stub, req, [r for r in pool if not r.draining], after=6)
+                assert ids == want, mode
+                served = last.stats.target_replica if kind == "target" else last.stats.draft_replica
+                assert "," in served, f"{mode}: the request moved to the other {kind} replica ({served})"
+                break  # one replica of the pool is left: the next mode would have nowhere to move
+    finally:
+        for a in (app, t1, t2, d1, d2):
+            await a.shutdown(0)
+
+
+async def test_a_cancelled_request_ends_both_sessions(direct):
+    stub = direct["stub"]
+    call = stub.GenerateStream(g.GenerateRequest(prompt_token_ids=PROMPT, max_new_tokens=200, mode="pearl",
+                                                 ignore_eos=True))
+    got = 0
+    async for part in call:
+        got += len(part.token_ids)
+        if got >= 4:
+            break
+    call.cancel()
+    replicas = direct["targets"] + direct["drafts"]
+    for _ in range(100):
+        if not any(len(r.host.table) for r in replicas):
+            break
+        await asyncio.sleep(0.05)
+    assert not any(len(r.host.table) for r in replicas), "a session was left behind"
+
+
+async def test_speculate_refuses_what_it_cannot_run(direct):
+    d1, _ = direct["drafts"]
+    t1, _ = direct["targets"]
+    async with grpc.aio.insecure_channel(d1.endpoint) as ch:
+        stub = draft_pb2_grpc.DraftServiceStub(ch)
+        cases = [(dict(mode="ar", target_endpoint=t1.endpoint), "mode"),
+                 (dict(mode="sd"), "target_endpoint"),
+                 (dict(mode="sd", target_endpoint=t1.endpoint, verify_method="nope"), "verify_method")]
+        for kw, field in cases:
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                async for _ in stub.Speculate(draft_pb2.SpeculateRequest(session_id="bad", prompt_ids=PROMPT,
+                                                                         max_new_tokens=4, **kw)):
+                    pass
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in e.value.details(), kw
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_target_routes_parse_and_refuse_malformed_entries():
+    assert parse_routes("") == {}
+    assert parse_routes("10.0.0.5:50052=127.0.0.1:7001, a:1=b:2") == {"10.0.0.5:50052": "127.0.0.1:7001",
+                                                                       "a:1": "b:2"}
+    for bad in ("10.0.0.5:50052", "=b:2", "a:1="):
+        with pytest.raises(ValueError, match="endpoint=address"):
+            parse_routes(bad)
+
+
+def exact_continuations(model, prompt: list[int], vocab: int, n: int = 3) -> dict:
+    """P(x_1..x_n | prompt) at temperature 1 for every continuation, by enumeration of the model's conditionals."""
+    @torch.no_grad()
+    def cond(prefix):
+        kv = model.new_kv_slots(1, len(prefix) + 1)
+        logits, _ = model(torch.tensor([prefix]), torch.arange(len(prefix))[None], torch.tensor([0]), kv)
+        return torch.softmax(logits[0, -1].double(), -1)
+
+    probs = {}
+    for k in range(n):
+        for seq in itertools.product(range(vocab), repeat=k):
+            probs[seq] = cond(prompt + list(seq))
+    return {seq: float(torch.prod(torch.stack([probs[seq[:i]][seq[i]] for i in range(n)])))
+            for seq in itertools.product(range(vocab), repeat=n)}
+
+
+async def test_sampled_output_is_the_targets_distribution():
+    """Temperature 1 through the direct data plane (gRPC both hops, the draft replica's schedule; sd and pearl, block
+    verification): the 3-token continuations of 3,000 seeded requests on a vocabulary of 8 pass a chi-square test
+    against the exact target distribution."""
+    vocab, prompt = 8, [1, 5, 2]
+    target, draft = tiny_pair(vocab=vocab, logit_scale=3.0)
+    t = await start_replica("target", target, max_sessions=64)
+    d = await start_replica("draft", draft, max_sessions=64)
+    app = await start_coordinator(t.endpoint, d.endpoint, data_plane="direct")
+    runs, counts, rejected = 3000, Counter(), 0
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{app.port}") as ch:
+            stub = gg.GenerationServiceStub(ch)
+            sem = asyncio.Semaphore(32)
+
+            async def one(seed: int, mode: str):
+                nonlocal rejected
+                async with sem:
+                    r = await stub.Generate(g.GenerateRequest(prompt_token_ids=prompt, max_new_tokens=3, mode=mode,
+                                                              gamma=3, temperature=1.0, seed=seed,
+                                                              verify_method="block", ignore_eos=True))
+                    assert r.stats.peer_network_s > 0
+                    rejected += r.stats.accepted_tokens < r.stats.verified_draft_tokens
+                    counts[tuple(r.token_ids)] += 1
+
+            await asyncio.gather(*(one(s, "sd" if s % 2 else "pearl") for s in range(runs)))
+    finally:
+        for a in (app, t, d):
+            await a.shutdown(0)
+    assert rejected > runs // 10, "the draft must be rejected often for the test to mean something"
+    assert chi_square_pvalue(counts, exact_continuations(target, prompt, vocab), runs) > 0.001
