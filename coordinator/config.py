@@ -79,6 +79,10 @@ class CoordinatorSettings(ProcessSettings):
         "rounds and calls the pinned target replica itself; the coordinator keeps placement, failover and the "
         "client's stream). Direct pays one network round trip per round instead of two or more: run it where the "
         "pools are on different machines (docs/operations/network.md)")
+    chain_window: int = Field(4, ge=0, le=16, description="the direct data plane, greedy pearl and pacer_pearl "
+                              "requests: verifies in flight at once (chained rounds): the target verifies the next "
+                              "block while the answer to the last one travels back; 0 or 1: PEARL's rounds, one "
+                              "verify at a time")
     pool_view_refresh_s: float = Field(0.5, gt=0, description="how often pipelines refresh pool membership")
     prefix_affinity_chunk: int = Field(128, ge=0, description="prefix-aware routing: a request goes to the replica "
                                        "its prompt's longest whole-chunk prefix went to (its prefix cache reuses it); "

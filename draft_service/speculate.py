@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import deque
 from typing import AsyncIterator
 
 import grpc
@@ -128,6 +129,73 @@ class LocalDraft:
             await self.host.end_session(session_id)
 
 
+def _outcome(r: target_pb2.VerifyResponse) -> VerifyOutcome:
+    return VerifyOutcome(r.num_accepted, r.next_token if r.HasField("next_token") else None,
+                         forward_ns=r.forward_ns, verify_ns=r.verify_ns, forwarded=r.forward_ns > 0,
+                         batch_size=r.batch_size,
+                         features=features_from_proto([r.features])[0] if r.HasField("features") else None,
+                         logprobs=logprobs_from_proto(r.logprobs) if r.HasField("logprobs") else None)
+
+
+class _Pipe:
+    """A VerifyRounds stream with several requests in flight: `send` writes one and returns the future of its
+    answer; a reader resolves the futures in order. Any trouble fails every waiting future with it (the request's
+    Speculate call then ends, and the coordinator resumes the request)."""
+
+    def __init__(self, call):
+        self.call = call
+        self.waiting: deque[asyncio.Future] = deque()
+        self.lock = asyncio.Lock()
+        self.reader = asyncio.ensure_future(self._read())
+        self.error: BaseException | None = None
+
+    async def send(self, message) -> asyncio.Future:
+        if self.error is not None:
+            raise self.error
+        fut = asyncio.get_running_loop().create_future()
+        self.waiting.append(fut)
+        async with self.lock:
+            try:
+                await self.call.write(message)
+            except asyncio.InvalidStateError:  # the stream ended: its status (the reader's error) says why
+                await asyncio.sleep(0)
+                raise self.error or grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE,
+                                                         details="the chained verifies' stream ended") from None
+        return fut
+
+    async def _read(self) -> None:
+        try:
+            while True:
+                msg = await self.call.read()
+                if msg is grpc.aio.EOF:
+                    raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, details="the target replica ended the "
+                                               "chained verifies' stream")
+                if not self.waiting:
+                    raise grpc.aio.AioRpcError(grpc.StatusCode.INTERNAL, details="an answer nobody asked for")
+                fut = self.waiting.popleft()
+                if not fut.done():
+                    fut.set_result(msg)
+        except asyncio.CancelledError:
+            self._fail(asyncio.CancelledError())
+            raise
+        except BaseException as e:  # noqa: BLE001 - every waiting verify fails with it
+            self.error = e
+            self._fail(e)
+
+    def _fail(self, e: BaseException) -> None:
+        while self.waiting:
+            fut = self.waiting.popleft()
+            if not fut.done():
+                fut.cancel() if isinstance(e, asyncio.CancelledError) else fut.set_exception(e)
+
+    async def close(self) -> None:
+        if not self.call.done():
+            self.call.cancel()
+        self.reader.cancel()
+        with contextlib.suppress(BaseException):
+            await self.reader
+
+
 class PeerTarget:
     """`TargetBackend` over the pinned target replica, dialed directly. No failover here: an error ends the request's
     `Speculate` call and the coordinator, which owns placement, moves it. A full call queue (RESOURCE_EXHAUSTED:
@@ -137,7 +205,7 @@ class PeerTarget:
     link)."""
 
     def __init__(self, channel: grpc.aio.Channel, endpoint: str, timeout: float, metadata, reserve: int,
-                 output_start: int):
+                 output_start: int, chain_window: int = 0):
         self.stub = target_pb2_grpc.TargetServiceStub(channel)
         self.endpoint, self.timeout, self.metadata = endpoint, timeout, metadata
         self.start_kw = {"reserve_positions": reserve, "output_start": output_start}
@@ -146,6 +214,9 @@ class PeerTarget:
                                   timeout)
         self.network_ns = self.queue_ns = 0
         self.model, self.cached_tokens, self.started = "", 0, False
+        self.chain_window = chain_window  # > 1: greedy PEARL requests run chained rounds (specdec/chained.py)
+        self.pipe: _Pipe | None = None  # the chained verifies' stream
+        self._last_answer_ns = 0
 
     async def start(self, session_id: str, prompt_ids: list[int], params: SamplingParams,
                     want_features: bool = False) -> TargetFeatures | None:
@@ -175,17 +246,51 @@ class PeerTarget:
                 raise
             self.network_ns += max(0, time.perf_counter_ns() - t0 - r.forward_ns - r.verify_ns - r.queue_ns)
             self.queue_ns += r.queue_ns
-            return VerifyOutcome(r.num_accepted, r.next_token if r.HasField("next_token") else None,
-                                 forward_ns=r.forward_ns, verify_ns=r.verify_ns, forwarded=r.forward_ns > 0,
-                                 batch_size=r.batch_size,
-                                 features=features_from_proto([r.features])[0] if r.HasField("features") else None,
-                                 logprobs=logprobs_from_proto(r.logprobs) if r.HasField("logprobs") else None)
+            return _outcome(r)
+
+    async def verify_chained(self, session_id: str, base_position: int, assumed: list[int],
+                             proposals: list[int]) -> asyncio.Future:
+        """Send a chained verify (specdec/chained.py) on the session's pipelined stream and return at once: → the
+        future of its VerifyOutcome. Answers come in the order the verifies were sent."""
+        if self.pipe is None:
+            self.pipe = _Pipe(self.stub.VerifyRounds(metadata=self.metadata))
+        req = target_pb2.VerifyRequest(session_id=session_id, base_position=base_position, feed_ids=assumed,
+                                       draft_ids=proposals, method=common_pb2.VERIFY_METHOD_GREEDY, feed_draft=True,
+                                       sample_bonus=False, chained=True)
+        sent_ns = time.perf_counter_ns()
+        fut = await self.pipe.send(target_pb2.VerifyRoundsRequest(verify=req))
+        out: asyncio.Future = asyncio.get_running_loop().create_future()
+
+        def done(f: asyncio.Future) -> None:
+            if out.cancelled():
+                return
+            if f.cancelled():
+                out.cancel()
+            elif f.exception() is not None:
+                out.set_exception(f.exception())
+            else:
+                r = f.result().verify
+                # verifies in flight overlap: a chained verify's link time is what is left of the wait from its send
+                # (or the answer before it, if later) to its answer after the target's compute and queueing
+                now = time.perf_counter_ns()
+                self.network_ns += max(0, now - max(sent_ns, self._last_answer_ns) - r.forward_ns - r.verify_ns
+                                       - r.queue_ns)
+                self._last_answer_ns = now
+                self.queue_ns += r.queue_ns
+                o = _outcome(r)
+                o.committed, o.committed_from, o.proposed = list(r.committed_ids), r.committed_from, r.proposed
+                out.set_result(o)
+
+        fut.add_done_callback(done)
+        return out
 
     def _unary(self, req: target_pb2.VerifyRequest):
         return self.stub.Verify(req, timeout=self.timeout, metadata=self.metadata)
 
     async def end(self, session_id: str) -> None:
         await self.rounds.aclose()
+        if self.pipe is not None:
+            await self.pipe.close()
         if self.started:  # a target that failed may be gone: a short wait, and the coordinator ends it too
             with contextlib.suppress(grpc.aio.AioRpcError):
                 await self.stub.EndSession(target_pb2.TargetServiceEndSessionRequest(session_id=session_id),
@@ -231,7 +336,8 @@ async def speculate(servicer, peers: PeerChannels, request: draft_pb2.SpeculateR
     metadata = tuple((k, v) for k, v in context.invocation_metadata() if k == "traceparent") or None
     draft = LocalDraft(servicer, int(request.output_start), int(request.reserve_positions))
     target = PeerTarget(peers.get(request.target_endpoint, request.target_server_name), request.target_endpoint,
-                        timeout, metadata, int(request.reserve_positions), int(request.output_start))
+                        timeout, metadata, int(request.reserve_positions), int(request.output_start),
+                        int(request.chain_window))
     queue: asyncio.Queue = asyncio.Queue()
 
     def on_tokens(new: list[int], logprobs: list | None = None) -> bool:

@@ -34,6 +34,7 @@ import enum
 import time
 from typing import AsyncIterator, Callable
 
+from specdec.chained import ChainedRounds
 from specdec.errors import InvalidRequestError
 from specdec.overlap import OverlapChoice
 from specdec.request import DEFAULT_POST_THRESHOLD, GenerationRequest, GenerationResult
@@ -45,6 +46,9 @@ from specdec.drafting import DraftBlock
 # that length instead (up to the window). Used when the request leaves pearl_first_block unset and the session's
 # last verify ran alone (batched: PEARL's pre-verify).
 DEFAULT_PEARL_FIRST_BLOCK = 3
+# PEARL modes against a target that takes chained verifies (`target.chain_window` > 1, the direct data plane across
+# a network; specdec/chained.py), greedy requests: draft tokens per chained verify
+CHAIN_BLOCK = 4
 
 
 def _drafted(blk: DraftBlock, run: _Run) -> DraftBlock:
@@ -100,6 +104,8 @@ async def generate(req: GenerationRequest, draft: DraftBackend | None, target: T
             await _run_ar(run, target)
         elif req.mode in ("sd", "pacer"):
             await _run_sd(run, draft, target)
+        elif getattr(target, "chain_window", 0) > 1 and req.params.greedy:
+            await ChainedRounds(run, draft, target, target.chain_window, CHAIN_BLOCK).run_to_end()
         else:
             await PearlRounds(run, draft, target).run_to_end()
     except asyncio.CancelledError:

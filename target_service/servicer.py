@@ -61,7 +61,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         args = VerifyArgs(request.session_id, request.base_position, list(request.feed_ids),
                           list(request.draft_ids), q or None, _METHODS[request.method],
                           request.feed_draft if request.HasField("feed_draft") else True,
-                          request.sample_bonus if request.HasField("sample_bonus") else True)
+                          request.sample_bonus if request.HasField("sample_bonus") else True, request.chained)
         out, queue_ns = await self.batcher.submit(args)
         if args.draft:
             self.metrics.num_drafts.inc()
@@ -71,6 +71,9 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                                          verify_ns=out.verify_ns, queue_ns=queue_ns, batch_size=out.batch_size)
         if out.next_token is not None:
             resp.next_token = out.next_token
+        if out.committed is not None:
+            resp.committed_ids.extend(out.committed)
+            resp.committed_from, resp.proposed = out.committed_from, out.proposed
         if out.features is not None:
             resp.features.CopyFrom(features_to_proto(out.features))
         if out.logprobs is not None:

@@ -52,7 +52,7 @@ class DirectInterrupted(Exception):
 
 
 async def run_direct(req: GenerationRequest, draft: RemoteDraft, target: RemoteTarget, tracking, timeout: float,
-                     server_name: str = "") -> GenerationResult:
+                     server_name: str = "", chain_window: int = 0) -> GenerationResult:
     """Run `req` on its draft replica against its target replica; `tracking(new, logprobs)` gets the committed tokens
     as they arrive (True: stop the request). Both backends are pinned here (no session: the draft replica starts
     and ends both). → the result; DirectInterrupted after a resumable failure (the tokens delivered stand)."""
@@ -61,7 +61,8 @@ async def run_direct(req: GenerationRequest, draft: RemoteDraft, target: RemoteT
     if draft.endpoint is None:
         await draft.pin()
     msg = speculate_request(req, target_endpoint=target.endpoint, reserve_positions=target.start_kw["reserve_positions"],
-                            output_start=target.start_kw["output_start"], target_server_name=server_name)
+                            output_start=target.start_kw["output_start"], target_server_name=server_name,
+                            chain_window=chain_window)
     t0 = time.perf_counter_ns()
     call = draft.channels.draft(draft.endpoint).Speculate(msg, metadata=draft.metadata)
     tokens: list[int] = []

@@ -108,7 +108,7 @@ class AsyncPool:
 class Pipeline:
     def __init__(self, pool, dialer=None, rpc_timeout_s: float = 60.0, view_refresh_s: float = 0.5,
                  replica_streams: bool = True, affinity_chunk: int = PREFILL_CHUNK, tag: str = "",
-                 data_plane: str = "coordinator"):
+                 data_plane: str = "coordinator", chain_window: int = 0):
         self.pool = pool  # async acquire/release/report_failure/members (AsyncPool or the Ray facade)
         self.tag = tag  # the prefix of its requests' holder tokens (a Ray pipeline actor's: coordinator/routing/router.py)
         self.channels = Channels(dialer)  # how replicas are dialed (coordinator/channels.py)
@@ -117,6 +117,7 @@ class Pipeline:
         self.replica_streams = replica_streams  # per-round calls as stream messages (specdec_rpc/rounds.py)
         self.affinity_chunk = affinity_chunk  # positions per prefix key: the replicas' prefill chunk (0: no keys)
         self.data_plane = data_plane  # "direct": speculative rounds run on the draft replica (coordinator/backends/direct.py)
+        self.chain_window = chain_window  # direct, greedy PEARL modes: verifies in flight (specdec/chained.py)
         self._tasks: dict[str, asyncio.Task] = {}
         self._stop: set[str] = set()
         self._cancelled: set[str] = set()  # cancelled requests: the next round's tokens cancel them again
@@ -304,7 +305,7 @@ class Pipeline:
         sid = req.session_id
         try:
             res = await run_direct(req, draft, target, tracking, self.rpc_timeout_s,
-                                   self.channels.dialer.server_names.get("target", ""))
+                                   self.channels.dialer.server_names.get("target", ""), self.chain_window)
         except DirectInterrupted as e:
             # the draft replica's target session, if it is left: ended off this path (a gone replica is let be)
             end_in_background(target.end_on(target.endpoint, sid))

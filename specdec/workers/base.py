@@ -59,6 +59,9 @@ class Session:
     # draft: tokens known to follow `tokens` but not fed yet (looked-up tokens drafted without a forward,
     # workers/draft.py); the session holds them as it holds `tokens`, and the next forward feeds them
     pending: list[int] = field(default_factory=list)
+    # target: the committed tokens after `tokens` not fed yet (the pending token): `tokens + unfed` is the session's
+    # committed sequence, which a chained verify is reconciled with (workers/target.py)
+    unfed: list[int] = field(default_factory=list)
     prompt_logprobs: object | None = None  # target: the prefill's TokenLogprobs (params.prompt_logprobs), until read
     cached_tokens: int = 0  # prompt positions whose K/V came from the prefix cache instead of the prefill
     chunked: int = 0  # positions [0, chunked) hold K/V from whole aligned prefill chunks: reusable by others
@@ -244,7 +247,7 @@ class Worker:
             self.kv.copy_prefix(got.source, got.slot, got.tokens)
         s = Session(slot=got.slot, params=params, tokens=list(prompt_ids[:got.tokens]), cached_tokens=got.tokens,
                     chunked=got.tokens, sid=session_id, output_start=output_start or len(prompt_ids),
-                    grammar=grammar)
+                    grammar=grammar, unfed=list(prompt_ids[-1:]))
         self.sessions.add(session_id, s)
         self.prefix_queries += len(prompt_ids) - 1
         self.prefix_hits += got.tokens

@@ -24,6 +24,9 @@ class VerifyArgs:
     method: str = "greedy"
     feed_draft: bool = True
     sample_bonus: bool = True
+    # a verify sent without waiting for the session's earlier ones: feed + draft are what the caller assumes follows
+    # its first `base_position` committed tokens; the target reconciles that with what it committed (`_chain`)
+    chained: bool = False
 
 
 @dataclass
@@ -39,6 +42,10 @@ class VerifyOutcome:
     features: TargetFeatures | None = None
     # the committed tokens' (accepted, then next_token) target logprobs; only when the session asked for them
     logprobs: TokenLogprobs | None = None
+    # a chained verify: the tokens it committed (proposals accepted, then next_token), from position `committed_from`
+    committed: list[int] | None = None
+    committed_from: int = 0
+    proposed: int = 0  # a chained verify: how many of its tokens were checked as new proposals (0: a target step)
 
 
 PROMPT_LOGPROBS_CHUNK = 256  # prompt positions per prefill forward with logprobs, where prefill_chunk is 0 (whole)
@@ -93,8 +100,36 @@ class TargetWorker(Worker):
             raise out
         return out
 
-    def _prepare(self, a: VerifyArgs) -> tuple[Session, list[int]]:
+    def _chain(self, a: VerifyArgs, s: Session) -> VerifyArgs:
+        """A chained verify as the plain verify it amounts to. Its caller sent it without waiting for its earlier
+        verifies, assuming they accepted everything: `feed + draft` are the tokens it expects after its first
+        `base_position` committed ones. Compared with what this session committed since (`tokens + unfed`):
+
+        - they agree and go on past it: those further tokens are verified as draft tokens, after the unfed ones;
+        - they disagree, or end within it (an earlier verify rejected part of what they build on): one target step
+          from the committed tokens instead, so the target never idles while its caller catches up.
+
+        Either way the call commits tokens the target chose, exactly as a greedy verify or step would (greedy
+        sessions only: for sampled ones, which proposal is verified at a position must not depend on timing)."""
+        if not s.params.greedy:
+            raise InvalidRequestError("chained", "chained verifies are for greedy sessions (temperature 0); send a "
+                                                 "sampled session's verifies one at a time")
+        committed = s.tokens + s.unfed
+        if not 0 <= a.base_position <= len(committed):
+            raise StalePositionError(f"chained verify at position {a.base_position}, but session {a.session_id!r} "
+                                     f"has committed {len(committed)} tokens; send a position <= {len(committed)}")
+        assumed, since = a.feed + a.draft, committed[a.base_position:]
+        agree = len(since) < len(assumed) and assumed[:len(since)] == since
+        proposals = assumed[len(since):] if agree else []
+        return VerifyArgs(a.session_id, len(s.tokens), list(s.unfed), proposals, None, "greedy", True,
+                          a.sample_bonus or not proposals, chained=True)
+
+    def _prepare(self, a: VerifyArgs) -> tuple[VerifyArgs, Session, list[int]]:
         s = self._get(a.session_id)
+        if a.chained:
+            self._check_tokens("feed", a.feed)
+            self._check_tokens("draft_tokens", a.draft)
+            a = self._chain(a, s)
         self._check_tokens("feed", a.feed)
         self._check_tokens("draft_tokens", a.draft)
         if not a.feed_draft and len(a.draft) > 1:
@@ -113,7 +148,7 @@ class TargetWorker(Worker):
         if not a.feed and (a.base_position != len(s.tokens) or s.last_row is None):
             raise StalePositionError(f"no stored target row at position {a.base_position}; send the pending token "
                                      f"in feed")
-        return s, ids
+        return a, s, ids
 
     def verify_batch(self, batch: list[VerifyArgs]) -> list[VerifyOutcome | Exception]:
         """Verify many sessions with one padded forward. Results equal those of separate calls."""
@@ -121,7 +156,7 @@ class TargetWorker(Worker):
         prepared = []
         for i, a in enumerate(batch):
             try:
-                prepared.append((i, a, *self._prepare(a)))
+                prepared.append((i, *self._prepare(a)))
             except Exception as e:  # noqa: BLE001 - reported per item; the shell maps it to a status
                 results[i] = e
         t0 = time.perf_counter_ns()
@@ -193,6 +228,10 @@ class TargetWorker(Worker):
             s.last_row = rows[0] if rows.shape[0] else s.last_row
         out = VerifyOutcome(res.num_accepted, res.next_token)
         committed = list(a.draft[:res.num_accepted]) + ([res.next_token] if res.next_token is not None else [])
+        if a.chained:
+            out.committed, out.committed_from, out.proposed = committed, pos0, g
+        # what is committed and not fed now: a check-only verify's accepted token, then the next token
+        s.unfed = (list(a.draft[:res.num_accepted]) if not a.feed_draft else []) + committed[res.num_accepted:]
         if s.params.logprobs >= 0 and committed:  # rows[i] decided committed[i]
             out.logprobs = target_logprobs(rows, committed, pos0, s.params.logprobs)
         return out

@@ -1,0 +1,159 @@
+"""Chained rounds (specdec/chained.py) and chained verifies (TargetWorker._chain): several verifies in flight, each
+built on the assumption that the ones before it were accepted whole, and the output still the target's own greedy
+output, token for token, whatever the proposals, the lag and the window."""
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from specdec.chained import ChainedRounds
+from specdec.engine import LocalDraft
+from specdec.errors import InvalidRequestError
+from specdec.request import GenerationRequest
+from specdec.run_state import _Run
+from specdec.sampling import SamplingParams
+from specdec.workers.draft import DraftWorker
+from specdec.workers.target import TargetWorker, VerifyArgs
+from tests.helpers_models import target_greedy, tiny_pair
+
+PROMPT = [3, 1, 4, 1, 5]
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return tiny_pair()
+
+
+def _chained(worker: TargetWorker, sid: str, base: int, assumed: list[int], proposals: list[int]):
+    out = worker.verify_batch([VerifyArgs(sid, base, assumed, proposals, None, "greedy", True, False, chained=True)])[0]
+    if isinstance(out, Exception):
+        raise out
+    return out
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_chained_verifies_commit_the_targets_greedy_tokens_whatever_they_propose(pair, seed):
+    """A sender that lags behind (it knows only some of what was committed), assumes its earlier proposals were
+    accepted and proposes right and wrong tokens: every call commits the next tokens of the target's greedy output,
+    contiguously, and a call that agrees with everything committed and goes further checks its further tokens."""
+    target, _ = pair
+    n = 40
+    want = PROMPT + target_greedy(target, PROMPT, n + 20)
+    worker = TargetWorker(target, max_sessions=2, max_context=256)
+    worker.start_session("s", PROMPT, SamplingParams())
+    rng = random.Random(seed)
+    committed = list(PROMPT)
+    known = len(PROMPT)  # what the sender has heard of
+    proposed_calls = 0
+    while len(committed) < len(PROMPT) + n:
+        base = rng.randint(max(1, known - 3), known)  # it may know less than it could
+        ahead = rng.randint(0, 6)
+        # its assumption after `base`: the truth with some tokens wrong, or an older wrong guess
+        assumed = [t if rng.random() < 0.8 else (t + 1) % 32 for t in want[base:base + ahead]]
+        proposals = [t if rng.random() < 0.7 else (t + 3) % 32 for t in want[base + ahead:base + ahead + 4]]
+        out = _chained(worker, "s", base, assumed, proposals)
+        assert out.committed_from == len(committed) and out.committed
+        committed += out.committed
+        assert committed == want[:len(committed)]
+        since = want[base:out.committed_from]
+        agreed = (assumed + proposals)[:len(since)] == since and len(assumed) + len(proposals) > len(since)
+        assert out.proposed == (len(assumed) + len(proposals) - len(since) if agreed else 0)
+        proposed_calls += out.proposed > 0
+        known = rng.randint(known, len(committed))
+    assert proposed_calls > 0
+
+
+def test_chained_verifies_are_refused_for_sampled_sessions_and_past_the_committed_end(pair):
+    target, _ = pair
+    worker = TargetWorker(target, max_sessions=2, max_context=256)
+    worker.start_session("hot", PROMPT, SamplingParams(temperature=1.0))
+    with pytest.raises(InvalidRequestError, match="greedy"):
+        _chained(worker, "hot", len(PROMPT), [], [1])
+    worker.start_session("cold", PROMPT, SamplingParams())
+    with pytest.raises(Exception, match="committed 5 tokens"):
+        _chained(worker, "cold", len(PROMPT) + 1, [], [1])
+
+
+class _LaggingTarget:
+    """A TargetBackend taking chained verifies over a link that delays every answer by `delay_s` (in order), over
+    a real TargetWorker: what the direct data plane's PeerTarget does across a network."""
+
+    def __init__(self, worker: TargetWorker, delay_s: float, window: int):
+        self.worker, self.delay_s, self.chain_window = worker, delay_s, window
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.task = None
+        self.max_in_flight = 0
+
+    async def start(self, sid, prompt_ids, params, want_features=False):
+        self.worker.start_session(sid, prompt_ids, params)
+        self.task = asyncio.ensure_future(self._serve())
+
+    async def _serve(self):
+        while True:
+            args, fut = await self.queue.get()
+            await asyncio.sleep(self.delay_s / 2)  # the request's way there, then the forward, then the way back
+            out = self.worker.verify_batch([args])[0]
+            loop = asyncio.get_running_loop()
+            loop.call_later(self.delay_s / 2, lambda f=fut, o=out: f.done() or (
+                f.set_exception(o) if isinstance(o, Exception) else f.set_result(o)))
+
+    async def verify_chained(self, sid, base, assumed, proposals):
+        fut = asyncio.get_running_loop().create_future()
+        self.queue.put_nowait((VerifyArgs(sid, base, list(assumed), list(proposals), None, "greedy", True, False,
+                                          chained=True), fut))
+        self.max_in_flight = max(self.max_in_flight, self.queue.qsize())
+        return fut
+
+    async def verify(self, *a, **kw):
+        raise AssertionError("chained rounds make chained verifies only")
+
+    async def end(self, sid):
+        self.task.cancel()
+        self.worker.end_session(sid)
+
+
+@pytest.mark.parametrize("window,delay_s", [(2, 0.0), (2, 0.004), (4, 0.004), (4, 0.0), (8, 0.01)])
+async def test_chained_rounds_give_the_targets_greedy_output(pair, window, delay_s):
+    from specdec.schedule import generate
+
+    target, draft = pair
+    n = 48
+    tgt = _LaggingTarget(TargetWorker(target, max_sessions=2, max_context=256), delay_s, window)
+    drf = LocalDraft(DraftWorker(draft, max_sessions=2, max_context=256), inline=True)
+    req = GenerationRequest(PROMPT, n, mode="pearl")
+    res = await generate(req, drf, tgt)
+    assert res.token_ids == target_greedy(target, PROMPT, n)
+    st = res.stats
+    assert st.rounds > 0 and st.draft_tokens > 0
+    assert st.accepted_tokens < st.verified_draft_tokens, "some proposals were rejected: the recovery path ran"
+
+
+@pytest.mark.parametrize("window,delay_s", [(2, 0.0), (4, 0.004), (8, 0.01)])
+async def test_a_draft_equal_to_the_target_is_accepted_whole_with_the_verifies_in_flight(pair, window, delay_s):
+    """draft == target: every proposal is accepted, none is wasted, and the verifies overlap (more than one in
+    flight) instead of waiting for each other."""
+    from specdec.schedule import generate
+
+    target, _ = pair
+    n = 40
+    tgt = _LaggingTarget(TargetWorker(target, max_sessions=2, max_context=256), delay_s, window)
+    drf = LocalDraft(DraftWorker(target, max_sessions=2, max_context=256), inline=True)
+    res = await generate(GenerationRequest(PROMPT, n, mode="pearl"), drf, tgt)
+    assert res.token_ids == target_greedy(target, PROMPT, n)
+    st = res.stats
+    assert st.accepted_tokens == st.verified_draft_tokens == n and st.rounds == n // 4
+    if delay_s:
+        assert tgt.max_in_flight >= 2
+
+
+def test_chained_rounds_are_greedy_only():
+    """A sampled PEARL request takes PEARL's own rounds even against a chaining target (`generate` picks)."""
+    import inspect
+
+    from specdec import schedule
+
+    src = inspect.getsource(schedule.generate)
+    assert "req.params.greedy" in src and "ChainedRounds" in src
+    assert ChainedRounds.__doc__
