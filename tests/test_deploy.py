@@ -270,8 +270,10 @@ def test_pools_match_service_defaults(overlay):
         (np_,) = find(objs, "NetworkPolicy", f"specdec-{comp}")
         rules = np_["spec"]["ingress"]
         grpc_rules = [r for r in rules if any(p["port"] == d["port"] for p in r["ports"])]
-        assert len(grpc_rules) == 1 and len(grpc_rules[0]["from"]) == 1
-        assert grpc_rules[0]["from"][0]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "coordinator"
+        assert len(grpc_rules) == 1
+        sources = {f["podSelector"]["matchLabels"]["app.kubernetes.io/component"] for f in grpc_rules[0]["from"]}
+        # the target's gRPC port also takes the draft replicas' calls (the direct data plane)
+        assert sources == ({"coordinator", "draft"} if comp == "target" else {"coordinator"})
         assert all(r.get("from") and r.get("ports") for r in rules), "no rule may open all ports or all sources"
 
 
