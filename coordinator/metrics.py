@@ -22,7 +22,8 @@ FINISH_REASONS = ("stop", "length", "abort")  # vLLM's finish_reason label value
 MODES = ("ar", "sd", "pacer", "pearl", "pacer_pearl")
 PACER_MODES = ("pacer", "pacer_pearl")
 PEARL_MODES = ("pearl", "pacer_pearl")
-LINKS = ("coordinator-draft", "coordinator-target")  # draft and target never call each other
+# the draft replica calls the target replica itself only with the direct data plane (COORDINATOR_DATA_PLANE=direct)
+LINKS = ("coordinator-draft", "coordinator-target", "draft-target")
 _NETWORK_SECONDS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
 
 
@@ -179,5 +180,7 @@ class CoordinatorMetrics:
             self.target_idle.labels(mode).inc(stats.get("target_idle_s", 0.0))
         if stats.get("draft_replica"):
             self.network.labels("coordinator-draft").observe(stats.get("draft_network_s", 0.0))
-        if stats.get("target_replica"):
+        if stats.get("target_replica") and not stats.get("peer_network_s"):
             self.network.labels("coordinator-target").observe(stats.get("target_network_s", 0.0))
+        if stats.get("peer_network_s"):
+            self.network.labels("draft-target").observe(stats["peer_network_s"])
