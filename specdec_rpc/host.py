@@ -7,8 +7,11 @@ the model thread. Servicers translate proto <-> these calls and nothing else.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import contextvars
 import logging
 import time
+from collections import deque
 
 from specdec import native
 from specdec.pairing import TokenizerVocab
@@ -24,6 +27,10 @@ from specdec_rpc.pb import common_pb2
 from specdec_rpc.settings import ServerSettings
 
 log = logging.getLogger(__name__)
+
+# while a per-round stream's request is handled: how many of the stream's requests wait behind it (`rounds`)
+ROUNDS_WAITING: contextvars.ContextVar[int] = contextvars.ContextVar("rounds_waiting", default=0)
+_END = object()
 
 
 class SessionHost:
@@ -151,11 +158,47 @@ class SessionHost:
     async def rounds(self, request_iterator, context, handle, field: str, wrap):
         """Serve a per-round stream: `handle` each request's `field` (the unary handler) and yield
         `wrap(response)`, one per request, in order. Ends with UNAVAILABLE once the server drains, so the
-        caller moves its session (or resends the call unary) instead of holding the replica past its grace."""
-        async for request in request_iterator:
-            if self.draining:
-                raise ServiceDraining("this replica is draining; resend the call as a unary RPC or to another replica")
-            yield wrap(await handle(getattr(request, field), context))
+        caller moves its session (or resends the call unary) instead of holding the replica past its grace.
+        Requests are read as they arrive; while one is handled, `ROUNDS_WAITING` says how many wait behind it (a
+        chained verify that no longer applies is skipped where newer ones wait, workers/target.py)."""
+        waiting: deque = deque()  # requests read ahead (a caller may send several before reading an answer)
+        arrived = asyncio.Event()
+
+        async def read_ahead():
+            try:
+                async for request in request_iterator:
+                    waiting.append(request)
+                    arrived.set()
+            except Exception as e:  # noqa: BLE001 - the stream broke: raised where the requests are handled
+                waiting.append(e)
+            finally:
+                waiting.append(_END)
+                arrived.set()
+
+        reader = asyncio.ensure_future(read_ahead())
+        try:
+            while True:
+                while not waiting:
+                    arrived.clear()
+                    await arrived.wait()
+                request = waiting.popleft()
+                if request is _END:
+                    return
+                if isinstance(request, Exception):
+                    raise request
+                if self.draining:
+                    raise ServiceDraining("this replica is draining; resend the call as a unary RPC or to another "
+                                          "replica")
+                token = ROUNDS_WAITING.set(sum(1 for w in waiting if w is not _END and not isinstance(w, Exception)))
+                try:
+                    response = await handle(getattr(request, field), context)
+                finally:
+                    ROUNDS_WAITING.reset(token)
+                yield wrap(response)
+        finally:
+            reader.cancel()
+            with contextlib.suppress(BaseException):
+                await reader
 
     def touch(self, sid: str) -> None:
         """NOT_FOUND for unknown/expired ids; refreshes LRU order."""

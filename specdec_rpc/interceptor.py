@@ -214,8 +214,8 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             try:
                 async with self._tracked(context, method):
                     async for item in behavior(timed(), context):
-                        if pulled:
-                            self._observe(method, pulled.pop())
+                        if pulled:  # the oldest request pulled is the one answered (requests may be read ahead)
+                            self._observe(method, pulled.pop(0))
                         yield item
             except grpc.aio.AbortError:
                 self._aborted(context, method)

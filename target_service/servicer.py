@@ -7,7 +7,7 @@ from specdec.errors import InvalidRequestError
 from specdec.workers.target import VerifyArgs
 from specdec_rpc.convert import (decode_q, dense_q_to_sparse, features_to_proto, logprobs_to_proto,
                                    sampling_from_proto, tensor_from_proto)
-from specdec_rpc.host import SessionHost
+from specdec_rpc.host import ROUNDS_WAITING, SessionHost
 from specdec_rpc.pb import common_pb2, target_pb2, target_pb2_grpc
 from specdec_rpc.tracing import CallClock
 
@@ -61,7 +61,10 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         args = VerifyArgs(request.session_id, request.base_position, list(request.feed_ids),
                           list(request.draft_ids), q or None, _METHODS[request.method],
                           request.feed_draft if request.HasField("feed_draft") else True,
-                          request.sample_bonus if request.HasField("sample_bonus") else True, request.chained)
+                          request.sample_bonus if request.HasField("sample_bonus") else True, request.chained,
+                          # a chained verify that no longer applies is a target step only where the target would
+                          # otherwise wait: with newer verifies of the stream waiting, it is skipped for them
+                          step_if_stale=ROUNDS_WAITING.get() == 0)
         out, queue_ns = await self.batcher.submit(args)
         if args.draft:
             self.metrics.num_drafts.inc()

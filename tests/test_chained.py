@@ -157,3 +157,20 @@ def test_chained_rounds_are_greedy_only():
     src = inspect.getsource(schedule.generate)
     assert "req.params.greedy" in src and "ChainedRounds" in src
     assert ChainedRounds.__doc__
+
+
+def test_a_stale_chained_verify_with_newer_ones_waiting_is_skipped(pair):
+    """Where newer verifies of the caller already wait (`step_if_stale` False), a chained verify built on what was
+    rejected commits nothing and runs no forward, so they are not delayed; alone, it is a target step."""
+    target, _ = pair
+    want = PROMPT + target_greedy(target, PROMPT, 4)
+    worker = TargetWorker(target, max_sessions=2, max_context=256)
+    worker.start_session("s", PROMPT, SamplingParams())
+    wrong = (want[5] + 1) % 32
+    first = worker.verify_batch([VerifyArgs("s", 5, [], [wrong, 1], None, "greedy", True, False, chained=True)])[0]
+    assert first.committed == [want[5]] and first.proposed == 2  # rejected at once: the correction
+    skipped = worker.verify_batch([VerifyArgs("s", 5, [wrong], [1, 2], None, "greedy", True, False, chained=True,
+                                              step_if_stale=False)])[0]
+    assert skipped.committed == [] and skipped.committed_from == 6 and not skipped.forwarded
+    step = worker.verify_batch([VerifyArgs("s", 5, [wrong], [1, 2], None, "greedy", True, False, chained=True)])[0]
+    assert step.committed == [want[6]] and step.committed_from == 6 and step.forwarded and step.proposed == 0

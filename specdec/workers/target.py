@@ -27,6 +27,7 @@ class VerifyArgs:
     # a verify sent without waiting for the session's earlier ones: feed + draft are what the caller assumes follows
     # its first `base_position` committed tokens; the target reconciles that with what it committed (`_chain`)
     chained: bool = False
+    step_if_stale: bool = True  # a chained verify that no longer applies: a target step (True) or skipped (False)
 
 
 @dataclass
@@ -100,14 +101,16 @@ class TargetWorker(Worker):
             raise out
         return out
 
-    def _chain(self, a: VerifyArgs, s: Session) -> VerifyArgs:
+    def _chain(self, a: VerifyArgs, s: Session) -> VerifyArgs | None:
         """A chained verify as the plain verify it amounts to. Its caller sent it without waiting for its earlier
         verifies, assuming they accepted everything: `feed + draft` are the tokens it expects after its first
         `base_position` committed ones. Compared with what this session committed since (`tokens + unfed`):
 
         - they agree and go on past it: those further tokens are verified as draft tokens, after the unfed ones;
         - they disagree, or end within it (an earlier verify rejected part of what they build on): one target step
-          from the committed tokens instead, so the target never idles while its caller catches up.
+          from the committed tokens instead, so the target never idles while its caller catches up; or, with
+          `step_if_stale` False (newer verifies of the caller already wait), nothing: → None, the call is skipped
+          (a step would delay them, and shift the positions their proposals are checked at).
 
         Either way the call commits tokens the target chose, exactly as a greedy verify or step would (greedy
         sessions only: for sampled ones, which proposal is verified at a position must not depend on timing)."""
@@ -121,15 +124,20 @@ class TargetWorker(Worker):
         assumed, since = a.feed + a.draft, committed[a.base_position:]
         agree = len(since) < len(assumed) and assumed[:len(since)] == since
         proposals = assumed[len(since):] if agree else []
+        if not proposals and not a.step_if_stale:
+            return None
         return VerifyArgs(a.session_id, len(s.tokens), list(s.unfed), proposals, None, "greedy", True,
                           a.sample_bonus or not proposals, chained=True)
 
-    def _prepare(self, a: VerifyArgs) -> tuple[VerifyArgs, Session, list[int]]:
+    def _prepare(self, a: VerifyArgs) -> tuple[VerifyArgs | None, Session, list[int]]:
+        """→ (the verify to run, its session, the tokens to feed); a skipped chained verify: (None, session, [])."""
         s = self._get(a.session_id)
         if a.chained:
             self._check_tokens("feed", a.feed)
             self._check_tokens("draft_tokens", a.draft)
             a = self._chain(a, s)
+            if a is None:
+                return None, s, []
         self._check_tokens("feed", a.feed)
         self._check_tokens("draft_tokens", a.draft)
         if not a.feed_draft and len(a.draft) > 1:
@@ -156,9 +164,15 @@ class TargetWorker(Worker):
         prepared = []
         for i, a in enumerate(batch):
             try:
-                prepared.append((i, *self._prepare(a)))
+                run, s, ids = self._prepare(a)
             except Exception as e:  # noqa: BLE001 - reported per item; the shell maps it to a status
                 results[i] = e
+                continue
+            if run is None:  # a skipped chained verify: it commits nothing
+                results[i] = VerifyOutcome(0, None, forwarded=False, committed=[],
+                                           committed_from=len(s.tokens) + len(s.unfed))
+            else:
+                prepared.append((i, run, s, ids))
         t0 = time.perf_counter_ns()
         rows_by_item = self._forward_batch([(a, s, ids) for _, a, s, ids in prepared])
         fwd_ns = time.perf_counter_ns() - t0
