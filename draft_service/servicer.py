@@ -150,7 +150,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             wait_ns=entry.wait_ns() if entry is not None else 0)
 
     async def Speculate(self, request, context):
-        """The direct data plane: run the request's rounds here against its target replica (draft_service/speculate.py)."""
+        """The direct data plane: this request's rounds, run here against its target replica (speculate.py)."""
         async for resp in speculate(self, self.peers, request, context, PEER_TIMEOUT_S):
             yield resp
 

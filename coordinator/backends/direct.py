@@ -60,7 +60,8 @@ async def run_direct(req: GenerationRequest, draft: RemoteDraft, target: RemoteT
         await target.pin()
     if draft.endpoint is None:
         await draft.pin()
-    msg = speculate_request(req, target_endpoint=target.endpoint, reserve_positions=target.start_kw["reserve_positions"],
+    msg = speculate_request(req, target_endpoint=target.endpoint,
+                            reserve_positions=target.start_kw["reserve_positions"],
                             output_start=target.start_kw["output_start"], target_server_name=server_name,
                             chain_window=chain_window)
     t0 = time.perf_counter_ns()
@@ -73,9 +74,11 @@ async def run_direct(req: GenerationRequest, draft: RemoteDraft, target: RemoteT
                 r = await within(call.read(), timeout)
             except asyncio.TimeoutError:
                 call.cancel()
-                raise grpc.aio.AioRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, details=f"draft replica {draft.endpoint} sent nothing for {timeout} s")
+                raise grpc.aio.AioRpcError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                           details=f"draft replica {draft.endpoint} sent nothing for {timeout} s")
             if r is grpc.aio.EOF:
-                raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, details=f"draft replica {draft.endpoint} ended the call early")
+                raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE,
+                                           details=f"draft replica {draft.endpoint} ended the call early")
             if r.done:
                 break
             new = list(r.token_ids)

@@ -116,7 +116,7 @@ class Pipeline:
         self.rpc_timeout_s, self.view_refresh_s = rpc_timeout_s, view_refresh_s
         self.replica_streams = replica_streams  # per-round calls as stream messages (specdec_rpc/rounds.py)
         self.affinity_chunk = affinity_chunk  # positions per prefix key: the replicas' prefill chunk (0: no keys)
-        self.data_plane = data_plane  # "direct": speculative rounds run on the draft replica (coordinator/backends/direct.py)
+        self.data_plane = data_plane  # "direct": speculative rounds run on the draft replica (backends/direct.py)
         self.chain_window = chain_window  # direct, greedy PEARL modes: verifies in flight (specdec/chained.py)
         self._tasks: dict[str, asyncio.Task] = {}
         self._stop: set[str] = set()
