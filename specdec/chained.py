@@ -125,6 +125,7 @@ class ChainedRounds:
             raise ChainStateError(f"chained verify committed at position {out.committed_from}, the request is at "
                                   f"{len(run.history)}")
         run.stats.rounds += 1
+        run.stats.chained_rounds += 1
         run.on_verify(out, out.proposed)
         new = list(out.committed or [])
         agree = _agreement(self.spec, new)

@@ -100,6 +100,7 @@ class GenerationStats:
     wasted_draft_tokens: int = 0  # proposed but never verified (cancelled or discarded speculation)
     target_only_rounds: int = 0  # rounds run as plain target steps because the target was busy (spec_off_batch)
     sequential_rounds: int = 0  # PEARL modes: rounds that adaptive overlap ran sequentially (pearl_overlap auto)
+    chained_rounds: int = 0  # PEARL modes, greedy, direct data plane: chained verifies answered (specdec/chained.py)
     mean_accepted_length: float = 0.0  # generated tokens per target forward (counts the bonus/recovered token)
     draft_busy_s: float = 0.0
     target_busy_s: float = 0.0

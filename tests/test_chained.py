@@ -94,6 +94,7 @@ class _LaggingTarget:
         while True:
             args, fut = await self.queue.get()
             await asyncio.sleep(self.delay_s / 2)  # the request's way there, then the forward, then the way back
+            args.step_if_stale = self.queue.empty()  # as the replica does (ROUNDS_WAITING)
             out = self.worker.verify_batch([args])[0]
             loop = asyncio.get_running_loop()
             loop.call_later(self.delay_s / 2, lambda f=fut, o=out: f.done() or (

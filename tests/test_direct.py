@@ -127,6 +127,14 @@ async def test_a_replica_lost_mid_request_still_gives_exact_output(kind, rtt_ms)
             stub = gg.GenerationServiceStub(ch)
             mode = "pearl" if rtt_ms else "sd"  # greedy pearl: chained rounds, several verifies in flight
             want = target_greedy(target, PROMPT, 60)
+            if rtt_ms:  # each draft replica measures its links first (one request each way): then pearl chains
+                chained = 0
+                for _ in range(8):
+                    warm = await stub.Generate(g.GenerateRequest(prompt_token_ids=PROMPT, max_new_tokens=60,
+                                                                 mode=mode, ignore_eos=True))
+                    assert list(warm.token_ids) == want
+                    chained += warm.stats.chained_rounds > 0
+                assert chained >= 4, "greedy pearl chains its verifies across a 40 ms round trip"
             req = g.GenerateRequest(prompt_token_ids=PROMPT, max_new_tokens=60, mode=mode, ignore_eos=True)
             ids, last = await _stream_killing(stub, req, (t1, t2) if kind == "target" else (d1, d2), after=6)
             assert ids == want, mode
@@ -230,3 +238,24 @@ async def test_sampled_output_is_the_targets_distribution():
             await a.shutdown(0)
     assert rejected > runs // 10, "the draft must be rejected often for the test to mean something"
     assert chi_square_pvalue(counts, exact_continuations(target, prompt, vocab), runs) > 0.001
+
+
+def test_chained_rounds_are_chosen_where_the_round_trip_is_long():
+    """A draft replica chains a greedy PEARL request's verifies on a link whose measured round trip is at least
+    half a target forward, and runs PEARL's rounds elsewhere, or before it has measured both."""
+    from draft_service.speculate import CHAIN_MIN_RTT, LinkEstimate, PeerTarget
+
+    link = LinkEstimate()
+    assert not link.chains()
+    link.forward(0.040)
+    assert not link.chains()
+    link.round_trip(0.001)
+    assert not link.chains()
+    for _ in range(30):
+        link.round_trip(0.040)
+    assert link.chains() and link.rtt_s >= CHAIN_MIN_RTT * link.forward_s
+    target = PeerTarget.__new__(PeerTarget)
+    target.window, target.link = 4, link
+    assert target.chain_window == 4
+    target.window = 1
+    assert target.chain_window == 0
