@@ -240,7 +240,7 @@ async def test_sampled_output_is_the_targets_distribution():
     assert chi_square_pvalue(counts, exact_continuations(target, prompt, vocab), runs) > 0.001
 
 
-def test_chained_rounds_are_chosen_where_the_round_trip_is_long():
+async def test_chained_rounds_are_chosen_where_the_round_trip_is_long():
     """A draft replica chains a greedy PEARL request's verifies on a link whose measured round trip is at least
     half a target forward, and runs PEARL's rounds elsewhere, or before it has measured both."""
     from draft_service.speculate import CHAIN_MIN_RTT, LinkEstimate, PeerTarget
