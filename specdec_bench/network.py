@@ -236,6 +236,12 @@ def aggregate_network(records: list[NetworkRecord], configs: list[Config],
                         "mean_accepted_length": toks / fwd if fwd else None,
                         **{share: _median([r.sample.stats.get(field, 0.0) / r.sample.wall_s for r in rs
                                            if r.sample.wall_s > 0]) for share, field in LINKS},
+                        # the share of the request's wall time its draft and its target computed (sizing the
+                        # pools: a request keeps this much of one draft replica's model thread busy)
+                        **{share: _median([r.sample.stats.get(field, 0.0) / r.sample.wall_s for r in rs
+                                           if r.sample.wall_s > 0])
+                           for share, field in (("draft_busy_share", "draft_busy_s"),
+                                                ("target_busy_share", "target_busy_s"))},
                         "kept": _paired_ratio(rs, base) if base else None,
                         "vs_best_sd": _paired_ratio(rs, sel(plane, rtt, t, best_sd)) if best_sd else None,
                         "best_sd": best_sd,
