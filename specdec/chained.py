@@ -76,8 +76,6 @@ class ChainedRounds:
         base = min(run.draft_fed, len(prefix) - 1)
         self.stream = self.draft.draft_stream(self.sid, base, prefix[base:], room, StopSpec("fixed"), self.block,
                                               run.take_features()).__aiter__()
-        self.stream_base = base  # the draft holds prefix[:base] + what it is fed and drafts from here
-        self.stream_fed = len(prefix) - 1  # prefix positions the draft will hold before its first drafted token
         self.next_block = asyncio.ensure_future(self.stream.__anext__())
 
     async def _stop_stream(self) -> None:
@@ -88,12 +86,14 @@ class ChainedRounds:
             await self.draft.cancel(self.sid)
         try:
             blk = await task
-            self.run.stats.wasted_draft_tokens += len(blk.tokens)  # drafted, never sent: the speculation it built on
+            st = self.run.stats  # drafted, never sent: the speculation it built on was dropped
+            st.draft_tokens += len(blk.tokens)
+            st.wasted_draft_tokens += len(blk.tokens)
+            st.draft_busy_s += blk.draft_ns / 1e9
         except StopAsyncIteration:
             pass
         await stream.aclose()
-        # what the cancelled stream may hold beyond the committed history is dropped at its next call (`_restart`
-        # keeps `draft_fed` within what is known right)
+        # what the stopped stream drafted beyond `run.draft_fed` is dropped by the draft's next call (its base)
 
     def _on_block(self, blk: DraftBlock) -> None:
         run = self.run
