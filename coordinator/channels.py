@@ -4,16 +4,8 @@ from __future__ import annotations
 
 import grpc
 
+from specdec_rpc.channels import CHANNEL_OPTIONS, open_channel
 from specdec_rpc.pb import draft_pb2, draft_pb2_grpc, target_pb2_grpc
-
-CHANNEL_OPTIONS = [("grpc.keepalive_time_ms", 30_000), ("grpc.keepalive_timeout_ms", 10_000),
-                   ("grpc.max_receive_message_length", 16 * 1024 * 1024),
-                   ("grpc.max_send_message_length", 16 * 1024 * 1024),
-                   # a replica back after an outage (a restart on the same address) is reached within ~2 s: gRPC's
-                   # default backoff grows to 120 s, and meanwhile every call failed UNAVAILABLE while the health
-                   # check, on a channel of its own, said SERVING (8 s after a 20 s outage, 13 s after 60 s)
-                   ("grpc.initial_reconnect_backoff_ms", 250), ("grpc.min_reconnect_backoff_ms", 250),
-                   ("grpc.max_reconnect_backoff_ms", 2_000)]
 
 
 class Dialer:
@@ -39,11 +31,7 @@ class Dialer:
                    tls.get("server_names"))
 
     def open(self, kind: str, endpoint: str, options=()) -> grpc.aio.Channel:
-        if self.credentials is None:
-            return grpc.aio.insecure_channel(endpoint, options=list(options))
-        name = self.server_names.get(kind)
-        extra = [("grpc.ssl_target_name_override", name)] if name else []
-        return grpc.aio.secure_channel(endpoint, self.credentials, options=list(options) + extra)
+        return open_channel(endpoint, self.credentials, self.server_names.get(kind, ""), options)
 
 
 class Channels:

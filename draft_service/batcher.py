@@ -90,6 +90,18 @@ class DraftBatcher:
             self.metrics.batch_size.observe(1)
         return self.worker.draft(session_id, *args)
 
+    async def draft_whole(self, session_id: str, *args) -> tuple[list[DraftBlock], DraftEntry | None]:
+        """A draft nobody cuts, whole: drafted here when `draft_here` may, else submitted and collected. → its
+        blocks, and its entry (its wait for the step loop; None where drafted here)."""
+        blk = self.draft_here(session_id, *args)
+        if blk is not None:
+            return [blk], None
+        entry = self.submit(session_id, *args)
+        try:
+            return [b async for b in self.blocks(entry)], entry
+        finally:
+            entry.abandoned = True
+
     def _depth(self) -> None:
         if self.metrics is not None:  # the draft pool's HPA scales on this (deploy/base/draft/hpa.yaml)
             self.metrics.queue_depth.set(len(self._pending))

@@ -84,16 +84,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
     async def Draft(self, request, context) -> draft_pb2.DraftResponse:
         clock = CallClock() if self.spans is not None else None
         _, args = self._args(request)
-        blk = self.batcher.draft_here(*args)
-        entry = None
-        if blk is not None:
-            blocks = [blk]
-        else:
-            entry = self.batcher.submit(*args)
-            try:
-                blocks = [b async for b in self.batcher.blocks(entry)]
-            finally:
-                entry.abandoned = True
+        blocks, entry = await self.batcher.draft_whole(*args)
         self.metrics.num_drafts.inc()
         tokens = [t for b in blocks for t in b.tokens]
         self.count_blocks(blocks)

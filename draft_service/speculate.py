@@ -37,22 +37,16 @@ from specdec.stop import StopSpec, make_stop_rule
 from specdec.verify import SparseDist
 from specdec.workers.base import TargetFeatures
 from specdec.workers.target import VerifyOutcome
-from specdec_rpc.convert import (encode_q, features_from_proto, logprobs_from_proto, logprobs_rows_to_proto,
-                                 request_from_speculate, sampling_to_proto, stats_to_proto)
+from specdec_rpc.channels import open_channel
+from specdec_rpc.convert import (FAILED_TARGET_KEY, VERIFY_METHOD_PB, encode_q, features_from_proto,
+                                 logprobs_rows_to_proto, request_from_speculate, sampling_to_proto, stats_to_proto,
+                                 verify_outcome)
 from specdec_rpc.pb import common_pb2, draft_pb2, target_pb2, target_pb2_grpc
 from specdec_rpc.rounds import BusyWaits, RoundStream
 
 log = logging.getLogger(__name__)
 
 PEER_TIMEOUT_S = 60.0  # the longest one call to the target replica may take (the coordinator's rpc_timeout_s)
-FAILED_TARGET_KEY = "specdec-failed-target"  # trailing metadata: the target replica whose failure ended the call
-_METHOD = {"greedy": common_pb2.VERIFY_METHOD_GREEDY, "token": common_pb2.VERIFY_METHOD_TOKEN,
-           "block": common_pb2.VERIFY_METHOD_BLOCK}
-_PEER_OPTIONS = [("grpc.keepalive_time_ms", 30_000), ("grpc.keepalive_timeout_ms", 10_000),
-                 ("grpc.max_receive_message_length", 16 * 1024 * 1024),
-                 ("grpc.max_send_message_length", 16 * 1024 * 1024),
-                 ("grpc.initial_reconnect_backoff_ms", 250), ("grpc.min_reconnect_backoff_ms", 250),
-                 ("grpc.max_reconnect_backoff_ms", 2_000)]
 
 
 def parse_routes(spec: str) -> dict[str, str]:
@@ -107,15 +101,7 @@ class LocalDraft:
                     block_size: int, features: list[TargetFeatures] | None = None) -> DraftBlock:
         args = self._args(session_id, base_position, append, gamma_max, stop, block_size, features)
         self.servicer.metrics.num_drafts.inc()
-        blk = self.batcher.draft_here(*args)
-        if blk is not None:
-            self.servicer.count_blocks([blk])
-            return blk
-        entry = self.batcher.submit(*args)
-        try:
-            blocks = [b async for b in self.batcher.blocks(entry)]
-        finally:
-            entry.abandoned = True
+        blocks, _ = await self.batcher.draft_whole(*args)
         self.servicer.count_blocks(blocks)
         return DraftBlock(tokens=[t for b in blocks for t in b.tokens], q=[d for b in blocks for d in b.q],
                           stop_reason=blocks[-1].stop_reason, draft_ns=sum(b.draft_ns for b in blocks),
@@ -127,14 +113,6 @@ class LocalDraft:
     async def end(self, session_id: str) -> None:
         with contextlib.suppress(Exception):  # expired or evicted meanwhile: nothing to end
             await self.host.end_session(session_id)
-
-
-def _outcome(r: target_pb2.VerifyResponse) -> VerifyOutcome:
-    return VerifyOutcome(r.num_accepted, r.next_token if r.HasField("next_token") else None,
-                         forward_ns=r.forward_ns, verify_ns=r.verify_ns, forwarded=r.forward_ns > 0,
-                         batch_size=r.batch_size,
-                         features=features_from_proto([r.features])[0] if r.HasField("features") else None,
-                         logprobs=logprobs_from_proto(r.logprobs) if r.HasField("logprobs") else None)
 
 
 class _Pipe:
@@ -241,7 +219,7 @@ class PeerTarget:
                      q: list[SparseDist] | None, method: str, feed_draft: bool = True,
                      sample_bonus: bool = True) -> VerifyOutcome:
         req = target_pb2.VerifyRequest(session_id=session_id, base_position=base_position, feed_ids=feed,
-                                       draft_ids=draft, method=_METHOD[method], feed_draft=feed_draft,
+                                       draft_ids=draft, method=VERIFY_METHOD_PB[method], feed_draft=feed_draft,
                                        sample_bonus=sample_bonus, q=encode_q(q) if q else None)
         busy = BusyWaits()
         while True:
@@ -258,7 +236,7 @@ class PeerTarget:
             self.queue_ns += r.queue_ns
             self.link.round_trip(rtt_ns / 1e9)
             self.link.forward(r.forward_ns / 1e9)
-            return _outcome(r)
+            return verify_outcome(r)
 
     async def verify_chained(self, session_id: str, base_position: int, assumed: list[int],
                              proposals: list[int]) -> asyncio.Future:
@@ -290,7 +268,7 @@ class PeerTarget:
                 self._last_answer_ns = now
                 self.queue_ns += r.queue_ns
                 self.link.forward(r.forward_ns / 1e9)
-                o = _outcome(r)
+                o = verify_outcome(r)
                 o.committed, o.committed_from, o.proposed = list(r.committed_ids), r.committed_from, r.proposed
                 out.set_result(o)
 
@@ -358,11 +336,7 @@ class PeerChannels:
         address = self.routes.get(endpoint, endpoint)
         key = (address, server_name)
         if key not in self._ch:
-            if self.credentials is None:
-                self._ch[key] = grpc.aio.insecure_channel(address, options=_PEER_OPTIONS)
-            else:
-                extra = [("grpc.ssl_target_name_override", server_name)] if server_name else []
-                self._ch[key] = grpc.aio.secure_channel(address, self.credentials, options=_PEER_OPTIONS + extra)
+            self._ch[key] = open_channel(address, self.credentials, server_name)
         return self._ch[key]
 
     async def close(self) -> None:

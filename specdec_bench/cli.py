@@ -130,14 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         bench.close()
     rows = aggregate(records, crecs, bench.configs, opts.concurrency_mode)
     goals = acceptance(records, rows, opts.concurrency_mode)
-    meta.update(load_avg_end=list(os.getloadavg()), elapsed_s=time.time() - t0, notes=bench.notes,
-                max_new_tokens=opts.max_new_tokens, repeats=opts.repeats,
-                prompts=", ".join(f"{s} ×{sum(p.prompt_set == s for p in bench.prompts)}"
-                                  for s in dict.fromkeys(p.prompt_set for p in bench.prompts)))
-    run = {k: meta[k] for k in ("command", "elapsed_s", "load_avg_end", "max_new_tokens", "repeats", "prompts")}
-    run.update(meta["machine"])
-    for r in rows:
-        r["run"] = run
+    run = _stamp_rows(rows, meta, opts, bench, t0)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
@@ -151,6 +144,21 @@ def main(argv: list[str] | None = None) -> int:
         plot(rows, args.plot, title=f"specdec bench ({meta['machine']['git_commit']})")
     print(md)
     return 0
+
+
+def _stamp_rows(rows: list[dict], meta: dict, opts: BenchOptions, bench, t0: float, more: tuple[str, ...] = (),
+                **extra) -> dict:
+    """Complete `meta` at the run's end (`extra` too) and give every row the run's description (the command, its
+    time, load and prompts, the machine; and the `more` keys of meta). → that description."""
+    meta.update(load_avg_end=list(os.getloadavg()), elapsed_s=time.time() - t0, notes=bench.notes,
+                max_new_tokens=opts.max_new_tokens, repeats=opts.repeats, **extra,
+                prompts=", ".join(f"{s} ×{sum(p.prompt_set == s for p in bench.prompts)}"
+                                  for s in dict.fromkeys(p.prompt_set for p in bench.prompts)))
+    run = {k: meta[k] for k in ("command", "elapsed_s", "load_avg_end", "max_new_tokens", "repeats", "prompts", *more)}
+    run.update(meta["machine"])
+    for r in rows:
+        r["run"] = run
+    return run
 
 
 def network_main(args, opts: BenchOptions, network, meta: dict, t0: float, log) -> int:
@@ -168,16 +176,7 @@ def network_main(args, opts: BenchOptions, network, meta: dict, t0: float, log) 
         bench.close()
     T = bench.target_forward_s
     rows = aggregate_network(records, bench.configs, T)
-    meta.update(load_avg_end=list(os.getloadavg()), elapsed_s=time.time() - t0, notes=bench.notes,
-                max_new_tokens=opts.max_new_tokens, repeats=opts.repeats,
-                target_forward_ms=T * 1e3 if T else None,
-                prompts=", ".join(f"{s} ×{sum(p.prompt_set == s for p in bench.prompts)}"
-                                  for s in dict.fromkeys(p.prompt_set for p in bench.prompts)))
-    run = {k: meta[k] for k in ("command", "elapsed_s", "load_avg_end", "max_new_tokens", "repeats", "prompts",
-                                "target_forward_ms", "notes")}
-    run.update(meta["machine"])
-    for r in rows:
-        r["run"] = run
+    _stamp_rows(rows, meta, opts, bench, t0, ("target_forward_ms", "notes"), target_forward_ms=T * 1e3 if T else None)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

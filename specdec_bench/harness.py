@@ -76,6 +76,18 @@ class ConcurrencyRecord:
     samples: list[Sample] = field(default_factory=list)
 
 
+def resolve_inputs(o: BenchOptions):
+    """What a run reads, resolved once: (target dir, draft dir or None, pre-verifier dir or None, prompts, the target's
+    EOS ids). No prompts is an error."""
+    target_dir = resolve_model(o.target)
+    draft_dir = resolve_model(o.draft) if o.draft else None
+    pv_path = o.preverifier or default_preverifier_dir(o.draft)
+    prompts = load_prompt_sets(load_tokenizer(target_dir), list(o.prompt_sets), o.n_per_set, o.prompts_file)
+    if not prompts:
+        raise ValueError("no prompts to run")
+    return target_dir, draft_dir, pv_path, prompts, tuple(sorted(eos_token_ids(target_dir)))
+
+
 def build_configs(opts: BenchOptions, has_preverifier: bool) -> list[Config]:
     m = set(opts.modes)
     out: list[Config] = []
@@ -107,14 +119,7 @@ class Bench:
     def setup(self) -> None:
         o = self.opts
         torch.set_num_threads(1)  # this thread only orchestrates; compute threads set their own counts
-        self.target_dir = resolve_model(o.target)
-        self.draft_dir = resolve_model(o.draft) if o.draft else None
-        self.pv_path = o.preverifier or default_preverifier_dir(o.draft)
-        tok = load_tokenizer(self.target_dir)
-        self.prompts = load_prompt_sets(tok, list(o.prompt_sets), o.n_per_set, o.prompts_file)
-        if not self.prompts:
-            raise ValueError("no prompts to run")
-        self.eos = tuple(sorted(eos_token_ids(self.target_dir)))
+        self.target_dir, self.draft_dir, self.pv_path, self.prompts, self.eos = resolve_inputs(o)
         self.configs = build_configs(o, self.pv_path is not None)
         if self.pv_path is None and {"pacer", "pacer_pearl"} & set(o.modes):
             self.notes.append("no pre-verifier found: pacer and pacer_pearl were not run (pass --preverifier)")

@@ -30,12 +30,8 @@ from dataclasses import dataclass
 import torch
 
 from coordinator.stack import LocalStack
-from specdec.hub import resolve_model
 from specdec.model import load_model_dir
-from specdec.preverifier import default_preverifier_dir
-from specdec.tokenizer import eos_token_ids, load_tokenizer
-from specdec_bench.harness import BenchOptions, _drain, _median, _progress
-from specdec_bench.prompts import load_prompt_sets
+from specdec_bench.harness import BenchOptions, _drain, _median, _progress, resolve_inputs
 from specdec_bench.runners import Config, Sample, StackClient, StackRunner
 
 DATA_PLANES = ("coordinator", "direct")
@@ -108,14 +104,7 @@ class NetworkBench:
     def setup(self) -> None:
         o = self.opts
         torch.set_num_threads(1)  # this thread only orchestrates (and measures T on one thread, as a replica runs)
-        self.target_dir = resolve_model(o.target)
-        self.draft_dir = resolve_model(o.draft)
-        self.pv_path = o.preverifier or default_preverifier_dir(o.draft)
-        tok = load_tokenizer(self.target_dir)
-        self.prompts = load_prompt_sets(tok, list(o.prompt_sets), o.n_per_set, o.prompts_file)
-        if not self.prompts:
-            raise ValueError("no prompts to run")
-        self.eos = tuple(sorted(eos_token_ids(self.target_dir)))
+        self.target_dir, self.draft_dir, self.pv_path, self.prompts, self.eos = resolve_inputs(o)
         self.configs = network_configs(o, self.pv_path is not None)
         if self.pv_path is None and {"pacer", "pacer_pearl"} & set(o.modes):
             self.notes.append("no pre-verifier found: pacer and pacer_pearl were not run (pass --preverifier)")

@@ -22,7 +22,8 @@ from specdec.request import GenerationRequest, GenerationStats
 from specdec.sampling import SamplingParams, TokenLogprobs
 from specdec.verify import SparseDist
 from specdec.workers.base import TargetFeatures
-from specdec_rpc.pb import common_pb2, draft_pb2
+from specdec.workers.target import VerifyOutcome
+from specdec_rpc.pb import common_pb2, draft_pb2, target_pb2
 
 _TO_PB = {torch.float32: common_pb2.DTYPE_FLOAT32, torch.float16: common_pb2.DTYPE_FLOAT16,
           torch.bfloat16: common_pb2.DTYPE_BFLOAT16, torch.int32: common_pb2.DTYPE_INT32,
@@ -197,6 +198,21 @@ def draft_block(r, tokens: list[int] | None = None, q: list | None = None):
     return DraftBlock(tokens=list(r.token_ids) if tokens is None else tokens,
                       q=decode_q(r.q, check=False) if q is None else q, stop_reason=_STOP_REASON.get(r.stop_reason, ""),
                       draft_ns=r.draft_ns, final=getattr(r, "last", True), block_size=r.block_size)
+
+
+VERIFY_METHOD_PB = {"greedy": common_pb2.VERIFY_METHOD_GREEDY, "token": common_pb2.VERIFY_METHOD_TOKEN,
+                    "block": common_pb2.VERIFY_METHOD_BLOCK}
+# Speculate's trailing metadata: the target replica whose failure ended the call (draft_service/speculate.py)
+FAILED_TARGET_KEY = "specdec-failed-target"
+
+
+def verify_outcome(r: target_pb2.VerifyResponse) -> VerifyOutcome:
+    """A VerifyResponse as the schedule's VerifyOutcome (a chained verify's caller adds what it committed)."""
+    return VerifyOutcome(r.num_accepted, r.next_token if r.HasField("next_token") else None,
+                         forward_ns=r.forward_ns, verify_ns=r.verify_ns, forwarded=r.forward_ns > 0,
+                         batch_size=r.batch_size,
+                         features=features_from_proto([r.features])[0] if r.HasField("features") else None,
+                         logprobs=logprobs_from_proto(r.logprobs) if r.HasField("logprobs") else None)
 
 
 _OPTIONAL_REQUEST = ("gamma", "block_size", "pacer_threshold", "pacer_post_threshold", "pacer_skip_below",

@@ -32,10 +32,11 @@ from typing import AsyncIterator
 import grpc
 
 from specdec.errors import SessionNotFoundError
-from specdec_rpc.pb import common_pb2, draft_pb2, target_pb2
+from specdec_rpc.pb import draft_pb2, target_pb2
 from specdec.sampling import SamplingParams
-from specdec_rpc.convert import (decode_q, draft_block, draft_request, encode_q, features_from_proto,
-                                   features_to_proto, logprobs_from_proto, sampling_to_proto)
+from specdec_rpc.convert import (VERIFY_METHOD_PB, decode_q, draft_block, draft_request, encode_q,
+                                   features_from_proto, features_to_proto, logprobs_from_proto, sampling_to_proto,
+                                   verify_outcome)
 from specdec_rpc.rounds import BusyWaits, RoundStream
 from specdec.stop import StopSpec
 from specdec.verify import SparseDist
@@ -51,8 +52,6 @@ from coordinator.backends.moves import (PoolView, after_call, before_call, end_i
                                         take_room)
 
 log = logging.getLogger(__name__)
-_METHOD = {"greedy": common_pb2.VERIFY_METHOD_GREEDY, "token": common_pb2.VERIFY_METHOD_TOKEN,
-           "block": common_pb2.VERIFY_METHOD_BLOCK}
 
 
 class _Pinned:
@@ -406,7 +405,7 @@ class RemoteTarget(_Pinned):
 
         def call():  # built per try: a rebuild moves base and fd
             req = target_pb2.VerifyRequest(session_id=session_id, base_position=base, feed_ids=fd,
-                                           draft_ids=draft, method=_METHOD[method], feed_draft=feed_draft,
+                                           draft_ids=draft, method=VERIFY_METHOD_PB[method], feed_draft=feed_draft,
                                            sample_bonus=sample_bonus, q=q_bytes)
             return self.rounds.call(self.endpoint, req, self._unary_verify)
 
@@ -417,8 +416,4 @@ class RemoteTarget(_Pinned):
             await after_call(self)
         kept = base + len(fd) + (r.num_accepted if feed_draft else 0)
         self.fed = (self.fed[:base] + fd + (list(draft) if feed_draft else []))[:kept]
-        return VerifyOutcome(r.num_accepted, r.next_token if r.HasField("next_token") else None,
-                             forward_ns=r.forward_ns, verify_ns=r.verify_ns, forwarded=r.forward_ns > 0,
-                             batch_size=r.batch_size,
-                             features=features_from_proto([r.features])[0] if r.HasField("features") else None,
-                             logprobs=logprobs_from_proto(r.logprobs) if r.HasField("logprobs") else None)
+        return verify_outcome(r)

@@ -21,11 +21,11 @@ import grpc
 
 from specdec.request import GenerationRequest, GenerationResult, GenerationStats
 from specdec_rpc.aio import within
-from specdec_rpc.convert import logprobs_rows_from_proto, speculate_request, stats_from_proto
+from specdec_rpc.convert import (FAILED_TARGET_KEY, logprobs_rows_from_proto, speculate_request,
+                                 stats_from_proto)
 
 from coordinator.backends.clients import RemoteDraft, RemoteTarget
 
-FAILED_TARGET_KEY = "specdec-failed-target"  # draft_service/speculate.py: names a target replica that failed
 # statuses after which the request goes on with the coordinator's own rounds (the replica's fault, or an older
 # draft replica without `Speculate`); any other status is the request's answer
 _RESUMABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN,

@@ -80,6 +80,23 @@ def request_from_dict(d: dict) -> GenerationRequest:
     return req
 
 
+async def go_on(req: GenerationRequest, head: list[int], head_logprobs: list, session_id: str, run,
+                **changes) -> GenerationResult:
+    """A request interrupted after the tokens `head` (verified and delivered) goes on from them: `run(rest)`
+    generates the rest, a request whose prompt ends with the head (`changes` applied), in a session of its own
+    (`session_id`: the interrupted one has ended). Nothing is left where the head holds an EOS or the whole length.
+    → the whole request's result."""
+    ended = any(t in req.eos_token_ids for t in head)
+    if ended or len(head) >= req.max_new_tokens:
+        return GenerationResult(head, "stop" if ended else "length", GenerationStats(mode=req.mode),
+                                head_logprobs if req.params.logprobs >= 0 else None)
+    rest = dataclasses.replace(req, prompt_ids=req.prompt_ids + head, max_new_tokens=req.max_new_tokens - len(head),
+                               session_id=session_id, **changes)
+    res = await run(rest)
+    return GenerationResult(head + res.token_ids, res.finish_reason, res.stats,
+                            head_logprobs + res.logprobs if res.logprobs is not None else None)
+
+
 class AsyncPool:
     """Awaitable facade over an in-process PoolManager (the Ray facade lives in actor.py)."""
 
@@ -248,19 +265,13 @@ class Pipeline:
                 # a target-only request goes on from them, in a session of its own (the failed one has ended)
                 self._warn_fallback(e, req.session_id)
                 fallback = "context" if isinstance(e, DraftContextError) else "unreachable"
-                head, head_logprobs = list(committed), list(seen_logprobs)
-                ended = next((t for t in head if t in req.eos_token_ids), None) is not None
-                if ended or len(head) >= req.max_new_tokens:  # it failed after its last token: nothing is left
-                    res = GenerationResult(head, "stop" if ended else "length", GenerationStats(mode=req.mode),
-                                           head_logprobs if req.params.logprobs >= 0 else None)
-                else:
-                    rest = dataclasses.replace(req, prompt_ids=req.prompt_ids + head, mode="ar",
-                                               max_new_tokens=req.max_new_tokens - len(head),
-                                               session_id=f"{req.session_id}-ar")
+                async def target_only(rest: GenerationRequest) -> GenerationResult:
+                    nonlocal target, draft
                     target, draft = self._backends(rest, n_prompt, reserve, False, trace)
-                    res = await generate(rest, None, target, tracking)
-                    res = GenerationResult(head + res.token_ids, res.finish_reason, res.stats,
-                                           head_logprobs + res.logprobs if res.logprobs is not None else None)
+                    return await generate(rest, None, target, tracking)
+
+                res = await go_on(req, list(committed), list(seen_logprobs), f"{req.session_id}-ar", target_only,
+                                  mode="ar")
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - reported to the client as a status
@@ -314,16 +325,8 @@ class Pipeline:
                         len(committed))
             if e.failed:
                 await (target if e.failed == "target" else draft).replace_replica(e.error)
-            head, head_logprobs = list(committed), list(seen_logprobs)
-            ended = next((t for t in head if t in req.eos_token_ids), None) is not None
-            if ended or len(head) >= req.max_new_tokens:
-                return GenerationResult(head, "stop" if ended else "length", GenerationStats(mode=req.mode),
-                                        head_logprobs if req.params.logprobs >= 0 else None)
-            rest = dataclasses.replace(req, prompt_ids=req.prompt_ids + head,
-                                       max_new_tokens=req.max_new_tokens - len(head), session_id=f"{sid}-resumed")
-            res = await generate(rest, draft, target, tracking)
-            return GenerationResult(head + res.token_ids, res.finish_reason, res.stats,
-                                    head_logprobs + res.logprobs if res.logprobs is not None else None)
+            return await go_on(req, list(committed), list(seen_logprobs), f"{sid}-resumed",
+                               lambda rest: generate(rest, draft, target, tracking))
         await asyncio.gather(draft.unpin(), target.unpin())  # the draft replica ended both sessions
         return res
 
