@@ -57,9 +57,11 @@ def main(argv=None) -> None:
                          "F.linear for more; gemv+packed = gemv, prepacked oneDNN weights for more rows (the "
                          "untuned default); packed = prepacked for every row count; tuned = measured on this host, "
                          "with its row padding; tuned-unpadded = the same kernels without row padding")
-    ap.add_argument("--attention", nargs="+", default=["native"], choices=["native", "torch"],
-                    help="native = specdec/csrc's decode attention where it runs (the default); torch = the torch "
-                         "path (specdec/attention.py, row by row in a batch)")
+    ap.add_argument("--attention", nargs="+", default=["native"], choices=["native", "native-ops", "torch"],
+                    help="native = specdec/csrc's decode attention where it runs, and whole decoder layers as one "
+                         "native call where every linear streams (the default: `native_layers`); native-ops = the "
+                         "same kernels layer by layer between torch ops (`native_layers` off); torch = the torch path "
+                         "(specdec/attention.py, row by row in a batch)")
     ap.add_argument("--sessions", nargs="+", type=int, default=[1],
                     help="sessions per forward (a batched step: each session's rows, contexts 8 positions apart)")
     ap.add_argument("--bandwidth", action="store_true",
@@ -98,7 +100,7 @@ def main(argv=None) -> None:
             set_plan(models[dt], PLANS[kernel])
         toks = torch.randint(0, 1000, (b, n))
         pos = torch.stack([torch.arange(args.context + 8 * i, args.context + 8 * i + n) for i in range(b)])
-        with settings.override(native=attention == "native"):
+        with settings.override(native=attention != "torch", native_layers=attention == "native"):
             in_linears[0] = 0.0
             t = time.perf_counter()
             models[dt](toks, pos, torch.arange(b), kvs[dt])
@@ -154,9 +156,14 @@ def main(argv=None) -> None:
                 weights = step_bytes(models[v[0]], 0)
                 one = statistics.median(times[(v, (1, 1))])
                 lin = statistics.median(linear_times[(v, (1, 1))][-args.repeats:])
-                print(f"| {v[0]} | {v[1]} | {need / 1e6:.0f} MB | {need / bw * 1e3:.1f} ms | {one * 1e3:.1f} ms | "
-                      f"{one / (need / bw):.2f} | {lin * 1e3:.1f} ms | {weights / bw * 1e3:.1f} ms | "
-                      f"{lin / (weights / bw):.2f} |")
+                with settings.override(native=v[2] != "torch", native_layers=v[2] == "native"):
+                    once(v, (1, 1))  # the variant's plans, then: do its layers run as native calls?
+                    whole = v[2] == "native" and models[v[0]]._native_layers(1, models[v[0]].dtype) is not None
+                # native layers run their linears inside one C call per layer: only the head is timed apart
+                lin_cells = "- | - | -" if whole else \
+                    f"{lin * 1e3:.1f} ms | {weights / bw * 1e3:.1f} ms | {lin / (weights / bw):.2f}"
+                print(f"| {v[0]} | {v[1]}{' (native layers)' if whole else ''} | {need / 1e6:.0f} MB | "
+                      f"{need / bw * 1e3:.1f} ms | {one * 1e3:.1f} ms | {one / (need / bw):.2f} | {lin_cells} |")
 
 
 if __name__ == "__main__":

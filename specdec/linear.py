@@ -191,6 +191,18 @@ class Linear(nn.Linear):
             return MIN_INVARIANT_ROWS  # never a one-row oneDNN call
         return run
 
+    def streams(self, rows: int, dtype: torch.dtype) -> bool:
+        """Whether `forward` on `rows` rows of a CPU input of `dtype` runs every one of them on the streaming
+        kernel, with this layer's weight (and bias) of that dtype: then the native decoder layer may run it
+        (`specdec.model.DecoderLayer.runs_natively`), the same kernel called from C."""
+        w = self.weight
+        if type(self) is not Linear or w.dtype is not dtype or w.device.type != "cpu" or dtype not in _STREAM_DTYPES \
+                or (dtype is torch.float32 and self.plan is None) or (self.bias is not None and self.bias.dtype is not dtype):
+            return False
+        calls = [rows] if not self.row_invariant or rows <= MAX_INVARIANT_ROWS \
+            else [MAX_INVARIANT_ROWS, rows % MAX_INVARIANT_ROWS or MAX_INVARIANT_ROWS]
+        return all(self.kernel_for(self.rows_to_run(r)) == "stream" for r in calls)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # bf16 on a CPU: the plan; fp32 only where tuning gave it one (hosts where `stream_supported`)
         if x.device.type == "cpu" and (x.dtype is torch.bfloat16 or (x.dtype is torch.float32 and self.plan is not None

@@ -289,6 +289,25 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
+    def runs_natively(self, rows: int, dtype: torch.dtype) -> bool:
+        """Whether a forward of `rows` rows (all sessions of a step or verify) with native attention may run as one
+        native call (`specdec.native.decoder_layer`): every linear of the layer runs on the streaming kernel for
+        that many rows (`Linear.streams`: hosts without native bf16 GEMMs), projections fused, no q/k norm, norms
+        of the model's dtype. The call runs the same kernels in the same order, without ~25 torch ops between them."""
+        a, m = self.self_attn, self.mlp
+        return (a.qkv_proj is not None and m.gate_up_proj is not None and not a.cfg.qk_norm
+                and a.o_proj.bias is None and m.gate_up_proj.bias is None and m.down_proj.bias is None
+                and self.input_layernorm.weight.dtype is dtype and self.post_attention_layernorm.weight.dtype is dtype
+                and all(lin.streams(rows, dtype) for lin in (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj)))
+
+    def native_weights(self) -> tuple[int, ...]:
+        """The layer's weights as `specdec.native.decoder_layer` takes them (valid while `runs_natively` holds and
+        the weights stay where they are: `CausalLM` checks both at every forward)."""
+        a, m = self.self_attn, self.mlp
+        return native.tensor_args(self.input_layernorm.weight, self.post_attention_layernorm.weight,
+                                  a.qkv_proj.weight, a.qkv_proj.bias, a.o_proj.weight, m.gate_up_proj.weight,
+                                  m.down_proj.weight)
+
     def forward(self, x, cos, sin, layer, kv, slots, positions, mask, kv_len, visible=None):
         attn = self.self_attn(self.input_layernorm(x), cos, sin, layer, kv, slots, positions, mask, kv_len, visible)
         x, h = self.post_attention_layernorm(x, attn)  # the residual add and the norm in one pass
@@ -327,6 +346,8 @@ class CausalLM(nn.Module):
         self.register_buffer("vocab_subset", vocab_subset, persistent=False)
         self.register_buffer("to_compact", to_compact, persistent=False)
         self._rope_cache: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._routing_parts: list | None = None  # _native_layers' memo and what its key reads
+        self._native_memo: dict = {}
 
     @property
     def device(self) -> torch.device:
@@ -349,6 +370,27 @@ class CausalLM(nn.Module):
             self._rope_cache = (cos, torch.cat((-sin[:, :half], sin[:, half:]), dim=-1))
         cos, sin_signed = self._rope_cache
         return cos[positions], sin_signed[positions]
+
+    def _native_layers(self, rows: int, dtype: torch.dtype) -> list[tuple[int, ...]] | None:
+        """Each layer's weights for `specdec.native.decoder_layer` if every layer runs natively for `rows` rows of
+        `dtype` (`DecoderLayer.runs_natively`), else None. Memoized per (rows, dtype) under a key of everything the
+        answer depends on (each linear's plan, padding and row invariance, every weight's address and dtype), which
+        costs ~100 µs a forward against ~1.5 ms to ask each layer."""
+        if self._routing_parts is None:
+            mods = list(self.model.layers.modules())
+            self._routing_parts = ([m for m in mods if isinstance(m, Linear)],
+                                   [p for m in mods if isinstance(m, (Linear, RMSNorm)) for p in m.parameters(False)])
+        linears, params = self._routing_parts
+        key = (tuple([(m.plan, m.pad_to, m.row_invariant) for m in linears]),
+               tuple([p.data_ptr() for p in params]), tuple([p.dtype for p in params]))
+        memo = self._native_memo.get((rows, dtype))
+        if memo is not None and memo[0] == key:
+            return memo[1]
+        layers = self.model.layers
+        weights = [layer.native_weights() for layer in layers] \
+            if native.stream_linear_supported() and all(layer.runs_natively(rows, dtype) for layer in layers) else None
+        self._native_memo[(rows, dtype)] = (key, weights)
+        return weights
 
     def full_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.expand_logits(self.lm_head(hidden).float())
@@ -391,8 +433,18 @@ class CausalLM(nn.Module):
             if features is None or features.shape[:2] != tokens.shape:
                 raise ValueError("a feature draft needs one target feature per input token")
             x = self.fc(torch.cat((x, features.to(x.dtype) * self.config.feature_scale), dim=-1))
-        for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, i, kv, slots, positions, mask, kv_len, visible)
+        native_weights = None
+        if visible is not None and settings.get().native_layers and kv.k[0].dtype is x.dtype:
+            native_weights = self._native_layers(B * S, x.dtype)
+        if native_weights is not None:  # each layer one native call (specdec/csrc/decoder_layer.c)
+            cfg = self.config
+            x, cos, sin = x.contiguous(), cos.to(x.dtype).contiguous(), sin.to(x.dtype).contiguous()
+            for i, weights in enumerate(native_weights):
+                native.decoder_layer(x, weights, cfg.rms_norm_eps, cfg.num_attention_heads, cfg.num_key_value_heads,
+                                     cfg.intermediate_size, cos, sin, kv.k[i], kv.v[i], slots, visible)
+        else:
+            for i, layer in enumerate(self.model.layers):
+                x = layer(x, cos, sin, i, kv, slots, positions, mask, kv_len, visible)
         hidden = self.model.norm(x)
         rows = hidden if logits_rows is None else hidden[:, logits_rows]
         if compact_logits:

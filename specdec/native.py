@@ -46,7 +46,7 @@ _CSRC = Path(__file__).resolve().parent / "csrc"
 # that subnormals survive the load). The streaming linear is row-invariant only if the compiler keeps its order of
 # operations: no -ffast-math, no contraction beyond its own FMAs.
 SOURCES = {_CSRC / "decode_attention.c": ("-ffast-math",), _CSRC / "rms_norm.c": ("-ffast-math",),
-           _CSRC / "stream_linear.c": ("-ffp-contract=off",)}
+           _CSRC / "stream_linear.c": ("-ffp-contract=off",), _CSRC / "decoder_layer.c": ("-ffp-contract=off",)}
 CFLAGS = ("-O3", "-fPIC")
 # The instruction set the build targets (`specdec.settings` `isa`): this CPU's, or an AVX2-only x86 host's (the
 # emulation of one on a richer host).
@@ -124,6 +124,9 @@ def _library():
     lib.specdec_rms_norm.restype = None
     lib.specdec_stream_linear.argtypes = [i32] * 3 + [i64] * 3 + [ptr] * 4
     lib.specdec_stream_linear.restype = i32
+    lib.specdec_decoder_layer.argtypes = [i32] * 7 + [i64, ctypes.c_float, ctypes.c_float] + [ptr] * 10 \
+        + [ptr, i64, i64, i64] * 2 + [ptr, ptr]
+    lib.specdec_decoder_layer.restype = i32
     lib.specdec_stream_linear_supported.argtypes = []
     lib.specdec_stream_linear_supported.restype = i32
     return lib
@@ -214,3 +217,31 @@ def stream_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if rc != 0:
         raise MemoryError("the native streaming linear could not allocate its scratch")
     return y
+
+
+
+def tensor_args(*tensors: torch.Tensor | None) -> tuple[int, ...]:
+    """The addresses of tensors (0 for None) as `decoder_layer` takes a layer's weights. The caller keeps the tensors
+    alive and unchanged in place while it uses them (`specdec.model.CausalLM` checks at every forward)."""
+    return tuple(0 if t is None else t.data_ptr() for t in tensors)
+
+
+def decoder_layer(x: torch.Tensor, weights: tuple[int, ...], eps: float, heads: int, kv_heads: int,
+                  intermediate: int, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                  v_cache: torch.Tensor, slots: torch.Tensor, visible: torch.Tensor) -> None:
+    """One decoder layer of a decode step or verify block in one call (csrc/decoder_layer.c), in place on x
+    [B, S, D] contiguous (the residual stream). `weights`: `tensor_args(ln1, ln2, w_qkv, b_qkv, w_o, w_gate_up,
+    w_down)`, the fused layouts of specdec/fusion.py, all of x's dtype (float32 or bfloat16) and contiguous;
+    cos/sin [B, S, head_dim] contiguous (sin signed, `CausalLM._rope`); the layer's caches as `decode_attention`
+    takes them, each row's k and v written at (slot, visible - 1). The caller checks `stream_linear_supported`, the
+    shapes and dtypes, and that slots and positions lie in the cache (`specdec.model.CausalLM.forward`)."""
+    B, S, D = x.shape
+    hd = k_cache.shape[-1]
+    rc = _library().specdec_decoder_layer(
+        DTYPES[x.dtype], B, S, D, heads, kv_heads, hd, intermediate, eps, hd ** -0.5, x.data_ptr(), *weights,
+        cos.data_ptr(), sin.data_ptr(),
+        k_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.data_ptr(), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        slots.data_ptr(), visible.data_ptr())
+    if rc != 0:
+        raise MemoryError("the native decoder layer could not allocate its work buffers")

@@ -37,6 +37,10 @@ class RuntimeSettings(BaseSettings):
     native: bool = Field(True, description=(
         "the native C kernels (decode attention, RMSNorm; specdec.native) run where they are built; off: the torch "
         "path, and nothing is compiled"))
+    native_layers: bool = Field(True, description=(
+        "a decode step or verify block whose every linear runs on the streaming kernel (hosts without native bf16 "
+        "GEMMs) runs each decoder layer as one native call (specdec.native.decoder_layer); off: layer by layer in "
+        "torch ops around the same kernels"))
     fuse: bool = Field(True, description=(
         "a loaded model runs each layer's q/k/v and gate/up projections as one GEMM each (specdec.fusion); off: the "
         "checkpoint's layout"))
@@ -80,7 +84,7 @@ class RuntimeSettings(BaseSettings):
         return None if isinstance(v, str) and not v.strip() else v
 
 
-_lock = threading.Lock()
+_lock = threading.RLock()  # reentrant: configure and override read get() under it, which may take it first
 _current: RuntimeSettings | None = None
 
 

@@ -108,3 +108,17 @@ def test_prepare_process_sets_the_cache_sizes_unless_set(monkeypatch):
         env = settings.child_environ(OMP_NUM_THREADS="3")
     assert env["LRU_CACHE_CAPACITY"] == "128" and env["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "64"
     assert env["OMP_NUM_THREADS"] == "3"
+
+
+@pytest.mark.parametrize("first", ["override", "configure"])
+def test_override_or_configure_as_a_process_first_read_does_not_deadlock(first):
+    """The first read of the settings may happen inside `override` or `configure`, which hold the lock get() takes
+    to read them: the lock is reentrant."""
+    import subprocess
+    import sys
+
+    code = ("from specdec import settings\n"
+            + ("with settings.override(native=False):\n    assert not settings.get().native\n" if first == "override"
+               else "settings.configure(native=False)\nassert not settings.get().native\n"))
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr

@@ -1,0 +1,150 @@
+/* One Llama-family decoder layer for a decode step or a verify block, in one call: the layer's linears on the
+ * streaming kernel (stream_linear.c), its RMSNorms (rms_norm.c), RoPE, the KV-cache write, the decode attention
+ * (decode_attention.c), SiLU x up and both residual adds.
+ *
+ * Why: a one-row step of the default target spends ~25 ms in its linears and ~15 ms between them in ~25 small torch
+ * ops per layer and their Python dispatch (views, slices, the RoPE's roll, the cache write, the activation, the
+ * adds). On hosts where every linear of the layer runs on the streaming kernel (AVX2-only CPUs) that glue is all
+ * that stands between a step and its memory-bandwidth bound; `specdec.model.CausalLM.forward` hands it the layers
+ * then (docs/benchmarks.md, "AVX2-only hosts").
+ *
+ * Numerics: the same operations in the same order as the torch path (specdec/model.py), each rounded where torch
+ * rounds it to the model's dtype: RoPE as round(round(x * cos) + round(roll(x) * sin_signed)) (sin carries
+ * rotate_half's sign), the attention's fp32 output rounded once, silu(gate) rounded, then its product with up, and
+ * the residual adds rounded. The products of two bf16 values are exact in fp32, so the RoPE, the adds and the
+ * products are bitwise those of the torch path; SiLU uses libm's expf where ATen uses its own vectorized exp, so
+ * an activation may differ from the torch path's by one rounding of the model's dtype. Every operation is per row:
+ * a row's result is bitwise the same alone or in a block (row invariance by construction, as the streaming linear's).
+ * Compiled without -ffast-math and with -ffp-contract=off (specdec/native.py).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+int specdec_stream_linear(int x_bf16, int w_bf16, int y_bf16, int64_t rows, int64_t in_f, int64_t out_f,
+                          const void *x, const void *w, const void *bias, void *y);
+void specdec_rms_norm(int is_bf16, int64_t rows, int64_t dim, const void *x, const void *residual, void *sum_out,
+                      const void *weight, float eps, void *out);
+int specdec_decode_attention(int is_bf16, int B, int S, int H, int KV, int D,
+                             const void *q, int64_t qs_b, int64_t qs_s, int64_t qs_h,
+                             const void *k, int64_t ks_slot, int64_t ks_pos, int64_t ks_head,
+                             const void *v, int64_t vs_slot, int64_t vs_pos, int64_t vs_head,
+                             const int64_t *slots, const int64_t *vis, float scale, float *out);
+
+static inline float ld(const void *p, int64_t i, int bf16) {
+    if (!bf16) return ((const float *)p)[i];
+    uint32_t u = (uint32_t)((const uint16_t *)p)[i] << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t to_bf16(float f) { /* round to nearest even; NaN stays NaN */
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* f rounded to the model's dtype, as a float (what torch holds after an op on bf16 tensors) */
+static inline float rnd(float f, int bf16) {
+    if (!bf16) return f;
+    uint32_t u = (uint32_t)to_bf16(f) << 16;
+    float g;
+    memcpy(&g, &u, sizeof g);
+    return g;
+}
+
+static inline void st(void *p, int64_t i, int bf16, float f) {
+    if (bf16)
+        ((uint16_t *)p)[i] = to_bf16(f);
+    else
+        ((float *)p)[i] = f;
+}
+
+/* RoPE in place on `heads` heads of hd elements starting at row, with this row's cos / signed sin. */
+static void rope_row(void *row, int heads, int hd, const void *cos, const void *sin, int64_t cs_off, int bf16,
+                     float *tmp) {
+    const int half = hd / 2;
+    for (int h = 0; h < heads; h++) {
+        const int64_t o = (int64_t)h * hd;
+        for (int d = 0; d < hd; d++) tmp[d] = ld(row, o + d, bf16);
+        for (int d = 0; d < hd; d++) {
+            const float a = rnd(tmp[d] * ld(cos, cs_off + d, bf16), bf16);
+            const float b = rnd(tmp[d < half ? d + half : d - half] * ld(sin, cs_off + d, bf16), bf16);
+            st(row, o + d, bf16, a + b);
+        }
+    }
+}
+
+/* x:        [B * S, D] of the model's dtype (bf16 if bf16, else fp32), the residual stream; overwritten with the
+ *           layer's output
+ * weights:  of the same dtype, contiguous, the fused layouts of specdec/fusion.py: w_qkv [(H + 2 KV) hd, D] (bias
+ *           b_qkv or NULL), w_o [D, H hd], w_gate_up [2 I, D] (gate rows first), w_down [D, I]; ln1, ln2 [D]
+ * cos, sin: [B * S, hd] of the model's dtype, each row's position (sin with rotate_half's sign folded in)
+ * k, v:     the layer's caches [slots, max_len, KV, hd] with element strides; each row's k and v are written at
+ *           (slots[b], vis[b, s] - 1)
+ * slots:    [B] int64; vis: [B, S] int64, keys visible to each row (its position + 1)
+ * Returns 0, or nonzero where a work buffer could not be allocated (x is then unspecified). */
+int specdec_decoder_layer(int bf16, int B, int S, int D, int H, int KV, int hd, int64_t I, float eps, float scale,
+                          void *x, const void *ln1, const void *ln2, const void *w_qkv, const void *b_qkv,
+                          const void *w_o, const void *w_gate_up, const void *w_down,
+                          const void *cos, const void *sin,
+                          void *k, int64_t ks_slot, int64_t ks_pos, int64_t ks_head,
+                          void *v, int64_t vs_slot, int64_t vs_pos, int64_t vs_head,
+                          const int64_t *slots, const int64_t *vis) {
+    const int64_t R = (int64_t)B * S, QKV = (int64_t)(H + 2 * KV) * hd, A = (int64_t)H * hd;
+    const size_t es = bf16 ? 2 : 4;
+    /* h / x2 / o / m: [R, D] each; qkv: [R, QKV]; att: [R, A] fp32 and in the model's dtype; gu: [R, 2I] */
+    char *buf = malloc((size_t)R * ((4 * (size_t)D + (size_t)QKV + (size_t)A + 3 * (size_t)I) * es
+                                    + (size_t)A * sizeof(float)) + (size_t)hd * sizeof(float) + 64);
+    if (!buf) return 1;
+    char *p = buf;
+    void *h = p; p += (size_t)R * D * es;
+    void *x2 = p; p += (size_t)R * D * es;
+    void *o = p; p += (size_t)R * D * es;
+    void *m = p; p += (size_t)R * D * es;
+    void *qkv = p; p += (size_t)R * QKV * es;
+    void *att = p; p += (size_t)R * A * es;
+    void *gu = p; p += (size_t)R * 2 * I * es;
+    void *act = p; p += (size_t)R * I * es;
+    float *att32 = (float *)(((uintptr_t)p + 15) & ~(uintptr_t)15); p = (char *)(att32 + R * A);
+    float *tmp = (float *)(((uintptr_t)p + 15) & ~(uintptr_t)15);
+    int rc = 0;
+
+    specdec_rms_norm(bf16, R, D, x, NULL, NULL, ln1, eps, h);
+    if ((rc = specdec_stream_linear(bf16, bf16, bf16, R, D, QKV, h, w_qkv, b_qkv, qkv))) goto done;
+    for (int b = 0; b < B; b++) {
+        for (int s = 0; s < S; s++) {
+            const int64_t r = (int64_t)b * S + s, pos = vis[r] - 1;
+            char *row = (char *)qkv + (size_t)r * QKV * es;
+            rope_row(row, H + KV, hd, cos, sin, r * hd, bf16, tmp); /* q and k heads, as the torch path */
+            char *kr = (char *)k + (size_t)(slots[b] * ks_slot + pos * ks_pos) * es;
+            char *vr = (char *)v + (size_t)(slots[b] * vs_slot + pos * vs_pos) * es;
+            for (int j = 0; j < KV; j++) {
+                memcpy(kr + (size_t)j * ks_head * es, row + (size_t)(H + j) * hd * es, (size_t)hd * es);
+                memcpy(vr + (size_t)j * vs_head * es, row + (size_t)(H + KV + j) * hd * es, (size_t)hd * es);
+            }
+        }
+    }
+    if ((rc = specdec_decode_attention(bf16, B, S, H, KV, hd, qkv, (int64_t)S * QKV, QKV, hd, k, ks_slot, ks_pos,
+                                       ks_head, v, vs_slot, vs_pos, vs_head, slots, vis, scale, att32)))
+        goto done;
+    for (int64_t i = 0; i < R * A; i++) st(att, i, bf16, att32[i]);
+    if ((rc = specdec_stream_linear(bf16, bf16, bf16, R, A, D, att, w_o, NULL, o))) goto done;
+    specdec_rms_norm(bf16, R, D, x, o, x2, ln2, eps, h); /* x2 = x + o; h = norm(x2) */
+    if ((rc = specdec_stream_linear(bf16, bf16, bf16, R, D, 2 * I, h, w_gate_up, NULL, gu))) goto done;
+    for (int64_t r = 0; r < R; r++) {
+        for (int64_t i = 0; i < I; i++) {
+            const float g = ld(gu, r * 2 * I + i, bf16), u = ld(gu, r * 2 * I + I + i, bf16);
+            st(act, r * I + i, bf16, rnd(g / (1.0f + expf(-g)), bf16) * u);
+        }
+    }
+    if ((rc = specdec_stream_linear(bf16, bf16, bf16, R, I, D, act, w_down, NULL, m))) goto done;
+    for (int64_t i = 0; i < R * D; i++) st(x, i, bf16, ld(x2, i, bf16) + ld(m, i, bf16));
+done:
+    free(buf);
+    return rc;
+}

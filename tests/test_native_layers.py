@@ -1,0 +1,149 @@
+"""Whole decoder layers as one native call (specdec/csrc/decoder_layer.c via specdec.native.decoder_layer): taken by
+`CausalLM.forward` for a decode step or verify block whose every linear runs on the streaming kernel (hosts without
+native bf16 GEMMs), the same arithmetic as the op-by-op path, each row bitwise the same alone or in a block, greedy
+`sd`/`pearl` equal to `ar` through it, and the op-by-op path wherever a layer does not qualify.
+
+The streaming kernel needs an x86-64 CPU with AVX2 and FMA (every CI host has them; elsewhere these tests skip,
+saying so). The tests pin the plan (`set_plan(..., STREAM_PLAN)`) rather than ask the host which kernel it would
+tune to, so they run the same on AMX, AVX512-BF16 and AVX2-only hosts."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec import native, settings
+from specdec.engine import Engine
+from specdec.fusion import fuse_projections_
+from specdec.linear import STREAM_PLAN, check_row_invariance, set_plan, set_row_invariant
+from specdec.model import CausalLM, ModelConfig
+from specdec.request import GenerationRequest
+from tests.helpers_models import build_tiny_model
+from tests.test_stream_linear import HOST_AVX2
+
+needs_kernel = pytest.mark.skipif(not (HOST_AVX2 and native.stream_linear_supported()),
+                                  reason="the streaming linear is not built here (no AVX2+FMA, no C compiler, or "
+                                         "SPECDEC_NATIVE=0)")
+pytestmark = needs_kernel
+DTYPES = (torch.bfloat16, torch.float32)
+
+
+def _streaming(model: CausalLM) -> CausalLM:
+    fuse_projections_(model)
+    set_plan(model, STREAM_PLAN)
+    return model
+
+
+def _tiny(dtype, **kw) -> CausalLM:
+    return _streaming(build_tiny_model(vocab_size=97, hidden_size=64, num_heads=4, num_kv_heads=2, seed=5, **kw)
+                      .to(dtype))
+
+
+def _run(model: CausalLM, native_layers: bool, rows: int):
+    """Prefill three sessions of different lengths, then a batched forward of `rows` rows each and a one-session
+    block: their logits, and every layer's cache afterwards."""
+    with settings.override(native_layers=native_layers):
+        gen = torch.Generator().manual_seed(3)
+        kv = model.new_kv_slots(4, 64)
+        slots, lengths = torch.tensor([2, 0, 3]), [9, 17, 12]
+        for slot, n in zip(slots.tolist(), lengths):
+            model(torch.randint(0, 97, (1, n), generator=gen), torch.arange(n)[None], torch.tensor([slot]), kv)
+        tokens = torch.randint(0, 97, (3, rows), generator=gen)
+        positions = torch.stack([torch.arange(n, n + rows) for n in lengths])
+        batched, _ = model(tokens, positions, slots, kv)
+        single, _ = model(tokens[1:2], positions[1:2], slots[1:2], kv)
+        return batched, single, [c.clone() for c in kv.k + kv.v]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 4, 9, 16])
+def test_native_layers_compute_what_the_op_by_op_path_computes(dtype, rows):
+    """RoPE, the cache write, the projections and the first layer's keys and values are bitwise those of the
+    op-by-op path; the logits agree to an ulp of the activation (libm's expf in SiLU against ATen's); a row alone
+    is bitwise the row in a batch."""
+    model = _tiny(dtype)
+    assert model._native_layers(3 * rows, dtype) is not None  # the native call does run
+    (nb, ns, ncache), (tb, ts, tcache) = _run(model, True, rows), _run(model, False, rows)
+    n_layers = model.config.num_hidden_layers
+    assert torch.equal(ncache[0], tcache[0]) and torch.equal(ncache[n_layers], tcache[n_layers])  # layer 0's k, v
+    tol = 1e-5 if dtype is torch.float32 else 0.05
+    for a, b in ((nb, tb), (ns, ts)):
+        torch.testing.assert_close(a, b, atol=tol, rtol=tol)
+    if dtype is torch.float32:
+        assert torch.equal(nb.argmax(-1), tb.argmax(-1))
+    assert torch.equal(nb[1:2], ns)  # row invariance: the session alone equals its rows in the batch
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_row_invariant_target_on_native_layers_passes_the_load_time_check(dtype):
+    model = _tiny(dtype)
+    set_row_invariant(model)
+    set_plan(model, STREAM_PLAN)
+    assert model._native_layers(8, dtype) is not None
+    assert check_row_invariance(model) == []
+
+
+def test_layers_that_do_not_qualify_take_the_op_by_op_path(monkeypatch):
+    """A linear on another kernel, q/k norms (Qwen3), unfused projections, or the switch off: no native call."""
+    calls = []
+    real = native.decoder_layer
+    monkeypatch.setattr(native, "decoder_layer", lambda *a: calls.append(1) or real(*a))
+    tok, pos, slot = torch.tensor([[5]]), torch.tensor([[0]]), torch.tensor([0])
+
+    def runs(model) -> bool:
+        calls.clear()
+        model(tok, pos, slot, model.new_kv_slots(1, 8))
+        return bool(calls)
+
+    model = _tiny(torch.bfloat16)
+    assert runs(model)
+    model.model.layers[1].mlp.down_proj.plan = ("gemm",) * 4  # one linear elsewhere: the memo sees the change
+    assert not runs(model)
+    model.model.layers[1].mlp.down_proj.plan = STREAM_PLAN
+    assert runs(model)
+    with settings.override(native_layers=False):
+        assert not runs(model)
+    assert not runs(build_tiny_model(vocab_size=97, hidden_size=64, seed=5).to(torch.bfloat16))  # unfused
+    model.to(torch.float32)  # new weights in place of the old: the memo hands the call their addresses
+    assert runs(model)
+    kv_a, kv_b = model.new_kv_slots(1, 8), model.new_kv_slots(1, 8)
+    native_logits = model(tok, pos, slot, kv_a)[0]
+    with settings.override(native_layers=False):
+        torch.testing.assert_close(native_logits, model(tok, pos, slot, kv_b)[0], atol=1e-5, rtol=1e-5)
+    cfg = ModelConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, qk_norm=True)
+    assert not runs(_streaming(CausalLM(cfg).to(torch.bfloat16)))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("mode,gamma", [("sd", 2), ("sd", 5), ("pearl", 3)])
+def test_greedy_sd_equals_ar_on_native_layers(dtype, mode, gamma, monkeypatch, runtime_settings):
+    """Target and draft on native layers (one-row steps and verify blocks): greedy `sd` and `pearl` give `ar`'s
+    tokens, and the native layers did run for both row counts."""
+    from specdec import linear
+
+    runtime_settings(kernel_tune=False)  # the engine keeps the plan set below
+    monkeypatch.setattr(linear, "_TUNED", {})
+    monkeypatch.setattr(linear, "_PADS", {})
+    rows = []
+    real = native.decoder_layer
+    monkeypatch.setattr(native, "decoder_layer", lambda x, *a: rows.append(x.shape[0] * x.shape[1]) or real(x, *a))
+    target = _streaming(build_tiny_model(vocab_size=32, hidden_size=48, seed=1, logit_scale=2.0).to(dtype))
+    draft = _streaming(build_tiny_model(vocab_size=32, seed=3, logit_scale=2.0).to(dtype))
+    set_row_invariant(target)
+    set_plan(target, STREAM_PLAN)
+    eng = Engine(target, draft)
+    try:
+        prompt = [3, 1, 4, 1, 5]
+        ref = eng.generate(GenerationRequest(prompt, 30, mode="ar")).token_ids
+        out = eng.generate(GenerationRequest(prompt, 30, mode=mode, gamma=gamma, verify_method="greedy"))
+        assert out.token_ids == ref
+    finally:
+        eng.close()
+    assert 1 in rows and max(rows) > 1
+
+
+def test_bad_slot_is_still_a_clear_error():
+    model = _tiny(torch.bfloat16)
+    kv = model.new_kv_slots(2, 16)
+    with pytest.raises(ValueError, match="slots must lie in"):
+        model(torch.tensor([[1]]), torch.tensor([[0]]), torch.tensor([5]), kv)
