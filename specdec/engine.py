@@ -18,8 +18,8 @@ from typing import AsyncIterator
 
 import torch
 
-from specdec.linear import tune_linears
 from specdec.lookup import PromptLookup
+from specdec.model import tune_model
 from specdec.pairing import check_pair
 from specdec.request import GenerationRequest, GenerationResult
 from specdec.sampling import SamplingParams
@@ -49,7 +49,7 @@ class _LocalWorker:
         self.worker = worker
         self.inline = inline
         self.thread = ModelThread(name, threads or 0)
-        self.thread.submit(tune_linears, worker.model)  # the plan for the thread count it runs with
+        self.thread.submit(tune_model, worker.model)  # the plans for the thread count it runs with
 
     def runs_inline(self) -> bool:
         return self.inline or (_INLINE_OK.get() and self.thread.idle())

@@ -195,8 +195,8 @@ class Linear(nn.Linear):
         """Whether `forward` on `rows` rows of a CPU input of `dtype` runs every one of them on the streaming
         kernel, with this layer's weight (and bias) of that dtype: then the native decoder layer may run it
         (`specdec.model.DecoderLayer.runs_natively`), the same kernel called from C."""
-        w = self.weight
-        if type(self) is not Linear or w.dtype is not dtype or w.device.type != "cpu" or dtype not in _STREAM_DTYPES \
+        w = self.weight  # an Int8Linear's is its dequantized weight, which its bf16 kernels (stream too) run on
+        if w.dtype is not dtype or w.device.type != "cpu" or dtype not in _STREAM_DTYPES \
                 or (dtype is torch.float32 and self.plan is None) or (self.bias is not None and self.bias.dtype is not dtype):
             return False
         calls = [rows] if not self.row_invariant or rows <= MAX_INVARIANT_ROWS \

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,7 +31,8 @@ from specdec.dtypes import resolve_dtype
 from specdec.fusion import fuse_projections_
 from specdec.hub import resolve_model
 from specdec.kv_slots import KVSlots
-from specdec.linear import Linear, prepack_linears, row_invariance_enabled, set_row_invariant, tune_linears
+from specdec.linear import (ROW_CLASSES, Linear, prepack_linears, row_class, row_invariance_enabled, set_row_invariant,
+                            tune_linears, tuning_enabled)
 from specdec.preverifier import draft_fingerprint
 from specdec.quant import quantize_int8_, resolve_quant
 
@@ -48,6 +51,8 @@ FAMILY_DEFAULTS = {
                                head_dim=None, sliding_window=4096),
 }
 
+
+NATIVE_MARGIN = 0.05  # CausalLM.tune_native_layers moves a row class only where it measured at least this much faster
 
 @dataclass
 class ModelConfig:
@@ -379,10 +384,12 @@ class CausalLM(nn.Module):
         if self._routing_parts is None:
             mods = list(self.model.layers.modules())
             self._routing_parts = ([m for m in mods if isinstance(m, Linear)],
-                                   [p for m in mods if isinstance(m, (Linear, RMSNorm)) for p in m.parameters(False)])
-        linears, params = self._routing_parts
+                                   [m for m in mods if isinstance(m, (Linear, RMSNorm))])
+        linears, weighted = self._routing_parts
+        # read each weight anew: `.to()` replaces a buffer (an Int8Linear's weight) by a new tensor
+        tensors = [m.weight for m in weighted] + [m.bias for m in linears if m.bias is not None]
         key = (tuple([(m.plan, m.pad_to, m.row_invariant) for m in linears]),
-               tuple([p.data_ptr() for p in params]), tuple([p.dtype for p in params]))
+               tuple([t.data_ptr() for t in tensors]), tuple([t.dtype for t in tensors]))
         memo = self._native_memo.get((rows, dtype))
         if memo is not None and memo[0] == key:
             return memo[1]
@@ -391,6 +398,64 @@ class CausalLM(nn.Module):
             if native.stream_linear_supported() and all(layer.runs_natively(rows, dtype) for layer in layers) else None
         self._native_memo[(rows, dtype)] = (key, weights)
         return weights
+
+    def tune_native_layers(self, context: int = 128, budget_s: float = 1.5) -> list[int]:
+        """Where it measures faster, run a draft's decode steps and small blocks as native layers
+        (`specdec.native.decoder_layer`) on hosts whose tuning chose other kernels (oneDNN, int8): per row class
+        (1, 4 and 8 rows), a forward with every layer's linears on `stream` against one as tuned, interleaved,
+        medians; the class moves to `stream` (unpadded) where that is at least NATIVE_MARGIN faster. Only for
+        models whose rows need not round alike alone and batched (a draft): a row-invariant model (the target)
+        keeps one kernel family for every row count (specdec/linear.py). A prefill keeps its kernel. Call after
+        `tune_linears` (`tune_model` does both). → the row counts moved."""
+        linears = [m for m in self.model.layers.modules() if isinstance(m, Linear)]
+        dtype = self.dtype
+        if not (tuning_enabled() and settings.get().native and settings.get().native_layers and linears
+                and self.device.type == "cpu" and dtype is torch.bfloat16 and native.stream_linear_supported()
+                and not any(m.row_invariant for m in linears)):
+            return []
+        kv = self.new_kv_slots(1, context + max(ROW_CLASSES) + 1)
+        vocab = self.config.vocab_size
+        gen = torch.Generator().manual_seed(0)
+
+        def run(rows: int) -> float:
+            tokens = torch.randint(0, vocab, (1, rows), generator=gen)
+            feats = torch.zeros(1, rows, self.config.feature_size) if self.fc is not None else None
+            t = time.perf_counter()
+            self(tokens, torch.arange(context, context + rows)[None], torch.zeros(1, dtype=torch.long), kv,
+                 features=feats)
+            return time.perf_counter() - t
+
+        feats = torch.zeros(1, context, self.config.feature_size) if self.fc is not None else None
+        self(torch.randint(0, vocab, (1, context), generator=gen), torch.arange(context)[None],
+             torch.zeros(1, dtype=torch.long), kv, features=feats)
+        moved = []
+        for cls, rows in enumerate(ROW_CLASSES):
+            tuned = [(m.plan, m.pad_to) for m in linears]
+            in_class = [r for r in range(1, max(ROW_CLASSES) + 1) if row_class(r) == cls]
+            for m in linears:
+                m.plan = tuple("stream" if i == cls else k for i, k in enumerate(m.plan or m.default_plan()))
+                if m.pad_to is not None:
+                    m.pad_to = tuple(r if r in in_class else p for r, p in enumerate(m.pad_to, 1))
+            stream = [(m.plan, m.pad_to) for m in linears]
+            if self._native_layers(rows, dtype) is None:  # a layer of another shape or kind: nothing to gain
+                for m, (plan, pad) in zip(linears, tuned):
+                    m.plan, m.pad_to = plan, pad
+                continue
+            times: dict[str, list[float]] = {"tuned": [], "stream": []}
+            start = time.perf_counter()
+            while len(times["stream"]) < 15 and (len(times["stream"]) < 5 or time.perf_counter() - start < budget_s):
+                for name, plans in (("tuned", tuned), ("stream", stream)):
+                    for m, (plan, pad) in zip(linears, plans):
+                        m.plan, m.pad_to = plan, pad
+                    run(rows)  # the first of each pair warms the caches for the second
+                    times[name].append(run(rows))
+            keep = stream if statistics.median(times["stream"]) < (1 - NATIVE_MARGIN) * statistics.median(
+                times["tuned"]) else tuned
+            for m, (plan, pad) in zip(linears, keep):
+                m.plan, m.pad_to = plan, pad
+            if keep is stream:
+                moved.append(rows)
+        return moved
 
     def full_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.expand_logits(self.lm_head(hidden).float())
@@ -455,6 +520,14 @@ class CausalLM(nn.Module):
 # ----------------------------------------------------------------------------------------------------------------
 # loading
 
+def tune_model(model: nn.Module) -> None:
+    """`tune_linears`, then, for a `CausalLM`, `tune_native_layers` (call where the model will run: both are per
+    thread count)."""
+    tune_linears(model)
+    if isinstance(model, CausalLM):
+        model.tune_native_layers()
+
+
 def load_model_dir(path: str | Path, device: str = "cpu", dtype: str | torch.dtype = "float32",
                    role: str = "target", quant: str = "auto") -> CausalLM:
     """Load a Hugging Face-style directory (config.json + *.safetensors). `role` matters for dtype and quant `auto`
@@ -490,7 +563,8 @@ def load_model_dir(path: str | Path, device: str = "cpu", dtype: str | torch.dty
         # the output is the target's: a row must not round differently alone than batched (specdec.linear)
         set_row_invariant(model)
     prepack_linears(model)  # bf16 on a CPU: the packed kernel skips oneDNN's per-call weight reorder
-    tune_linears(model)  # and each layer shape takes this host's fastest kernel per row count (specdec.linear)
+    tune_model(model)  # each layer shape takes this host's fastest kernel per row count (specdec.linear), a draft
+    # its native layers where they are faster
     if model.device.type == "cpu":
         native.available()  # builds the native kernels now (once per host and CPU), not in the first request
     return model

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from specdec import linear as linear_mod
 from specdec import native, settings
 from specdec.engine import Engine
 from specdec.fusion import fuse_projections_
@@ -147,3 +148,71 @@ def test_bad_slot_is_still_a_clear_error():
     kv = model.new_kv_slots(2, 16)
     with pytest.raises(ValueError, match="slots must lie in"):
         model(torch.tensor([[1]]), torch.tensor([[0]]), torch.tensor([5]), kv)
+
+
+def _draft(quantized: bool = False) -> CausalLM:
+    from specdec.linear import tune_linears
+    from specdec.quant import quantize_int8_
+
+    model = build_tiny_model(vocab_size=97, hidden_size=64, num_heads=4, num_kv_heads=2, seed=7).to(torch.bfloat16)
+    fuse_projections_(model)
+    if quantized:
+        quantize_int8_(model)
+    tune_linears(model)
+    return model
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+@pytest.mark.parametrize("margin,moves", [(-10.0, True), (1.0, False)])
+def test_a_draft_moves_to_native_layers_only_where_it_measures_faster(quantized, margin, moves, monkeypatch):
+    """`tune_native_layers` keeps, per row class, whichever measured faster: with a margin no timing can miss
+    (stream always kept) every class 1/4/8 runs natively, the prefill class keeps its kernel; with one no timing
+    can meet, the tuned plans stay as they were. An int8 draft (its dequantized weight on `stream`) alike."""
+    import specdec.model as model_mod
+
+    monkeypatch.setattr(model_mod, "NATIVE_MARGIN", margin)
+    model = _draft(quantized)
+    layer_linears = [m for m in model.model.layers.modules() if isinstance(m, linear_mod.Linear)]
+    tuned = [(m.plan or m.default_plan(), m.pad_to) for m in layer_linears]
+    moved = model.tune_native_layers(budget_s=0.05)
+    if moves:
+        assert moved == [1, 4, 8]
+        assert all(model._native_layers(r, torch.bfloat16) is not None for r in range(1, 9))
+        assert all(m.plan[3] == plan[3] for m, (plan, _) in zip(layer_linears, tuned))  # prefills keep theirs
+    else:
+        assert moved == [] and [(m.plan or m.default_plan(), m.pad_to) for m in layer_linears] == tuned
+
+
+def test_a_row_invariant_model_or_tuning_off_keeps_its_plans(monkeypatch, runtime_settings):
+    import specdec.model as model_mod
+
+    monkeypatch.setattr(model_mod, "NATIVE_MARGIN", -10.0)
+    target = _draft()
+    set_row_invariant(target)
+    assert target.tune_native_layers(budget_s=0.05) == []
+    draft = _draft()
+    runtime_settings(kernel_tune=False)
+    assert draft.tune_native_layers(budget_s=0.05) == []
+
+
+@pytest.mark.parametrize("mode", ["sd", "pearl"])
+def test_greedy_output_with_a_native_layer_draft_is_the_targets(mode, monkeypatch):
+    """A draft moved to native layers by its engine's tuning (forced) beside an op-by-op target: greedy output
+    equals `ar`'s (the draft's numerics never reach the output)."""
+    import specdec.model as model_mod
+
+    monkeypatch.setattr(model_mod, "NATIVE_MARGIN", -10.0)
+    calls = []
+    real = native.decoder_layer
+    monkeypatch.setattr(native, "decoder_layer", lambda *a: calls.append(1) or real(*a))
+    target = build_tiny_model(vocab_size=97, hidden_size=64, num_heads=4, num_kv_heads=2, seed=5,
+                              logit_scale=2.0).to(torch.bfloat16)
+    set_row_invariant(target)
+    eng = Engine(target, _draft())
+    try:
+        prompt = [3, 1, 4, 1, 5]
+        ref = eng.generate(GenerationRequest(prompt, 24, mode="ar")).token_ids
+        assert eng.generate(GenerationRequest(prompt, 24, mode=mode, gamma=3, verify_method="greedy")).token_ids == ref
+    finally:
+        eng.close()
+    assert calls  # the draft ran native layers
