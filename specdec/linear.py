@@ -41,6 +41,13 @@ fastest. oneDNN's AMX kernels also round a call of more than 32 rows unlike one 
 `tune_linears` then checks each shape (`check_row_invariance`, across that boundary) and moves a shape whose
 `torch.mv` rounds unlike its multi-row kernel to the padded oneDNN call.
 
+Native decoder layers: where every linear of a layer runs on `stream` for a call's row count, `CausalLM.forward`
+runs the layer as one C call (`specdec.native.decoder_layer`: the same kernel, without the ~25 torch ops between
+the linears). Per-layer timing here cannot see that gain, so after `tune_linears` a model that is not row-invariant
+(a draft) compares whole forwards per row class, on `stream` against its tuned kernels, on any host where the
+streaming kernel runs (`CausalLM.tune_native_layers`); a row-invariant target keeps one kernel family for every
+row count.
+
 The switches are `specdec.settings` fields: `kernel_tune`, `row_invariant`, and `onednn_cache_capacity`, the size of
 oneDNN's kernel caches, which `settings.prepare_process()` sets before the first oneDNN call (the first model load
 and `prepack_linears` call it).

@@ -1,6 +1,6 @@
 """Native CPU kernels: C sources in `specdec/csrc`, built with the host's C compiler on first use, called by ctypes.
 
-Three kernels. Two replace a run of small torch ops whose dispatch cost more than their arithmetic
+Four kernels. Two replace a run of small torch ops whose dispatch cost more than their arithmetic
 (docs/benchmarks.md, "Native decode attention"):
 - `decode_attention` (`csrc/decode_attention.c`): a whole layer's attention for a batch of sequences with a few
   query rows each, reading the KV cache in place. The torch path runs ~10 small ops per sequence and layer; at 8
@@ -10,6 +10,11 @@ Three kernels. Two replace a run of small torch ops whose dispatch cost more tha
 The third, `stream_linear` (`csrc/stream_linear.c`, AVX2 + FMA), is a linear layer for a few rows that reads the
 weight once for all of them, bitwise row-invariant: `specdec.linear`'s kernel for hosts without native bf16 GEMMs
 (docs/benchmarks.md, "AVX2-only hosts").
+
+The fourth, `decoder_layer` (`csrc/decoder_layer.c`), runs a whole decoder layer of a decode step or verify block
+on the other three, with RoPE, the cache write, SiLU and the residual adds between them in C: where every linear of
+a layer streams (hosts without native bf16 GEMMs; a draft wherever that measured faster), the ~25 torch ops per
+layer between the kernels cost more than a third of a one-row step (docs/benchmarks.md, "Native decoder layers").
 
 The build is a plain shared object (no torch or Python headers: it compiles in about a second), tuned for this
 CPU (`-march=native`; `-mavx2 -mfma -mf16c` where `specdec.settings` `isa` is avx2) and cached under
