@@ -14,6 +14,7 @@ import asyncio
 import json
 import logging
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -32,7 +33,33 @@ from specdec.settings import child_environ
 log = logging.getLogger(__name__)
 
 
+PORT_FLOOR = 10000  # free_port draws from [PORT_FLOOR, the kernel's ephemeral range)
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    """The ports the kernel hands out to bind(port 0) and to outgoing connections (Linux; elsewhere IANA's)."""
+    try:
+        lo, hi = (int(v) for v in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return 49152, 65535
+
+
 def free_port(host: str = "127.0.0.1") -> int:
+    """A port that is free on `host` now, for a process started later to listen on. Drawn at random below the
+    kernel's ephemeral range: the replicas bind their ports only once their models have loaded, seconds later, and
+    meanwhile every process that binds port 0 or opens a connection (Ray's workers, gRPC clients) takes ports from
+    that range, where a port found free a moment ago is soon someone's. Falls back to a kernel-chosen port where the
+    range leaves no room below it."""
+    lo = _ephemeral_range()[0]
+    for _ in range(64) if lo - PORT_FLOOR >= 1000 else ():
+        port = random.randrange(PORT_FLOOR, lo)
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]

@@ -707,3 +707,24 @@ async def test_a_request_past_the_context_is_refused_before_any_work():
         await ch.close()
         for a in (app, t, d):
             await a.shutdown(0)
+
+
+def test_free_port_is_bindable_and_below_the_ephemeral_range(monkeypatch):
+    """The embedded stack's ports come from below the kernel's ephemeral range, where no bind(0) or outgoing
+    connection of another process (Ray's workers start while the replicas load) takes them meanwhile; where the
+    range leaves no room below it, a kernel-chosen port."""
+    import socket
+
+    from coordinator import stack
+
+    lo, _ = stack._ephemeral_range()
+    for _ in range(20):
+        port = stack.free_port()
+        if lo - stack.PORT_FLOOR >= 1000:
+            assert stack.PORT_FLOOR <= port < lo
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
+    monkeypatch.setattr(stack, "_ephemeral_range", lambda: (stack.PORT_FLOOR + 10, 65535))
+    port = stack.free_port()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))

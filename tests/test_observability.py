@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-import socket
 import urllib.request
 
 import pytest
@@ -21,6 +20,7 @@ import pytest_asyncio
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client.parser import text_string_to_metric_families
 
+from coordinator.stack import free_port
 from coordinator.tracing import init_tracer
 from specdec_rpc.pb import generation_pb2 as g, generation_pb2_grpc as gg
 from specdec_rpc.tracing import replica_spans
@@ -31,12 +31,6 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 PROMPT = [1, 2, 3, 4, 5, 1, 2, 3]
 TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
 TRACEPARENT = f"00-{TRACE_ID}-b7ad6b7169203331-01"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
