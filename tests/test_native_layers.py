@@ -216,3 +216,24 @@ def test_greedy_output_with_a_native_layer_draft_is_the_targets(mode, monkeypatc
     finally:
         eng.close()
     assert calls  # the draft ran native layers
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_qkv_bias_runs_natively_and_a_sliding_window_changes_nothing(dtype):
+    """Qwen2.5's q/k/v bias is the streaming kernel's bias; a window (Mistral) is served up to its length, where it
+    equals full attention (specdec/model.py)."""
+    cfg = ModelConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, attention_bias=True, sliding_window=4096)
+    model = CausalLM(cfg)
+    with torch.no_grad():
+        gen = torch.Generator().manual_seed(11)
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    model = _streaming(model.to(dtype))
+    assert model.model.layers[0].self_attn.qkv_proj.bias is not None
+    assert model._native_layers(3, dtype) is not None
+    (nb, ns, ncache), (tb, ts, tcache) = _run(model, True, 3), _run(model, False, 3)
+    assert torch.equal(ncache[0], tcache[0])
+    tol = 1e-5 if dtype is torch.float32 else 0.05
+    torch.testing.assert_close(nb, tb, atol=tol, rtol=tol)
