@@ -237,3 +237,25 @@ def test_a_qkv_bias_runs_natively_and_a_sliding_window_changes_nothing(dtype):
     assert torch.equal(ncache[0], tcache[0])
     tol = 1e-5 if dtype is torch.float32 else 0.05
     torch.testing.assert_close(nb, tb, atol=tol, rtol=tol)
+
+
+def test_a_feature_draft_tunes_and_runs_native_layers(monkeypatch):
+    """A feature draft (its fc mixes the target's features in before the layers) times its forwards with features
+    and runs its layers natively; the logits equal the op-by-op path's."""
+    import specdec.model as model_mod
+    from specdec.linear import tune_linears
+
+    monkeypatch.setattr(model_mod, "NATIVE_MARGIN", -10.0)
+    model = build_tiny_model(vocab_size=97, hidden_size=64, num_heads=4, num_kv_heads=2, seed=9,
+                             feature_size=48).to(torch.bfloat16)
+    fuse_projections_(model)
+    tune_linears(model)
+    assert model.tune_native_layers(budget_s=0.05) == [1, 4, 8]
+    feats = torch.randn(1, 3, 48, generator=torch.Generator().manual_seed(1))
+    outs = []
+    for on in (True, False):
+        with settings.override(native_layers=on):
+            kv = model.new_kv_slots(1, 16)
+            outs.append(model(torch.tensor([[4, 5, 6]]), torch.arange(3)[None], torch.tensor([0]), kv,
+                              features=feats)[0])
+    torch.testing.assert_close(outs[0], outs[1], atol=0.05, rtol=0.05)
