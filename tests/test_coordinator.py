@@ -709,7 +709,7 @@ async def test_a_request_past_the_context_is_refused_before_any_work():
             await a.shutdown(0)
 
 
-def test_free_port_is_bindable_and_below_the_ephemeral_range(monkeypatch):
+async def test_free_port_is_bindable_and_below_the_ephemeral_range(monkeypatch):
     """The embedded stack's ports come from below the kernel's ephemeral range, where no bind(0) or outgoing
     connection of another process (Ray's workers start while the replicas load) takes them meanwhile; where the
     range leaves no room below it, a kernel-chosen port."""
