@@ -54,6 +54,7 @@ FAMILY_DEFAULTS = {
 
 NATIVE_MARGIN = 0.05  # CausalLM.tune_native_layers moves a row class only where it measured at least this much faster
 
+
 @dataclass
 class ModelConfig:
     vocab_size: int = 256
@@ -417,43 +418,41 @@ class CausalLM(nn.Module):
         vocab = self.config.vocab_size
         gen = torch.Generator().manual_seed(0)
 
-        def run(rows: int) -> float:
+        def run(rows: int, start: int = context) -> float:
+            """One forward of `rows` random tokens at positions start.. of the scratch cache; → its seconds."""
             tokens = torch.randint(0, vocab, (1, rows), generator=gen)
             feats = torch.zeros(1, rows, self.config.feature_size) if self.fc is not None else None
             t = time.perf_counter()
-            self(tokens, torch.arange(context, context + rows)[None], torch.zeros(1, dtype=torch.long), kv,
+            self(tokens, torch.arange(start, start + rows)[None], torch.zeros(1, dtype=torch.long), kv,
                  features=feats)
             return time.perf_counter() - t
 
-        feats = torch.zeros(1, context, self.config.feature_size) if self.fc is not None else None
-        self(torch.randint(0, vocab, (1, context), generator=gen), torch.arange(context)[None],
-             torch.zeros(1, dtype=torch.long), kv, features=feats)
+        def use(plans: list[tuple]) -> None:
+            for m, (plan, pad) in zip(linears, plans):
+                m.plan, m.pad_to = plan, pad
+
+        run(context, start=0)  # the cached positions the timed forwards attend to
         moved = []
         for cls, rows in enumerate(ROW_CLASSES):
             tuned = [(m.plan, m.pad_to) for m in linears]
             in_class = [r for r in range(1, max(ROW_CLASSES) + 1) if row_class(r) == cls]
-            for m in linears:
-                m.plan = tuple("stream" if i == cls else k for i, k in enumerate(m.plan or m.default_plan()))
-                if m.pad_to is not None:
-                    m.pad_to = tuple(r if r in in_class else p for r, p in enumerate(m.pad_to, 1))
-            stream = [(m.plan, m.pad_to) for m in linears]
+            stream = [(tuple("stream" if i == cls else k for i, k in enumerate(m.plan or m.default_plan())),
+                       None if m.pad_to is None else tuple(r if r in in_class else p for r, p in enumerate(m.pad_to, 1)))
+                      for m in linears]
+            use(stream)
             if self._native_layers(rows, dtype) is None:  # a layer of another shape or kind: nothing to gain
-                for m, (plan, pad) in zip(linears, tuned):
-                    m.plan, m.pad_to = plan, pad
+                use(tuned)
                 continue
             times: dict[str, list[float]] = {"tuned": [], "stream": []}
             start = time.perf_counter()
             while len(times["stream"]) < 15 and (len(times["stream"]) < 5 or time.perf_counter() - start < budget_s):
                 for name, plans in (("tuned", tuned), ("stream", stream)):
-                    for m, (plan, pad) in zip(linears, plans):
-                        m.plan, m.pad_to = plan, pad
+                    use(plans)
                     run(rows)  # the first of each pair warms the caches for the second
                     times[name].append(run(rows))
-            keep = stream if statistics.median(times["stream"]) < (1 - NATIVE_MARGIN) * statistics.median(
-                times["tuned"]) else tuned
-            for m, (plan, pad) in zip(linears, keep):
-                m.plan, m.pad_to = plan, pad
-            if keep is stream:
+            faster = statistics.median(times["stream"]) < (1 - NATIVE_MARGIN) * statistics.median(times["tuned"])
+            use(stream if faster else tuned)
+            if faster:
                 moved.append(rows)
         return moved
 

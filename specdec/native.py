@@ -52,6 +52,7 @@ _CSRC = Path(__file__).resolve().parent / "csrc"
 # operations: no -ffast-math, no contraction beyond its own FMAs.
 SOURCES = {_CSRC / "decode_attention.c": ("-ffast-math",), _CSRC / "rms_norm.c": ("-ffast-math",),
            _CSRC / "stream_linear.c": ("-ffp-contract=off",), _CSRC / "decoder_layer.c": ("-ffp-contract=off",)}
+HEADERS = sorted(_CSRC.glob("*.h"))  # included by the sources (bf16.h): part of the build's cache key
 CFLAGS = ("-O3", "-fPIC")
 # The instruction set the build targets (`specdec.settings` `isa`): this CPU's, or an AVX2-only x86 host's (the
 # emulation of one on a richer host).
@@ -87,7 +88,7 @@ def _build(cc: str) -> Path:
 
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     flags = " ".join(f"{f.name}:{' '.join(e)}" for f, e in SOURCES.items())
-    key = hashlib.sha256("\0".join((*(f.read_text() for f in SOURCES), " ".join(CFLAGS), flags,
+    key = hashlib.sha256("\0".join((*(f.read_text() for f in (*SOURCES, *HEADERS)), " ".join(CFLAGS), flags,
                                     " ".join(ISA_FLAGS[settings.get().isa]), version,
                                     platform.machine(), _cpu_flags())).encode()).hexdigest()[:24]
     out = cache_root() / "native" / f"specdec-kernels-{key}.so"
@@ -222,7 +223,6 @@ def stream_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if rc != 0:
         raise MemoryError("the native streaming linear could not allocate its scratch")
     return y
-
 
 
 def tensor_args(*tensors: torch.Tensor | None) -> tuple[int, ...]:

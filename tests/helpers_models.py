@@ -148,3 +148,18 @@ async def stream_killing_the_pinned_target(stub, request, r1, r2, after: int):
         if len(ids) >= after and not r1.draining and not r2.draining:
             await (r1 if len(r1.host.table) else r2).shutdown(0)  # the pinned replica dies mid-request
     return ids, last
+
+
+def sessions_then_block(model: CausalLM, rows: int):
+    """Prefill three sessions of different lengths (slots 2, 0, 3; 9, 17, 12 tokens), then one batched forward of
+    `rows` rows each and the middle session's block alone. → (batched logits, alone logits, the KV slots)."""
+    gen = torch.Generator().manual_seed(3)
+    kv = model.new_kv_slots(4, 64)
+    slots, lengths = torch.tensor([2, 0, 3]), [9, 17, 12]
+    for slot, n in zip(slots.tolist(), lengths):
+        model(torch.randint(0, 97, (1, n), generator=gen), torch.arange(n)[None], torch.tensor([slot]), kv)
+    tokens = torch.randint(0, 97, (3, rows), generator=gen)
+    positions = torch.stack([torch.arange(n, n + rows) for n in lengths])
+    batched, _ = model(tokens, positions, slots, kv)
+    single, _ = model(tokens[1:2], positions[1:2], slots[1:2], kv)
+    return batched, single, kv

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from specdec import native, settings
-from tests.helpers_models import build_tiny_model
+from tests.helpers_models import build_tiny_model, sessions_then_block
 
 needs_kernel = pytest.mark.skipif(not native.available(), reason="no C compiler: the native kernel is not built")
 
@@ -65,15 +65,7 @@ def _decode(model, native_on: bool, dtype: torch.dtype, rows: int):
     """Prefill three sessions of different lengths, then one batched forward of `rows` rows each, and one
     single-session verify block: the logits of both."""
     with settings.override(native=native_on):
-        gen = torch.Generator().manual_seed(3)
-        kv = model.new_kv_slots(4, 64)
-        slots, lengths = torch.tensor([2, 0, 3]), [9, 17, 12]
-        for slot, n in zip(slots.tolist(), lengths):
-            model(torch.randint(0, 97, (1, n), generator=gen), torch.arange(n)[None], torch.tensor([slot]), kv)
-        tokens = torch.randint(0, 97, (3, rows), generator=gen)
-        positions = torch.stack([torch.arange(n, n + rows) for n in lengths])
-        batched, _ = model(tokens, positions, slots, kv)
-        single, _ = model(tokens[1:2], positions[1:2], slots[1:2], kv)
+        batched, single, _ = sessions_then_block(model, rows)
         return batched, single
 
 

@@ -18,7 +18,7 @@ from specdec.fusion import fuse_projections_
 from specdec.linear import STREAM_PLAN, check_row_invariance, set_plan, set_row_invariant
 from specdec.model import CausalLM, ModelConfig
 from specdec.request import GenerationRequest
-from tests.helpers_models import build_tiny_model
+from tests.helpers_models import build_tiny_model, sessions_then_block
 from tests.test_stream_linear import HOST_AVX2
 
 needs_kernel = pytest.mark.skipif(not (HOST_AVX2 and native.stream_linear_supported()),
@@ -43,15 +43,7 @@ def _run(model: CausalLM, native_layers: bool, rows: int):
     """Prefill three sessions of different lengths, then a batched forward of `rows` rows each and a one-session
     block: their logits, and every layer's cache afterwards."""
     with settings.override(native_layers=native_layers):
-        gen = torch.Generator().manual_seed(3)
-        kv = model.new_kv_slots(4, 64)
-        slots, lengths = torch.tensor([2, 0, 3]), [9, 17, 12]
-        for slot, n in zip(slots.tolist(), lengths):
-            model(torch.randint(0, 97, (1, n), generator=gen), torch.arange(n)[None], torch.tensor([slot]), kv)
-        tokens = torch.randint(0, 97, (3, rows), generator=gen)
-        positions = torch.stack([torch.arange(n, n + rows) for n in lengths])
-        batched, _ = model(tokens, positions, slots, kv)
-        single, _ = model(tokens[1:2], positions[1:2], slots[1:2], kv)
+        batched, single, kv = sessions_then_block(model, rows)
         return batched, single, [c.clone() for c in kv.k + kv.v]
 
 

@@ -15,12 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
+#include "bf16.h"
 
 static inline void load_row(const void *base, int64_t offset, int is_bf16, int D, float *dst) {
     if (is_bf16) {

@@ -22,6 +22,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
+
 int specdec_stream_linear(int x_bf16, int w_bf16, int y_bf16, int64_t rows, int64_t in_f, int64_t out_f,
                           const void *x, const void *w, const void *bias, void *y);
 void specdec_rms_norm(int is_bf16, int64_t rows, int64_t dim, const void *x, const void *residual, void *sum_out,
@@ -33,33 +35,15 @@ int specdec_decode_attention(int is_bf16, int B, int S, int H, int KV, int D,
                              const int64_t *slots, const int64_t *vis, float scale, float *out);
 
 static inline float ld(const void *p, int64_t i, int bf16) {
-    if (!bf16) return ((const float *)p)[i];
-    uint32_t u = (uint32_t)((const uint16_t *)p)[i] << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline uint16_t to_bf16(float f) { /* round to nearest even; NaN stays NaN */
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
+    return bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
 }
 
 /* f rounded to the model's dtype, as a float (what torch holds after an op on bf16 tensors) */
-static inline float rnd(float f, int bf16) {
-    if (!bf16) return f;
-    uint32_t u = (uint32_t)to_bf16(f) << 16;
-    float g;
-    memcpy(&g, &u, sizeof g);
-    return g;
-}
+static inline float rnd(float f, int bf16) { return bf16 ? bf16_rounded(f) : f; }
 
 static inline void st(void *p, int64_t i, int bf16, float f) {
     if (bf16)
-        ((uint16_t *)p)[i] = to_bf16(f);
+        ((uint16_t *)p)[i] = f32_to_bf16(f);
     else
         ((float *)p)[i] = f;
 }

@@ -8,25 +8,9 @@
 #include <stdint.h>
 #include <string.h>
 
-static inline float bf16_load(const uint16_t *p, int64_t i) {
-    uint32_t u = (uint32_t)p[i] << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
+#include "bf16.h"
 
-static inline uint16_t bf16_round(float f) { /* round to nearest even; NaN stays NaN */
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-
-static inline float bf16_rounded(float f) {
-    uint16_t h = bf16_round(f);
-    return bf16_load(&h, 0);
-}
+static inline float bf16_load(const uint16_t *p, int64_t i) { return bf16_to_f32(p[i]); }
 
 /* x, residual, sum_out, out: [rows, dim] contiguous, weight: [dim]; residual and sum_out may be NULL (no add).
  * With a residual, sum_out receives x + residual (the next residual stream). */
@@ -43,14 +27,14 @@ void specdec_rms_norm(int is_bf16, int64_t rows, int64_t dim, const void *x, con
                 float h = bf16_load(xr, d);
                 if (rr) {
                     h = bf16_rounded(h + bf16_load(rr, d));
-                    sr[d] = bf16_round(h);
+                    sr[d] = f32_to_bf16(h);
                 }
                 ss += h * h;
             }
             const float inv = (float)(1.0 / sqrt((double)(ss / (float)dim + eps))); /* exact: no rsqrt estimate */
             const uint16_t *hr = rr ? sr : xr;
             for (int64_t d = 0; d < dim; d++)
-                yr[d] = bf16_round(bf16_load(w, d) * bf16_rounded(bf16_load(hr, d) * inv));
+                yr[d] = f32_to_bf16(bf16_load(w, d) * bf16_rounded(bf16_load(hr, d) * inv));
         } else {
             const float *xr = (const float *)x + o, *rr = residual ? (const float *)residual + o : NULL;
             float *sr = sum_out ? (float *)sum_out + o : NULL, *yr = (float *)out + o;

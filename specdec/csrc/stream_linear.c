@@ -28,6 +28,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
+
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
@@ -38,21 +40,6 @@
  * linears, the plain sequential read of the same bytes ~24 ms on the same host). */
 #define PF_AHEAD 4
 #define PF_HINT _MM_HINT_T1
-
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) { /* round to nearest even; NaN stays NaN */
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
 
 /* The horizontal sum of 8 lanes, always the same tree: ((v0 + v1) + (v2 + v3)) + ((v4 + v5) + (v6 + v7)), four
  * accumulators at a time (their sums land in the four lanes of one register: fewer shuffles per output). */
