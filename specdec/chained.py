@@ -55,7 +55,10 @@ class ChainedRounds:
         self.run, self.draft, self.target, self.sid = run, draft, target, run.req.session_id
         self.window, self.block = max(1, window), max(1, block)
         self.spec: list[int] = []  # drafted tokens assumed to follow the committed history, in order
-        self.sent = 0  # how many of `spec` went out in verifies still in flight
+        # how many of `spec` the verifies still in flight are expected to commit at most: those sent as proposals,
+        # and after a dropped speculation one per verify then in flight (each a target step, `_on_answer`)
+        self.sent = 0
+        self.lead = 0  # of those, the guessed ones the next verify carries ahead of its block (after a rejection)
         self.inflight: deque = deque()  # the verifies' answers (futures), oldest first
         self.stream: AsyncIterator[DraftBlock] | None = None
         self.next_block: asyncio.Future | None = None
@@ -110,13 +113,15 @@ class ChainedRounds:
         while len(self.inflight) < self.window:
             ready = len(self.spec) - self.sent
             drafting = self.next_block is not None
-            if ready <= 0 or (ready < self.block and drafting):
+            # a verify carrying a guess goes with the rest of the draft's first block: the target waits for it
+            if ready <= 0 or (ready < self.block - self.lead and drafting):
                 return
             n = min(ready, self.block)
             assumed, proposals = self.spec[:self.sent], self.spec[self.sent:self.sent + n]
             fut = await self.target.verify_chained(self.sid, len(run.history), assumed, proposals)
             self.inflight.append(fut)
             self.sent += n
+            self.lead = 0
 
     def _on_answer(self, out: VerifyOutcome) -> bool:
         """Commit what the target committed; → whether the draft's speculation still holds."""
@@ -133,11 +138,22 @@ class ChainedRounds:
         if holds:
             self.spec = self.spec[len(new):]
             self.sent = max(0, self.sent - len(new))
+            self.lead = min(self.lead, self.sent)  # the guessed step came back as guessed, before its verify left
         else:
             run.stats.wasted_draft_tokens += len(self.spec) - agree
             # the draft holds the history, then the spec up to its last drafted token: right up to `agree`
             run.draft_fed = min(run.draft_fed, len(run.history) + agree)
-            self.spec, self.sent = [], 0
+            # The verifies still in flight build on what was just rejected: the target turns each into a target
+            # step until the draft's next verify reaches it (then it skips the rest), so it commits tokens while the
+            # draft catches up instead of idling for the network. The next verify is checked after those steps, so
+            # it carries the draft's guesses of their tokens ahead of its proposals (`_send`): sent without them it
+            # would be stale in turn. It guesses one token per verify in flight, the most steps there can be;
+            # where the target stepped fewer times, the rest of the guesses are checked as proposals.
+            self.spec, self.sent = [], len(self.inflight)
+            self.lead = self.sent
+        if not self.inflight:
+            # nothing in flight covers any of the speculation (a stale verify may have been skipped)
+            self.sent = self.lead = 0
         run.commit(new)
         return holds
 

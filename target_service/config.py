@@ -4,7 +4,8 @@ from __future__ import annotations
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
-from specdec.defaults import DEFAULT_TARGET, TARGET_METRICS_PORT, TARGET_PORT
+from specdec.defaults import DEFAULT_TARGET, PROMPT_LOOKUP_MIN_NGRAM, TARGET_METRICS_PORT, TARGET_PORT
+from specdec.lookup import prompt_lookup
 from specdec_rpc.settings import ServerSettings
 
 
@@ -20,3 +21,11 @@ class TargetSettings(ServerSettings):
                                    "(only sessions expected back soon are waited for; 0: never wait)")
     max_batch_size: int = Field(16, ge=1, description="sessions per batched forward")
     max_queue: int = Field(256, ge=1, description="queued verify calls before RESOURCE_EXHAUSTED")
+    step_lookup_min_ngram: int = Field(
+        PROMPT_LOOKUP_MIN_NGRAM, ge=0, description="chained rounds (the direct data plane across a network): a chained "
+        "verify that turns into a target step also checks the tokens prompt lookup finds after the committed ones, "
+        "where their last N tokens (N >= this) occurred before (specdec/lookup.py); 0 turns it off")
+
+    def step_lookup(self):
+        """The PromptLookup a target step proposes with, or None (off)."""
+        return prompt_lookup(self.step_lookup_min_ngram)

@@ -31,7 +31,7 @@ async def build_app(settings: TargetSettings, model=None, warmup: bool = True) -
     worker = await runner.run(lambda: TargetWorker(
         model, max_sessions=settings.worker_slots(), max_context=settings.max_context or None,
         session_ttl_s=math.inf, prefix_cache=settings.prefix_cache,
-        prefill_chunk=settings.prefill_chunk))
+        prefill_chunk=settings.prefill_chunk, step_lookup=settings.step_lookup()))
     metrics = ServiceMetrics()
     host = SessionHost(worker, runner, settings, metrics, model_name=settings.model)
     if warmup:

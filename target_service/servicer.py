@@ -62,9 +62,9 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                           list(request.draft_ids), q or None, _METHODS[request.method],
                           request.feed_draft if request.HasField("feed_draft") else True,
                           request.sample_bonus if request.HasField("sample_bonus") else True, request.chained,
-                          # a chained verify that no longer applies is a target step only where the target would
-                          # otherwise wait: with newer verifies of the stream waiting, it is skipped for them
-                          step_if_stale=ROUNDS_WAITING.get() == 0)
+                          # a chained verify that no longer applies is skipped where a newer one of the session
+                          # that applies already waits; elsewhere it is a target step (workers/target.py)
+                          waiting=_newer_chained(request) if request.chained else [])
         out, queue_ns = await self.batcher.submit(args)
         if args.draft:
             self.metrics.num_drafts.inc()
@@ -93,6 +93,12 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         async for resp in self.host.rounds(request_iterator, context, self.Verify, "verify",
                                            lambda r: target_pb2.VerifyRoundsResponse(verify=r)):
             yield resp
+
+
+def _newer_chained(request) -> list[tuple[int, list[int]]]:
+    """The session's newer chained verifies waiting behind `request` on its per-round stream."""
+    return [(w.base_position, list(w.feed_ids) + list(w.draft_ids)) for w in ROUNDS_WAITING.get()
+            if w.chained and w.session_id == request.session_id]
 
 
 def add_to_server(servicer: TargetServicer, server: grpc.aio.Server) -> None:

@@ -94,7 +94,8 @@ class _LaggingTarget:
         while True:
             args, fut = await self.queue.get()
             await asyncio.sleep(self.delay_s / 2)  # the request's way there, then the forward, then the way back
-            args.step_if_stale = self.queue.empty()  # as the replica does (ROUNDS_WAITING)
+            # as the replica does (ROUNDS_WAITING): the newer verifies already waiting
+            args.waiting = [(a.base_position, a.feed + a.draft) for a, _ in list(self.queue._queue)]
             out = self.worker.verify_batch([args])[0]
             loop = asyncio.get_running_loop()
             loop.call_later(self.delay_s / 2, lambda f=fut, o=out: f.done() or (
@@ -160,9 +161,10 @@ def test_chained_rounds_are_greedy_only():
     assert ChainedRounds.__doc__
 
 
-def test_a_stale_chained_verify_with_newer_ones_waiting_is_skipped(pair):
-    """Where newer verifies of the caller already wait (`step_if_stale` False), a chained verify built on what was
-    rejected commits nothing and runs no forward, so they are not delayed; alone, it is a target step."""
+def test_a_stale_chained_verify_is_skipped_only_for_a_newer_one_that_applies(pair):
+    """A chained verify built on what was rejected commits nothing and runs no forward where a newer verify of the
+    caller that does apply already waits (a step would delay it and commit a token it may not have guessed); where
+    none waits, or only stale ones, it is a target step, so the target does not idle while the caller catches up."""
     target, _ = pair
     want = PROMPT + target_greedy(target, PROMPT, 4)
     worker = TargetWorker(target, max_sessions=2, max_context=256)
@@ -170,8 +172,129 @@ def test_a_stale_chained_verify_with_newer_ones_waiting_is_skipped(pair):
     wrong = (want[5] + 1) % 32
     first = worker.verify_batch([VerifyArgs("s", 5, [], [wrong, 1], None, "greedy", True, False, chained=True)])[0]
     assert first.committed == [want[5]] and first.proposed == 2  # rejected at once: the correction
+    fresh, stale = (6, [want[6], 7]), (5, [wrong, 1, 2, 3])
     skipped = worker.verify_batch([VerifyArgs("s", 5, [wrong], [1, 2], None, "greedy", True, False, chained=True,
-                                              step_if_stale=False)])[0]
+                                              waiting=[stale, fresh])])[0]
     assert skipped.committed == [] and skipped.committed_from == 6 and not skipped.forwarded
-    step = worker.verify_batch([VerifyArgs("s", 5, [wrong], [1, 2], None, "greedy", True, False, chained=True)])[0]
+    step = worker.verify_batch([VerifyArgs("s", 5, [wrong], [1, 2], None, "greedy", True, False, chained=True,
+                                           waiting=[stale])])[0]
     assert step.committed == [want[6]] and step.committed_from == 6 and step.forwarded and step.proposed == 0
+
+
+async def test_a_per_round_stream_counts_the_requests_that_arrived_while_a_forward_held_the_loop():
+    """The target's direct dispatch runs a forward on the event loop's thread; requests arriving meanwhile are handed
+    over by gRPC only once the loop turns. The next request's `ROUNDS_WAITING` must hold them, or a stale chained
+    verify is stepped although a newer one already waits."""
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from specdec_rpc.host import ROUNDS_WAITING, SessionHost
+
+    loop = asyncio.get_running_loop()
+    inbox: asyncio.Queue = asyncio.Queue()
+
+    async def requests():
+        while (r := await inbox.get()) is not None:
+            yield r
+
+    seen = []
+
+    async def handle(value, context):
+        seen.append((value, ROUNDS_WAITING.get()))
+        if value == 1:  # a forward on the loop's thread while the third request and the stream's end arrive
+            sender = threading.Thread(target=lambda: [loop.call_soon_threadsafe(inbox.put_nowait, r)
+                                                      for r in (SimpleNamespace(v=3), None)])
+            sender.start()
+            time.sleep(0.05)
+            sender.join()
+        return value
+
+    inbox.put_nowait(SimpleNamespace(v=1))
+    inbox.put_nowait(SimpleNamespace(v=2))
+    host = SimpleNamespace(draining=False)
+    answers = [r async for r in SessionHost.rounds(host, requests(), None, handle, "v", lambda r: r)]
+    assert answers == [1, 2, 3]
+    assert seen == [(1, (2,)), (2, (3,)), (3, ())]
+
+
+def _looping_history(target, n: int) -> list[int]:
+    """PROMPT and the target's greedy continuation, long enough to repeat itself (tiny random models loop)."""
+    return PROMPT + target_greedy(target, PROMPT, n)
+
+
+def test_a_target_step_checks_what_prompt_lookup_finds_and_commits_the_targets_tokens(pair):
+    """With a step lookup, a chained verify that turns into a target step proposes the looked-up continuation of
+    the committed tokens: where the session repeats itself it commits several tokens in one forward, and every
+    committed token is still the target's greedy one."""
+    from specdec.lookup import PromptLookup
+
+    target, _ = pair
+    n = 60
+    want = _looping_history(target, n + 8)
+    worker = TargetWorker(target, max_sessions=2, max_context=256, step_lookup=PromptLookup(min_ngram=2))
+    worker.start_session("s", PROMPT, SamplingParams())
+    committed, multi = list(PROMPT), 0
+    while len(committed) < len(PROMPT) + n:
+        wrong = (committed[-1] + 1) % 32  # stale: built on a token the target did not commit
+        out = _chained(worker, "s", len(committed) - 1, [wrong], [1, 2])
+        assert out.committed_from == len(committed) and out.committed
+        committed += out.committed
+        assert committed == want[:len(committed)]
+        multi += len(out.committed) > 1
+        assert out.proposed <= 4
+    assert multi > 0, "the greedy continuation repeats itself: some steps commit looked-up tokens"
+
+
+def test_a_target_step_looks_up_no_further_than_the_context_holds(pair):
+    from specdec.lookup import PromptLookup
+
+    target, _ = pair
+    history = _looping_history(target, 40)
+    worker = TargetWorker(target, max_sessions=2, max_context=len(history) + 2,
+                          step_lookup=PromptLookup(min_ngram=2))
+    worker.start_session("s", history, SamplingParams())
+    out = _chained(worker, "s", len(history) - 1, [(history[-1] + 1) % 32], [])
+    assert out.committed and out.proposed <= 2
+
+
+@pytest.mark.parametrize("window,delay_s", [(4, 0.004), (8, 0.01)])
+async def test_chained_rounds_with_target_step_lookup_give_the_targets_greedy_output(pair, window, delay_s):
+    from specdec.lookup import PromptLookup
+    from specdec.schedule import generate
+
+    target, draft = pair
+    n = 64
+    tgt = _LaggingTarget(TargetWorker(target, max_sessions=2, max_context=256, step_lookup=PromptLookup(min_ngram=2)),
+                         delay_s, window)
+    drf = LocalDraft(DraftWorker(draft, max_sessions=2, max_context=256), inline=True)
+    res = await generate(GenerationRequest(PROMPT, n, mode="pearl"), drf, tgt)
+    assert res.token_ids == target_greedy(target, PROMPT, n)
+
+
+async def test_after_a_rejection_the_next_verify_carries_a_guess_of_the_step_before_it(pair):
+    """A rejection makes the verifies still in flight stale: the target steps on them until it reaches the next
+    one, so that one carries the draft's guesses of the steps' tokens ahead of its proposals, instead of arriving
+    behind and being stale in turn; and it leaves with the draft's first block, without waiting for a second."""
+    from specdec.schedule import generate
+
+    target, draft = pair
+    sends, rejections = [], []
+
+    class _Recording(_LaggingTarget):
+        async def verify_chained(self, sid, base, assumed, proposals):
+            sends.append((base, len(assumed), len(proposals)))
+            fut = await super().verify_chained(sid, base, assumed, proposals)
+            fut.add_done_callback(lambda f: f.cancelled() or f.exception() or (
+                f.result().num_accepted < f.result().proposed and rejections.append(
+                    f.result().committed_from + len(f.result().committed))))
+            return fut
+
+    tgt = _Recording(TargetWorker(target, max_sessions=2, max_context=256), 0.01, 4)
+    drf = LocalDraft(DraftWorker(draft, max_sessions=2, max_context=256), inline=True)
+    res = await generate(GenerationRequest(PROMPT, 48, mode="pearl"), drf, tgt)
+    assert res.token_ids == target_greedy(target, PROMPT, 48)
+    assert rejections, "the tiny draft is often wrong"
+    # the draft's first verify from a rejection's end position guesses the tokens of the steps before it (one per
+    # verify then in flight) and goes as soon as the draft's first block is there, the rest of it as proposals
+    assert any(a >= 1 and a + n == 4 for end in rejections for b, a, n in sends if b == end), (sends, rejections)

@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from specdec.attention import SMALL_BLOCK_ROWS
 from specdec.errors import InvalidRequestError, StalePositionError
+from specdec.lookup import PromptLookup
 from specdec.penalties import adjust_logits, adjusts, live_rows
 from specdec.sampling import SamplingParams, TokenLogprobs, concat_logprobs, logits_to_probs, target_logprobs
 from specdec.verify import SparseDist, verify
@@ -27,7 +28,9 @@ class VerifyArgs:
     # a verify sent without waiting for the session's earlier ones: feed + draft are what the caller assumes follows
     # its first `base_position` committed tokens; the target reconciles that with what it committed (`_chain`)
     chained: bool = False
-    step_if_stale: bool = True  # a chained verify that no longer applies: a target step (True) or skipped (False)
+    # a chained verify: the caller's newer chained verifies already waiting behind it, as (base_position, feed +
+    # draft) each; one that no longer applies is skipped where one of these applies, else a target step (`_chain`)
+    waiting: list[tuple[int, list[int]]] = field(default_factory=list)
 
 
 @dataclass
@@ -49,13 +52,32 @@ class VerifyOutcome:
     proposed: int = 0  # a chained verify: how many of its tokens were checked as new proposals (0: a target step)
 
 
+# a chained verify that turns into a target step proposes up to this many tokens of the session's own prompt
+# lookup (TargetWorker.step_lookup): as many as a chained block carries
+STEP_LOOKUP_TOKENS = 4
+
 PROMPT_LOGPROBS_CHUNK = 256  # prompt positions per prefill forward with logprobs, where prefill_chunk is 0 (whole)
+
+
+def _past_committed(committed: list[int], base: int, assumed: list[int]) -> list[int]:
+    """The tokens of a chained verify (`assumed` after the first `base` committed tokens) past what is committed,
+    where it agrees with everything committed since `base`; else [] (it no longer applies)."""
+    since = committed[base:]
+    if not 0 <= base <= len(committed) or len(since) >= len(assumed) or assumed[:len(since)] != since:
+        return []
+    return assumed[len(since):]
 
 
 class TargetWorker(Worker):
     """Hosts the target model: verifies draft blocks, batching sessions into one forward."""
     rebuild_rows = SMALL_BLOCK_ROWS  # Worker.rebuild_rows: the most rows a verify-sized forward may have (the
     # decode attention's, up to which check_row_invariance checks the linears)
+
+    def __init__(self, model, *args, step_lookup: PromptLookup | None = None, **kwargs):
+        """`step_lookup`: the prompt lookup a chained verify's target step proposes with (`_chain`); None: a step
+        checks no proposals."""
+        super().__init__(model, *args, **kwargs)
+        self.step_lookup = step_lookup
 
     def start_session(self, session_id: str, prompt_ids: list[int], params: SamplingParams,
                       want_features: bool = False, output_start: int = 0) -> TargetFeatures | None:
@@ -108,9 +130,12 @@ class TargetWorker(Worker):
 
         - they agree and go on past it: those further tokens are verified as draft tokens, after the unfed ones;
         - they disagree, or end within it (an earlier verify rejected part of what they build on): one target step
-          from the committed tokens instead, so the target never idles while its caller catches up; or, with
-          `step_if_stale` False (newer verifies of the caller already wait), nothing: → None, the call is skipped
-          (a step would delay them, and shift the positions their proposals are checked at).
+          from the committed tokens instead, so the target never idles while its caller catches up; or, where a
+          newer verify of the caller that does apply already waits (`waiting`), nothing: → None, the call is skipped
+          (a step would delay it, and commit a token it may not have guessed). With a `step_lookup`,
+          the step checks what prompt lookup finds after the committed tokens (up to STEP_LOOKUP_TOKENS, each
+          looked up after the ones before): where the session repeats itself a step commits several tokens, and
+          otherwise costs a few rows of the same forward.
 
         Either way the call commits tokens the target chose, exactly as a greedy verify or step would (greedy
         sessions only: for sampled ones, which proposal is verified at a position must not depend on timing)."""
@@ -121,13 +146,26 @@ class TargetWorker(Worker):
         if not 0 <= a.base_position <= len(committed):
             raise StalePositionError(f"chained verify at position {a.base_position}, but session {a.session_id!r} "
                                      f"has committed {len(committed)} tokens; send a position <= {len(committed)}")
-        assumed, since = a.feed + a.draft, committed[a.base_position:]
-        agree = len(since) < len(assumed) and assumed[:len(since)] == since
-        proposals = assumed[len(since):] if agree else []
-        if not proposals and not a.step_if_stale:
-            return None
+        proposals = _past_committed(committed, a.base_position, a.feed + a.draft)
+        step = not proposals
+        if step:
+            if any(_past_committed(committed, base, tokens) for base, tokens in a.waiting):
+                return None
+            proposals = self._looked_up(committed)
         return VerifyArgs(a.session_id, len(s.tokens), list(s.unfed), proposals, None, "greedy", True,
-                          a.sample_bonus or not proposals, chained=True)
+                          a.sample_bonus or step, chained=True)
+
+    def _looked_up(self, committed: list[int]) -> list[int]:
+        """A target step's proposals: the tokens `step_lookup` finds after `committed`, each after the ones before."""
+        found: list[int] = []
+        if self.step_lookup is None:
+            return found
+        context = list(committed)
+        most = min(STEP_LOOKUP_TOKENS, self.max_context - len(committed))  # the context's room
+        while len(found) < most and (hit := self.step_lookup.propose(context)) is not None:
+            found.append(hit[0])
+            context.append(hit[0])
+        return found
 
     def _prepare(self, a: VerifyArgs) -> tuple[VerifyArgs | None, Session, list[int]]:
         """→ (the verify to run, its session, the tokens to feed); a skipped chained verify: (None, session, [])."""
