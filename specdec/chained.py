@@ -14,7 +14,8 @@ long as the forward itself. Chained rounds keep the target busy instead:
   so the target still commits a token per forward while the draft catches up.
 - Each answer says what the target committed. Where that is not what the draft assumed, the draft's speculation
   from there is dropped and it drafts again from the committed tokens; the verifies already on their way turn into
-  target steps (or, where the draft guessed those steps' tokens, verify what follows them).
+  target steps until its next verify reaches the target (which then skips the rest). That verify carries the
+  draft's guesses of those steps' tokens ahead of its proposals, and leaves with the draft's first block.
 
 Every committed token is the target's greedy choice: a verify's accepted tokens equal its argmaxes, a step is an
 argmax, so the output equals the target alone (`ar`). Greedy only: for a sampled request which proposal is checked
