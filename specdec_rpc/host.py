@@ -12,6 +12,7 @@ import contextvars
 import logging
 import time
 from collections import deque
+from typing import Awaitable, Callable
 
 from specdec import native
 from specdec.pairing import TokenizerVocab
@@ -28,11 +29,13 @@ from specdec_rpc.settings import ServerSettings
 
 log = logging.getLogger(__name__)
 
-# while a per-round stream's request is handled: the stream's requests waiting behind it, oldest first (`rounds`)
-ROUNDS_WAITING: contextvars.ContextVar[tuple] = contextvars.ContextVar("rounds_waiting", default=())
-# event-loop turns a per-round stream gives its reader before handling the next request (`SessionHost.rounds`): a
-# message that arrived while the loop was busy needs a turn for gRPC to hand it over and one for the reader to
-# queue it (a few microseconds each, against a forward of milliseconds)
+# while a per-round stream's request is handled: `await ROUNDS_WAITING.get()()` → the stream's requests waiting
+# behind it, oldest first (`rounds`); None outside a per-round stream. Only a handler that asks pays for the look.
+ROUNDS_WAITING: contextvars.ContextVar[Callable[[], Awaitable[tuple]] | None] = contextvars.ContextVar(
+    "rounds_waiting", default=None)
+# event-loop turns a per-round stream gives its reader before saying what waits (`SessionHost.rounds`): a message
+# that arrived while the loop was busy needs a turn for gRPC to hand it over and one for the reader to queue it (a
+# few microseconds each, against a forward of milliseconds)
 READ_AHEAD_TURNS = 3
 _END = object()
 
@@ -163,7 +166,7 @@ class SessionHost:
         """Serve a per-round stream: `handle` each request's `field` (the unary handler) and yield
         `wrap(response)`, one per request, in order. Ends with UNAVAILABLE once the server drains, so the
         caller moves its session (or resends the call unary) instead of holding the replica past its grace.
-        Requests are read as they arrive; while one is handled, `ROUNDS_WAITING` holds those waiting behind it
+        Requests are read as they arrive; while one is handled, `ROUNDS_WAITING` gives those waiting behind it
         (their `field`): a chained verify that no longer applies is skipped where a newer one that applies waits
         (workers/target.py)."""
         waiting: deque = deque()  # requests read ahead (a caller may send several before reading an answer)
@@ -180,6 +183,13 @@ class SessionHost:
                 waiting.append(_END)
                 arrived.set()
 
+        async def behind() -> tuple:
+            # A forward run on this loop's thread (the batcher's direct dispatch) kept the reader from taking the
+            # requests that arrived meanwhile: let it take them before saying what waits.
+            for _ in range(READ_AHEAD_TURNS):
+                await asyncio.sleep(0)
+            return tuple(getattr(w, field) for w in waiting if w is not _END and not isinstance(w, Exception))
+
         reader = asyncio.ensure_future(read_ahead())
         try:
             while True:
@@ -194,12 +204,7 @@ class SessionHost:
                 if self.draining:
                     raise ServiceDraining("this replica is draining; resend the call as a unary RPC or to another "
                                           "replica")
-                # A forward run on this loop's thread (the batcher's direct dispatch) kept the reader from taking
-                # the requests that arrived meanwhile: let it take them before counting what waits.
-                for _ in range(READ_AHEAD_TURNS):
-                    await asyncio.sleep(0)
-                token = ROUNDS_WAITING.set(tuple(getattr(w, field) for w in waiting
-                                                 if w is not _END and not isinstance(w, Exception)))
+                token = ROUNDS_WAITING.set(behind)
                 try:
                     response = await handle(getattr(request, field), context)
                 finally:

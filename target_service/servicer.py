@@ -64,7 +64,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                           request.sample_bonus if request.HasField("sample_bonus") else True, request.chained,
                           # a chained verify that no longer applies is skipped where a newer one of the session
                           # that applies already waits; elsewhere it is a target step (workers/target.py)
-                          waiting=_newer_chained(request) if request.chained else [])
+                          waiting=await _newer_chained(request) if request.chained else [])
         out, queue_ns = await self.batcher.submit(args)
         if args.draft:
             self.metrics.num_drafts.inc()
@@ -95,10 +95,11 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             yield resp
 
 
-def _newer_chained(request) -> list[tuple[int, list[int]]]:
-    """The session's newer chained verifies waiting behind `request` on its per-round stream."""
-    return [(w.base_position, list(w.feed_ids) + list(w.draft_ids)) for w in ROUNDS_WAITING.get()
-            if w.chained and w.session_id == request.session_id]
+async def _newer_chained(request) -> list[tuple[int, list[int]]]:
+    """The session's newer chained verifies waiting behind `request` on its per-round stream (none for a unary call)."""
+    behind = ROUNDS_WAITING.get()
+    return [] if behind is None else [(w.base_position, list(w.feed_ids) + list(w.draft_ids)) for w in await behind()
+                                      if w.chained and w.session_id == request.session_id]
 
 
 def add_to_server(servicer: TargetServicer, server: grpc.aio.Server) -> None:

@@ -201,7 +201,7 @@ async def test_a_per_round_stream_counts_the_requests_that_arrived_while_a_forwa
     seen = []
 
     async def handle(value, context):
-        seen.append((value, ROUNDS_WAITING.get()))
+        seen.append((value, await ROUNDS_WAITING.get()()))
         if value == 1:  # a forward on the loop's thread while the third request and the stream's end arrive
             sender = threading.Thread(target=lambda: [loop.call_soon_threadsafe(inbox.put_nowait, r)
                                                       for r in (SimpleNamespace(v=3), None)])
