@@ -138,6 +138,7 @@ class Linear(nn.Linear):
     pad_to: tuple[int, ...] | None = None  # a call of r <= len(pad_to) rows runs as pad_to[r - 1] rows; None: r
     row_invariant: bool = False  # every row rounds alike whatever its call's row count (set_row_invariant)
     _packed: tuple[int, int, torch.Tensor] | None = None  # (weight data_ptr, weight version, packed weight)
+    _streamed: tuple[int, int, torch.Tensor] | None = None  # the same for `stream`'s layout (stream_weight)
 
     def prepack(self, rows_hint: int = 4) -> bool:
         """Lay a bf16 CPU weight out for oneDNN once; returns whether it did. The packed copy is used only while the
@@ -155,6 +156,15 @@ class Linear(nn.Linear):
     def _packed_weight(self) -> torch.Tensor | None:
         p = self._packed
         return p[2] if p is not None and p[0] == self.weight.data_ptr() and p[1] == self.weight._version else None
+
+    def stream_weight(self) -> torch.Tensor:
+        """The weight as the streaming kernel reads it (`specdec.native.stream_pack`), packed on first use and again
+        whenever the weight is another tensor or was changed in place. A copy, as large as the weight:
+        `release_stream_weights` drops it from layers whose plan does not use `stream`."""
+        w, p = self.weight, self._streamed
+        if p is None or p[0] != w.data_ptr() or p[1] != w._version:
+            self._streamed = p = (w.data_ptr(), w._version, native.stream_pack(w))
+        return p[2]
 
     def kernels(self, rows: int) -> list[str]:
         """The kernels that can run a bf16 (or, where `stream_supported`, fp32) CPU call of `rows` rows on this
@@ -176,7 +186,8 @@ class Linear(nn.Linear):
                 return torch.ops.mkldnn._linear_pointwise(x2, pw, self.bias, "none", [], "")
         if kernel == "stream" and x2.dtype in _STREAM_DTYPES and self.weight.dtype in _STREAM_DTYPES \
                 and not (torch.is_grad_enabled() and (x2.requires_grad or self.weight.requires_grad)):
-            return native.stream_linear(x2, self.weight, self.bias)  # no autograd: a training call takes F.linear
+            # no autograd: a training call takes F.linear
+            return native.stream_linear(x2, self.weight, self.bias, self.stream_weight())
         return F.linear(x2, self.weight, self.bias)
 
     def default_plan(self) -> tuple[str, ...]:
@@ -341,10 +352,22 @@ def tune_linears(model: nn.Module) -> dict[str, int]:
         for m in layers:
             m.pad_to = pad if any(p > r for r, p in enumerate(pad, 1)) else None
     bad = enforce_row_invariance(model)
+    release_stream_weights(model)
     if bad:
         log.warning("row-invariant linears %s round some rows differently alone than in a batch on this host: a "
                     "target's greedy output may depend on the load", bad)
     return counts
+
+
+def release_stream_weights(model: nn.Module) -> int:
+    """Drop the streaming kernel's packed copy (`Linear.stream_weight`, made while tuning timed it) from every `Linear`
+    of `model` whose plan never runs `stream`; → how many were dropped. A layer that takes `stream` later packs
+    again on its first call."""
+    dropped = 0
+    for m in model.modules():
+        if isinstance(m, Linear) and m._streamed is not None and "stream" not in (m.plan or m.default_plan()):
+            m._streamed, dropped = None, dropped + 1
+    return dropped
 
 
 def enforce_row_invariance(model: nn.Module) -> list[tuple[int, int]]:

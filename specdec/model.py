@@ -31,8 +31,8 @@ from specdec.dtypes import resolve_dtype
 from specdec.fusion import fuse_projections_
 from specdec.hub import resolve_model
 from specdec.kv_slots import KVSlots
-from specdec.linear import (ROW_CLASSES, Linear, prepack_linears, row_class, row_invariance_enabled, set_row_invariant,
-                            tune_linears, tuning_enabled)
+from specdec.linear import (ROW_CLASSES, Linear, prepack_linears, release_stream_weights, row_class,
+                            row_invariance_enabled, set_row_invariant, tune_linears, tuning_enabled)
 from specdec.preverifier import draft_fingerprint
 from specdec.quant import quantize_int8_, resolve_quant
 
@@ -311,8 +311,8 @@ class DecoderLayer(nn.Module):
         the weights stay where they are: `CausalLM` checks both at every forward)."""
         a, m = self.self_attn, self.mlp
         return native.tensor_args(self.input_layernorm.weight, self.post_attention_layernorm.weight,
-                                  a.qkv_proj.weight, a.qkv_proj.bias, a.o_proj.weight, m.gate_up_proj.weight,
-                                  m.down_proj.weight)
+                                  a.qkv_proj.stream_weight(), a.qkv_proj.bias, a.o_proj.stream_weight(),
+                                  m.gate_up_proj.stream_weight(), m.down_proj.stream_weight())
 
     def forward(self, x, cos, sin, layer, kv, slots, positions, mask, kv_len, visible=None):
         attn = self.self_attn(self.input_layernorm(x), cos, sin, layer, kv, slots, positions, mask, kv_len, visible)
@@ -380,8 +380,9 @@ class CausalLM(nn.Module):
     def _native_layers(self, rows: int, dtype: torch.dtype) -> list[tuple[int, ...]] | None:
         """Each layer's weights for `specdec.native.decoder_layer` if every layer runs natively for `rows` rows of
         `dtype` (`DecoderLayer.runs_natively`), else None. Memoized per (rows, dtype) under a key of everything the
-        answer depends on (each linear's plan, padding and row invariance, every weight's address and dtype), which
-        costs ~100 µs a forward against ~1.5 ms to ask each layer."""
+        answer depends on (each linear's plan, padding and row invariance, every weight's address, version and dtype:
+        a weight changed in place is packed again for the streaming kernel), which costs ~100 µs a forward against
+        ~1.5 ms to ask each layer."""
         if self._routing_parts is None:
             mods = list(self.model.layers.modules())
             self._routing_parts = ([m for m in mods if isinstance(m, Linear)],
@@ -390,7 +391,7 @@ class CausalLM(nn.Module):
         # read each weight anew: `.to()` replaces a buffer (an Int8Linear's weight) by a new tensor
         tensors = [m.weight for m in weighted] + [m.bias for m in linears if m.bias is not None]
         key = (tuple([(m.plan, m.pad_to, m.row_invariant) for m in linears]),
-               tuple([t.data_ptr() for t in tensors]), tuple([t.dtype for t in tensors]))
+               tuple([(t.data_ptr(), t._version) for t in tensors]), tuple([t.dtype for t in tensors]))
         memo = self._native_memo.get((rows, dtype))
         if memo is not None and memo[0] == key:
             return memo[1]
@@ -454,6 +455,7 @@ class CausalLM(nn.Module):
             use(stream if faster else tuned)
             if faster:
                 moved.append(rows)
+        release_stream_weights(self)  # the packed copies of a trial that did not pay
         return moved
 
     def full_logits(self, hidden: torch.Tensor) -> torch.Tensor:

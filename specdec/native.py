@@ -9,7 +9,8 @@ Four kernels. Two replace a run of small torch ops whose dispatch cost more than
 
 The third, `stream_linear` (`csrc/stream_linear.c`, AVX2 + FMA), is a linear layer for a few rows that reads the
 weight once for all of them, bitwise row-invariant: `specdec.linear`'s kernel for hosts without native bf16 GEMMs
-(docs/benchmarks.md, "AVX2-only hosts").
+(docs/benchmarks.md, "AVX2-only hosts"). It reads the weight in its own layout (`stream_pack`), a copy its caller
+keeps.
 
 The fourth, `decoder_layer` (`csrc/decoder_layer.c`), runs a whole decoder layer of a decode step or verify block
 on the other three, with RoPE, the cache write, SiLU and the residual adds between them in C: where every linear of
@@ -130,6 +131,10 @@ def _library():
     lib.specdec_rms_norm.restype = None
     lib.specdec_stream_linear.argtypes = [i32] * 3 + [i64] * 3 + [ptr] * 4
     lib.specdec_stream_linear.restype = i32
+    lib.specdec_stream_packed_size.argtypes = [i64, i64]
+    lib.specdec_stream_packed_size.restype = i64
+    lib.specdec_stream_pack.argtypes = [i32, i64, i64, ptr, ptr]
+    lib.specdec_stream_pack.restype = None
     lib.specdec_decoder_layer.argtypes = [i32] * 7 + [i64, ctypes.c_float, ctypes.c_float] + [ptr] * 10 \
         + [ptr, i64, i64, i64] * 2 + [ptr, ptr]
     lib.specdec_decoder_layer.restype = i32
@@ -205,20 +210,42 @@ def stream_linear_supported() -> bool:
     return available() and bool(_library().specdec_stream_linear_supported())
 
 
-def stream_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [rows, in] @ weight[out, in]^T (+ bias) → [rows, out] of x's dtype, reading the weight once per 16 rows
-    (csrc/stream_linear.c): weight bf16 or fp32, x bf16 or fp32, accumulation fp32, each row's result bitwise the
-    same whatever the number of rows in the call. One thread (csrc/stream_linear.c says why). The caller checks
-    `stream_linear_supported`."""
+def stream_pack(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` [out, in] (fp32 or bf16, CPU) laid out as `stream_linear` reads it (csrc/stream_linear.c: panels of
+    16 output features, each k-major), a new 1-D tensor of its dtype, as large as the weight rounded up to 16
+    output features. A copy: it goes stale when the weight changes (`specdec.linear.Linear` checks)."""
+    if weight.dtype not in DTYPES or weight.dim() != 2 or weight.device.type != "cpu":
+        raise ValueError(f"stream_pack takes a 2-D fp32/bf16 CPU weight; got {weight.dtype} {tuple(weight.shape)} "
+                         f"on {weight.device}")
+    weight = weight.detach().contiguous()
+    out_f, in_f = weight.shape
+    lib = _library()
+    packed = torch.empty(lib.specdec_stream_packed_size(in_f, out_f), dtype=weight.dtype)
+    lib.specdec_stream_pack(DTYPES[weight.dtype], in_f, out_f, weight.data_ptr(), packed.data_ptr())
+    return packed
+
+
+def stream_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  packed: torch.Tensor | None = None) -> torch.Tensor:
+    """x [rows, in] @ weight[out, in]^T (+ bias) → [rows, out] of x's dtype, reading the weight once per 48 rows
+    (csrc/stream_linear.c): weight bf16 or fp32, x bf16 or fp32, each output the fp32 chain of fused multiply-adds
+    over k in order, then the bias, then one rounding to x's dtype; so each row's result is bitwise the same whatever
+    the number of rows in the call. `packed`: `stream_pack(weight)`, made once by the caller (packed here when
+    None). One thread (csrc/stream_linear.c says why). The caller checks `stream_linear_supported`."""
     if x.dtype not in DTYPES or weight.dtype not in DTYPES or (bias is not None and bias.dtype != weight.dtype):
         raise ValueError(f"stream_linear takes fp32/bf16 inputs and a bias of the weight's dtype; got x {x.dtype}, "
                          f"weight {weight.dtype}, bias {None if bias is None else bias.dtype}")
-    x, weight = x.contiguous(), weight.contiguous()
+    out_f, in_f = weight.shape
+    if packed is None:
+        packed = stream_pack(weight)
+    elif packed.dtype != weight.dtype or packed.numel() != _library().specdec_stream_packed_size(in_f, out_f):
+        raise ValueError(f"packed is not stream_pack of a {out_f} x {in_f} {weight.dtype} weight")
+    x = x.contiguous()
     bias = None if bias is None else bias.contiguous()
-    rows, out_f = x.shape[0], weight.shape[0]
+    rows = x.shape[0]
     y = torch.empty((rows, out_f), dtype=x.dtype)
-    rc = _library().specdec_stream_linear(DTYPES[x.dtype], DTYPES[weight.dtype], DTYPES[x.dtype], rows,
-                                          weight.shape[1], out_f, x.data_ptr(), weight.data_ptr(),
+    rc = _library().specdec_stream_linear(DTYPES[x.dtype], DTYPES[weight.dtype], DTYPES[x.dtype], rows, in_f, out_f,
+                                          x.data_ptr(), packed.data_ptr(),
                                           None if bias is None else bias.data_ptr(), y.data_ptr())
     if rc != 0:
         raise MemoryError("the native streaming linear could not allocate its scratch")
@@ -236,7 +263,8 @@ def decoder_layer(x: torch.Tensor, weights: tuple[int, ...], eps: float, heads: 
                   v_cache: torch.Tensor, slots: torch.Tensor, visible: torch.Tensor) -> None:
     """One decoder layer of a decode step or verify block in one call (csrc/decoder_layer.c), in place on x
     [B, S, D] contiguous (the residual stream). `weights`: `tensor_args(ln1, ln2, w_qkv, b_qkv, w_o, w_gate_up,
-    w_down)`, the fused layouts of specdec/fusion.py, all of x's dtype (float32 or bfloat16) and contiguous;
+    w_down)`, the fused layouts of specdec/fusion.py, all of x's dtype (float32 or bfloat16), the four weights as
+    `stream_pack` lays them out;
     cos/sin [B, S, head_dim] contiguous (sin signed, `CausalLM._rope`); the layer's caches as `decode_attention`
     takes them, each row's k and v written at (slot, visible - 1). The caller checks `stream_linear_supported`, the
     shapes and dtypes, and that slots and positions lie in the cache (`specdec.model.CausalLM.forward`)."""

@@ -20,8 +20,8 @@ import torch
 from specdec import native, settings
 from specdec.dtypes import auto_dtype, cpu_has_fast_bf16
 from specdec.engine import Engine
-from specdec.linear import (STREAM_PLAN, Linear, check_row_invariance, set_plan, set_row_invariant,
-                            stream_supported, tune_linears)
+from specdec.linear import (STREAM_PLAN, Linear, check_row_invariance, release_stream_weights, set_plan,
+                            set_row_invariant, stream_supported, tune_linears)
 from specdec.request import GenerationRequest
 from tests.helpers_models import build_tiny_model
 
@@ -60,9 +60,9 @@ def _reference(x, w, b):
 @pytest.mark.parametrize("out_f,in_f", [(576, 576), (96, 1536), (37, 45), (100, 17), (1, 8), (7, 3)])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 16, 17, 40])
 def test_kernel_matches_float64_reference(w_dtype, x_dtype, out_f, in_f, rows):
-    """Every tile shape (1-4 row groups, 1-12 features wide, a column tail), a k tail (in_f not a multiple of 8 or
-    16), more than one 16-row block, a bias: within fp32 accumulation error, plus one bf16 rounding for a bf16
-    output."""
+    """Every tile shape (1-3 rows wide, 4+ rows in groups of 3-6), a last panel cut short (out_f not a multiple of
+    16), odd in_f, more than one row group, a bias: within fp32 accumulation error, plus one bf16 rounding for a
+    bf16 output."""
     gen = torch.Generator().manual_seed(out_f * 1000 + in_f + rows)
     w = torch.randn(out_f, in_f, generator=gen).to(w_dtype)
     b = torch.randn(out_f, generator=gen).to(w_dtype)
@@ -74,6 +74,67 @@ def test_kernel_matches_float64_reference(w_dtype, x_dtype, out_f, in_f, rows):
         if x_dtype is torch.bfloat16:
             bound = bound + 2.0 ** -8 * ref.abs()
         assert bool(((y.double() - ref).abs() <= bound).all()), float(((y.double() - ref).abs() - bound).max())
+
+
+def _fma_chain(x, w, b, out_dtype):
+    """What the kernel computes (csrc/stream_linear.c, "Numerics"), emulated: per output the fp32 chain
+    acc = fma(x[k], w[n][k], acc) over k in order from 0 (a product of an fp32 and a bf16/fp32 value is exact in
+    float64, and the sum is rounded to fp32 once per step), then + bias in fp32, then one rounding to out_dtype."""
+    xd, wd = x.double(), w.double()
+    acc = torch.zeros(x.shape[0], w.shape[0], dtype=torch.float32)
+    for k in range(x.shape[1]):
+        acc = (xd[:, k, None] * wd[None, :, k] + acc.double()).float()
+    if b is not None:
+        acc = acc + b.float()
+    return acc.to(out_dtype)
+
+
+@needs_avx2
+@needs_kernel
+@pytest.mark.parametrize("w_dtype", DTYPES)
+@pytest.mark.parametrize("x_dtype", DTYPES)
+@pytest.mark.parametrize("out_f,in_f", [(96, 64), (37, 45), (16, 9), (5, 1)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 13, 16, 50])
+def test_kernel_is_bitwise_the_fused_multiply_add_chain_over_k(w_dtype, x_dtype, out_f, in_f, rows):
+    """The kernel's numerics exactly, on every tile shape and row grouping (and past one 48-row block): each output
+    bitwise the fp32 FMA chain over k in order, then the bias, then the output's rounding. So every host computes
+    the same bits, and row invariance follows."""
+    gen = torch.Generator().manual_seed(out_f * 7 + in_f * 3 + rows)
+    w = torch.randn(out_f, in_f, generator=gen).to(w_dtype)
+    b = torch.randn(out_f, generator=gen).to(w_dtype)
+    x = torch.randn(rows, in_f, generator=gen).to(x_dtype)
+    for bias in (None, b):
+        y = native.stream_linear(x, w, bias)
+        assert torch.equal(y, _fma_chain(x, w, bias, x_dtype)), (rows, bias is not None)
+
+
+@needs_avx2
+@needs_kernel
+def test_a_packed_weight_is_checked_and_repacked_after_the_weight_changes():
+    """`stream_linear` refuses a packed weight of another shape or dtype; `Linear.stream_weight` packs once, packs
+    again after an in-place change of the weight (the result follows it), and `release_stream_weights` drops the
+    copy where the plan does not use `stream`."""
+    gen = torch.Generator().manual_seed(3)
+    lin = Linear(40, 24, bias=False).to(torch.bfloat16)
+    x = torch.randn(3, 40, generator=gen).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="packed"):
+        native.stream_linear(x, lin.weight, packed=native.stream_pack(torch.zeros(8, 40, dtype=torch.bfloat16)))
+    with pytest.raises(ValueError, match="packed"):
+        native.stream_linear(x, lin.weight, packed=native.stream_pack(lin.weight.float()))
+    with torch.inference_mode():
+        first = lin.stream_weight()
+        assert lin.stream_weight() is first
+        y = lin.run_kernel("stream", x)
+        lin.weight.mul_(2)
+        assert lin.stream_weight() is not first
+        assert torch.equal(lin.run_kernel("stream", x), native.stream_linear(x, lin.weight))
+        assert torch.equal(lin.run_kernel("stream", x), (y.float() * 2).to(torch.bfloat16))
+    model = torch.nn.Sequential(lin)
+    lin.plan = ("gemm",) * 4
+    assert release_stream_weights(model) == 1 and lin._streamed is None
+    lin.plan = STREAM_PLAN
+    lin.stream_weight()
+    assert release_stream_weights(model) == 0 and lin._streamed is not None
 
 
 @needs_avx2

@@ -65,8 +65,9 @@ static void rope_row(void *row, int heads, int hd, const void *cos, const void *
 
 /* x:        [B * S, D] of the model's dtype (bf16 if bf16, else fp32), the residual stream; overwritten with the
  *           layer's output
- * weights:  of the same dtype, contiguous, the fused layouts of specdec/fusion.py: w_qkv [(H + 2 KV) hd, D] (bias
- *           b_qkv or NULL), w_o [D, H hd], w_gate_up [2 I, D] (gate rows first), w_down [D, I]; ln1, ln2 [D]
+ * weights:  of the same dtype, the fused layouts of specdec/fusion.py, each as specdec_stream_pack lays it out
+ *           (stream_linear.c): w_qkv [(H + 2 KV) hd, D] (bias b_qkv [(H + 2 KV) hd] or NULL), w_o [D, H hd],
+ *           w_gate_up [2 I, D] (gate rows first), w_down [D, I]; ln1, ln2 [D]
  * cos, sin: [B * S, hd] of the model's dtype, each row's position (sin with rotate_half's sign folded in)
  * k, v:     the layer's caches [slots, max_len, KV, hd] with element strides; each row's k and v are written at
  *           (slots[b], vis[b, s] - 1)

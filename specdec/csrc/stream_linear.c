@@ -2,21 +2,33 @@
  *
  * A decode step (one row), a verify block (1 + drafted rows) or a small batch of sessions is bound by reading the
  * weights, so extra rows should ride along for free. Hosts without native bf16 GEMMs (AVX2-only CPUs: oneDNN runs no
- * bf16 there, and torch's fp32/bf16 GEMMs cost 2.9-4.6x one row for eight) get that from this kernel: for each
- * small block of output features, the block's weight rows are read once (from memory) and every row group of the
- * call is multiplied with them while they sit in L1.
+ * bf16 there, and torch's fp32/bf16 GEMMs cost 2.9-4.6x one row for eight) get that from this kernel.
  *
- * Numerics: weights bf16 (widened to fp32 in registers: a 16-bit shift) or fp32; activations bf16 or fp32,
- * widened into an fp32 scratch; accumulation fp32; the output bf16 (rounded to nearest even, once) or fp32. Row
- * invariance by construction: y[r, n] is always the same sequence of operations — 8 fp32 lanes of fused
- * multiply-adds over k in increasing blocks, a fixed horizontal-sum tree, the tail of k in order, then the bias —
- * however many rows the call has, however the rows and columns are blocked, and whichever thread computes it. So a
- * row's result is bitwise the same alone, in a verify block, or batched. This file is compiled without -ffast-math and
- * with -ffp-contract=off (specdec/native.py), so the compiler may not reassociate or contract any of it.
+ * Layout (`specdec_stream_pack`, once per weight; `specdec.linear.Linear` keeps the packed copy): the output
+ * features in panels of 16, each panel k-major: packed[p][k][0..15] = W[16 p + (0..15)][k], zero past out_f. A
+ * panel is one contiguous stream of 32 (bf16) or 64 (fp32) bytes per k. Within a bf16 panel's 16 values the order
+ * is f0-3, f8-11, f4-7, f12-15: `unpacklo(0, raw)` then gives features 0-7 and `unpackhi(0, raw)` 8-15, each
+ * already fp32 (a bf16 is the high half of its fp32): one shuffle per 8 weights, on a port the FMAs do not use.
  *
- * bf16 weights: a 32-byte load holds 16 weights; as eight 32-bit lanes, lane j holds w[2j] (low half) and w[2j+1]
- * (high half). `lane << 16` is w[2j] as fp32 and `lane & 0xffff0000` is w[2j+1]: two cheap ALU ops, no shuffle. The
- * activations are laid out to match once per call (each 16-block: its 8 even elements, then its 8 odd ones).
+ * Arithmetic: an outer product per k, as a GEMM micro-kernel does. A tile of RG rows x NV vectors of 8 features
+ * keeps RG * NV accumulators in registers (8-12 of the 16: enough independent chains to cover the FMA latency);
+ * per k it loads its weights once and broadcasts each row's x[r][k] (each row group's x is laid out k-major, so the
+ * broadcasts sit at fixed offsets from one pointer).
+ * - 1-3 rows: one tile per block of panels, 1 x 8, 2 x 6 or 3 x 4 vectors: it reads 4, 3 or 2 panels side by side,
+ *   streams the hardware prefetcher keeps ahead of.
+ * - 4 and more rows: one panel per block, the rows in groups of 3-6, each group's tile 2 vectors wide. The first
+ *   group reads the panel from memory and the others from L1, while every tile prefetches its share of the next
+ *   panel into L2, so memory keeps streaming while the later groups compute (calls of 3+ rows prefetch; for 1-2
+ *   rows the hardware alone measured faster).
+ * What bounds it (docs/benchmarks.md, "AVX2-only hosts"): one row streams at the core's memory bandwidth; from
+ * 4-8 rows on, the FMAs (this file's tiles reach about 85 % of one core's peak with weights in L2).
+ *
+ * Numerics: weights bf16 (exact in fp32) or fp32; activations bf16 or fp32, widened to fp32; y[r][n] is the fp32
+ * chain acc = fma(x[r][k], W[n][k], acc) over k = 0, 1, ..., in order from acc = 0, then + bias, then (bf16 output)
+ * one rounding to nearest even. That is the same sequence of operations whatever the row count of the call, the
+ * tile or group a row falls in, or the thread: row invariance by construction, so a row's result is bitwise the same
+ * alone, in a verify block or batched. This file is compiled without -ffast-math and with -ffp-contract=off
+ * (specdec/native.py), so the compiler may not reassociate or contract any of it.
  *
  * One thread: splitting the output features over OpenMP threads (torch's libgomp, torch's intra-op count) made every
  * call a parallel region whose end waits for all its threads, and on a 2-core host shared with other processes a
@@ -30,198 +42,244 @@
 
 #include "bf16.h"
 
+#define PANEL 16 /* output features per packed panel */
+
+/* The packed weight's element count (a multiple of PANEL * in_f). */
+int64_t specdec_stream_packed_size(int64_t in_f, int64_t out_f) { return (out_f + PANEL - 1) / PANEL * PANEL * in_f; }
+
+/* w: [out_f, in_f] contiguous, bf16 if w_bf16 else fp32 → packed: specdec_stream_packed_size elements, same dtype. */
+void specdec_stream_pack(int w_bf16, int64_t in_f, int64_t out_f, const void *w, void *packed) {
+    static const int bf16_order[PANEL] = {0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15};
+    const int64_t panels = (out_f + PANEL - 1) / PANEL;
+    for (int64_t p = 0; p < panels; p++)
+        for (int64_t k = 0; k < in_f; k++)
+            for (int t = 0; t < PANEL; t++) { /* written in order, read from 16 weight rows */
+                const int64_t n = p * PANEL + (w_bf16 ? bf16_order[t] : t), at = (p * in_f + k) * PANEL + t;
+                if (w_bf16)
+                    ((uint16_t *)packed)[at] = n < out_f ? ((const uint16_t *)w)[n * in_f + k] : 0;
+                else
+                    ((float *)packed)[at] = n < out_f ? ((const float *)w)[n * in_f + k] : 0.f;
+            }
+}
+
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
-#define ROW_BLOCK 16 /* rows per pass over the weight; a longer call makes ceil(rows / 16) passes */
-#define PANEL 48     /* output features per panel (divisible by every tile width below) */
-/* Software prefetch into L2, PF_AHEAD tiles ahead: a tile's 1-12 weight rows are short streams (in_features
- * elements each) that the hardware prefetcher picks up too late (1 row, default target: ~40 -> ~30 ms a forward's
- * linears, the plain sequential read of the same bytes ~24 ms on the same host). */
-#define PF_AHEAD 4
-#define PF_HINT _MM_HINT_T1
-
-/* The horizontal sum of 8 lanes, always the same tree: ((v0 + v1) + (v2 + v3)) + ((v4 + v5) + (v6 + v7)), four
- * accumulators at a time (their sums land in the four lanes of one register: fewer shuffles per output). */
-static inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
-    const __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
-    return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
-}
-
-/* One tile: RG rows x NB output features over the vector part of k. xs: the rows' scratch (row stride xs_stride
- * floats); w: the first weight row (stride w_stride elements). Leaves one 8-lane accumulator per (row, feature). */
-static inline __attribute__((always_inline)) void tile_bf16(const int RG, const int NB, int64_t kblocks,
-                                                            const float *xs, int64_t xs_stride, const uint16_t *w,
-                                                            int64_t w_stride, const char *pf, __m256 acc[4][8]) {
-    const __m256i hi_mask = _mm256_set1_epi32((int)0xffff0000u);
-#pragma GCC unroll 4
-    for (int i = 0; i < RG; i++)
-#pragma GCC unroll 8
-        for (int j = 0; j < NB; j++) acc[i][j] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < kblocks; b++) {
-        if (pf) /* a later tile's weights, NB * 32 bytes per step: in L2 by the time it starts */
-#pragma GCC unroll 8
-            for (int j = 0; j < NB; j += 2) _mm_prefetch(pf + (b * NB + j) * 32, PF_HINT);
-#pragma GCC unroll 8
-        for (int j = 0; j < NB; j++) {
-            const __m256i raw = _mm256_loadu_si256((const __m256i *)(w + j * w_stride + 16 * b));
-            const __m256 we = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
-            const __m256 wo = _mm256_castsi256_ps(_mm256_and_si256(raw, hi_mask));
-#pragma GCC unroll 4
-            for (int i = 0; i < RG; i++) {
-                const float *xr = xs + i * xs_stride + 16 * b;
-                acc[i][j] = _mm256_fmadd_ps(we, _mm256_loadu_ps(xr), acc[i][j]);
-                acc[i][j] = _mm256_fmadd_ps(wo, _mm256_loadu_ps(xr + 8), acc[i][j]);
-            }
-        }
-    }
-}
-
-static inline __attribute__((always_inline)) void tile_f32(const int RG, const int NB, int64_t kblocks,
-                                                           const float *xs, int64_t xs_stride, const float *w,
-                                                           int64_t w_stride, const char *pf, __m256 acc[4][8]) {
-#pragma GCC unroll 4
-    for (int i = 0; i < RG; i++)
-#pragma GCC unroll 8
-        for (int j = 0; j < NB; j++) acc[i][j] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < kblocks; b++) {
-        if (pf)
-#pragma GCC unroll 8
-            for (int j = 0; j < NB; j += 2) _mm_prefetch(pf + (b * NB + j) * 32, PF_HINT);
-#pragma GCC unroll 8
-        for (int j = 0; j < NB; j++) {
-            const __m256 wv = _mm256_loadu_ps(w + j * w_stride + 8 * b);
-#pragma GCC unroll 4
-            for (int i = 0; i < RG; i++)
-                acc[i][j] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xs + i * xs_stride + 8 * b), acc[i][j]);
-        }
-    }
-}
+#define ROW_BLOCK 48 /* rows per pass over the weight (their fp32 x stays in L2); a longer call makes more passes */
+#define GROUP 6      /* most rows per tile (6 x 2 vectors: 12 accumulators) */
+#define KSTEP 8      /* k per unrolled step of a tile */
+#define PF_MIN_ROWS 3 /* calls of fewer rows leave the prefetching to the hardware (their tiles read 3-4 panels at once) */
 
 typedef struct {
-    int w_bf16, y_bf16;
-    int64_t in_f, out_f, kvec; /* kvec: the k handled by the vector loop (a multiple of 16 for bf16, 8 for fp32) */
-    const float *xs;           /* [rows][xs_stride] scratch: widened (and, for bf16 weights, interleaved) rows */
-    int64_t xs_stride;
-    const float *xt; /* [rows][in_f - kvec] the k tail, in order */
-    const void *w, *bias;
-    void *y;
+    int64_t in_f, out_f, panels;
+    const float *x;       /* this row block's rows as fp32, each row group k-major: see specdec_stream_linear */
+    const void *w, *bias; /* packed weight; bias [out_f] of the weight's dtype or NULL */
+    void *y;              /* this row block's output rows, row stride out_f */
 } job_t;
 
-/* Finish (row, feature) outputs: horizontal sum, the k tail in order, the bias, the store. WB, YB: bf16 weights,
- * bf16 output (compile-time constants). */
-static inline __attribute__((always_inline)) void finish(const job_t *J, const int RG, const int NB, const int WB,
-                                                         const int YB, int64_t r0, int64_t n0, __m256 acc[4][8]) {
-    const int64_t tail = J->in_f - J->kvec;
-#pragma GCC unroll 4
-    for (int i = 0; i < RG; i++) {
-        float sums[8];
-#pragma GCC unroll 2
-        for (int j = 0; j < NB; j += 4) { /* a short group repeats its last accumulator; those lanes are dropped */
-            const __m256 a = acc[i][j], b = acc[i][j + 1 < NB ? j + 1 : j], c = acc[i][j + 2 < NB ? j + 2 : j],
-                         d = acc[i][j + 3 < NB ? j + 3 : j];
-            float q[4];
-            _mm_storeu_ps(q, hsum4(a, b, c, d));
-            for (int t = 0; t < 4 && j + t < NB; t++) sums[j + t] = q[t];
+/* 8 outputs of one row: acc (+ bias), stored at feature n (fewer where the panel's padding starts). */
+static inline __attribute__((always_inline)) void store8(const job_t *J, const int WB, const int YB, int64_t row,
+                                                         int64_t n, __m256 acc) {
+    const int64_t valid = J->out_f - n < 8 ? J->out_f - n : 8;
+    if (valid <= 0) return;
+    if (J->bias) {
+        __m256 b;
+        if (valid == 8)
+            b = WB ? _mm256_castsi256_ps(_mm256_slli_epi32(
+                         _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)J->bias + n))), 16))
+                   : _mm256_loadu_ps((const float *)J->bias + n);
+        else {
+            float t[8] = {0};
+            for (int64_t i = 0; i < valid; i++)
+                t[i] = WB ? bf16_to_f32(((const uint16_t *)J->bias)[n + i]) : ((const float *)J->bias)[n + i];
+            b = _mm256_loadu_ps(t);
         }
-#pragma GCC unroll 8
-        for (int j = 0; j < NB; j++) {
-            const int64_t n = n0 + j;
-            float s = sums[j];
-            if (tail) {
-                const float *xt = J->xt + (r0 + i) * tail;
-                if (WB) {
-                    const uint16_t *wt = (const uint16_t *)J->w + n * J->in_f + J->kvec;
-                    for (int64_t k = 0; k < tail; k++) s = fmaf(xt[k], bf16_to_f32(wt[k]), s);
-                } else {
-                    const float *wt = (const float *)J->w + n * J->in_f + J->kvec;
-                    for (int64_t k = 0; k < tail; k++) s = fmaf(xt[k], wt[k], s);
-                }
-            }
-            if (J->bias) s += WB ? bf16_to_f32(((const uint16_t *)J->bias)[n]) : ((const float *)J->bias)[n];
-            if (YB)
-                ((uint16_t *)J->y)[(r0 + i) * J->out_f + n] = f32_to_bf16(s);
-            else
-                ((float *)J->y)[(r0 + i) * J->out_f + n] = s;
-        }
+        acc = _mm256_add_ps(acc, b);
     }
-}
-
-/* RG rows x NB features from n0; with `prefetch`, the NB weight rows PF_AHEAD tiles on are fetched meanwhile (a
- * tile's weight rows are contiguous, so the whole matrix streams in order). */
-static inline __attribute__((always_inline)) void run_tile_t(const job_t *J, const int RG, const int NB,
-                                                             const int WB, const int YB, int64_t r0, int64_t n0,
-                                                             int prefetch) {
-    __m256 acc[4][8];
-    const float *xs = J->xs + r0 * J->xs_stride;
-    const int64_t esize = WB ? 2 : 4;
-    const char *pf = prefetch && n0 + (PF_AHEAD + 1) * NB <= J->out_f
-                         ? (const char *)J->w + (n0 + PF_AHEAD * NB) * J->in_f * esize
-                         : NULL;
-    if (WB)
-        tile_bf16(RG, NB, J->kvec / 16, xs, J->xs_stride, (const uint16_t *)J->w + n0 * J->in_f, J->in_f, pf, acc);
-    else
-        tile_f32(RG, NB, J->kvec / 8, xs, J->xs_stride, (const float *)J->w + n0 * J->in_f, J->in_f, pf, acc);
-    finish(J, RG, NB, WB, YB, r0, n0, acc);
-}
-
-#define run_tile(J, RG, NB, r0, n0, prefetch) run_tile_t(J, RG, NB, WB, YB, r0, n0, prefetch)
-
-/* Features [n0, n1) for rows [r0, r1) (at most ROW_BLOCK): per tile-wide column block, every row group in turn,
- * so the block's weights come from memory once (prefetched during the block before) and from L1 for the other
- * groups. Tile widths keep the accumulators within the 16 ymm registers: 1 row x 8 features, 2 x 6, 3 x 4, 4 x 3;
- * the column tail runs 1 feature wide. */
-static inline __attribute__((always_inline)) void panel_t(const job_t *J, const int WB, const int YB, int64_t r0,
-                                                          int64_t r1, int64_t n0, int64_t n1) {
-    const int64_t rows = r1 - r0;
-    int64_t n = n0;
-    if (rows == 1) {
-        for (; n + 8 <= n1; n += 8) run_tile(J, 1, 8, r0, n, 1);
-    } else if (rows == 2) {
-        for (; n + 6 <= n1; n += 6) run_tile(J, 2, 6, r0, n, 1);
-    } else if (rows == 3) {
-        for (; n + 4 <= n1; n += 4) run_tile(J, 3, 4, r0, n, 1);
+    if (YB) {
+        /* round to nearest even, NaN kept quiet: f32_to_bf16 on 8 lanes */
+        const __m256i u = _mm256_castps_si256(acc);
+        const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+        const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+        const __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
+        const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(acc, acc, _CMP_UNORD_Q));
+        const __m256i h = _mm256_blendv_epi8(rounded, quiet, nan);
+        const __m128i h16 = _mm_packus_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+        uint16_t *dst = (uint16_t *)J->y + row * J->out_f + n;
+        if (valid == 8)
+            _mm_storeu_si128((__m128i *)dst, h16);
+        else {
+            uint16_t t[8];
+            _mm_storeu_si128((__m128i *)t, h16);
+            memcpy(dst, t, (size_t)valid * sizeof *dst);
+        }
     } else {
-        const int64_t r4 = r0 + rows / 4 * 4; /* 4-row groups 3 features wide, then a 1-3 row rest */
-        for (; n + 12 <= n1; n += 12) {
-            for (int64_t c = n; c < n + 12; c += 3)
-                for (int64_t r = r0; r < r4; r += 4) run_tile(J, 4, 3, r, c, r == r0);
-            switch (r1 - r4) {
-            case 3: for (int64_t c = n; c < n + 12; c += 4) run_tile(J, 3, 4, r4, c, 0); break;
-            case 2: for (int64_t c = n; c < n + 12; c += 6) run_tile(J, 2, 6, r4, c, 0); break;
-            case 1: run_tile(J, 1, 8, r4, n, 0); run_tile(J, 1, 4, r4, n + 8, 0); break;
-            }
-        }
-    }
-    for (; n < n1; n++) {
-        int64_t r = r0;
-        for (; r + 4 <= r1; r += 4) run_tile(J, 4, 1, r, n, 0);
-        switch (r1 - r) {
-        case 3: run_tile(J, 3, 1, r, n, 0); break;
-        case 2: run_tile(J, 2, 1, r, n, 0); break;
-        case 1: run_tile(J, 1, 1, r, n, 0); break;
+        float *dst = (float *)J->y + row * J->out_f + n;
+        if (valid == 8)
+            _mm256_storeu_ps(dst, acc);
+        else {
+            float t[8];
+            _mm256_storeu_ps(t, acc);
+            memcpy(dst, t, (size_t)valid * sizeof *dst);
         }
     }
 }
 
-static void panel(const job_t *J, int64_t r0, int64_t r1, int64_t n0, int64_t n1) {
-    if (J->w_bf16)
-        J->y_bf16 ? panel_t(J, 1, 1, r0, r1, n0, n1) : panel_t(J, 1, 0, r0, r1, n0, n1);
+/* Weight vector j of a tile (features 8 (v + j) .. + 7) at k, as fp32: for bf16, a panel's 32 bytes are loaded
+ * (into *raw) with its first half's vector and unpacked for each half. */
+static inline __attribute__((always_inline)) __m256 wvec(const int WB, const int ODD, const int j, const uint16_t *wb,
+                                                         const float *wf, int64_t pstride, int64_t k, __m256i zero,
+                                                         __m256i *raw) {
+    const int q = (ODD + j) >> 1, half = (ODD + j) & 1; /* panel (from the tile's first) and half of vector j */
+    if (!WB) return _mm256_loadu_ps(wf + q * pstride + k * PANEL + 8 * half);
+    if (j == 0 || half == 0) *raw = _mm256_loadu_si256((const __m256i *)(wb + q * pstride + k * PANEL));
+    return _mm256_castsi256_ps(half ? _mm256_unpackhi_epi16(zero, *raw) : _mm256_unpacklo_epi16(zero, *raw));
+}
+
+/* One k of a tile: acc[i][j] += x[i][k] * w[j][k] (xk: the group's x at k, one value per row). A tall tile keeps
+ * its NV weight vectors in registers and takes one broadcast at a time, a wide one keeps its RG broadcasts: at most
+ * 16 ymm registers either way. */
+static inline __attribute__((always_inline)) void tile_k(const int RG, const int NV, const int ODD, const int WB,
+                                                         const float *xk, const uint16_t *wb, const float *wf,
+                                                         int64_t pstride, int64_t k, __m256 acc[GROUP][8]) {
+    const __m256i zero = _mm256_setzero_si256();
+    __m256i raw = zero;
+    if (NV <= RG) {
+        __m256 wv[8];
+#pragma GCC unroll 8
+        for (int j = 0; j < NV; j++) wv[j] = wvec(WB, ODD, j, wb, wf, pstride, k, zero, &raw);
+#pragma GCC unroll 6
+        for (int i = 0; i < RG; i++) {
+            const __m256 xb = _mm256_broadcast_ss(xk + i);
+#pragma GCC unroll 8
+            for (int j = 0; j < NV; j++) acc[i][j] = _mm256_fmadd_ps(xb, wv[j], acc[i][j]);
+        }
+    } else {
+        __m256 xb[GROUP];
+#pragma GCC unroll 6
+        for (int i = 0; i < RG; i++) xb[i] = _mm256_broadcast_ss(xk + i);
+#pragma GCC unroll 8
+        for (int j = 0; j < NV; j++) {
+            const __m256 wj = wvec(WB, ODD, j, wb, wf, pstride, k, zero, &raw);
+#pragma GCC unroll 6
+            for (int i = 0; i < RG; i++) acc[i][j] = _mm256_fmadd_ps(xb[i], wj, acc[i][j]);
+        }
+    }
+}
+
+/* One tile: RG rows from r (a row group's first) x NV vectors of 8 features from vector v (feature 8 v; ODD: v is
+ * odd, the tile starts in a panel's second half), over all k; meanwhile pf_lines cache lines from pf are prefetched
+ * into L2, spread over the k. */
+static inline __attribute__((always_inline)) void tile(const job_t *J, const int RG, const int NV, const int ODD,
+                                                       const int WB, const int YB, int64_t r, int64_t v,
+                                                       const char *pf, int64_t pf_lines) {
+    __m256 acc[GROUP][8];
+    const int64_t K = J->in_f, pstride = K * PANEL; /* elements between panels */
+    const uint16_t *wb = (const uint16_t *)J->w + (v >> 1) * pstride;
+    const float *wf = (const float *)J->w + (v >> 1) * pstride;
+    const float *xg = J->x + r * K; /* the group's rows, k-major: xg[k * RG + i] */
+#pragma GCC unroll 6
+    for (int i = 0; i < RG; i++)
+#pragma GCC unroll 8
+        for (int j = 0; j < NV; j++) acc[i][j] = _mm256_setzero_ps();
+    int64_t pf_acc = 0, k = 0;
+    for (; k + KSTEP <= K; k += KSTEP) {
+        if (pf_lines) /* pf_lines / K lines per k, as evenly as integers allow */
+            for (pf_acc += KSTEP * pf_lines; pf_acc >= K; pf_acc -= K, pf += 64) _mm_prefetch(pf, _MM_HINT_T1);
+#pragma GCC unroll 8
+        for (int u = 0; u < KSTEP; u++) tile_k(RG, NV, ODD, WB, xg + (k + u) * RG, wb, wf, pstride, k + u, acc);
+    }
+    for (; k < K; k++) tile_k(RG, NV, ODD, WB, xg + k * RG, wb, wf, pstride, k, acc);
+#pragma GCC unroll 6
+    for (int i = 0; i < RG; i++)
+#pragma GCC unroll 8
+        for (int j = 0; j < NV; j++) store8(J, WB, YB, r + i, 8 * (v + j), acc[i][j]);
+}
+
+/* The row groups of a call's `rows` rows: one up to 3 rows (its tiles are wider), else groups of at most GROUP rows,
+ * as few as that allows, as even as they split (3-6 rows each). */
+static inline int64_t row_groups(int64_t rows) { return rows <= 3 ? 1 : (rows + GROUP - 1) / GROUP; }
+static inline int64_t group_rows(int64_t rows, int64_t g) {
+    const int64_t n = row_groups(rows);
+    return rows / n + (g < rows % n);
+}
+
+/* The panels of one block: as wide as the tiles of this row count (4 panels for one row, 3 for two, 2 for three,
+ * else 1). */
+static inline int64_t block_panels(int64_t rows) { return rows == 1 ? 4 : rows == 2 ? 3 : rows == 3 ? 2 : 1; }
+
+/* The tiles that cover rows [0, rows) x panels [p, p + np), in order: `emit` runs (or counts) one. Tile shapes keep
+ * 8-12 independent accumulators: 1 row x 8 vectors, 2 x 6, 3 x 4, then each row group of 4-6 rows one panel (2
+ * vectors) wide; a narrower tile where the weight's panels end. */
+#define COVER(emit)                                                                                                 \
+    do {                                                                                                            \
+        const int64_t v0 = 2 * p;                                                                                   \
+        if (rows == 1) {                                                                                            \
+            switch (np) {                                                                                           \
+            case 4: emit(1, 8, 0, 0, v0); break;                                                                    \
+            case 3: emit(1, 6, 0, 0, v0); break;                                                                    \
+            case 2: emit(1, 4, 0, 0, v0); break;                                                                    \
+            default: emit(1, 2, 0, 0, v0); break;                                                                   \
+            }                                                                                                       \
+        } else if (rows == 2) {                                                                                     \
+            switch (np) {                                                                                           \
+            case 3: emit(2, 6, 0, 0, v0); break;                                                                    \
+            case 2: emit(2, 4, 0, 0, v0); break;                                                                    \
+            default: emit(2, 2, 0, 0, v0); break;                                                                   \
+            }                                                                                                       \
+        } else if (rows == 3) {                                                                                     \
+            if (np == 2) emit(3, 4, 0, 0, v0);                                                                      \
+            else emit(3, 2, 0, 0, v0);                                                                              \
+        } else {                                                                                                    \
+            for (int64_t g = 0, r = 0; g < row_groups(rows); r += group_rows(rows, g), g++)                         \
+                switch (group_rows(rows, g)) {                                                                      \
+                case 6: emit(6, 2, 0, r, v0); break;                                                                \
+                case 5: emit(5, 2, 0, r, v0); break;                                                                \
+                case 4: emit(4, 2, 0, r, v0); break;                                                                \
+                default: emit(3, 2, 0, r, v0); break;                                                               \
+                }                                                                                                   \
+        }                                                                                                           \
+    } while (0)
+
+/* Panels [p, p + np) for all rows of the row block: the first row group reads them from memory, the others from
+ * cache. Meanwhile every tile prefetches its share of the next block into L2, so memory keeps streaming while the
+ * later groups compute. */
+static inline __attribute__((always_inline)) void block_t(const job_t *J, const int WB, const int YB, int64_t rows,
+                                                          int64_t p, int64_t np) {
+    const int64_t bytes = J->in_f * PANEL * (WB ? 2 : 4), after = J->panels - p - np; /* bytes: one panel's */
+    const int64_t lines = rows < PF_MIN_ROWS || after <= 0 ? 0 : (after < np ? after : np) * bytes / 64;
+    const char *pf = (const char *)J->w + (p + np) * bytes;
+    int64_t tiles = 0, t = 0;
+#define COUNT(RG, NV, ODD, r, v) (tiles++)
+    COVER(COUNT);
+#undef COUNT
+#define RUN(RG, NV, ODD, r, v)                                                                                      \
+    do {                                                                                                            \
+        const int64_t from = t * lines / tiles, to = (t + 1) * lines / tiles;                                       \
+        tile(J, RG, NV, ODD, WB, YB, r, v, pf + 64 * from, to - from);                                              \
+        t++;                                                                                                        \
+    } while (0)
+    COVER(RUN);
+#undef RUN
+}
+
+static void block(const job_t *J, int WB, int YB, int64_t rows, int64_t p, int64_t np) {
+    if (WB)
+        YB ? block_t(J, 1, 1, rows, p, np) : block_t(J, 1, 0, rows, p, np);
     else
-        J->y_bf16 ? panel_t(J, 0, 1, r0, r1, n0, n1) : panel_t(J, 0, 0, r0, r1, n0, n1);
+        YB ? block_t(J, 0, 1, rows, p, np) : block_t(J, 0, 0, rows, p, np);
 }
 
-static __thread float *scratch;
+static __thread float *scratch; /* a row block's x, widened to fp32, each row group k-major */
 static __thread size_t scratch_floats;
 
-/* x: [rows, in_f] (bf16 if x_bf16 else fp32), w: [out_f, in_f] (bf16 if w_bf16 else fp32), bias: [out_f] of the
- * weight's dtype or NULL, y: [rows, out_f] (bf16 if y_bf16 else fp32); all contiguous. Returns 0, or -1 where the
- * scratch could not be allocated. */
+/* x: [rows, in_f] (bf16 if x_bf16 else fp32), w: the weight as specdec_stream_pack lays it out (bf16 if w_bf16 else
+ * fp32), bias: [out_f] of the weight's dtype or NULL, y: [rows, out_f] (bf16 if y_bf16 else fp32); all contiguous.
+ * Returns 0, or -1 where the scratch could not be allocated. */
 int specdec_stream_linear(int x_bf16, int w_bf16, int y_bf16, int64_t rows, int64_t in_f, int64_t out_f,
                           const void *x, const void *w, const void *bias, void *y) {
-    const int64_t kvec = w_bf16 ? in_f / 16 * 16 : in_f / 8 * 8, tail = in_f - kvec;
-    const int64_t xs_stride = kvec + 16; /* a little slack between rows */
-    const size_t need = (size_t)(ROW_BLOCK * xs_stride + ROW_BLOCK * tail + 16);
+    const int64_t panels = (out_f + PANEL - 1) / PANEL;
+    const size_t need = (size_t)((rows < ROW_BLOCK ? rows : ROW_BLOCK) * in_f);
     if (need > scratch_floats) {
         free(scratch);
         scratch = aligned_alloc(64, (need * sizeof(float) + 63) / 64 * 64);
@@ -230,24 +288,23 @@ int specdec_stream_linear(int x_bf16, int w_bf16, int y_bf16, int64_t rows, int6
     }
     for (int64_t rb = 0; rb < rows; rb += ROW_BLOCK) {
         const int64_t nr = rows - rb < ROW_BLOCK ? rows - rb : ROW_BLOCK;
-        float *xs = scratch, *xt = scratch + ROW_BLOCK * xs_stride;
-        for (int64_t i = 0; i < nr; i++) { /* widen (and interleave, for bf16 weights) the rows once per call */
-            const int64_t row = rb + i;
-            float *dst = xs + i * xs_stride;
-            for (int64_t k = 0; k < in_f; k++) {
-                const float v = x_bf16 ? bf16_to_f32(((const uint16_t *)x)[row * in_f + k])
-                                       : ((const float *)x)[row * in_f + k];
-                if (k >= kvec)
-                    xt[i * tail + (k - kvec)] = v;
-                else if (w_bf16)
-                    dst[(k & ~(int64_t)15) + ((k & 1) ? 8 : 0) + ((k & 15) >> 1)] = v;
+        /* the rows widened once per call, each group's k-major (group g from row r: scratch[r * in_f + k * rg + i]),
+         * so a tile's broadcasts sit at fixed offsets from one pointer */
+        for (int64_t g = 0, r = 0; g < row_groups(nr); r += group_rows(nr, g), g++) {
+            const int64_t rg = group_rows(nr, g);
+            for (int64_t i = 0; i < rg; i++) {
+                const int64_t row = rb + r + i;
+                float *dst = scratch + r * in_f + i;
+                if (x_bf16)
+                    for (int64_t k = 0; k < in_f; k++) dst[k * rg] = bf16_to_f32(((const uint16_t *)x)[row * in_f + k]);
                 else
-                    dst[k] = v;
+                    for (int64_t k = 0; k < in_f; k++) dst[k * rg] = ((const float *)x)[row * in_f + k];
             }
         }
-        job_t J = {w_bf16, y_bf16, in_f, out_f, kvec, xs, xs_stride, xt, w, bias,
-                   y_bf16 ? (void *)((uint16_t *)y + rb * out_f) : (void *)((float *)y + rb * out_f)};
-        for (int64_t n0 = 0; n0 < out_f; n0 += PANEL) panel(&J, 0, nr, n0, n0 + PANEL < out_f ? n0 + PANEL : out_f);
+        const job_t J = {in_f, out_f, panels, scratch, w, bias,
+                         y_bf16 ? (void *)((uint16_t *)y + rb * out_f) : (void *)((float *)y + rb * out_f)};
+        const int64_t width = block_panels(nr);
+        for (int64_t p = 0; p < panels; p += width) block(&J, w_bf16, y_bf16, nr, p, panels - p < width ? panels - p : width);
     }
     return 0;
 }
