@@ -10,8 +10,9 @@ one-row bf16 weight fastest, on another the prepacked oneDNN kernel does. The ca
   `mkldnn._linear_pointwise`: bit-identical to `gemm`, at the price of a second copy of the weight in memory;
 - `int8` (`specdec.quant.Int8Linear` only): `torch._weight_int8pack_mm`;
 - `stream` (hosts without native bf16 GEMMs only: `stream_supported`): the native streaming linear
-  (`specdec.native.stream_linear`, AVX2 + FMA), which reads the weight once for up to 16 rows, bf16 or fp32, with
-  fp32 arithmetic, and rounds every row alike whatever its call's row count.
+  (`specdec.native.stream_linear`, AVX2 + FMA), which reads the weight once for up to 48 rows, bf16 or fp32, with
+  fp32 arithmetic, and rounds every row alike whatever its call's row count. It reads the weight in its own layout
+  (`Linear.stream_weight`), a second copy in memory as `packed`'s is; a layer whose plan never streams drops it.
 
 `tune_linears(model)` times the candidates per distinct layer shape for 1, 4 and 8 rows, interleaved, and keeps the
 fastest: a *plan*, one kernel per row class. Calls with more than 8 rows take `packed` where it exists, else the

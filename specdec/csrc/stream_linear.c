@@ -14,14 +14,18 @@
  * keeps RG * NV accumulators in registers (8-12 of the 16: enough independent chains to cover the FMA latency);
  * per k it loads its weights once and broadcasts each row's x[r][k] (each row group's x is laid out k-major, so the
  * broadcasts sit at fixed offsets from one pointer).
- * - 1-3 rows: one tile per block of panels, 1 x 8, 2 x 6 or 3 x 4 vectors: it reads 4, 3 or 2 panels side by side,
- *   streams the hardware prefetcher keeps ahead of.
+ * - 1-3 rows: the tiles of a block of panels, 1 x 8 vectors over 4 panels, 2 x 6 over 3, or two 3 x 3 over 3: they
+ *   read 3-4 panels side by side, streams the hardware prefetcher keeps ahead of.
  * - 4 and more rows: one panel per block, the rows in groups of 3-6, each group's tile 2 vectors wide. The first
  *   group reads the panel from memory and the others from L1, while every tile prefetches its share of the next
- *   panel into L2, so memory keeps streaming while the later groups compute (calls of 3+ rows prefetch; for 1-2
- *   rows the hardware alone measured faster).
- * What bounds it (docs/benchmarks.md, "AVX2-only hosts"): one row streams at the core's memory bandwidth; from
- * 4-8 rows on, the FMAs (this file's tiles reach about 85 % of one core's peak with weights in L2).
+ *   panel into L2, so memory keeps streaming while the later groups compute.
+ * Every tile also prefetches its own panels PF_DIST k ahead into L1: the hardware prefetcher alone leaves the loads
+ * of a few-row call waiting on memory, and the waits add to the FMAs instead of hiding them (default target's
+ * shapes, emulated AVX2: 3 rows 30 -> 26 ms, 1 row 21 -> 19.5).
+ * What bounds it (docs/benchmarks.md, "The kernel's layout and tiles"): one row streams at the core's memory
+ * bandwidth; with the weights in L2 the tiles of 4+ rows reach about 85 % of the core's FMA peak; from memory, the
+ * later groups' prefetches overlap the next panel's reads only in part (software prefetches wait on the core's
+ * few line fill buffers; prefetching every other line, or interleaving chunks of k across panels, measured slower).
  *
  * Numerics: weights bf16 (exact in fp32) or fp32; activations bf16 or fp32, widened to fp32; y[r][n] is the fp32
  * chain acc = fma(x[r][k], W[n][k], acc) over k = 0, 1, ..., in order from acc = 0, then + bias, then (bf16 output)
@@ -68,7 +72,8 @@ void specdec_stream_pack(int w_bf16, int64_t in_f, int64_t out_f, const void *w,
 #define ROW_BLOCK 48 /* rows per pass over the weight (their fp32 x stays in L2); a longer call makes more passes */
 #define GROUP 6      /* most rows per tile (6 x 2 vectors: 12 accumulators) */
 #define KSTEP 8      /* k per unrolled step of a tile */
-#define PF_MIN_ROWS 3 /* calls of fewer rows leave the prefetching to the hardware (their tiles read 3-4 panels at once) */
+#define PF_DIST 32   /* k ahead a tile prefetches its own panels */
+#define PF_MIN_ROWS 4 /* calls of this many rows also prefetch the next block (their later row groups read from cache) */
 
 typedef struct {
     int64_t in_f, out_f, panels;
@@ -186,6 +191,13 @@ static inline __attribute__((always_inline)) void tile(const job_t *J, const int
     for (; k + KSTEP <= K; k += KSTEP) {
         if (pf_lines) /* pf_lines / K lines per k, as evenly as integers allow */
             for (pf_acc += KSTEP * pf_lines; pf_acc >= K; pf_acc -= K, pf += 64) _mm_prefetch(pf, _MM_HINT_T1);
+        if (k + PF_DIST < K) /* the tile's own panels, PF_DIST k ahead, into L1: a line per 2 (bf16) or 1 k */
+#pragma GCC unroll 4
+            for (int q = 0; q < (ODD + NV + 1) / 2; q++) {
+                const char *ahead = WB ? (const char *)(wb + q * pstride + (k + PF_DIST) * PANEL)
+                                       : (const char *)(wf + q * pstride + (k + PF_DIST) * PANEL);
+                for (int b = 0; b < KSTEP * PANEL * (WB ? 2 : 4); b += 64) _mm_prefetch(ahead + b, _MM_HINT_T0);
+            }
 #pragma GCC unroll 8
         for (int u = 0; u < KSTEP; u++) tile_k(RG, NV, ODD, WB, xg + (k + u) * RG, wb, wf, pstride, k + u, acc);
     }
@@ -204,16 +216,17 @@ static inline int64_t group_rows(int64_t rows, int64_t g) {
     return rows / n + (g < rows % n);
 }
 
-/* The panels of one block: as wide as the tiles of this row count (4 panels for one row, 3 for two, 2 for three,
- * else 1). */
-static inline int64_t block_panels(int64_t rows) { return rows == 1 ? 4 : rows == 2 ? 3 : rows == 3 ? 2 : 1; }
+/* The panels of one block: as wide as the tiles of this row count (4 panels for one row, 3 for two or three, else
+ * 1). */
+static inline int64_t block_panels(int64_t rows) { return rows == 1 ? 4 : rows <= 3 ? 3 : 1; }
 
 /* The tiles that cover rows [0, rows) x panels [p, p + np), in order: `emit` runs (or counts) one. Tile shapes keep
- * 8-12 independent accumulators: 1 row x 8 vectors, 2 x 6, 3 x 4, then each row group of 4-6 rows one panel (2
- * vectors) wide; a narrower tile where the weight's panels end. */
+ * 8-12 independent accumulators within the 16 ymm registers: 1 row x 8 vectors, 2 x 6, 3 rows as two 3 x 3 (the
+ * second from the middle panel's second half), then each row group of 4-6 rows one panel (2 vectors) wide; a
+ * narrower tile where the weight's panels end. */
 #define COVER(emit)                                                                                                 \
     do {                                                                                                            \
-        const int64_t v0 = 2 * p;                                                                                   \
+        const int64_t v0 = 2 * p; (void)v0;                                                                         \
         if (rows == 1) {                                                                                            \
             switch (np) {                                                                                           \
             case 4: emit(1, 8, 0, 0, v0); break;                                                                    \
@@ -228,7 +241,8 @@ static inline int64_t block_panels(int64_t rows) { return rows == 1 ? 4 : rows =
             default: emit(2, 2, 0, 0, v0); break;                                                                   \
             }                                                                                                       \
         } else if (rows == 3) {                                                                                     \
-            if (np == 2) emit(3, 4, 0, 0, v0);                                                                      \
+            if (np == 3) { emit(3, 3, 0, 0, v0); emit(3, 3, 1, 0, v0 + 3); }                                        \
+            else if (np == 2) emit(3, 4, 0, 0, v0);                                                                 \
             else emit(3, 2, 0, 0, v0);                                                                              \
         } else {                                                                                                    \
             for (int64_t g = 0, r = 0; g < row_groups(rows); r += group_rows(rows, g), g++)                         \
