@@ -21,7 +21,7 @@
  *   panel into L2, so memory keeps streaming while the later groups compute.
  * Every tile also prefetches its own panels PF_DIST k ahead into L1: the hardware prefetcher alone leaves the loads
  * of a few-row call waiting on memory, and the waits add to the FMAs instead of hiding them (default target's
- * shapes, emulated AVX2: 3 rows 30 -> 26 ms, 1 row 21 -> 19.5).
+ * shapes, emulated AVX2: 3 rows 30 -> 26 ms, 1 row 21 -> 19.5; a one-panel tile of 4 rows, 128 k ahead: 8 % less).
  * What bounds it (docs/benchmarks.md, "The kernel's layout and tiles"): one row streams at the core's memory
  * bandwidth; with the weights in L2 the tiles of 4+ rows reach about 85 % of the core's FMA peak; from memory, the
  * later groups' prefetches overlap the next panel's reads only in part (software prefetches wait on the core's
@@ -72,7 +72,9 @@ void specdec_stream_pack(int w_bf16, int64_t in_f, int64_t out_f, const void *w,
 #define ROW_BLOCK 48 /* rows per pass over the weight (their fp32 x stays in L2); a longer call makes more passes */
 #define GROUP 6      /* most rows per tile (6 x 2 vectors: 12 accumulators) */
 #define KSTEP 8      /* k per unrolled step of a tile */
-#define PF_DIST 32   /* k ahead a tile prefetches its own panels */
+/* k ahead a tile prefetches its own panels: further for a one-panel tile of a few rows (a single stream, nearly all
+ * of its time waiting on memory) */
+#define PF_DIST(RG, NV) ((NV) <= 2 && (RG) <= 4 ? 128 : 32)
 #define PF_MIN_ROWS 4 /* calls of this many rows also prefetch the next block (their later row groups read from cache) */
 
 typedef struct {
@@ -191,11 +193,11 @@ static inline __attribute__((always_inline)) void tile(const job_t *J, const int
     for (; k + KSTEP <= K; k += KSTEP) {
         if (pf_lines) /* pf_lines / K lines per k, as evenly as integers allow */
             for (pf_acc += KSTEP * pf_lines; pf_acc >= K; pf_acc -= K, pf += 64) _mm_prefetch(pf, _MM_HINT_T1);
-        if (k + PF_DIST < K) /* the tile's own panels, PF_DIST k ahead, into L1: a line per 2 (bf16) or 1 k */
+        if (k + PF_DIST(RG, NV) < K) /* the tile's own panels, PF_DIST k ahead, into L1: a line per 2 (bf16) or 1 k */
 #pragma GCC unroll 4
             for (int q = 0; q < (ODD + NV + 1) / 2; q++) {
-                const char *ahead = WB ? (const char *)(wb + q * pstride + (k + PF_DIST) * PANEL)
-                                       : (const char *)(wf + q * pstride + (k + PF_DIST) * PANEL);
+                const char *ahead = WB ? (const char *)(wb + q * pstride + (k + PF_DIST(RG, NV)) * PANEL)
+                                       : (const char *)(wf + q * pstride + (k + PF_DIST(RG, NV)) * PANEL);
                 for (int b = 0; b < KSTEP * PANEL * (WB ? 2 : 4); b += 64) _mm_prefetch(ahead + b, _MM_HINT_T0);
             }
 #pragma GCC unroll 8
