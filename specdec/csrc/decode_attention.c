@@ -3,7 +3,7 @@
  * One call covers a whole layer: every sequence of the batch, every K/V head and the G query heads that share it
  * (GQA), every query row of the block. Query row s of sequence b sees the cache positions 0 .. vis[b, s] - 1 of its
  * slot (causal by position: a decode step, a verify block, a padded row of a batched step). Keys and values are
- * read in place (bf16 or fp32), widened to fp32 once per sequence and call into a per-thread work buffer kept across
+ * read in place (bf16 or fp32), widened to fp32 256 positions at a time into a per-thread work buffer kept across
  * calls; scores and softmax are fp32, the output is fp32. On AVX2 + FMA the score blocks and the probability x
  * value sums run as explicit 8-lane FMAs (the same operations the compiler makes of the portable loops).
  *
@@ -23,7 +23,8 @@
 #include <immintrin.h>
 #endif
 
-#define POS_BLOCK 8 /* key positions whose scores one pass over a query computes */
+#define POS_BLOCK 8   /* key positions whose scores one pass over a query computes */
+#define POS_CHUNK 256 /* positions whose keys (values) are widened at a time: a multiple of POS_BLOCK */
 
 static __thread float *work; /* a call's queries, keys and values widened to fp32, and its scores */
 static __thread size_t work_floats;
@@ -49,8 +50,9 @@ static inline __attribute__((always_inline)) int attend(
         const void *k, int64_t ks_slot, int64_t ks_pos, int64_t ks_head,
         const void *v, int64_t vs_slot, int64_t vs_pos, int64_t vs_head,
         const int64_t *slots, const int64_t *vis, float scale, float *out) {
-    /* Per sequence: its keys and values widened to fp32 once (position-major, every K/V head of a position one
-       contiguous read, so the cache streams through once), then every query row against them. A score is the dot
+    /* Per sequence: its keys, then its values, widened to fp32 a chunk of positions at a time (position-major,
+       every K/V head of a position one contiguous read, so the cache streams through once), every query row
+       against each chunk. A score is the dot
        of its query and key in 8-lane partial sums and a fixed sum of the lanes, computed for POS_BLOCK positions at
        once (independent accumulators, not one latency-bound chain per dot); a row's output sums probability x
        value over the positions in order, its accumulators held in registers across them. Every row's numbers are
@@ -59,15 +61,15 @@ static inline __attribute__((always_inline)) int attend(
     int64_t n_max = 1;
     for (int64_t i = 0; i < (int64_t)B * S; i++) n_max = vis[i] > n_max ? vis[i] : n_max;
     const int64_t n_pad = (n_max + POS_BLOCK - 1) / POS_BLOCK * POS_BLOCK;
-    const size_t need = (size_t)R * D + 2 * (size_t)n_pad * KV * D + (size_t)R * n_pad;
+    const size_t need = (size_t)R * D * 2 + (size_t)POS_CHUNK * KV * D + (size_t)R * n_pad;
     if (need > work_floats) { /* kept across calls: a fresh mapping per call cost more than the attention */
         free(work);
         work = aligned_alloc(64, (need * sizeof(float) + 63) / 64 * 64);
         work_floats = work ? need : 0;
         if (!work) return 1;
     }
-    float *restrict qf = work, *restrict kf = qf + (size_t)R * D, *restrict vf = kf + (size_t)n_pad * KV * D;
-    float *restrict scores = vf + (size_t)n_pad * KV * D;
+    float *restrict qf = work, *restrict acc = qf + (size_t)R * D, *restrict kvf = acc + (size_t)R * D;
+    float *restrict scores = kvf + (size_t)POS_CHUNK * KV * D;
     for (int b = 0; b < B; b++) {
         const int64_t slot = slots[b];
         const int64_t *row_vis = vis + (int64_t)b * S;
@@ -79,41 +81,43 @@ static inline __attribute__((always_inline)) int attend(
             load_row(q, b * qs_b + (r % S) * qs_s + (int64_t)(r / S) * qs_h, is_bf16, D, qr);
             for (int d = 0; d < D; d++) qr[d] *= scale;
         }
-        for (int64_t j = 0; j < n; j++)
-            for (int kh = 0; kh < KV; kh++) {
-                load_row(k, slot * ks_slot + j * ks_pos + kh * ks_head, is_bf16, D, kf + (j * KV + kh) * D);
-                load_row(v, slot * vs_slot + j * vs_pos + kh * vs_head, is_bf16, D, vf + (j * KV + kh) * D);
-            }
-        memset(kf + n * KV * D, 0, sizeof(float) * (size_t)(np - n) * KV * D); /* a last block's padding */
-        for (int r = 0; r < R; r++) {
-            const float *qr = qf + (int64_t)r * D;
-            const int kh = r / S / G;
-            float *sc = scores + (int64_t)r * np;
-            for (int64_t j0 = 0; j0 < np; j0 += POS_BLOCK) {
-                float part[POS_BLOCK][8];
+        /* scores, POS_CHUNK positions' keys widened at a time (the last block's padding zero) */
+        for (int64_t c0 = 0; c0 < np; c0 += POS_CHUNK) {
+            const int64_t c1 = np - c0 < POS_CHUNK ? np : c0 + POS_CHUNK, real = (n < c1 ? n : c1) - c0;
+            for (int64_t j = 0; j < real; j++)
+                for (int kh = 0; kh < KV; kh++)
+                    load_row(k, slot * ks_slot + (c0 + j) * ks_pos + kh * ks_head, is_bf16, D, kvf + (j * KV + kh) * D);
+            memset(kvf + real * KV * D, 0, sizeof(float) * (size_t)(c1 - c0 - real) * KV * D);
+            for (int r = 0; r < R; r++) {
+                const float *qr = qf + (int64_t)r * D;
+                const int kh = r / S / G;
+                float *sc = scores + (int64_t)r * np;
+                for (int64_t j0 = c0; j0 < c1; j0 += POS_BLOCK) {
+                    float part[POS_BLOCK][8];
 #if defined(__AVX2__) && defined(__FMA__)
-                __m256 pv[POS_BLOCK];
-                for (int t = 0; t < POS_BLOCK; t++) pv[t] = _mm256_setzero_ps();
-                for (int d0 = 0; d0 + 8 <= D; d0 += 8) {
-                    const __m256 qv = _mm256_loadu_ps(qr + d0);
-                    for (int t = 0; t < POS_BLOCK; t++)
-                        pv[t] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kf + ((j0 + t) * KV + kh) * D + d0), pv[t]);
-                }
-                for (int t = 0; t < POS_BLOCK; t++) _mm256_storeu_ps(part[t], pv[t]);
-#else
-                for (int t = 0; t < POS_BLOCK; t++)
-                    for (int l = 0; l < 8; l++) part[t][l] = 0.f;
-                for (int d0 = 0; d0 + 8 <= D; d0 += 8)
-                    for (int t = 0; t < POS_BLOCK; t++) {
-                        const float *kr = kf + ((j0 + t) * KV + kh) * D + d0;
-                        for (int l = 0; l < 8; l++) part[t][l] += qr[d0 + l] * kr[l];
+                    __m256 pv[POS_BLOCK];
+                    for (int t = 0; t < POS_BLOCK; t++) pv[t] = _mm256_setzero_ps();
+                    for (int d0 = 0; d0 + 8 <= D; d0 += 8) {
+                        const __m256 qv = _mm256_loadu_ps(qr + d0);
+                        for (int t = 0; t < POS_BLOCK; t++)
+                            pv[t] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kvf + ((j0 - c0 + t) * KV + kh) * D + d0), pv[t]);
                     }
+                    for (int t = 0; t < POS_BLOCK; t++) _mm256_storeu_ps(part[t], pv[t]);
+#else
+                    for (int t = 0; t < POS_BLOCK; t++)
+                        for (int l = 0; l < 8; l++) part[t][l] = 0.f;
+                    for (int d0 = 0; d0 + 8 <= D; d0 += 8)
+                        for (int t = 0; t < POS_BLOCK; t++) {
+                            const float *kr = kvf + ((j0 - c0 + t) * KV + kh) * D + d0;
+                            for (int l = 0; l < 8; l++) part[t][l] += qr[d0 + l] * kr[l];
+                        }
 #endif
-                for (int t = 0; t < POS_BLOCK; t++) {
-                    const float *p = part[t];
-                    float dot = ((p[0] + p[1]) + (p[2] + p[3])) + ((p[4] + p[5]) + (p[6] + p[7]));
-                    for (int d = D / 8 * 8; d < D; d++) dot += qr[d] * kf[((j0 + t) * KV + kh) * D + d];
-                    sc[j0 + t] = dot;
+                    for (int t = 0; t < POS_BLOCK; t++) {
+                        const float *p = part[t], *kr = kvf + ((j0 - c0 + t) * KV + kh) * D;
+                        float dot = ((p[0] + p[1]) + (p[2] + p[3])) + ((p[4] + p[5]) + (p[6] + p[7]));
+                        for (int d = D / 8 * 8; d < D; d++) dot += qr[d] * kr[d];
+                        sc[j0 + t] = dot;
+                    }
                 }
             }
         }
@@ -129,27 +133,43 @@ static inline __attribute__((always_inline)) int attend(
             }
             const float inv = 1.f / total;
             for (int64_t j = 0; j < nv; j++) sc[j] *= inv;
-            const int kh = r / S / G;
-            float *o = out + (((int64_t)b * S + r % S) * H + r / S) * D;
+        }
+        /* probability x value, summed over the positions in order: POS_CHUNK positions' values widened at a time,
+           each row's sums carried in `acc` between chunks (exact: the same additions in the same order) */
+        memset(acc, 0, sizeof(float) * (size_t)R * D);
+        for (int64_t c0 = 0; c0 < n; c0 += POS_CHUNK) {
+            const int64_t c1 = n - c0 < POS_CHUNK ? n : c0 + POS_CHUNK;
+            for (int64_t j = c0; j < c1; j++)
+                for (int kh = 0; kh < KV; kh++)
+                    load_row(v, slot * vs_slot + j * vs_pos + kh * vs_head, is_bf16, D, kvf + ((j - c0) * KV + kh) * D);
+            for (int r = 0; r < R; r++) {
+                const float *sc = scores + (int64_t)r * np;
+                const int64_t nv = row_vis[r % S] < n ? row_vis[r % S] : n, end = nv < c1 ? nv : c1;
+                const int kh = r / S / G;
+                float *ar = acc + (int64_t)r * D;
 #if defined(__AVX2__) && defined(__FMA__)
-            if (D == 64) { /* the 8 accumulator vectors in registers across the positions */
-                __m256 acc[8];
-                for (int c = 0; c < 8; c++) acc[c] = _mm256_setzero_ps();
-                for (int64_t j = 0; j < nv; j++) {
-                    const __m256 p = _mm256_broadcast_ss(sc + j);
-                    const float *vr = vf + (j * KV + kh) * D;
-                    for (int c = 0; c < 8; c++) acc[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vr + 8 * c), acc[c]);
+                if (D % 64 == 0) { /* 64 dims at a time, their 8 accumulator vectors in registers across the chunk */
+                    for (int d0 = 0; d0 < D; d0 += 64) {
+                        __m256 av[8];
+                        for (int c = 0; c < 8; c++) av[c] = _mm256_loadu_ps(ar + d0 + 8 * c);
+                        for (int64_t j = c0; j < end; j++) {
+                            const __m256 p = _mm256_broadcast_ss(sc + j);
+                            const float *vr = kvf + ((j - c0) * KV + kh) * D + d0;
+                            for (int c = 0; c < 8; c++) av[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vr + 8 * c), av[c]);
+                        }
+                        for (int c = 0; c < 8; c++) _mm256_storeu_ps(ar + d0 + 8 * c, av[c]);
+                    }
+                    continue;
                 }
-                for (int c = 0; c < 8; c++) _mm256_storeu_ps(o + 8 * c, acc[c]);
-                continue;
-            }
 #endif
-            for (int d = 0; d < D; d++) o[d] = 0.f;
-            for (int64_t j = 0; j < nv; j++) {
-                const float p = sc[j], *vr = vf + (j * KV + kh) * D;
-                for (int d = 0; d < D; d++) o[d] += p * vr[d];
+                for (int64_t j = c0; j < end; j++) {
+                    const float p = sc[j], *vr = kvf + ((j - c0) * KV + kh) * D;
+                    for (int d = 0; d < D; d++) ar[d] += p * vr[d];
+                }
             }
         }
+        for (int r = 0; r < R; r++)
+            memcpy(out + (((int64_t)b * S + r % S) * H + r / S) * D, acc + (int64_t)r * D, sizeof(float) * (size_t)D);
     }
     return 0;
 }
