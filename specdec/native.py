@@ -210,6 +210,12 @@ def stream_linear_supported() -> bool:
     return available() and bool(_library().specdec_stream_linear_supported())
 
 
+@functools.lru_cache(maxsize=None)
+def _stream_packed_size(in_f: int, out_f: int) -> int:
+    """Elements of a packed weight (csrc/stream_linear.c), per shape: asked of the library once, not per call."""
+    return _library().specdec_stream_packed_size(in_f, out_f)
+
+
 def stream_pack(weight: torch.Tensor) -> torch.Tensor:
     """`weight` [out, in] (fp32 or bf16, CPU) laid out as `stream_linear` reads it (csrc/stream_linear.c: panels of
     16 output features, each k-major), a new 1-D tensor of its dtype, as large as the weight rounded up to 16
@@ -219,9 +225,8 @@ def stream_pack(weight: torch.Tensor) -> torch.Tensor:
                          f"on {weight.device}")
     weight = weight.detach().contiguous()
     out_f, in_f = weight.shape
-    lib = _library()
-    packed = torch.empty(lib.specdec_stream_packed_size(in_f, out_f), dtype=weight.dtype)
-    lib.specdec_stream_pack(DTYPES[weight.dtype], in_f, out_f, weight.data_ptr(), packed.data_ptr())
+    packed = torch.empty(_stream_packed_size(in_f, out_f), dtype=weight.dtype)
+    _library().specdec_stream_pack(DTYPES[weight.dtype], in_f, out_f, weight.data_ptr(), packed.data_ptr())
     return packed
 
 
@@ -238,7 +243,7 @@ def stream_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     out_f, in_f = weight.shape
     if packed is None:
         packed = stream_pack(weight)
-    elif packed.dtype != weight.dtype or packed.numel() != _library().specdec_stream_packed_size(in_f, out_f):
+    elif packed.dtype != weight.dtype or packed.numel() != _stream_packed_size(in_f, out_f):
         raise ValueError(f"packed is not stream_pack of a {out_f} x {in_f} {weight.dtype} weight")
     x = x.contiguous()
     bias = None if bias is None else bias.contiguous()

@@ -23,4 +23,19 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even; NaN stay
 
 static inline float bf16_rounded(float f) { return bf16_to_f32(f32_to_bf16(f)); } /* f as bf16 holds it */
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+
+/* f32_to_bf16 on 8 lanes: round to nearest even, a NaN kept quiet. */
+static inline __m128i f32x8_to_bf16(__m256 f) {
+    const __m256i u = _mm256_castps_si256(f);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+    const __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(f, f, _CMP_UNORD_Q));
+    const __m256i h = _mm256_blendv_epi8(rounded, quiet, nan);
+    return _mm_packus_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+}
+#endif
+
 #endif

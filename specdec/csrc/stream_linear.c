@@ -104,14 +104,7 @@ static inline __attribute__((always_inline)) void store8(const job_t *J, const i
         acc = _mm256_add_ps(acc, b);
     }
     if (YB) {
-        /* round to nearest even, NaN kept quiet: f32_to_bf16 on 8 lanes */
-        const __m256i u = _mm256_castps_si256(acc);
-        const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-        const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
-        const __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
-        const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(acc, acc, _CMP_UNORD_Q));
-        const __m256i h = _mm256_blendv_epi8(rounded, quiet, nan);
-        const __m128i h16 = _mm_packus_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+        const __m128i h16 = f32x8_to_bf16(acc);
         uint16_t *dst = (uint16_t *)J->y + row * J->out_f + n;
         if (valid == 8)
             _mm_storeu_si128((__m128i *)dst, h16);
