@@ -14,16 +14,21 @@
  * keeps RG * NV accumulators in registers (8-12 of the 16: enough independent chains to cover the FMA latency);
  * per k it loads its weights once and broadcasts each row's x[r][k] (each row group's x is laid out k-major, so the
  * broadcasts sit at fixed offsets from one pointer).
- * - 1-3 rows: the tiles of a block of panels, 1 x 8 vectors over 4 panels, 2 x 6 over 3, or two 3 x 3 over 3: they
- *   read 3-4 panels side by side, streams the hardware prefetcher keeps ahead of.
- * - 4 and more rows: one panel per block, the rows in groups of 3-6, each group's tile 2 vectors wide. The first
- *   group reads the panel from memory and the others from L1, while every tile prefetches its share of the next
- *   panel into L2, so memory keeps streaming while the later groups compute.
+ * - 1-3 rows: the tiles of a block of panels, 1 x 8 vectors over 4 panels, 2 x 6 over 3, or 3 x 4 over 2: they
+ *   read 2-4 panels side by side, streams the hardware prefetcher keeps ahead of.
+ * - 4 and more rows: the rows in groups of 3-6. Groups of 5-6 take one panel per block, each group's tile 2
+ *   vectors wide; where a group has 3-4 rows, a block is 3 panels and each group takes two tiles 3 vectors wide
+ *   (the second from the middle panel's second half), so it still keeps 9-12 accumulators. The first group reads
+ *   the block from memory and the others from cache, while every tile prefetches its share of the next block into
+ *   L2, so memory keeps streaming while the later groups compute.
+ * The k step of the tiles of 3 and more rows is inline assembly (panel_k, tile3v_k, tile34_k): the same FMAs in the
+ * same order as the C of tile_k, with the registers placed by hand. From C, GCC spilled accumulators inside the k
+ * loop of tiles that use all 16 registers (6 x 2 with the weights in L2: 80 % of the FMA peak, 92 % in assembly).
  * Every tile also prefetches its own panels PF_DIST k ahead into L1: the hardware prefetcher alone leaves the loads
  * of a few-row call waiting on memory, and the waits add to the FMAs instead of hiding them (default target's
  * shapes, emulated AVX2: 3 rows 30 -> 26 ms, 1 row 21 -> 19.5; a one-panel tile of 4 rows, 128 k ahead: 8 % less).
  * What bounds it (docs/benchmarks.md, "The kernel's layout and tiles"): one row streams at the core's memory
- * bandwidth; with the weights in L2 the tiles of 4+ rows reach about 85 % of the core's FMA peak; from memory, the
+ * bandwidth; with the weights in L2 calls of 3-16 rows reach 80-92 % of the core's FMA peak; from memory, the
  * later groups' prefetches overlap the next panel's reads only in part (software prefetches wait on the core's
  * few line fill buffers; prefetching every other line, or interleaving chunks of k across panels, measured slower).
  *
@@ -167,6 +172,92 @@ static inline __attribute__((always_inline)) void tile_k(const int RG, const int
     }
 }
 
+/* One k of a one-panel tile of RG (3-6) rows x 16 features, as inline assembly: the same FMAs as tile_k in the same
+ * order (so the same results), with the registers placed by hand. Compiled from C, the 12 accumulators, the zero,
+ * the two weight vectors and the broadcast (all 16 ymm registers) made GCC spill accumulators inside the k loop:
+ * 6 rows with the weights in L2 ran at 80 % of the FMA peak. ymm12-14 hold the weight vectors and the broadcast. */
+#define PK_ROW(i)                                                                                                   \
+    "vbroadcastss " #i "*4(%[xp]), %%ymm14\n\t"                                                                       \
+    "vfmadd231ps %%ymm12, %%ymm14, %t[a" #i "0]\n\t"                                                                \
+    "vfmadd231ps %%ymm13, %%ymm14, %t[a" #i "1]\n\t"
+#define PK_W_BF16 "vpunpcklwd %[w0], %t[z], %%ymm12\n\tvpunpckhwd %[w0], %t[z], %%ymm13\n\t"
+#define PK_W_F32 "vmovups %[w0], %%ymm12\n\tvmovups %[w1], %%ymm13\n\t"
+#define PK_ACC(i) [a##i##0] "+x"(a[i][0]), [a##i##1] "+x"(a[i][1])
+#define PK_OPERANDS(...) /* the tile's accumulators, as PK_ACC(i) for each row: only those, or GCC spills */         \
+    : __VA_ARGS__                                                                                                   \
+    : [w0] "m"(*(const __m256i *)w0), [w1] "m"(*(const __m256i *)w1), [z] "x"(zero), [xp] "r"(xk),                 \
+      [xs] "m"(*(const float(*)[RG])xk) /* the rows' x at k, read through xp */                                    \
+    : "xmm12", "xmm13", "xmm14"
+#define PK_RG3 PK_ROW(0) PK_ROW(1) PK_ROW(2) PK_OPERANDS(PK_ACC(0), PK_ACC(1), PK_ACC(2))
+#define PK_RG4 PK_ROW(0) PK_ROW(1) PK_ROW(2) PK_ROW(3) PK_OPERANDS(PK_ACC(0), PK_ACC(1), PK_ACC(2), PK_ACC(3))
+#define PK_RG5                                                                                                      \
+    PK_ROW(0) PK_ROW(1) PK_ROW(2) PK_ROW(3) PK_ROW(4) PK_OPERANDS(PK_ACC(0), PK_ACC(1), PK_ACC(2), PK_ACC(3), PK_ACC(4))
+#define PK_RG6                                                                                                      \
+    PK_ROW(0) PK_ROW(1) PK_ROW(2) PK_ROW(3) PK_ROW(4) PK_ROW(5)                                                     \
+    PK_OPERANDS(PK_ACC(0), PK_ACC(1), PK_ACC(2), PK_ACC(3), PK_ACC(4), PK_ACC(5))
+static inline __attribute__((always_inline)) void panel_k(const int RG, const int WB, const float *xk,
+                                                          const char *w0, __m256i zero, __m256 a[GROUP][8]) {
+    const char *w1 = w0 + 32; /* an fp32 panel's features 8-15 (unused for bf16) */
+    if (WB) switch (RG) {
+        case 3: __asm__(PK_W_BF16 PK_RG3); break;
+        case 4: __asm__(PK_W_BF16 PK_RG4); break;
+        case 5: __asm__(PK_W_BF16 PK_RG5); break;
+        default: __asm__(PK_W_BF16 PK_RG6); break;
+        }
+    else switch (RG) {
+        case 3: __asm__(PK_W_F32 PK_RG3); break;
+        case 4: __asm__(PK_W_F32 PK_RG4); break;
+        case 5: __asm__(PK_W_F32 PK_RG5); break;
+        default: __asm__(PK_W_F32 PK_RG6); break;
+        }
+}
+
+/* One k of a tile of 3 or 4 rows x 3 vectors across two panels (ODD: from the first panel's second half), in inline
+ * assembly for the same reason: the same FMAs as tile_k in the same order. ymm12-14 hold the weight vectors, each
+ * unpacked against a zero made in place (a zeroing idiom, which takes no execution port), ymm15 the broadcast. */
+#define P3_ROW(i)                                                                                                   \
+    "vbroadcastss " #i "*4(%[xp]), %%ymm15\n\t"                                                                       \
+    "vfmadd231ps %%ymm12, %%ymm15, %t[a" #i "0]\n\t"                                                                \
+    "vfmadd231ps %%ymm13, %%ymm15, %t[a" #i "1]\n\t"                                                                \
+    "vfmadd231ps %%ymm14, %%ymm15, %t[a" #i "2]\n\t"
+#define P3_W(half, q, reg) "vpxor %%" reg ", %%" reg ", %%" reg "\n\tvpunpck" half "wd %[" q "], %%" reg ", %%" reg "\n\t"
+#define P3_EVEN P3_W("l", "q0", "ymm12") P3_W("h", "q0", "ymm13") P3_W("l", "q1", "ymm14")
+#define P3_ODD P3_W("h", "q0", "ymm12") P3_W("l", "q1", "ymm13") P3_W("h", "q1", "ymm14")
+#define P3_ACC(i) [a##i##0] "+x"(a[i][0]), [a##i##1] "+x"(a[i][1]), [a##i##2] "+x"(a[i][2])
+#define P3_OPERANDS(...)                                                                                            \
+    : __VA_ARGS__                                                                                                   \
+    : [q0] "m"(*(const __m256i *)q0), [q1] "m"(*(const __m256i *)q1), [xp] "r"(xk),                                \
+      [xs] "m"(*(const float(*)[RG])xk)                                                                             \
+    : "xmm12", "xmm13", "xmm14", "xmm15"
+#define P3_RG3 P3_ROW(0) P3_ROW(1) P3_ROW(2) P3_OPERANDS(P3_ACC(0), P3_ACC(1), P3_ACC(2))
+#define P3_RG4 P3_ROW(0) P3_ROW(1) P3_ROW(2) P3_ROW(3) P3_OPERANDS(P3_ACC(0), P3_ACC(1), P3_ACC(2), P3_ACC(3))
+static inline __attribute__((always_inline)) void tile3v_k(const int RG, const int ODD, const float *xk,
+                                                           const uint16_t *q0, const uint16_t *q1, __m256 a[GROUP][8]) {
+    if (RG == 3 && ODD) __asm__(P3_ODD P3_RG3);
+    else if (RG == 3) __asm__(P3_EVEN P3_RG3);
+    else if (ODD) __asm__(P3_ODD P3_RG4);
+    else __asm__(P3_EVEN P3_RG4);
+}
+
+/* One k of a 3 x 4 tile (three rows, two panels): the rows' broadcasts in ymm13-15, each weight vector in turn in
+ * ymm12, unpacked against a zero made in place (a zeroing idiom, which takes no execution port). */
+#define P34_VEC(half, q, j)                                                                                         \
+    "vpxor %%ymm12, %%ymm12, %%ymm12\n\tvpunpck" half "wd %[" q "], %%ymm12, %%ymm12\n\t"                         \
+    "vfmadd231ps %%ymm12, %%ymm13, %t[a0" #j "]\n\t"                                                                \
+    "vfmadd231ps %%ymm12, %%ymm14, %t[a1" #j "]\n\t"                                                                \
+    "vfmadd231ps %%ymm12, %%ymm15, %t[a2" #j "]\n\t"
+static inline __attribute__((always_inline)) void tile34_k(const float *xk, const uint16_t *q0, const uint16_t *q1,
+                                                           __m256 a[GROUP][8]) {
+    __asm__("vbroadcastss 0(%[xp]), %%ymm13\n\tvbroadcastss 4(%[xp]), %%ymm14\n\tvbroadcastss 8(%[xp]), %%ymm15\n\t"
+            P34_VEC("l", "q0", 0) P34_VEC("h", "q0", 1) P34_VEC("l", "q1", 2) P34_VEC("h", "q1", 3)
+            : [a00] "+x"(a[0][0]), [a01] "+x"(a[0][1]), [a02] "+x"(a[0][2]), [a03] "+x"(a[0][3]),
+              [a10] "+x"(a[1][0]), [a11] "+x"(a[1][1]), [a12] "+x"(a[1][2]), [a13] "+x"(a[1][3]),
+              [a20] "+x"(a[2][0]), [a21] "+x"(a[2][1]), [a22] "+x"(a[2][2]), [a23] "+x"(a[2][3])
+            : [q0] "m"(*(const __m256i *)q0), [q1] "m"(*(const __m256i *)q1), [xp] "r"(xk),
+              [xs] "m"(*(const float(*)[3])xk)
+            : "xmm12", "xmm13", "xmm14", "xmm15");
+}
+
 /* One tile: RG rows from r (a row group's first) x NV vectors of 8 features from vector v (feature 8 v; ODD: v is
  * odd, the tile starts in a panel's second half), over all k; meanwhile pf_lines cache lines from pf are prefetched
  * into L2, spread over the k. */
@@ -179,9 +270,24 @@ static inline __attribute__((always_inline)) void tile(const job_t *J, const int
     const float *wf = (const float *)J->w + (v >> 1) * pstride;
     const float *xg = J->x + r * K; /* the group's rows, k-major: xg[k * RG + i] */
 #pragma GCC unroll 6
-    for (int i = 0; i < RG; i++)
+    for (int i = 0; i < GROUP; i++)
 #pragma GCC unroll 8
-        for (int j = 0; j < NV; j++) acc[i][j] = _mm256_setzero_ps();
+        for (int j = 0; j < NV; j++)
+            if (i < RG) acc[i][j] = _mm256_setzero_ps();
+    const __m256i zero = _mm256_setzero_si256();
+    (void)zero;
+#define STEP(kk)                                                                                                    \
+    do {                                                                                                            \
+        if (NV == 2 && !ODD && RG >= 3)                                                                             \
+            panel_k(RG, WB, xg + (kk) * RG, WB ? (const char *)(wb + (kk) * PANEL) : (const char *)(wf + (kk) * PANEL), \
+                    zero, acc);                                                                                     \
+        else if (WB && RG == 3 && NV == 4)                                                                          \
+            tile34_k(xg + (kk) * RG, wb + (kk) * PANEL, wb + pstride + (kk) * PANEL, acc);                          \
+        else if (WB && (RG == 3 || RG == 4) && NV == 3)                                                             \
+            tile3v_k(RG, ODD, xg + (kk) * RG, wb + (kk) * PANEL, wb + pstride + (kk) * PANEL, acc);                 \
+        else                                                                                                        \
+            tile_k(RG, NV, ODD, WB, xg + (kk) * RG, wb, wf, pstride, kk, acc);                                      \
+    } while (0)
     int64_t pf_acc = 0, k = 0;
     for (; k + KSTEP <= K; k += KSTEP) {
         if (pf_lines) /* pf_lines / K lines per k, as evenly as integers allow */
@@ -194,9 +300,10 @@ static inline __attribute__((always_inline)) void tile(const job_t *J, const int
                 for (int b = 0; b < KSTEP * PANEL * (WB ? 2 : 4); b += 64) _mm_prefetch(ahead + b, _MM_HINT_T0);
             }
 #pragma GCC unroll 8
-        for (int u = 0; u < KSTEP; u++) tile_k(RG, NV, ODD, WB, xg + (k + u) * RG, wb, wf, pstride, k + u, acc);
+        for (int u = 0; u < KSTEP; u++) STEP(k + u);
     }
-    for (; k < K; k++) tile_k(RG, NV, ODD, WB, xg + k * RG, wb, wf, pstride, k, acc);
+    for (; k < K; k++) STEP(k);
+#undef STEP
 #pragma GCC unroll 6
     for (int i = 0; i < RG; i++)
 #pragma GCC unroll 8
@@ -211,14 +318,22 @@ static inline int64_t group_rows(int64_t rows, int64_t g) {
     return rows / n + (g < rows % n);
 }
 
-/* The panels of one block: as wide as the tiles of this row count (4 panels for one row, 3 for two or three, else
- * 1). */
-static inline int64_t block_panels(int64_t rows) { return rows == 1 ? 4 : rows <= 3 ? 3 : 1; }
+/* The panels of one block: as wide as the tiles of this row count (4 panels for one row, 3 for two, 2 for three;
+ * from 4 rows, 3 where a row group has 3-4 rows, else 1). */
+static inline int64_t block_panels(int64_t rows) {
+    if (rows <= 3) return rows == 1 ? 4 : rows == 2 ? 3 : 2;
+    return group_rows(rows, row_groups(rows) - 1) <= 4 ? 3 : 1; /* groups of 3-4 rows take 3 x 3-vector tiles */
+}
 
 /* The tiles that cover rows [0, rows) x panels [p, p + np), in order: `emit` runs (or counts) one. Tile shapes keep
- * 8-12 independent accumulators within the 16 ymm registers: 1 row x 8 vectors, 2 x 6, 3 rows as two 3 x 3 (the
- * second from the middle panel's second half), then each row group of 4-6 rows one panel (2 vectors) wide; a
- * narrower tile where the weight's panels end. */
+ * 8-12 independent accumulators within the 16 ymm registers: 1 row x 8 vectors, 2 x 6, 3 x 4, then per row group
+ * one panel (2 vectors) wide for 5-6 rows, or two tiles 3 vectors wide across a block of 3 panels (the second from
+ * the middle panel's second half) for 3-4 rows; narrower tiles where the weight's panels end. */
+#define COVER_X3(emit, RG, r)                                                                                   \
+    do {                                                                                                            \
+        if (np == 3) { emit(RG, 3, 0, r, v0); emit(RG, 3, 1, r, v0 + 3); }                                          \
+        else for (int64_t q = 0; q < np; q++) emit(RG, 2, 0, r, v0 + 2 * q);                                        \
+    } while (0)
 #define COVER(emit)                                                                                                 \
     do {                                                                                                            \
         const int64_t v0 = 2 * p; (void)v0;                                                                         \
@@ -242,10 +357,10 @@ static inline int64_t block_panels(int64_t rows) { return rows == 1 ? 4 : rows <
         } else {                                                                                                    \
             for (int64_t g = 0, r = 0; g < row_groups(rows); r += group_rows(rows, g), g++)                         \
                 switch (group_rows(rows, g)) {                                                                      \
-                case 6: emit(6, 2, 0, r, v0); break;                                                                \
-                case 5: emit(5, 2, 0, r, v0); break;                                                                \
-                case 4: emit(4, 2, 0, r, v0); break;                                                                \
-                default: emit(3, 2, 0, r, v0); break;                                                               \
+                case 6: for (int64_t q = 0; q < np; q++) emit(6, 2, 0, r, v0 + 2 * q); break;                       \
+                case 5: for (int64_t q = 0; q < np; q++) emit(5, 2, 0, r, v0 + 2 * q); break;                       \
+                case 4: COVER_X3(emit, 4, r); break;                                                                    \
+                default: COVER_X3(emit, 3, r); break;                                                                   \
                 }                                                                                                   \
         }                                                                                                           \
     } while (0)
