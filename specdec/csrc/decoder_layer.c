@@ -12,8 +12,9 @@
  * rounds it to the model's dtype: RoPE as round(round(x * cos) + round(roll(x) * sin_signed)) (sin carries
  * rotate_half's sign), the attention's fp32 output rounded once, silu(gate) rounded, then its product with up, and
  * the residual adds rounded. The products of two bf16 values are exact in fp32, so the RoPE, the adds and the
- * products are bitwise those of the torch path; SiLU uses libm's expf where ATen uses its own vectorized exp, so
- * an activation may differ from the torch path's by one rounding of the model's dtype. Every operation is per row:
+ * products are bitwise those of the torch path; SiLU uses its own exp (exp_f / exp8 below, about 1 ulp) where ATen
+ * uses Sleef's, so an activation may differ from the torch path's by one rounding of the model's dtype. The
+ * elementwise steps run 8 elements at a time on AVX2 (the same operations as one at a time, so the same bits). Every operation is per row:
  * a row's result is bitwise the same alone or in a block (row invariance by construction, as the streaming linear's).
  * Compiled without -ffast-math and with -ffp-contract=off (specdec/native.py).
  */
@@ -48,6 +49,72 @@ static inline void st(void *p, int64_t i, int bf16, float f) {
         ((float *)p)[i] = f;
 }
 
+/* e^x: the exponent's integer part by Cody-Waite reduction (ln 2 in two parts), then Cephes' degree-7 polynomial
+ * for e^r on |r| <= ln2 / 2 (about 1 ulp), scaled by 2^n; +inf above 88.38, 0 below -87.34, NaN kept. exp_f and
+ * exp8 are the same operations on one lane and on eight, so an element's result does not depend on where it falls. */
+#define EXP_HI 88.3762626647949f /* 127.5 ln 2: n stays <= 127 */
+#define EXP_LO -87.33654022216797f
+#define EXP_LOG2E 1.44269502162933349609f
+#define EXP_LN2_HI 0.693359375f
+#define EXP_LN2_LO -2.12194440e-4f
+static const float exp_poly[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                                  4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+
+static inline float exp_f(float x) {
+    if (x != x) return x;
+    if (x > EXP_HI) return INFINITY;
+    if (x < EXP_LO) return 0.f;
+    const float n = nearbyintf(x * EXP_LOG2E);
+    const float r = fmaf(-n, EXP_LN2_LO, fmaf(-n, EXP_LN2_HI, x));
+    float p = exp_poly[0];
+    for (int i = 1; i < 6; i++) p = fmaf(p, r, exp_poly[i]);
+    const float e = fmaf(p, r * r, r) + 1.f;
+    const uint32_t scale = (uint32_t)((int32_t)n + 127) << 23;
+    float s;
+    memcpy(&s, &scale, sizeof s);
+    return e * s;
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+static inline __m256 exp8(__m256 x) {
+    const __m256 xc = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(EXP_LO)), _mm256_set1_ps(EXP_HI));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(xc, _mm256_set1_ps(EXP_LOG2E)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256 r = _mm256_fmadd_ps(_mm256_sub_ps(_mm256_setzero_ps(), n), _mm256_set1_ps(EXP_LN2_LO),
+                                     _mm256_fmadd_ps(_mm256_sub_ps(_mm256_setzero_ps(), n),
+                                                     _mm256_set1_ps(EXP_LN2_HI), xc));
+    __m256 p = _mm256_set1_ps(exp_poly[0]);
+    for (int i = 1; i < 6; i++) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(exp_poly[i]));
+    const __m256 e = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.f));
+    const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    __m256 y = _mm256_mul_ps(e, _mm256_castsi256_ps(scale));
+    y = _mm256_blendv_ps(y, _mm256_set1_ps(INFINITY), _mm256_cmp_ps(x, _mm256_set1_ps(EXP_HI), _CMP_GT_OQ));
+    y = _mm256_blendv_ps(y, _mm256_setzero_ps(), _mm256_cmp_ps(x, _mm256_set1_ps(EXP_LO), _CMP_LT_OQ));
+    return _mm256_blendv_ps(y, x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+}
+
+/* 8 elements from i, as fp32; stored rounded to the model's dtype; f rounded to it and back (rnd on 8 lanes) */
+static inline __m256 ld8(const void *p, int64_t i, int bf16) {
+    return bf16 ? _mm256_castsi256_ps(_mm256_slli_epi32(
+                      _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i))), 16))
+                : _mm256_loadu_ps((const float *)p + i);
+}
+static inline void st8(void *p, int64_t i, int bf16, __m256 f) {
+    if (bf16)
+        _mm_storeu_si128((__m128i *)((uint16_t *)p + i), f32x8_to_bf16(f));
+    else
+        _mm256_storeu_ps((float *)p + i, f);
+}
+static inline __m256 rnd8(__m256 f, int bf16) {
+    return bf16 ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(f32x8_to_bf16(f)), 16)) : f;
+}
+#define VEC 8 /* elements a loop below takes 8 at a time; the rest (an index past the last multiple of 8) one at a time */
+#else
+#define VEC 0
+#endif
+
 /* RoPE in place on `heads` heads of hd elements starting at row, with this row's cos / signed sin. */
 static void rope_row(void *row, int heads, int hd, const void *cos, const void *sin, int64_t cs_off, int bf16,
                      float *tmp) {
@@ -55,11 +122,53 @@ static void rope_row(void *row, int heads, int hd, const void *cos, const void *
     for (int h = 0; h < heads; h++) {
         const int64_t o = (int64_t)h * hd;
         for (int d = 0; d < hd; d++) tmp[d] = ld(row, o + d, bf16);
-        for (int d = 0; d < hd; d++) {
+        int d = 0;
+#if VEC
+        if (half % VEC == 0) /* a vector never straddles the halves */
+            for (; d < hd; d += VEC) {
+                const __m256 a = rnd8(_mm256_mul_ps(_mm256_loadu_ps(tmp + d), ld8(cos, cs_off + d, bf16)), bf16);
+                const __m256 b = rnd8(_mm256_mul_ps(_mm256_loadu_ps(tmp + (d < half ? d + half : d - half)),
+                                                    ld8(sin, cs_off + d, bf16)), bf16);
+                st8(row, o + d, bf16, _mm256_add_ps(a, b));
+            }
+#endif
+        for (; d < hd; d++) {
             const float a = rnd(tmp[d] * ld(cos, cs_off + d, bf16), bf16);
             const float b = rnd(tmp[d < half ? d + half : d - half] * ld(sin, cs_off + d, bf16), bf16);
             st(row, o + d, bf16, a + b);
         }
+    }
+}
+
+/* y[i] = silu(g[i]) rounded, times u[i], for i < n (one row of SiLU x up) */
+static void silu_mul(const void *g, const void *u, void *y, int64_t n, int bf16) {
+    int64_t i = 0;
+#if VEC
+    for (; i + VEC <= n; i += VEC) {
+        const __m256 gv = ld8(g, i, bf16);
+        const __m256 s = _mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.f),
+                                                         exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv))));
+        st8(y, i, bf16, _mm256_mul_ps(rnd8(s, bf16), ld8(u, i, bf16)));
+    }
+#endif
+    for (; i < n; i++) {
+        const float gi = ld(g, i, bf16);
+        st(y, i, bf16, rnd(gi / (1.0f + exp_f(-gi)), bf16) * ld(u, i, bf16));
+    }
+}
+
+/* y[i] = a[i] + b[i] (b NULL: a[i]) in the model's dtype, a fp32 when a32 */
+static void add_rows(const void *a, int a32, const void *b, void *y, int64_t n, int bf16) {
+    int64_t i = 0;
+#if VEC
+    for (; i + VEC <= n; i += VEC) {
+        const __m256 av = a32 ? _mm256_loadu_ps((const float *)a + i) : ld8(a, i, bf16);
+        st8(y, i, bf16, b ? _mm256_add_ps(av, ld8(b, i, bf16)) : av);
+    }
+#endif
+    for (; i < n; i++) {
+        const float ai = a32 ? ((const float *)a)[i] : ld(a, i, bf16);
+        st(y, i, bf16, b ? ai + ld(b, i, bf16) : ai);
     }
 }
 
@@ -117,18 +226,15 @@ int specdec_decoder_layer(int bf16, int B, int S, int D, int H, int KV, int hd, 
     if ((rc = specdec_decode_attention(bf16, B, S, H, KV, hd, qkv, (int64_t)S * QKV, QKV, hd, k, ks_slot, ks_pos,
                                        ks_head, v, vs_slot, vs_pos, vs_head, slots, vis, scale, att32)))
         goto done;
-    for (int64_t i = 0; i < R * A; i++) st(att, i, bf16, att32[i]);
+    add_rows(att32, 1, NULL, att, R * A, bf16);
     if ((rc = specdec_stream_linear(bf16, bf16, bf16, R, A, D, att, w_o, NULL, o))) goto done;
     specdec_rms_norm(bf16, R, D, x, o, x2, ln2, eps, h); /* x2 = x + o; h = norm(x2) */
     if ((rc = specdec_stream_linear(bf16, bf16, bf16, R, D, 2 * I, h, w_gate_up, NULL, gu))) goto done;
-    for (int64_t r = 0; r < R; r++) {
-        for (int64_t i = 0; i < I; i++) {
-            const float g = ld(gu, r * 2 * I + i, bf16), u = ld(gu, r * 2 * I + I + i, bf16);
-            st(act, r * I + i, bf16, rnd(g / (1.0f + expf(-g)), bf16) * u);
-        }
-    }
+    for (int64_t r = 0; r < R; r++)
+        silu_mul((char *)gu + (size_t)(r * 2 * I) * es, (char *)gu + (size_t)(r * 2 * I + I) * es,
+                 (char *)act + (size_t)(r * I) * es, I, bf16);
     if ((rc = specdec_stream_linear(bf16, bf16, bf16, R, I, D, act, w_down, NULL, m))) goto done;
-    for (int64_t i = 0; i < R * D; i++) st(x, i, bf16, ld(x2, i, bf16) + ld(m, i, bf16));
+    add_rows(x2, 0, m, x, R * D, bf16);
 done:
     free(buf);
     return rc;
