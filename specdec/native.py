@@ -138,6 +138,8 @@ def _library():
     lib.specdec_decoder_layer.argtypes = [i32] * 7 + [i64, ctypes.c_float, ctypes.c_float] + [ptr] * 10 \
         + [ptr, i64, i64, i64] * 2 + [ptr, ptr]
     lib.specdec_decoder_layer.restype = i32
+    lib.specdec_exp.argtypes = [ptr, ptr, i64]
+    lib.specdec_exp.restype = None
     lib.specdec_stream_linear_supported.argtypes = []
     lib.specdec_stream_linear_supported.restype = i32
     return lib
@@ -254,6 +256,17 @@ def stream_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                                           None if bias is None else bias.data_ptr(), y.data_ptr())
     if rc != 0:
         raise MemoryError("the native streaming linear could not allocate its scratch")
+    return y
+
+
+def exp(x: torch.Tensor) -> torch.Tensor:
+    """e^x of a float32 tensor as the native decoder layer's SiLU computes it (csrc/expf.h: within about 1 ulp, +inf
+    above 88.38, 0 below -87.34), 8 elements at a time and the rest one at a time. The caller checks `available`."""
+    if x.dtype != torch.float32:
+        raise ValueError(f"exp takes float32, got {x.dtype}")
+    x = x.contiguous()
+    y = torch.empty_like(x)
+    _library().specdec_exp(x.data_ptr(), y.data_ptr(), x.numel())
     return y
 
 
