@@ -100,7 +100,8 @@ static inline __attribute__((always_inline)) int attend(
                     for (int d0 = 0; d0 + 8 <= D; d0 += 8) {
                         const __m256 qv = _mm256_loadu_ps(qr + d0);
                         for (int t = 0; t < POS_BLOCK; t++)
-                            pv[t] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kvf + ((j0 - c0 + t) * KV + kh) * D + d0), pv[t]);
+                            pv[t] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kvf + ((j0 - c0 + t) * KV + kh) * D + d0),
+                                                    pv[t]);
                     }
                     for (int t = 0; t < POS_BLOCK; t++) _mm256_storeu_ps(part[t], pv[t]);
 #else

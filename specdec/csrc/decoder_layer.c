@@ -12,10 +12,11 @@
  * rounds it to the model's dtype: RoPE as round(round(x * cos) + round(roll(x) * sin_signed)) (sin carries
  * rotate_half's sign), the attention's fp32 output rounded once, silu(gate) rounded, then its product with up, and
  * the residual adds rounded. The products of two bf16 values are exact in fp32, so the RoPE, the adds and the
- * products are bitwise those of the torch path; SiLU uses its own exp (expf.h, about 1 ulp) where ATen
- * uses Sleef's, so an activation may differ from the torch path's by one rounding of the model's dtype. The
- * elementwise steps run 8 elements at a time on AVX2 (the same operations as one at a time, so the same bits). Every operation is per row:
- * a row's result is bitwise the same alone or in a block (row invariance by construction, as the streaming linear's).
+ * products are bitwise those of the torch path; SiLU uses its own exp (expf.h, about 1 ulp) where ATen uses
+ * Sleef's, so an activation may differ from the torch path's by one rounding of the model's dtype. The elementwise
+ * steps run 8 elements at a time on AVX2 (the same operations as one at a time, so the same bits). Every operation
+ * is per row: a row's result is bitwise the same alone or in a block (row invariance by construction, as the
+ * streaming linear's).
  * Compiled without -ffast-math and with -ffp-contract=off (specdec/native.py).
  */
 #include <math.h>
@@ -55,8 +56,7 @@ static inline void st(void *p, int64_t i, int bf16, float f) {
 
 /* 8 elements from i, as fp32; stored rounded to the model's dtype; f rounded to it and back (rnd on 8 lanes) */
 static inline __m256 ld8(const void *p, int64_t i, int bf16) {
-    return bf16 ? _mm256_castsi256_ps(_mm256_slli_epi32(
-                      _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i))), 16))
+    return bf16 ? bf16x8_to_f32(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i)))
                 : _mm256_loadu_ps((const float *)p + i);
 }
 static inline void st8(void *p, int64_t i, int bf16, __m256 f) {
@@ -66,9 +66,9 @@ static inline void st8(void *p, int64_t i, int bf16, __m256 f) {
         _mm256_storeu_ps((float *)p + i, f);
 }
 static inline __m256 rnd8(__m256 f, int bf16) {
-    return bf16 ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(f32x8_to_bf16(f)), 16)) : f;
+    return bf16 ? bf16x8_to_f32(f32x8_to_bf16(f)) : f;
 }
-#define VEC 8 /* elements a loop below takes 8 at a time; the rest (an index past the last multiple of 8) one at a time */
+#define VEC 8 /* elements the loops below take at a time; the rest (past the last multiple of 8) one at a time */
 #else
 #define VEC 0
 #endif

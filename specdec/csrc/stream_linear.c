@@ -80,7 +80,7 @@ void specdec_stream_pack(int w_bf16, int64_t in_f, int64_t out_f, const void *w,
 /* k ahead a tile prefetches its own panels: further for a one-panel tile of a few rows (a single stream, nearly all
  * of its time waiting on memory) */
 #define PF_DIST(RG, NV) ((NV) <= 2 && (RG) <= 4 ? 128 : 32)
-#define PF_MIN_ROWS 4 /* calls of this many rows also prefetch the next block (their later row groups read from cache) */
+#define PF_MIN_ROWS 4 /* calls of this many rows also prefetch the next block (later row groups read from cache) */
 
 typedef struct {
     int64_t in_f, out_f, panels;
@@ -97,8 +97,7 @@ static inline __attribute__((always_inline)) void store8(const job_t *J, const i
     if (J->bias) {
         __m256 b;
         if (valid == 8)
-            b = WB ? _mm256_castsi256_ps(_mm256_slli_epi32(
-                         _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)J->bias + n))), 16))
+            b = WB ? bf16x8_to_f32(_mm_loadu_si128((const __m128i *)((const uint16_t *)J->bias + n)))
                    : _mm256_loadu_ps((const float *)J->bias + n);
         else {
             float t[8] = {0};
@@ -172,21 +171,27 @@ static inline __attribute__((always_inline)) void tile_k(const int RG, const int
     }
 }
 
+/* In the assembly below: weight vector `reg` as fp32 from the bf16 panel row `mem`, its low (half "l") or high
+ * ("h") 8 features, unpacked against a zero made in place (a zeroing idiom, which takes no execution port). */
+#define UNPACK_BF16(half, mem, reg)                                                                                 \
+    "vpxor %%" reg ", %%" reg ", %%" reg "\n\tvpunpck" half "wd %[" mem "], %%" reg ", %%" reg "\n\t"
+
 /* One k of a one-panel tile of RG (3-6) rows x 16 features, as inline assembly: the same FMAs as tile_k in the same
  * order (so the same results), with the registers placed by hand. Compiled from C, the 12 accumulators, the zero,
  * the two weight vectors and the broadcast (all 16 ymm registers) made GCC spill accumulators inside the k loop:
- * 6 rows with the weights in L2 ran at 80 % of the FMA peak. ymm12-14 hold the weight vectors and the broadcast. */
+ * 6 rows with the weights in L2 ran at 80 % of the FMA peak. ymm12-13 hold the weight vectors, ymm14 the
+ * broadcast. */
 #define PK_ROW(i)                                                                                                   \
-    "vbroadcastss " #i "*4(%[xp]), %%ymm14\n\t"                                                                       \
+    "vbroadcastss " #i "*4(%[xp]), %%ymm14\n\t"                                                                     \
     "vfmadd231ps %%ymm12, %%ymm14, %t[a" #i "0]\n\t"                                                                \
     "vfmadd231ps %%ymm13, %%ymm14, %t[a" #i "1]\n\t"
-#define PK_W_BF16 "vpunpcklwd %[w0], %t[z], %%ymm12\n\tvpunpckhwd %[w0], %t[z], %%ymm13\n\t"
+#define PK_W_BF16 UNPACK_BF16("l", "w0", "ymm12") UNPACK_BF16("h", "w0", "ymm13")
 #define PK_W_F32 "vmovups %[w0], %%ymm12\n\tvmovups %[w1], %%ymm13\n\t"
 #define PK_ACC(i) [a##i##0] "+x"(a[i][0]), [a##i##1] "+x"(a[i][1])
-#define PK_OPERANDS(...) /* the tile's accumulators, as PK_ACC(i) for each row: only those, or GCC spills */         \
+#define PK_OPERANDS(...) /* the tile's accumulators, as PK_ACC(i) for each row: only those, or GCC spills */        \
     : __VA_ARGS__                                                                                                   \
-    : [w0] "m"(*(const __m256i *)w0), [w1] "m"(*(const __m256i *)w1), [z] "x"(zero), [xp] "r"(xk),                 \
-      [xs] "m"(*(const float(*)[RG])xk) /* the rows' x at k, read through xp */                                    \
+    : [w0] "m"(*(const __m256i *)w0), [w1] "m"(*(const __m256i *)w1), [xp] "r"(xk),                                 \
+      [xs] "m"(*(const float(*)[RG])xk) /* the rows' x at k, read through xp */                                     \
     : "xmm12", "xmm13", "xmm14"
 #define PK_RG3 PK_ROW(0) PK_ROW(1) PK_ROW(2) PK_OPERANDS(PK_ACC(0), PK_ACC(1), PK_ACC(2))
 #define PK_RG4 PK_ROW(0) PK_ROW(1) PK_ROW(2) PK_ROW(3) PK_OPERANDS(PK_ACC(0), PK_ACC(1), PK_ACC(2), PK_ACC(3))
@@ -196,7 +201,7 @@ static inline __attribute__((always_inline)) void tile_k(const int RG, const int
     PK_ROW(0) PK_ROW(1) PK_ROW(2) PK_ROW(3) PK_ROW(4) PK_ROW(5)                                                     \
     PK_OPERANDS(PK_ACC(0), PK_ACC(1), PK_ACC(2), PK_ACC(3), PK_ACC(4), PK_ACC(5))
 static inline __attribute__((always_inline)) void panel_k(const int RG, const int WB, const float *xk,
-                                                          const char *w0, __m256i zero, __m256 a[GROUP][8]) {
+                                                          const char *w0, __m256 a[GROUP][8]) {
     const char *w1 = w0 + 32; /* an fp32 panel's features 8-15 (unused for bf16) */
     if (WB) switch (RG) {
         case 3: __asm__(PK_W_BF16 PK_RG3); break;
@@ -213,20 +218,19 @@ static inline __attribute__((always_inline)) void panel_k(const int RG, const in
 }
 
 /* One k of a tile of 3 or 4 rows x 3 vectors across two panels (ODD: from the first panel's second half), in inline
- * assembly for the same reason: the same FMAs as tile_k in the same order. ymm12-14 hold the weight vectors, each
- * unpacked against a zero made in place (a zeroing idiom, which takes no execution port), ymm15 the broadcast. */
+ * assembly for the same reason: the same FMAs as tile_k in the same order. ymm12-14 hold the weight vectors, ymm15
+ * the broadcast. */
 #define P3_ROW(i)                                                                                                   \
-    "vbroadcastss " #i "*4(%[xp]), %%ymm15\n\t"                                                                       \
+    "vbroadcastss " #i "*4(%[xp]), %%ymm15\n\t"                                                                     \
     "vfmadd231ps %%ymm12, %%ymm15, %t[a" #i "0]\n\t"                                                                \
     "vfmadd231ps %%ymm13, %%ymm15, %t[a" #i "1]\n\t"                                                                \
     "vfmadd231ps %%ymm14, %%ymm15, %t[a" #i "2]\n\t"
-#define P3_W(half, q, reg) "vpxor %%" reg ", %%" reg ", %%" reg "\n\tvpunpck" half "wd %[" q "], %%" reg ", %%" reg "\n\t"
-#define P3_EVEN P3_W("l", "q0", "ymm12") P3_W("h", "q0", "ymm13") P3_W("l", "q1", "ymm14")
-#define P3_ODD P3_W("h", "q0", "ymm12") P3_W("l", "q1", "ymm13") P3_W("h", "q1", "ymm14")
+#define P3_EVEN UNPACK_BF16("l", "q0", "ymm12") UNPACK_BF16("h", "q0", "ymm13") UNPACK_BF16("l", "q1", "ymm14")
+#define P3_ODD UNPACK_BF16("h", "q0", "ymm12") UNPACK_BF16("l", "q1", "ymm13") UNPACK_BF16("h", "q1", "ymm14")
 #define P3_ACC(i) [a##i##0] "+x"(a[i][0]), [a##i##1] "+x"(a[i][1]), [a##i##2] "+x"(a[i][2])
 #define P3_OPERANDS(...)                                                                                            \
     : __VA_ARGS__                                                                                                   \
-    : [q0] "m"(*(const __m256i *)q0), [q1] "m"(*(const __m256i *)q1), [xp] "r"(xk),                                \
+    : [q0] "m"(*(const __m256i *)q0), [q1] "m"(*(const __m256i *)q1), [xp] "r"(xk),                                 \
       [xs] "m"(*(const float(*)[RG])xk)                                                                             \
     : "xmm12", "xmm13", "xmm14", "xmm15"
 #define P3_RG3 P3_ROW(0) P3_ROW(1) P3_ROW(2) P3_OPERANDS(P3_ACC(0), P3_ACC(1), P3_ACC(2))
@@ -240,9 +244,9 @@ static inline __attribute__((always_inline)) void tile3v_k(const int RG, const i
 }
 
 /* One k of a 3 x 4 tile (three rows, two panels): the rows' broadcasts in ymm13-15, each weight vector in turn in
- * ymm12, unpacked against a zero made in place (a zeroing idiom, which takes no execution port). */
+ * ymm12. */
 #define P34_VEC(half, q, j)                                                                                         \
-    "vpxor %%ymm12, %%ymm12, %%ymm12\n\tvpunpck" half "wd %[" q "], %%ymm12, %%ymm12\n\t"                         \
+    UNPACK_BF16(half, q, "ymm12")                                                                                   \
     "vfmadd231ps %%ymm12, %%ymm13, %t[a0" #j "]\n\t"                                                                \
     "vfmadd231ps %%ymm12, %%ymm14, %t[a1" #j "]\n\t"                                                                \
     "vfmadd231ps %%ymm12, %%ymm15, %t[a2" #j "]\n\t"
@@ -270,17 +274,14 @@ static inline __attribute__((always_inline)) void tile(const job_t *J, const int
     const float *wf = (const float *)J->w + (v >> 1) * pstride;
     const float *xg = J->x + r * K; /* the group's rows, k-major: xg[k * RG + i] */
 #pragma GCC unroll 6
-    for (int i = 0; i < GROUP; i++)
+    for (int i = 0; i < RG; i++)
 #pragma GCC unroll 8
-        for (int j = 0; j < NV; j++)
-            if (i < RG) acc[i][j] = _mm256_setzero_ps();
-    const __m256i zero = _mm256_setzero_si256();
-    (void)zero;
+        for (int j = 0; j < NV; j++) acc[i][j] = _mm256_setzero_ps();
 #define STEP(kk)                                                                                                    \
     do {                                                                                                            \
         if (NV == 2 && !ODD && RG >= 3)                                                                             \
-            panel_k(RG, WB, xg + (kk) * RG, WB ? (const char *)(wb + (kk) * PANEL) : (const char *)(wf + (kk) * PANEL), \
-                    zero, acc);                                                                                     \
+            panel_k(RG, WB, xg + (kk) * RG,                                                                         \
+                    WB ? (const char *)(wb + (kk) * PANEL) : (const char *)(wf + (kk) * PANEL), acc);               \
         else if (WB && RG == 3 && NV == 4)                                                                          \
             tile34_k(xg + (kk) * RG, wb + (kk) * PANEL, wb + pstride + (kk) * PANEL, acc);                          \
         else if (WB && (RG == 3 || RG == 4) && NV == 3)                                                             \
@@ -329,7 +330,7 @@ static inline int64_t block_panels(int64_t rows) {
  * 8-12 independent accumulators within the 16 ymm registers: 1 row x 8 vectors, 2 x 6, 3 x 4, then per row group
  * one panel (2 vectors) wide for 5-6 rows, or two tiles 3 vectors wide across a block of 3 panels (the second from
  * the middle panel's second half) for 3-4 rows; narrower tiles where the weight's panels end. */
-#define COVER_X3(emit, RG, r)                                                                                   \
+#define COVER_X3(emit, RG, r)                                                                                       \
     do {                                                                                                            \
         if (np == 3) { emit(RG, 3, 0, r, v0); emit(RG, 3, 1, r, v0 + 3); }                                          \
         else for (int64_t q = 0; q < np; q++) emit(RG, 2, 0, r, v0 + 2 * q);                                        \
@@ -359,8 +360,8 @@ static inline int64_t block_panels(int64_t rows) {
                 switch (group_rows(rows, g)) {                                                                      \
                 case 6: for (int64_t q = 0; q < np; q++) emit(6, 2, 0, r, v0 + 2 * q); break;                       \
                 case 5: for (int64_t q = 0; q < np; q++) emit(5, 2, 0, r, v0 + 2 * q); break;                       \
-                case 4: COVER_X3(emit, 4, r); break;                                                                    \
-                default: COVER_X3(emit, 3, r); break;                                                                   \
+                case 4: COVER_X3(emit, 4, r); break;                                                                \
+                default: COVER_X3(emit, 3, r); break;                                                               \
                 }                                                                                                   \
         }                                                                                                           \
     } while (0)
@@ -428,7 +429,8 @@ int specdec_stream_linear(int x_bf16, int w_bf16, int y_bf16, int64_t rows, int6
         const job_t J = {in_f, out_f, panels, scratch, w, bias,
                          y_bf16 ? (void *)((uint16_t *)y + rb * out_f) : (void *)((float *)y + rb * out_f)};
         const int64_t width = block_panels(nr);
-        for (int64_t p = 0; p < panels; p += width) block(&J, w_bf16, y_bf16, nr, p, panels - p < width ? panels - p : width);
+        for (int64_t p = 0; p < panels; p += width)
+            block(&J, w_bf16, y_bf16, nr, p, panels - p < width ? panels - p : width);
     }
     return 0;
 }
