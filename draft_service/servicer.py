@@ -77,6 +77,11 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         return token, (request.session_id, request.base_position, list(request.append_ids), request.gamma_max,
                        self._stop_rule(request.stop), request.block_size, feats)
 
+    def _wire_q(self, sid: str, q) -> bytes:
+        """A block's q as the coordinator needs it: nothing for a greedy session (its verify never reads q)."""
+        s = self.worker.sessions.get(sid)
+        return b"" if s is not None and s.params.greedy else encode_q(q)
+
     def count_blocks(self, blocks) -> None:
         self.metrics.num_draft_tokens.inc(sum(len(b.tokens) for b in blocks))
         self.metrics.num_lookup_tokens.inc(sum(b.looked_up for b in blocks))
@@ -90,7 +95,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         self.count_blocks(blocks)
         if clock is not None:
             self._span(context, clock, request, blocks, entry)
-        return draft_pb2.DraftResponse(token_ids=tokens, q=encode_q([d for b in blocks for d in b.q]),
+        return draft_pb2.DraftResponse(token_ids=tokens, q=self._wire_q(request.session_id, [d for b in blocks for d in b.q]),
                                        stop_reason=_REASONS.get(blocks[-1].stop_reason, 0),
                                        draft_ns=sum(b.draft_ns for b in blocks), block_size=blocks[-1].block_size)
 
@@ -113,7 +118,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                 if clock is not None:
                     sent.append(block)
                 yield draft_pb2.DraftStreamResponse(
-                    token_ids=block.tokens, q=encode_q(block.q), offset=offset, last=block.final,
+                    token_ids=block.tokens, q=self._wire_q(sid, block.q), offset=offset, last=block.final,
                     stop_reason=_REASONS.get(block.stop_reason, 0), draft_ns=block.draft_ns,
                     block_size=block.block_size)
                 offset += len(block.tokens)

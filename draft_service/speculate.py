@@ -38,9 +38,9 @@ from specdec.verify import SparseDist
 from specdec.workers.base import TargetFeatures
 from specdec.workers.target import VerifyOutcome
 from specdec_rpc.channels import open_channel
-from specdec_rpc.convert import (FAILED_TARGET_KEY, VERIFY_METHOD_PB, encode_q, features_from_proto,
+from specdec_rpc.convert import (FAILED_TARGET_KEY, VERIFY_METHOD_PB, features_from_proto,
                                  logprobs_rows_to_proto, request_from_speculate, sampling_to_proto, stats_to_proto,
-                                 verify_outcome)
+                                 verify_outcome, verify_q)
 from specdec_rpc.pb import common_pb2, draft_pb2, target_pb2, target_pb2_grpc
 from specdec_rpc.rounds import BusyWaits, RoundStream
 
@@ -220,7 +220,7 @@ class PeerTarget:
                      sample_bonus: bool = True) -> VerifyOutcome:
         req = target_pb2.VerifyRequest(session_id=session_id, base_position=base_position, feed_ids=feed,
                                        draft_ids=draft, method=VERIFY_METHOD_PB[method], feed_draft=feed_draft,
-                                       sample_bonus=sample_bonus, q=encode_q(q) if q else None)
+                                       sample_bonus=sample_bonus, q=verify_q(q, method))
         busy = BusyWaits()
         while True:
             t0 = time.perf_counter_ns()

@@ -64,10 +64,16 @@ def encode_q(q) -> bytes:
                           for d in q], use_bin_type=True)
 
 
+def verify_q(q, method: str) -> bytes | None:
+    """The draft distributions a Verify call carries: none for a greedy verify (it compares tokens and never reads
+    q, so encoding, sending and checking q would be pure overhead), else sparse-q v1 bytes."""
+    return encode_q(q) if q and method != "greedy" else None
+
+
 def decode_q(data: bytes, field: str = "q", check: bool = True) -> list:
-    """msgpack bytes (sparse-q v1) -> list[SparseDist]; malformed input is INVALID_ARGUMENT. `check`: also each
-    row's values (`_distribution`), where q comes from a client (the target's Verify); the coordinator reading its
-    own draft replica's answers skips it."""
+    """msgpack bytes (sparse-q v1) -> list[SparseDist]; malformed input is INVALID_ARGUMENT. `check`: also the
+    rows' values (`_check_rows`, all rows at once), where q comes from a client (the target's Verify); the
+    coordinator reading its own draft replica's answers skips it."""
     if not data:
         return []
     try:
@@ -76,30 +82,42 @@ def decode_q(data: bytes, field: str = "q", check: bool = True) -> list:
         raise InvalidRequestError(field, f"is not msgpack sparse-q v1 ({exc})") from None
     if not isinstance(rows, list):
         raise InvalidRequestError(field, "must be a msgpack array of [ids, probs] pairs")
-    out = []
     for i, row in enumerate(rows):
         if (not isinstance(row, (list, tuple)) or len(row) != 2 or not isinstance(row[0], bytes)
                 or not isinstance(row[1], bytes) or len(row[0]) != len(row[1]) or len(row[0]) % 4):
             raise InvalidRequestError(f"{field}[{i}]", "must be [ids: bin int32 LE, probs: bin float32 LE] "
                                       "of equal length")
-        ids = torch.from_numpy(np.frombuffer(row[0], dtype=_LE_I32).astype(np.int64))
-        probs = torch.from_numpy(np.frombuffer(row[1], dtype=_LE_F32).astype(np.float32))
-        q = SparseDist(ids=ids, probs=probs)
-        out.append(_distribution(q, f"{field}[{i}]") if check else q)
-    return out
+    if not rows:
+        return []
+    # one buffer per column: the rows are views into it (one allocation and one conversion per call)
+    ids = torch.from_numpy(np.frombuffer(b"".join(r[0] for r in rows), dtype=_LE_I32).astype(np.int64))
+    probs = torch.from_numpy(np.frombuffer(b"".join(r[1] for r in rows), dtype=_LE_F32).astype(np.float32))
+    lengths = [len(r[0]) // 4 for r in rows]
+    if check:
+        _check_rows(ids, probs, lengths, field)
+    return [SparseDist(ids=i, probs=p) for i, p in zip(ids.split(lengths), probs.split(lengths))]
 
 
-def _distribution(q, field: str):
-    """A draft distribution row as verification needs it: finite, non-negative probabilities summing to at most 1
-    (float32 rounding aside), each token once."""
-    if not bool(torch.isfinite(q.probs).all()) or bool((q.probs < 0).any()):
-        raise InvalidRequestError(field, "probabilities must be finite and >= 0")
-    if float(q.probs.double().sum()) > 1.0 + 1e-3:
-        raise InvalidRequestError(field, f"probabilities sum to {float(q.probs.double().sum()):.6g}; a distribution "
-                                         f"sums to at most 1")
-    if q.ids.numel() != q.ids.unique().numel():
-        raise InvalidRequestError(field, "names a token id more than once")
-    return q
+def _check_rows(ids: torch.Tensor, probs: torch.Tensor, lengths: list[int], field: str) -> None:
+    """Draft distribution rows (concatenated; `lengths` per row) as verification needs them: finite, non-negative
+    probabilities summing to at most 1 (float32 rounding aside), each token once per row. A handful of vector
+    operations for all rows together; the error names the first row that breaks a rule."""
+    row = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    bad = ~torch.isfinite(probs) | (probs < 0)
+    if bool(bad.any()):
+        raise InvalidRequestError(f"{field}[{int(row[bad][0])}]", "probabilities must be finite and >= 0")
+    sums = torch.zeros(len(lengths), dtype=torch.float64).index_add_(0, row, probs.double())
+    over = sums > 1.0 + 1e-3
+    if bool(over.any()):
+        i = int(over.nonzero()[0])
+        raise InvalidRequestError(f"{field}[{i}]", f"probabilities sum to {float(sums[i]):.6g}; a distribution "
+                                                   f"sums to at most 1")
+    if len(ids) > 1:
+        lo, span = int(ids.min()), int(ids.max()) - int(ids.min()) + 1
+        key = (row * span + (ids - lo)).sort().values  # (row, id) as one sortable key
+        twice = key[1:] == key[:-1]
+        if bool(twice.any()):
+            raise InvalidRequestError(f"{field}[{int(key[1:][twice][0]) // span}]", "names a token id more than once")
 
 
 def dense_q_to_sparse(q: torch.Tensor, field: str = "q_dense") -> list:
@@ -107,11 +125,11 @@ def dense_q_to_sparse(q: torch.Tensor, field: str = "q_dense") -> list:
     if q.dim() != 2:
         raise InvalidRequestError(field, f"must have shape [len(draft_ids), vocab], got {list(q.shape)}")
     q = q.float()
-    out = []
-    for i, row in enumerate(q):
-        ids = torch.nonzero(row != 0).flatten()  # NaN, inf and negative entries too: `_distribution` refuses them
-        out.append(_distribution(SparseDist(ids=ids, probs=row[ids]), f"{field}[{i}]"))
-    return out
+    rows, ids = torch.nonzero(q != 0, as_tuple=True)  # NaN, inf and negative entries too: `_check_rows` refuses them
+    probs = q[rows, ids]
+    lengths = torch.bincount(rows, minlength=q.shape[0]).tolist()
+    _check_rows(ids, probs, lengths, field)
+    return [SparseDist(ids=i, probs=p) for i, p in zip(ids.split(lengths), probs.split(lengths))]
 
 
 def sampling_from_proto(msg: common_pb2.SamplingParams):

@@ -45,6 +45,25 @@ def test_a_malformed_draft_distribution_is_refused(rows, words):
     assert [d.ids.tolist() for d in ok] == [[4, 6], [5]]
 
 
+@pytest.mark.parametrize("bad, words", [(([4], [float("nan")]), "finite"), (([4, 6], [0.75, 0.5]), "sum to 1.25"),
+                                        (([7, 7], [0.5, 0.5]), "more than once")])
+def test_the_refusal_names_the_row_that_breaks_the_rule(bad, words):
+    """All rows are checked together: the error still names the first bad row, and one id in two rows is fine."""
+    good = ([7, 9], [0.5, 0.5])
+    with pytest.raises(InvalidRequestError, match=rf"q\[2\].*{words}"):
+        decode_q(q_bytes([good, good, bad, good]))
+    dense = torch.zeros(4, 12)
+    if len(set(bad[0])) == len(bad[0]):
+        for i, (ids, probs) in enumerate([good, good, bad, good]):
+            dense[i, ids] = torch.tensor(probs)
+        with pytest.raises(InvalidRequestError, match=rf"q_dense\[2\].*{words}"):
+            dense_q_to_sparse(dense)
+    rows = decode_q(q_bytes([good, ([], []), good]))
+    assert [d.ids.tolist() for d in rows] == [[7, 9], [], [7, 9]]
+    assert [d.ids.tolist() for d in dense_q_to_sparse(torch.tensor([[0, .5, .5], [0, 0, 0], [1., 0, 0]]))] == \
+        [[1, 2], [], [0]]
+
+
 def test_a_shape_whose_size_overflows_is_invalid_not_internal():
     msg = cp.Tensor(data=b"", dtype=cp.DTYPE_FLOAT32, shape=[2**40, 2**40])
     with pytest.raises(InvalidRequestError, match="needs 4835703278458516698824704"):

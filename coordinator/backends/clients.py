@@ -34,7 +34,7 @@ import grpc
 from specdec.errors import SessionNotFoundError
 from specdec_rpc.pb import draft_pb2, target_pb2
 from specdec.sampling import SamplingParams
-from specdec_rpc.convert import (VERIFY_METHOD_PB, decode_q, draft_block, draft_request, encode_q,
+from specdec_rpc.convert import (VERIFY_METHOD_PB, decode_q, draft_block, draft_request, verify_q,
                                    features_from_proto, features_to_proto, logprobs_from_proto, sampling_to_proto,
                                    verify_outcome)
 from specdec_rpc.rounds import BusyWaits, RoundStream
@@ -401,7 +401,7 @@ class RemoteTarget(_Pinned):
             else:
                 await self._start_on(fd[:1])
 
-        q_bytes = encode_q(q) if q else None
+        q_bytes = verify_q(q, method)
 
         def call():  # built per try: a rebuild moves base and fd
             req = target_pb2.VerifyRequest(session_id=session_id, base_position=base, feed_ids=fd,
