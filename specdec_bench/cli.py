@@ -67,7 +67,34 @@ def build_parser() -> argparse.ArgumentParser:
     net.add_argument("--data-plane", type=_csv(str), default=None, metavar="PLANE,...",
                      help="the network sweep's data planes (COORDINATOR_DATA_PLANE), each configuration runs under "
                           "each: coordinator, direct (default: coordinator)")
+    rt = ap.add_argument_group("round trip (instead of the suite above; specdec_bench/round_trip.py)")
+    rt.add_argument("--round-trip", action="store_true",
+                    help="tiny models in process and through the services, for each data path: what a round costs "
+                         "through the stack beyond the same round in one process, and the threads it wakes")
+    rt.add_argument("--paths", type=_csv(str), default=None, metavar="PATH,...",
+                    help="the round trip's data paths: unary, streams, direct (default: all)")
+    rt.add_argument("--device", default="cpu", help="the round trip's device, for the engine and both replicas")
     return ap
+
+
+def round_trip_main(args, meta: dict, log) -> int:
+    """The round trip: greedy sd at the first --gammas (default 4), --repeats requests (default 10) per path."""
+    import asyncio
+
+    from specdec_bench.round_trip import PATHS, markdown as rt_markdown, run_round_trip  # lazy: starts stacks
+
+    gamma = args.gammas[0] if args.gammas else 4
+    rows = asyncio.run(run_round_trip(args.paths or tuple(PATHS), device=args.device, repeats=args.repeats or 10,
+                                      max_new_tokens=args.max_new_tokens, gamma=gamma,
+                                      prompt_lookup_min_ngram=args.prompt_lookup_min_ngram, ray=not args.no_ray,
+                                      log=log))
+    for r in rows:
+        r["run"] = {"command": meta["command"], "gamma": gamma, "device": args.device, **meta["machine"]}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    print(rt_markdown(rows, meta))
+    return 0
 
 
 def network_args(args) -> tuple[tuple[float, ...], tuple[float, ...], tuple[str, ...]] | None:
@@ -107,7 +134,10 @@ def options(args) -> BenchOptions:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
-    network = network_args(args)
+    if args.round_trip and (args.rtt_ms is not None or args.rtt_t is not None or args.markdown or args.plot):
+        raise SystemExit("--round-trip runs alone: leave out --rtt-ms/--rtt-t, --markdown and --plot (it prints its "
+                         "table; --json writes its rows)")
+    network = None if args.round_trip else network_args(args)
     for out in (args.json, args.markdown, args.plot):  # before the run: a missing folder must not lose its results
         if out:
             try:
@@ -120,6 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"machine": machine_info(), "command": "python -m specdec_bench " + shlex.join(argv)}
     t0 = time.time()
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+    if args.round_trip:
+        return round_trip_main(args, meta, log)
     if network is not None:
         return network_main(args, opts, network, meta, t0, log)
     bench = Bench(opts, log=log)

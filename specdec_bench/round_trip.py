@@ -1,0 +1,169 @@
+"""The round trip (`specdec bench --round-trip`): what a speculative round costs through the services beyond the same
+round in one process, for each data path the coordinator offers.
+
+    specdec bench --round-trip [--paths unary,streams,direct] [--device cuda:0] [--json out.json]
+
+Tiny random models (`specdec_bench/tiny.py`) make the models' own cost small, so the difference is the stack's:
+gRPC, serialisation, the replicas' batchers and session bookkeeping, and the threads woken on the way. The same
+models, loaded from the same directory by the same loader (so the same kernels and bits), run
+
+- in process: `specdec.engine.Engine`, every call on the calling thread (one torch thread);
+- through the stack: a draft and a target replica (separate processes, one torch thread each, `LocalStack`) behind
+  a coordinator in this process (or on Ray with `--ray`), one configuration per data path:
+  `unary` (the coordinator's rounds as unary Draft/Verify calls), `streams` (the coordinator's rounds as messages on
+  one open stream per replica), `direct` (the draft replica runs the rounds and verifies on the target replica).
+
+Both sides run the same drafting (prompt lookup on or off in both, `--prompt-lookup-min-ngram`), the same requests
+(greedy, `--mode` at `--gamma`, distinct token-id prompts, `--max-new-tokens`), interleaved in-process / stack per
+repeat; each pair must give the same tokens in the same number of rounds, or the run fails. Reported per path
+(medians over the repeats after the first, which warms up): ms per round in process and through the stack, the
+overhead (the median of the paired differences), and the thread wake-ups per round: voluntary context switches of
+every thread of every process involved (this one and the replicas; Linux's /proc), a thread that sleeps being a
+thread that must be woken. A round that crosses no thread would count none.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+PATHS = {  # path -> the coordinator settings that select it
+    "unary": {"data_plane": "coordinator", "replica_streams": False},
+    "streams": {"data_plane": "coordinator", "replica_streams": True},
+    "direct": {"data_plane": "direct", "replica_streams": True},
+}
+
+
+def voluntary_switches(pids: list[int]) -> int:
+    """Voluntary context switches of every thread of `pids` so far (0 where /proc is not there)."""
+    total = 0
+    for pid in pids:
+        try:
+            tasks = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in tasks:
+            try:
+                with open(f"/proc/{pid}/task/{tid}/status") as f:
+                    for line in f:
+                        if line.startswith("voluntary_ctxt_switches"):
+                            total += int(line.split()[1])
+                            break
+            except OSError:  # the thread ended meanwhile
+                continue
+    return total
+
+
+def tiny_pair_dirs(root: Path) -> tuple[Path, Path]:
+    """A target (2 layers, width 64) and a draft (1 layer, width 32) over 64 tokens, saved under `root`."""
+    from specdec_bench.tiny import build_tiny_model, save_model
+
+    target = build_tiny_model(vocab_size=64, hidden_size=64, seed=1, logit_scale=2.0, max_position_embeddings=1024)
+    draft = build_tiny_model(vocab_size=64, hidden_size=32, num_layers=1, seed=2, logit_scale=2.0,
+                             max_position_embeddings=1024)
+    return save_model(target, root / "target"), save_model(draft, root / "draft")
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+async def _measure_path(path: str, engine, dirs: tuple[Path, Path], opts: dict, log) -> dict:
+    """One data path: a stack over the pair, `repeats` requests each way, interleaved."""
+    import grpc
+
+    from coordinator.stack import LocalStack
+    from specdec.request import GenerationRequest
+    from specdec.sampling import SamplingParams
+    from specdec_rpc.pb import generation_pb2 as g, generation_pb2_grpc as gg
+
+    device, lookup = opts["device"], opts["prompt_lookup_min_ngram"]
+    replica = {"device": device} if device != "cpu" else {}
+    stack = LocalStack(str(dirs[0]), str(dirs[1]), use_ray=opts["ray"], max_context=1024, prefix_cache=False,
+                       prompt_lookup_min_ngram=lookup, coordinator_options=PATHS[path], draft_options=replica,
+                       target_options=dict(replica))
+    local, remote, over, wake, wake_local, rounds = [], [], [], [], [], 0
+    async with stack:
+        pids = [os.getpid()] + [p.pid for p in stack.procs]
+        async with grpc.aio.insecure_channel(stack.address) as ch:
+            stub = gg.GenerationServiceStub(ch)
+            for i in range(opts["repeats"] + 1):
+                prompt = [1 + i % 7, 2, 3 + i % 5, 4, 5 + i]
+                req = GenerationRequest(prompt_ids=prompt, max_new_tokens=opts["max_new_tokens"],
+                                        params=SamplingParams(temperature=0.0), mode=opts["mode"],
+                                        gamma=opts["gamma"])
+                w0, t0 = voluntary_switches([os.getpid()]), time.perf_counter()
+                a = await engine.agenerate(req)
+                _sync(device)
+                t_local, w_local = time.perf_counter() - t0, voluntary_switches([os.getpid()]) - w0
+                w0, t0 = voluntary_switches(pids), time.perf_counter()
+                b = await stub.Generate(g.GenerateRequest(
+                    prompt_token_ids=prompt, max_new_tokens=opts["max_new_tokens"], temperature=0.0,
+                    mode=opts["mode"], gamma=opts["gamma"], ignore_eos=True), timeout=300)
+                _sync(device)
+                t_stack, w_stack = time.perf_counter() - t0, voluntary_switches(pids) - w0
+                if list(b.token_ids) != a.token_ids or b.stats.rounds != a.stats.rounds:
+                    raise AssertionError(f"{path}: the stack and the engine disagree on prompt {prompt}: "
+                                         f"{list(b.token_ids)} in {b.stats.rounds} rounds against {a.token_ids} in "
+                                         f"{a.stats.rounds}")
+                rounds = a.stats.rounds
+                if i:  # the first pair warms up
+                    local.append(t_local * 1e3 / rounds)
+                    remote.append(t_stack * 1e3 / rounds)
+                    over.append(remote[-1] - local[-1])
+                    wake.append(w_stack / rounds)
+                    wake_local.append(w_local / rounds)
+    row = {"path": path, "rounds_per_request": rounds, "repeats": len(local),
+           "in_process_ms_per_round": statistics.median(local), "stack_ms_per_round": statistics.median(remote),
+           "overhead_ms_per_round": statistics.median(over), "wakeups_per_round": statistics.median(wake),
+           "in_process_wakeups_per_round": statistics.median(wake_local)}
+    log(f"{path}: {row['overhead_ms_per_round']:.3f} ms per round over in process "
+        f"({row['stack_ms_per_round']:.3f} against {row['in_process_ms_per_round']:.3f}), "
+        f"{row['wakeups_per_round']:.1f} wake-ups per round")
+    return row
+
+
+async def run_round_trip(paths=tuple(PATHS), device: str = "cpu", repeats: int = 10, max_new_tokens: int = 64,
+                         mode: str = "sd", gamma: int = 4, prompt_lookup_min_ngram: int = 0, ray: bool = False,
+                         log=print) -> list[dict]:
+    """Each path's row (the module docstring); raises where the stack's output differs from the engine's."""
+    from specdec.engine import Engine
+    from specdec.lookup import prompt_lookup
+    from specdec.model import load_model_dir
+    from specdec.threads import set_thread_count
+
+    unknown = [p for p in paths if p not in PATHS]
+    if unknown:
+        raise ValueError(f"unknown data path(s) {', '.join(unknown)}: use {', '.join(PATHS)}")
+    set_thread_count(1)  # the engine's calls run on this thread, as each replica's run on its one thread
+    opts = dict(device=device, repeats=repeats, max_new_tokens=max_new_tokens, mode=mode, gamma=gamma,
+                prompt_lookup_min_ngram=prompt_lookup_min_ngram, ray=ray)
+    with tempfile.TemporaryDirectory(prefix="specdec-round-trip-") as tmp:
+        dirs = tiny_pair_dirs(Path(tmp))
+        engine = Engine(load_model_dir(dirs[0], device=device, dtype="auto", role="target"),
+                        load_model_dir(dirs[1], device=device, dtype="auto", role="draft"), inline=True,
+                        max_sessions=2, max_context=1024, prefix_cache=False,
+                        lookup=prompt_lookup(prompt_lookup_min_ngram))
+        try:
+            return [await _measure_path(p, engine, dirs, opts, log) for p in paths]
+        finally:
+            engine.close()
+
+
+def markdown(rows: list[dict], meta: dict) -> str:
+    lines = ["| data path | rounds per request | in process, ms per round | through the stack, ms per round | "
+             "overhead, ms per round | wake-ups per round (stack) | wake-ups per round (in process) |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines += [f"| {r['path']} | {r['rounds_per_request']} | {r['in_process_ms_per_round']:.3f} | "
+              f"{r['stack_ms_per_round']:.3f} | **{r['overhead_ms_per_round']:.3f}** | {r['wakeups_per_round']:.1f} | "
+              f"{r['in_process_wakeups_per_round']:.1f} |" for r in rows]
+    m = meta.get("machine", {})
+    lines += ["", f"{m.get('cpu', '?')}, {m.get('cores', '?')} cores, torch {m.get('torch', '?')}, "
+                  f"{meta.get('date_utc', m.get('date_utc', ''))}; `{meta.get('command', '')}`"]
+    return "\n".join(lines)
