@@ -171,17 +171,18 @@ class PipelineActor:
 
     def __init__(self, pool_handle, rpc_timeout_s: float, view_refresh_s: float, tls: dict | None = None,
                  replica_streams: bool = True, affinity_chunk: int = 128, tag: str = "", log_level: str = "INFO",
-                 log_format: str = "text", data_plane: str = "coordinator", chain_window: int = 0):
+                 log_format: str = "text", data_plane: str = "coordinator", chain_window: int = 0,
+                 replica_frames: bool = True):
         configure_logging(log_level, log_format, service="coordinator")
         self._args = (pool_handle, rpc_timeout_s, view_refresh_s, tls, replica_streams, affinity_chunk, tag,
-                      data_plane, chain_window)
+                      data_plane, chain_window, replica_frames)
         self.pipeline = None
 
     def _get(self):
         if self.pipeline is None:  # grpc.aio channels must be created inside the actor's event loop
-            handle, timeout, refresh, tls, streams, affinity_chunk, tag, data_plane, chain_window = self._args
+            handle, timeout, refresh, tls, streams, affinity_chunk, tag, data_plane, chain_window, frames = self._args
             self.pipeline = Pipeline(RayPool(handle), Dialer.from_tls(tls), timeout, refresh, streams,
-                                     affinity_chunk, tag, data_plane, chain_window)
+                                     affinity_chunk, tag, data_plane, chain_window, replica_frames=frames)
         return self.pipeline
 
     async def stream(self, request: dict):

@@ -2,10 +2,17 @@
 endpoint, shared by every request of a pipeline process."""
 from __future__ import annotations
 
+import ssl
+
 import grpc
 
 from specdec_rpc.channels import CHANNEL_OPTIONS, open_channel
-from specdec_rpc.pb import draft_pb2, draft_pb2_grpc, target_pb2_grpc
+from specdec_rpc.frames import FrameCall, client_ssl_context, split_host_port
+from specdec_rpc.pb import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
+
+# per-round stream method and response message of each kind of replica (their frame ports serve the same)
+_ROUNDS = {"draft": ("DraftRounds", draft_pb2.DraftRoundsResponse),
+           "target": ("VerifyRounds", target_pb2.VerifyRoundsResponse)}
 
 
 class Dialer:
@@ -15,9 +22,11 @@ class Dialer:
     is checked against that name (no entry)."""
 
     def __init__(self, credentials: grpc.ChannelCredentials | None = None,
-                 server_names: dict[str, str] | None = None):
+                 server_names: dict[str, str] | None = None, ssl_context: ssl.SSLContext | None = None):
+        """`ssl_context`: the same trust and identity for the replicas' frame ports (None: plaintext)."""
         self.credentials = credentials
         self.server_names = dict(server_names or {})
+        self.ssl_context = ssl_context
 
     @classmethod
     def from_tls(cls, tls: dict | None) -> "Dialer":
@@ -28,7 +37,8 @@ class Dialer:
         from specdec_rpc.tls import channel_credentials
 
         return cls(channel_credentials(tls["ca_file"], tls.get("cert_file"), tls.get("key_file")),
-                   tls.get("server_names"))
+                   tls.get("server_names"),
+                   client_ssl_context(tls["ca_file"], tls.get("cert_file"), tls.get("key_file")))
 
     def open(self, kind: str, endpoint: str, options=()) -> grpc.aio.Channel:
         return open_channel(endpoint, self.credentials, self.server_names.get(kind, ""), options)
@@ -42,6 +52,7 @@ class Channels:
         self._ch: dict[str, grpc.aio.Channel] = {}
         self._stubs: dict[tuple[str, str], object] = {}  # (kind, endpoint) -> stub, built once
         self._feature_size: dict[str, int] = {}  # draft endpoint -> ModelInfo.feature_size
+        self._data_port: dict[str, int] = {}  # endpoint -> ModelInfo.data_port (0: no frame port)
 
     async def draft_feature_size(self, endpoint: str, timeout: float) -> int:
         """Whether (and how wide) the draft replica reads target features; asked once per endpoint."""
@@ -49,6 +60,24 @@ class Channels:
             r = await self.draft(endpoint).GetInfo(draft_pb2.DraftServiceGetInfoRequest(), timeout=timeout)
             self._feature_size[endpoint] = r.info.feature_size
         return self._feature_size[endpoint]
+
+    async def frame_call(self, kind: str, endpoint: str, metadata, timeout: float) -> FrameCall | None:
+        """A per-round call on the replica's frame port, or None where it serves none (its GetInfo says, asked once
+        per endpoint; a replica that cannot answer is asked again next time)."""
+        if endpoint not in self._data_port:
+            stub = self.draft(endpoint) if kind == "draft" else self.target(endpoint)
+            req = (draft_pb2.DraftServiceGetInfoRequest() if kind == "draft"
+                   else target_pb2.TargetServiceGetInfoRequest())
+            try:
+                self._data_port[endpoint] = (await stub.GetInfo(req, timeout=timeout)).info.data_port
+            except grpc.aio.AioRpcError:
+                return None
+        port = self._data_port[endpoint]
+        if not port:
+            return None
+        method, response = _ROUNDS[kind]
+        return FrameCall(split_host_port(endpoint)[0], port, method, response, metadata, self.dialer.ssl_context,
+                         self.dialer.server_names.get(kind, ""), connect_timeout=timeout)
 
     def channel(self, kind: str, endpoint: str) -> grpc.aio.Channel:
         ch = self._ch.get(endpoint)
@@ -71,6 +100,7 @@ class Channels:
     async def drop_except(self, keep: set[str]) -> None:
         for ep in [e for e in self._ch if e not in keep]:
             self._feature_size.pop(ep, None)
+            self._data_port.pop(ep, None)
             self._stubs.pop(("draft", ep), None)
             self._stubs.pop(("target", ep), None)
             await self._ch.pop(ep).close()

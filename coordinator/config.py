@@ -73,6 +73,10 @@ class CoordinatorSettings(ProcessSettings):
     replica_streams: bool = Field(True, description="send each session's Draft/Verify calls as messages on one "
                                                     "open stream per replica (VerifyRounds/DraftRounds); off: "
                                                     "unary calls")
+    replica_frames: bool = Field(True, description="send those per-round messages on the replicas' frame ports "
+                                 "(a plain TCP or TLS socket beside gRPC, specdec_rpc/frames.py) where they serve one, "
+                                 "else on the gRPC streams. Off: gRPC only (the direct data plane's draft replicas "
+                                 "choose for their own calls: their --peer-frames)")
     data_plane: Literal["coordinator", "direct"] = Field(
         "coordinator", description="who carries a speculative request's rounds: 'coordinator' (each round's draft "
         "and verify calls go coordinator -> replica -> coordinator) or 'direct' (the pinned draft replica runs the "

@@ -84,7 +84,7 @@ async def build_router(s: CoordinatorSettings, resolve=None, health_check=None, 
         await pm.start()
         router = LocalRouter(Pipeline(AsyncPool(pm), dialer, s.rpc_timeout_s, s.pool_view_refresh_s,
                                       s.replica_streams, s.prefix_affinity_chunk, data_plane=s.data_plane,
-                                      chain_window=s.chain_window))
+                                      chain_window=s.chain_window, replica_frames=s.replica_frames))
         router.pool_manager = pm
         return router
     from coordinator.actor import PipelineActor, PoolManagerActor  # lazy: imports ray (~0.6 s), only on Ray
@@ -100,7 +100,8 @@ async def build_router(s: CoordinatorSettings, resolve=None, health_check=None, 
                                                                            s.replica_streams,
                                                                            s.prefix_affinity_chunk, tag,
                                                                            s.log_level, s.log_format,
-                                                                           s.data_plane, s.chain_window)
+                                                                           s.data_plane, s.chain_window,
+                                                                           s.replica_frames)
 
     router = RayRouter([], make_actor, fixed=s.pipelines or None)
     await router.grow()  # fail fast (and warm up) before serving

@@ -38,6 +38,9 @@ class DraftSettings(ServerSettings):
         "", description="direct data plane (COORDINATOR_DATA_PLANE=direct): the address this replica dials for a "
         "target endpoint the coordinator names, as 'endpoint=address,...' (a proxy or relay between the pools, as "
         "`specdec serve --emulate-rtt-ms` puts there); an endpoint not listed is dialed as named")
+    peer_frames: bool = Field(True, description="direct data plane: send the verifies to a target replica's frame "
+                              "port (a plain TCP or TLS socket beside gRPC, specdec_rpc/frames.py) where it serves "
+                              "one and its endpoint has no target_routes entry, else on its gRPC stream")
     max_batch_size: int = Field(16, ge=1, description="sessions drafting in one batched forward")
     max_queue: int = Field(256, ge=1, description="queued draft calls before RESOURCE_EXHAUSTED")
 

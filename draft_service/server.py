@@ -10,10 +10,12 @@ from specdec.preverifier import load_preverifier
 from specdec.threads import ModelThread
 from specdec.vocab import fit_draft_vocabulary
 from specdec.workers.draft import DraftWorker
-from specdec_rpc.app import ServerApp
+from specdec_rpc.app import ServerApp, advertise_frames
 from specdec_rpc.host import SessionHost
+from specdec_rpc.pb import draft_pb2
 from specdec_rpc.metrics import ServiceMetrics
 from specdec_rpc.settings import resolve_device, resolve_dtype
+from specdec_rpc.frames import client_ssl_context
 from specdec_rpc.tls import channel_credentials
 from specdec_rpc.tracing import replica_spans
 
@@ -60,7 +62,9 @@ async def build_app(settings: DraftSettings, model=None, preverifier=None, warmu
     # the direct data plane dials target replicas: through `target_routes`, with this replica's mTLS identity
     credentials = (channel_credentials(settings.tls.ca_file, settings.tls.cert_file, settings.tls.key_file)
                    if settings.tls.ca_file else None)
-    servicer.peers = PeerChannels(parse_routes(settings.target_routes), credentials)
+    ssl_context = (client_ssl_context(settings.tls.ca_file, settings.tls.cert_file, settings.tls.key_file)
+                   if settings.tls.ca_file else None)
+    servicer.peers = PeerChannels(parse_routes(settings.target_routes), credentials, settings.peer_frames, ssl_context)
 
     async def _close():
         await batcher.close()
@@ -70,7 +74,9 @@ async def build_app(settings: DraftSettings, model=None, preverifier=None, warmu
             await asyncio.to_thread(servicer.spans.shutdown)
 
     app = ServerApp(settings, DRAFT_SERVICE_NAME, lambda server: add_to_server(servicer, server), metrics,
-                    on_stop=[_close], on_drain=[host.begin_drain], idle=host.idle)
+                    on_stop=[_close], on_drain=[host.begin_drain], idle=host.idle,
+                    on_start=[lambda: advertise_frames(app, host)],
+                    frames={"DraftRounds": (servicer.DraftRounds, draft_pb2.DraftRoundsRequest.FromString)})
     app.servicer, app.host, app.batcher = servicer, host, batcher
     batcher.start()
     host.start_reaper()

@@ -38,6 +38,7 @@ from specdec.verify import SparseDist
 from specdec.workers.base import TargetFeatures
 from specdec.workers.target import VerifyOutcome
 from specdec_rpc.channels import open_channel
+from specdec_rpc.frames import FrameCall, split_host_port
 from specdec_rpc.convert import (FAILED_TARGET_KEY, VERIFY_METHOD_PB, features_from_proto,
                                  logprobs_rows_to_proto, request_from_speculate, sampling_to_proto, stats_to_proto,
                                  verify_outcome, verify_q)
@@ -183,13 +184,14 @@ class PeerTarget:
     link)."""
 
     def __init__(self, channel: grpc.aio.Channel, endpoint: str, timeout: float, metadata, reserve: int,
-                 output_start: int, window: int = 0, link: LinkEstimate | None = None):
+                 output_start: int, window: int = 0, link: LinkEstimate | None = None, frames=None):
+        """`frames(endpoint, metadata, timeout)`: a call on the target's frame port, or None (`PeerChannels`)."""
         self.stub = target_pb2_grpc.TargetServiceStub(channel)
         self.endpoint, self.timeout, self.metadata = endpoint, timeout, metadata
         self.start_kw = {"reserve_positions": reserve, "output_start": output_start}
         self.rounds = RoundStream(lambda ep: self.stub.VerifyRounds(metadata=self.metadata),
                                   lambda req: target_pb2.VerifyRoundsRequest(verify=req), lambda m: m.verify,
-                                  timeout)
+                                  timeout, frames=(lambda ep: frames(ep, self.metadata, timeout)) if frames else None)
         self.network_ns = self.queue_ns = 0
         self.model, self.cached_tokens, self.started = "", 0, False
         self.window = window  # the caller's chained-rounds window (> 1: allowed)
@@ -322,11 +324,16 @@ class LinkEstimate:
 
 class PeerChannels:
     """One channel per target address this replica dials (shared by its requests), with `target_routes` applied
-    and the replica's TLS settings as client credentials."""
+    and the replica's TLS settings as client credentials; and, with `frames`, per-round calls on a target's frame
+    port where it serves one (specdec_rpc/frames.py; `ssl_context`: the same TLS). A routed endpoint (a proxy or
+    relay between the pools, which carries gRPC) gets no frames."""
 
-    def __init__(self, routes: dict[str, str], credentials: grpc.ChannelCredentials | None = None):
+    def __init__(self, routes: dict[str, str], credentials: grpc.ChannelCredentials | None = None,
+                 frames: bool = True, ssl_context=None):
         self.routes, self.credentials = routes, credentials
+        self.frames, self.ssl_context = frames, ssl_context
         self._ch: dict[tuple[str, str], grpc.aio.Channel] = {}
+        self._data_port: dict[str, int] = {}  # target endpoint -> its ModelInfo.data_port (0: no frame port)
         self.links: dict[str, LinkEstimate] = {}  # target endpoint -> what was measured of it
 
     def link(self, endpoint: str) -> LinkEstimate:
@@ -338,6 +345,26 @@ class PeerChannels:
         if key not in self._ch:
             self._ch[key] = open_channel(address, self.credentials, server_name)
         return self._ch[key]
+
+    def frame_opener(self, server_name: str = ""):
+        """PeerTarget's `frames` for targets dialed with `server_name` (None: this replica sends no frames)."""
+        if not self.frames:
+            return None
+
+        async def open_call(endpoint: str, metadata, timeout: float) -> FrameCall | None:
+            if endpoint in self.routes:
+                return None
+            if endpoint not in self._data_port:
+                try:
+                    r = await target_pb2_grpc.TargetServiceStub(self.get(endpoint, server_name)).GetInfo(
+                        target_pb2.TargetServiceGetInfoRequest(), timeout=timeout)
+                except grpc.aio.AioRpcError:
+                    return None  # asked again next time
+                self._data_port[endpoint] = r.info.data_port
+            port = self._data_port[endpoint]
+            return FrameCall(split_host_port(endpoint)[0], port, "VerifyRounds", target_pb2.VerifyRoundsResponse,
+                             metadata, self.ssl_context, server_name, connect_timeout=timeout) if port else None
+        return open_call
 
     async def close(self) -> None:
         chans, self._ch = list(self._ch.values()), {}
@@ -360,7 +387,8 @@ async def speculate(servicer, peers: PeerChannels, request: draft_pb2.SpeculateR
     draft = LocalDraft(servicer, int(request.output_start), int(request.reserve_positions))
     target = PeerTarget(peers.get(request.target_endpoint, request.target_server_name), request.target_endpoint,
                         timeout, metadata, int(request.reserve_positions), int(request.output_start),
-                        int(request.chain_window), peers.link(request.target_endpoint))
+                        int(request.chain_window), peers.link(request.target_endpoint),
+                        peers.frame_opener(request.target_server_name) if req.sequential_calls else None)
     queue: asyncio.Queue = asyncio.Queue()
 
     def on_tokens(new: list[int], logprobs: list | None = None) -> bool:

@@ -89,6 +89,13 @@ class GenerationRequest:
     def method(self) -> str:
         return "greedy" if self.params.greedy else self.verify_method
 
+    @property
+    def sequential_calls(self) -> bool:
+        """Whether each replica call of this request is answered before the next is made, with no call cancelled
+        mid-flight: ar, sd and pacer. The PEARL modes overlap a draft stream with verifies and cancel what a
+        rejection makes moot (a transport must keep such calls of one session in order: specdec_rpc/frames.py)."""
+        return self.mode in ("ar", "sd", "pacer")
+
 
 @dataclass
 class GenerationStats:

@@ -2,7 +2,8 @@
 
 What every replica gets: the error interceptor, message-size limits, keepalive and connection-age
 options, the standard health servicer (`""` = liveness, the service name = readiness), reflection,
-optional TLS/mTLS, Prometheus metrics on a separate port, and SIGTERM/SIGINT handling (`shutdown`):
+optional TLS/mTLS, Prometheus metrics on a separate port, a replica's frame port (its per-round streams on a plain
+socket, `specdec_rpc/frames.py`; `data_port`), and SIGTERM/SIGINT handling (`shutdown`):
 
 1. health -> NOT_SERVING, and the `on_drain` hooks (a replica refuses new sessions and ends its per-round streams);
 2. `drain_delay_s`, serving as before while load balancers catch up;
@@ -23,6 +24,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from specdec_rpc.frames import FrameServer, server_ssl_context
 from specdec_rpc.interceptor import ErrorInterceptor
 from specdec_rpc.logs import set_process
 from specdec_rpc.metrics import ServiceMetrics
@@ -53,6 +55,11 @@ def server_options(s: ServerSettings) -> list[tuple[str, int]]:
     return opts
 
 
+async def advertise_frames(app: "ServerApp", host) -> None:
+    """A replica's start hook: its GetInfo names the frame port it serves (0: none)."""
+    host.info.data_port = app.data_port
+
+
 class ServerApp:
     """One server. `register(server)` adds the servicer; `on_start` hooks run once it serves (before it reports
     SERVING), `on_drain` hooks when draining starts, `on_close` hooks after the drain delay, `on_stop` hooks after
@@ -64,8 +71,11 @@ class ServerApp:
                  on_drain: list[Callable[[], None]] | None = None,
                  on_start: list[Callable[[], Awaitable[None]]] | None = None,
                  interceptors: tuple[grpc.aio.ServerInterceptor, ...] = (),
-                 on_close: list[Callable[[], None]] | None = None, idle: Callable[[], bool] | None = None):
-        """`interceptors` run before the error interceptor (the coordinator's API key)."""
+                 on_close: list[Callable[[], None]] | None = None, idle: Callable[[], bool] | None = None,
+                 frames: dict[str, tuple[Callable, Callable]] | None = None):
+        """`interceptors` run before the error interceptor (the coordinator's API key). `frames`: a replica's
+        per-round stream handlers, {"VerifyRounds": (handler, request deserializer)}, also served on its frame port
+        (`data_port`)."""
         self.settings, self.service_name = settings, service_name
         self._interceptors = tuple(interceptors)
         self.metrics = metrics or ServiceMetrics()
@@ -75,6 +85,9 @@ class ServerApp:
         self._on_start = list(on_start or [])
         self._on_close = list(on_close or [])
         self._idle = idle
+        self._frame_methods = dict(frames or {})
+        self.frames: FrameServer | None = None
+        self.data_port = 0  # the frame port, once started (0: none)
         self.health = health.aio.HealthServicer()
         self.server: grpc.aio.Server | None = None
         self.errors: ErrorInterceptor | None = None
@@ -112,6 +125,8 @@ class ServerApp:
             raise RuntimeError(f"could not serve metrics on port {s.metrics_port} ({e.strerror or e}); choose a "
                                f"free --metrics-port (0: no metrics port)") from None
         await self.server.start()
+        if self._frame_methods and getattr(s, "data_port", -1) >= 0:
+            await self._start_frames(s)
         for hook in self._on_start:
             await hook()
         set_process(replica=f"{s.host}:{self.port}")  # JSON log lines name the process by its address
@@ -119,6 +134,18 @@ class ServerApp:
         await self.health.set(self.service_name, SERVING)
         log.info("%s serving on %s:%d%s", self.service_name, s.host, self.port, " (TLS)" if creds else "")
         return self.port
+
+    async def _start_frames(self, s) -> None:
+        methods = {name: self.errors.wrap_rounds(handler, name, deserializer)
+                   for name, (handler, deserializer) in self._frame_methods.items()}
+        self.frames = FrameServer(methods, server_ssl_context(s.tls))
+        try:
+            self.data_port = await self.frames.start(s.host, s.data_port)
+        except OSError as e:
+            await self.server.stop(0)
+            raise RuntimeError(f"could not serve the frame port {s.host}:{s.data_port} ({e.strerror or e}); choose a "
+                               f"free --data-port (0 picks one, -1 turns the frame port off)") from None
+        log.info("%s: per-round frames on %s:%d", self.service_name, s.host, self.data_port)
 
     async def shutdown(self, grace: float | None = None) -> None:
         """Drain (module docstring): NOT_SERVING, the drain delay, then up to `grace` for the work in flight."""
@@ -141,6 +168,8 @@ class ServerApp:
             await self._unless_forced(self._until_idle(deadline))
         if self.server is not None:
             await self._stop_server(max(0.0, deadline - loop.time()))
+        if self.frames is not None:
+            await self.frames.close()
         for hook in self._on_stop:
             res = hook()
             if asyncio.iscoroutine(res):

@@ -141,7 +141,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                 response_serializer=handler.response_serializer)
         if handler.stream_stream and method.endswith("Rounds"):
             return grpc.stream_stream_rpc_method_handler(
-                self._wrap_rounds(handler.stream_stream, method, handler.request_deserializer),
+                self.wrap_rounds(handler.stream_stream, method, handler.request_deserializer),
                 response_serializer=handler.response_serializer)
         return handler  # other client-streaming RPCs (reflection): left untouched
 
@@ -200,9 +200,10 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                 self._observe(method, t0)
         return wrapped
 
-    def _wrap_rounds(self, behavior, method, deserializer=None):
+    def wrap_rounds(self, behavior, method, deserializer=None):
         """A per-round stream answers each request before reading the next, so a message's latency runs from
-        pulling its request off the stream to yielding its response."""
+        pulling its request off the stream to yielding its response. The frame port (specdec_rpc/frames.py) wraps
+        its handlers here too."""
         async def wrapped(request_iterator, context):
             pulled: list[float] = []
 

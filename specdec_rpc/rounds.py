@@ -13,6 +13,9 @@ The stream is only a faster wire for the same unary call, never a different prot
   not applied twice and returns the same result.
 - UNAVAILABLE, UNIMPLEMENTED, a broken stream or an early end turn streams off for that replica for the rest of
   the request (an older replica, a draining one, a dead one); the unary call then takes the usual failover path.
+- Where the replica serves a frame port (specdec_rpc/frames.py) and `frames` opens a call there, the messages go
+  on it instead of the gRPC stream, by the same rules, except that where a gRPC stream would be turned off, frames
+  are (the request's later calls to that replica take its gRPC stream).
 - One call at a time per stream: a call made while another is in flight goes unary.
 - No deadline on the stream itself (it lives as long as the request); each message waits at most `timeout`
   seconds, then the stream is closed and the call fails with DEADLINE_EXCEEDED, as a unary call would.
@@ -44,13 +47,16 @@ class RoundStream:
     unwrap(message) -> the unary response."""
 
     def __init__(self, open_stream: Callable[[str], grpc.aio.StreamStreamCall], wrap: Callable, unwrap: Callable,
-                 timeout: float, enabled: bool = True):
-        self._open, self._wrap, self._unwrap = open_stream, wrap, unwrap
+                 timeout: float, enabled: bool = True, frames: Callable[[str], Awaitable] | None = None):
+        """`frames(endpoint)`: a `FrameCall` on the replica's frame port, or None where it serves none."""
+        self._open, self._wrap, self._unwrap, self.frames = open_stream, wrap, unwrap, frames
         self.timeout, self.enabled = timeout, enabled
         self._call: grpc.aio.StreamStreamCall | None = None
         self._endpoint: str | None = None
         self._busy = False
         self.off: set[str] = set()  # replicas this request no longer streams to
+        self.frames_off: set[str] = set()  # replicas whose frame port failed this request (gRPC streams instead)
+        self.on_frames = False  # the open stream is a frame call
         self.messages = 0  # calls answered over a stream
         self.fallbacks = 0  # calls resent unary after stream trouble
 
@@ -59,7 +65,11 @@ class RoundStream:
             return await unary(request)
         if self._endpoint != endpoint:
             self.close()
-            self._call, self._endpoint = self._open(endpoint), endpoint
+            frame_call = None
+            if self.frames is not None and endpoint not in self.frames_off:
+                frame_call = await self.frames(endpoint)
+            self._call, self._endpoint = frame_call or self._open(endpoint), endpoint
+            self.on_frames = frame_call is not None
         self._busy = True
         try:
             try:
@@ -73,14 +83,14 @@ class RoundStream:
                 self.close()  # a reply may still be on its way: this stream is out of step now
                 raise
             except Exception as e:  # noqa: BLE001 - the unary call below gives the authoritative answer
-                self.close()
                 if not isinstance(e, grpc.aio.AioRpcError) or e.code() in _STREAMS_OFF:
-                    self.off.add(endpoint)
+                    (self.frames_off if self.on_frames else self.off).add(endpoint)
+                self.close()
                 self.fallbacks += 1
                 return await unary(request)
             if msg is grpc.aio.EOF:  # the replica ended the stream without a status for this request
+                (self.frames_off if self.on_frames else self.off).add(endpoint)
                 self.close()
-                self.off.add(endpoint)
                 self.fallbacks += 1
                 return await unary(request)
             self.messages += 1
@@ -94,13 +104,13 @@ class RoundStream:
 
     def close(self) -> None:
         """Drop the stream (the replica's handler sees a cancel and ends; its session is untouched)."""
-        call, self._call, self._endpoint = self._call, None, None
+        call, self._call, self._endpoint, self.on_frames = self._call, None, None, False
         if call is not None and not call.done():
             call.cancel()
 
     async def aclose(self) -> None:
         """End the stream cleanly (half-close: the replica's handler returns OK)."""
-        call, self._call, self._endpoint = self._call, None, None
+        call, self._call, self._endpoint, self.on_frames = self._call, None, None, False
         if call is not None and not call.done():
             with contextlib.suppress(Exception):
                 await call.done_writing()

@@ -97,6 +97,10 @@ class ServerSettings(ProcessSettings):
     threads: int = Field(0, ge=0, description="torch intra-op threads (0 keeps torch's default)")
     max_sessions: int = Field(16, ge=1, description="session slots (KV memory bound: each holds max_context positions)")
     session_ttl_s: float = Field(600.0, gt=0, description="idle sessions expire after this")
+    data_port: int = Field(0, ge=-1, le=65535, description="the frame port: this replica's per-round streams on a "
+                           "plain socket (TLS where gRPC is), the data plane's fastest wire, advertised by GetInfo "
+                           "(specdec_rpc/frames.py). 0 picks a free port, -1 serves none (callers then use gRPC "
+                           "streams)")
     prefix_cache: bool = Field(True, description="a new session reuses the K/V of the longest run of whole prefill "
                                "chunks of its prompt that a slot holds (a live session's, or an ended one's until its "
                                "slot is reused); bitwise the same K/V as a prefill")

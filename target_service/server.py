@@ -8,8 +8,9 @@ from specdec.defaults import TARGET_SERVICE_NAME
 from specdec.model import load_model
 from specdec.threads import ModelThread
 from specdec.workers.target import TargetWorker
-from specdec_rpc.app import ServerApp
+from specdec_rpc.app import ServerApp, advertise_frames
 from specdec_rpc.host import SessionHost
+from specdec_rpc.pb import target_pb2
 from specdec_rpc.metrics import ServiceMetrics
 from specdec_rpc.settings import resolve_device, resolve_dtype
 from specdec_rpc.tracing import replica_spans
@@ -49,7 +50,9 @@ async def build_app(settings: TargetSettings, model=None, warmup: bool = True) -
             await asyncio.to_thread(servicer.spans.shutdown)
 
     app = ServerApp(settings, TARGET_SERVICE_NAME, lambda server: add_to_server(servicer, server), metrics,
-                    on_stop=[_close], on_drain=[host.begin_drain], idle=host.idle)
+                    on_stop=[_close], on_drain=[host.begin_drain], idle=host.idle,
+                    on_start=[lambda: advertise_frames(app, host)],
+                    frames={"VerifyRounds": (servicer.VerifyRounds, target_pb2.VerifyRoundsRequest.FromString)})
     app.servicer, app.host, app.batcher = servicer, host, batcher
     batcher.start()
     host.start_reaper()

@@ -58,9 +58,12 @@ class _Pinned:
     kind = ""
 
     def __init__(self, pool, channels: Channels, view: PoolView | None = None, timeout: float = 60.0,
-                 streams: bool = True):
+                 streams: bool = True, frames: bool = True):
         self.pool, self.channels, self.view, self.timeout = pool, channels, view or PoolView(), timeout
+        self.metadata: tuple | None = None  # (("traceparent", ...),) of a traced request: sent with every call
         self.rounds = self._round_stream(streams)
+        if frames:  # the replica's frame port, where it serves one (specdec_rpc/frames.py)
+            self.rounds.frames = lambda ep: self.channels.frame_call(self.kind, ep, self.metadata, self.timeout)
         self.endpoint: str | None = None
         self.served: list[str] = []  # every replica this request used, in order
         self.failed: list[str] = []
@@ -78,7 +81,6 @@ class _Pinned:
         self.holding = ""  # the current one (preemption marks it)
         self.preemptions = 0
         self.sibling: _Pinned | None = None  # the request's backend in the other pool (it yields with this one)
-        self.metadata: tuple | None = None  # (("traceparent", ...),) of a traced request: sent with every call
         self.model = ""  # the pinned replica's model (its StartSession answer says)
         self.in_call = 0  # calls in flight (a yield waits for them: `give_up`)
         self.give_up = False  # yield the session when the call in flight ends

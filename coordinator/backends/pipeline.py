@@ -125,13 +125,14 @@ class AsyncPool:
 class Pipeline:
     def __init__(self, pool, dialer=None, rpc_timeout_s: float = 60.0, view_refresh_s: float = 0.5,
                  replica_streams: bool = True, affinity_chunk: int = PREFILL_CHUNK, tag: str = "",
-                 data_plane: str = "coordinator", chain_window: int = 0):
+                 data_plane: str = "coordinator", chain_window: int = 0, replica_frames: bool = True):
         self.pool = pool  # async acquire/release/report_failure/members (AsyncPool or the Ray facade)
         self.tag = tag  # the prefix of its requests' holder tokens (a Ray pipeline actor's: coordinator/routing/router.py)
         self.channels = Channels(dialer)  # how replicas are dialed (coordinator/channels.py)
         self.view = PoolView()
         self.rpc_timeout_s, self.view_refresh_s = rpc_timeout_s, view_refresh_s
         self.replica_streams = replica_streams  # per-round calls as stream messages (specdec_rpc/rounds.py)
+        self.replica_frames = replica_frames  # ... on the replicas' frame ports where they serve one (frames.py)
         self.affinity_chunk = affinity_chunk  # positions per prefix key: the replicas' prefill chunk (0: no keys)
         self.data_plane = data_plane  # "direct": speculative rounds run on the draft replica (backends/direct.py)
         self.chain_window = chain_window  # direct, greedy PEARL modes: verifies in flight (specdec/chained.py)
@@ -204,7 +205,8 @@ class Pipeline:
         A replica whose context is too small refuses before any work (`reserve`); a session rebuilt from the
         history holds output too, and the penalties, min_tokens and a grammar count only the output
         (`output_start`). `trace`: the request span's traceparent metadata, sent with every replica call."""
-        kw = dict(view=self.view, timeout=self.rpc_timeout_s, streams=self.replica_streams)
+        kw = dict(view=self.view, timeout=self.rpc_timeout_s, streams=self.replica_streams,
+                  frames=self.replica_frames and req.sequential_calls)
         target = RemoteTarget(self.pool, self.channels, **kw)
         draft = RemoteDraft(self.pool, self.channels, **kw) if with_draft else None
         keys = prefix_keys(req.prompt_ids, self.affinity_chunk, req.params.cache_salt)

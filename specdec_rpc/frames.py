@@ -1,0 +1,305 @@
+"""Per-round messages on a plain TCP connection: the data plane's fast wire (the replicas' frame port).
+
+A speculative round makes one Draft and one Verify call (or one Verify on the direct data plane). Over gRPC's
+per-round streams (`specdec_rpc/rounds.py`) each message still crosses gRPC's own threads on both ends: its
+event-engine thread and the poller thread that hands completions to the event loop, so a round trip wakes about
+three threads per process and costs about 0.23 ms of gRPC machinery even on an idle loopback (against about
+0.09 ms for the same bytes on an asyncio socket; docs/benchmarks.md, "The round trip"). Here the event loop reads
+the socket itself: a message wakes one thread.
+
+The frames carry exactly the per-round streams' messages, to the same handlers: `VerifyRoundsRequest` /
+`DraftRoundsRequest` in, `VerifyRoundsResponse` / `DraftRoundsResponse` out, through the replica's error
+interceptor (the same status codes and messages, metrics and log binding) and `SessionHost.rounds` (the same
+ordering, read-ahead for chained verifies, and the drain). So this is a faster wire for the same call, never a
+different protocol: the client side is a drop-in for the gRPC stream that `RoundStream` opens, and any trouble
+sends the call again as the unary RPC, whose answer or status is the authoritative one.
+
+The wire, one connection per request and replica:
+
+- a frame is a 4-byte little-endian length, then that many bytes (at most `MAX_FRAME`);
+- the client's first frame is the hello: UTF-8 JSON `{"method": "VerifyRounds" | "DraftRounds", "metadata":
+  [[key, value], ...]}` (the call's gRPC metadata: the trace context);
+- then each client frame is one request message (protobuf), answered in order by one server frame: a status byte
+  (0: OK, followed by the response message; otherwise the gRPC status code's value, followed by its UTF-8 details,
+  after which the server closes the connection);
+- the client ends the call by closing the connection.
+
+Order: the calls of one session on one gRPC connection reach the replica in the order they were made, a cancel
+included; a frame connection is a second connection, so a call on it can overtake a cancel or a call sent
+on gRPC just before. Callers therefore use frames only for requests whose calls are sequential: each answered
+before the next is made, none cancelled mid-flight (`GenerationRequest.sequential_calls`: ar, sd, pacer); the
+PEARL modes, which overlap a draft stream with verifies and cancel what a rejection makes moot, stay on gRPC.
+A client that closes a frame call cancels the request the replica has in hand, as a gRPC cancel does.
+
+TLS: where the replica serves gRPC over TLS, the frame port serves TLS with the same certificate, key and client
+certificate rule (mTLS), and clients dial it with the same trust roots and identity.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import socket
+import ssl
+import struct
+from typing import Callable
+
+import grpc
+
+log = logging.getLogger(__name__)
+
+MAX_FRAME = 16 * 1024 * 1024  # the gRPC message limit of the replicas' channels (specdec_rpc/channels.py)
+HELLO_TIMEOUT_S = 10.0  # a connection that names no method within this is closed
+_LEN = struct.Struct("<I")
+_OK = 0
+
+
+class FrameError(ConnectionError):
+    """The peer broke the frame protocol (a frame over `MAX_FRAME`, a hello that is not one)."""
+
+
+async def _read_frame(reader: asyncio.StreamReader) -> bytes:
+    (n,) = _LEN.unpack(await reader.readexactly(_LEN.size))
+    if n > MAX_FRAME:
+        raise FrameError(f"a frame of {n} bytes is over the {MAX_FRAME}-byte limit")
+    return await reader.readexactly(n)
+
+
+def _frame(payload: bytes) -> bytes:
+    if len(payload) > MAX_FRAME:
+        raise FrameError(f"a frame of {len(payload)} bytes is over the {MAX_FRAME}-byte limit")
+    return _LEN.pack(len(payload)) + payload
+
+
+def _nodelay(writer: asyncio.StreamWriter) -> None:
+    sock = writer.get_extra_info("socket")
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the replica's side
+
+
+class FrameContext:
+    """What a per-round handler and the error interceptor use of a gRPC servicer context, for one connection."""
+
+    def __init__(self, metadata: tuple, peer: str):
+        self._metadata, self._peer = metadata, peer
+        self._code: grpc.StatusCode | None = None
+        self._details = ""
+        self._done = False
+
+    def invocation_metadata(self) -> tuple:
+        return self._metadata
+
+    def peer(self) -> str:
+        return self._peer
+
+    async def abort(self, code: grpc.StatusCode, details: str = "", trailing_metadata=()) -> None:
+        self._code, self._details = code, details
+        raise grpc.aio.AbortError()
+
+    def code(self) -> grpc.StatusCode | None:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+    def set_trailing_metadata(self, metadata) -> None:
+        pass  # the per-round handlers send none
+
+    def done(self) -> bool:
+        return self._done
+
+
+class FrameServer:
+    """The replica's frame port. `methods`: {"VerifyRounds": behavior, ...}, each `behavior(request_iterator,
+    context)` the per-round stream's handler as the error interceptor wraps it (raw request bytes in, response
+    messages out)."""
+
+    def __init__(self, methods: dict[str, Callable], ssl_context: ssl.SSLContext | None = None):
+        self.methods, self.ssl_context = methods, ssl_context
+        self.server: asyncio.AbstractServer | None = None
+        self.port = 0
+        self._connections: set[asyncio.Task] = set()
+
+    async def start(self, host: str, port: int) -> int:
+        self.server = await asyncio.start_server(self._serve, host, port, ssl=self.ssl_context,
+                                                 limit=MAX_FRAME + _LEN.size)
+        self.port = self.server.sockets[0].getsockname()[1]
+        return self.port
+
+    async def close(self) -> None:
+        """Stop listening and end every connection (their calls' clients resend them unary)."""
+        if self.server is not None:
+            self.server.close()
+        for task in list(self._connections):
+            task.cancel()
+        for task in list(self._connections):
+            with contextlib.suppress(BaseException):
+                await task
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        self._connections.add(task)
+        _nodelay(writer)
+        peer = writer.get_extra_info("peername")
+        context = FrameContext((), f"frames:{peer[0]}:{peer[1]}" if peer else "frames")
+        try:
+            hello = json.loads(await asyncio.wait_for(_read_frame(reader), HELLO_TIMEOUT_S))
+            behavior = self.methods.get(hello.get("method")) if isinstance(hello, dict) else None
+            if behavior is None:
+                known = ", ".join(sorted(self.methods))
+                writer.write(_frame(bytes([grpc.StatusCode.UNIMPLEMENTED.value[0]]) + (
+                    f"this frame port serves {known}; the hello named {hello!r:.100}").encode()))
+                return
+            context._metadata = tuple((str(k), str(v)) for k, v in hello.get("metadata") or ())
+            work: asyncio.Task | None = None
+
+            async def requests():
+                while True:
+                    try:
+                        yield await _read_frame(reader)
+                    except (asyncio.IncompleteReadError, ConnectionError):
+                        # the client closed the call: as a gRPC stream's cancel, the request in hand (if any) is
+                        # cancelled, so that it cannot land after the call the client sends next
+                        work.cancel()
+                        return
+
+            async def respond():
+                try:
+                    async for response in behavior(requests(), context):
+                        writer.write(_frame(bytes([_OK]) + response.SerializeToString()))
+                except grpc.aio.AbortError:
+                    code = context.code() or grpc.StatusCode.UNKNOWN
+                    writer.write(_frame(bytes([code.value[0]]) + context.details().encode()))
+                await writer.drain()
+
+            work = asyncio.ensure_future(respond())
+            try:
+                await work
+            except asyncio.CancelledError:
+                if task.cancelling():  # the server is closing: this connection's task itself was cancelled
+                    work.cancel()
+                    raise
+        except (asyncio.IncompleteReadError, asyncio.TimeoutError, ConnectionError, ValueError, ssl.SSLError):
+            pass  # a client that went away, or never spoke the protocol: nothing to answer
+        finally:
+            context._done = True
+            self._connections.discard(task)
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
+
+
+def server_ssl_context(tls) -> ssl.SSLContext | None:
+    """The frame port's TLS from the replica's `TLSSettings` (None: plaintext, as its gRPC port)."""
+    if not tls.enabled:
+        return None
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.load_cert_chain(tls.cert_file, tls.key_file)
+    if tls.ca_file:
+        ctx.load_verify_locations(tls.ca_file)
+    ctx.verify_mode = ssl.CERT_REQUIRED if tls.require_client_auth else ssl.CERT_NONE
+    return ctx
+
+
+def client_ssl_context(ca_file: str | None, cert_file: str | None = None,
+                       key_file: str | None = None) -> ssl.SSLContext:
+    """Dialing a TLS frame port: trust `ca_file` (the system's roots if None), present cert/key for mTLS."""
+    ctx = ssl.create_default_context(cafile=ca_file)
+    if cert_file and key_file:
+        ctx.load_cert_chain(cert_file, key_file)
+    return ctx
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the caller's side
+
+
+class FrameCall:
+    """One per-round call on a frame port, shaped as the gRPC stream-stream call `RoundStream` drives (`write`,
+    `read`, `done_writing`, `cancel`, `done`). It connects on its first write; every failure is a
+    `grpc.aio.AioRpcError` with the status a gRPC stream would have ended with (UNAVAILABLE for a connection that
+    could not be made or broke)."""
+
+    def __init__(self, host: str, port: int, method: str, response_type, metadata=None,
+                 ssl_context: ssl.SSLContext | None = None, server_hostname: str = "", connect_timeout: float = 10.0):
+        self.host, self.port, self.method, self.response_type = host, port, method, response_type
+        self.metadata = tuple(metadata or ())
+        self.ssl_context, self.server_hostname, self.connect_timeout = ssl_context, server_hostname, connect_timeout
+        self._reader: asyncio.StreamReader | None = None
+        self._writer: asyncio.StreamWriter | None = None
+        self._done = False
+
+    def _fail(self, code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
+        self.cancel()
+        return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details)
+
+    async def _connect(self) -> None:
+        kw = {}
+        if self.ssl_context is not None:
+            kw = {"ssl": self.ssl_context, "server_hostname": self.server_hostname or self.host}
+        try:
+            self._reader, self._writer = await asyncio.wait_for(
+                asyncio.open_connection(self.host, self.port, limit=MAX_FRAME + _LEN.size, **kw),
+                self.connect_timeout)
+        except (OSError, asyncio.TimeoutError, ssl.SSLError) as e:
+            raise self._fail(grpc.StatusCode.UNAVAILABLE,
+                             f"frame port {self.host}:{self.port}: {e or type(e).__name__}") from None
+        _nodelay(self._writer)
+        self._writer.write(_frame(json.dumps({"method": self.method,
+                                              "metadata": [list(kv) for kv in self.metadata]}).encode()))
+
+    async def write(self, message) -> None:
+        if self._done:
+            raise self._fail(grpc.StatusCode.CANCELLED, "the frame call was closed")
+        if self._writer is None:
+            await self._connect()
+        try:
+            self._writer.write(_frame(message.SerializeToString()))
+        except (OSError, FrameError) as e:
+            raise self._fail(grpc.StatusCode.UNAVAILABLE, f"frame port {self.host}:{self.port}: {e}") from None
+
+    async def read(self):
+        """The next response message; an error frame raises its status."""
+        if self._reader is None:
+            raise self._fail(grpc.StatusCode.INTERNAL, "read before any write on a frame call")
+        try:
+            data = await _read_frame(self._reader)
+        except (asyncio.IncompleteReadError, OSError, FrameError, ssl.SSLError) as e:
+            raise self._fail(grpc.StatusCode.UNAVAILABLE,
+                             f"frame port {self.host}:{self.port} closed the call ({e or type(e).__name__})") from None
+        if not data:
+            raise self._fail(grpc.StatusCode.INTERNAL, f"frame port {self.host}:{self.port} sent an empty frame")
+        if data[0] != _OK:
+            code = next((c for c in grpc.StatusCode if c.value[0] == data[0]), grpc.StatusCode.UNKNOWN)
+            raise self._fail(code, data[1:].decode("utf-8", "replace"))
+        try:
+            return self.response_type.FromString(data[1:])
+        except Exception as e:  # noqa: BLE001 - protobuf's DecodeError and friends
+            raise self._fail(grpc.StatusCode.INTERNAL, f"frame port {self.host}:{self.port} sent a response that "
+                                                       f"does not decode ({e})") from None
+
+    async def done_writing(self) -> None:
+        self.cancel()
+
+    def cancel(self) -> bool:
+        if self._done:
+            return False
+        self._done = True
+        if self._writer is not None:
+            self._writer.close()
+        return True
+
+    def done(self) -> bool:
+        return self._done
+
+
+def split_host_port(address: str) -> tuple[str, int]:
+    """'host:port' or '[v6]:port' → (host, port)."""
+    host, _, port = address.rpartition(":")
+    return host.strip("[]"), int(port)
