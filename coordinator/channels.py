@@ -7,7 +7,7 @@ import ssl
 import grpc
 
 from specdec_rpc.channels import CHANNEL_OPTIONS, open_channel
-from specdec_rpc.frames import FrameCall, client_ssl_context, split_host_port
+from specdec_rpc.frames import FrameCall, FramePorts, client_ssl_context
 from specdec_rpc.pb import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
 # per-round stream method and response message of each kind of replica (their frame ports serve the same)
@@ -52,7 +52,7 @@ class Channels:
         self._ch: dict[str, grpc.aio.Channel] = {}
         self._stubs: dict[tuple[str, str], object] = {}  # (kind, endpoint) -> stub, built once
         self._feature_size: dict[str, int] = {}  # draft endpoint -> ModelInfo.feature_size
-        self._data_port: dict[str, int] = {}  # endpoint -> ModelInfo.data_port (0: no frame port)
+        self.frame_ports = FramePorts(self.dialer.ssl_context)  # the replicas' frame ports (specdec_rpc/frames.py)
 
     async def draft_feature_size(self, endpoint: str, timeout: float) -> int:
         """Whether (and how wide) the draft replica reads target features; asked once per endpoint."""
@@ -62,22 +62,16 @@ class Channels:
         return self._feature_size[endpoint]
 
     async def frame_call(self, kind: str, endpoint: str, metadata, timeout: float) -> FrameCall | None:
-        """A per-round call on the replica's frame port, or None where it serves none (its GetInfo says, asked once
-        per endpoint; a replica that cannot answer is asked again next time)."""
-        if endpoint not in self._data_port:
-            stub = self.draft(endpoint) if kind == "draft" else self.target(endpoint)
-            req = (draft_pb2.DraftServiceGetInfoRequest() if kind == "draft"
-                   else target_pb2.TargetServiceGetInfoRequest())
-            try:
-                self._data_port[endpoint] = (await stub.GetInfo(req, timeout=timeout)).info.data_port
-            except grpc.aio.AioRpcError:
-                return None
-        port = self._data_port[endpoint]
-        if not port:
-            return None
+        """A per-round call on the replica's frame port, or None where it serves none (`FramePorts`)."""
+        if kind == "draft":
+            get_info = lambda: self.draft(endpoint).GetInfo(draft_pb2.DraftServiceGetInfoRequest(),  # noqa: E731
+                                                            timeout=timeout)
+        else:
+            get_info = lambda: self.target(endpoint).GetInfo(target_pb2.TargetServiceGetInfoRequest(),  # noqa: E731
+                                                             timeout=timeout)
         method, response = _ROUNDS[kind]
-        return FrameCall(split_host_port(endpoint)[0], port, method, response, metadata, self.dialer.ssl_context,
-                         self.dialer.server_names.get(kind, ""), connect_timeout=timeout)
+        return await self.frame_ports.open(endpoint, method, response, get_info, metadata,
+                                           self.dialer.server_names.get(kind, ""))
 
     def channel(self, kind: str, endpoint: str) -> grpc.aio.Channel:
         ch = self._ch.get(endpoint)
@@ -100,7 +94,7 @@ class Channels:
     async def drop_except(self, keep: set[str]) -> None:
         for ep in [e for e in self._ch if e not in keep]:
             self._feature_size.pop(ep, None)
-            self._data_port.pop(ep, None)
+            self.frame_ports.forget(ep)
             self._stubs.pop(("draft", ep), None)
             self._stubs.pop(("target", ep), None)
             await self._ch.pop(ep).close()

@@ -7,6 +7,8 @@ each), a local Ray instance, and the coordinator's front server, all on loopback
 `emulate_rtt_ms` puts a delay relay (specdec_rpc/netem.py, a process each) on every link between the three
 processes: coordinator -> target, coordinator -> draft, and draft -> target (the direct data plane's rounds), each
 delaying every byte by half the round trip each way. A test and planning aid: the pools' machines apart, on one.
+The relays carry the replicas' gRPC ports only, so with them the replicas serve no frame port (the per-round
+messages take the gRPC streams, through the relays).
 """
 from __future__ import annotations
 
@@ -136,6 +138,9 @@ class LocalStack:
         if not emulate_rtt_ms >= 0:
             raise ValueError(f"emulate_rtt_ms {emulate_rtt_ms!r}: must be 0 (no relays) or more milliseconds")
         self.emulate_rtt_ms = float(emulate_rtt_ms)  # > 0: a delay relay on every link (the module docstring)
+        if self.emulate_rtt_ms > 0:  # the relays carry the gRPC ports: frames (a port of their own) would pass them by
+            for kind in ("draft", "target"):
+                self.replica_options[kind].setdefault("data_port", -1)
         self.relays: dict[str, str] = {}  # link ("coordinator-target", ...) -> the relay's address, once started
         self._draft_routes = self.replica_options["draft"].get("target_routes", "")  # the caller's, if any
         self.grace_s, self.log_level = grace_s, log_level  # every process's drain on shutdown, and its log level

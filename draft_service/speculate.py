@@ -38,7 +38,7 @@ from specdec.verify import SparseDist
 from specdec.workers.base import TargetFeatures
 from specdec.workers.target import VerifyOutcome
 from specdec_rpc.channels import open_channel
-from specdec_rpc.frames import FrameCall, split_host_port
+from specdec_rpc.frames import FrameCall, FramePorts
 from specdec_rpc.convert import (FAILED_TARGET_KEY, VERIFY_METHOD_PB, features_from_proto,
                                  logprobs_rows_to_proto, request_from_speculate, sampling_to_proto, stats_to_proto,
                                  verify_outcome, verify_q)
@@ -331,9 +331,9 @@ class PeerChannels:
     def __init__(self, routes: dict[str, str], credentials: grpc.ChannelCredentials | None = None,
                  frames: bool = True, ssl_context=None):
         self.routes, self.credentials = routes, credentials
-        self.frames, self.ssl_context = frames, ssl_context
+        self.frames = frames
+        self.frame_ports = FramePorts(ssl_context)
         self._ch: dict[tuple[str, str], grpc.aio.Channel] = {}
-        self._data_port: dict[str, int] = {}  # target endpoint -> its ModelInfo.data_port (0: no frame port)
         self.links: dict[str, LinkEstimate] = {}  # target endpoint -> what was measured of it
 
     def link(self, endpoint: str) -> LinkEstimate:
@@ -354,16 +354,10 @@ class PeerChannels:
         async def open_call(endpoint: str, metadata, timeout: float) -> FrameCall | None:
             if endpoint in self.routes:
                 return None
-            if endpoint not in self._data_port:
-                try:
-                    r = await target_pb2_grpc.TargetServiceStub(self.get(endpoint, server_name)).GetInfo(
-                        target_pb2.TargetServiceGetInfoRequest(), timeout=timeout)
-                except grpc.aio.AioRpcError:
-                    return None  # asked again next time
-                self._data_port[endpoint] = r.info.data_port
-            port = self._data_port[endpoint]
-            return FrameCall(split_host_port(endpoint)[0], port, "VerifyRounds", target_pb2.VerifyRoundsResponse,
-                             metadata, self.ssl_context, server_name, connect_timeout=timeout) if port else None
+            stub = target_pb2_grpc.TargetServiceStub(self.get(endpoint, server_name))
+            return await self.frame_ports.open(
+                endpoint, "VerifyRounds", target_pb2.VerifyRoundsResponse,
+                lambda: stub.GetInfo(target_pb2.TargetServiceGetInfoRequest(), timeout=timeout), metadata, server_name)
         return open_call
 
     async def close(self) -> None:

@@ -3,6 +3,9 @@
 COORDINATOR_PORT = 50051
 DRAFT_PORT = 50061
 TARGET_PORT = 50071
+# the replicas' frame ports in deploy/ (specdec_rpc/frames.py): their gRPC port + 1
+DRAFT_DATA_PORT = 50062
+TARGET_DATA_PORT = 50072
 COORDINATOR_HTTP_PORT = 8000  # the OpenAI-compatible API of `specdec serve` and deploy/ (off by default otherwise)
 COORDINATOR_METRICS_PORT = 9400
 DRAFT_METRICS_PORT = 9401

@@ -142,7 +142,10 @@ class NetworkBench:
         stack = LocalStack(str(self.target_dir), str(self.draft_dir), self.pv_path, threads=1, ray_cpus=2,
                            pipelines=2, use_ray=o.use_ray, max_sessions=8, max_context=self.max_ctx,
                            prompt_lookup_min_ngram=o.prompt_lookup_min_ngram, prefix_cache=o.prefix_cache,
-                           emulate_rtt_ms=rtt_ms, coordinator_options={"data_plane": plane})
+                           emulate_rtt_ms=rtt_ms, coordinator_options={"data_plane": plane},
+                           # the relays carry gRPC only: at every RTT the rounds take the gRPC streams, so that the
+                           # sweep compares round trips, not transports (frames: `specdec bench --round-trip`)
+                           draft_options={"data_port": -1}, target_options={"data_port": -1})
         client = None
         try:
             await stack.start()

@@ -9,9 +9,11 @@ models, loaded from the same directory by the same loader (so the same kernels a
 
 - in process: `specdec.engine.Engine`, every call on the calling thread (one torch thread);
 - through the stack: a draft and a target replica (separate processes, one torch thread each, `LocalStack`) behind
-  a coordinator in this process (or on Ray with `--ray`), one configuration per data path:
-  `unary` (the coordinator's rounds as unary Draft/Verify calls), `streams` (the coordinator's rounds as messages on
-  one open stream per replica), `direct` (the draft replica runs the rounds and verifies on the target replica).
+  a coordinator in this process (on Ray unless `--no-ray`), one configuration per data path: `unary` (the
+  coordinator's rounds as unary Draft/Verify calls), `streams` (as messages on one open gRPC stream per replica),
+  `frames` (as messages on the replicas' frame ports, specdec_rpc/frames.py), `direct-streams` and `direct` (the
+  draft replica runs the rounds and verifies on the target replica, on its gRPC stream or its frame port), and
+  `default` (the settings a stack gets when none are given).
 
 Both sides run the same drafting (prompt lookup on or off in both, `--prompt-lookup-min-ngram`), the same requests
 (greedy, `--mode` at `--gamma`, distinct token-id prompts, `--max-new-tokens`), interleaved in-process / stack per
@@ -19,7 +21,10 @@ repeat; each pair must give the same tokens in the same number of rounds, or the
 (medians over the repeats after the first, which warms up): ms per round in process and through the stack, the
 overhead (the median of the paired differences), and the thread wake-ups per round: voluntary context switches of
 every thread of every process involved (this one and the replicas; Linux's /proc), a thread that sleeps being a
-thread that must be woken. A round that crosses no thread would count none.
+thread that must be woken (every process descended from this one counts: the replicas, Ray's). A round that
+crosses no thread would count none. Per round it also splits the stack's time as the replicas report it: the
+draft's and the target's compute (beside the same in process) and the links' time (calls' wall time less that
+compute: GenerationStats' draft/target/peer network).
 """
 from __future__ import annotations
 
@@ -32,10 +37,13 @@ from pathlib import Path
 
 import torch
 
-PATHS = {  # path -> the coordinator settings that select it
-    "unary": {"data_plane": "coordinator", "replica_streams": False},
-    "streams": {"data_plane": "coordinator", "replica_streams": True},
-    "direct": {"data_plane": "direct", "replica_streams": True},
+PATHS = {  # path -> (coordinator settings, draft replica settings) that select it
+    "unary": ({"data_plane": "coordinator", "replica_streams": False, "replica_frames": False}, {}),
+    "streams": ({"data_plane": "coordinator", "replica_streams": True, "replica_frames": False}, {}),
+    "frames": ({"data_plane": "coordinator", "replica_streams": True, "replica_frames": True}, {}),
+    "direct-streams": ({"data_plane": "direct"}, {"peer_frames": False}),
+    "direct": ({"data_plane": "direct"}, {"peer_frames": True}),
+    "default": ({}, {}),  # what a stack started with no settings does
 }
 
 
@@ -57,6 +65,24 @@ def voluntary_switches(pids: list[int]) -> int:
             except OSError:  # the thread ended meanwhile
                 continue
     return total
+
+
+def process_tree(root: int) -> list[int]:
+    """`root` and every process descended from it (the replicas, Ray's workers), from /proc (Linux; else [root])."""
+    parent: dict[int, int] = {}
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parent[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+    tree, grew = {root}, True
+    while grew:
+        more = {pid for pid, ppid in parent.items() if ppid in tree and pid not in tree}
+        tree |= more
+        grew = bool(more)
+    return sorted(tree)
 
 
 def tiny_pair_dirs(root: Path) -> tuple[Path, Path]:
@@ -85,12 +111,15 @@ async def _measure_path(path: str, engine, dirs: tuple[Path, Path], opts: dict, 
 
     device, lookup = opts["device"], opts["prompt_lookup_min_ngram"]
     replica = {"device": device} if device != "cpu" else {}
+    coordinator, draft = PATHS[path]
     stack = LocalStack(str(dirs[0]), str(dirs[1]), use_ray=opts["ray"], max_context=1024, prefix_cache=False,
-                       prompt_lookup_min_ngram=lookup, coordinator_options=PATHS[path], draft_options=replica,
-                       target_options=dict(replica))
+                       prompt_lookup_min_ngram=lookup, coordinator_options=coordinator,
+                       draft_options={**replica, **draft}, target_options=dict(replica))
     local, remote, over, wake, wake_local, rounds = [], [], [], [], [], 0
+    parts: dict[str, list[float]] = {"draft_busy": [], "target_busy": [], "network": [], "local_draft_busy": [],
+                                     "local_target_busy": []}
     async with stack:
-        pids = [os.getpid()] + [p.pid for p in stack.procs]
+        pids = process_tree(os.getpid())  # this process, the replicas and (on Ray) the pipelines' workers
         async with grpc.aio.insecure_channel(stack.address) as ch:
             stub = gg.GenerationServiceStub(ch)
             for i in range(opts["repeats"] + 1):
@@ -119,10 +148,17 @@ async def _measure_path(path: str, engine, dirs: tuple[Path, Path], opts: dict, 
                     over.append(remote[-1] - local[-1])
                     wake.append(w_stack / rounds)
                     wake_local.append(w_local / rounds)
+                    st = b.stats
+                    for name, value in (("draft_busy", st.draft_busy_s), ("target_busy", st.target_busy_s),
+                                        ("network", st.draft_network_s + st.target_network_s + st.peer_network_s),
+                                        ("local_draft_busy", a.stats.draft_busy_s),
+                                        ("local_target_busy", a.stats.target_busy_s)):
+                        parts[name].append(value * 1e3 / rounds)
     row = {"path": path, "rounds_per_request": rounds, "repeats": len(local),
            "in_process_ms_per_round": statistics.median(local), "stack_ms_per_round": statistics.median(remote),
            "overhead_ms_per_round": statistics.median(over), "wakeups_per_round": statistics.median(wake),
-           "in_process_wakeups_per_round": statistics.median(wake_local)}
+           "in_process_wakeups_per_round": statistics.median(wake_local),
+           **{f"{k}_ms_per_round": statistics.median(v) for k, v in parts.items()}}
     log(f"{path}: {row['overhead_ms_per_round']:.3f} ms per round over in process "
         f"({row['stack_ms_per_round']:.3f} against {row['in_process_ms_per_round']:.3f}), "
         f"{row['wakeups_per_round']:.1f} wake-ups per round")

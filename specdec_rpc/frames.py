@@ -43,7 +43,8 @@ import logging
 import socket
 import ssl
 import struct
-from typing import Callable
+import time
+from typing import Awaitable, Callable
 
 import grpc
 
@@ -51,6 +52,8 @@ log = logging.getLogger(__name__)
 
 MAX_FRAME = 16 * 1024 * 1024  # the gRPC message limit of the replicas' channels (specdec_rpc/channels.py)
 HELLO_TIMEOUT_S = 10.0  # a connection that names no method within this is closed
+CONNECT_TIMEOUT_S = 2.0  # a frame port that does not accept within this (a firewall that drops) counts as down
+DOWN_S = 30.0  # ... and is not dialed again for this long: the calls take gRPC meanwhile
 _LEN = struct.Struct("<I")
 _OK = 0
 
@@ -227,10 +230,13 @@ class FrameCall:
     could not be made or broke)."""
 
     def __init__(self, host: str, port: int, method: str, response_type, metadata=None,
-                 ssl_context: ssl.SSLContext | None = None, server_hostname: str = "", connect_timeout: float = 10.0):
+                 ssl_context: ssl.SSLContext | None = None, server_hostname: str = "",
+                 connect_timeout: float = CONNECT_TIMEOUT_S, on_unreachable: Callable[[], None] | None = None):
+        """`on_unreachable()`: called when the port cannot be connected to (`FramePorts` then stops dialing it)."""
         self.host, self.port, self.method, self.response_type = host, port, method, response_type
         self.metadata = tuple(metadata or ())
         self.ssl_context, self.server_hostname, self.connect_timeout = ssl_context, server_hostname, connect_timeout
+        self.on_unreachable = on_unreachable
         self._reader: asyncio.StreamReader | None = None
         self._writer: asyncio.StreamWriter | None = None
         self._done = False
@@ -248,6 +254,8 @@ class FrameCall:
                 asyncio.open_connection(self.host, self.port, limit=MAX_FRAME + _LEN.size, **kw),
                 self.connect_timeout)
         except (OSError, asyncio.TimeoutError, ssl.SSLError) as e:
+            if self.on_unreachable is not None:
+                self.on_unreachable()
             raise self._fail(grpc.StatusCode.UNAVAILABLE,
                              f"frame port {self.host}:{self.port}: {e or type(e).__name__}") from None
         _nodelay(self._writer)
@@ -297,6 +305,45 @@ class FrameCall:
 
     def done(self) -> bool:
         return self._done
+
+
+class FramePorts:
+    """A caller's view of the frame ports of the replicas it dials: each endpoint's port as its GetInfo says (asked
+    once; 0: it serves none), and the ports that could not be reached lately (not dialed for `DOWN_S`, then asked
+    for again: a restarted replica may serve another). `ssl_context`: TLS towards them (None: plaintext)."""
+
+    def __init__(self, ssl_context: ssl.SSLContext | None = None):
+        self.ssl_context = ssl_context
+        self._port: dict[str, int] = {}
+        self._down_until: dict[str, float] = {}
+
+    async def open(self, endpoint: str, method: str, response_type, get_info: Callable[[], Awaitable],
+                   metadata=None, server_hostname: str = "") -> FrameCall | None:
+        """A call on `endpoint`'s frame port, or None (it serves none, it is down, its GetInfo failed).
+        `get_info()`: the replica's GetInfo response."""
+        if self._down_until.get(endpoint, 0.0) > time.monotonic():
+            return None
+        if endpoint not in self._port:
+            try:
+                self._port[endpoint] = (await get_info()).info.data_port
+            except grpc.aio.AioRpcError:
+                return None  # asked again next time
+        port = self._port[endpoint]
+        if not port:
+            return None
+
+        def unreachable() -> None:
+            log.warning("frame port %s:%d of %s unreachable; per-round messages take gRPC for %.0f s",
+                        split_host_port(endpoint)[0], port, endpoint, DOWN_S)
+            self._down_until[endpoint] = time.monotonic() + DOWN_S
+            self._port.pop(endpoint, None)
+
+        return FrameCall(split_host_port(endpoint)[0], port, method, response_type, metadata, self.ssl_context,
+                         server_hostname, on_unreachable=unreachable)
+
+    def forget(self, endpoint: str) -> None:
+        self._port.pop(endpoint, None)
+        self._down_until.pop(endpoint, None)
 
 
 def split_host_port(address: str) -> tuple[str, int]:

@@ -30,7 +30,6 @@ from typing import Awaitable, Callable
 
 import grpc
 
-from specdec_rpc.aio import within
 
 BUSY_WAIT_S = 30.0  # how long one round call is sent again after full replica queues (`BusyWaits`)
 BUSY_FIRST_S, BUSY_MAX_S = 0.02, 0.5  # its backoff: 20 ms, doubling, at most 0.5 s a wait, jittered
@@ -73,8 +72,11 @@ class RoundStream:
         self._busy = True
         try:
             try:
-                msg = await within(self._exchange(request), self.timeout)
-            except asyncio.TimeoutError:
+                # the message is written before this coroutine first yields (no task in between): what else is ready
+                # on the loop (a token message to the coordinator) runs while the replica computes, not before
+                async with asyncio.timeout(self.timeout):
+                    msg = await self._exchange(request)
+            except TimeoutError:
                 self.close()
                 raise grpc.aio.AioRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, details=(
                     f"{endpoint} did not answer within {self.timeout} s (per-round stream); raise the coordinator's "

@@ -55,7 +55,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         self.host.touch(request.session_id)
         if request.method not in _METHODS:
             raise InvalidRequestError("method", f"unknown VerifyMethod {request.method}; use GREEDY, TOKEN or BLOCK")
-        which = request.WhichOneof("draft_q")  # greedy sessions' callers send none (specdec_rpc/convert.verify_q)
+        which = request.WhichOneof("draft_q")  # greedy sessions' callers send none (specdec_rpc/convert.py)
         q = (decode_q(request.q) if which == "q" else
              dense_q_to_sparse(tensor_from_proto(request.q_dense, "q_dense")) if which == "q_dense" else None)
         args = VerifyArgs(request.session_id, request.base_position, list(request.feed_ids),

