@@ -1,4 +1,4 @@
-"""The prepared GPU check of issue 42 (docs/operations/gpu.md): one run, phases on a wall-clock budget, one report.
+"""The prepared GPU check (docs/operations/gpu.md): one run, phases on a wall-clock budget, one report.
 
     python scripts/gpu_check.py [--dry-run] [--out DIR] [--budget-s 450]
 
@@ -15,9 +15,10 @@ Phases, each with its own deadline; the report (report.json + report.md under --
    checked at every point; dry run: the same code on tiny shapes on CPU (graphs: the eager fallback);
 5. default pair: the shipped default draft's step the same way; the default target only where its converted
    weights are in the cache already (the device machine reaches no network: never downloaded here);
-6. stack: the gRPC replicas (in this process, loopback) against the in-process engine, same models, same greedy
-   `sd` schedule → the per-round overhead of the stack.
-The goals (issue 42's acceptance) are evaluated in the report's "goals" section.
+6. stack: the round trip (`specdec bench --round-trip`: replicas as separate processes on the device, loopback)
+   against the in-process engine, same models, same greedy `sd` schedule, per data path (gRPC streams, frame
+   ports, the direct data plane) → the per-round overhead of each; the best one is the goal.
+The goals are evaluated in the report's "goals" section.
 """
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ CONFIGS = ROOT / "tests" / "data" / "configs"
 DRAFT_CONFIG = CONFIGS / "meta-llama__Llama-3.2-1B-Instruct.json"
 TARGET_CONFIG = CONFIGS / "meta-llama__Llama-3.1-8B-Instruct.json"
 # phase → share of the budget (seconds at the default 450 s budget); a phase past its deadline stops and reports
-PHASES = {"env": 10, "tests": 110, "exactness": 80, "shapes": 130, "default_pair": 40, "stack": 60}
+PHASES = {"env": 10, "tests": 110, "exactness": 80, "shapes": 130, "default_pair": 40, "stack": 150}
 GOALS = {"verify_8_over_1": 1.2, "draft_graph_ms": 2.5, "draft_graph_speedup": 2.0, "stack_overhead_ms": 0.5}
 
 
@@ -388,59 +389,22 @@ def phase_default_pair(dev: torch.device, args, deadline: float) -> dict:
     return out
 
 
-async def _stack_vs_inprocess(dev: torch.device, rounds_tokens: int, repeats: int, deadline: float) -> dict:
-    from coordinator.channels import Channels
-    from specdec.engine import Engine
-    from specdec.request import GenerationRequest
-    from specdec.sampling import SamplingParams
-    from specdec.schedule import generate
-    from tests.helpers_backends import remote_draft, remote_target
-    from tests.helpers_models import build_tiny_model, start_replica
-
-    target = build_tiny_model(vocab_size=64, hidden_size=64, seed=1, logit_scale=2.0).to(dev)
-    draft = build_tiny_model(vocab_size=64, hidden_size=32, num_layers=1, seed=2, logit_scale=2.0).to(dev)
-    eng = Engine(copy.deepcopy(target), copy.deepcopy(draft), inline=True, max_sessions=4)
-    tapp, dapp = await start_replica("target", target), await start_replica("draft", draft)
-    channels = Channels()
-    greedy = SamplingParams(temperature=0.0)
-    local, stack, rounds = [], [], None
-    try:
-        for i in range(repeats):
-            if time.monotonic() > deadline:
-                break
-            req = dict(prompt_ids=[1, 2, 3, 4, 5], max_new_tokens=rounds_tokens, params=greedy, mode="sd", gamma=4)
-            t = time.perf_counter()
-            a = await eng.agenerate(GenerationRequest(**req))
-            sync(dev)
-            t_local = time.perf_counter() - t
-            t = time.perf_counter()
-            b = await generate(GenerationRequest(**req), remote_draft(channels, dapp.endpoint),
-                               remote_target(channels, tapp.endpoint))
-            sync(dev)
-            t_stack = time.perf_counter() - t
-            if a.token_ids != b.token_ids or a.stats.rounds != b.stats.rounds:
-                return {"status": "FAILED: the stack and the engine disagree", "local": a.token_ids,
-                        "stack": b.token_ids}
-            rounds = a.stats.rounds
-            if i:  # the first pair warms up
-                local.append(t_local * 1e3 / rounds)
-                stack.append(t_stack * 1e3 / rounds)
-    finally:
-        await channels.close()
-        await dapp.shutdown(0.2)
-        await tapp.shutdown(0.2)
-        eng.close()
-    if not local:
-        return {"status": "cut (phase budget)"}
-    lo, st = statistics.median(local), statistics.median(stack)
-    return {"status": "ok", "rounds_per_request": rounds, "repeats": len(local), "in_process_ms_per_round": lo,
-            "stack_ms_per_round": st, "overhead_ms_per_round": st - lo,
-            "note": "tiny models on the device: the difference is the stack's cost per round (gRPC, serialisation, "
-                    "the replicas' batchers), not the models'"}
-
-
 def phase_stack(dev: torch.device, args, deadline: float) -> dict:
-    return asyncio.run(_stack_vs_inprocess(dev, 48, 4 if args.dry_run else 12, deadline))
+    """The round trip (specdec_bench/round_trip.py) on the device: tiny models in process and through replicas on the
+    device, per data path; the best path's overhead per round is the goal."""
+    from specdec_bench.round_trip import run_round_trip
+
+    paths = ("streams", "frames", "direct")
+    rows = asyncio.run(run_round_trip(paths, device=str(dev), repeats=3 if args.dry_run else 8, max_new_tokens=64,
+                                      ray=False, log=lambda m: print(f"  stack: {m}", flush=True),
+                                      deadline=deadline))
+    if not rows:
+        return {"status": "cut (phase budget)"}
+    best = min(rows, key=lambda r: r["overhead_ms_per_round"])
+    return {"status": "ok", "paths": rows, "best_path": best["path"],
+            "overhead_ms_per_round": best["overhead_ms_per_round"],
+            "note": "tiny models on the device: the difference is the stack's cost per round (the wire, the replicas' "
+                    "handlers and batchers, the processes' wake-ups), not the models'"}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -492,7 +456,7 @@ def markdown(d: dict) -> str:
         lines += ["Dry run: tiny shapes on a CPU, graphs replaced by their eager fallback. It shows that every phase "
                   "runs; its numbers and goal verdicts say nothing about a GPU.", ""]
     if d.get("goals"):
-        lines += ["## Goals (issue 42)", "", "| goal | value | target | met |", "| --- | --- | --- | --- |"]
+        lines += ["## Goals", "", "| goal | value | target | met |", "| --- | --- | --- | --- |"]
         lines += [f"| {k} | {_fmt(v.get('value'))} | {v.get('goal', '')} | {'yes' if v.get('met') else 'NO'} |"
                   for k, v in d["goals"].items()]
         lines.append("")
@@ -505,8 +469,12 @@ def markdown(d: dict) -> str:
             lines += ["| " + " | ".join(_fmt(r.get(c, r.get("status", "") if c == "forward_ms" else ""))
                                         for c in cols) + " |" for r in ph["rows"]]
             lines.append("")
+        if ph.get("paths"):  # the round trip's data paths (the stack phase)
+            from specdec_bench.round_trip import markdown as round_trip_table
+
+            lines += [round_trip_table(ph["paths"], {}).split("\n\n")[0], ""]
         for k, v in ph.items():
-            if k in ("rows", "status", "elapsed_s", "tail", "cases"):
+            if k in ("rows", "status", "elapsed_s", "tail", "cases", "paths"):
                 continue
             lines.append(f"- {k}: {_fmt(v)}")
         if ph.get("cases"):

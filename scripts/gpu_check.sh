@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The prepared GPU check of issue 42 (docs/operations/gpu.md). On a bare GPU machine, from the working tree:
+# The prepared GPU check (docs/operations/gpu.md). On a bare GPU machine, from the working tree:
 #   scripts/gpu_check.sh                 # all phases, ~7 minutes, report under $OUT (or ./gpu-check-out)
 #   scripts/gpu_check.sh --dry-run       # CPU, tiny shapes, about a minute: shows the check works end to end
 # Extra arguments go to scripts/gpu_check.py (--budget-s, --phases, --out, --device).

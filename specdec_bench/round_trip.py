@@ -167,8 +167,9 @@ async def _measure_path(path: str, engine, dirs: tuple[Path, Path], opts: dict, 
 
 async def run_round_trip(paths=tuple(PATHS), device: str = "cpu", repeats: int = 10, max_new_tokens: int = 64,
                          mode: str = "sd", gamma: int = 4, prompt_lookup_min_ngram: int = 0, ray: bool = False,
-                         log=print) -> list[dict]:
-    """Each path's row (the module docstring); raises where the stack's output differs from the engine's."""
+                         log=print, deadline: float | None = None) -> list[dict]:
+    """Each path's row (the module docstring); raises where the stack's output differs from the engine's.
+    `deadline` (time.monotonic()): no path starts after it."""
     from specdec.engine import Engine
     from specdec.lookup import prompt_lookup
     from specdec.model import load_model_dir
@@ -187,19 +188,25 @@ async def run_round_trip(paths=tuple(PATHS), device: str = "cpu", repeats: int =
                         max_sessions=2, max_context=1024, prefix_cache=False,
                         lookup=prompt_lookup(prompt_lookup_min_ngram))
         try:
-            return [await _measure_path(p, engine, dirs, opts, log) for p in paths]
+            return [await _measure_path(p, engine, dirs, opts, log) for p in paths
+                    if deadline is None or time.monotonic() < deadline]
         finally:
             engine.close()
 
 
 def markdown(rows: list[dict], meta: dict) -> str:
-    lines = ["| data path | rounds per request | in process, ms per round | through the stack, ms per round | "
-             "overhead, ms per round | wake-ups per round (stack) | wake-ups per round (in process) |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
-    lines += [f"| {r['path']} | {r['rounds_per_request']} | {r['in_process_ms_per_round']:.3f} | "
-              f"{r['stack_ms_per_round']:.3f} | **{r['overhead_ms_per_round']:.3f}** | {r['wakeups_per_round']:.1f} | "
-              f"{r['in_process_wakeups_per_round']:.1f} |" for r in rows]
-    m = meta.get("machine", {})
-    lines += ["", f"{m.get('cpu', '?')}, {m.get('cores', '?')} cores, torch {m.get('torch', '?')}, "
-                  f"{meta.get('date_utc', m.get('date_utc', ''))}; `{meta.get('command', '')}`"]
+    """The table (ms per round, medians), then the run's machine and command where `meta` has them."""
+    lines = ["| data path | in process | through the stack | **overhead** | draft compute (in process) | "
+             "target compute (in process) | links | wake-ups (in process) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines += [f"| {r['path']} | {r['in_process_ms_per_round']:.3f} | {r['stack_ms_per_round']:.3f} | "
+              f"**{r['overhead_ms_per_round']:.3f}** | {r['draft_busy_ms_per_round']:.3f} "
+              f"({r['local_draft_busy_ms_per_round']:.3f}) | {r['target_busy_ms_per_round']:.3f} "
+              f"({r['local_target_busy_ms_per_round']:.3f}) | {r['network_ms_per_round']:.3f} | "
+              f"{r['wakeups_per_round']:.1f} ({r['in_process_wakeups_per_round']:.1f}) |" for r in rows]
+    m = meta.get("machine")
+    if m:
+        lines += ["", f"{m.get('cpu', '?')}, {m.get('cores', '?')} cores, torch {m.get('torch', '?')}, "
+                      f"{m.get('date_utc', '')}; {rows[0]['rounds_per_request'] if rows else '?'} rounds per request; "
+                      f"`{meta.get('command', '')}`"]
     return "\n".join(lines)

@@ -188,7 +188,8 @@ class FrameServer:
                 if task.cancelling():  # the server is closing: this connection's task itself was cancelled
                     work.cancel()
                     raise
-        except (asyncio.IncompleteReadError, asyncio.TimeoutError, ConnectionError, ValueError, ssl.SSLError):
+        except (asyncio.IncompleteReadError, asyncio.TimeoutError, ConnectionError, ValueError, TypeError,
+                ssl.SSLError):
             pass  # a client that went away, or never spoke the protocol: nothing to answer
         finally:
             context._done = True

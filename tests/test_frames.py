@@ -104,7 +104,9 @@ async def test_a_broken_frame_protocol_is_refused_without_harm(replicas):
         await call.read()
     assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED and "VerifyRounds" in e.value.details()
     # a frame over the limit, and garbage: the connection is closed, the port goes on serving
-    for payload in (struct.pack("<I", MAX_FRAME + 1), b"\x05\x00\x00\x00{oops"):
+    bad_metadata = b'{"method": "VerifyRounds", "metadata": 7}'
+    for payload in (struct.pack("<I", MAX_FRAME + 1), b"\x05\x00\x00\x00{oops",
+                    struct.pack("<I", len(bad_metadata)) + bad_metadata):
         reader, writer = await asyncio.open_connection("127.0.0.1", t.data_port)
         writer.write(payload)
         assert await asyncio.wait_for(reader.read(), 5) == b""  # closed at once: no answer, no hang
@@ -188,3 +190,29 @@ async def test_the_frame_port_serves_tls_with_the_replicas_certificate(tmp_path)
     finally:
         await channels.close()
         await t.shutdown(0)
+
+
+async def test_auto_data_plane_runs_sequential_modes_direct_and_pearl_modes_through_the_coordinator():
+    """COORDINATOR_DATA_PLANE=auto: sd and pacer on the draft replica (the draft <-> target link carries their
+    verifies), pearl and pacer_pearl on the coordinator's rounds; every one equal to the target alone."""
+    from specdec_rpc.pb import generation_pb2 as g, generation_pb2_grpc as gg
+    from tests.helpers_models import start_coordinator, target_greedy
+
+    target, draft = tiny_pair()
+    t = await start_replica("target", target)
+    d = await start_replica("draft", draft, preverifier="random")
+    app = await start_coordinator(t.endpoint, d.endpoint, data_plane="auto")
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{app.port}") as ch:
+            stub = gg.GenerationServiceStub(ch)
+            want = target_greedy(target, PROMPT, 20)
+            for mode in ("sd", "pacer", "pearl", "pacer_pearl"):
+                out = await stub.Generate(g.GenerateRequest(prompt_token_ids=PROMPT, max_new_tokens=20, mode=mode,
+                                                            ignore_eos=True))
+                assert list(out.token_ids) == want, mode
+                direct = mode in ("sd", "pacer")
+                assert (out.stats.peer_network_s > 0) == direct, mode
+                assert (out.stats.target_network_s > 0) == (not direct), mode
+    finally:
+        for a in (app, t, d):
+            await a.shutdown(0)
