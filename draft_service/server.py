@@ -76,7 +76,9 @@ async def build_app(settings: DraftSettings, model=None, preverifier=None, warmu
     app = ServerApp(settings, DRAFT_SERVICE_NAME, lambda server: add_to_server(servicer, server), metrics,
                     on_stop=[_close], on_drain=[host.begin_drain], idle=host.idle,
                     on_start=[lambda: advertise_frames(app, host)],
-                    frames={"DraftRounds": (servicer.DraftRounds, draft_pb2.DraftRoundsRequest.FromString)})
+                    frames={"DraftRounds": (servicer.Draft,
+                                            lambda data: draft_pb2.DraftRoundsRequest.FromString(data).draft,
+                                            lambda r: draft_pb2.DraftRoundsResponse(draft=r))})
     app.servicer, app.host, app.batcher = servicer, host, batcher
     batcher.start()
     host.start_reaper()

@@ -72,10 +72,10 @@ class ServerApp:
                  on_start: list[Callable[[], Awaitable[None]]] | None = None,
                  interceptors: tuple[grpc.aio.ServerInterceptor, ...] = (),
                  on_close: list[Callable[[], None]] | None = None, idle: Callable[[], bool] | None = None,
-                 frames: dict[str, tuple[Callable, Callable]] | None = None):
-        """`interceptors` run before the error interceptor (the coordinator's API key). `frames`: a replica's
-        per-round stream handlers, {"VerifyRounds": (handler, request deserializer)}, also served on its frame port
-        (`data_port`)."""
+                 frames: dict[str, tuple[Callable, Callable, Callable]] | None = None):
+        """`interceptors` run before the error interceptor (the coordinator's API key). `frames`: what a replica
+        serves on its frame port (`data_port`, specdec_rpc/frames.py), {"VerifyRounds": (the unary handler, the
+        per-round request's bytes → the unary request, the unary response → the per-round response)}."""
         self.settings, self.service_name = settings, service_name
         self._interceptors = tuple(interceptors)
         self.metrics = metrics or ServiceMetrics()
@@ -136,8 +136,8 @@ class ServerApp:
         return self.port
 
     async def _start_frames(self, s) -> None:
-        methods = {name: self.errors.wrap_rounds(handler, name, deserializer)
-                   for name, (handler, deserializer) in self._frame_methods.items()}
+        methods = {name: (self.errors.wrap_unary(handler, name, deserializer), wrap)
+                   for name, (handler, deserializer, wrap) in self._frame_methods.items()}
         self.frames = FrameServer(methods, server_ssl_context(s.tls))
         try:
             self.data_port = await self.frames.start(s.host, s.data_port)

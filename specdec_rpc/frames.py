@@ -7,12 +7,14 @@ three threads per process and costs about 0.23 ms of gRPC machinery even on an i
 0.09 ms for the same bytes on an asyncio socket; docs/benchmarks.md, "The round trip"). Here the event loop reads
 the socket itself: a message wakes one thread.
 
-The frames carry exactly the per-round streams' messages, to the same handlers: `VerifyRoundsRequest` /
-`DraftRoundsRequest` in, `VerifyRoundsResponse` / `DraftRoundsResponse` out, through the replica's error
-interceptor (the same status codes and messages, metrics and log binding) and `SessionHost.rounds` (the same
-ordering, read-ahead for chained verifies, and the drain). So this is a faster wire for the same call, never a
-different protocol: the client side is a drop-in for the gRPC stream that `RoundStream` opens, and any trouble
-sends the call again as the unary RPC, whose answer or status is the authoritative one.
+The frames carry exactly the per-round streams' messages, `VerifyRoundsRequest` / `DraftRoundsRequest` in,
+`VerifyRoundsResponse` / `DraftRoundsResponse` out, and each request is answered by the unary handler (`Verify`,
+`Draft`) through the replica's error interceptor: the same results, status codes and messages, metrics and log
+binding as the unary call. One request at a time per connection, handled as it is read (no read-ahead task
+between the socket and the handler: the stream's read-ahead serves chained verifies, which frames do not carry).
+So this is a faster wire for the same call, never a different protocol: the client side is a drop-in for the gRPC
+stream that `RoundStream` opens, and any trouble sends the call again as the unary RPC, whose answer or status is
+the authoritative one.
 
 The wire, one connection per request and replica:
 
@@ -29,7 +31,8 @@ included; a frame connection is a second connection, so a call on it can overtak
 on gRPC just before. Callers therefore use frames only for requests whose calls are sequential: each answered
 before the next is made, none cancelled mid-flight (`GenerationRequest.sequential_calls`: ar, sd, pacer); the
 PEARL modes, which overlap a draft stream with verifies and cancel what a rejection makes moot, stay on gRPC.
-A client that closes a frame call cancels the request the replica has in hand, as a gRPC cancel does.
+A request the replica has in hand when its client closes the connection runs to its end (a sequential request
+closes only when it ends, or to resend the call unary, which names the same positions).
 
 TLS: where the replica serves gRPC over TLS, the frame port serves TLS with the same certificate, key and client
 certificate rule (mTLS), and clients dial it with the same trust roots and identity.
@@ -119,9 +122,9 @@ class FrameContext:
 
 
 class FrameServer:
-    """The replica's frame port. `methods`: {"VerifyRounds": behavior, ...}, each `behavior(request_iterator,
-    context)` the per-round stream's handler as the error interceptor wraps it (raw request bytes in, response
-    messages out)."""
+    """The replica's frame port. `methods`: {"VerifyRounds": (behavior, wrap), ...}: `behavior(request bytes,
+    context)` the unary handler as the error interceptor wraps it (its deserializer takes the per-round request's
+    bytes to the unary request), `wrap(response)` the per-round response message."""
 
     def __init__(self, methods: dict[str, Callable], ssl_context: ssl.SSLContext | None = None):
         self.methods, self.ssl_context = methods, ssl_context
@@ -160,34 +163,20 @@ class FrameServer:
                     f"this frame port serves {known}; the hello named {hello!r:.100}").encode()))
                 return
             context._metadata = tuple((str(k), str(v)) for k, v in hello.get("metadata") or ())
-            work: asyncio.Task | None = None
-
-            async def requests():
-                while True:
-                    try:
-                        yield await _read_frame(reader)
-                    except (asyncio.IncompleteReadError, ConnectionError):
-                        # the client closed the call: as a gRPC stream's cancel, the request in hand (if any) is
-                        # cancelled, so that it cannot land after the call the client sends next
-                        work.cancel()
-                        return
-
-            async def respond():
+            behavior, wrap = behavior
+            while True:
                 try:
-                    async for response in behavior(requests(), context):
-                        writer.write(_frame(bytes([_OK]) + response.SerializeToString()))
+                    data = await _read_frame(reader)
+                except (asyncio.IncompleteReadError, ConnectionError):
+                    return  # the client ended the call
+                try:
+                    response = await behavior(data, context)
                 except grpc.aio.AbortError:
                     code = context.code() or grpc.StatusCode.UNKNOWN
                     writer.write(_frame(bytes([code.value[0]]) + context.details().encode()))
-                await writer.drain()
-
-            work = asyncio.ensure_future(respond())
-            try:
-                await work
-            except asyncio.CancelledError:
-                if task.cancelling():  # the server is closing: this connection's task itself was cancelled
-                    work.cancel()
-                    raise
+                    await writer.drain()
+                    return
+                writer.write(_frame(bytes([_OK]) + wrap(response).SerializeToString()))
         except (asyncio.IncompleteReadError, asyncio.TimeoutError, ConnectionError, ValueError, TypeError,
                 ssl.SSLError):
             pass  # a client that went away, or never spoke the protocol: nothing to answer

@@ -131,11 +131,11 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         method = _method_name(handler_call_details.method)
         if handler.unary_unary:
             return grpc.unary_unary_rpc_method_handler(
-                self._wrap_unary(handler.unary_unary, method, handler.request_deserializer),
+                self.wrap_unary(handler.unary_unary, method, handler.request_deserializer),
                 response_serializer=handler.response_serializer)
         if handler.unary_stream:
             behavior = handler.unary_stream  # async generator, or a coroutine using context.write (health Watch)
-            wrap = self._wrap_stream if inspect.isasyncgenfunction(behavior) else self._wrap_unary
+            wrap = self._wrap_stream if inspect.isasyncgenfunction(behavior) else self.wrap_unary
             return grpc.unary_stream_rpc_method_handler(
                 wrap(behavior, method, handler.request_deserializer),
                 response_serializer=handler.response_serializer)
@@ -167,7 +167,9 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             code = context.code()
         self._count_error(method, code if isinstance(code, grpc.StatusCode) else grpc.StatusCode.UNKNOWN)
 
-    def _wrap_unary(self, behavior, method, deserializer=None):
+    def wrap_unary(self, behavior, method, deserializer=None):
+        """A unary handler with its errors mapped, the call tracked and timed (the frame port wraps its handlers
+        here too, under the per-round stream's method name)."""
         async def wrapped(request, context):
             t0 = time.perf_counter()
             try:
@@ -202,8 +204,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
     def wrap_rounds(self, behavior, method, deserializer=None):
         """A per-round stream answers each request before reading the next, so a message's latency runs from
-        pulling its request off the stream to yielding its response. The frame port (specdec_rpc/frames.py) wraps
-        its handlers here too."""
+        pulling its request off the stream to yielding its response."""
         async def wrapped(request_iterator, context):
             pulled: list[float] = []
 

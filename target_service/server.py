@@ -52,7 +52,9 @@ async def build_app(settings: TargetSettings, model=None, warmup: bool = True) -
     app = ServerApp(settings, TARGET_SERVICE_NAME, lambda server: add_to_server(servicer, server), metrics,
                     on_stop=[_close], on_drain=[host.begin_drain], idle=host.idle,
                     on_start=[lambda: advertise_frames(app, host)],
-                    frames={"VerifyRounds": (servicer.VerifyRounds, target_pb2.VerifyRoundsRequest.FromString)})
+                    frames={"VerifyRounds": (servicer.Verify,
+                                             lambda data: target_pb2.VerifyRoundsRequest.FromString(data).verify,
+                                             lambda r: target_pb2.VerifyRoundsResponse(verify=r))})
     app.servicer, app.host, app.batcher = servicer, host, batcher
     batcher.start()
     host.start_reaper()
