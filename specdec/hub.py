@@ -32,6 +32,7 @@ import zipfile
 import tarfile
 
 from specdec import settings
+from specdec.errors import ModelNotFoundError  # a SpecDecError: NOT_FOUND on the wire, one line in the CLI
 
 __all__ = [
     "ModelNotFoundError",
@@ -51,10 +52,6 @@ DEFAULT_TARGET_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea3737
 DEFAULT_DRAFT_DIR = pathlib.Path(__file__).resolve().parent / "assets" / "default_draft"
 MARKER = ".specdec-complete"
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
-
-
-class ModelNotFoundError(FileNotFoundError):
-    """A model spec could not be resolved to a local directory."""
 
 
 def cache_root() -> pathlib.Path:

@@ -236,3 +236,16 @@ def test_a_gguf_with_rope_frequency_factors_is_refused_before_conversion(tmp_pat
     with pytest.raises(ValueError, match=r"scaled.gguf: its RoPE frequency factors \(rope_freqs.weight"):
         refuse_lossy_gguf(scaled)
     refuse_lossy_gguf(write("plain.gguf", {"token_embd.weight": emb}))
+
+
+def test_an_unresolvable_model_is_the_core_error_the_servers_map_to_not_found():
+    """One ModelNotFoundError: the one hub raises is the SpecDecError the error interceptor maps to NOT_FOUND (not
+    INTERNAL)."""
+    import grpc
+
+    from specdec import errors
+    from specdec_rpc.interceptor import status_for
+
+    with pytest.raises(errors.ModelNotFoundError) as e:
+        resolve_model("/no/such/model/dir")
+    assert status_for(e.value)[0] == grpc.StatusCode.NOT_FOUND
