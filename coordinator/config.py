@@ -99,8 +99,9 @@ class CoordinatorSettings(ProcessSettings):
     http_port: int = Field(0, ge=0, le=65535, description="OpenAI-compatible HTTP API (/v1/chat/completions, "
                                                           "/v1/completions, /v1/models) on this port of --host "
                                                           "(0: off)")
-    served_model_name: str = Field("", description="the model id the HTTP API serves and lists ('': the "
-                                                   "tokenizer's model name)")
+    served_model_name: str = Field("", description="the model id the HTTP API serves and lists, or several, "
+                                   "comma-separated: the first is the id it lists and answers with, a request may name "
+                                   "any ('': the tokenizer's model name)")
     http_max_in_flight: int = Field(1024, ge=1, description="HTTP requests answered at once (a stream counts until "
                                                             "its end); more get 429")
     http_client_timeout_s: float = Field(30.0, gt=0, description="the HTTP API waits this long for a request's "
@@ -137,9 +138,15 @@ class CoordinatorSettings(ProcessSettings):
                         "`reasoning`, gRPC's separate_reasoning (deepseek_r1: DeepSeek-R1 and distills, QwQ, "
                         "Qwen3 Thinking-2507; qwen3: Qwen3's hybrid models). '': the text is left whole")
 
+    def model_names(self) -> tuple[str, ...]:
+        """The model ids the HTTP API answers to, the one it lists first: `served_model_name`'s, else the tokenizer
+        spec's name."""
+        names = tuple(dict.fromkeys(n.strip() for n in self.served_model_name.split(",") if n.strip()))
+        return names or (served_name(self.tokenizer),)
+
     def model_name(self) -> str:
-        """The model id the HTTP API serves: `served_model_name`, else the tokenizer spec's name."""
-        return self.served_model_name or served_name(self.tokenizer)
+        """The model id the HTTP API lists and answers with (the first of `model_names`)."""
+        return self.model_names()[0]
 
     def pool_spec(self, kind: str) -> str:
         """'dns:host:port' | 'static:a,b' | '' (no pool configured)."""
@@ -149,6 +156,15 @@ class CoordinatorSettings(ProcessSettings):
             raise ValueError(f"set either COORDINATOR_{kind.upper()}_DNS or COORDINATOR_{kind.upper()}_ENDPOINTS, "
                              f"not both")
         return f"dns:{dns}" if dns else (f"static:{static}" if static else "")
+
+
+def served_names(spec: str) -> str:
+    """A model spec's ids for the HTTP API (`served_model_name`'s form): a hub id as given (as vLLM serves it) and its
+    short name, which both answer; else `served_name`."""
+    short = served_name(spec)
+    full = spec.rstrip("/")
+    hub_id = full.count("/") == 1 and not full.startswith((".", "/", "~")) and not full.endswith(".gguf")
+    return f"{full},{short}" if hub_id and full != short else short
 
 
 def served_name(spec: str) -> str:

@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from coordinator.config import CoordinatorSettings, served_name
+from coordinator.config import CoordinatorSettings, served_names
 from coordinator.routing.probes import grpc_health
 from coordinator.server import build_coordinator, init_ray
 from specdec.hub import resolve_model
@@ -256,7 +256,7 @@ class LocalStack:
             "draft_endpoints": draft_ep, "target_endpoints": target_ep, "ray": self.use_ray,
             "ray_num_cpus": self.ray_cpus, "pipelines": self.pipelines, "max_new_tokens_cap": self.cap,
             "grace_s": self.grace_s, "dns_refresh_s": 5.0, "log_level": self.log_level,
-            "served_model_name": served_name(self.target), "default_mode": self.default_mode,
+            "served_model_name": served_names(self.target), "default_mode": self.default_mode,
             "tool_call_parser": self.tool_call_parser, "reasoning_parser": self.reasoning_parser,
             "http_port": free_port(self.host) if self.http_port == 0 else self.http_port or 0,
             **self.coordinator_options})

@@ -40,10 +40,13 @@ from specdec_rpc.pb import generation_pb2
 
 
 class OpenAIFrontDoor:
-    def __init__(self, backend: ServicerBackend, model_name: str, api_key: str = "", max_body_bytes: int = 1 << 24,
+    def __init__(self, backend: ServicerBackend, model_name: str | tuple[str, ...], api_key: str = "",
+                 max_body_bytes: int = 1 << 24,
                  is_draining=lambda: False, registry=None, max_in_flight: int = 1024, tool_call_parser: str = "",
                  reasoning_parser: str = "", store: ResponseStore | None = None, client_timeout_s: float = 30.0):
-        self.backend, self.model_name, self.api_key = backend, model_name, api_key
+        # the ids a request may name; the first is the one listed and answered with
+        self.model_names = (model_name,) if isinstance(model_name, str) else tuple(model_name)
+        self.backend, self.model_name, self.api_key = backend, self.model_names[0], api_key
         self.store = store if store is not None else ResponseStore(0, 1.0)  # the Responses API's stored responses
         self.tool_call_parser = tool_call_parser  # tool_choice "auto": coordinator/grpc_api/tool_parsers.py (''; refused)
         self.reasoning_parser = reasoning_parser  # chat: <think>...</think> as `reasoning` (coordinator/grpc_api/reasoning.py)
@@ -63,9 +66,10 @@ class OpenAIFrontDoor:
     # -- one generation ---------------------------------------------------------------------------------------
     def _check(self, request: Request, body) -> None:
         """The body names this server's model, if any (the API key is checked before, by `Limits`)."""
-        if body is not None and body.model is not None and body.model != self.model_name:
+        if body is not None and body.model is not None and body.model not in self.model_names:
             raise ApiError(404, f"the model {body.model!r} does not exist here; this server serves "
-                                f"{self.model_name!r} (GET /v1/models)", "model", "model_not_found")
+                                f"{' or '.join(map(repr, self.model_names))} (GET /v1/models)", "model",
+                           "model_not_found")
 
     def _auto_tools(self, body) -> None:
         """tool_choice "auto": the server's tool-call parser reads the calls, or the request is refused."""
@@ -371,9 +375,9 @@ class OpenAIFrontDoor:
 
         @app.get("/v1/models/{model:path}")
         async def model(model: str):
-            if model != self.model_name:
+            if model not in self.model_names:
                 raise ApiError(404, f"the model {model!r} does not exist here; this server serves "
-                                    f"{self.model_name!r}", "model", "model_not_found")
+                                    f"{' or '.join(map(repr, self.model_names))}", "model", "model_not_found")
             return await model_card()
 
         @app.post("/tokenize")

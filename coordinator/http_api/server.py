@@ -36,7 +36,7 @@ class HttpFrontDoor:
                 yield
 
         s, app = self.settings, self.get_app()
-        door = OpenAIFrontDoor(ServicerBackend(app.servicer), s.model_name(), s.http_api_key or s.api_key,
+        door = OpenAIFrontDoor(ServicerBackend(app.servicer), s.model_names(), s.http_api_key or s.api_key,
                                s.max_message_bytes,
                                is_draining=lambda: app.draining, registry=app.metrics.registry,
                                max_in_flight=s.http_max_in_flight, tool_call_parser=s.tool_call_parser,
