@@ -151,7 +151,13 @@ def _structured(args):
     from specdec.grammar import StructuredOutput  # lazy: imports torch (~1.5 s)
 
     def text(v: str) -> str:
-        return Path(v[1:]).read_text() if v.startswith("@") else v
+        if not v.startswith("@"):
+            return v
+        try:
+            return Path(v[1:]).read_text()
+        except OSError as e:
+            raise FileNotFoundError(f"{v}: cannot read {v[1:]!r} ({e.strerror or e}); name a readable file after "
+                                    f"@, or pass the text itself") from None
 
     if args.json_schema is not None:
         return StructuredOutput("json_schema", text(args.json_schema))
@@ -277,6 +283,7 @@ def _generate_in_process(args) -> dict:
 
 
 def cmd_generate(args) -> int:
+    _structured(args)  # a structured-output file that cannot be read is an error before any model or server starts
     if args.in_process:
         out = _generate_in_process(args)
     else:

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -32,6 +33,22 @@ def test_parser_and_stats_line():
                            "rounds": 3, "target_forwards": 4, "mean_accepted_length": 2.5}, 10)
     assert "[pearl] 10 tokens in 2.00s" in line and "wall 67% of it" in line and "queued" not in line
     assert cli.stats_line({"mode": "sd", "wall_s": 1.0, "queued_s": 0.25}, 4).endswith("| queued 0.25s")
+
+
+def test_a_structured_output_file_that_cannot_be_read_stops_generate_before_anything_starts(tmp_path, capsys,
+                                                                                           monkeypatch):
+    """One line naming the file, exit 1, and no model loaded nor server started; the README's example is shipped."""
+    started = []
+    monkeypatch.setattr(cli, "_generate_in_process", lambda args: started.append("engine"))
+    monkeypatch.setattr(cli, "_generate_remote", lambda args: started.append("stack"))
+    missing = tmp_path / "nope.schema.json"
+    assert cli.main(["generate", "x", "--json-schema", f"@{missing}"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: @") and str(missing) in err and started == []
+    root = Path(__file__).resolve().parents[1]
+    assert "@docs/examples/person.schema.json" in (root / "README.md").read_text()
+    schema = json.loads((root / "docs" / "examples" / "person.schema.json").read_text())
+    assert schema["type"] == "object" and set(schema["required"]) <= set(schema["properties"])
 
 
 def test_structured_output_flags_become_the_request_field(tmp_path):
