@@ -155,7 +155,8 @@ class FrameServer:
         peer = writer.get_extra_info("peername")
         context = FrameContext((), f"frames:{peer[0]}:{peer[1]}" if peer else "frames")
         try:
-            hello = json.loads(await asyncio.wait_for(_read_frame(reader), HELLO_TIMEOUT_S))
+            async with asyncio.timeout(HELLO_TIMEOUT_S):
+                hello = json.loads(await _read_frame(reader))
             behavior = self.methods.get(hello.get("method")) if isinstance(hello, dict) else None
             if behavior is None:
                 known = ", ".join(sorted(self.methods))
@@ -239,11 +240,11 @@ class FrameCall:
         kw = {}
         if self.ssl_context is not None:
             kw = {"ssl": self.ssl_context, "server_hostname": self.server_hostname or self.host}
-        try:
-            self._reader, self._writer = await asyncio.wait_for(
-                asyncio.open_connection(self.host, self.port, limit=MAX_FRAME + _LEN.size, **kw),
-                self.connect_timeout)
-        except (OSError, asyncio.TimeoutError, ssl.SSLError) as e:
+        try:  # asyncio.timeout, not wait_for: before Python 3.12 wait_for can swallow a cancel (specdec_rpc/aio.py)
+            async with asyncio.timeout(self.connect_timeout):
+                self._reader, self._writer = await asyncio.open_connection(
+                    self.host, self.port, limit=MAX_FRAME + _LEN.size, **kw)
+        except (OSError, TimeoutError, ssl.SSLError) as e:
             if self.on_unreachable is not None:
                 self.on_unreachable()
             raise self._fail(grpc.StatusCode.UNAVAILABLE,
