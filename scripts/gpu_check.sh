@@ -4,9 +4,9 @@
 #   scripts/gpu_check.sh --dry-run       # CPU, tiny shapes, about a minute: shows the check works end to end
 # Extra arguments go to scripts/gpu_check.py (--budget-s, --phases, --out, --device).
 #
-# What a bare machine lacks (pydantic-settings and the rest the core and the services import, pytest) travels as
-# wheels in .whl/ (carried: `carry: [".whl", "specdec_rpc/pb"]`); they install into /tmp/site, no index, no deps.
-# The generated gRPC stubs (specdec_rpc/pb/*_pb2*.py, git-ignored) travel the same way.
+# On a machine without a package index, what it lacks (pydantic-settings and the rest the core and the services
+# import, pytest) comes as wheels in .whl/, beside the generated gRPC stubs in specdec_rpc/pb/ (both git-ignored;
+# docs/operations/gpu.md); they install into /tmp/site, no index, no deps.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 ROOT=$PWD

@@ -1,5 +1,5 @@
 """What the coordinator's /metrics and request log say about each way a request ends. Found by an observability
-audit of session 28: time to first token missed every non-streamed request; a cancelled request was counted and
+audit: time to first token missed every non-streamed request; a cancelled request was counted and
 logged nowhere; client mistakes counted as finish_reason "error" beside server failures, and errors raised before
 generation not at all; "running" counted requests still waiting for sessions; no speculative-decoding counter
 named its mode; the coordinator exported replica series stuck at 0; the draft's batch sizes missed its fast path."""

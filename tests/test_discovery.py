@@ -168,7 +168,7 @@ async def test_scale_out_and_in_while_requests_run():
 
 async def test_a_slow_health_check_is_not_a_dead_replica():
     """A check that times out counts only at the third in a row; a refused connection or NOT_SERVING at once. On a
-    busy host one slow answer made a pool's only replica unroutable and requests failed UNAVAILABLE (session 29)."""
+    busy host one slow answer made a pool's only replica unroutable and requests failed UNAVAILABLE."""
     from coordinator.routing.pool import SLOW_CHECKS
 
     answers = {"10.0.0.1:7": (True, "")}

@@ -79,7 +79,7 @@ async def test_a_second_signal_cuts_the_drain_short(pair):
 
 async def test_a_request_in_flight_finishes_when_its_only_target_replica_drains(pair):
     """The replica's grace covers whole requests, not single calls: before, the replica stopped between two
-    rounds (no call in flight) and the request failed UNAVAILABLE with nowhere to move (an audit of session 29)."""
+    rounds (no call in flight) and the request failed UNAVAILABLE with nowhere to move (an audit)."""
     target, draft = pair
     t = await start_replica("target", target, grace_s=30)
     d = await start_replica("draft", draft)

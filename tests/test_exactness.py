@@ -121,8 +121,8 @@ def test_truncated_sampling_matches_exact(pair, mode, method):
 @pytest.mark.parametrize("method", ["token", "block"])
 def test_pacer_skip_below_leaves_sampled_requests_exact(pair, method):
     """pacer_skip_below throws the first block away when the pre-verifier scores it low. The score reads the drafted
-    tokens, so for a sampled request that kept blocks by their own draws, and the output was biased (an audit of
-    session 28: chi-square p 3e-31 on 100,000 runs). It applies to greedy requests alone now, where it still
+    tokens, so for a sampled request that kept blocks by their own draws, and the output was biased (an audit:
+    chi-square p 3e-31 on 100,000 runs). It applies to greedy requests alone now, where it still
     skips."""
     target, draft = pair
     pv = build_random_preverifier(hidden_size=4, seed=4, block_size=1, threshold=0.5)
@@ -152,7 +152,7 @@ def test_the_bonus_token_comes_from_the_row_after_the_draft():
 @pytest.mark.parametrize("method", ["token", "block"])
 @pytest.mark.parametrize("path", ["bonus", "q_top_k"])
 def test_bonus_tokens_and_truncated_proposals_match_exact(pair, method, path):
-    """Two paths the other exactness tests never took (a mutation audit of session 29 changed each and no test
+    """Two paths the other exactness tests never took (a mutation audit changed each and no test
     failed). `bonus`: with gamma 3 and 3 new tokens a round's gamma is cut to the tokens left, so an accepted
     round's bonus was never committed; gamma 1 commits many. `q_top_k`: the draft proposes from its top-k (64 by
     default, more than this vocabulary of 8, so never truncated); with 3, q must be the renormalised top-3 that x

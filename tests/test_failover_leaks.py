@@ -1,4 +1,4 @@
-"""Room and sessions a failing request must not keep, found by a chaos test of session 27: a request refused by its
+"""Room and sessions a failing request must not keep, found by a chaos test: a request refused by its
 own validation after the draft replica was pinned, and a failover after one call answered UNAVAILABLE from a
 replica that stayed up (its session there was never ended; and when no other replica could be pinned, the request's
 end released the first replica a second time)."""

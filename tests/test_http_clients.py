@@ -1,4 +1,4 @@
-"""Slow, stalled or lying HTTP clients, found by an audit of session 27 (each of these held the door before): a
+"""Slow, stalled or lying HTTP clients, found by an audit (each of these held the door before): a
 body with both Content-Length and chunked framing went past the size limit; a body that never arrived held an
 in-flight slot; a connection that never sent its headers stayed open; a stream whose reader stopped kept its slot
 and its whole output; an answer sent before the body was read left the connection open, so the unread body read as

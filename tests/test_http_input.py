@@ -1,4 +1,4 @@
-"""Bad or odd input to the OpenAI-compatible HTTP door, found by an audit of session 27: each case once answered
+"""Bad or odd input to the OpenAI-compatible HTTP door, found by an audit: each case once answered
 500 with a traceback (or a wrong answer); now a 400 naming the field, or what OpenAI's API does."""
 from __future__ import annotations
 

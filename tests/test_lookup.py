@@ -33,7 +33,7 @@ def test_window_bounds_the_search():
 
 def test_the_window_is_exactly_the_last_window_tokens():
     """The earlier "1 2 3" starts exactly `window` tokens from the end: found, and one token less misses it.
-    A mutation audit of session 29 found that searching `window + 1` tokens passed every test."""
+    A mutation audit found that searching `window + 1` tokens passed every test."""
     ctx = [5, 1, 2, 3, 4] + [9] * 10 + [1, 2, 3]  # 18 tokens; the earlier "1 2 3" starts 17 from the end
     assert PromptLookup(3, 3, window=17).propose(ctx) == (4, 3)
     assert PromptLookup(3, 3, window=16).propose(ctx) is None  # its "1" is the 17th last token: outside

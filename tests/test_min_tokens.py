@@ -155,7 +155,7 @@ def test_stop_strings_count_only_from_the_min_tokens_th_token():
 
 def test_a_stop_string_straddling_the_min_tokens_boundary_stops():
     """A stop string only has to END in the min_tokens-th token's text or later (vLLM's rule); it may start before.
-    A mutation audit of session 29 found that searching only from the min_tokens-th token's text (missing a stop
+    A mutation audit found that searching only from the min_tokens-th token's text (missing a stop
     string that straddles the boundary) passed every test."""
     from specdec.tokenizer import load_tokenizer
     from tests.helpers_models import save_tiny_tokenizer

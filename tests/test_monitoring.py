@@ -92,7 +92,7 @@ def test_every_alert_says_what_to_do():
 
 
 def test_the_dashboard_shows_vllms_speculation_series_and_what_only_specdec_has():
-    """Issue 43: the vLLM-ported spec-decode series and the disaggregated stack's own are on the dashboard, and the
+    """The vLLM-ported spec-decode series and the disaggregated stack's own are on the dashboard, and the
     alerts watch acceptance, PACER's stops, PEARL's overlap and the network on their new series."""
     panels = {name for _, expr in queries() if _.startswith("panel") for name in re.findall(r"\bspecdec_[a-z0-9_]+",
                                                                                            expr)}

@@ -1,4 +1,4 @@
-"""Operating specdec like the engines operators already run (issue 43), measured on a running stack: a target and a
+"""Operating specdec like the engines operators already run (vLLM's, TGI's), measured on a running stack: a target and a
 draft replica and a coordinator, in this process, each serving /metrics on a port of its own.
 
 - Every process's /metrics, scraped over HTTP after real requests in every mode, carries vLLM's spec-decode series

@@ -56,7 +56,7 @@ def test_adjust_logits_matches_the_definitions():
 
 def test_min_tokens_masks_exactly_the_first_m_output_rows():
     """Row i decides output token k + i (k already generated): it gets -inf at the stop ids iff k + i < min_tokens.
-    A mutation audit of session 29 found that masking one row too few (`:held - 1`, which lets EOS through as the
+    A mutation audit found that masking one row too few (`:held - 1`, which lets EOS through as the
     min_tokens-th token) passed every test: the engine-level tests never put EOS at greedy's index min_tokens - 1."""
     prompt, draft, stop = [3, 1, 4], [2, 3, 4, 5], (1, 6)
     params = SamplingParams(min_tokens=3, stop_ids=stop)

@@ -204,7 +204,7 @@ async def test_a_mark_the_pool_withdrew_does_not_preempt():
 
 
 async def test_a_resumed_request_takes_the_draft_before_the_target():
-    """Found by a chaos test (session 27). One session per pool. L (sd, priority 5) runs; W (ar, priority -1)
+    """Found by a chaos test. One session per pool. L (sd, priority 5) runs; W (ar, priority -1)
     preempts L's target session, so L gives up both and waits; then C (sd, priority 5) arrives. When W ends, L must
     not take the target first: C's probe holds the draft while C waits for the target, and L would hold the target
     while it waited for the draft, both until queue_wait_s (RESOURCE_EXHAUSTED). Taking the draft first, as a new

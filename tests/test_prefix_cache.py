@@ -53,7 +53,7 @@ def test_slot_choice():
 
 def test_on_a_tie_the_most_recently_released_free_slot_wins():
     """Two free slots holding the same prefix: the one released last is taken (the other keeps its K/V longer).
-    A mutation audit of session 29 found that dropping the tie-break (the first slot scanned, the oldest, won)
+    A mutation audit found that dropping the tie-break (the first slot scanned, the oldest, won)
     passed every test: test_slot_choice has no tie between two free slots."""
     for order in ((0, 1), (1, 0)):
         free = SlotPrefixes(3)

@@ -1,4 +1,4 @@
-"""Faults of the Ray path, found by an audit of session 27 (each failed before its fix): requests cancelled while
+"""Faults of the Ray path, found by an audit (each failed before its fix): requests cancelled while
 the pool actor looked for room shrank the pools for good; a pipeline actor that died kept getting requests (each
 failed INTERNAL) and left its sessions held; a shutdown with requests in flight left their sessions on the replicas.
 Run in a fresh interpreter, as tests/test_coordinator.py's Ray test is (its docstring says why)."""

@@ -1,4 +1,4 @@
-"""Bad or odd input to the replicas, found by an audit of session 27: token ids past the vocabulary in stop ids and
+"""Bad or odd input to the replicas, found by an audit: token ids past the vocabulary in stop ids and
 bad words, temperatures too small to divide by, malformed draft distributions, a tensor shape whose size
 overflows, two StartSessions of one id at once, and per-session state of sessions that went away without an
 EndSession."""
@@ -162,7 +162,7 @@ async def test_draft_state_of_sessions_gone_without_end_session_stays_bounded():
 @pytest.mark.asyncio
 async def test_a_start_that_will_be_refused_compiles_no_grammar():
     """A full replica refused a grammar request only after compiling its grammar, which pushed a cached one out
-    (a memory audit of session 28: 4,503 compiles for 255 admitted sessions)."""
+    (a memory audit: 4,503 compiles for 255 admitted sessions)."""
     target, _ = tiny_pair()
     app = await start_replica("target", target, max_sessions=1)
     compiled = []

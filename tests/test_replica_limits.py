@@ -18,7 +18,7 @@ PROMPT = [3, 1, 4, 1, 5]
 async def test_a_full_call_queue_is_waited_out_not_failed(mode):
     """A replica whose call queue is full refuses a round call RESOURCE_EXHAUSTED before applying it; the coordinator
     backs off and sends it again. Before, the whole request failed, sometimes after streaming most of its tokens
-    (an audit of session 29: 6 of 8 requests, with max_queue 2)."""
+    (an audit: 6 of 8 requests, with max_queue 2)."""
     target, draft = tiny_pair()
     t = await start_replica("target", target, max_queue=1, batch_window_ms=0.0)
     d = await start_replica("draft", draft, max_queue=1)
@@ -76,7 +76,7 @@ async def test_a_whole_answer_over_the_message_limit_names_the_setting():
 
 
 def test_a_prompt_past_the_context_is_told_to_shorten_the_prompt():
-    """Not to "lower max_new_tokens by 7" when max_new_tokens was 1 (an audit of session 29)."""
+    """Not to "lower max_new_tokens by 7" when max_new_tokens was 1 (an audit)."""
     from specdec.errors import ContextOverflowError
     from specdec.workers.base import Worker
 
@@ -93,8 +93,8 @@ def test_a_prompt_past_the_context_is_told_to_shorten_the_prompt():
 async def test_a_replica_full_of_sessions_the_pool_does_not_count_is_waited_for():
     """Sessions the coordinator did not start (a crashed coordinator's, another one's) fill a replica, and its pool
     counts them not: StartSession is refused RESOURCE_EXHAUSTED until the replica's LRU frees an idle one
-    (`lru_min_idle_s`). With no other replica, the request waits and asks again; before, it failed at once (an
-    audit of session 29)."""
+    (`lru_min_idle_s`). With no other replica, the request waits and asks again; before, it failed at once (found by an
+    audit)."""
     from specdec_rpc.pb import target_pb2, target_pb2_grpc
 
     target, _ = tiny_pair()

@@ -177,7 +177,7 @@ async def test_round_stream_times_out_and_recovers_from_a_cancel(echo):
 
 async def test_concurrent_calls_on_one_round_stream_go_unary(echo):
     """A call made while another waits on the stream is sent unary, so each reads its own answer.
-    A mutation audit of session 29 found that dropping the `_busy` guard (two calls writing and reading one stream
+    A mutation audit found that dropping the `_busy` guard (two calls writing and reading one stream
     at once) passed every test."""
     rs = echo.stream("Rounds")
     echo.delay = 0.2  # the first call is still waiting for its answer when the second is made
@@ -192,7 +192,7 @@ async def test_concurrent_calls_on_one_round_stream_go_unary(echo):
 
 async def test_an_eof_turns_streams_off_for_the_replica(echo):
     """A replica that ends the stream without a status for the request: that call and every later one to it go
-    unary, with no new stream. A mutation audit of session 29 found that not adding the endpoint to `off` on EOF
+    unary, with no new stream. A mutation audit found that not adding the endpoint to `off` on EOF
     (each later call opened a stream, read EOF and fell back again) passed every test."""
     rs = echo.stream("Quit")
     assert await rs.call("e", b"x", echo.unary) == b"x"
@@ -237,7 +237,7 @@ async def test_coordinator_rounds_travel_on_streams_unless_turned_off(streams):
 async def test_a_cancel_that_lands_as_the_reply_arrives_is_not_lost():
     """Cancelled in the loop iteration its reply arrived in, a round's wait ends cancelled. asyncio.wait_for (before
     Python 3.12) returned the reply there, and the request ran on to its last token: 3 of 16 client cancels through
-    Ray left both replicas generating (session 28)."""
+    Ray left both replicas generating."""
     import sys
 
     from specdec_rpc.aio import within

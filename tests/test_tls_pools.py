@@ -1,6 +1,6 @@
 """mTLS between the coordinator and pools found by DNS. A headless Service resolves to pod IPs, which the pods'
 certificates do not name; the coordinator checks each replica's certificate against the pool's DNS name. Before
-(found by an audit of session 28), every replica of a TLS deployment failed its health check with "Hostname
+(found by an audit), every replica of a TLS deployment failed its health check with "Hostname
 Verification Check failed", and the service was down."""
 from __future__ import annotations
 
@@ -96,7 +96,7 @@ def test_a_vocabulary_that_is_not_the_tokenizers_is_named():
 @pytest.mark.asyncio
 async def test_a_target_whose_vocabulary_is_not_the_tokenizers_gets_no_requests(tmp_path):
     """A coordinator whose tokenizer is another model's decoded every answer with the wrong vocabulary, silently
-    (the gpu overlay read the default SmolLM2 tokenizer for a Llama target: an audit of session 28). Such a target
+    (the gpu overlay read the default SmolLM2 tokenizer for a Llama target: an audit). Such a target
     replica is refused with a message saying what to set; one that fits serves."""
     from specdec.tokenizer import load_tokenizer
     from tests.helpers_models import build_tiny_model, save_tiny_tokenizer
