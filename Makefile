@@ -62,7 +62,7 @@ test-fast: install
 	$(PY) -m pytest -ra -x -m "not slow"
 
 demo: install-runtime
-	$(VENV)/bin/specdec generate "$(PROMPT)" --mode pacer_pearl --max-new-tokens 128
+	$(VENV)/bin/specdec generate "$(PROMPT)" --mode sd --max-new-tokens 128
 
 serve: install-runtime
 	$(VENV)/bin/specdec serve

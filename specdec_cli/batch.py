@@ -23,7 +23,10 @@ from pathlib import Path
 import httpx
 from tqdm import tqdm
 
-from specdec_cli.main import _add_models, _default_preverifier
+from coordinator.config import CoordinatorSettings
+from specdec.request import MODES
+from specdec_cli.main import _default_preverifier
+from specdec_cli.options import add_model_options, apply_speculative_config, resolve_models, settings_option
 
 URLS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 MAX_LINE_BYTES = 1 << 24
@@ -135,10 +138,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--url", default="", help="a running server's HTTP API (e.g. http://127.0.0.1:8000); "
                                               "default: start the embedded stack with the model flags below")
     ap.add_argument("--api-key", default="", help="the server's API key (COORDINATOR_HTTP_API_KEY), with --url")
-    ap.add_argument("--default-mode", default="pacer_pearl", help="the embedded stack's mode for requests that "
-                                                                  "name none (default: %(default)s)")
+    settings_option(ap, CoordinatorSettings, "default_mode", "--default-mode", choices=list(MODES),
+                    text="the embedded stack's mode for requests that name none; ar without a draft")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per request (default: 600)")
-    _add_models(ap)
+    add_model_options(ap, positional=False)
+    settings_option(ap, CoordinatorSettings, "ray_num_cpus", "--ray-cpus")
     return ap
 
 
@@ -162,11 +166,13 @@ async def _main(args) -> int:
         else:
             from coordinator.stack import LocalStack  # lazy: the embedded stack loads torch (~2 s); --url needs none
 
-            async with LocalStack(args.target_model, args.draft_model, _default_preverifier(args),
-                                  threads=args.threads, ray_cpus=args.ray_cpus, max_sessions=args.max_sessions,
+            async with LocalStack(args.target, args.draft, _default_preverifier(args) if args.draft else None,
+                                  threads=args.threads, ray_cpus=args.ray_num_cpus, max_sessions=args.max_sessions,
                                   max_context=args.max_context, dtype=args.dtype, http_port=0,
                                   prompt_lookup_min_ngram=args.prompt_lookup_min_ngram,
-                                  default_mode=args.default_mode) as stack:
+                                  default_mode=args.default_mode if args.draft else "ar",
+                                  target_options={"device": args.devices["target"]},
+                                  draft_options={"device": args.devices["draft"]}) as stack:
                 counts = await run(stack.http_address)
     finally:
         if out is not sys.stdout:
@@ -177,11 +183,15 @@ async def _main(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    ap = build_parser()
+    args = ap.parse_args(argv)
     if args.concurrency < 1:
         print("error: --concurrency must be >= 1", file=sys.stderr)
         return 1
     try:
+        apply_speculative_config(args, ap, list(argv or sys.argv[1:]))
+        args.model = None
+        args.target, args.draft, args.devices, args.threads = resolve_models(args)
         return asyncio.run(_main(args))
     except KeyboardInterrupt:
         return 130

@@ -20,34 +20,21 @@ import sys
 from pathlib import Path
 
 from specdec import __version__, settings
-from specdec.defaults import DEFAULT_DRAFT, DEFAULT_TARGET, PROMPT_LOOKUP_MIN_NGRAM
+from coordinator.config import CoordinatorSettings
+from specdec.defaults import DEFAULT_TARGET
 from specdec.errors import SpecDecError
+from specdec.request import MODES
 from specdec.tokenizer import IncrementalDetokenizer, decode, encode_prompt, eos_token_ids, load_tokenizer
+from specdec_cli.options import add_config_option, add_model_options, apply_speculative_config, config_argv, \
+    resolve_models, settings_option
 
-MODES = ("ar", "sd", "pacer", "pearl", "pacer_pearl")
 
 
 def _default_preverifier(args) -> str | None:
     """--preverifier, else the shipped one when the shipped draft is used (and present)."""
     from specdec.preverifier import default_preverifier_dir  # lazy: imports torch; `specdec --help` loads none
 
-    return args.preverifier or default_preverifier_dir(args.draft_model)
-
-
-def _add_models(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target-model", default=DEFAULT_TARGET, help="target model spec (default: %(default)s)")
-    p.add_argument("--draft-model", default=DEFAULT_DRAFT, help="draft model spec (default: %(default)s)")
-    p.add_argument("--preverifier", default=None, help="PACER pre-verifier dir (default: the shipped one, if any)")
-    p.add_argument("--threads", type=int, default=1, help="torch threads per model server (default: 1)")
-    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
-                   help="weights and activations (default: auto, bf16 where the hardware runs bf16 GEMMs natively)")
-    p.add_argument("--ray-cpus", type=int, default=2, help="CPUs of the local Ray instance (default: 2)")
-    p.add_argument("--max-sessions", type=int, default=8, help="session slots per model server (default: 8)")
-    p.add_argument("--max-context", type=int, default=2048,
-                   help="positions per session; KV memory is preallocated for all slots (default: 2048)")
-    p.add_argument("--prompt-lookup-min-ngram", type=int, default=PROMPT_LOOKUP_MIN_NGRAM,
-                   help="draft the token that followed the context's last N tokens where they occurred before "
-                        "(N >= this; lossless); 0: the draft model only (default: %(default)s)")
+    return args.preverifier or default_preverifier_dir(args.draft)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -63,9 +50,13 @@ def build_parser() -> argparse.ArgumentParser:
                    add_help=False)
     sub.add_parser("train-preverifier", help="train the PACER pre-verifier (`specdec train-preverifier --help`)",
                    add_help=False)
-    g = sub.add_parser("generate", help="generate a continuation of PROMPT")
-    g.add_argument("prompt", help="prompt text (wrapped in the chat template when the model has one)")
-    g.add_argument("--mode", choices=MODES, default="sd")
+    g = sub.add_parser("generate", help="generate a continuation of PROMPT (with TARGET, or the default pair)",
+                       usage="specdec generate [options] [TARGET] PROMPT")
+    g.add_argument("words", nargs="+", metavar="[TARGET] PROMPT",
+                   help="the target model (as `specdec serve` takes it; default: the default pair) and the prompt "
+                        "text (wrapped in the chat template when the model has one)")
+    g.add_argument("--mode", choices=MODES, default=None,
+                   help="default: sd with a draft, ar without one")
     g.add_argument("--gamma", type=int, default=None,
                    help="sd: draft length (default 4); pacer: max draft length (default 8); "
                         "pearl modes: the window (default 8)")
@@ -95,8 +86,30 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --coordinator: its COORDINATOR_API_KEY (default: $SPECDEC_API_KEY)")
     g.add_argument("--in-process", action="store_true", help="run specdec.engine.Engine in this process")
     g.add_argument("--timeout", type=float, default=None, help="request deadline in seconds")
-    _add_models(g)
+    add_model_options(g, positional=False)
+    settings_option(g, CoordinatorSettings, "ray_num_cpus", "--ray-cpus")
+    add_config_option(g)
     return ap
+
+
+def parse_generate(argv: list[str]) -> argparse.Namespace:
+    """`generate`'s command line, with its --config file and --speculative-config applied, the positional words
+    split into TARGET and PROMPT, and the models resolved as `serve` resolves them (specdec_cli/options.py)."""
+    ap = build_parser()
+    g = ap._subparsers._group_actions[0].choices["generate"]
+    argv = ["generate", *config_argv(g, argv[1:])]
+    args = ap.parse_args(argv)
+    apply_speculative_config(args, g, argv, rename={"default_mode": "mode"})
+    if len(args.words) > 2:
+        g.error(f"{len(args.words)} words where [TARGET] PROMPT was expected: quote the prompt")
+    args.model, args.prompt = (None, *args.words) if len(args.words) == 1 else args.words
+    args.target, args.draft, args.devices, args.threads = resolve_models(args)
+    if args.mode is None:
+        args.mode = "sd" if args.draft else "ar"
+    elif args.mode != "ar" and args.draft is None:
+        raise ValueError(f"--mode {args.mode} needs a draft of {args.target}: name one with --draft (the default "
+                         f"draft pairs with {DEFAULT_TARGET} only), or use --mode ar")
+    return args
 
 
 # ---- output ---------------------------------------------------------------------------------------------------
@@ -214,11 +227,13 @@ async def _generate_remote(args) -> dict:
         return await _call(args.coordinator, args)
     from coordinator.stack import LocalStack  # lazy: the embedded stack imports torch and the coordinator
 
-    draft = None if args.mode == "ar" and args.draft_model == DEFAULT_DRAFT else args.draft_model
-    async with LocalStack(args.target_model, draft, _default_preverifier(args), threads=args.threads,
-                          ray_cpus=args.ray_cpus, max_sessions=args.max_sessions,
+    draft = None if args.mode == "ar" else args.draft  # a target-only request starts no draft replica
+    async with LocalStack(args.target, draft, _default_preverifier(args) if draft else None, threads=args.threads,
+                          ray_cpus=args.ray_num_cpus, max_sessions=args.max_sessions,
                           max_context=args.max_context, dtype=args.dtype,
-                          prompt_lookup_min_ngram=args.prompt_lookup_min_ngram) as stack:
+                          prompt_lookup_min_ngram=args.prompt_lookup_min_ngram,
+                          target_options={"device": args.devices["target"]},
+                          draft_options={"device": args.devices["draft"]}) as stack:
         return await _call(stack.address, args)
 
 
@@ -233,20 +248,22 @@ def _generate_in_process(args) -> dict:
     from specdec.threads import orchestrator_threads
 
     orchestrator_threads()  # 1 torch thread here: a sequential mode's worker calls run on this thread (engine.py)
-    tdir = resolve_model(args.target_model)
+    tdir = resolve_model(args.target)
     tok = load_tokenizer(tdir)
     if tok is None:
-        raise SystemExit(f"error: {args.target_model} has no tokenizer; the CLI needs one for text prompts")
+        raise SystemExit(f"error: {args.target} has no tokenizer; the CLI needs one for text prompts")
     draft = None
     pv = None
     if args.mode != "ar":
-        draft = load_model_dir(resolve_model(args.draft_model), dtype=args.dtype, role="draft")
+        draft = load_model_dir(resolve_model(args.draft), device=args.devices["draft"], dtype=args.dtype,
+                               role="draft")
         pv_path = _default_preverifier(args)
         if pv_path:
             from specdec.preverifier import load_preverifier
 
             pv = load_preverifier(pv_path, draft_model=draft)
-    engine = Engine(load_model_dir(tdir, dtype=args.dtype, role="target"), draft, preverifier=pv,
+    engine = Engine(load_model_dir(tdir, device=args.devices["target"], dtype=args.dtype, role="target"), draft,
+                    preverifier=pv,
                     threads_per_model=args.threads, max_sessions=1, max_context=args.max_context,
                     lookup=prompt_lookup(args.prompt_lookup_min_ngram))
     ids = encode_prompt(tok, prompt=args.prompt)
@@ -321,8 +338,9 @@ def main(argv: list[str] | None = None) -> int:
         from specdec_train.preverifier.__main__ import main as pacer_main
 
         return pacer_main(argv[1:]) or 0
-    args = build_parser().parse_args(argv)
-    return _reporting_errors(cmd_generate, args)
+    if argv[:1] != ["generate"]:  # --help, --version, or a usage error
+        build_parser().parse_args(argv)
+    return _reporting_errors(lambda: cmd_generate(parse_generate(argv)))
 
 
 def _reporting_errors(command, *args) -> int:

@@ -22,31 +22,14 @@ import sys
 import typing
 
 from coordinator.config import CoordinatorSettings
-from draft_service.config import DraftSettings
-from specdec.defaults import COORDINATOR_HTTP_PORT, COORDINATOR_METRICS_PORT, DEFAULT_DRAFT, DEFAULT_TARGET, \
-    DRAFT_METRICS_PORT, TARGET_METRICS_PORT
+from specdec.defaults import COORDINATOR_HTTP_PORT, COORDINATOR_METRICS_PORT, DRAFT_METRICS_PORT, \
+    TARGET_METRICS_PORT
 from specdec.request import MODES
+from specdec_cli.options import add_config_option, add_model_options, apply_speculative_config, config_argv, \
+    deprecated, resolve_models, settings_option
 from specdec_rpc.logs import configure_logging
-from specdec_rpc.settings import DEVICE, DTYPES, ServerSettings
-from target_service.config import TargetSettings
 
 log = logging.getLogger("specdec.serve")
-
-
-def _opt(group, cls, field: str, *flags: str, default=None, note: str = "", text: str | None = None, **kw) -> None:
-    """An option whose default and help are the settings field's (`default`, `note`, `text`: serve's own)."""
-    info = cls.model_fields[field]
-    value = info.default if default is None else default
-    if "choices" not in kw and typing.get_origin(info.annotation) is typing.Literal:
-        kw["choices"] = list(typing.get_args(info.annotation))
-    if "type" not in kw and "choices" not in kw and value is not None and not isinstance(value, bool):
-        kw["type"] = type(value)
-    if "choices" not in kw:
-        kw.setdefault("metavar", flags[0].lstrip("-").replace("-", "_").upper())
-    text = ((info.description or "") if text is None else text).replace("%", "%%")
-    text = f"{text}{'; ' if text and note else ''}{note}".strip()
-    group.add_argument(*flags, dest=kw.pop("dest", field), default=value,
-                       help=f"{text} (default: %(default)s)" if text else "(default: %(default)s)", **kw)
 
 
 assert (DRAFT_METRICS_PORT, TARGET_METRICS_PORT) == (COORDINATOR_METRICS_PORT + 1, COORDINATOR_METRICS_PORT + 2)
@@ -56,68 +39,48 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="specdec serve", description="Serve a target model, sped up by a draft model, on this machine: "
         "gRPC (specdec.v1.GenerationService) and an OpenAI-compatible HTTP API.")
-    ap.add_argument("model", nargs="?", default=None, metavar="TARGET",
-                    help=f"the target model: a local Hugging Face directory, a .gguf file, a hub id (from the local "
-                         f"cache) or {DEFAULT_TARGET} (default: {DEFAULT_TARGET})")
-    ap.add_argument("--target-model", dest="target_option", default=None, metavar="TARGET",
-                    help="the target model, as an option (the same as TARGET)")
-
-    m = ap.add_argument_group("models and devices")
-    m.add_argument("--draft", "--draft-model", dest="draft", default=None,
-                   help=f"the draft model, of the target's tokenizer (default: {DEFAULT_DRAFT} with "
-                        f"{DEFAULT_TARGET}; with any other target, none: name one, or the server is target-only)")
-    m.add_argument("--no-draft", action="store_true", help="serve target-only (every request runs as `ar`)")
-    m.add_argument("--preverifier", default=None,
-                   help="PACER pre-verifier directory of the draft (default: the shipped one with the shipped draft)")
-    _opt(m, ServerSettings, "device", "--device", note="both models, unless --target-device / --draft-device")
-    m.add_argument("--target-device", default=None, help="the target's device (default: --device)")
-    m.add_argument("--draft-device", default=None, help="the draft's device (default: --device)")
-    _opt(m, ServerSettings, "dtype", "--dtype", choices=list(DTYPES))
-    _opt(m, TargetSettings, "max_context", "--max-model-len", "--max-context")
-    _opt(m, ServerSettings, "threads", "--threads",
-         text="torch intra-op threads of each replica (0: the CPU's cores split between the replicas on the CPU)")
-    _opt(m, DraftSettings, "prompt_lookup_min_ngram", "--prompt-lookup-min-ngram")
+    add_model_options(ap)
+    add_config_option(ap)
 
     sp = ap.add_argument_group("speculation (server-wide; a request's own fields override them)")
-    _opt(sp, CoordinatorSettings, "default_mode", "--speculative-mode", "--default-mode", choices=list(MODES),
+    settings_option(sp, CoordinatorSettings, "default_mode", "--speculative-mode", "--default-mode", choices=list(MODES),
          note="ar without a draft")
-    _opt(sp, CoordinatorSettings, "gamma", "--num-speculative-tokens", "--gamma")
-    _opt(sp, CoordinatorSettings, "verify_method", "--verify-method")
-    _opt(sp, CoordinatorSettings, "pacer_threshold", "--pacer-threshold", type=float)
-    _opt(sp, CoordinatorSettings, "pacer_post_threshold", "--pacer-post-threshold")
-    _opt(sp, CoordinatorSettings, "spec_off_batch", "--spec-off-batch")
-    _opt(sp, CoordinatorSettings, "data_plane", "--data-plane")
+    settings_option(sp, CoordinatorSettings, "gamma", "--num-speculative-tokens", "--gamma")
+    settings_option(sp, CoordinatorSettings, "verify_method", "--verify-method")
+    settings_option(sp, CoordinatorSettings, "pacer_threshold", "--pacer-threshold", type=float)
+    settings_option(sp, CoordinatorSettings, "pacer_post_threshold", "--pacer-post-threshold")
+    settings_option(sp, CoordinatorSettings, "spec_off_batch", "--spec-off-batch")
+    settings_option(sp, CoordinatorSettings, "data_plane", "--data-plane")
 
     lim = ap.add_argument_group("limits")
-    _opt(lim, ServerSettings, "max_sessions", "--max-num-seqs", "--max-sessions",
-         note="per replica; KV memory for all of them (and max-model-len positions each) is allocated at start")
-    _opt(lim, CoordinatorSettings, "max_new_tokens_cap", "--max-new-tokens-cap")
-    _opt(lim, CoordinatorSettings, "queue_wait_s", "--queue-wait-s")
-    _opt(lim, CoordinatorSettings, "max_waiting", "--max-waiting")
-    _opt(lim, CoordinatorSettings, "http_max_in_flight", "--http-max-in-flight")
+    settings_option(lim, CoordinatorSettings, "max_new_tokens_cap", "--max-new-tokens-cap")
+    settings_option(lim, CoordinatorSettings, "queue_wait_s", "--queue-wait-s")
+    settings_option(lim, CoordinatorSettings, "max_waiting", "--max-waiting")
+    settings_option(lim, CoordinatorSettings, "http_max_in_flight", "--http-max-in-flight")
 
     net = ap.add_argument_group("front doors and operations")
-    _opt(net, CoordinatorSettings, "host", "--host")
-    _opt(net, CoordinatorSettings, "port", "--port")
-    _opt(net, CoordinatorSettings, "http_port", "--http-port", default=COORDINATOR_HTTP_PORT,
-         note="serve's default: on")
-    _opt(net, CoordinatorSettings, "metrics_port", "--metrics-port",
+    settings_option(net, CoordinatorSettings, "host", "--host")
+    settings_option(net, CoordinatorSettings, "http_port", "--port", default=COORDINATOR_HTTP_PORT,
+         text="the OpenAI-compatible HTTP API's port (0: no HTTP API)")
+    settings_option(net, CoordinatorSettings, "port", "--grpc-port", text="the gRPC port of specdec.v1.GenerationService")
+    deprecated(net, "--http-port", "--port", "http_port", type=int)
+    settings_option(net, CoordinatorSettings, "metrics_port", "--metrics-port",
          note="the coordinator's; the draft replica serves its own on the next port and the target replica on "
               "the one after (0: none)")
-    _opt(net, CoordinatorSettings, "api_key", "--api-key", note="unset: SPECDEC_API_KEY")
-    _opt(net, CoordinatorSettings, "served_model_name", "--served-model-name")
-    _opt(net, CoordinatorSettings, "grace_s", "--grace-s", note="the replicas' drain too")
-    _opt(net, CoordinatorSettings, "log_level", "--log-level", type=str.upper,
+    settings_option(net, CoordinatorSettings, "api_key", "--api-key", note="unset: SPECDEC_API_KEY")
+    settings_option(net, CoordinatorSettings, "served_model_name", "--served-model-name")
+    settings_option(net, CoordinatorSettings, "grace_s", "--grace-s", note="the replicas' drain too")
+    settings_option(net, CoordinatorSettings, "log_level", "--log-level", type=str.upper,
          choices=["DEBUG", "INFO", "WARNING", "ERROR"])
-    _opt(net, CoordinatorSettings, "log_format", "--log-format", note="every process's")
-    _opt(net, CoordinatorSettings, "otlp_traces_endpoint", "--otlp-traces-endpoint",
+    settings_option(net, CoordinatorSettings, "log_format", "--log-format", note="every process's")
+    settings_option(net, CoordinatorSettings, "otlp_traces_endpoint", "--otlp-traces-endpoint",
          text="export OpenTelemetry traces of every process (the coordinator's request spans, the replicas' prefill, "
               "draft, verify and batching spans) to this OTLP/gRPC endpoint, e.g. http://otel-collector:4317 ('': "
               "no tracing)")
-    _opt(net, CoordinatorSettings, "tool_call_parser", "--tool-call-parser")
-    _opt(net, CoordinatorSettings, "reasoning_parser", "--reasoning-parser")
-    _opt(net, CoordinatorSettings, "ray_num_cpus", "--ray-cpus")
-    _opt(net, CoordinatorSettings, "pipelines", "--pipelines")
+    settings_option(net, CoordinatorSettings, "tool_call_parser", "--tool-call-parser")
+    settings_option(net, CoordinatorSettings, "reasoning_parser", "--reasoning-parser")
+    settings_option(net, CoordinatorSettings, "ray_num_cpus", "--ray-cpus")
+    settings_option(net, CoordinatorSettings, "pipelines", "--pipelines")
     net.add_argument("--emulate-rtt-ms", type=float, default=0.0, metavar="MS",
                      help="a test and planning aid: delay every link between the three processes (coordinator to "
                           "target, coordinator to draft, draft to target) by a network round trip of MS "
@@ -125,6 +88,15 @@ def build_parser() -> argparse.ArgumentParser:
                           "pools ran on separate machines; never for production traffic (default: %(default)s, "
                           "no relays)")
     return ap
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """The command line, after the options of its --config file and with --speculative-config applied."""
+    parser = build_parser()
+    argv = config_argv(parser, argv)
+    args = parser.parse_args(argv)
+    apply_speculative_config(args, parser, argv)
+    return args
 
 
 def _env_api_key() -> str:
@@ -145,26 +117,12 @@ def plan(args: argparse.Namespace) -> ServePlan:
     """The parsed options → the models and LocalStack's keyword arguments (no process started)."""
     from specdec.preverifier import default_preverifier_dir  # lazy: imports torch only when serving
 
-    if args.model and args.target_option and args.model != args.target_option:
-        raise ValueError(f"two targets named: {args.model} and --target-model {args.target_option}; name one")
-    target = args.model or args.target_option or DEFAULT_TARGET
-    if args.no_draft and args.draft:
-        raise ValueError("--no-draft and --draft both given; name a draft or none")
-    draft = None if args.no_draft else args.draft or (DEFAULT_DRAFT if target == DEFAULT_TARGET else None)
+    target, draft, devices, threads = resolve_models(args)
     mode = args.default_mode
     if draft is None and mode != "ar":
         mode = "ar"
-    devices = {"target": args.target_device or args.device, "draft": args.draft_device or args.device}
-    for flag, value in (("--device", args.device), ("--target-device", args.target_device),
-                        ("--draft-device", args.draft_device)):
-        if value is not None and not DEVICE.match(value):
-            raise ValueError(f"{flag} {value}: use cpu, cuda or cuda:N")
     if not args.emulate_rtt_ms >= 0:
         raise ValueError(f"--emulate-rtt-ms {args.emulate_rtt_ms}: must be 0 (no emulated network) or more")
-    threads = args.threads
-    if threads == 0:  # replicas on the CPU share its cores
-        on_cpu = [k for k in (("target", "draft") if draft else ("target",)) if devices[k] == "cpu"]
-        threads = max(1, (os.cpu_count() or 2) // max(1, len(on_cpu)))
     metrics = args.metrics_port
     every = {"log_format": args.log_format, "otlp_traces_endpoint": args.otlp_traces_endpoint}  # all 3 processes
     stack = dict(
@@ -191,7 +149,7 @@ def plan(args: argparse.Namespace) -> ServePlan:
 def main(argv: list[str]) -> int:
     from coordinator.stack import LocalStack  # lazy: the embedded stack imports the coordinator and Ray
 
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     p = plan(args)
     configure_logging(args.log_level, args.log_format, service="coordinator")  # the coordinator runs here
     if p.draft is None and not args.no_draft:

@@ -27,8 +27,8 @@ def pair(tmp_path_factory):
 
 
 def test_parser_and_stats_line():
-    a = cli.build_parser().parse_args(["generate", "x", "--mode", "pacer_pearl", "--json", "--gamma", "3"])
-    assert (a.mode, a.json, a.gamma, a.coordinator, a.threads) == ("pacer_pearl", True, 3, None, 1)
+    a = cli.parse_generate(["generate", "x", "--mode", "pacer_pearl", "--json", "--gamma", "3", "--threads", "1"])
+    assert (a.mode, a.json, a.gamma, a.coordinator, a.threads, a.prompt) == ("pacer_pearl", True, 3, None, 1, "x")
     line = cli.stats_line({"mode": "pearl", "wall_s": 2.0, "draft_busy_s": 1.5, "target_busy_s": 1.5,
                            "rounds": 3, "target_forwards": 4, "mean_accepted_length": 2.5}, 10)
     assert "[pearl] 10 tokens in 2.00s" in line and "wall 67% of it" in line and "queued" not in line
@@ -54,7 +54,7 @@ def test_a_structured_output_file_that_cannot_be_read_stops_generate_before_anyt
 def test_structured_output_flags_become_the_request_field(tmp_path):
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     (tmp_path / "s.json").write_text(json.dumps(schema))
-    parse = cli.build_parser().parse_args
+    parse = cli.parse_generate
     r = cli._request(parse(["generate", "x", "--json-schema", f"@{tmp_path / 's.json'}"]))
     assert json.loads(r.structured_output.json_schema) == schema
     assert cli._request(parse(["generate", "x", "--json-object"])).structured_output.json_object
@@ -214,8 +214,8 @@ def test_serve_drains_and_exits_cleanly_on_sigterm(tmp_path):
 
     tdir, ddir = save_tiny_pair(tmp_path)
     p = subprocess.Popen([sys.executable, "-m", "specdec_cli.main", "serve", "--target-model", str(tdir), "--draft-model",
-                          str(ddir), "--port", str(free_port()), "--http-port", str(free_port()),
-                          "--max-sessions", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          str(ddir), "--grpc-port", str(free_port()), "--port", str(free_port()),
+                          "--max-num-seqs", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          start_new_session=True)
     try:
         deadline = time.time() + 180
@@ -303,7 +303,7 @@ def test_serve_applies_grace_sessions_and_speculation_settings(tmp_path):
     tdir, ddir = save_tiny_pair(tmp_path)
     port, http, metrics = free_port(), free_port(), _free_port_run(3)
     p = subprocess.Popen([sys.executable, "-m", "specdec_cli.main", "serve", str(tdir), "--draft", str(ddir),
-                          "--port", str(port), "--http-port", str(http), "--metrics-port", str(metrics),
+                          "--grpc-port", str(port), "--port", str(http), "--metrics-port", str(metrics),
                           "--max-num-seqs", "1", "--grace-s", "7.5", "--speculative-mode", "sd",
                           "--num-speculative-tokens", "2", "--served-model-name", "tiny-llm", "--dtype", "float32",
                           "--threads", "1", "--ray-cpus", "1", "--pipelines", "1", "--log-format", "json"],
@@ -354,13 +354,13 @@ def test_serve_refuses_a_draft_of_another_tokenizer_and_a_config_it_cannot_serve
 
     tdir, ddir = save_tiny_pair(tmp_path)
     save_tokenizer(ddir, TOKENIZER_CHARS[0] + TOKENIZER_CHARS[1:][::-1])  # the same 32 symbols, other ids
-    assert cli.main(["serve", str(tdir), "--draft", str(ddir), "--port", "0", "--http-port", "0"]) == 1
+    assert cli.main(["serve", str(tdir), "--draft", str(ddir), "--grpc-port", "0", "--port", "0"]) == 1
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and str(ddir) in err and str(tdir) in err and "tokenizer" in err, err
 
     cfg = json.loads((tdir / "config.json").read_text())
     cfg["rope_scaling"] = {"rope_type": "spiral", "factor": 2.0}
     (tdir / "config.json").write_text(json.dumps(cfg))
-    assert cli.main(["serve", str(tdir), "--no-draft", "--port", "0", "--http-port", "0"]) == 1
+    assert cli.main(["serve", str(tdir), "--no-draft", "--grpc-port", "0", "--port", "0"]) == 1
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "spiral" in err and "Traceback" not in err, err
