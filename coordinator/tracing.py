@@ -9,9 +9,10 @@ set, every generation the coordinator serves becomes one `llm_request` span, exp
   tokens, tokens per target forward and the replicas that served it.
 - A request that fails (a refused body, a replica error, a client gone) ends its span with status ERROR and the
   message.
-- The span's own `traceparent` goes with every replica call of the request (gRPC metadata): replicas that export
-  traces too record their prefill, draft, verify and batching-wait spans as its children (specdec_rpc/tracing.py),
-  so one trace follows the request into the replicas that served it.
+- The span's own trace context (`traceparent`, and the caller's `tracestate`, which the span continues) goes with
+  every replica call of the request (gRPC metadata): replicas that export traces too record their prefill, draft,
+  verify and batching-wait spans as its children (specdec_rpc/tracing.py), so one trace follows the request into
+  the replicas that served it.
 Unset, nothing is imported and nothing is recorded.
 """
 from __future__ import annotations
@@ -20,7 +21,7 @@ import time
 
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from specdec_rpc.tracing import TRACE_HEADERS, init_tracer as _init_tracer, parent_of, traceparent
+from specdec_rpc.tracing import TRACE_HEADERS, init_tracer as _init_tracer, parent_of, trace_headers
 
 __all__ = ["TRACE_HEADERS", "RequestTrace", "init_tracer", "parent_of"]
 
@@ -40,7 +41,7 @@ class RequestTrace:
         self.start_ns, self.t0 = time.time_ns(), time.perf_counter()
         self.span = tracer.start_span("llm_request", context=self.parent, kind=SpanKind.SERVER,
                                       start_time=self.start_ns)
-        self.traceparent = traceparent(self.span)
+        self.headers = trace_headers(self.span)  # {"traceparent": ..., ["tracestate": ...]}
         self.ttft_s: float | None = None
         self._request: dict | None = None
         self.error = ""  # the replica's or pipeline's error, before the abort that carries it
@@ -53,10 +54,11 @@ class RequestTrace:
 
     @request.setter
     def request(self, request: dict | None) -> None:
-        """Setting it also gives the request this span's traceparent: the pipeline sends it with every replica
-        call (coordinator/backends/clients.py), so the replicas' spans are this span's children."""
+        """Setting it also gives the request this span's trace headers (`traceparent`, `tracestate`): the pipeline
+        sends them with every replica call (coordinator/backends/clients.py), so the replicas' spans are this
+        span's children."""
         if request is not None:
-            request["traceparent"] = self.traceparent
+            request.update(self.headers)
         self._request = request
 
     def first_token(self) -> None:

@@ -44,6 +44,7 @@ from specdec_rpc.convert import (FAILED_TARGET_KEY, VERIFY_METHOD_PB, features_f
                                  verify_outcome, verify_q)
 from specdec_rpc.pb import common_pb2, draft_pb2, target_pb2, target_pb2_grpc
 from specdec_rpc.rounds import BusyWaits, RoundStream
+from specdec_rpc.tracing import TRACE_HEADERS
 
 log = logging.getLogger(__name__)
 
@@ -377,7 +378,7 @@ async def speculate(servicer, peers: PeerChannels, request: draft_pb2.SpeculateR
     if req.params.prompt_logprobs >= 0:
         raise InvalidRequestError("params.prompt_logprobs", "Speculate returns no prompt logprobs; ask the "
                                   "coordinator's own rounds for them")
-    metadata = tuple((k, v) for k, v in context.invocation_metadata() if k == "traceparent") or None
+    metadata = tuple((k, v) for k, v in context.invocation_metadata() if k in TRACE_HEADERS) or None
     draft = LocalDraft(servicer, int(request.output_start), int(request.reserve_positions))
     target = PeerTarget(peers.get(request.target_endpoint, request.target_server_name), request.target_endpoint,
                         timeout, metadata, int(request.reserve_positions), int(request.output_start),

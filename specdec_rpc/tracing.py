@@ -1,7 +1,11 @@
 """OpenTelemetry traces across the three services (the core never imports opentelemetry: spans live in the shells).
 
-- The coordinator makes one `llm_request` span per generation (coordinator/tracing.py) and sends its W3C
-  `traceparent` as gRPC metadata with every replica call of the request (coordinator/backends/clients.py).
+- The coordinator makes one `llm_request` span per generation (coordinator/tracing.py) and sends its W3C trace
+  context (`traceparent`, and `tracestate` when the caller's trace has one) as gRPC metadata with every replica
+  call of the request (coordinator/backends/clients.py).
+- The headers are W3C Trace Context's, written and read by OpenTelemetry's `TraceContextTextMapPropagator`
+  (`trace_headers`, `parent_of`): the ones the HTTP door passes on and the replicas read, whatever
+  OTEL_PROPAGATORS says (baggage is not carried).
 - A replica with `otlp_traces_endpoint` set records, as children of that span: `prefill` (StartSession), `verify`
   (target) and `draft` (draft) per call, each with a `batch_wait` child for the time the call waited for a batched
   forward (the target's verify batcher, the draft's step loop). A call without a traceparent starts a trace of its
@@ -12,7 +16,18 @@ from __future__ import annotations
 
 import time
 
-TRACE_HEADERS = ("traceparent", "tracestate")
+TRACE_HEADERS = ("traceparent", "tracestate")  # the propagator's fields, lower case as gRPC metadata keys are
+_propagator = None
+
+
+def _trace_context():
+    """OpenTelemetry's W3C Trace Context propagator (one, made on first use: imported only where traces are)."""
+    global _propagator
+    if _propagator is None:
+        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+        _propagator = TraceContextTextMapPropagator()
+    return _propagator
 
 
 def init_tracer(endpoint: str, service: str, exporter=None, scope: str = ""):
@@ -36,7 +51,8 @@ def init_tracer(endpoint: str, service: str, exporter=None, scope: str = ""):
 
 
 def parent_of(metadata) -> object | None:
-    """The caller's trace context from (key, value) pairs (gRPC metadata, HTTP headers), or None."""
+    """The caller's trace context (its span and tracestate) from (key, value) pairs (gRPC metadata, HTTP headers),
+    or None when they carry no trace header."""
     carrier = {}
     for key, value in metadata or ():
         key = key.lower() if isinstance(key, str) else key.decode("latin-1").lower()
@@ -44,15 +60,17 @@ def parent_of(metadata) -> object | None:
             carrier[key] = value if isinstance(value, str) else value.decode("latin-1")
     if not carrier:
         return None
-    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
-
-    return TraceContextTextMapPropagator().extract(carrier)
+    return _trace_context().extract(carrier)
 
 
-def traceparent(span) -> str:
-    """The W3C traceparent header that makes a callee's spans children of `span`."""
-    c = span.get_span_context()
-    return f"00-{c.trace_id:032x}-{c.span_id:016x}-{int(c.trace_flags):02x}"
+def trace_headers(span) -> dict[str, str]:
+    """The W3C trace-context headers that make a callee's spans children of `span`: `traceparent`, and `tracestate`
+    when the span's trace carries one (a span continues its parent's tracestate)."""
+    from opentelemetry.trace import set_span_in_context
+
+    carrier: dict[str, str] = {}
+    _trace_context().inject(carrier, context=set_span_in_context(span))
+    return carrier
 
 
 class CallClock:

@@ -1,6 +1,8 @@
 import json
 import os
 import pathlib
+import socket
+import time
 
 import pytest
 
@@ -33,12 +35,127 @@ def test_unreachable_hub_id(runtime_settings):
         resolve_model("someorg/some-model", progress=False)
     msg = str(e.value)
     assert "\n" not in msg and "local" in msg and ".gguf" in msg
+    assert "HF_HUB_OFFLINE is set" in msg and "hf download someorg/some-model" in msg
+
+
+def test_huggingface_hubs_own_offline_flag_sends_nothing(monkeypatch, runtime_settings, hub_proxy):
+    """HF_HUB_OFFLINE as huggingface_hub read it (TRANSFORMERS_OFFLINE sets it too): no request, even through a
+    proxy."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    runtime_settings(hf_hub_offline=False, hf_endpoint="http://hub.specdec.invalid")
+    with pytest.raises(ModelNotFoundError, match="HF_HUB_OFFLINE is set"):
+        resolve_model("someorg/some-model", progress=False)
+    assert hub_proxy.seen == []
 
 
 def test_hub_unreachable_by_network(runtime_settings):
     runtime_settings(hf_hub_offline=False, hf_endpoint="http://127.0.0.1:9")  # discard port: connection refused
-    with pytest.raises(ModelNotFoundError, match="not reachable"):
+    t0 = time.monotonic()
+    with pytest.raises(ModelNotFoundError, match="not reachable at http://127.0.0.1:9") as e:
         resolve_model("someorg/some-model", progress=False)
+    assert time.monotonic() - t0 < 5 and "\n" not in str(e.value) and "HTTPS_PROXY" in str(e.value)
+
+
+def test_a_hub_that_does_not_answer_fails_within_the_etag_timeout(monkeypatch, runtime_settings):
+    """A hub that takes the connection and never answers (a black-holing firewall, a stuck proxy) fails after
+    HF_HUB_ETAG_TIMEOUT, not after the client's unbounded wait."""
+    from huggingface_hub import constants
+
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)  # the kernel completes the handshake; nothing ever reads or answers
+    try:
+        monkeypatch.setattr(constants, "HF_HUB_ETAG_TIMEOUT", 0.5)
+        runtime_settings(hf_hub_offline=False, hf_endpoint=f"http://127.0.0.1:{silent.getsockname()[1]}")
+        t0 = time.monotonic()
+        with pytest.raises(ModelNotFoundError, match="not reachable .*Timeout"):
+            resolve_model("someorg/some-model", progress=False)
+        assert time.monotonic() - t0 < 5
+    finally:
+        silent.close()
+
+
+class _HubProxy:
+    """An HTTP proxy in a thread that answers every request itself, as a hub would: `answer(path)` -> (status,
+    JSON body, headers); `seen`: the request lines it got."""
+
+    def __init__(self):
+        import http.server
+        import threading
+
+        proxy = self
+        self.seen: list[str] = []
+        self.answer = lambda path: (404, {"error": "Repository not found"}, {"X-Error-Code": "RepoNotFound"})
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                proxy.seen.append(self.requestline)
+                status, body, headers = proxy.answer(self.path)
+                data = json.dumps(body).encode()
+                self.send_response(status)
+                for k, v in {"Content-Type": "application/json", "Content-Length": str(len(data)),
+                             **headers}.items():
+                    self.send_header(k, v)
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_port}"
+
+
+@pytest.fixture
+def hub_proxy(monkeypatch):
+    """HTTP_PROXY set to a `_HubProxy` for huggingface_hub's client (which reads the proxy variables when it is
+    made: it is made again before and after the test)."""
+    from huggingface_hub import close_session
+
+    proxy = _HubProxy()
+    for name in ("HTTP_PROXY", "http_proxy", "HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy", "NO_PROXY",
+                 "no_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HTTP_PROXY", proxy.url)
+    close_session()
+    yield proxy
+    monkeypatch.delenv("HTTP_PROXY")
+    close_session()
+    proxy.server.shutdown()
+    proxy.server.server_close()
+
+
+def test_the_hub_is_asked_through_the_proxy(tmp_path, monkeypatch, runtime_settings, hub_proxy):
+    """HF_ENDPOINT's host does not resolve here: only the proxy reaches it. Its answers are the hub's: no such model
+    is said so; a model's commit is what is downloaded."""
+    import huggingface_hub
+
+    runtime_settings(hf_hub_offline=False, hf_endpoint="http://hub.specdec.invalid")
+    with pytest.raises(ModelNotFoundError, match="http://hub.specdec.invalid has no such model") as e:
+        resolve_model("someorg/missing", progress=False)
+    assert "\n" not in str(e.value)
+    assert hub_proxy.seen == ["GET http://hub.specdec.invalid/api/models/someorg/missing HTTP/1.1"]
+
+    sha = "b" * 40
+    hub_proxy.answer = lambda path: (200, {"id": "someorg/model", "sha": sha, "siblings": []}, {})
+    downloads = []
+
+    def fake_download(repo_id, allow_patterns, local_files_only=False, **kw):
+        if local_files_only:
+            raise FileNotFoundError(repo_id)  # a cold cache
+        downloads.append((repo_id, kw))
+        return str(tmp_path)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_download)
+    assert resolve_model("someorg/model", progress=False) == tmp_path
+    assert downloads == [("someorg/model", {"revision": sha, "endpoint": "http://hub.specdec.invalid"})]
+
+    hub_proxy.answer = lambda path: (403, {"error": "gated"}, {"X-Error-Code": "GatedRepo"})
+    with pytest.raises(ModelNotFoundError, match="gated on http://hub.specdec.invalid: accept its terms"):
+        resolve_model("someorg/gated", progress=False)
 
 
 def test_a_hub_id_in_the_local_cache_needs_no_hub(tmp_path, monkeypatch, runtime_settings):
@@ -65,7 +182,7 @@ def test_a_hub_tokenizer_is_fetched_without_the_weights(tmp_path, monkeypatch):
 
     asked = []
 
-    def fake_download(repo_id, allow_patterns, local_files_only=False):
+    def fake_download(repo_id, allow_patterns, local_files_only=False, revision=None, endpoint=None):
         asked.append((tuple(allow_patterns), local_files_only))
         if local_files_only:
             raise FileNotFoundError(repo_id)  # a cold cache
@@ -73,7 +190,7 @@ def test_a_hub_tokenizer_is_fetched_without_the_weights(tmp_path, monkeypatch):
         return str(tmp_path)
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_download)
-    monkeypatch.setattr(hub, "_hub_reachable", lambda: True)
+    monkeypatch.setattr(hub, "_hub_revision", lambda spec: "a" * 40)
     assert hub.resolve_tokenizer("someorg/big-model") == tmp_path
     assert all("*.safetensors" not in patterns for patterns, _ in asked) and asked[-1][1] is False
     asked.clear()

@@ -7,7 +7,8 @@ draft replica and a coordinator, in this process, each serving /metrics on a por
   replica verified exactly the draft tokens the coordinator counted; and every series the dashboard and the alerts
   read is one of those the processes served.
 - With traces exported (an in-memory exporter), one request is followed from the coordinator's span into both
-  replicas by its trace id: their prefill, draft and verify spans are the request span's children.
+  replicas by its trace id: their prefill, draft and verify spans are the request span's children, and continue
+  the client's `tracestate`.
 """
 from __future__ import annotations
 
@@ -183,6 +184,37 @@ async def test_one_request_is_followed_into_both_replicas_by_its_trace_id(stack)
                        if "specdec.session_id" in s.attributes)
             for s in ours:
                 assert request.start_time <= s.start_time <= s.end_time <= request.end_time + 50_000_000, s.name
+    finally:
+        coordinator.servicer.tracer = None
+        apps["target"].servicer.spans = apps["draft"].servicer.spans = None
+
+
+async def test_the_callers_tracestate_goes_with_every_replica_call(stack):
+    """A client's `tracestate` (its tracing vendors' data) is continued by the request span and sent with its
+    `traceparent` in every replica call's metadata: each replica call's parent, read from that metadata, carries
+    it, and so does every span of the trace."""
+    apps, spans = stack["apps"], InMemorySpanExporter()
+    coordinator = apps["coordinator"]
+    coordinator.servicer.tracer, _ = init_tracer("", exporter=spans)
+    apps["target"].servicer.spans = replica_spans("", "specdec-target", exporter=spans)
+    apps["draft"].servicer.spans = replica_spans("", "specdec-draft", exporter=spans)
+    tracestate = "vendor=opaque-1,other=x"
+    try:
+        await stack["stub"].Generate(g.GenerateRequest(prompt_token_ids=PROMPT, max_new_tokens=8, mode="sd",
+                                                       ignore_eos=True),
+                                     metadata=(("traceparent", TRACEPARENT), ("tracestate", tracestate)))
+        for _ in range(100):  # the replicas' EndSession spans land after the answer
+            if any(s.name == "llm_request" for s in spans.get_finished_spans()):
+                break
+            await asyncio.sleep(0.01)
+        finished = spans.get_finished_spans()
+        (request,) = [s for s in finished if s.name == "llm_request"]
+        assert request.parent.trace_state.to_header() == tracestate
+        calls = [s for s in finished if s.parent is not None and s.parent.span_id == request.context.span_id]
+        assert {"prefill", "verify", "draft"} <= {s.name for s in calls}
+        for s in calls:
+            assert s.parent.is_remote and s.parent.trace_state.to_header() == tracestate, s.name
+        assert all(s.context.trace_state.to_header() == tracestate for s in finished)
     finally:
         coordinator.servicer.tracer = None
         apps["target"].servicer.spans = apps["draft"].servicer.spans = None

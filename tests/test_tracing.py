@@ -77,6 +77,28 @@ async def test_grpc_metadata_carries_the_trace_and_failures_are_errors(traced):
     assert span.status.status_code == StatusCode.ERROR and "went away" in span.status.description
 
 
+async def test_the_request_span_sends_the_w3c_trace_headers_with_the_callers_tracestate():
+    """The headers the replica calls carry are OpenTelemetry's propagator's: `traceparent` naming the request span
+    (as W3C Trace Context writes it), and the caller's `tracestate` when it sent one."""
+    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+    from coordinator.tracing import TRACE_HEADERS, RequestTrace
+
+    assert set(TRACE_HEADERS) == TraceContextTextMapPropagator().fields
+    spans = InMemorySpanExporter()
+    tracer, _ = init_tracer("", exporter=spans)
+    for sent, state in [((("traceparent", TRACEPARENT),), None),
+                        ((("traceparent", TRACEPARENT), ("tracestate", "vendor=opaque-1,other=x")),
+                         "vendor=opaque-1,other=x"),
+                        ((), None)]:
+        trace, request = RequestTrace(tracer, sent), {"request_id": "r"}
+        trace.request = request
+        c = trace.span.get_span_context()
+        assert request.pop("traceparent") == f"00-{c.trace_id:032x}-{c.span_id:016x}-{int(c.trace_flags):02x}"
+        assert request == ({"request_id": "r", "tracestate": state} if state else {"request_id": "r"})
+        assert (format(c.trace_id, "032x") == TRACE_ID) == bool(sent)
+
+
 async def test_spans_reach_an_otlp_collector(tmp_path):
     """The setting wires a real OTLP/gRPC exporter; the coordinator's shutdown exports the spans still batched."""
     from concurrent import futures

@@ -17,8 +17,9 @@ Per-round calls (Draft, Verify) travel as messages on one open stream per sessio
 network_ns = wall time inside calls minus the compute (and queueing) the replicas report, per link: a request's
 draft backend holds the coordinator <-> draft time, its target backend the coordinator <-> target time.
 
-With a trace context (`metadata`: the W3C `traceparent` of the request's span, coordinator/tracing.py), every call
-carries it as gRPC metadata, so the replicas' spans join the request's trace; without one, calls carry none.
+With a trace context (`metadata`: the W3C `traceparent` and `tracestate` of the request's span,
+coordinator/tracing.py), every call carries it as gRPC metadata, so the replicas' spans join the request's trace;
+without one, calls carry none.
 """
 from __future__ import annotations
 
@@ -60,7 +61,8 @@ class _Pinned:
     def __init__(self, pool, channels: Channels, view: PoolView | None = None, timeout: float = 60.0,
                  streams: bool = True, frames: bool = True):
         self.pool, self.channels, self.view, self.timeout = pool, channels, view or PoolView(), timeout
-        self.metadata: tuple | None = None  # (("traceparent", ...),) of a traced request: sent with every call
+        # (("traceparent", ...), ("tracestate", ...)) of a traced request: sent with every call
+        self.metadata: tuple | None = None
         self.rounds = self._round_stream(streams)
         if frames:  # the replica's frame port, where it serves one (specdec_rpc/frames.py)
             self.rounds.frames = lambda ep: self.channels.frame_call(self.kind, ep, self.metadata, self.timeout)

@@ -28,6 +28,7 @@ from specdec.request import GenerationRequest, GenerationResult, GenerationStats
 from specdec.schedule import generate
 from specdec.workers.base import PREFILL_CHUNK
 from specdec_rpc.logs import bind
+from specdec_rpc.tracing import TRACE_HEADERS
 
 from coordinator.routing.affinity import prefix_keys
 from coordinator.channels import Channels
@@ -171,7 +172,9 @@ class Pipeline:
         incremental = not request.get("final_only")  # False: the caller reads only the last event
         # this request's log lines (JSON logs, specdec_rpc/logs.py) name it; its end adds replicas and timings
         log_fields = bind(request_id=rid, session_id=rid)
-        trace = (("traceparent", request["traceparent"]),) if request.get("traceparent") else None
+        # the request span's W3C headers (coordinator/tracing.py); an untraced request has none and pays one lookup
+        trace = (tuple((k, request[k]) for k in TRACE_HEADERS if request.get(k)) if request.get("traceparent")
+                 else None)
 
         def on_tokens(new: list[int], logprobs: list | None = None, served: dict | None = None) -> bool:
             """`served`: the replicas the request holds, when they changed (a request that ends without its last
@@ -209,7 +212,7 @@ class Pipeline:
         """(RemoteTarget, RemoteDraft or None) for `req`, routed by its prompt's prefix (coordinator/routing/affinity.py).
         A replica whose context is too small refuses before any work (`reserve`); a session rebuilt from the
         history holds output too, and the penalties, min_tokens and a grammar count only the output
-        (`output_start`). `trace`: the request span's traceparent metadata, sent with every replica call."""
+        (`output_start`). `trace`: the request span's W3C trace headers, sent with every replica call."""
         kw = dict(view=self.view, timeout=self.rpc_timeout_s, streams=self.replica_streams,
                   frames=self.replica_frames and req.sequential_calls)
         target = RemoteTarget(self.pool, self.channels, **kw)
@@ -229,7 +232,7 @@ class Pipeline:
     async def _run(self, req: GenerationRequest, on_tokens, draft_fallback: bool = False, trace=None,
                    log_fields: dict | None = None) -> dict:
         """`draft_fallback`: with no draft replica reachable, at the start or mid-request, go on target-only
-        instead of failing. `trace`: traceparent metadata for the replica calls; `log_fields`: the request's log
+        instead of failing. `trace`: W3C trace headers for the replica calls; `log_fields`: the request's log
         fields, completed with its replicas and timings when it ends."""
         n_prompt, reserve = len(req.prompt_ids), len(req.prompt_ids) + req.max_new_tokens
         target, draft = self._backends(req, n_prompt, reserve, req.mode != "ar", trace)
