@@ -112,6 +112,8 @@ class LocalDraft(_LocalWorker):
 
 
 class LocalTarget(_LocalWorker):
+    chain_window = 1  # one verify at a time: in process there is no link to hide
+
     def __init__(self, worker: TargetWorker, threads: int | None = None, inline: bool = False):
         super().__init__(worker, "target", threads, inline)
         self.prompt_logprobs: dict[str, object] = {}  # session id -> its prompt's TokenLogprobs, until generate ends

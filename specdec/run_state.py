@@ -29,6 +29,10 @@ class DraftBackend(Protocol):
 
 
 class TargetBackend(Protocol):
+    # verifies a greedy PEARL request may keep in flight (> 1: chained rounds, specdec/chained.py; the direct data
+    # plane's target across a network); 0 or 1: one verify at a time
+    chain_window: int
+
     async def start(self, session_id: str, prompt_ids: list[int], params: SamplingParams,
                     want_features: bool = False) -> TargetFeatures | None: ...
     async def verify(self, session_id: str, base_position: int, feed: list[int], draft: list[int],

@@ -93,7 +93,7 @@ async def generate(req: GenerationRequest, draft: DraftBackend | None, target: T
     if needs_draft and draft is None:
         raise InvalidRequestError("mode", f"mode {req.mode!r} needs a draft model; use mode 'ar' or add a draft")
     # a feature draft reads the target's prompt features: start the target first, then the draft with them
-    feature_draft = needs_draft and getattr(draft, "reads_features", False)
+    feature_draft = needs_draft and draft.reads_features
     starts = [target.start(sid, req.prompt_ids, req.params, want_features=True) if feature_draft
               else target.start(sid, req.prompt_ids, req.params)]
     if needs_draft and not feature_draft:
@@ -106,7 +106,7 @@ async def generate(req: GenerationRequest, draft: DraftBackend | None, target: T
             await _run_ar(run, target)
         elif req.mode in ("sd", "pacer"):
             await _run_sd(run, draft, target)
-        elif getattr(target, "chain_window", 0) > 1 and req.params.greedy:
+        elif target.chain_window > 1 and req.params.greedy:
             await ChainedRounds(run, draft, target, target.chain_window, CHAIN_BLOCK).run_to_end()
         else:
             await PearlRounds(run, draft, target).run_to_end()

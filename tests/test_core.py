@@ -345,6 +345,8 @@ def test_a_failed_start_leaves_no_session_behind():
     from specdec.schedule import generate
 
     class Target:
+        chain_window = 1
+
         async def start(self, *a, **k):
             raise CapacityError("the target pool is full")
 
@@ -352,6 +354,7 @@ def test_a_failed_start_leaves_no_session_behind():
             pass
 
     class Draft:
+        reads_features = False
         started = ended = False
 
         async def start(self, *a, **k):

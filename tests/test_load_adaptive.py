@@ -23,6 +23,8 @@ class LoadedTarget:
     """A target backend whose verifies report `pattern[i]` sessions in their forward (as a replica shared with
     other sessions would), cycling; everything else is the wrapped backend's."""
 
+    chain_window = 1
+
     def __init__(self, inner, pattern):
         self.inner, self.pattern, self.calls = inner, pattern, 0
 

@@ -24,6 +24,8 @@ def want(pos: int) -> int:
 
 
 class ScriptedTarget:
+    chain_window = 1
+
     def __init__(self, bonus: bool = False):
         self.calls: list[tuple] = []
         self.bonus = bonus  # break the protocol: sample a bonus token even where none is asked

@@ -367,6 +367,7 @@ class RemoteDraft(_Pinned):
 
 class RemoteTarget(_Pinned):
     kind = "target"
+    chain_window = 1  # through the coordinator one verify at a time (chained rounds: the direct data plane's)
     prompt_logprobs = None  # TokenLogprobs of the prompt, when the request asked (SamplingParams.prompt_logprobs)
     cached_tokens = 0  # prompt positions the replica reused from its prefix cache at the session's first start
 
