@@ -2,12 +2,14 @@
 
     python scripts/gpu_check.py [--dry-run] [--out DIR] [--budget-s 450]
 
-Phases, each with its own deadline; the report (report.json + report.md under --out, default $OUT or
-./gpu-check-out) is rewritten after every phase, so a run cut off still reports what it finished:
+Phases, in this order; the report (report.json + report.md under --out, default $OUT or ./gpu-check-out) is
+rewritten after every phase, so a run cut off still reports what it finished:
 1. env: torch/CUDA, the GPU's name, the carried packages;
-2. tests: `pytest -m cuda` over the GPU tests (tests/test_gpu_*.py, the services' device tests); dry run: the CPU
-   tests of tests/test_gpu_*.py;
-3. exactness: on the device, greedy `sd` and `pearl` == `ar` == the target's own greedy decode (tiny random pair,
+2. tests: `pytest -m cuda` over the GPU tests (tests/test_gpu_*.py, tests/test_pacer_device.py, the services'
+   device tests); dry run: the CPU tests of those files. It runs to the end whatever the budget (only
+   --tests-limit-s stops a hung run); its time comes out of the budget before the other phases share the rest;
+3. exactness: on the device, greedy `sd`, `pearl`, `pacer` and `pacer_pearl` (a random pre-verifier per pair, run
+   on the host over the draft's device features) == `ar` == the target's own greedy decode (tiny random pair,
    fp32), and a draft identical to its target has every drafted token accepted;
 4. shapes: random-weight Llama-3.2-1B-shaped draft and Llama-3.1-8B-shaped target (tests/data/configs, bf16): draft
    step at 1/2/4/8 sessions and target verify at 1/2/4/8/16 rows, each as `CausalLM.forward` (eager), the sync-free
@@ -18,7 +20,8 @@ Phases, each with its own deadline; the report (report.json + report.md under --
 6. stack: the round trip (`specdec bench --round-trip`: replicas as separate processes on the device, loopback)
    against the in-process engine, same models, same greedy `sd` schedule, per data path (gRPC streams, frame
    ports, the direct data plane) → the per-round overhead of each; the best one is the goal.
-The goals are evaluated in the report's "goals" section.
+The goals are evaluated in the report's "goals" section. The phases after the tests share what is left of the
+budget by their weights in PHASES, each stopping at its own deadline.
 """
 from __future__ import annotations
 
@@ -44,8 +47,12 @@ import torch  # noqa: E402
 CONFIGS = ROOT / "tests" / "data" / "configs"
 DRAFT_CONFIG = CONFIGS / "meta-llama__Llama-3.2-1B-Instruct.json"
 TARGET_CONFIG = CONFIGS / "meta-llama__Llama-3.1-8B-Instruct.json"
-# phase → share of the budget (seconds at the default 450 s budget); a phase past its deadline stops and reports
-PHASES = {"env": 10, "tests": 110, "exactness": 80, "shapes": 130, "default_pair": 40, "stack": 150}
+# phase → its weight in the budget; the phases after the tests share what the env and tests phases left of it by
+# these weights, and a phase past its deadline stops and reports. The tests phase has no share: it runs to the end
+# (TESTS_LIMIT_S stops only a hung run), ahead of the others.
+PHASES = {"env": 10, "tests": 0, "exactness": 80, "shapes": 130, "default_pair": 40, "stack": 150}
+TESTS_LIMIT_S = 300.0
+TEST_FILES = ("tests/test_pacer_device.py", "tests/test_server_common.py", "tests/test_services.py")
 GOALS = {"verify_8_over_1": 1.2, "draft_graph_ms": 2.5, "draft_graph_speedup": 2.0, "stack_overhead_ms": 0.5}
 
 
@@ -176,8 +183,9 @@ def phase_env(dev: torch.device, args) -> dict:
         p = torch.cuda.get_device_properties(dev)
         out.update(gpu=p.name, gpu_memory_gib=round(p.total_memory / 2**30, 1), capability=f"{p.major}.{p.minor}",
                    cuda=torch.version.cuda)
-    for mod in ("transformers", "grpc", "google.protobuf", "msgpack", "pydantic", "pydantic_settings", "pytest",
-                "llguidance", "prometheus_client"):
+    for mod in ("numpy", "safetensors", "tokenizers", "platformdirs", "transformers", "huggingface_hub", "grpc",
+                "google.protobuf", "msgpack", "pydantic", "pydantic_settings", "pytest", "llguidance",
+                "prometheus_client", "opentelemetry.trace"):
         try:
             m = __import__(mod, fromlist=["_"])
             out[f"pkg_{mod}"] = getattr(m, "__version__", "present")
@@ -186,21 +194,23 @@ def phase_env(dev: torch.device, args) -> dict:
     return out
 
 
-def phase_tests(dev: torch.device, args, budget: float) -> dict:
+def phase_tests(dev: torch.device, args) -> dict:
+    """The GPU tests, to the end: no phase budget applies (`--tests-limit-s` only stops a run that hangs)."""
     files = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_gpu_*.py"))
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts="]
     if args.dry_run:
-        cmd += files  # the CPU tests of the GPU test files (their cuda-marked tests skip)
+        cmd += [*files, TEST_FILES[0]]  # the CPU tests of the GPU test files (their cuda-marked tests skip)
     else:
-        cmd += ["-m", "cuda", *files, "tests/test_server_common.py", "tests/test_services.py"]
+        cmd += ["-m", "cuda", *files, *TEST_FILES]
     try:
-        r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=budget)
+        r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=args.tests_limit_s)
         tail = (r.stdout + r.stderr).strip().splitlines()[-25:]
         return {"status": "ok" if r.returncode == 0 else f"failed (rc {r.returncode})", "command": " ".join(cmd),
                 "summary": tail[-1] if tail else "", "tail": tail}
     except subprocess.TimeoutExpired as e:
-        return {"status": f"cut after {budget:.0f} s", "command": " ".join(cmd),
-                "tail": str(e.stdout or "")[-2000:].splitlines()}
+        out = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+        return {"status": f"hung: stopped at --tests-limit-s {args.tests_limit_s:.0f} s", "command": " ".join(cmd),
+                "tail": out[-2000:].splitlines()}
 
 
 def greedy_reference(model, prompt: list[int], n: int) -> list[int]:
@@ -215,8 +225,16 @@ def greedy_reference(model, prompt: list[int], n: int) -> list[int]:
     return ids[len(prompt):]
 
 
+EXACT_MODES = ("ar", "sd", "pearl", "pacer", "pacer_pearl")
+
+
 def phase_exactness(dev: torch.device, args, deadline: float) -> dict:
+    """Every mode on the device equals the target's greedy decode. PACER's modes run a random pre-verifier on the
+    host, which reads the draft's features from the device once per block; one per pair, reading the draft's
+    hidden rows; the hidden rows and the draft's exact output head (run on the device); the top-2 margin and no
+    hidden rows."""
     from specdec.engine import Engine
+    from specdec.preverifier import build_random_preverifier
     from specdec.request import GenerationRequest
     from specdec.sampling import SamplingParams
     from tests.helpers_models import build_tiny_model
@@ -227,9 +245,14 @@ def phase_exactness(dev: torch.device, args, deadline: float) -> dict:
     out = {"status": "ok", "dtype": "float32", "cases": []}
     greedy = SamplingParams(temperature=0.0)
     refs = {tuple(p): greedy_reference(target, p, 24) for p in prompts}
-    for graphs, pair_name, d in ((True, "tiny pair", draft), (True, "draft == target", copy.deepcopy(target)),
-                                 (False, "tiny pair", draft)):
-        eng = Engine(target, d, inline=True, max_sessions=2)
+    same = copy.deepcopy(target)
+    pairs = ((True, "tiny pair", draft, "hidden", build_random_preverifier(32, seed=5, block_size=2, threshold=0.5)),
+             (True, "draft == target", same, "exact head",
+              build_random_preverifier(64, seed=5, block_size=2, threshold=0.3, draft_model=same)),
+             (False, "tiny pair", draft, "margin", build_random_preverifier(32, seed=5, block_size=1, threshold=0.5,
+                                                                           use_hidden=False, use_margin=True)))
+    for graphs, pair_name, d, pv_name, pv in pairs:
+        eng = Engine(target, d, preverifier=pv, inline=True, max_sessions=2)
         workers = (eng.target_worker, eng.draft_worker)
         if not graphs:  # the workers' eager path (CausalLM.forward) for every forward
             for w in workers:
@@ -240,10 +263,14 @@ def phase_exactness(dev: torch.device, args, deadline: float) -> dict:
                     out["status"] = "cut (phase budget)"
                     return out
                 ref = refs[tuple(p)]
-                case = {"pair": pair_name, "prompt": p}
-                for mode in ("ar", "sd", "pearl"):
-                    res = eng.generate(GenerationRequest(prompt_ids=p, max_new_tokens=24, params=greedy, mode=mode,
-                                                         gamma=4))
+                case = {"pair": pair_name, "preverifier": pv_name, "prompt": p}
+                for mode in EXACT_MODES:
+                    try:
+                        res = eng.generate(GenerationRequest(prompt_ids=p, max_new_tokens=24, params=greedy,
+                                                             mode=mode, gamma=4))
+                    except Exception as e:  # noqa: BLE001 - a mode that fails is reported with the others
+                        case[mode] = f"error: {type(e).__name__}: {str(e)[:200]}"
+                        continue
                     case[mode] = res.token_ids == ref
                     if mode == "sd" and pair_name == "draft == target":
                         st = res.stats
@@ -254,36 +281,12 @@ def phase_exactness(dev: torch.device, args, deadline: float) -> dict:
                 out["cases"].append(case)
         finally:
             eng.close()
-    ok = all(c[m] for c in out["cases"] for m in ("ar", "sd", "pearl")) and all(
+    ok = all(c[m] is True for c in out["cases"] for m in EXACT_MODES) and all(
         c.get("all_accepted", True) for c in out["cases"])
-    out["pacer_probe"] = pacer_probe(target, draft, refs, prompts)
     out["chi_square"] = chi_square_sd(dev, deadline, runs=300 if args.dry_run else 3000)
     ok = ok and out["chi_square"].get("pvalue", 0.0) > 0.001
     out["status"] = "ok" if ok else "FAILED"
     return out
-
-
-def pacer_probe(target, draft, refs: dict, prompts: list) -> str:
-    """Greedy `pacer` with a random pre-verifier on the models' device. Reported, not counted in the phase's status:
-    the pre-verifier runs on the host and reads the draft's hidden rows, which on a GPU are device tensors
-    (docs/operations/gpu.md, "Not yet on the GPU path")."""
-    from specdec.engine import Engine
-    from specdec.preverifier import build_random_preverifier
-    from specdec.request import GenerationRequest
-    from specdec.sampling import SamplingParams
-
-    pv = build_random_preverifier(draft.config.hidden_size, seed=5, block_size=2, threshold=0.5)
-    try:
-        eng = Engine(target, draft, preverifier=pv, inline=True, max_sessions=2)
-        try:
-            same = [eng.generate(GenerationRequest(prompt_ids=p, max_new_tokens=24, mode="pacer", gamma=4,
-                                                   params=SamplingParams(temperature=0.0))).token_ids == refs[tuple(p)]
-                    for p in prompts]
-        finally:
-            eng.close()
-        return "ok: equals the greedy reference" if all(same) else f"DIFFERS from the greedy reference: {same}"
-    except Exception as e:  # noqa: BLE001 - the probe reports what happens
-        return f"error: {type(e).__name__}: {str(e)[:300]}"
 
 
 def chi_square_sd(dev: torch.device, deadline: float, runs: int, vocab: int = 12) -> dict:
@@ -490,6 +493,8 @@ def main() -> int:
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes: the whole check in about a minute")
     ap.add_argument("--out", default=os.environ.get("OUT") or "gpu-check-out")
     ap.add_argument("--budget-s", type=float, default=450.0, help="wall clock for all phases together")
+    ap.add_argument("--tests-limit-s", type=float, default=TESTS_LIMIT_S,
+                    help="stops a tests phase that hangs (the budget never cuts it)")
     ap.add_argument("--phases", default=",".join(PHASES), help="comma-separated subset of " + ",".join(PHASES))
     ap.add_argument("--device", default=None, help="default: cuda where available (cpu with --dry-run)")
     args = ap.parse_args()
@@ -504,21 +509,28 @@ def main() -> int:
     report = Report(Path(args.out), args.dry_run)
     # a phase that hangs (a capture, a stuck RPC) prints every thread's stack and ends the run before the device
     # call's own limit does: the report holds the phases before it
-    faulthandler.dump_traceback_later(args.budget_s + 45, exit=True)
     wanted = [p for p in args.phases.split(",") if p]
-    scale = args.budget_s / sum(PHASES.values())
+    unknown = [p for p in wanted if p not in PHASES]
+    if unknown:
+        print(f"unknown phase(s) {', '.join(unknown)}: use {', '.join(PHASES)}", file=sys.stderr)
+        return 2
+    wanted = [p for p in PHASES if p in wanted]  # in PHASES' order: the tests before the budgeted phases
+    faulthandler.dump_traceback_later(args.budget_s + (args.tests_limit_s if "tests" in wanted else 0) + 45,
+                                      exit=True)
     t_end = time.monotonic() + args.budget_s
-    for name in wanted:
-        budget = PHASES[name] * scale
-        deadline = min(time.monotonic() + budget, t_end)
-        if time.monotonic() >= t_end:
+    for k, name in enumerate(wanted):
+        left = t_end - time.monotonic()
+        # this phase's share of what is left, by weight among the phases still to run
+        weights = sum(PHASES[p] for p in wanted[k:]) or 1
+        deadline = time.monotonic() + max(left, 0.0) * PHASES[name] / weights
+        if left <= 0 and name != "tests":
             report.phase(name, {"status": "skipped: the run's budget is spent"})
             continue
         try:
             if name == "env":
                 res = phase_env(dev, args)
             elif name == "tests":
-                res = phase_tests(dev, args, max(10.0, deadline - time.monotonic()))
+                res = phase_tests(dev, args)
             else:
                 res = globals()[f"phase_{name}"](dev, args, deadline)
         except Exception as e:  # noqa: BLE001 - one phase's failure is reported; the others still run

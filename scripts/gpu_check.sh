@@ -2,11 +2,13 @@
 # The prepared GPU check (docs/operations/gpu.md). On a bare GPU machine, from the working tree:
 #   scripts/gpu_check.sh                 # all phases, ~7 minutes, report under $OUT (or ./gpu-check-out)
 #   scripts/gpu_check.sh --dry-run       # CPU, tiny shapes, about a minute: shows the check works end to end
-# Extra arguments go to scripts/gpu_check.py (--budget-s, --phases, --out, --device).
+# Extra arguments go to scripts/gpu_check.py (--budget-s, --tests-limit-s, --phases, --out, --device).
 #
-# On a machine without a package index, what it lacks (pydantic-settings and the rest the core and the services
-# import, pytest) comes as wheels in .whl/, beside the generated gRPC stubs in specdec_rpc/pb/ (both git-ignored;
-# docs/operations/gpu.md); they install into /tmp/site, no index, no deps.
+# On a machine without a package index and with nothing but Python and a CUDA build of torch, everything else the
+# check imports (numpy, safetensors, tokenizers, platformdirs, transformers, gRPC, pydantic-settings, pytest, ...)
+# comes as wheels in .whl/, beside the generated gRPC stubs in specdec_rpc/pb/ (both git-ignored; the list is in
+# docs/operations/gpu.md); they install into /tmp/site, no index, no deps. PYTHON=... picks the interpreter (the
+# default: a development checkout's .venv where it has the project's dependencies, else python3).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 ROOT=$PWD
@@ -14,7 +16,7 @@ OUT=${OUT:-$ROOT/gpu-check-out}
 mkdir -p "$OUT"
 export OUT PYTHONUNBUFFERED=1 SPECDEC_TEST_THREADS=${SPECDEC_TEST_THREADS:-4}
 
-if [ -x .venv/bin/python ] && .venv/bin/python -c "import pydantic_settings" 2>/dev/null; then
+if [ -z "${PYTHON:-}" ] && [ -x .venv/bin/python ] && .venv/bin/python -c "import pydantic_settings" 2>/dev/null; then
   PY=$ROOT/.venv/bin/python  # a development checkout: its environment has everything
 else
   PY=${PYTHON:-python3}

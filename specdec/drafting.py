@@ -7,7 +7,8 @@ One token, in order (`DraftWorker._draft_token` composes them):
    the proposal likelier to be accepted; the target's verification is what makes decoding lossless;
 3. sampling (`choose_token`): argmax for greedy sessions, else a keyed sample of the tempered distribution
    truncated to its top q_top_k, which is what q says exactly;
-4. the pre-verifier's features of the token (`CallFeatures`), where the stop rule reads them;
+4. the pre-verifier's features of the token (`CallFeatures`), where the stop rule reads them: a GPU draft's stay
+   on its device until the block ends, then reach the host in one copy (`CallFeatures.block`);
 5. the stop rule (`end_of_token`), after each block: gamma_max, the pre-verifier's score (a block prompt lookup
    proposed: lookup's measured precision), the first block's skip, a cancel.
 
@@ -73,11 +74,16 @@ class Drafted:
 
 @dataclass
 class CallFeatures:
-    """The pre-verifier's per-token features of the drafted tokens (a DraftFeatures per block)."""
+    """The pre-verifier's per-token features of the drafted tokens (a DraftFeatures per block).
+
+    Each value stays where the draft computed it: a CPU draft's are read as they come (floats and host rows), a
+    GPU draft's stay on its device as it drafts, so a drafted token costs no host read beyond its own token's.
+    `block` brings whatever is still on the device to the host in one copy: the one host synchronisation of the
+    features per scored block. The pre-verifier runs on the host (specdec/preverifier.py)."""
     hidden: list[torch.Tensor | None] = field(default_factory=list)
-    logq: list[float] = field(default_factory=list)
-    entropy: list[float] = field(default_factory=list)
-    margin: list[float] = field(default_factory=list)
+    logq: list[float | torch.Tensor] = field(default_factory=list)  # a 0-d tensor: on the draft's device
+    entropy: list[float | torch.Tensor] = field(default_factory=list)
+    margin: list[float | torch.Tensor] = field(default_factory=list)
 
     def add(self, needs: FeatureNeeds, row: torch.Tensor | None, row_hidden: torch.Tensor | None,
             choice: Choice) -> None:
@@ -87,7 +93,7 @@ class CallFeatures:
             logq, ent = 0.0, 0.0
         elif choice.probs is None:
             logq, ent = confidence(row, choice.row_index)
-        else:  # sampled: the confidence of the distribution it was sampled from
+        else:  # sampled: the confidence of the distribution it was sampled from (on the host: `choose_token`)
             lq = choice.probs.clamp_min(1e-30).log()
             logq, ent = float(lq[choice.token]), float(torch.special.entr(lq.exp()).sum())
         if needs.hidden:
@@ -106,7 +112,24 @@ class CallFeatures:
         if needs.margin:
             self.margin[t] = top2_margin(row)
 
+    def to_host(self) -> None:
+        """Every value still on the draft's device, to the host in one device-to-host copy (none on a CPU
+        draft): hidden rows as host rows, scalars as floats."""
+        cols = (self.hidden, self.logq, self.entropy, self.margin)
+        on_dev = [(col, i) for col in cols for i, v in enumerate(col)
+                  if isinstance(v, torch.Tensor) and v.device.type != "cpu"]
+        if not on_dev:
+            return
+        flat = torch.cat([col[i].reshape(-1) for col, i in on_dev]).cpu()  # fp32 throughout
+        at = 0
+        for col, i in on_dev:
+            k = col[i].numel()
+            col[i] = flat[at:at + k] if col[i].dim() else float(flat[at])
+            at += k
+
     def block(self, drafted: Drafted, block_start: int) -> DraftFeatures:
+        """The features of every token drafted so far, as host tensors (`to_host`)."""
+        self.to_host()
         n = len(drafted)
         hidden = torch.stack(self.hidden) if self.hidden else torch.empty(n, 0)
         return DraftFeatures(hidden=hidden, tokens=torch.tensor(drafted.tokens), logq=torch.tensor(self.logq),
@@ -244,20 +267,28 @@ def choose_token(c: DraftCall, row: torch.Tensor, subset: torch.Tensor | None, e
 
 
 # ---- 4. features -------------------------------------------------------------------------------------------------
-def confidence(row: torch.Tensor, xr: int | None) -> tuple[float, float]:
+def _read(v: torch.Tensor) -> float | torch.Tensor:
+    """A 0-d feature value: a float where it was computed on the host; on a device, the tensor itself (no host
+    read per token: `CallFeatures.to_host` reads a block's values together)."""
+    return float(v) if v.device.type == "cpu" else v
+
+
+def confidence(row: torch.Tensor, xr: int | None) -> tuple[float | torch.Tensor, float | torch.Tensor]:
     """(log q(x), entropy of q) of the untempered softmax of a logits row; xr indexes the row (None: a
     looked-up token the draft's compact head lacks, log q = LOGQ_FLOOR). `advance` feeds a compact-head
     draft's rows compact (its subset's logits, -inf everywhere else in the full row, where q is exactly 0):
-    the same two numbers as on the full row at a sixth of the cost (8,192 entries, not 49,152)."""
+    the same two numbers as on the full row at a sixth of the cost (8,192 entries, not 49,152). Floats for a host
+    row; a device row's stay on its device (0-d tensors, `_read`)."""
     lq = torch.log_softmax(row.float(), -1)
-    ent = float(torch.special.entr(lq.exp()).sum())
-    return (LOGQ_FLOOR if xr is None else max(float(lq[xr]), LOGQ_FLOOR)), ent
+    ent = _read(torch.special.entr(lq.exp()).sum())
+    return (LOGQ_FLOOR if xr is None else _read(lq[xr].clamp_min(LOGQ_FLOOR))), ent
 
 
-def top2_margin(row: torch.Tensor) -> float:
-    """Top-1 minus top-2 of the untempered logits row (head_stats' margin), capped."""
+def top2_margin(row: torch.Tensor) -> float | torch.Tensor:
+    """Top-1 minus top-2 of the untempered logits row (head_stats' margin), capped; a float for a host row, a
+    0-d tensor on a device row's device (`_read`)."""
     top = row.topk(2).values.float()
-    return min(float(top[0] - top[1]), MARGIN_CAP)
+    return _read((top[0] - top[1]).clamp_max(MARGIN_CAP))
 
 
 # ---- 5. the stop rule --------------------------------------------------------------------------------------------

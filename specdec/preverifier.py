@@ -15,6 +15,16 @@ Model (cheap on purpose: it runs after every block, on the draft's critical path
 - the block probability is the product of the per-token sigmoids over the block (mode "block"), or over every
   token drafted so far (mode "prefix": P(the whole round so far is accepted)).
 
+Where it runs: on the host, whatever the draft's device. Its network is small (a 64-wide MLP) and runs after every
+block, where a GPU would cost a kernel launch per op; the round scorer runs it in NumPy (specdec/round_scorer.py).
+A GPU draft keeps a block's features (hidden rows, log q, entropy, margin) on its device while it drafts, and the
+drafting loop copies them to the host in one transfer when the block ends (specdec/drafting.py,
+`CallFeatures.block`): one host synchronisation per scored block, none per drafted token. The pre-verifier reads
+`DraftFeatures` as host tensors (`DraftFeatures.on_host` brings a caller's device tensors over). The one part that
+runs on the draft's device is the exact output head of a head-reading pre-verifier (`use_head`, `head_rank` 0):
+the block's new hidden rows go back to the device through the draft's `lm_head`, and their [m, 4] statistics come
+to the host (a second copy per block); the low-rank head runs on the host.
+
 Files (`save_preverifier` / `load_preverifier`): `config.json` (architecture, threshold, block size, score mode,
 the draft's fingerprint), `model.safetensors`, `card.json` and `README.md` (the model card).
 """
@@ -134,14 +144,15 @@ class Preverifier(nn.Module):
         return self
 
     def _head_logits(self, hidden: torch.Tensor, tokens: torch.Tensor):
+        """The draft head's logits of `hidden` and the tokens' indices into them, on the device the head runs on:
+        the host for the low-rank head (its factors are host tensors), the draft's device for the exact head."""
         d = self._draft
         if self._lowrank is not None:
             logits = (hidden.float() @ self._lowrank[0]) @ self._lowrank[1]
         else:
-            logits = d.lm_head(hidden.to(d.dtype)).float()
-        if self._to_compact is not None:
-            return logits, self._to_compact[tokens.long()]
-        return logits, tokens
+            logits = d.lm_head(hidden.to(d.device, d.dtype)).float()
+        idx = self._to_compact[tokens.long()] if self._to_compact is not None else tokens
+        return logits, idx.to(logits.device)
 
     def margin_of(self, features: DraftFeatures) -> torch.Tensor | None:
         """The margin column this pre-verifier reads (None when it reads none); refuses features without it."""
@@ -153,6 +164,7 @@ class Preverifier(nn.Module):
         return features.margin
 
     def scalars(self, features: DraftFeatures, start: int = 0) -> torch.Tensor:
+        """The scalar features of tokens start.. (host features in, host tensor out)."""
         scal = token_scalars(features.logq, features.entropy, self.margin_of(features))[start:]
         if not self.use_head:
             return scal
@@ -161,7 +173,8 @@ class Preverifier(nn.Module):
                                "load_preverifier(path, draft_model=draft) (or call attach_draft(draft))")
         with torch.inference_mode():
             logits, idx = self._head_logits(features.hidden[start:], features.tokens[start:])
-        return torch.cat([scal, head_stats(logits, idx)], dim=-1)
+            stats = head_stats(logits, idx).to(scal.device)  # from the draft's device: one [m, 4] copy
+        return torch.cat([scal, stats], dim=-1)
 
     def bucket(self, tokens: torch.Tensor) -> torch.Tensor:
         return (tokens.long() * HASH_MULT) % self.hash_buckets
@@ -181,6 +194,7 @@ class Preverifier(nn.Module):
         """P(every token of the block that starts at `features.block_start` is accepted | earlier ones were).
 
         In score mode "prefix" the product runs over every token drafted this round instead."""
+        features = features.on_host()
         start = 0 if self.score_mode == "prefix" else int(features.block_start)
         scal = self.scalars(features, start)
         logits = self.token_logits(features.hidden[start:], features.tokens[start:], scal)

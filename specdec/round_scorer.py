@@ -3,6 +3,9 @@ through the network with its LayerNorms folded into NumPy matrices (docs/design/
 
 `specdec.preverifier.Preverifier.round_scorer()` builds a `RoundScorer`; its scores equal `block_accept_prob` up to
 float rounding (tested). Kept apart from the module definition, training and I/O in `specdec.preverifier`.
+
+It runs on the host and reads host features: the drafting loop hands it a GPU draft's block in one device-to-host
+copy (specdec/drafting.py, `CallFeatures.block`; where the pre-verifier runs: `specdec.preverifier`).
 """
 from __future__ import annotations
 
@@ -66,7 +69,7 @@ class Folded:
         return np.array([0.5 * v * (1.0 + math.erf(v * _SQRT1_2)) for v in x.tolist()])
 
     def token_logit(self, hidden: torch.Tensor, token: int, scalars: list[float]) -> float:
-        """One token: [D] hidden row, its id, its scalar floats → its logit (`Preverifier.token_logits`)."""
+        """One token: [D] host hidden row, its id, its scalar floats → its logit (`Preverifier.token_logits`)."""
         mean = sum(scalars) / len(scalars)
         inv = 1.0 / math.sqrt(sum((v - mean) ** 2 for v in scalars) / len(scalars) + self.s_eps)
         s = np.array([(v - mean) * inv for v in scalars])
@@ -103,6 +106,7 @@ class RoundScorer:
 
     @torch.inference_mode()
     def score(self, features: DraftFeatures) -> float:
+        features = features.on_host()  # the drafting loop's are already
         pv, n = self.pv, int(features.tokens.shape[0])
         if features.block_start == 0 or n < len(self.logsig):  # a round's first block: start over
             self.reset()

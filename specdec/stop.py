@@ -6,7 +6,7 @@ so it can never change the output distribution (the target's verification is wha
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -17,7 +17,8 @@ DEFAULT_PACER_THRESHOLD = 0.5  # a pre-verifier's θ where neither the request n
 
 @dataclass
 class DraftFeatures:
-    """What the draft knows about the tokens it drafted this round (one row per drafted token)."""
+    """What the draft knows about the tokens it drafted this round (one row per drafted token). Host tensors where
+    the drafting loop builds them, whatever the draft's device (specdec/drafting.py, `CallFeatures.block`)."""
 
     hidden: torch.Tensor  # [n, D] draft hidden state that produced q_t (fp32); [n, 0] for rules without needs_hidden
     tokens: torch.Tensor  # [n] drafted token ids
@@ -27,6 +28,11 @@ class DraftFeatures:
     # [n] top-1 minus top-2 log-prob of the draft's untempered distribution at each row, filled only for stop rules
     # that ask for it (`needs_margin`): the draft's confidence beyond log q, from logits it already has
     margin: torch.Tensor | None = None
+
+    def on_host(self) -> DraftFeatures:
+        """These features with every tensor on the host (itself where they are: the drafting loop's are)."""
+        tensors = {k: v for k, v in vars(self).items() if isinstance(v, torch.Tensor) and v.device.type != "cpu"}
+        return replace(self, **{k: v.cpu() for k, v in tensors.items()}) if tensors else self
 
 
 class StopRule(ABC):
