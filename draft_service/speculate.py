@@ -3,7 +3,7 @@
 With `COORDINATOR_DATA_PLANE=direct` the coordinator pins a draft and a target replica as always, then hands the
 request to the draft replica, which runs `specdec.schedule.generate` with two backends:
 
-- `LocalDraft`: this replica's own drafting, through its batcher (concurrent sessions still share forwards), with
+- `ReplicaDraft`: this replica's own drafting, through its batcher (concurrent sessions still share forwards), with
   no network between the schedule and the draft: a PEARL cut or a new block costs nothing on the wire;
 - `PeerTarget`: the pinned target replica, called directly (its per-round stream, `specdec_rpc.rounds`).
 
@@ -63,7 +63,7 @@ def parse_routes(spec: str) -> dict[str, str]:
     return routes
 
 
-class LocalDraft:
+class ReplicaDraft:
     """`DraftBackend` over this replica's worker and batcher: what the Draft/DraftStream RPCs do, without the wire."""
 
     def __init__(self, servicer, output_start: int, reserve: int):
@@ -379,7 +379,7 @@ async def speculate(servicer, peers: PeerChannels, request: draft_pb2.SpeculateR
         raise InvalidRequestError("params.prompt_logprobs", "Speculate returns no prompt logprobs; ask the "
                                   "coordinator's own rounds for them")
     metadata = tuple((k, v) for k, v in context.invocation_metadata() if k in TRACE_HEADERS) or None
-    draft = LocalDraft(servicer, int(request.output_start), int(request.reserve_positions))
+    draft = ReplicaDraft(servicer, int(request.output_start), int(request.reserve_positions))
     target = PeerTarget(peers.get(request.target_endpoint, request.target_server_name), request.target_endpoint,
                         timeout, metadata, int(request.reserve_positions), int(request.output_start),
                         int(request.chain_window), peers.link(request.target_endpoint),

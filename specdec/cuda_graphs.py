@@ -64,7 +64,7 @@ def graph_key(batch: int, width: int, kv_len: int, max_len: int, batch_buckets=B
     return b, width, c
 
 
-def rope_tables(model, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_cache_tables(model, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(cos, sin with rotate_half's sign folded in) for positions 0..n-1, as `CausalLM._rope` builds them."""
     model._rope(torch.tensor([[n - 1]], device=model.device))  # fills the model's cache to at least n
     cos, sin_signed = model._rope_cache
@@ -107,7 +107,7 @@ def static_forward(model, kv, tokens: torch.Tensor, positions: torch.Tensor, slo
                    compact_logits: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """`CausalLM.forward` for a decode step or verify block without host syncs: tokens/positions [B, S] long,
     slots [B] long, all on the model's device; every position < ctx <= kv.max_len; cos/sin tables from
-    `rope_tables`; `compact_logits` as `CausalLM.forward`'s. → (logits fp32 [B, S, V], hidden [B, S, D])."""
+    `rope_cache_tables`; `compact_logits` as `CausalLM.forward`'s. → (logits fp32 [B, S, V], hidden [B, S, D])."""
     B, S = tokens.shape
     cos, sin = cos_tab[positions], sin_tab[positions]
     key_pos = torch.arange(ctx, device=tokens.device)
@@ -185,7 +185,7 @@ class GraphRunner:
         self.enabled = bool(on and model.device.type == "cuda" and supports_model(model))
         self.graphs: dict[tuple[int, int, int, bool], _Graph] = {}
         self.pool = torch.cuda.graph_pool_handle() if self.enabled else None
-        self.cos, self.sin = rope_tables(model, kv.max_len) if supports_model(model) else (None, None)
+        self.cos, self.sin = rope_cache_tables(model, kv.max_len) if supports_model(model) else (None, None)
         self.replays = self.eager_calls = 0  # counters (the check reports them; tests read them)
 
     def key(self, batch: int, width: int, kv_len: int, compact: bool = False) -> tuple[int, int, int, bool] | None:

@@ -152,8 +152,3 @@ def resolve_device(spec: str):
         return dev
     return torch.device("cpu")
 
-
-def resolve_dtype(name: str, device="cpu", role: str = "target"):
-    from specdec.dtypes import resolve_dtype as model_dtype  # torch is imported only when a model is loaded
-
-    return model_dtype(name, device, role)

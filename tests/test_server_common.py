@@ -307,7 +307,7 @@ def test_dtype_auto_picks_bf16_where_it_is_fast():
 
     from specdec import native
     from specdec.dtypes import auto_dtype, cpu_has_fast_bf16
-    from specdec_rpc.settings import resolve_dtype
+    from specdec.dtypes import resolve_dtype
 
     class S(ServerSettings):
         model_config = SettingsConfigDict(env_prefix="XTEST2_")
