@@ -12,6 +12,7 @@ from typing import Literal
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
+from specdec.field_rules import MAX_GAMMA
 from specdec.defaults import COORDINATOR_METRICS_PORT, COORDINATOR_PORT, DEFAULT_TARGET, DEFAULT_TARGET_NAME
 from specdec.request import DEFAULT_POST_THRESHOLD, MAX_SPEC_OFF_BATCH, MODES
 from specdec_rpc.settings import ProcessSettings
@@ -37,7 +38,7 @@ class CoordinatorSettings(ProcessSettings):
                                                 "min 2, re-checked as Ray workers join)")
     default_mode: Literal[MODES] = Field("sd", description="the mode of requests that leave it unset (OpenAI clients send none): "
                                                 "ar, sd, pacer, pearl or pacer_pearl")
-    gamma: int = Field(0, ge=0, le=64, description="the draft length (sd), most tokens drafted (pacer) or draft "
+    gamma: int = Field(0, ge=0, le=MAX_GAMMA, description="the draft length (sd), most tokens drafted (pacer) or draft "
                                                    "window (PEARL modes) of requests that set none; vLLM's "
                                                    "num_speculative_tokens (0: each mode's own default, "
                                                    "specdec/request.py DEFAULT_GAMMA)")

@@ -15,11 +15,12 @@ from pathlib import PurePath
 
 from prometheus_client import Counter, Gauge, Histogram
 
+from specdec.request import MODES
+
 _SECONDS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 # a whole request: up to the token cap (4096 by default) at 0.05-0.1 s a token under load
 _REQUEST_SECONDS = _SECONDS[:-1] + (60.0, 120.0, 300.0, 600.0, 1200.0, 1800.0)
 FINISH_REASONS = ("stop", "length", "abort")  # vLLM's finish_reason label values; "abort": the client went away
-MODES = ("ar", "sd", "pacer", "pearl", "pacer_pearl")
 PACER_MODES = ("pacer", "pacer_pearl")
 PEARL_MODES = ("pearl", "pacer_pearl")
 # the draft replica calls the target replica itself only with the direct data plane (COORDINATOR_DATA_PLANE=direct)

@@ -1,4 +1,5 @@
-"""What a generation request is (modes, defaults, validation) and what it returns (tokens, statistics).
+"""What a generation request is (modes, defaults, validation) and what it returns (tokens, statistics). Its fields'
+ranges are specdec/field_rules.py's, the one table of them that the coordinator applies too.
 
 The schedules that run a request are in `specdec.schedule`; these types are shared by the engine, the coordinator,
 the benchmarks and the tests.
@@ -10,7 +11,6 @@ from dataclasses import asdict, dataclass, field
 
 from specdec.errors import InvalidRequestError
 from specdec.sampling import SamplingParams
-from specdec.verify import METHODS
 
 MODES = ("ar", "sd", "pacer", "pearl", "pacer_pearl")
 # gamma when a request leaves it unset. sd: the draft length. pacer: the most it may draft (the pre-verifier
@@ -55,33 +55,15 @@ class GenerationRequest:
     session_id: str = field(default_factory=lambda: uuid.uuid4().hex)
 
     def validate(self) -> "GenerationRequest":
+        """Checks the fields by specdec/field_rules.py's table (the rules the coordinator applies to a
+        GenerateRequest), after setting an unset gamma to its mode's default."""
+        from specdec.field_rules import check_request  # the table imports this module's names
+
         if not self.prompt_ids:
             raise InvalidRequestError("prompt", "the prompt is empty; send text, messages or token ids")
-        if self.max_new_tokens <= 0:
-            raise InvalidRequestError("max_new_tokens", f"must be > 0, got {self.max_new_tokens}")
-        if self.mode not in MODES:
-            raise InvalidRequestError("mode", f"unknown mode {self.mode!r}; use one of {', '.join(MODES)}")
-        if self.verify_method not in METHODS:
-            raise InvalidRequestError("verify_method", f"unknown {self.verify_method!r}; use one of {METHODS}")
         if self.gamma is None:
-            self.gamma = DEFAULT_GAMMA[self.mode]
-        if not (1 <= self.gamma <= 64):
-            raise InvalidRequestError("gamma", f"must be in [1, 64], got {self.gamma}")
-        if self.block_size is not None and self.block_size < 1:
-            raise InvalidRequestError("block_size", f"must be >= 1, got {self.block_size}")
-        for name in ("pacer_skip_below", "pacer_post_threshold"):
-            v = getattr(self, name)
-            if v is not None and not 0.0 <= v <= 1.0:
-                raise InvalidRequestError(name, f"is a probability in [0, 1], got {v}")
-        if self.pearl_first_block is not None and not 0 <= self.pearl_first_block <= self.gamma:
-            raise InvalidRequestError("pearl_first_block", f"must be in [0, gamma={self.gamma}] (0: PEARL pre-verify), "
-                                      f"got {self.pearl_first_block}")
-        if self.spec_off_batch is not None and not 0 <= self.spec_off_batch <= MAX_SPEC_OFF_BATCH:
-            raise InvalidRequestError("spec_off_batch", f"must be in [0, {MAX_SPEC_OFF_BATCH}] (0: always speculate), "
-                                      f"got {self.spec_off_batch}")
-        if self.pearl_overlap not in PEARL_OVERLAP:
-            raise InvalidRequestError("pearl_overlap", f"use one of {', '.join(PEARL_OVERLAP)}, got "
-                                      f"{self.pearl_overlap!r}")
+            self.gamma = DEFAULT_GAMMA.get(self.mode)
+        check_request(self)
         self.params.validate()
         return self
 

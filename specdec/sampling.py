@@ -24,8 +24,6 @@ from enum import IntEnum
 
 import torch
 
-from specdec.errors import InvalidRequestError
-
 
 class Purpose(IntEnum):
     DRAFT = 1  # the draft's sample at a position
@@ -91,44 +89,11 @@ class SamplingParams:
         return self.temperature < SAMPLING_EPS
 
     def validate(self) -> "SamplingParams":
-        if not (self.temperature >= 0.0) or self.temperature != self.temperature or self.temperature > 100:
-            raise InvalidRequestError("temperature", f"must be in [0, 100], got {self.temperature}; use 0 for greedy")
-        if self.top_k < 0:
-            raise InvalidRequestError("top_k", f"must be >= 0 (0 disables it), got {self.top_k}")
-        if not (0.0 < self.top_p <= 1.0):
-            raise InvalidRequestError("top_p", f"must be in (0, 1] (1 disables it), got {self.top_p}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if not -2.0 <= getattr(self, name) <= 2.0:
-                raise InvalidRequestError(name, f"must be in [-2, 2] (0 disables it), got {getattr(self, name)}")
-        if not 0.0 < self.repetition_penalty <= 10.0:
-            raise InvalidRequestError("repetition_penalty", f"must be in (0, 10] (1 disables it), got "
-                                                            f"{self.repetition_penalty}")
-        if len(self.logit_bias) > MAX_LOGIT_BIAS:
-            raise InvalidRequestError("logit_bias", f"has {len(self.logit_bias)} entries; at most {MAX_LOGIT_BIAS}")
-        for tok, bias in self.logit_bias:
-            if not -100.0 <= bias <= 100.0 or tok < 0:
-                raise InvalidRequestError("logit_bias", f"token {tok}: a bias must be in [-100, 100] for a token id "
-                                                        f">= 0, got {bias}")
-        if len(self.cache_salt) > MAX_CACHE_SALT:
-            raise InvalidRequestError("cache_salt", f"is {len(self.cache_salt)} characters; use at most "
-                                                    f"{MAX_CACHE_SALT} (e.g. a hash of the tenant's id)")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise InvalidRequestError("min_p", f"must be in [0, 1] (0 disables it), got {self.min_p}")
-        if len(self.allowed_token_ids) > MAX_ALLOWED_TOKEN_IDS or any(t < 0 for t in self.allowed_token_ids):
-            raise InvalidRequestError("allowed_token_ids", f"send at most {MAX_ALLOWED_TOKEN_IDS} token ids, each >= 0")
-        if len(self.bad_words) > MAX_BAD_WORDS or any(not w or any(t < 0 for t in w) for w in self.bad_words):
-            raise InvalidRequestError("bad_words", f"send at most {MAX_BAD_WORDS} non-empty token sequences")
-        if len(self.stop_ids) > MAX_STOP_IDS or any(t < 0 for t in self.stop_ids):
-            raise InvalidRequestError("stop_ids", f"send at most {MAX_STOP_IDS} token ids, each >= 0")
-        if self.min_tokens < 0:
-            raise InvalidRequestError("min_tokens", f"must be >= 0, got {self.min_tokens}")
-        if len(self.grammar) > MAX_GRAMMAR_CHARS:
-            raise InvalidRequestError("structured_output", f"the grammar is {len(self.grammar)} characters; at most "
-                                                           f"{MAX_GRAMMAR_CHARS}")
-        for name in ("logprobs", "prompt_logprobs"):
-            if not -1 <= getattr(self, name) <= MAX_TOP_LOGPROBS:
-                raise InvalidRequestError(name, f"must be in [0, {MAX_TOP_LOGPROBS}] top alternatives (unset: no "
-                                                f"logprobs), got {getattr(self, name)}")
+        """Checks the fields by specdec/field_rules.py's table: a request's sampling fields by the rules the
+        coordinator applies to a GenerateRequest, and the replicas' own (stop_ids, bad_words, grammar) by theirs."""
+        from specdec.field_rules import check_sampling  # the table imports this module's limits
+
+        check_sampling(self)
         return self
 
 

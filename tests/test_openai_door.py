@@ -177,17 +177,19 @@ async def test_usage_reports_the_prefix_cache_hits():
     assert last["usage"]["prompt_tokens_details"] == {"cached_tokens": 256}
 
 
-def test_the_schema_passes_cache_salt_and_bounds_it():
+def test_the_schema_passes_cache_salt_and_the_servicer_bounds_it():
     import pytest
-    from pydantic import ValidationError
 
+    from coordinator.grpc_api.service import GenerationServicer
     from coordinator.http_api.schema import ChatCompletionRequest
+    from specdec.errors import InvalidRequestError
 
     body = ChatCompletionRequest(messages=MESSAGES, cache_salt="tenant-a")
     assert body.to_proto().cache_salt == "tenant-a"
     assert ChatCompletionRequest(messages=MESSAGES).to_proto().cache_salt == ""
-    with pytest.raises(ValidationError, match="cache_salt"):
-        ChatCompletionRequest(messages=MESSAGES, cache_salt="x" * 300)
+    long = ChatCompletionRequest(messages=MESSAGES, cache_salt="x" * 300).to_proto()  # the table's rule, not the body's
+    with pytest.raises(InvalidRequestError, match="cache_salt: is 300 characters; use at most 256"):
+        GenerationServicer(router=None).prepare(long)
 
 
 def test_the_schema_passes_penalties_and_logit_bias():
@@ -202,6 +204,13 @@ def test_the_schema_passes_penalties_and_logit_bias():
     assert dict(r.logit_bias) == {3: 2.0, 17: -100.0}
     assert not CompletionRequest(prompt="abc").to_proto().HasField("repetition_penalty")
     assert list(CompletionRequest(prompt="abc", stop_token_ids=[5, 9]).to_proto().stop_token_ids) == [5, 9]
-    for bad in ({"logit_bias": {"x": 1}}, {"logit_bias": {"3": 101}}, {"presence_penalty": 3}):
-        with pytest.raises(ValidationError):
-            CompletionRequest(prompt="abc", **bad)
+    with pytest.raises(ValidationError, match="strings of digits"):  # the keys' form is this door's own
+        CompletionRequest(prompt="abc", logit_bias={"x": 1})
+    from coordinator.grpc_api.service import GenerationServicer
+    from specdec.errors import InvalidRequestError
+
+    for bad, words in (({"logit_bias": {"3": 101}}, "logit_bias: token 3: a bias must be in [-100, 100]"),
+                       ({"presence_penalty": 3}, "presence_penalty: must be in [-2, 2]")):  # the ranges: the table's
+        with pytest.raises(InvalidRequestError) as e:
+            GenerationServicer(router=None).prepare(CompletionRequest(prompt=[1, 2], **bad).to_proto())
+        assert str(e.value).startswith(words), e.value

@@ -7,6 +7,7 @@ import json
 import logging
 import re
 
+from specdec import field_rules
 from specdec.errors import InvalidRequestError
 from specdec_rpc.pb import generation_pb2
 
@@ -31,7 +32,7 @@ def chat_message(m: generation_pb2.ChatMessage) -> dict:
     return out
 
 
-REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")  # + "-" + 12 hex: a replica session id (<= 128)
+REQUEST_ID = re.compile(field_rules.REQUEST_ID)  # the request_id rule (specdec/field_rules.py), for X-Request-Id
 requests_log = logging.getLogger("coordinator.requests")  # one INFO line per finished request
 # the per-request times a finished request's line carries as fields (JSON logs: `timings`)
 REQUEST_TIMINGS = ("queued_s", "draft_busy_s", "target_busy_s", "draft_network_s", "target_network_s",

@@ -8,8 +8,6 @@ from coordinator.grpc_api.reasoning import ReasoningStart, ThinkTags, answer_sta
 from specdec.errors import InvalidRequestError
 from specdec_rpc.pb import generation_pb2
 
-MAX_BAD_WORDS = 128
-
 
 class OutputConstraints:
     def __init__(self, tokenizer=None, eos: tuple[int, ...] = (), reasoning_parser: str = ""):
@@ -35,8 +33,6 @@ class OutputConstraints:
         """vLLM's bad_words → token sequences: each word tokenized as is and after a space (as vLLM does)."""
         if not r.bad_words:
             return []
-        if len(r.bad_words) > MAX_BAD_WORDS or not all(w.strip() for w in r.bad_words):
-            raise InvalidRequestError("bad_words", f"send at most {MAX_BAD_WORDS} non-empty words")
         if self.tok is None:
             raise InvalidRequestError("bad_words", "this coordinator has no tokenizer to tokenize them")
         seqs = {tuple(self.tok.encode(text, add_special_tokens=False)) for w in r.bad_words for text in (w, " " + w)}

@@ -3,6 +3,12 @@ coordinator/grpc_api/text_output.py).
 
 Runs in the driver process. Everything per round happens in a pipeline (in-process or a Ray actor); this class
 only turns a GenerateRequest into a token-id request, forwards it, and turns the pipeline's events back into text.
+
+Validation: every field's range or choices is specdec/field_rules.py's table, which `prepare` applies with this
+coordinator's bounds (its cap on max_new_tokens, the request's gamma and max_new_tokens, the tokenizer's
+vocabulary). Both doors reach it (the HTTP door calls `respond` in process), so a bad field gets the same
+INVALID_ARGUMENT message through either. What `prepare` checks itself is what no single field's range says: one
+prompt kind, raw_prompt only with text, a prompt that encodes to tokens and fits the context.
 """
 from __future__ import annotations
 
@@ -14,22 +20,19 @@ from dataclasses import dataclass
 
 import grpc
 
-from coordinator.grpc_api.chat_prompt import REQUEST_ID, chat_message, log_failure, log_request, template_options
+from coordinator.grpc_api.chat_prompt import chat_message, log_failure, log_request, template_options
 from coordinator.grpc_api.output_constraints import OutputConstraints
 from coordinator.grpc_api.prompt_work import PromptWork, least_prompt_tokens, longest_token_bytes, prompt_bytes
 from coordinator.grpc_api.reasoning import ReasoningSplitter, ReasoningStart, reasoning_tokens
 from coordinator.grpc_api.text_output import TextAssembler
 from specdec.errors import ContextOverflowError, InvalidRequestError
+from specdec.field_rules import REQUEST_RULES, check, proto_values
 from specdec_rpc.pb import common_pb2, generation_pb2, generation_pb2_grpc
-from specdec.request import MAX_SPEC_OFF_BATCH, MODES, PEARL_OVERLAP
-from specdec.sampling import MAX_TOP_LOGPROBS
-
-MAX_STOP_TOKEN_IDS = 64
+from specdec.request import DEFAULT_GAMMA
 
 FINISH = {"length": generation_pb2.FINISH_REASON_LENGTH, "stop": generation_pb2.FINISH_REASON_STOP,
           "cancelled": generation_pb2.FINISH_REASON_CANCELLED}
 FINISH_NAME = {v: k for k, v in FINISH.items()}
-VERIFY_METHODS = ("token", "block", "greedy")
 DEFAULT_MAX_NEW_TOKENS = 128
 CONTEXT_REFRESH_S = 30.0
 SIZE_CHECK_BYTES = 16 * 1024  # text this long is checked against the context before it is tokenized
@@ -62,6 +65,18 @@ def failure_status(e: BaseException) -> tuple[str, str]:
 def stats_pb(stats: dict) -> generation_pb2.GenerationStats:
     fields = generation_pb2.GenerationStats.DESCRIPTOR.fields_by_name
     return generation_pb2.GenerationStats(**{k: v for k, v in stats.items() if k in fields})
+
+
+def prompt_kind(r: generation_pb2.GenerateRequest) -> str:
+    """The one prompt field the request sets: prompt (text), messages (chat) or prompt_token_ids."""
+    given = [n for n, ok in (("prompt", r.HasField("prompt")), ("messages", len(r.messages) > 0),
+                             ("prompt_token_ids", len(r.prompt_token_ids) > 0)) if ok]
+    if not given:
+        raise InvalidRequestError("prompt", "send one of prompt (text), messages (chat) or prompt_token_ids")
+    if len(given) > 1:
+        raise InvalidRequestError(given[-1], f"send only one of prompt, messages, prompt_token_ids "
+                                             f"(got {' and '.join(given)})")
+    return given[0]
 
 
 @dataclass
@@ -103,129 +118,89 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
 
     # -- request → token ids --------------------------------------------------------------------------------
     def prepare(self, r: generation_pb2.GenerateRequest) -> Prepared:
-        given = [n for n, ok in (("prompt", r.HasField("prompt")), ("messages", len(r.messages) > 0),
-                                 ("prompt_token_ids", len(r.prompt_token_ids) > 0)) if ok]
-        if not given:
-            raise InvalidRequestError("prompt", "send one of prompt (text), messages (chat) or prompt_token_ids")
-        if len(given) > 1:
-            raise InvalidRequestError(given[-1], f"send only one of prompt, messages, prompt_token_ids "
-                                                 f"(got {' and '.join(given)})")
+        """The request checked (specdec/field_rules.py's table, then what spans fields), its prompt encoded, and
+        the token-id request the pipeline runs."""
+        given = prompt_kind(r)
         mode = r.mode or self.default_mode
-        if mode not in MODES:
-            raise InvalidRequestError("mode", f"unknown mode {r.mode!r}; use one of {', '.join(MODES)}")
-        if not r.temperature >= 0.0:
-            raise InvalidRequestError("temperature", f"must be >= 0 (0 is greedy), got {r.temperature}")
         to_context = r.max_new_tokens_to_context and not r.HasField("max_new_tokens") and self.context_len > 0
         max_new = (r.max_new_tokens if r.HasField("max_new_tokens") else
                    self.cap if to_context else min(DEFAULT_MAX_NEW_TOKENS, self.cap))
-        if not 0 < max_new <= self.cap:
-            raise InvalidRequestError("max_new_tokens", f"must be in [1, {self.cap}] (the coordinator's cap), "
-                                                        f"got {max_new}")
-        method = r.verify_method or self.verify_method
-        if method not in VERIFY_METHODS:
-            raise InvalidRequestError("verify_method", f"unknown {r.verify_method!r}; use token or block")
-        if r.HasField("pacer_threshold") and not 0.0 <= r.pacer_threshold <= 1.0:
-            raise InvalidRequestError("pacer_threshold", f"must be in [0, 1], got {r.pacer_threshold}")
-        if r.HasField("pacer_skip_below") and not 0.0 <= r.pacer_skip_below <= 1.0:
-            raise InvalidRequestError("pacer_skip_below", f"must be in [0, 1], got {r.pacer_skip_below}")
-        if r.HasField("pacer_post_threshold") and not 0.0 <= r.pacer_post_threshold <= 1.0:
-            raise InvalidRequestError("pacer_post_threshold", f"must be in [0, 1], got {r.pacer_post_threshold}")
-        if r.HasField("pearl_first_block") and not 0 <= r.pearl_first_block <= 64:
-            raise InvalidRequestError("pearl_first_block", f"must be in [0, gamma] (0: PEARL pre-verify), "
-                                                           f"got {r.pearl_first_block}")
-        if r.HasField("spec_off_batch") and not 0 <= r.spec_off_batch <= MAX_SPEC_OFF_BATCH:
-            raise InvalidRequestError("spec_off_batch", f"must be in [0, {MAX_SPEC_OFF_BATCH}] (0: always speculate), "
-                                                        f"got {r.spec_off_batch}")
-        if r.pearl_overlap and r.pearl_overlap not in PEARL_OVERLAP:
-            raise InvalidRequestError("pearl_overlap", f"use one of {', '.join(PEARL_OVERLAP)} (empty: auto), "
-                                                       f"got {r.pearl_overlap!r}")
-        if r.HasField("gamma") and not 1 <= r.gamma <= 64:
-            raise InvalidRequestError("gamma", f"must be in [1, 64], got {r.gamma}")
-        if r.HasField("block_size") and r.block_size < 1:
-            raise InvalidRequestError("block_size", f"must be >= 1, got {r.block_size}")
-        if r.HasField("top_p") and not 0.0 < r.top_p <= 1.0:
-            raise InvalidRequestError("top_p", f"must be in (0, 1] (1 disables it), got {r.top_p}")
+        gamma = r.gamma if r.HasField("gamma") else self.gamma or DEFAULT_GAMMA.get(mode)
+        check(REQUEST_RULES, proto_values(r), cap=self.cap, max_new_tokens=max_new, gamma=gamma,
+              vocab=len(self.tok) if self.tok is not None else None)
         if r.raw_prompt and not r.HasField("prompt"):
-            raise InvalidRequestError("raw_prompt", "applies to prompt (text) only; leave it unset with "
-                                                    f"{given[0]}")
-        for name in ("logprobs", "prompt_logprobs"):
-            if r.HasField(name) and not 0 <= getattr(r, name) <= MAX_TOP_LOGPROBS:
-                raise InvalidRequestError(name, f"top alternatives per token must be in [0, {MAX_TOP_LOGPROBS}] "
-                                                f"(unset: no logprobs), got {getattr(r, name)}")
-        if r.top_k < 0:
-            raise InvalidRequestError("top_k", f"must be >= 0 (0 disables it), got {r.top_k}")
-        if not 0.0 <= r.min_p <= 1.0:
-            raise InvalidRequestError("min_p", f"must be in [0, 1] (0 disables it), got {r.min_p}")
-        if not 0 <= r.min_tokens <= max_new:
-            raise InvalidRequestError("min_tokens", f"must be in [0, max_new_tokens={max_new}], got {r.min_tokens}")
-        if len(r.stop_token_ids) > MAX_STOP_TOKEN_IDS or any(t < 0 for t in r.stop_token_ids):
-            raise InvalidRequestError("stop_token_ids", f"send at most {MAX_STOP_TOKEN_IDS} token ids, each >= 0")
-        if self.tok is not None and (bad := next((t for t in r.stop_token_ids if t >= len(self.tok)), None)) is not None:
-            raise InvalidRequestError("stop_token_ids", f"id {bad} is outside the vocabulary [0, {len(self.tok)})")
-        if r.prompt_token_ids:
-            template_options(r)  # refuses the chat template's fields: token ids go in as they are
-            ids = list(r.prompt_token_ids)
-            if any(t < 0 for t in ids):
-                raise InvalidRequestError("prompt_token_ids", "token ids must be >= 0")
-        else:
-            if self.tok is None:
-                raise InvalidRequestError(given[0], "this coordinator has no tokenizer (its model has none); "
-                                                    "send prompt_token_ids")
-            from specdec.tokenizer import encode_prompt
-
-            tools, template = template_options(r)
-            try:
-                ids = (encode_prompt(self.tok, prompt=r.prompt, raw=r.raw_prompt) if r.HasField("prompt") else
-                       encode_prompt(self.tok, messages=[chat_message(m) for m in r.messages], tools=tools,
-                                     template=template))
-            except InvalidRequestError:
-                raise
-            except ValueError as e:
-                raise InvalidRequestError(given[0], str(e)) from None
-            if not ids:
-                raise InvalidRequestError(given[0], "encodes to no tokens; send a non-empty prompt")
-        if r.HasField("truncate_prompt_tokens"):
-            if r.truncate_prompt_tokens < 1:
-                raise InvalidRequestError("truncate_prompt_tokens", "keep at least 1 token (unset: the whole "
-                                                                    f"prompt), got {r.truncate_prompt_tokens}")
-            ids = ids[-r.truncate_prompt_tokens:]
-        if r.request_id and not REQUEST_ID.fullmatch(r.request_id):
-            raise InvalidRequestError("request_id", "at most 64 letters, digits and . _ : - (X-Request-Id over "
-                                                    "HTTP)")
+            raise InvalidRequestError("raw_prompt", f"applies to prompt (text) only; leave it unset with {given}")
+        ids = self._prompt_ids(r, given)
         if self.context_len and len(ids) >= self.context_len:  # refused here, not after shipping it to a replica
             raise self._overflow(len(ids))
-        rid = f"{r.request_id}-{uuid.uuid4().hex[:12]}" if r.request_id else uuid.uuid4().hex
         reasoning = self.output.reasoning_start(r, ids)
         if to_context:  # what the context leaves (a prompt that leaves too little: OUT_OF_RANGE from the replica)
             max_new = max(min(self.cap, self.context_len - len(ids)), r.min_tokens, 1)
-        req = {"request_id": rid, "prompt_ids": ids, "max_new_tokens": max_new,
-               "temperature": r.temperature, "top_k": r.top_k, "top_p": r.top_p if r.HasField("top_p") else 1.0,
-               "seed": r.seed, "mode": mode, "verify_method": method,
-               "gamma": r.gamma if r.HasField("gamma") else self.gamma,
-               "block_size": r.block_size if r.HasField("block_size") else None,
-               "pacer_threshold": r.pacer_threshold if r.HasField("pacer_threshold") else self.pacer_threshold,
-               "pacer_skip_below": r.pacer_skip_below if r.HasField("pacer_skip_below") else None,
-               "pearl_first_block": r.pearl_first_block if r.HasField("pearl_first_block") else None,
-               "spec_off_batch": r.spec_off_batch if r.HasField("spec_off_batch") else self.spec_off_batch,
-               "pacer_post_threshold": (r.pacer_post_threshold if r.HasField("pacer_post_threshold")
-                                        else self.pacer_post_threshold),
-               "pearl_overlap": r.pearl_overlap or None,
-               "eos_token_ids": sorted(set(() if r.ignore_eos else self.eos) | set(r.stop_token_ids)),
-               "logprobs": r.logprobs if r.HasField("logprobs") else -1,
-               "prompt_logprobs": r.prompt_logprobs if r.HasField("prompt_logprobs") else -1,
-               "cache_salt": r.cache_salt, "priority": r.priority, "presence_penalty": r.presence_penalty,
-               "frequency_penalty": r.frequency_penalty,
-               "repetition_penalty": r.repetition_penalty if r.HasField("repetition_penalty") else 1.0,
-               "logit_bias": sorted((int(k), float(v)) for k, v in r.logit_bias.items()),
-               "grammar": self.output.grammar(r, reasoning), "min_p": r.min_p, "min_tokens": r.min_tokens,
-               "allowed_token_ids": sorted(set(r.allowed_token_ids)), "bad_words": self.output.bad_words(r),
-               "draft_fallback": self.draft_fallback}
+        req = self._request(r, ids, mode, max_new, reasoning)
+        return Prepared(req, self._assembler(r, ids, req), reasoning)
+
+    def _prompt_ids(self, r: generation_pb2.GenerateRequest, given: str) -> list[int]:
+        """The prompt's token ids: as sent, or the text or messages encoded (the chat template applied to
+        messages, and to text unless raw_prompt); the last truncate_prompt_tokens of them where it is set."""
+        if r.prompt_token_ids:
+            template_options(r)  # refuses the chat template's fields: token ids go in as they are
+            ids = list(r.prompt_token_ids)
+        else:
+            ids = self._encode(r, given)
+        return ids[-r.truncate_prompt_tokens:] if r.HasField("truncate_prompt_tokens") else ids
+
+    def _encode(self, r: generation_pb2.GenerateRequest, given: str) -> list[int]:
+        if self.tok is None:
+            raise InvalidRequestError(given, "this coordinator has no tokenizer (its model has none); send "
+                                             "prompt_token_ids")
+        from specdec.tokenizer import encode_prompt
+
+        tools, template = template_options(r)
+        try:
+            ids = (encode_prompt(self.tok, prompt=r.prompt, raw=r.raw_prompt) if r.HasField("prompt") else
+                   encode_prompt(self.tok, messages=[chat_message(m) for m in r.messages], tools=tools,
+                                 template=template))
+        except InvalidRequestError:
+            raise
+        except ValueError as e:
+            raise InvalidRequestError(given, str(e)) from None
+        if not ids:
+            raise InvalidRequestError(given, "encodes to no tokens; send a non-empty prompt")
+        return ids
+
+    def _request(self, r: generation_pb2.GenerateRequest, ids: list[int], mode: str, max_new: int,
+                 reasoning: ReasoningStart | None) -> dict:
+        """The pipeline's request (coordinator/backends/pipeline.py, request_from_dict); unset fields take this
+        coordinator's defaults."""
+        def sent(name: str, default):
+            return getattr(r, name) if r.HasField(name) else default
+
+        rid = f"{r.request_id}-{uuid.uuid4().hex[:12]}" if r.request_id else uuid.uuid4().hex
+        return {"request_id": rid, "prompt_ids": ids, "max_new_tokens": max_new,
+                "temperature": r.temperature, "top_k": r.top_k, "top_p": sent("top_p", 1.0),
+                "seed": r.seed, "mode": mode, "verify_method": r.verify_method or self.verify_method,
+                "gamma": sent("gamma", self.gamma), "block_size": sent("block_size", None),
+                "pacer_threshold": sent("pacer_threshold", self.pacer_threshold),
+                "pacer_skip_below": sent("pacer_skip_below", None),
+                "pearl_first_block": sent("pearl_first_block", None),
+                "spec_off_batch": sent("spec_off_batch", self.spec_off_batch),
+                "pacer_post_threshold": sent("pacer_post_threshold", self.pacer_post_threshold),
+                "pearl_overlap": r.pearl_overlap or None,
+                "eos_token_ids": sorted(set(() if r.ignore_eos else self.eos) | set(r.stop_token_ids)),
+                "logprobs": sent("logprobs", -1), "prompt_logprobs": sent("prompt_logprobs", -1),
+                "cache_salt": r.cache_salt, "priority": r.priority, "presence_penalty": r.presence_penalty,
+                "frequency_penalty": r.frequency_penalty, "repetition_penalty": sent("repetition_penalty", 1.0),
+                "logit_bias": sorted((int(k), float(v)) for k, v in r.logit_bias.items()),
+                "grammar": self.output.grammar(r, reasoning), "min_p": r.min_p, "min_tokens": r.min_tokens,
+                "allowed_token_ids": sorted(set(r.allowed_token_ids)), "bad_words": self.output.bad_words(r),
+                "draft_fallback": self.draft_fallback}
+
+    def _assembler(self, r: generation_pb2.GenerateRequest, ids: list[int], req: dict) -> TextAssembler:
         eos = set(() if r.ignore_eos else self.eos)
-        asm = TextAssembler(self.tok, ids, list(r.stop), r.min_tokens, stop_token_ids=req["eos_token_ids"],
-                            user_stop_token_ids=set(r.stop_token_ids) - eos,
-                            include_stop=r.include_stop_str_in_output,
-                            skip_special_tokens=not r.HasField("skip_special_tokens") or r.skip_special_tokens)
-        return Prepared(req, asm, reasoning)
+        return TextAssembler(self.tok, ids, list(r.stop), r.min_tokens, stop_token_ids=req["eos_token_ids"],
+                             user_stop_token_ids=set(r.stop_token_ids) - eos,
+                             include_stop=r.include_stop_str_in_output,
+                             skip_special_tokens=not r.HasField("skip_special_tokens") or r.skip_special_tokens)
 
     # -- events → responses ---------------------------------------------------------------------------------
     def respond(self, r, context, incremental: bool = True):
@@ -299,95 +274,39 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                                     f"the prompt alone has {n_prompt} tokens: shorten it by at least "
                                     f"{n_prompt - self.context_len + 1}, or send truncate_prompt_tokens")
 
+    async def _prepared(self, r, trace) -> Prepared:
+        if r.max_new_tokens_to_context and not r.HasField("max_new_tokens"):
+            await self._context_len()
+        await self.check_size(r)
+        p = await self.work.run(self.prepare, r)  # tokenizing, the chat template: off the loop
+        if trace is not None:
+            trace.request = p.request
+        if p.request["grammar"]:
+            await self.work.run(self.output.check_grammar, p.request["grammar"])
+        return p
+
     async def _respond(self, r, context, incremental: bool, trace):
-        t0, first, ttft, m = time.perf_counter(), True, None, self.metrics
-        rid, asm = r.request_id or "-", None
+        call = _Call(self, r, trace)
         self.in_flight += 1
-        outcome = None  # ("error", status name) once an error event came; "done" once the answer went out
-        served: dict = {}  # what the request holds (prompt tokens, replicas), for the log line of an abort
         try:
-            if r.max_new_tokens_to_context and not r.HasField("max_new_tokens"):
-                await self._context_len()
-            await self.check_size(r)
-            p = await self.work.run(self.prepare, r)  # tokenizing, the chat template: off the loop
-            if trace is not None:
-                trace.request = p.request
-            if p.request["grammar"]:
-                await self.work.run(self.output.check_grammar, p.request["grammar"])
-            asm, rid = p.assembler, p.request["request_id"]
-            split = ReasoningSplitter(p.reasoning) if p.reasoning is not None else None
-            n_prompt = len(p.request["prompt_ids"])
-            p.request["final_only"] = not (incremental or asm.stop)
-            served["prompt_tokens"] = n_prompt
-            async with contextlib.aclosing(self.router.stream(p.request)) as events:
+            call.start(await self._prepared(r, trace), incremental)
+            async with contextlib.aclosing(self.router.stream(call.p.request)) as events:
                 async for ev in events:
-                    served.update(ev.get("served") or ())
+                    call.served.update(ev.get("served") or ())
                     if "tokens" in ev:
-                        was_stopped = asm.stopped
-                        text, ids = asm.push(ev["tokens"])
-                        if asm.stopped and not was_stopped:
-                            await self.router.stop(rid)  # finish after this round; the rest is dropped
-                        thought = ""
-                        if split is not None:
-                            thought, text = split.feed(text)
-                        if text or thought or ids:
-                            if first and m:
-                                ttft = time.perf_counter() - t0
-                                m.ttft.observe(ttft)
-                            if first and trace is not None:
-                                trace.first_token()
-                            first = False
-                            lps = ev.get("logprobs")
-                            yield generation_pb2.GenerateStreamResponse(
-                                text_delta=text, token_ids=ids, reasoning_delta=thought, prompt_tokens=n_prompt,
-                                logprobs=logprobs_pb(lps[:len(ids)] if lps else None))
+                        if (resp := await call.tokens(ev)) is not None:
+                            yield resp
                     elif "error" in ev:
-                        code = getattr(grpc.StatusCode, ev["error"]["code"], grpc.StatusCode.INTERNAL)
-                        outcome = ("error", code.name, ev["error"]["message"])
-                        if trace is not None:
-                            trace.error = f"{code.name}: {ev['error']['message']}"
-                        await context.abort(code, ev["error"]["message"])
+                        await call.error(ev["error"], context)
                     elif ev.get("done"):
-                        done = len(asm.token_ids)
-                        rest = ev["token_ids"][done:]  # what no per-round event carried
-                        text, ids = asm.push(rest) if rest and not asm.stopped else ("", [])
-                        lps = ev.get("logprobs")
-                        finish = "stop" if asm.stopped else ev["finish_reason"]
-                        tail, thought = text + asm.finish(), ""
-                        stats = dict(ev["stats"], completion_tokens=len(asm.token_ids), request_id=rid)
-                        if split is not None:
-                            thought, tail = split.feed(tail)
-                            more_thought, more = split.end()
-                            thought, tail = thought + more_thought, tail + more
-                            stats["reasoning_tokens"] = reasoning_tokens(p.reasoning, asm.token_ids, self.output.tags)
-                        log_request(stats, finish, time.perf_counter() - t0)
-                        if trace is not None:
-                            if asm.token_ids:
-                                trace.first_token()  # a whole answer's first token reaches the client now
-                            trace.end(p.request, stats, finish)
-                        if m:
-                            if first and asm.token_ids:  # a whole answer: its first token reaches the client now
-                                m.ttft.observe(time.perf_counter() - t0)
-                            m.finished(stats, finish, len(asm.token_ids), time.perf_counter() - t0, ttft)
-                        outcome = "done"
-                        yield generation_pb2.GenerateStreamResponse(
-                            text_delta=tail, token_ids=ids, finish_reason=FINISH[finish], stats=stats_pb(stats),
-                            reasoning_delta=thought, prompt_tokens=n_prompt,
-                            logprobs=logprobs_pb(lps[done:done + len(ids)] if lps is not None else None),
-                            prompt_logprobs=logprobs_pb(ev.get("prompt_logprobs")),
-                            **stop_reason_fields(asm.stop_reason if finish == "stop" else None))
+                        yield call.done(ev)
                         return
         except BaseException as e:
-            if outcome is None:
-                outcome = ("abort",) if isinstance(e, (GeneratorExit, asyncio.CancelledError)) else \
-                    ("error",) + failure_status(e)
+            call.failed(e)
             raise
         finally:
             self.in_flight -= 1
-            if isinstance(outcome, tuple):
-                sent = len(asm.token_ids) if asm is not None else 0
-                self._ended(outcome, {**served, "request_id": rid, "mode": r.mode or self.default_mode,
-                                      "completion_tokens": sent}, time.perf_counter() - t0)
+            call.ended()
 
     def _ended(self, outcome: tuple, stats: dict, wall_s: float) -> None:
         """A request that did not generate to its end: counted and logged once (the client went away: "abort", as
@@ -434,6 +353,114 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                         out.stats.wall_s)
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
         return out
+
+
+class _Call:
+    """One generation between the pipeline's events and the responses (`GenerationServicer._respond`): its text so
+    far, its first token's time, and how it ended, for the logs, the trace and the metrics."""
+
+    def __init__(self, servicer: GenerationServicer, r, trace):
+        self.s, self.r, self.trace = servicer, r, trace
+        self.t0, self.first, self.ttft = time.perf_counter(), True, None
+        self.rid, self.asm, self.p, self.split, self.n_prompt = r.request_id or "-", None, None, None, 0
+        # ("error", status name, message) once an error event came; "done" once the answer went out
+        self.outcome = None
+        self.served: dict = {}  # what the request holds (prompt tokens, replicas), for the log line of an abort
+
+    def start(self, p: Prepared, incremental: bool) -> None:
+        self.p, self.asm, self.rid = p, p.assembler, p.request["request_id"]
+        self.split = ReasoningSplitter(p.reasoning) if p.reasoning is not None else None
+        self.n_prompt = len(p.request["prompt_ids"])
+        p.request["final_only"] = not (incremental or self.asm.stop)
+        self.served["prompt_tokens"] = self.n_prompt
+
+    async def tokens(self, ev: dict) -> generation_pb2.GenerateStreamResponse | None:
+        """A round's tokens → the response that carries their text (None: nothing to send yet)."""
+        asm = self.asm
+        was_stopped = asm.stopped
+        text, ids = asm.push(ev["tokens"])
+        if asm.stopped and not was_stopped:
+            await self.s.router.stop(self.rid)  # finish after this round; the rest is dropped
+        thought = ""
+        if self.split is not None:
+            thought, text = self.split.feed(text)
+        if not (text or thought or ids):
+            return None
+        self._first_token()
+        lps = ev.get("logprobs")
+        return generation_pb2.GenerateStreamResponse(text_delta=text, token_ids=ids, reasoning_delta=thought,
+                                                     prompt_tokens=self.n_prompt,
+                                                     logprobs=logprobs_pb(lps[:len(ids)] if lps else None))
+
+    def _first_token(self) -> None:
+        if self.first:
+            if self.s.metrics:
+                self.ttft = time.perf_counter() - self.t0
+                self.s.metrics.ttft.observe(self.ttft)
+            if self.trace is not None:
+                self.trace.first_token()
+        self.first = False
+
+    async def error(self, error: dict, context) -> None:
+        code = getattr(grpc.StatusCode, error["code"], grpc.StatusCode.INTERNAL)
+        self.outcome = ("error", code.name, error["message"])
+        if self.trace is not None:
+            self.trace.error = f"{code.name}: {error['message']}"
+        await context.abort(code, error["message"])
+
+    def done(self, ev: dict) -> generation_pb2.GenerateStreamResponse:
+        """The final event → the last response: the text no round's event carried, finish_reason and stats."""
+        asm = self.asm
+        done = len(asm.token_ids)
+        rest = ev["token_ids"][done:]  # what no per-round event carried
+        text, ids = asm.push(rest) if rest and not asm.stopped else ("", [])
+        lps = ev.get("logprobs")
+        finish = "stop" if asm.stopped else ev["finish_reason"]
+        tail, thought = text + asm.finish(), ""
+        stats = dict(ev["stats"], completion_tokens=len(asm.token_ids), request_id=self.rid)
+        if self.split is not None:
+            thought, tail = self._end_reasoning(tail, stats)
+        self._finished(stats, finish)
+        self.outcome = "done"
+        return generation_pb2.GenerateStreamResponse(
+            text_delta=tail, token_ids=ids, finish_reason=FINISH[finish], stats=stats_pb(stats),
+            reasoning_delta=thought, prompt_tokens=self.n_prompt,
+            logprobs=logprobs_pb(lps[done:done + len(ids)] if lps is not None else None),
+            prompt_logprobs=logprobs_pb(ev.get("prompt_logprobs")),
+            **stop_reason_fields(asm.stop_reason if finish == "stop" else None))
+
+    def _end_reasoning(self, tail: str, stats: dict) -> tuple[str, str]:
+        """The last text split into (reasoning, answer); stats gain reasoning_tokens."""
+        thought, tail = self.split.feed(tail)
+        more_thought, more = self.split.end()
+        stats["reasoning_tokens"] = reasoning_tokens(self.p.reasoning, self.asm.token_ids, self.s.output.tags)
+        return thought + more_thought, tail + more
+
+    def _finished(self, stats: dict, finish: str) -> None:
+        """An answer generated to its end: its log line, its trace's end, its metrics."""
+        log_request(stats, finish, time.perf_counter() - self.t0)
+        if self.trace is not None:
+            if self.asm.token_ids:
+                self.trace.first_token()  # a whole answer's first token reaches the client now
+            self.trace.end(self.p.request, stats, finish)
+        m = self.s.metrics
+        if m:
+            if self.first and self.asm.token_ids:  # a whole answer: its first token reaches the client now
+                m.ttft.observe(time.perf_counter() - self.t0)
+            m.finished(stats, finish, len(self.asm.token_ids), time.perf_counter() - self.t0, self.ttft)
+
+    def failed(self, e: BaseException) -> None:
+        if self.outcome is None:
+            self.outcome = ("abort",) if isinstance(e, (GeneratorExit, asyncio.CancelledError)) else \
+                ("error",) + failure_status(e)
+
+    def ended(self) -> None:
+        """A request that did not generate to its end is counted and logged once (GenerationServicer._ended)."""
+        if isinstance(self.outcome, tuple):
+            sent = len(self.asm.token_ids) if self.asm is not None else 0
+            self.s._ended(self.outcome, {**self.served, "request_id": self.rid,
+                                         "mode": self.r.mode or self.s.default_mode, "completion_tokens": sent},
+                          time.perf_counter() - self.t0)
 
 
 def add_to_server(servicer: GenerationServicer, server: grpc.aio.Server) -> None:

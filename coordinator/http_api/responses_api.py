@@ -20,7 +20,7 @@ from pydantic import Field, model_validator
 
 from coordinator.http_api.bodies import stats_dict
 from coordinator.http_api.response_store import as_items
-from coordinator.http_api.schema import INT32_MAX, ChatCompletionRequest, SpecDecKnobs
+from coordinator.http_api.schema import ChatCompletionRequest, Int32, SpecDecKnobs, ruled
 
 _PART_TYPES = ("input_text", "output_text", "text")
 LOGPROBS = "message.output_text.logprobs"
@@ -93,10 +93,11 @@ class ResponsesRequest(SpecDecKnobs):
     model: str | None = None
     input: str | list[dict[str, Any]]
     instructions: str | None = None
-    max_output_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=-1, le=INT32_MAX)  # vLLM's, as seed
+    # ranges: the servicer's field rules answer them, with the same messages as every other route (schema.py)
+    max_output_tokens: Int32 | None = None
+    temperature: float = ruled(1.0, "temperature")
+    top_p: float = ruled(1.0, "top_p")
+    top_k: Int32 = 0  # vLLM's, as seed: -1 is 0 (off)
     seed: int | None = Field(None, ge=0, lt=2**64)
     stream: bool = False
     text: dict[str, Any] | None = None
@@ -115,7 +116,7 @@ class ResponsesRequest(SpecDecKnobs):
     background: bool | None = None
     include: list[str] | None = None  # "message.output_text.logprobs": the target's logprobs of the text
     reasoning: dict[str, Any] | None = None
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: Int32 | None = ruled(None, "logprobs")
     max_tool_calls: int | None = None
     _chat: Any = None
 

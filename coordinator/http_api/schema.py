@@ -10,6 +10,12 @@ the generated proto, no web framework.
   GenerateRequest's.
 - Sampling defaults are OpenAI's: temperature 1.0, and a request without `seed` draws a fresh random one (on the
   gRPC API an unset seed is 0).
+- Ranges: a field of GenerateRequest has no range here, only what its wire type needs (int32, uint64). The servicer
+  checks every field by specdec/field_rules.py's table, so a bad value gets the same message (a 400 here,
+  INVALID_ARGUMENT on gRPC) through either door; `ruled` shows the table's range in the OpenAPI document. Chat's
+  `top_logprobs`, which becomes GenerateRequest.logprobs, is checked here by the same row under its own name. What
+  only this door has (`n`, prompts × n, `max_tokens: 0` with `echo`, logit_bias keys as strings of digits) is
+  checked here.
 """
 from __future__ import annotations
 
@@ -22,10 +28,9 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator,
 from coordinator.http_api.json_text import lone_surrogate_at
 from coordinator.http_api.structured import ToolChoice, response_format_pb, structured_output_pb, tool_choice
 from coordinator.grpc_api.tool_parsers import needs_special_tokens
+from specdec import field_rules
 from specdec_rpc.pb import generation_pb2
-from specdec.sampling import MAX_ALLOWED_TOKEN_IDS
 
-MAX_STOP = 16
 MAX_N = 16  # choices per request: each is its own generation (they batch on the target like separate requests)
 MAX_GENERATIONS = 64  # prompts × n per request (/v1/completions takes a list of prompts)
 # GenerateRequest's field names in the servicer's messages, as an OpenAI client knows them
@@ -34,7 +39,18 @@ PARAM_NAMES = {"max_new_tokens": "max_tokens", "prompt_token_ids": "prompt", "st
 
 INT32_MAX = 2**31 - 1  # GenerateRequest's integers are int32
 Int32 = Annotated[int, Field(ge=-2**31, le=INT32_MAX)]
-TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
+# GenerateRequest's fields sent as they are where set (None: unset), and those sent only where they differ from
+# their neutral value (unset means it); any other value is sent, for the servicer's table to judge
+_SENT_WHERE_SET = ("mode", "verify_method", "pearl_overlap", "cache_salt", "stop_token_ids", "allowed_token_ids",
+                   "bad_words", "gamma", "block_size", "pacer_threshold", "pacer_skip_below", "pearl_first_block",
+                   "spec_off_batch", "pacer_post_threshold", "truncate_prompt_tokens")
+_SENT_WHERE_NOT = {"top_p": 1.0, "repetition_penalty": 1.0, "skip_special_tokens": True}
+
+
+def ruled(default, name: str):
+    """A body field that GenerateRequest's `name` carries: no range here (the servicer answers a value out of range
+    with specdec/field_rules.py's message), the table's range shown in the OpenAPI document."""
+    return Field(default, json_schema_extra=field_rules.json_schema(name))
 
 
 class _Body(BaseModel):
@@ -70,38 +86,38 @@ class SpecDecKnobs(_Request):
     """GenerateRequest's specdec fields (proto/specdec/v1/generation.proto documents each); unset: its default."""
 
     mode: str | None = None
-    gamma: Int32 | None = None
+    gamma: Int32 | None = ruled(None, "gamma")
     verify_method: str | None = None
-    block_size: Int32 | None = None
-    pacer_threshold: float | None = None
-    pacer_skip_below: float | None = None
-    pearl_first_block: Int32 | None = None
-    spec_off_batch: Int32 | None = None
-    pacer_post_threshold: float | None = None
+    block_size: Int32 | None = ruled(None, "block_size")
+    pacer_threshold: float | None = ruled(None, "pacer_threshold")
+    pacer_skip_below: float | None = ruled(None, "pacer_skip_below")
+    pearl_first_block: Int32 | None = ruled(None, "pearl_first_block")
+    spec_off_batch: Int32 | None = ruled(None, "spec_off_batch")
+    pacer_post_threshold: float | None = ruled(None, "pacer_post_threshold")
     pearl_overlap: str | None = None
     ignore_eos: bool = False
-    cache_salt: str | None = Field(None, max_length=256)  # vLLM's: prefix caching only among the same salt
+    cache_salt: str | None = ruled(None, "cache_salt")  # vLLM's: prefix caching only among the same salt
     priority: int = Field(0, ge=-2**31, lt=2**31)  # vLLM's: a full pool serves lower values first
-    stop_token_ids: list[TokenId] | None = Field(None, max_length=64)  # vLLM's: more tokens that end it as EOS does
+    stop_token_ids: list[Int32] | None = ruled(None, "stop_token_ids")  # vLLM's: more tokens that end it as EOS does
 
 
 class _Sampling(SpecDecKnobs):
     model: str | None = None
-    max_tokens: int | None = Field(None, ge=0, le=INT32_MAX)  # 0: completions with echo only (the prompt's logprobs)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=-1, le=INT32_MAX)
+    max_tokens: Int32 | None = None  # 0: completions with echo only (the prompt's logprobs)
+    temperature: float = ruled(1.0, "temperature")
+    top_p: float = ruled(1.0, "top_p")
+    top_k: Int32 = 0  # vLLM's -1 is 0 (off)
     seed: int | None = Field(None, ge=0, lt=2**64)
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=MAX_N)
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)  # vLLM's, as the next three
-    min_p: float = Field(0.0, ge=0.0, le=1.0)
-    min_tokens: int = Field(0, ge=0, le=INT32_MAX)
-    logit_bias: dict[str, float] | None = None  # OpenAI's: token id (as a string) -> bias in [-100, 100]
+    presence_penalty: float = ruled(0.0, "presence_penalty")
+    frequency_penalty: float = ruled(0.0, "frequency_penalty")
+    repetition_penalty: float = ruled(1.0, "repetition_penalty")  # vLLM's, as the next three
+    min_p: float = ruled(0.0, "min_p")
+    min_tokens: Int32 = 0
+    logit_bias: dict[str, float] | None = ruled(None, "logit_bias")  # OpenAI's: token id (as a string) -> bias
     # vLLM's: exactly one of json (a schema), regex, choice (a list of strings), grammar (Lark), json_object (true)
     structured_outputs: dict[str, Any] | None = None
     # vLLM's older names for structured_outputs' json, regex, choice and grammar
@@ -110,24 +126,21 @@ class _Sampling(SpecDecKnobs):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     response_format: dict[str, Any] | None = None  # OpenAI's (chat); vLLM takes it on completions too
-    allowed_token_ids: list[TokenId] | None = Field(None, max_length=MAX_ALLOWED_TOKEN_IDS)  # vLLM's, as bad_words
-    bad_words: list[str] | None = Field(None, max_length=128)
+    allowed_token_ids: list[Int32] | None = ruled(None, "allowed_token_ids")  # vLLM's, as bad_words
+    bad_words: list[str] | None = ruled(None, "bad_words")
     user: str | None = None
     # vLLM's output controls: the stop string (or stop token's text) kept in the text; special tokens shown; only
     # the prompt's last k tokens; logprobs' tokens as "token_id:<id>"
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    truncate_prompt_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
+    truncate_prompt_tokens: Int32 | None = ruled(None, "truncate_prompt_tokens")
     return_tokens_as_token_ids: bool = False
     _structured: Any = PrivateAttr(default=None)  # the StructuredOutput the validators made
 
     @field_validator("stop")
     @classmethod
     def _stop(cls, v):
-        stops = [v] if isinstance(v, str) else list(v or [])
-        if len(stops) > MAX_STOP:
-            raise ValueError(f"at most {MAX_STOP} stop strings, got {len(stops)}")
-        return stops
+        return [v] if isinstance(v, str) else list(v or [])
 
     @model_validator(mode="after")
     def _neutral(self):
@@ -135,9 +148,7 @@ class _Sampling(SpecDecKnobs):
         unsupported = [("stream_options", self.stream_options is not None and not self.stream,
                         "stream_options needs stream: true"),
                        ("logit_bias", any(not (k.isascii() and k.isdigit() and int(k) <= INT32_MAX) for k in bias),
-                        "keys are token ids, as strings of digits ('50256')"),
-                       ("logit_bias", any(not -100 <= v <= 100 for v in bias.values()), "biases lie in [-100, 100]"),
-                       ("logit_bias", len(bias) > 300, "at most 300 entries")]
+                        "keys are token ids, as strings of digits ('50256')")]
         for name, bad, why in unsupported:
             if bad:
                 raise ValueError(f"{name}: {why}")
@@ -150,36 +161,19 @@ class _Sampling(SpecDecKnobs):
         return self
 
     def generate_request(self, max_tokens: int | None) -> generation_pb2.GenerateRequest:
-        r = generation_pb2.GenerateRequest(temperature=self.temperature, top_k=max(self.top_k, 0),
-                                           seed=secrets.randbits(63) if self.seed is None else self.seed,
-                                           stop=self.stop, mode=self.mode or "",
-                                           verify_method=self.verify_method or "",
-                                           pearl_overlap=self.pearl_overlap or "", ignore_eos=self.ignore_eos,
-                                           cache_salt=self.cache_salt or "", priority=self.priority,
-                                           presence_penalty=self.presence_penalty,
-                                           frequency_penalty=self.frequency_penalty,
-                                           logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
-                                           stop_token_ids=self.stop_token_ids or [], min_p=self.min_p,
-                                           min_tokens=self.min_tokens,
-                                           allowed_token_ids=self.allowed_token_ids or [],
-                                           bad_words=self.bad_words or [])
-        if self.top_p < 1.0:
-            r.top_p = self.top_p
-        if self.repetition_penalty != 1.0:
-            r.repetition_penalty = self.repetition_penalty
+        r = generation_pb2.GenerateRequest(
+            temperature=self.temperature, top_k=0 if self.top_k == -1 else self.top_k,
+            seed=secrets.randbits(63) if self.seed is None else self.seed, stop=self.stop,
+            ignore_eos=self.ignore_eos, priority=self.priority, presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty, min_p=self.min_p, min_tokens=self.min_tokens,
+            logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            **{name: value for name in _SENT_WHERE_SET if (value := getattr(self, name)) is not None},
+            **{name: value for name, neutral in _SENT_WHERE_NOT.items() if (value := getattr(self, name)) != neutral})
         if max_tokens is not None:
             r.max_new_tokens = max_tokens
-        r.include_stop_str_in_output = self.include_stop_str_in_output
-        if not self.skip_special_tokens:
-            r.skip_special_tokens = False
-        if self.truncate_prompt_tokens is not None:
-            r.truncate_prompt_tokens = self.truncate_prompt_tokens
         if self._structured is not None:
             r.structured_output.CopyFrom(self._structured)
-        for name in ("gamma", "block_size", "pacer_threshold", "pacer_skip_below", "pearl_first_block",
-                     "spec_off_batch", "pacer_post_threshold"):
-            if (value := getattr(self, name)) is not None:
-                setattr(r, name, value)
         return r
 
     def prompt_protos(self) -> list[generation_pb2.GenerateRequest]:
@@ -239,9 +233,9 @@ class ChatMessage(_Body):
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
+    max_completion_tokens: Int32 | None = None
     logprobs: bool | None = None
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: Int32 | None = ruled(None, "logprobs")
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
@@ -259,6 +253,13 @@ class ChatCompletionRequest(_Sampling):
     safety_identifier: str | None = None  # as `user`: accepted, not used
     _tool: Any = PrivateAttr(default=None)  # the forced tool choice (coordinator/http_api/structured.py)
 
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs(cls, v):
+        """GenerateRequest.logprobs' rule (specdec/field_rules.py), under the name chat's clients send it by."""
+        field_rules.check([field_rules.RULE["logprobs"]], {"logprobs": v}, names={"logprobs": "top_logprobs"})
+        return v
+
     @model_validator(mode="after")
     def _chat_neutral(self):
         if self.max_tokens is not None and self.max_completion_tokens is not None and \
@@ -266,8 +267,6 @@ class ChatCompletionRequest(_Sampling):
             raise ValueError("max_tokens and max_completion_tokens differ; send one of them")
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs: needs logprobs: true")
-        if self.max_tokens == 0 or self.max_completion_tokens == 0:
-            raise ValueError("max_tokens: must be >= 1")
         if self.store:
             raise ValueError("store: chat completions are not stored here; leave it out (the Responses API, "
                              "/v1/responses, stores responses)")
@@ -284,7 +283,9 @@ class ChatCompletionRequest(_Sampling):
         return self._tool
 
     def to_proto(self) -> generation_pb2.GenerateRequest:
-        r = self.generate_request(self.max_completion_tokens or self.max_tokens)
+        # 0 too goes on: the servicer refuses it with the table's message, as on gRPC
+        r = self.generate_request(self.max_tokens if self.max_completion_tokens is None else
+                                  self.max_completion_tokens)
         r.max_new_tokens_to_context = not r.HasField("max_new_tokens")  # OpenAI's and vLLM's default: the rest
         if self.logprobs:
             r.logprobs = self.top_logprobs or 0
@@ -308,11 +309,11 @@ def template_fields(body, r: generation_pb2.GenerateRequest) -> None:
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
+    prompt: str | list[str] | list[Int32] | list[list[Int32]]  # token ids: the servicer checks them
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
-    logprobs: int | None = Field(None, ge=0, le=20)
+    logprobs: Int32 | None = ruled(None, "logprobs")
 
     _prompts: list = PrivateAttr(default_factory=list)  # str (text) or list[int] (token ids), one per prompt
 
