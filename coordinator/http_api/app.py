@@ -106,14 +106,7 @@ class OpenAIFrontDoor:
         if chat:
             self._auto_tools(body)
         echo = not chat and body.echo
-        n = body.n
-        echo_texts = [p if isinstance(p, str) else None for p in body.prompts] if echo else []
-        if echo:  # the prompts' own tokens come back: encode text here, as the servicer would (raw)
-            body.prompts[:] = [await self.backend.off_loop(self.backend.encode, p) if isinstance(p, str) else p
-                               for p in body.prompts]
-            if (keep := body.truncate_prompt_tokens) is not None:  # the kept tokens come back, as vLLM's echo
-                body.prompts[:] = [p[-keep:] for p in body.prompts]
-                echo_texts = [None] * len(body.prompts)
+        echo_texts = await self._echo_prompts(body) if echo else []
         protos = body.choices()
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{request.state.request_id}"
         for p in protos:
@@ -123,35 +116,62 @@ class OpenAIFrontDoor:
         created = int(time.time())
         token_text = responses.token_id_text if body.return_tokens_as_token_ids else self.backend.token_text
         if not body.stream:
-            async def whole(k, proto):
-                text, ids, lps, last, reasoning = await self._whole(request, proto)
-                finish, stats = responses.FINISH_REASON.get(last.finish_reason, "stop"), last.stats
-                reason = responses.stop_reason(last)
-                if not echo:
-                    return (text, finish, stats, responses.logprobs_body(chat, ids, lps, token_text), reason,
-                            (reasoning or None) if shown else "" if thinks else None)
-                if body.max_tokens == 0:  # the prompt alone: drop the one token generated
-                    text, ids, finish = "", [], "length"
-                    lps = generation_pb2.GeneratedLogprobs() if lps is not None else None
-                    stats = generation_pb2.GenerationStats(prompt_tokens=stats.prompt_tokens, mode=stats.mode,
-                                                           cached_prompt_tokens=stats.cached_prompt_tokens)
-                prompt = list(proto.prompt_token_ids)
-                echo_text = echo_texts[k // n]
-                prefix = (echo_text if echo_text is not None else
-                          await self.backend.off_loop(self.backend.decode, prompt))
-                return (prefix + text, finish, stats,
-                        responses.echo_logprobs_body(prompt, last.prompt_logprobs if lps is not None else None, ids,
-                                                     lps, token_text), reason, None)
-
-            answers = await until_disconnected(request, gather_all(whole(k, p) for k, p in enumerate(protos)))
+            answers = await self._whole_answers(request, body, chat, protos, token_text, thinks, shown, echo,
+                                                echo_texts)
             return responses.completion_body(chat, rid, created, self.model_name, answers, body.tool if chat else None,
-                                             n)
+                                             body.n)
+        return await self._open_stream(request, body, chat, rid, created, protos, token_text,
+                                       shown if thinks else None)
+
+    async def _echo_prompts(self, body) -> list[str | None]:
+        """Completions' echo: the prompts' own tokens come back, so text prompts are encoded here, as the servicer
+        would (raw). Each prompt's text to echo (None: its tokens', decoded)."""
+        echo_texts = [p if isinstance(p, str) else None for p in body.prompts]
+        body.prompts[:] = [await self.backend.off_loop(self.backend.encode, p) if isinstance(p, str) else p
+                           for p in body.prompts]
+        if (keep := body.truncate_prompt_tokens) is not None:  # the kept tokens come back, as vLLM's echo
+            body.prompts[:] = [p[-keep:] for p in body.prompts]
+            echo_texts = [None] * len(body.prompts)
+        return echo_texts
+
+    async def _whole_answers(self, request: Request, body, chat: bool, protos, token_text, thinks, shown,
+                             echo: bool, echo_texts: list[str | None]) -> list[tuple]:
+        """Each choice's whole answer, as completion_body takes them, generated together; a dropped client cancels
+        them all."""
+        n = body.n
+
+        async def whole(k, proto):
+            text, ids, lps, last, reasoning = await self._whole(request, proto)
+            finish, stats = responses.FINISH_REASON.get(last.finish_reason, "stop"), last.stats
+            reason = responses.stop_reason(last)
+            if not echo:
+                return (text, finish, stats, responses.logprobs_body(chat, ids, lps, token_text), reason,
+                        (reasoning or None) if shown else "" if thinks else None)
+            if body.max_tokens == 0:  # the prompt alone: drop the one token generated
+                text, ids, finish = "", [], "length"
+                lps = generation_pb2.GeneratedLogprobs() if lps is not None else None
+                stats = generation_pb2.GenerationStats(prompt_tokens=stats.prompt_tokens, mode=stats.mode,
+                                                       cached_prompt_tokens=stats.cached_prompt_tokens)
+            prompt = list(proto.prompt_token_ids)
+            echo_text = echo_texts[k // n]
+            prefix = (echo_text if echo_text is not None else
+                      await self.backend.off_loop(self.backend.decode, prompt))
+            return (prefix + text, finish, stats,
+                    responses.echo_logprobs_body(prompt, last.prompt_logprobs if lps is not None else None, ids,
+                                                 lps, token_text), reason, None)
+
+        return await until_disconnected(request, gather_all(whole(k, p) for k, p in enumerate(protos)))
+
+    async def _open_stream(self, request: Request, body, chat: bool, rid, created, protos, token_text,
+                           reasoning: bool | None):
+        """The streamed answer: its choices' first responses awaited (an error before any comes back whole), then
+        their chunks as server-sent events."""
         streams = [self.backend.events(p, metadata=trace_metadata(request)) for p in protos]
         firsts = await first_responses(request, streams)
         usage = body.stream_options is not None and body.stream_options.include_usage
         continuous = usage and body.stream_options.continuous_usage_stats
-        return sse_response(self._stream(chat, rid, created, firsts, streams, usage, body.tool if chat else None, n,
-                                          token_text, shown if thinks else None, continuous))
+        return sse_response(self._stream(chat, rid, created, firsts, streams, usage, body.tool if chat else None,
+                                         body.n, token_text, reasoning, continuous))
 
     async def _stream(self, chat, rid, created, firsts, streams, with_usage, tool=None, n=1, token_text=None,
                       reasoning: bool | None = None, continuous: bool = False):
@@ -159,52 +179,18 @@ class OpenAIFrontDoor:
         `reasoning`: None not separated, True send each choice's reasoning deltas (chat's `reasoning`), False
         leave them out (include_reasoning: false); `continuous`: every chunk carries its choice's usage so far
         (vLLM's continuous_usage_stats)."""
-        name = self.model_name
-        counts = [0] * len(streams)  # each choice's tokens so far
-        chars = [0] * len(streams)  # each choice's logprobs tokens' characters so far (completions' text_offset)
-
-        def chunk(*args, index: int = 0, **kw) -> dict:
-            body = responses.chunk_body(chat, rid, created, name, *args, with_usage=with_usage, index=index, **kw)
-            if continuous:
-                prompt = firsts[index].prompt_tokens
-                body["usage"] = {"prompt_tokens": prompt, "completion_tokens": counts[index],
-                                 "total_tokens": prompt + counts[index]}
-            return body
-
-        stats = [None] * len(streams)
-        readers = [tool.reader() for _ in streams] if tool is not None else []
+        chunks = _Chunks(chat, rid, created, self.model_name, firsts, len(streams), with_usage, continuous, tool,
+                         token_text, self.backend, reasoning)
         try:
             if chat:
                 for i in range(len(streams)):
-                    yield sse(chunk(None, None, role=True, index=i))
+                    yield sse(chunks.chunk(None, None, role=True, index=i))
             async for i, resp in merged(firsts, streams):  # a dropped client cancels here, and with it every choice
-                finish = responses.FINISH_REASON.get(resp.finish_reason) if resp.finish_reason else None
-                counts[i] += len(resp.token_ids)
-                if reasoning and resp.reasoning_delta:
-                    yield sse(chunk(None, None, index=i, delta={"reasoning": resp.reasoning_delta}))
-                lps = None
-                if resp.HasField("logprobs") and resp.token_ids:  # tokens whose text may still be held back
-                    lps = responses.logprobs_body(chat, resp.token_ids, resp.logprobs,
-                                                  token_text or self.backend.token_text, offset=chars[i])
-                    chars[i] += 0 if chat else sum(len(t) for t in lps["tokens"])
-                if readers:
-                    deltas = readers[i].feed(resp.text_delta)
-                    if finish:
-                        more, finish = readers[i].end(finish)
-                        deltas += more
-                    if lps is not None and not deltas:  # text held back by the reader: the logprobs go now
-                        deltas = [{}]
-                    for k, delta in enumerate(deltas):
-                        yield sse(chunk(None, None, index=i, delta=delta, logprobs=lps if k == 0 else None))
-                elif lps is not None:
-                    yield sse(chunk(resp.text_delta, None, index=i, logprobs=lps))
-                elif resp.text_delta:
-                    yield sse(chunk(resp.text_delta, None, index=i))
-                if finish:
-                    stats[i] = resp.stats
-                    yield sse(chunk(None, finish, index=i, stats=resp.stats, reason=responses.stop_reason(resp)))
+                for event in chunks.response(i, resp):
+                    yield event
             if with_usage:
-                yield sse(responses.usage_chunk(chat, rid, created, name, stats, n, reasoning is not None))
+                yield sse(responses.usage_chunk(chat, rid, created, self.model_name, chunks.stats, n,
+                                                reasoning is not None))
         except ApiError as e:  # after the headers: the error travels as an event, as OpenAI's does
             yield sse(e.body())
         yield sse("[DONE]")
@@ -249,8 +235,7 @@ class OpenAIFrontDoor:
 
     async def _respond_stream(self, body, rid, created, firsts, events, stored: bool):
         out = responses_api.ResponseEvents(body, rid, created, self.model_name, stored)
-        reader = body.chat.tool.reader() if body.chat.tool else responses_api.TextReader()
-        pending: list[dict] = []  # with a tool reader: logprobs not yet sent with text
+        answer = _AnswerDeltas(body.chat.tool, self.backend)
         for event in out.start():
             yield event
         try:
@@ -259,21 +244,7 @@ class OpenAIFrontDoor:
                 if resp.reasoning_delta:
                     for event in out.delta({"reasoning": resp.reasoning_delta}):
                         yield event
-                lps = (responses.logprobs_body(True, resp.token_ids, resp.logprobs, self.backend.token_text)["content"]
-                       if resp.HasField("logprobs") and resp.token_ids else [])
-                if isinstance(reader, responses_api.TextReader):
-                    deltas = reader.feed(resp.text_delta, lps)
-                else:  # a tool reader: the logprobs ride on the message's text, as in a whole response
-                    pending += lps
-                    deltas = reader.feed(resp.text_delta)
-                if finish:
-                    more, finish = reader.end(finish)
-                    deltas += more
-                for k, delta in enumerate(deltas):
-                    if pending and delta.get("content"):
-                        deltas[k], pending = {**delta, "logprobs": pending}, []
-                if finish and pending and (out.text is not None or any(d.get("content") for d in deltas)):
-                    deltas.append({"content": "", "logprobs": pending})
+                deltas, finish = answer.deltas(resp, finish, out)
                 for delta in deltas:
                     for event in out.delta(delta):
                         yield event
@@ -407,3 +378,94 @@ class OpenAIFrontDoor:
                 return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
         app.add_middleware(Limits, door=self)
         return app
+
+
+class _Chunks:
+    """A streamed chat or completion's choices: each response → its chunks as server-sent events, with each
+    choice's token count (continuous usage), logprobs text offset (completions) and final stats kept."""
+
+    def __init__(self, chat, rid, created, name, firsts, choices: int, with_usage, continuous: bool, tool, token_text,
+                 backend, reasoning: bool | None):
+        self.chat, self.rid, self.created, self.name, self.firsts = chat, rid, created, name, firsts
+        self.with_usage, self.continuous, self.reasoning = with_usage, continuous, reasoning
+        self.token_text, self.backend = token_text, backend  # token_text None: the backend's
+        self.counts = [0] * choices  # each choice's tokens so far
+        self.chars = [0] * choices  # each choice's logprobs tokens' characters so far (completions' text_offset)
+        self.stats = [None] * choices
+        self.readers = [tool.reader() for _ in range(choices)] if tool is not None else []
+
+    def chunk(self, *args, index: int = 0, **kw) -> dict:
+        body = responses.chunk_body(self.chat, self.rid, self.created, self.name, *args, with_usage=self.with_usage,
+                                    index=index, **kw)
+        if self.continuous:
+            prompt = self.firsts[index].prompt_tokens
+            body["usage"] = {"prompt_tokens": prompt, "completion_tokens": self.counts[index],
+                             "total_tokens": prompt + self.counts[index]}
+        return body
+
+    def response(self, i: int, resp):
+        """Choice `i`'s response → its events: reasoning, text (or a tool reader's deltas) with logprobs, finish."""
+        finish = responses.FINISH_REASON.get(resp.finish_reason) if resp.finish_reason else None
+        self.counts[i] += len(resp.token_ids)
+        if self.reasoning and resp.reasoning_delta:
+            yield sse(self.chunk(None, None, index=i, delta={"reasoning": resp.reasoning_delta}))
+        lps = self._logprobs(i, resp)
+        if self.readers:
+            deltas, finish = self._read(i, resp.text_delta, lps, finish)
+            for k, delta in enumerate(deltas):
+                yield sse(self.chunk(None, None, index=i, delta=delta, logprobs=lps if k == 0 else None))
+        elif lps is not None:
+            yield sse(self.chunk(resp.text_delta, None, index=i, logprobs=lps))
+        elif resp.text_delta:
+            yield sse(self.chunk(resp.text_delta, None, index=i))
+        if finish:
+            self.stats[i] = resp.stats
+            yield sse(self.chunk(None, finish, index=i, stats=resp.stats, reason=responses.stop_reason(resp)))
+
+    def _logprobs(self, i: int, resp) -> dict | None:
+        """The response's tokens' logprobs object (None: not asked, or no tokens), their text possibly held back."""
+        if not (resp.HasField("logprobs") and resp.token_ids):
+            return None
+        lps = responses.logprobs_body(self.chat, resp.token_ids, resp.logprobs,
+                                      self.token_text or self.backend.token_text, offset=self.chars[i])
+        self.chars[i] += 0 if self.chat else sum(len(t) for t in lps["tokens"])
+        return lps
+
+    def _read(self, i: int, text: str, lps: dict | None, finish: str | None) -> tuple[list[dict], str | None]:
+        """Choice `i`'s tool reader's deltas of `text` (and its last ones at the finish), and the finish reason."""
+        deltas = self.readers[i].feed(text)
+        if finish:
+            more, finish = self.readers[i].end(finish)
+            deltas += more
+        if lps is not None and not deltas:  # text held back by the reader: the logprobs go now
+            deltas = [{}]
+        return deltas, finish
+
+
+class _AnswerDeltas:
+    """A streamed Responses answer's text → chat deltas for ResponseEvents, read as text or by the tool choice's
+    reader; with a tool reader the logprobs wait to ride on the message's text, as in a whole response."""
+
+    def __init__(self, tool, backend):
+        self.reader = tool.reader() if tool else responses_api.TextReader()
+        self.backend = backend
+        self.pending: list[dict] = []  # with a tool reader: logprobs not yet sent with text
+
+    def deltas(self, resp, finish: str | None, out: responses_api.ResponseEvents) -> tuple[list[dict], str | None]:
+        """The response's deltas, and the finish reason (the reader's at the finish); `out`: the events so far."""
+        lps = (responses.logprobs_body(True, resp.token_ids, resp.logprobs, self.backend.token_text)["content"]
+               if resp.HasField("logprobs") and resp.token_ids else [])
+        if isinstance(self.reader, responses_api.TextReader):
+            deltas = self.reader.feed(resp.text_delta, lps)
+        else:
+            self.pending += lps
+            deltas = self.reader.feed(resp.text_delta)
+        if finish:
+            more, finish = self.reader.end(finish)
+            deltas += more
+        for k, delta in enumerate(deltas):
+            if self.pending and delta.get("content"):
+                deltas[k], self.pending = {**delta, "logprobs": self.pending}, []
+        if finish and self.pending and (out.text is not None or any(d.get("content") for d in deltas)):
+            deltas.append({"content": "", "logprobs": self.pending})
+        return deltas, finish

@@ -30,10 +30,7 @@ class Limits:
         status = {"code": 500}
 
         headers = dict(scope["headers"])
-        rid = headers.get(b"x-request-id", b"").decode("latin-1")
-        valid_rid = not rid or REQUEST_ID.fullmatch(rid)
-        rid = rid if valid_rid else ""
-        rid = rid or uuid.uuid4().hex  # the request's id: its log lines, its replica sessions' ids, the answer's id
+        rid, valid_rid = _request_id(headers)
         scope.setdefault("state", {})["request_id"] = rid
 
         async def send_status(message):
@@ -45,25 +42,7 @@ class Limits:
 
         door, path = self.door, scope["path"]
         size = headers.get(b"content-length", b"")
-        chunked = b"transfer-encoding" in headers  # with a Content-Length too, h11 reads it chunked: unbounded
-        error = None
-        if not valid_rid:
-            error = ApiError(400, "X-Request-Id: at most 64 letters, digits and . _ : -", "X-Request-Id")
-        elif door.api_key and path not in OPEN_PATHS and not hmac.compare_digest(
-                headers.get(b"authorization", b""), f"Bearer {door.api_key}".encode()):
-            # before the body is read: a request without the key learns nothing, not even whether its body parses
-            error = ApiError(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
-                             code="invalid_api_key")
-        elif (scope["method"] == "POST" and not size.isdigit()) or chunked:
-            error = ApiError(411, "send the body with a Content-Length header (chunked bodies are not accepted)")
-        elif size.isdigit() and int(size) > door.max_body_bytes:
-            error = ApiError(413, f"the body has {int(size)} bytes; the limit is {door.max_body_bytes} "
-                                  f"(COORDINATOR_MAX_MESSAGE_BYTES)")
-        elif door.is_draining() and path.startswith("/v1/"):
-            error = ApiError(503, "the coordinator is shutting down; retry on another replica")
-        elif scope["method"] == "POST" and door.in_flight >= door.max_in_flight:
-            error = ApiError(429, f"{door.in_flight} HTTP requests are in flight, the limit "
-                                  f"(COORDINATOR_HTTP_MAX_IN_FLIGHT); retry later", code="too_many_requests")
+        error = _refusal(door, scope, headers, valid_rid)
         body = None
         if error is None and size.isdigit() and int(size):
             # the whole body before the request counts as in flight, within a time limit: a client that sends
@@ -82,9 +61,49 @@ class Limits:
             log.info("%s %s (request %s): %s; gave up on it", scope["method"], path, rid, e)
         finally:
             door.in_flight -= counted
-            if door.requests is not None:
-                route = next((f"{p}{{id}}" for p in ("/v1/responses/", "/v1/models/") if path.startswith(p)), path)
-                door.requests.labels(route if route in ROUTES else "other", str(status["code"])).inc()
+            _count_request(door, path, status["code"])
+
+
+def _request_id(headers: dict) -> tuple[str, bool]:
+    """The request's id (its log lines, its replica sessions' ids, the answer's id): the client's X-Request-Id when
+    valid, else a new one; and whether the client's header (if any) was valid."""
+    rid = headers.get(b"x-request-id", b"").decode("latin-1")
+    valid_rid = not rid or REQUEST_ID.fullmatch(rid)
+    rid = rid if valid_rid else ""
+    return rid or uuid.uuid4().hex, valid_rid
+
+
+def _refusal(door, scope, headers: dict, valid_rid) -> ApiError | None:
+    """The error that answers the request before its body is read (bad request id, wrong key, no or too large
+    Content-Length, draining, too many in flight), the first that applies; None when it may go on."""
+    path, post = scope["path"], scope["method"] == "POST"
+    size = headers.get(b"content-length", b"")
+    chunked = b"transfer-encoding" in headers  # with a Content-Length too, h11 reads it chunked: unbounded
+    if not valid_rid:
+        return ApiError(400, "X-Request-Id: at most 64 letters, digits and . _ : -", "X-Request-Id")
+    if door.api_key and path not in OPEN_PATHS and not hmac.compare_digest(
+            headers.get(b"authorization", b""), f"Bearer {door.api_key}".encode()):
+        # before the body is read: a request without the key learns nothing, not even whether its body parses
+        return ApiError(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
+                        code="invalid_api_key")
+    if (post and not size.isdigit()) or chunked:
+        return ApiError(411, "send the body with a Content-Length header (chunked bodies are not accepted)")
+    if size.isdigit() and int(size) > door.max_body_bytes:
+        return ApiError(413, f"the body has {int(size)} bytes; the limit is {door.max_body_bytes} "
+                             f"(COORDINATOR_MAX_MESSAGE_BYTES)")
+    if door.is_draining() and path.startswith("/v1/"):
+        return ApiError(503, "the coordinator is shutting down; retry on another replica")
+    if post and door.in_flight >= door.max_in_flight:
+        return ApiError(429, f"{door.in_flight} HTTP requests are in flight, the limit "
+                             f"(COORDINATOR_HTTP_MAX_IN_FLIGHT); retry later", code="too_many_requests")
+    return None
+
+
+def _count_request(door, path: str, code: int) -> None:
+    """Counts the answered request by its route (the path with its id folded; "other" off the API) and status."""
+    if door.requests is not None:
+        route = next((f"{p}{{id}}" for p in ("/v1/responses/", "/v1/models/") if path.startswith(p)), path)
+        door.requests.labels(route if route in ROUTES else "other", str(code)).inc()
 
 
 async def read_body(receive, size: int, timeout_s: float) -> tuple[bytes | None, ApiError | None]:

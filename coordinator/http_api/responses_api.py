@@ -53,40 +53,60 @@ def input_messages(instructions: str | None, items: str | list[dict[str, Any]]) 
         if not isinstance(item, dict):
             raise ValueError(f"input: item {i} is not an object")
         kind = item.get("type", "message")
-        if kind == "reasoning":
-            content, summary = item.get("content") or [], item.get("summary") or []
-            if not isinstance(content, list) or not isinstance(summary, list):
-                raise ValueError(f"input: item {i}: a reasoning item's content and summary are lists of text parts")
-            parts = [p for p in content + summary if isinstance(p, dict)]
-            thought = "\n".join(p["text"] for p in parts if isinstance(p.get("text"), str)) or None
-        elif kind == "message":
-            if item.get("role") not in ("user", "assistant", "system", "developer"):
-                raise ValueError(f"input: item {i}: role is one of user, assistant, system, developer")
-            messages.append({"role": item["role"], "content": _text(item.get("content"), f"input: item {i}")})
-            if item["role"] == "assistant" and thought:
-                messages[-1]["reasoning"], thought = thought, None
-        elif kind == "function_call":
-            if not all(isinstance(item.get(k), str) for k in ("call_id", "name", "arguments")):
-                raise ValueError(f"input: item {i}: a function_call has call_id, name and arguments (strings)")
-            call = {"id": item["call_id"], "type": "function",
-                    "function": {"name": item["name"], "arguments": item["arguments"]}}
-            last = messages[-1] if messages else None
-            if last and last["role"] == "assistant" and last.get("tool_calls") is not None and not last["content"]:
-                last["tool_calls"].append(call)
-            else:
-                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
-                if thought:
-                    messages[-1]["reasoning"], thought = thought, None
-        elif kind == "function_call_output":
-            if not isinstance(item.get("call_id"), str) or not isinstance(item.get("output"), str):
-                raise ValueError(f"input: item {i}: a function_call_output has call_id and output (strings)")
-            messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]})
-        else:
+        add = _INPUT_ITEMS.get(kind) if isinstance(kind, str) else None
+        if add is None:
             raise ValueError(f"input: item {i}: type {kind!r} is not supported; send messages, function_call, "
                              f"function_call_output and reasoning items")
+        thought = add(messages, item, i, thought)
     if not messages:
         raise ValueError("input: empty; send a string or at least one message")
     return messages
+
+
+# Each input item kind's reader: (messages so far, the item, its index, the pending reasoning) → appends the item's
+# chat form to the messages and returns the reasoning still pending for the next assistant turn.
+
+def _reasoning_input(messages: list[dict], item: dict, i: int, thought: str | None) -> str | None:
+    content, summary = item.get("content") or [], item.get("summary") or []
+    if not isinstance(content, list) or not isinstance(summary, list):
+        raise ValueError(f"input: item {i}: a reasoning item's content and summary are lists of text parts")
+    parts = [p for p in content + summary if isinstance(p, dict)]
+    return "\n".join(p["text"] for p in parts if isinstance(p.get("text"), str)) or None
+
+
+def _message_input(messages: list[dict], item: dict, i: int, thought: str | None) -> str | None:
+    if item.get("role") not in ("user", "assistant", "system", "developer"):
+        raise ValueError(f"input: item {i}: role is one of user, assistant, system, developer")
+    messages.append({"role": item["role"], "content": _text(item.get("content"), f"input: item {i}")})
+    if item["role"] == "assistant" and thought:
+        messages[-1]["reasoning"], thought = thought, None
+    return thought
+
+
+def _function_call_input(messages: list[dict], item: dict, i: int, thought: str | None) -> str | None:
+    if not all(isinstance(item.get(k), str) for k in ("call_id", "name", "arguments")):
+        raise ValueError(f"input: item {i}: a function_call has call_id, name and arguments (strings)")
+    call = {"id": item["call_id"], "type": "function",
+            "function": {"name": item["name"], "arguments": item["arguments"]}}
+    last = messages[-1] if messages else None
+    if last and last["role"] == "assistant" and last.get("tool_calls") is not None and not last["content"]:
+        last["tool_calls"].append(call)
+    else:
+        messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        if thought:
+            messages[-1]["reasoning"], thought = thought, None
+    return thought
+
+
+def _function_call_output_input(messages: list[dict], item: dict, i: int, thought: str | None) -> str | None:
+    if not isinstance(item.get("call_id"), str) or not isinstance(item.get("output"), str):
+        raise ValueError(f"input: item {i}: a function_call_output has call_id and output (strings)")
+    messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]})
+    return thought
+
+
+_INPUT_ITEMS = {"reasoning": _reasoning_input, "message": _message_input, "function_call": _function_call_input,
+                "function_call_output": _function_call_output_input}
 
 
 class ResponsesRequest(SpecDecKnobs):
@@ -122,34 +142,10 @@ class ResponsesRequest(SpecDecKnobs):
 
     @model_validator(mode="after")
     def _translate(self):
-        for name, bad, why in (("background", self.background, "not supported; leave it out and wait, or stream"),
-                               ("include", set(self.include or ()) - {LOGPROBS},
-                                f"only {LOGPROBS!r} is supported"),
-                               ("reasoning", self.reasoning, "effort and summaries cannot be set here; leave it out "
-                                "(with COORDINATOR_REASONING_PARSER a reasoning model's thinking comes back as a "
-                                "reasoning item)"),
-                               ("top_logprobs", self.top_logprobs and not self.logprobs,
-                                f"needs include: [{LOGPROBS!r}]"),
-                               ("max_tool_calls", self.max_tool_calls is not None, "not supported; leave it out")):
-            if bad:
-                raise ValueError(f"{name}: {why}")
-        tools = []
-        for i, t in enumerate(self.tools or []):
-            if not isinstance(t, dict) or t.get("type") != "function":
-                raise ValueError(f"tools: tool {i}: only function tools ({{'type': 'function', 'name': ..., "
-                                 f"'parameters': {{...}}}}) are supported")
-            tools.append({"type": "function", "function": {k: v for k, v in t.items() if k != "type"}})
-        choice = self.tool_choice
-        if isinstance(choice, dict) and choice.get("type") == "function":
-            choice = {"type": "function", "function": {"name": choice.get("name")}}
-        fmt = (self.text or {}).get("format") or {"type": "text"}
-        if not isinstance(fmt, dict):
-            raise ValueError("text.format: an object, {'type': 'text'}, {'type': 'json_object'} or {'type': "
-                             "'json_schema', 'name': ..., 'schema': {...}}")
-        fmt = dict(fmt)
-        if fmt.get("type") == "json_schema":
-            fmt = {"type": "json_schema", "json_schema": {"name": fmt.get("name", "answer"),
-                                                          "schema": fmt.get("schema")}}
+        _refuse_unsupported(self)
+        tools = _chat_tools(self.tools)
+        choice = _chat_tool_choice(self.tool_choice)
+        fmt = _chat_format(self.text)
         knobs = self.model_dump(include=set(SpecDecKnobs.model_fields), exclude_unset=True)
         self._chat = ChatCompletionRequest(
             model=self.model, messages=input_messages(self.instructions, self.input),
@@ -171,6 +167,54 @@ class ResponsesRequest(SpecDecKnobs):
     @property
     def chat(self) -> ChatCompletionRequest:
         return self._chat
+
+
+def _refuse_unsupported(body: ResponsesRequest) -> None:
+    """Raises ValueError naming the first field set that the route does not serve."""
+    for name, bad, why in (("background", body.background, "not supported; leave it out and wait, or stream"),
+                           ("include", set(body.include or ()) - {LOGPROBS},
+                            f"only {LOGPROBS!r} is supported"),
+                           ("reasoning", body.reasoning, "effort and summaries cannot be set here; leave it out "
+                            "(with COORDINATOR_REASONING_PARSER a reasoning model's thinking comes back as a "
+                            "reasoning item)"),
+                           ("top_logprobs", body.top_logprobs and not body.logprobs,
+                            f"needs include: [{LOGPROBS!r}]"),
+                           ("max_tool_calls", body.max_tool_calls is not None, "not supported; leave it out")):
+        if bad:
+            raise ValueError(f"{name}: {why}")
+
+
+def _chat_tools(tools: list[dict[str, Any]] | None) -> list[dict]:
+    """Responses function tools (`{"type": "function", "name", ...}`) → chat tools (`{"type": "function",
+    "function": {"name", ...}}`)."""
+    out = []
+    for i, t in enumerate(tools or []):
+        if not isinstance(t, dict) or t.get("type") != "function":
+            raise ValueError(f"tools: tool {i}: only function tools ({{'type': 'function', 'name': ..., "
+                             f"'parameters': {{...}}}}) are supported")
+        out.append({"type": "function", "function": {k: v for k, v in t.items() if k != "type"}})
+    return out
+
+
+def _chat_tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
+    """A Responses tool_choice → chat's: a named function `{"type": "function", "name"}` moves its name under
+    `function`."""
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        return {"type": "function", "function": {"name": choice.get("name")}}
+    return choice
+
+
+def _chat_format(text: dict[str, Any] | None) -> dict[str, Any]:
+    """`text.format` → chat's response_format (json_schema's name and schema move under `json_schema`)."""
+    fmt = (text or {}).get("format") or {"type": "text"}
+    if not isinstance(fmt, dict):
+        raise ValueError("text.format: an object, {'type': 'text'}, {'type': 'json_object'} or {'type': "
+                         "'json_schema', 'name': ..., 'schema': {...}}")
+    fmt = dict(fmt)
+    if fmt.get("type") == "json_schema":
+        fmt = {"type": "json_schema", "json_schema": {"name": fmt.get("name", "answer"),
+                                                      "schema": fmt.get("schema")}}
+    return fmt
 
 
 def output_items(message: dict, finish: str, logprobs: list[dict] | None = None) -> list[dict]:

@@ -25,6 +25,17 @@ def structured_output_pb(so: dict[str, Any] | None,
                          guided: dict[str, Any] | None = None) -> generation_pb2.StructuredOutput | None:
     """vLLM's `structured_outputs` body field, or its older `guided_*` fields (`guided`: {"json": guided_json, ...}),
     → StructuredOutput (None: not set)."""
+    picked = _structured_entry(so, guided)
+    if picked is None:
+        return None
+    key, value = picked
+    out = generation_pb2.StructuredOutput()
+    _STRUCTURED_SETTERS.get(key, _set_text)(out, key, value)
+    return out
+
+
+def _structured_entry(so: dict[str, Any] | None, guided: dict[str, Any] | None) -> tuple[str, Any] | None:
+    """The one (key, value) set in `structured_outputs` or the `guided_*` fields (None: neither is set)."""
     guided = {k: v for k, v in (guided or {}).items() if v is not None}
     if guided and so:
         raise ValueError("structured_outputs: send it or the guided_* fields, not both")
@@ -38,22 +49,34 @@ def structured_output_pb(so: dict[str, Any] | None,
     if len(given) != 1:
         raise ValueError(f"structured_outputs: set exactly one of {', '.join(_STRUCTURED_KEYS)}")
     (key, value), = given.items()
-    out = generation_pb2.StructuredOutput()
-    if key == "json":
-        out.json_schema = value if isinstance(value, str) else json.dumps(value)
-    elif key == "json_object":
-        if value is not True:
-            raise ValueError("structured_outputs.json_object: true (a JSON boolean)")
-        out.json_object = True
-    elif key == "choice":
-        if not isinstance(value, list) or not all(isinstance(c, str) for c in value):
-            raise ValueError("structured_outputs.choice: a list of strings")
-        out.choice.choices.extend(value)
-    elif not isinstance(value, str):
+    return key, value
+
+
+def _set_json(out: generation_pb2.StructuredOutput, key: str, value: Any) -> None:
+    out.json_schema = value if isinstance(value, str) else json.dumps(value)
+
+
+def _set_json_object(out: generation_pb2.StructuredOutput, key: str, value: Any) -> None:
+    if value is not True:
+        raise ValueError("structured_outputs.json_object: true (a JSON boolean)")
+    out.json_object = True
+
+
+def _set_choice(out: generation_pb2.StructuredOutput, key: str, value: Any) -> None:
+    if not isinstance(value, list) or not all(isinstance(c, str) for c in value):
+        raise ValueError("structured_outputs.choice: a list of strings")
+    out.choice.choices.extend(value)
+
+
+def _set_text(out: generation_pb2.StructuredOutput, key: str, value: Any) -> None:
+    """`regex` or `grammar`: a string, set as the field of the same name."""
+    if not isinstance(value, str):
         raise ValueError(f"structured_outputs.{key}: a string")
-    else:
-        setattr(out, "regex" if key == "regex" else "grammar", value)
-    return out
+    setattr(out, key, value)
+
+
+# structured_outputs key → its setter on StructuredOutput; the rest (regex, grammar) take _set_text
+_STRUCTURED_SETTERS = {"json": _set_json, "json_object": _set_json_object, "choice": _set_choice}
 
 
 def response_format_pb(fmt: dict[str, Any] | None) -> generation_pb2.StructuredOutput | None:
@@ -174,6 +197,21 @@ def tool_choice(tools: list[dict[str, Any]] | None, choice: str | dict[str, Any]
         if choice not in (None, "none"):
             raise ValueError("tool_choice: needs tools")
         return None
+    params = _tool_params(tools)
+    if choice == "none":
+        return None
+    if choice == "required":
+        return ToolChoice(params, parallel=parallel is not False)
+    if isinstance(choice, dict):
+        return ToolChoice(params, _named_tool(params, choice))
+    if choice in (None, "auto"):  # the model's own choice: the front door checks it has a parser
+        return ToolChoice(params, auto=True)
+    raise ValueError(f"tool_choice: {choice!r} is none of 'auto', 'none', 'required' or {{'type': 'function', "
+                     f"'function': {{'name': ...}}}}")
+
+
+def _tool_params(tools: list[dict[str, Any]]) -> dict[str, dict]:
+    """OpenAI's `tools` → each function's name → its arguments schema (no schema: an object with no properties)."""
     if len(tools) > MAX_TOOLS:
         raise ValueError(f"tools: at most {MAX_TOOLS} (OpenAI's limit), got {len(tools)}")
     params = {}
@@ -188,17 +226,13 @@ def tool_choice(tools: list[dict[str, Any]] | None, choice: str | dict[str, Any]
         if not isinstance(p, dict):
             raise ValueError(f"tools: tool {i}'s parameters must be a JSON schema object")
         params[fn["name"]] = p
-    if choice == "none":
-        return None
-    if choice == "required":
-        return ToolChoice(params, parallel=parallel is not False)
-    if isinstance(choice, dict):
-        fn = choice.get("function") if choice.get("type") == "function" else None
-        name = fn.get("name") if isinstance(fn, dict) else None
-        if not isinstance(name, str) or name not in params:
-            raise ValueError(f"tool_choice: names no tool of tools ({', '.join(params)})")
-        return ToolChoice(params, name)
-    if choice in (None, "auto"):  # the model's own choice: the front door checks it has a parser
-        return ToolChoice(params, auto=True)
-    raise ValueError(f"tool_choice: {choice!r} is none of 'auto', 'none', 'required' or {{'type': 'function', "
-                     f"'function': {{'name': ...}}}}")
+    return params
+
+
+def _named_tool(params: dict[str, dict], choice: dict[str, Any]) -> str:
+    """A `{"type": "function", "function": {"name": ...}}` tool_choice → the name of the tool it forces."""
+    fn = choice.get("function") if choice.get("type") == "function" else None
+    name = fn.get("name") if isinstance(fn, dict) else None
+    if not isinstance(name, str) or name not in params:
+        raise ValueError(f"tool_choice: names no tool of tools ({', '.join(params)})")
+    return name
