@@ -1,6 +1,8 @@
 """DraftService settings: `DRAFT_*` environment variables, CLI flags override."""
 from __future__ import annotations
 
+import importlib
+
 from pydantic import Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
@@ -43,10 +45,33 @@ class DraftSettings(ServerSettings):
                               "one and its endpoint has no target_routes entry, else on its gRPC stream")
     max_batch_size: int = Field(16, ge=1, description="sessions drafting in one batched forward")
     max_queue: int = Field(256, ge=1, description="queued draft calls before RESOURCE_EXHAUSTED")
+    worker_factory: str = Field(
+        "", description="the replica's draft worker as 'module:callable', called as DraftWorker is (the model, "
+        "then its keyword arguments) and returning a DraftWorker: a subclass that changes what is proposed, such as "
+        "the benchmarks' synthetic-acceptance draft (specdec_bench.synthetic:replica_worker); '' DraftWorker itself")
 
     def prompt_lookup(self):
         """The drafting's PromptLookup, or None when turned off."""
         return prompt_lookup(self.prompt_lookup_min_ngram, self.prompt_lookup_max_ngram)
+
+    def draft_worker(self):
+        """The callable that builds this replica's draft worker: DraftWorker, or the one `worker_factory` names."""
+        if not self.worker_factory:
+            from specdec.workers.draft import DraftWorker  # lazy: the settings load without torch
+
+            return DraftWorker
+        module, name = self.worker_factory.split(":")
+        try:
+            return getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError) as e:
+            raise ValueError(f"worker_factory {self.worker_factory!r}: {e}") from None
+
+    @field_validator("worker_factory")
+    @classmethod
+    def _factory(cls, v: str) -> str:
+        if v and (v.count(":") != 1 or not all(v.split(":"))):
+            raise ValueError(f"worker_factory must be 'module:callable' (or empty), got {v!r}")
+        return v
 
     @field_validator("quant")
     @classmethod

@@ -10,7 +10,6 @@ from specdec.model import load_model
 from specdec.preverifier import load_preverifier
 from specdec.threads import ModelThread
 from specdec.vocab import fit_draft_vocabulary
-from specdec.workers.draft import DraftWorker
 from specdec_rpc.app import ServerApp, advertise_frames
 from specdec_rpc.host import SessionHost
 from specdec_rpc.pb import draft_pb2
@@ -47,7 +46,9 @@ async def build_app(settings: DraftSettings, model=None, preverifier=None, warmu
         preverifier.threshold = float(settings.pacer_threshold)  # this host's θ for requests that set none
     # the host's session table expires and evicts sessions (specdec_rpc/host.py) and ends them in the worker,
     # which keeps each until then
-    worker = await runner.run(lambda: DraftWorker(
+    # the worker: DraftWorker, or what `worker_factory` names (a subclass built with the same arguments)
+    make_worker = settings.draft_worker()
+    worker = await runner.run(lambda: make_worker(
         model, preverifier=preverifier, q_top_k=settings.q_top_k, lookup=settings.prompt_lookup(),
         max_sessions=settings.worker_slots(), max_context=settings.max_context or None,
         session_ttl_s=math.inf, prefix_cache=settings.prefix_cache,

@@ -19,7 +19,13 @@ rewritten after every phase, so a run cut off still reports what it finished:
    weights are in the cache already (the device machine reaches no network: never downloaded here);
 6. stack: the round trip (`specdec bench --round-trip`: replicas as separate processes on the device, loopback)
    against the in-process engine, same models, same greedy `sd` schedule, per data path (gRPC streams, frame
-   ports, the direct data plane) → the per-round overhead of each; the best one is the goal.
+   ports, the direct data plane) → the per-round overhead of each; the best one is the goal;
+7. speculation: synthetic acceptance (`specdec bench --synthetic-acceptance`, specdec_bench/synthetic.py): random
+   Llama-3.1-8B / Llama-3.2-1B-shaped pair (bf16) whose draft proposes the target's next greedy token with
+   probability α = 0.6, 0.7, 0.8, 0.9 → tokens/s and ×`ar` of `sd` (γ 2/4/6), `pearl`, `pacer` and `pacer_pearl`
+   (an untrained pre-verifier) in process, then through the services where the phase has the time to load the pair
+   into the replicas, with the acceptance measured beside α and every output checked against `ar`'s; dry run: the
+   tiny pair on CPU, both placements.
 The goals are evaluated in the report's "goals" section. The phases after the tests share what is left of the
 budget by their weights in PHASES, each stopping at its own deadline.
 """
@@ -50,7 +56,11 @@ TARGET_CONFIG = CONFIGS / "meta-llama__Llama-3.1-8B-Instruct.json"
 # phase → its weight in the budget; the phases after the tests share what the env and tests phases left of it by
 # these weights, and a phase past its deadline stops and reports. The tests phase has no share: it runs to the end
 # (TESTS_LIMIT_S stops only a hung run), ahead of the others.
-PHASES = {"env": 10, "tests": 0, "exactness": 80, "shapes": 130, "default_pair": 40, "stack": 150}
+PHASES = {"env": 10, "tests": 0, "exactness": 80, "shapes": 130, "default_pair": 40, "stack": 150, "speculation": 120}
+SYNTHETIC_ALPHAS = (0.6, 0.7, 0.8, 0.9)
+# the speculation phase starts the replicas with the 8B/1B pair only with this much of its time left: each replica
+# loads its random checkpoint from disk (16 GB for the target) before a request is served
+SYNTHETIC_STACK_MIN_S = 150.0
 TESTS_LIMIT_S = 300.0
 TEST_FILES = ("tests/test_pacer_device.py", "tests/test_server_common.py", "tests/test_services.py")
 GOALS = {"verify_8_over_1": 1.2, "draft_graph_ms": 2.5, "draft_graph_speedup": 2.0, "stack_overhead_ms": 0.5}
@@ -410,6 +420,36 @@ def phase_stack(dev: torch.device, args, deadline: float) -> dict:
                     "handlers and batchers, the processes' wake-ups), not the models'"}
 
 
+def phase_speculation(dev: torch.device, args, deadline: float) -> dict:
+    """Synthetic acceptance (specdec_bench/synthetic.py): what the 8B/1B-shaped pair gains over `ar` at a known
+    acceptance rate α, in process and (time allowing) through the services; the outputs must equal `ar`'s."""
+    from specdec_bench.synthetic import LABEL, SyntheticOptions, acceptance_matches, run_synthetic
+
+    opts = SyntheticOptions(alphas=SYNTHETIC_ALPHAS, shapes="tiny" if args.dry_run else "llama-8b/1b",
+                            device=str(dev), gammas=(2, 4, 6), n_prompts=2,
+                            prompt_len=32 if args.dry_run else 128, max_new_tokens=64 if args.dry_run else 128,
+                            stack_min_s=0.0 if args.dry_run else SYNTHETIC_STACK_MIN_S, keep_going=True)
+    res = run_synthetic(opts, log=lambda m: print(f"  speculation: {m}", flush=True), deadline=deadline)
+    rows = res["rows"]
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    if not rows:
+        return {"status": "cut (phase budget)", "notes": res["notes"]}
+    exact = all(r["exact"] for r in rows)
+    failed = any(n.startswith("stack: failed") for n in res["notes"])
+    cut = any("cut" in n or "not run" in n for n in res["notes"])
+    out = {"status": "FAILED (an output differs from ar's)" if not exact else "FAILED (the stack)" if failed
+           else "cut (phase budget)" if cut else "ok",
+           "label": LABEL, "synthetic": res, "outputs_equal_ar": exact,
+           "acceptance_matches_alpha": acceptance_matches(rows)}
+    best = [r for r in rows if r["mode"] != "ar" and r["alpha"] == 0.8 and r["x_ar"] is not None]
+    for place in ("in-process", "stack"):
+        top = max((r for r in best if r["placement"] == place), key=lambda r: r["x_ar"], default=None)
+        if top is not None:
+            out[f"best_x_ar_at_0.8_{place}"] = f"{top['x_ar']:.2f} ({top['config']}, {LABEL})"
+    return out
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # goals and the markdown report
 
@@ -437,6 +477,12 @@ def goals(phases: dict) -> dict:
         v = st["overhead_ms_per_round"]
         g["stack_overhead_ms_per_round"] = {"value": round(v, 3), "goal": f"<= {GOALS['stack_overhead_ms']}",
                                             "met": v <= GOALS["stack_overhead_ms"]}
+    sp = phases.get("speculation", {})
+    if "outputs_equal_ar" in sp:
+        g["synthetic_outputs_equal_ar"] = {"value": sp["outputs_equal_ar"], "met": sp["outputs_equal_ar"]}
+        g["synthetic_acceptance_matches_alpha"] = {"value": sp["acceptance_matches_alpha"],
+                                                   "goal": "first-token acceptance within 3σ + 0.02 of α",
+                                                   "met": sp["acceptance_matches_alpha"]}
     ex = phases.get("exactness", {})
     if ex:
         g["exactness"] = {"value": ex.get("status"), "met": ex.get("status") == "ok"}
@@ -476,8 +522,12 @@ def markdown(d: dict) -> str:
             from specdec_bench.round_trip import markdown as round_trip_table
 
             lines += [round_trip_table(ph["paths"], {}).split("\n\n")[0], ""]
+        if ph.get("synthetic"):  # the speculation phase's table, labelled synthetic acceptance
+            from specdec_bench.synthetic import markdown as synthetic_table
+
+            lines += [synthetic_table(ph["synthetic"]), ""]
         for k, v in ph.items():
-            if k in ("rows", "status", "elapsed_s", "tail", "cases", "paths"):
+            if k in ("rows", "status", "elapsed_s", "tail", "cases", "paths", "synthetic"):
                 continue
             lines.append(f"- {k}: {_fmt(v)}")
         if ph.get("cases"):

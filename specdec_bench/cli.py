@@ -2,9 +2,11 @@
 
     python -m specdec_bench --quick --json out.json --markdown out.md --plot out.png
     python -m specdec_bench --quick --rtt-ms 0,2,10,30 --data-plane coordinator,direct --json net.json
+    python -m specdec_bench --synthetic-acceptance 0.6,0.7,0.8,0.9 --shapes llama-8b/1b --device cuda
 
 With --rtt-ms or --rtt-t the run is the network sweep instead (specdec_bench/network.py): every mode through the
-embedded stack with a network round trip emulated on each link between its processes.
+embedded stack with a network round trip emulated on each link between its processes. With --synthetic-acceptance
+it is the synthetic-acceptance run (specdec_bench/synthetic.py): a pair whose draft is right α of the time, timed.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import time
 from pathlib import Path
 
 from specdec_bench.harness import ALL_MODES, Bench, BenchOptions, acceptance, aggregate
+from specdec_bench.synthetic import SHAPES
 from specdec_bench.report import machine_info, markdown, markdown_target_error, network_markdown, plot, \
     write_markdown
 from specdec.defaults import PROMPT_LOOKUP_MIN_NGRAM
@@ -73,8 +76,60 @@ def build_parser() -> argparse.ArgumentParser:
                          "through the stack beyond the same round in one process, and the threads it wakes")
     rt.add_argument("--paths", type=_csv(str), default=None, metavar="PATH,...",
                     help="the round trip's data paths: unary, streams, direct (default: all)")
-    rt.add_argument("--device", default="cpu", help="the round trip's device, for the engine and both replicas")
+    rt.add_argument("--device", default="cpu", help="the round trip's and the synthetic-acceptance run's device, for "
+                                                    "the engine and both replicas")
+    syn = ap.add_argument_group("synthetic acceptance (instead of the suite above; specdec_bench/synthetic.py)")
+    syn.add_argument("--synthetic-acceptance", type=_csv(float), default=None, metavar="ALPHA,...",
+                     help="a timing pair whose draft proposes the target's next greedy token with probability α "
+                          "(e.g. 0.6,0.7,0.8,0.9): ar, sd at each --gammas (default 2,4,6), pearl, pacer and "
+                          "pacer_pearl at each α, in process and through the stack, every output checked against ar's; "
+                          "--n-prompts random token-id prompts (default 4), --repeats each (default 1)")
+    syn.add_argument("--shapes", default="tiny", choices=tuple(SHAPES),
+                     help="the synthetic pair's models: tiny (CPU), or random weights of Llama-3.1-8B / "
+                          "Llama-3.2-1B shapes (a GPU: --device cuda) (default: %(default)s)")
+    syn.add_argument("--placements", type=_csv(str), default=None, metavar="PLACEMENT,...",
+                     help="the synthetic run's placements: in-process, stack (default: both)")
     return ap
+
+
+def synthetic_args(args) -> bool:
+    """Whether the run is the synthetic-acceptance one; its flags checked against the others."""
+    synthetic = args.synthetic_acceptance is not None
+    if synthetic and (args.round_trip or args.rtt_ms is not None or args.rtt_t is not None or args.markdown
+                      or args.plot):
+        raise SystemExit("--synthetic-acceptance runs alone: leave out --round-trip, --rtt-ms/--rtt-t, --markdown "
+                         "and --plot (it prints its table; --json writes its rows)")
+    if not synthetic and (args.shapes != "tiny" or args.placements is not None):
+        raise SystemExit("--shapes and --placements apply to the synthetic-acceptance run: add "
+                         "--synthetic-acceptance")
+    return synthetic
+
+
+def synthetic_main(args, meta: dict, log) -> int:
+    """The synthetic-acceptance run: --n-prompts random token-id prompts (default 4), --repeats (default 1)."""
+    from specdec_bench.synthetic import PLACEMENTS, SyntheticOptions, markdown as syn_markdown, run_synthetic
+
+    placements = args.placements or PLACEMENTS
+    unknown = [p for p in placements if p not in PLACEMENTS]
+    if unknown:
+        raise SystemExit(f"--placements {','.join(unknown)}: use {', '.join(PLACEMENTS)}")
+    alphas = args.synthetic_acceptance
+    if not alphas or any(not 0.0 <= a <= 1.0 for a in alphas):
+        raise SystemExit(f"--synthetic-acceptance: rates in [0, 1], e.g. 0.6,0.7,0.8,0.9: got {alphas}")
+    modes = tuple(m for m in args.modes if m != "hf")  # assisted generation has no synthetic draft
+    opts = SyntheticOptions(alphas=tuple(alphas), shapes=args.shapes, device=args.device, modes=modes,
+                            gammas=tuple(args.gammas or (2, 4, 6)), placements=tuple(placements),
+                            n_prompts=args.n_prompts or 4, max_new_tokens=args.max_new_tokens,
+                            repeats=args.repeats or 1, ray=not args.no_ray)
+    result = run_synthetic(opts, log=log)
+    run = {"command": meta["command"], "shapes": args.shapes, "device": args.device, **meta["machine"]}
+    for r in result["rows"]:
+        r["run"] = run
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result["rows"], f, indent=1)
+    print(syn_markdown(result, meta))
+    return 0
 
 
 def round_trip_main(args, meta: dict, log) -> int:
@@ -137,7 +192,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.round_trip and (args.rtt_ms is not None or args.rtt_t is not None or args.markdown or args.plot):
         raise SystemExit("--round-trip runs alone: leave out --rtt-ms/--rtt-t, --markdown and --plot (it prints its "
                          "table; --json writes its rows)")
-    network = None if args.round_trip else network_args(args)
+    synthetic = synthetic_args(args)
+    network = None if args.round_trip or synthetic else network_args(args)
     for out in (args.json, args.markdown, args.plot):  # before the run: a missing folder must not lose its results
         if out:
             try:
@@ -152,6 +208,8 @@ def main(argv: list[str] | None = None) -> int:
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     if args.round_trip:
         return round_trip_main(args, meta, log)
+    if synthetic:
+        return synthetic_main(args, meta, log)
     if network is not None:
         return network_main(args, opts, network, meta, t0, log)
     bench = Bench(opts, log=log)
