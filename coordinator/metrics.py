@@ -37,7 +37,17 @@ def model_label(spec: str) -> str:
 
 class CoordinatorMetrics:
     def __init__(self, registry):
-        r = registry
+        self._request_metrics(registry)
+        self._fallback_metrics(registry)
+        self._spec_decode_metrics(registry)
+        self._pacer_metrics(registry)
+        self._overlap_metrics(registry)
+        self._network_metrics(registry)
+        self._pairs: set[tuple[str, str]] = set()
+        self._known_series()
+
+    def _request_metrics(self, r) -> None:
+        """vLLM's request metrics: requests running, waiting, finished and failed, their tokens and latencies."""
         # set_function'ed by the server: requests in flight less those waiting for sessions
         self.running = Gauge("specdec_num_requests_running", "Requests being generated (holding replica sessions)",
                              registry=r)
@@ -68,6 +78,9 @@ class CoordinatorMetrics:
                               "(streamed requests of 2+ tokens)",
                               buckets=(0.005, 0.01, 0.02, 0.03, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0),
                               registry=r)
+
+    def _fallback_metrics(self, r) -> None:
+        """Requests served short of what they asked: target-only fallbacks, sessions preempted."""
         # requests that ran target-only, wholly or from some point on, because no draft replica was reachable
         # (reason "unreachable": alert on it, deploy/monitoring/prometheus-rules.yaml) or the request is past the
         # draft replicas' context ("context"; COORDINATOR_DRAFT_FALLBACK): exact but slower
@@ -77,6 +90,9 @@ class CoordinatorMetrics:
         # sessions given up to requests of higher priority (COORDINATOR_PREEMPT; coordinator/routing/preemption.py)
         self.preemptions = Counter("specdec_preemptions", "Replica sessions requests gave up to requests of higher "
                                    "priority, to resume later", registry=r)
+
+    def _spec_decode_metrics(self, r) -> None:
+        """vLLM's speculative-decoding counters, by mode and model pair."""
         # vLLM's spec_decode_num_drafts / _num_draft_tokens / _num_accepted_tokens / _num_accepted_tokens_per_pos
         # (+ _num_emitted_tokens of vLLM V0, and target forwards), from each finished request's stats, by mode and
         # model pair. Draft tokens: those the target verified (vLLM's meaning: acceptance rate = accepted / draft
@@ -95,6 +111,9 @@ class CoordinatorMetrics:
                                            registry=r)
         self.spec_target_forwards = Counter("specdec_spec_decode_num_target_forwards", "Target forwards", pair,
                                             registry=r)
+
+    def _pacer_metrics(self, r) -> None:
+        """PACER's pre-verifier decisions, by mode."""
         # PACER's decisions after each block of a draft the target verified whole (pacer, pacer_pearl): a false stop
         # stopped a draft the target accepted whole; a false continue drafted a block the target accepted none of
         self.pacer_stops = Counter("specdec_pacer_stops", "Drafts the pre-verifier stopped", ["mode"], registry=r)
@@ -104,6 +123,9 @@ class CoordinatorMetrics:
                                        "into", ["mode"], registry=r)
         self.pacer_false_continues = Counter("specdec_pacer_false_continues", "Blocks the pre-verifier let a draft "
                                              "go on into that the target accepted none of", ["mode"], registry=r)
+
+    def _overlap_metrics(self, r) -> None:
+        """PEARL's overlapped rounds and each side's idle time in them, by mode."""
         # PEARL's overlap (pearl, pacer_pearl): overlapped rounds, their wall time, and of it each side's idle time
         self.overlap_rounds = Counter("specdec_overlap_rounds", "Rounds run overlapped (PEARL)", ["mode"],
                                       registry=r)
@@ -113,11 +135,17 @@ class CoordinatorMetrics:
                                   "draft replica's time not drafting", ["mode"], registry=r)
         self.target_idle = Counter("specdec_overlap_target_idle_seconds", "Of the overlapped rounds' wall time, "
                                    "the target replica's time not verifying", ["mode"], registry=r)
+
+    def _network_metrics(self, r) -> None:
+        """Network time, per link between the processes (LINKS)."""
         # a request's time in replica calls less the compute (and queueing) the replicas report, per link
         self.network = Histogram("specdec_request_network_seconds", "A request's network time, per link", ["link"],
                                  buckets=_NETWORK_SECONDS, registry=r)
-        self._pairs: set[tuple[str, str]] = set()
-        for reason in FINISH_REASONS:  # every known series from the start, as vLLM does: no "No data" panels
+
+    def _known_series(self) -> None:
+        """Every known series from the start, as vLLM does: no "No data" panels (a model pair's spec-decode series
+        start at its first request, `_new_pair`)."""
+        for reason in FINISH_REASONS:
             self.requests.labels(reason)
         for kind in ("speculative", "target_only"):
             self.rounds.labels(kind)

@@ -220,46 +220,14 @@ class LocalStack:
         target_dir = str(resolve_model(self.target))
         draft_dir = str(resolve_model(self.draft)) if self.draft else None
         check_models(target_dir, draft_dir, self.target, self.draft)
-        tport = self.target_port or free_port()
-        target_ep = f"127.0.0.1:{tport}"
-        relay_procs = []
-        if self.emulate_rtt_ms > 0:  # the coordinator dials the relays, the relays the replicas
-            proc, target_ep = self._launch_relay("coordinator-target", f"127.0.0.1:{tport}")
-            relay_procs.append(("coordinator-target", proc))
-        waits = []
-        proc, logf = self._launch("target", target_dir, tport, [])
-        waits.append((f"127.0.0.1:{tport}", "specdec.v1.TargetService", proc, logf))
+        relay_procs: list[tuple[str, subprocess.Popen]] = []  # (link, relay process)
+        waits: list[tuple] = []  # (endpoint, service, process, log file) of each replica
+        tport, target_ep = self._start_target(target_dir, relay_procs, waits)
         draft_ep = ""
         if draft_dir:
-            dport = self.draft_port or free_port()
-            draft_ep = f"127.0.0.1:{dport}"
-            if self.emulate_rtt_ms > 0:
-                proc, draft_ep = self._launch_relay("coordinator-draft", draft_ep)
-                relay_procs.append(("coordinator-draft", proc))
-                # the direct data plane: the draft replica dials the target endpoint the coordinator names
-                # through a relay of its own
-                proc, peer = self._launch_relay("draft-target", f"127.0.0.1:{tport}")
-                relay_procs.append(("draft-target", proc))
-                self.replica_options["draft"]["target_routes"] = ",".join(
-                    filter(None, (self._draft_routes, f"{target_ep}={peer}")))
-            extra = ["--preverifier", self.preverifier] if self.preverifier else []
-            if self.prompt_lookup_min_ngram is not None:
-                extra += ["--prompt-lookup-min-ngram", str(self.prompt_lookup_min_ngram)]
-            target_vocab = config_vocab_size(target_dir)
-            if 0 < config_vocab_size(draft_dir) < target_vocab:  # fewer rows, one tokenizer (specdec/vocab.py)
-                extra += ["--target-vocab-size", str(target_vocab)]
-            proc, logf = self._launch("draft", draft_dir, dport, extra)
-            waits.append((f"127.0.0.1:{dport}", "specdec.v1.DraftService", proc, logf))
+            draft_ep = self._start_draft(draft_dir, target_dir, tport, target_ep, relay_procs, waits)
         await self._relays_listening(relay_procs)
-        settings = CoordinatorSettings(**{
-            "host": self.host, "port": self.port, "metrics_port": 0, "tokenizer": target_dir,
-            "draft_endpoints": draft_ep, "target_endpoints": target_ep, "ray": self.use_ray,
-            "ray_num_cpus": self.ray_cpus, "pipelines": self.pipelines, "max_new_tokens_cap": self.cap,
-            "grace_s": self.grace_s, "dns_refresh_s": 5.0, "log_level": self.log_level,
-            "served_model_name": served_names(self.target), "default_mode": self.default_mode,
-            "tool_call_parser": self.tool_call_parser, "reasoning_parser": self.reasoning_parser,
-            "http_port": free_port(self.host) if self.http_port == 0 else self.http_port or 0,
-            **self.coordinator_options})
+        settings = self._coordinator_settings(target_dir, draft_ep, target_ep)
         self.settings = settings
         if self.use_ray:  # starts while the replicas load their models
             import ray  # lazy: ray (~0.6 s) loads only where the stack runs on Ray
@@ -268,6 +236,64 @@ class LocalStack:
             # the actors' lines reach this process's output prefixed by Ray, which JSON lines must not be: with
             # log_format json they stay in Ray's session logs
             init_ray(settings, log_to_driver=not self.quiet and settings.log_format == "text")
+        await self._start_coordinator(settings, waits)
+        return self.address
+
+    def _start_target(self, target_dir: str, relay_procs: list, waits: list) -> tuple[int, str]:
+        """Launch the target replica, behind its coordinator-target relay with `emulate_rtt_ms` → (its port, the
+        endpoint the coordinator dials)."""
+        tport = self.target_port or free_port()
+        target_ep = f"127.0.0.1:{tport}"
+        if self.emulate_rtt_ms > 0:  # the coordinator dials the relays, the relays the replicas
+            proc, target_ep = self._launch_relay("coordinator-target", f"127.0.0.1:{tport}")
+            relay_procs.append(("coordinator-target", proc))
+        proc, logf = self._launch("target", target_dir, tport, [])
+        waits.append((f"127.0.0.1:{tport}", "specdec.v1.TargetService", proc, logf))
+        return tport, target_ep
+
+    def _start_draft(self, draft_dir: str, target_dir: str, tport: int, target_ep: str, relay_procs: list,
+                     waits: list) -> str:
+        """Launch the draft replica, behind its relays with `emulate_rtt_ms` (from the coordinator, and to the target
+        replica `tport`) → the endpoint the coordinator dials."""
+        dport = self.draft_port or free_port()
+        draft_ep = f"127.0.0.1:{dport}"
+        if self.emulate_rtt_ms > 0:
+            proc, draft_ep = self._launch_relay("coordinator-draft", draft_ep)
+            relay_procs.append(("coordinator-draft", proc))
+            # the direct data plane: the draft replica dials the target endpoint the coordinator names
+            # through a relay of its own
+            proc, peer = self._launch_relay("draft-target", f"127.0.0.1:{tport}")
+            relay_procs.append(("draft-target", proc))
+            self.replica_options["draft"]["target_routes"] = ",".join(
+                filter(None, (self._draft_routes, f"{target_ep}={peer}")))
+        proc, logf = self._launch("draft", draft_dir, dport, self._draft_flags(draft_dir, target_dir))
+        waits.append((f"127.0.0.1:{dport}", "specdec.v1.DraftService", proc, logf))
+        return draft_ep
+
+    def _draft_flags(self, draft_dir: str, target_dir: str) -> list[str]:
+        """The draft replica's own flags: its pre-verifier, prompt lookup, and the target's vocabulary size."""
+        extra = ["--preverifier", self.preverifier] if self.preverifier else []
+        if self.prompt_lookup_min_ngram is not None:
+            extra += ["--prompt-lookup-min-ngram", str(self.prompt_lookup_min_ngram)]
+        target_vocab = config_vocab_size(target_dir)
+        if 0 < config_vocab_size(draft_dir) < target_vocab:  # fewer rows, one tokenizer (specdec/vocab.py)
+            extra += ["--target-vocab-size", str(target_vocab)]
+        return extra
+
+    def _coordinator_settings(self, target_dir: str, draft_ep: str, target_ep: str) -> CoordinatorSettings:
+        return CoordinatorSettings(**{
+            "host": self.host, "port": self.port, "metrics_port": 0, "tokenizer": target_dir,
+            "draft_endpoints": draft_ep, "target_endpoints": target_ep, "ray": self.use_ray,
+            "ray_num_cpus": self.ray_cpus, "pipelines": self.pipelines, "max_new_tokens_cap": self.cap,
+            "grace_s": self.grace_s, "dns_refresh_s": 5.0, "log_level": self.log_level,
+            "served_model_name": served_names(self.target), "default_mode": self.default_mode,
+            "tool_call_parser": self.tool_call_parser, "reasoning_parser": self.reasoning_parser,
+            "http_port": free_port(self.host) if self.http_port == 0 else self.http_port or 0,
+            **self.coordinator_options})
+
+    async def _start_coordinator(self, settings: CoordinatorSettings, waits: list) -> None:
+        """Build the coordinator while the replicas load, refresh its pools once they serve, start its servers and
+        set `address` (and `http_address`)."""
         # the coordinator's actors start while the replicas load; its pools are refreshed once they serve
         built = asyncio.ensure_future(build_coordinator(settings))
         try:
@@ -281,7 +307,6 @@ class LocalStack:
         self.address = f"{host}:{port}"
         if self.app.http_port:
             self.http_address = f"http://{host}:{self.app.http_port}"
-        return self.address
 
     async def stop(self) -> None:
         if self.app is not None:

@@ -56,10 +56,7 @@ async def run_direct(req: GenerationRequest, draft: RemoteDraft, target: RemoteT
     """Run `req` on its draft replica against its target replica; `tracking(new, logprobs)` gets the committed tokens
     as they arrive (True: stop the request). Both backends are pinned here (no session: the draft replica starts
     and ends both). → the result; DirectInterrupted after a resumable failure (the tokens delivered stand)."""
-    if target.endpoint is None:
-        await target.pin()
-    if draft.endpoint is None:
-        await draft.pin()
+    await _pin(draft, target)
     msg = speculate_request(req, target_endpoint=target.endpoint,
                             reserve_positions=target.start_kw["reserve_positions"],
                             output_start=target.start_kw["output_start"], target_server_name=server_name,
@@ -70,15 +67,7 @@ async def run_direct(req: GenerationRequest, draft: RemoteDraft, target: RemoteT
     logprobs: list = []
     try:
         while True:
-            try:
-                r = await within(call.read(), timeout)
-            except asyncio.TimeoutError:
-                call.cancel()
-                raise grpc.aio.AioRpcError(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                           details=f"draft replica {draft.endpoint} sent nothing for {timeout} s")
-            if r is grpc.aio.EOF:
-                raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE,
-                                           details=f"draft replica {draft.endpoint} ended the call early")
+            r = await _next_message(call, draft, timeout)
             if r.done:
                 break
             new = list(r.token_ids)
@@ -93,12 +82,48 @@ async def run_direct(req: GenerationRequest, draft: RemoteDraft, target: RemoteT
         draft.network_ns += time.perf_counter_ns() - t0
         if e.code() not in _RESUMABLE:
             raise
-        failed_target = dict(e.trailing_metadata() or ()).get(FAILED_TARGET_KEY)
-        failed = "target" if failed_target else ("draft" if e.code() in _GONE else "")
-        raise DirectInterrupted(e, failed) from None
+        raise _interrupted(e) from None
     except BaseException:
         call.cancel()  # our cancel: the draft replica ends both sessions
         raise
+    return _finished(req, r, draft, target, tokens, logprobs, t0)
+
+
+async def _pin(draft: RemoteDraft, target: RemoteTarget) -> None:
+    """Pin the request's target replica, then its draft replica, where not pinned yet."""
+    if target.endpoint is None:
+        await target.pin()
+    if draft.endpoint is None:
+        await draft.pin()
+
+
+async def _next_message(call, draft: RemoteDraft, timeout: float):
+    """The `Speculate` call's next message; a call silent for `timeout` s (cancelled here) or ended before its last
+    message raises the status that amounts to."""
+    try:
+        r = await within(call.read(), timeout)
+    except asyncio.TimeoutError:
+        call.cancel()
+        raise grpc.aio.AioRpcError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                   details=f"draft replica {draft.endpoint} sent nothing for {timeout} s")
+    if r is grpc.aio.EOF:
+        raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE,
+                                   details=f"draft replica {draft.endpoint} ended the call early")
+    return r
+
+
+def _interrupted(e: grpc.aio.AioRpcError) -> DirectInterrupted:
+    """A resumable failure as `DirectInterrupted`, naming the replica at fault: the target where the draft replica's
+    trailers say so, else the draft where the status says it is gone."""
+    failed_target = dict(e.trailing_metadata() or ()).get(FAILED_TARGET_KEY)
+    failed = "target" if failed_target else ("draft" if e.code() in _GONE else "")
+    return DirectInterrupted(e, failed)
+
+
+def _finished(req: GenerationRequest, r, draft: RemoteDraft, target: RemoteTarget, tokens: list[int],
+              logprobs: list, t0: int) -> GenerationResult:
+    """The result from the call's last message `r`. Its stats and the call's wall time (since `t0`) give the
+    backends' network time; it names the target's model and the prompt tokens the target replica reused."""
     stats, extra = stats_from_proto(r, req.mode)
     # the coordinator <-> draft link: the call's wall time less the replica's own run of the request
     wall_ns = time.perf_counter_ns() - t0
@@ -108,4 +133,3 @@ async def run_direct(req: GenerationRequest, draft: RemoteDraft, target: RemoteT
     target.model, target.cached_tokens = r.target_model or target.model, int(r.cached_tokens)
     return GenerationResult(tokens, r.finish_reason or "length", stats,
                             logprobs if req.params.logprobs >= 0 else None)
-

@@ -17,7 +17,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 import grpc
 
@@ -96,6 +96,92 @@ async def go_on(req: GenerationRequest, head: list[int], head_logprobs: list, se
     res = await run(rest)
     return GenerationResult(head + res.token_ids, res.finish_reason, res.stats,
                             head_logprobs + res.logprobs if res.logprobs is not None else None)
+
+
+@dataclasses.dataclass(eq=False)
+class _RequestReplicas:
+    """One request's backends and delivered tokens. `first_target` / `first_draft`: the backends it started with;
+    `target` / `draft`: the ones it runs on now (a target-only continuation moves to backends of its own; a draft
+    found unreachable at the start leaves `draft` None). `fallback`: why it went target-only, "unreachable" (no
+    draft replica) or "context" (past the draft's context), '' where it did not."""
+    first_target: RemoteTarget
+    first_draft: RemoteDraft | None
+    target: RemoteTarget
+    draft: RemoteDraft | None
+    n_prompt: int
+    on_tokens: Callable
+    committed: list[int] = dataclasses.field(default_factory=list)
+    seen_logprobs: list = dataclasses.field(default_factory=list)
+    told: dict = dataclasses.field(default_factory=dict)  # the replicas last passed to `on_tokens`
+    fallback: str = ""
+
+    def tracking(self, new: list[int], logprobs: list | None = None) -> bool:
+        """The schedule's token callback: records the delivered tokens and passes them on, with the replicas the
+        request holds where they changed since the last call."""
+        self.committed.extend(new)
+        self.seen_logprobs.extend(logprobs or ())
+        first_target, first_draft = self.first_target, self.first_draft
+        targets = dict.fromkeys((first_target, self.target))
+        served = {"prompt_tokens": self.n_prompt, "cached_prompt_tokens": first_target.cached_tokens,
+                  "target_replica": ",".join(ep for b in targets for ep in b.served),
+                  "draft_replica": ",".join(first_draft.served) if first_draft is not None else ""}
+        if served == self.told:
+            return self.on_tokens(new, logprobs)
+        self.told.clear()
+        self.told.update(served)
+        return self.on_tokens(new, logprobs, dict(served))
+
+    def targets(self) -> list[RemoteTarget]:
+        return [self.first_target] + ([self.target] if self.target is not self.first_target else [])
+
+    def drafts(self) -> list[RemoteDraft]:
+        return [self.first_draft] if self.first_draft is not None else []
+
+    async def end_left(self, session_id: str) -> None:
+        """End the sessions still pinned: what a failure before `generate` left (the draft's probe, a cancel during
+        it); ending an ended backend does nothing."""
+        left = [b for b in (self.first_draft, self.first_target, self.target)
+                if b is not None and b.endpoint is not None]
+        if left:
+            await asyncio.shield(asyncio.gather(*(b.end(session_id) for b in left), return_exceptions=True))
+
+
+@dataclasses.dataclass
+class _CoordinatorStats:
+    """What the coordinator adds to a finished request's stats (the replicas report the rest), in this order."""
+    draft_network_s: float  # coordinator <-> draft, per link
+    target_network_s: float  # coordinator <-> target
+    peer_network_s: float  # draft <-> target (direct)
+    network_s: float
+    draft_model: str
+    target_model: str
+    queued_s: float
+    prompt_tokens: int
+    cached_prompt_tokens: int
+    completion_tokens: int
+    draft_replica: str
+    target_replica: str
+    draft_unavailable: bool
+    draft_fallback: str
+    preemptions: int
+
+    @classmethod
+    def of(cls, run: _RequestReplicas, completion_tokens: int) -> _CoordinatorStats:
+        targets, drafts = run.targets(), run.drafts()
+        draft_net = sum(b.network_ns for b in drafts) / 1e9
+        target_net = sum(b.network_ns for b in targets) / 1e9
+        peer_net = sum(b.peer_network_ns for b in drafts) / 1e9
+        return cls(draft_network_s=draft_net, target_network_s=target_net, peer_network_s=peer_net,
+                   network_s=draft_net + target_net + peer_net,
+                   draft_model=run.first_draft.model if run.first_draft is not None else "",
+                   target_model=run.target.model or run.first_target.model,
+                   queued_s=sum(b.queued_ns for b in targets + drafts) / 1e9,
+                   prompt_tokens=run.n_prompt, cached_prompt_tokens=run.first_target.cached_tokens,
+                   completion_tokens=completion_tokens,
+                   draft_replica=",".join(ep for b in drafts for ep in b.served),
+                   target_replica=",".join(ep for b in targets for ep in b.served),
+                   draft_unavailable=bool(run.fallback), draft_fallback=run.fallback,
+                   preemptions=sum(b.preemptions for b in targets + drafts))
 
 
 class AsyncPool:
@@ -236,52 +322,9 @@ class Pipeline:
         fields, completed with its replicas and timings when it ends."""
         n_prompt, reserve = len(req.prompt_ids), len(req.prompt_ids) + req.max_new_tokens
         target, draft = self._backends(req, n_prompt, reserve, req.mode != "ar", trace)
-        first_target, first_draft = target, draft
-        committed, seen_logprobs = [], []
-        told: dict = {}
-
-        def tracking(new: list[int], logprobs: list | None = None) -> bool:
-            committed.extend(new)
-            seen_logprobs.extend(logprobs or ())
-            served = {"prompt_tokens": n_prompt, "cached_prompt_tokens": first_target.cached_tokens,
-                      "target_replica": ",".join(ep for b in dict.fromkeys((first_target, target)) for ep in b.served),
-                      "draft_replica": ",".join(first_draft.served) if first_draft is not None else ""}
-            if served == told:
-                return on_tokens(new, logprobs)
-            told.clear()
-            told.update(served)
-            return on_tokens(new, logprobs, dict(served))
-
-        fallback = ""  # why it went target-only: "unreachable" (no draft replica) or "context" (past the draft's)
+        run = _RequestReplicas(target, draft, target, draft, n_prompt, on_tokens)
         try:
-            req.validate()  # before the probe pins a draft replica: a refused request holds no room
-            if draft is not None:
-                try:
-                    await draft.probe()
-                except ReplicaUnavailableError as e:
-                    if not draft_fallback:
-                        raise
-                    self._warn_fallback(e, req.session_id)
-                    draft, fallback, req = None, "unreachable", dataclasses.replace(req, mode="ar")
-            try:
-                if draft is not None and self._runs_direct(req):
-                    res = await self._direct(req, draft, target, tracking, committed, seen_logprobs)
-                else:
-                    res = await generate(req, draft, target, tracking)
-            except (ReplicaUnavailableError, DraftContextError) as e:  # the draft pool is gone, or too short for it
-                if not (draft_fallback and draft is not None and getattr(e, "kind", "") == "draft"):
-                    raise
-                # the draft pool went away mid-request: the committed tokens stand (the target verified them);
-                # a target-only request goes on from them, in a session of its own (the failed one has ended)
-                self._warn_fallback(e, req.session_id)
-                fallback = "context" if isinstance(e, DraftContextError) else "unreachable"
-                async def target_only(rest: GenerationRequest) -> GenerationResult:
-                    nonlocal target, draft
-                    target, draft = self._backends(rest, n_prompt, reserve, False, trace)
-                    return await generate(rest, None, target, tracking)
-
-                res = await go_on(req, list(committed), list(seen_logprobs), f"{req.session_id}-ar", target_only,
-                                  mode="ar")
+            res = await self._generate(req, run, draft_fallback, reserve, trace)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - reported to the client as a status
@@ -289,35 +332,59 @@ class Pipeline:
                 log.exception("request %s failed", req.session_id)
             return error_event(e)
         finally:  # generate ends the sessions it started; this releases what a failure before it left pinned
-            # (the draft's probe, a cancel during it); ending an ended backend does nothing
-            left = [b for b in (first_draft, first_target, target) if b is not None and b.endpoint is not None]
-            if left:
-                await asyncio.shield(asyncio.gather(*(b.end(req.session_id) for b in left), return_exceptions=True))
-        targets = [first_target] + ([target] if target is not first_target else [])
-        drafts = [first_draft] if first_draft is not None else []
+            await run.end_left(req.session_id)
         stats = res.stats.to_dict()
-        stats["draft_network_s"] = sum(b.network_ns for b in drafts) / 1e9  # per link
-        stats["target_network_s"] = sum(b.network_ns for b in targets) / 1e9
-        stats["peer_network_s"] = sum(b.peer_network_ns for b in drafts) / 1e9  # draft <-> target (direct)
-        stats["network_s"] = stats["draft_network_s"] + stats["target_network_s"] + stats["peer_network_s"]
-        stats["draft_model"] = first_draft.model if first_draft is not None else ""
-        stats["target_model"] = target.model or first_target.model
-        stats["queued_s"] = sum(b.queued_ns for b in targets + drafts) / 1e9
-        stats["prompt_tokens"] = n_prompt
-        stats["cached_prompt_tokens"] = first_target.cached_tokens
-        stats["completion_tokens"] = len(res.token_ids)
-        stats["draft_replica"] = ",".join(ep for b in drafts for ep in b.served)
-        stats["target_replica"] = ",".join(ep for b in targets for ep in b.served)
-        stats["draft_unavailable"], stats["draft_fallback"] = bool(fallback), fallback
-        stats["preemptions"] = sum(b.preemptions for b in targets + drafts)
+        stats.update(dataclasses.asdict(_CoordinatorStats.of(run, len(res.token_ids))))
         finish = "stop" if res.finish_reason == "stop" else res.finish_reason
         if log_fields is not None:
             log_fields.update(draft_replica=stats["draft_replica"], target_replica=stats["target_replica"],
                               timings={k: round(stats[k], 6) for k in _LOG_TIMINGS})
-        pl = first_target.prompt_logprobs
+        pl = run.first_target.prompt_logprobs
         return {"done": True, "token_ids": res.token_ids, "finish_reason": finish, "stats": stats,
                 "logprobs": res.logprobs,
                 "prompt_logprobs": list(zip(pl.logprobs, pl.top_ids, pl.top_logprobs)) if pl is not None else None}
+
+    async def _generate(self, req: GenerationRequest, run: _RequestReplicas, draft_fallback: bool, reserve: int,
+                        trace) -> GenerationResult:
+        """Validate and generate `req` on `run`'s backends: with its draft replica (on the draft replica's own rounds
+        where `_runs_direct`), or target-only where the draft pool is unreachable or too short for it and
+        `draft_fallback` allows it (`run.fallback` says why)."""
+        req.validate()  # before the probe pins a draft replica: a refused request holds no room
+        if run.draft is not None:
+            req = await self._probe_draft(req, run, draft_fallback)
+        draft, target = run.draft, run.target
+        try:
+            if draft is not None and self._runs_direct(req):
+                return await self._direct(req, draft, target, run.tracking, run.committed, run.seen_logprobs)
+            return await generate(req, draft, target, run.tracking)
+        except (ReplicaUnavailableError, DraftContextError) as e:  # the draft pool is gone, or too short for it
+            if not (draft_fallback and draft is not None and getattr(e, "kind", "") == "draft"):
+                raise
+            # the draft pool went away mid-request: the committed tokens stand (the target verified them);
+            # a target-only request goes on from them, in a session of its own (the failed one has ended)
+            self._warn_fallback(e, req.session_id)
+            run.fallback = "context" if isinstance(e, DraftContextError) else "unreachable"
+
+            async def target_only(rest: GenerationRequest) -> GenerationResult:
+                run.target, run.draft = self._backends(rest, run.n_prompt, reserve, False, trace)
+                return await generate(rest, None, run.target, run.tracking)
+
+            return await go_on(req, list(run.committed), list(run.seen_logprobs), f"{req.session_id}-ar",
+                               target_only, mode="ar")
+
+    async def _probe_draft(self, req: GenerationRequest, run: _RequestReplicas,
+                           draft_fallback: bool) -> GenerationRequest:
+        """Pin `run`'s draft replica before any work. With none reachable and `draft_fallback`, the request goes on
+        target-only (ar) from the start. → the request to run."""
+        try:
+            await run.draft.probe()
+        except ReplicaUnavailableError as e:
+            if not draft_fallback:
+                raise
+            self._warn_fallback(e, req.session_id)
+            run.draft, run.fallback = None, "unreachable"
+            return dataclasses.replace(req, mode="ar")
+        return req
 
     async def _direct(self, req: GenerationRequest, draft: RemoteDraft, target: RemoteTarget, tracking,
                       committed: list[int], seen_logprobs: list) -> GenerationResult:

@@ -65,6 +65,13 @@ class TextAssembler:
         if self.detok is None:
             self.token_ids.extend(ids)
             return "", list(ids)
+        taken = self._detokenize(ids)
+        self.token_ids.extend(taken)
+        return self._release(), taken
+
+    def _detokenize(self, ids: list[int]) -> list[int]:
+        """Add `ids`' text (a stop token's only with `include_stop`), ending it at a stop string → the ids taken: all
+        of them, or those up to the one that completed a stop string."""
         taken: list[int] = []
         per_token = bool(self.stop) or bool(self.stop_ids.intersection(ids))
         for chunk in ([[t] for t in ids] if per_token else [list(ids)]):  # a stop may end the text mid-chunk
@@ -79,11 +86,14 @@ class TextAssembler:
             self.text += self.detok.push(chunk)
             if self._cut():
                 break
-        self.token_ids.extend(taken)
+        return taken
+
+    def _release(self) -> str:
+        """The text not sent yet, less what could still become a stop string → the text to send now."""
         upto = len(self.text) if (self.stopped or not self.stop) else len(self.text) - self.hold
         delta = self.text[self.sent:upto] if upto > self.sent else ""
         self.sent += len(delta)
-        return delta, taken
+        return delta
 
     def finish(self) -> str:
         if self.detok is not None and not self.stopped:

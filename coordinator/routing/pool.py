@@ -153,58 +153,85 @@ class PoolManager:
         """Re-resolve every pool, health-check its members, learn new members' capacity, serve waiters."""
         async with self._lock:
             for pool in self.pools.values():
-                found = await pool.source.resolve()
-                gone = [ep for ep in pool.members if ep not in found]
-                for ep in gone:
-                    log.info("%s replica %s left the pool (%d sessions pinned)", pool.kind, ep,
-                             pool.members[ep].sessions)
-                    del pool.members[ep]
-                    if pool.affinity is not None:
-                        pool.affinity.forget(ep)
-                for ep in found:
-                    if ep not in pool.members:
-                        log.info("%s replica %s joined the pool", pool.kind, ep)
-                        pool.members[ep] = Member(ep, healthy=False)
-                checks = await asyncio.gather(*(self._check(pool.kind, ep) for ep in found))
-                for ep, (ok, err) in zip(found, checks):
-                    m = pool.members[ep]
-                    slow = not ok and err.startswith("DEADLINE_EXCEEDED")
-                    m.slow_checks = m.slow_checks + 1 if slow else 0
-                    if slow and m.healthy and m.slow_checks < SLOW_CHECKS:
-                        # a busy host, more likely than a dead replica (that one refuses connections): a request
-                        # finding its only replica unroutable fails at once, so one slow answer must not do that
-                        log.info("%s replica %s: health check timed out (%d in a row; unhealthy at %d)", pool.kind,
-                                 ep, m.slow_checks, SLOW_CHECKS)
-                        continue
-                    if not ok:
-                        # checked anew when it is back (a restarted replica may serve another model)
-                        m.refused, m.pair_refused = "", False
-                    elif m.refused:
-                        ok, err = False, m.refused
-                    if ok != m.healthy and not m.refused:
-                        (log.info if ok else log.warning)("%s replica %s is %s%s", pool.kind, ep,
-                                                          "healthy" if ok else "unhealthy", f" ({err})" if err else "")
-                    m.healthy, m.last_error = ok, err
-                    if not ok:
-                        m.capacity = None  # ask again when it is back (a restarted replica may hold more or fewer)
-                ask = [m for m in pool.members.values() if m.healthy and m.capacity is None]
-                caps = await asyncio.gather(*(self._check_capacity(pool.kind, m.endpoint) for m in ask))
-                for m, info in zip(ask, caps):
-                    m.capacity, m.max_context, m.vocab, m.vocab_warned = (info.max_sessions, info.max_context,
-                                                                          info.vocab, False)
-                    m.model, m.fingerprint, m.paired_with = info.model, info.tokenizer_fingerprint, None
-                    m.refused = vocabulary_mismatch(self.tokenizer_size, info.vocab, pool.kind)
-                    m.pair_refused = bool(m.refused) and pool.kind == "draft"
-                    if m.refused:
-                        log.error("%s replica %s gets no requests: %s", pool.kind, m.endpoint, m.refused)
-                        m.healthy, m.last_error = False, m.refused
-                if gone or any(not m.healthy for m in pool.members.values()):
-                    self.generation += 1
-                self._serve_waiters(pool)
+                await self._refresh_pool(pool)
             if await self._check_pairs():
                 self._serve_waiters(self.pools["draft"])  # a waiter for a refused pool fails now
             self._warn_short_drafts()
             self.generation += 1
+
+    async def _refresh_pool(self, pool: Pool) -> None:
+        """One pool's part of `refresh` (under its lock): membership, health, capacities, then its waiters."""
+        found = await pool.source.resolve()
+        gone = self._update_members(pool, found)
+        checks = await asyncio.gather(*(self._check(pool.kind, ep) for ep in found))
+        for ep, (ok, err) in zip(found, checks):
+            self._apply_check(pool, ep, ok, err)
+        await self._learn_capacities(pool)
+        if gone or any(not m.healthy for m in pool.members.values()):
+            self.generation += 1
+        self._serve_waiters(pool)
+
+    def _update_members(self, pool: Pool, found: list[str]) -> list[str]:
+        """Drop the members discovery no longer lists, add the new ones (unhealthy until checked) → those dropped."""
+        gone = [ep for ep in pool.members if ep not in found]
+        for ep in gone:
+            log.info("%s replica %s left the pool (%d sessions pinned)", pool.kind, ep,
+                     pool.members[ep].sessions)
+            del pool.members[ep]
+            if pool.affinity is not None:
+                pool.affinity.forget(ep)
+        for ep in found:
+            if ep not in pool.members:
+                log.info("%s replica %s joined the pool", pool.kind, ep)
+                pool.members[ep] = Member(ep, healthy=False)
+        return gone
+
+    def _apply_check(self, pool: Pool, ep: str, ok: bool, err: str) -> None:
+        """A member's health check: its health, unless it is refused (wrong vocabulary or tokenizer) or the check
+        only timed out on a healthy member fewer than `SLOW_CHECKS` times in a row."""
+        m = pool.members[ep]
+        if self._slow_check_tolerated(pool, ep, m, ok, err):
+            return
+        if not ok:
+            # checked anew when it is back (a restarted replica may serve another model)
+            m.refused, m.pair_refused = "", False
+        elif m.refused:
+            ok, err = False, m.refused
+        if ok != m.healthy and not m.refused:
+            (log.info if ok else log.warning)("%s replica %s is %s%s", pool.kind, ep,
+                                              "healthy" if ok else "unhealthy", f" ({err})" if err else "")
+        m.healthy, m.last_error = ok, err
+        if not ok:
+            m.capacity = None  # ask again when it is back (a restarted replica may hold more or fewer)
+
+    @staticmethod
+    def _slow_check_tolerated(pool: Pool, ep: str, m: Member, ok: bool, err: str) -> bool:
+        """Count a check that timed out; → whether it leaves the member as it was (a healthy one, fewer than
+        `SLOW_CHECKS` in a row)."""
+        slow = not ok and err.startswith("DEADLINE_EXCEEDED")
+        m.slow_checks = m.slow_checks + 1 if slow else 0
+        if slow and m.healthy and m.slow_checks < SLOW_CHECKS:
+            # a busy host, more likely than a dead replica (that one refuses connections): a request
+            # finding its only replica unroutable fails at once, so one slow answer must not do that
+            log.info("%s replica %s: health check timed out (%d in a row; unhealthy at %d)", pool.kind,
+                     ep, m.slow_checks, SLOW_CHECKS)
+            return True
+        return False
+
+    async def _learn_capacities(self, pool: Pool) -> None:
+        """Read the capacity, context, vocabulary, model and tokenizer of the healthy members not read yet; one whose
+        vocabulary cannot be the coordinator tokenizer's is refused."""
+        ask = [m for m in pool.members.values() if m.healthy and m.capacity is None]
+        caps = await asyncio.gather(*(self._check_capacity(pool.kind, m.endpoint) for m in ask))
+        for m, info in zip(ask, caps):
+            m.capacity, m.max_context, m.vocab, m.vocab_warned = (info.max_sessions, info.max_context,
+                                                                  info.vocab, False)
+            m.model, m.fingerprint, m.paired_with = info.model, info.tokenizer_fingerprint, None
+            m.refused = vocabulary_mismatch(self.tokenizer_size, info.vocab, pool.kind)
+            m.pair_refused = bool(m.refused) and pool.kind == "draft"
+            if m.refused:
+                log.error("%s replica %s gets no requests: %s", pool.kind, m.endpoint, m.refused)
+                m.healthy, m.last_error = False, m.refused
 
     async def _check_pairs(self) -> bool:
         """Compare each healthy draft replica's tokenizer with the target replicas' (module docstring, "Pairing"),
