@@ -171,22 +171,36 @@ class ChainedRounds:
                         raise ChainStateError("chained rounds: nothing to draft and nothing in flight")
                     continue
                 await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-                if self.inflight and self.inflight[0].done():
-                    out = self.inflight.popleft().result()
-                    if not self._on_answer(out):
-                        await self._stop_stream()
-                        if run.finish is None:
-                            self._start_stream()
-                        continue
-                if self.next_block is not None and self.next_block.done():
-                    try:
-                        self._on_block(self.next_block.result())
-                        self.next_block = asyncio.ensure_future(self.stream.__anext__())
-                    except StopAsyncIteration:
-                        self.next_block = self.stream = None
-                if self.next_block is None and run.finish is None and self._room() > 0:
-                    self._start_stream()  # the stream ran out of room earlier: room again
+                if await self._take_answer():
+                    continue
+                self._take_block()
         finally:
             await self._stop_stream()
             for fut in self.inflight:  # the request ended: answers still on their way are not waited for
                 fut.cancel()
+
+    async def _take_answer(self) -> bool:
+        """Commit the oldest verify's answer if it has come. Where it drops the draft's speculation, the draft's
+        stream is stopped and, unless the request ended, drafting starts again from the committed tokens.
+        → whether the speculation was dropped."""
+        if not (self.inflight and self.inflight[0].done()):
+            return False
+        out = self.inflight.popleft().result()
+        if self._on_answer(out):
+            return False
+        await self._stop_stream()
+        if self.run.finish is None:
+            self._start_stream()
+        return True
+
+    def _take_block(self) -> None:
+        """Take the draft's next block if it has come and ask for the one after (the stream's end leaves nothing
+        drafting); where the stream ran out of room earlier and there is room again, start another."""
+        if self.next_block is not None and self.next_block.done():
+            try:
+                self._on_block(self.next_block.result())
+                self.next_block = asyncio.ensure_future(self.stream.__anext__())
+            except StopAsyncIteration:
+                self.next_block = self.stream = None
+        if self.next_block is None and self.run.finish is None and self._room() > 0:
+            self._start_stream()  # the stream ran out of room earlier: room again

@@ -58,27 +58,45 @@ class StructuredOutput:
             return LLMatcher.grammar_from_json_schema({"type": "object"})
         if not self.value.strip():
             raise InvalidRequestError(field, "is empty")
-        if self.kind == "json_schema":
-            try:
-                schema = json.loads(self.value)
-            except ValueError as e:
-                raise InvalidRequestError(field, f"is not valid JSON: {e}") from None
-            if not isinstance(schema, (dict, bool)):
-                raise InvalidRequestError(field, "must be a JSON object (a JSON schema)")
-            return LLMatcher.grammar_from_json_schema(schema if isinstance(schema, dict) else {})
-        if self.kind == "regex":
-            return LLMatcher.grammar_from_regex(self.value)
-        if self.kind == "choice":
-            try:
-                choices = json.loads(self.value)
-            except ValueError as e:
-                raise InvalidRequestError(field, f"is not a JSON list of strings: {e}") from None
-            if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
-                raise InvalidRequestError(field, "must be a non-empty list of non-empty strings")
-            if len(choices) > MAX_CHOICES:
-                raise InvalidRequestError(field, f"has {len(choices)} choices; at most {MAX_CHOICES}")
-            return LLMatcher.grammar_from_regex("|".join(_escape(c) for c in choices))
-        return LLMatcher.grammar_from_lark(self.value)
+        return _GRAMMAR_OF[self.kind](field, self.value)
+
+
+def _json_schema_grammar(field: str, value: str) -> str:
+    """A JSON schema's text → its grammar; InvalidRequestError where it is not JSON or not a schema (an object, or
+    true/false)."""
+    try:
+        schema = json.loads(value)
+    except ValueError as e:
+        raise InvalidRequestError(field, f"is not valid JSON: {e}") from None
+    if not isinstance(schema, (dict, bool)):
+        raise InvalidRequestError(field, "must be a JSON object (a JSON schema)")
+    return LLMatcher.grammar_from_json_schema(schema if isinstance(schema, dict) else {})
+
+
+def _regex_grammar(field: str, value: str) -> str:
+    return LLMatcher.grammar_from_regex(value)
+
+
+def _choice_grammar(field: str, value: str) -> str:
+    """A JSON list of non-empty strings (at most MAX_CHOICES) → the grammar of exactly one of them, each literal."""
+    try:
+        choices = json.loads(value)
+    except ValueError as e:
+        raise InvalidRequestError(field, f"is not a JSON list of strings: {e}") from None
+    if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
+        raise InvalidRequestError(field, "must be a non-empty list of non-empty strings")
+    if len(choices) > MAX_CHOICES:
+        raise InvalidRequestError(field, f"has {len(choices)} choices; at most {MAX_CHOICES}")
+    return LLMatcher.grammar_from_regex("|".join(_escape(c) for c in choices))
+
+
+def _lark_grammar(field: str, value: str) -> str:
+    return LLMatcher.grammar_from_lark(value)
+
+
+# each kind with a value (all but json_object) → the function building its grammar from (field name, value)
+_GRAMMAR_OF = {"json_schema": _json_schema_grammar, "regex": _regex_grammar, "choice": _choice_grammar,
+               "grammar": _lark_grammar}
 
 
 def _escape(text: str) -> str:

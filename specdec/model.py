@@ -92,28 +92,12 @@ class ModelConfig:
     def from_hf(cls, cfg: dict) -> "ModelConfig":
         """A config.json → ModelConfig, with transformers' defaults for the family. Raises ValueError, one line
         naming the field and its value, for a config that cannot be served exactly."""
-        arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(f"architectures={arch!r} is not supported; supported: "
-                             f"{', '.join(SUPPORTED_ARCHITECTURES)}")
-        for key in REQUIRED_FIELDS:
-            if cfg.get(key) is None:
-                raise ValueError(f"config.json has no {key!r} (required for {arch})")
-        if cfg.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"hidden_act={cfg['hidden_act']!r} is not supported for {arch}; only 'silu'")
-        if arch in ("LlamaForCausalLM", "Qwen3ForCausalLM") and cfg.get("attention_bias"):
-            raise ValueError(f"attention_bias=True is not supported for {arch} (a bias on o_proj too)")
-        if arch == "LlamaForCausalLM" and cfg.get("mlp_bias"):
-            raise ValueError(f"mlp_bias=True is not supported for {arch}")
+        arch = _served_architecture(cfg)
         d = FAMILY_DEFAULTS[arch]
         heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim", d["head_dim"]) or cfg["hidden_size"] // heads
-        rope_src = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
-        rope_theta = ((rope_src.get("rope_theta") if isinstance(rope_src, dict) else None) or cfg.get("rope_theta")
-                      or 10000.0)
+        rope_theta = _rope_theta(cfg)
         rope_parameters = rope.read_rope_parameters(cfg, arch, head_dim, float(rope_theta))
-        eos = cfg.get("eos_token_id")
-        eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         out = cls(
             vocab_size=cfg.get("specdec_full_vocab_size", cfg["vocab_size"]),
             hidden_size=cfg["hidden_size"],
@@ -126,11 +110,11 @@ class ModelConfig:
             rope_theta=float(rope_theta),
             max_position_embeddings=cfg.get("max_position_embeddings", d["max_position_embeddings"]),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=arch == "Qwen2ForCausalLM",  # Qwen2: q/k/v always; the others none (refused above)
+            attention_bias=arch == "Qwen2ForCausalLM",  # Qwen2: q/k/v always; the others none (refused at load)
             qk_norm=arch == "Qwen3ForCausalLM",
             rope_parameters=rope_parameters,
             sliding_window=_sliding_window(cfg, arch),
-            eos_token_id=eos,
+            eos_token_id=_eos_ids(cfg),
             bos_token_id=cfg.get("bos_token_id"),
             architecture=arch,
             feature_size=int(cfg.get("specdec_feature_size", 0)),
@@ -138,14 +122,71 @@ class ModelConfig:
         )
         if rope_parameters is not None:  # transformers' defaults filled in; its init function runs once here
             out.rope_parameters = rope.standardized(out)
-            try:
-                inv, _ = rope.inv_freq(out)
-            except (ArithmeticError, TypeError, KeyError, RuntimeError) as e:  # e.g. a factor that is not a number
-                raise ValueError(f"rope_parameters={out.rope_parameters!r}: {e}") from None
-            if inv.shape != (head_dim // 2,) or not bool(torch.isfinite(inv).all()):
-                raise ValueError(f"rope_parameters={out.rope_parameters!r} give no finite frequencies for "
-                                 f"head_dim {head_dim}")
+            _check_rope_frequencies(out)
         return out
+
+
+def _refuse_attention_bias(cfg: dict, arch: str) -> None:
+    """Llama and Qwen3 put a bias on o_proj too when attention_bias is set, which the layers here do not carry."""
+    if cfg.get("attention_bias"):
+        raise ValueError(f"attention_bias=True is not supported for {arch} (a bias on o_proj too)")
+
+
+def _refuse_mlp_bias(cfg: dict, arch: str) -> None:
+    if cfg.get("mlp_bias"):
+        raise ValueError(f"mlp_bias=True is not supported for {arch}")
+
+
+# each family's config.json switches the layers here cannot serve, checked in this order (ModelConfig.from_hf)
+_FAMILY_REFUSALS = {
+    "LlamaForCausalLM": (_refuse_attention_bias, _refuse_mlp_bias),
+    "Qwen2ForCausalLM": (),  # q/k/v bias always, o_proj never: what Attention builds
+    "Qwen3ForCausalLM": (_refuse_attention_bias,),
+    "MistralForCausalLM": (),
+}
+
+
+def _served_architecture(cfg: dict) -> str:
+    """The config.json's architecture, once its family, required fields, activation and family switches are ones
+    served exactly; else ValueError naming the first field that is not."""
+    arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"architectures={arch!r} is not supported; supported: "
+                         f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+    for key in REQUIRED_FIELDS:
+        if cfg.get(key) is None:
+            raise ValueError(f"config.json has no {key!r} (required for {arch})")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act={cfg['hidden_act']!r} is not supported for {arch}; only 'silu'")
+    for refuse in _FAMILY_REFUSALS[arch]:
+        refuse(cfg, arch)
+    return arch
+
+
+def _rope_theta(cfg: dict):
+    """RoPE's base as the config.json gives it: in its RoPE parameters (rope_scaling winning over rope_parameters),
+    else at the top level, else 10000."""
+    rope_src = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    return ((rope_src.get("rope_theta") if isinstance(rope_src, dict) else None) or cfg.get("rope_theta")
+            or 10000.0)
+
+
+def _eos_ids(cfg: dict) -> list[int]:
+    """config.json's eos_token_id (absent, one id or a list) as a list."""
+    eos = cfg.get("eos_token_id")
+    return [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+
+
+def _check_rope_frequencies(cfg: ModelConfig) -> None:
+    """Run a scaled RoPE's init function once at load: ValueError naming rope_parameters where it fails or gives
+    other than head_dim // 2 finite frequencies."""
+    try:
+        inv, _ = rope.inv_freq(cfg)
+    except (ArithmeticError, TypeError, KeyError, RuntimeError) as e:  # e.g. a factor that is not a number
+        raise ValueError(f"rope_parameters={cfg.rope_parameters!r}: {e}") from None
+    if inv.shape != (cfg.head_dim // 2,) or not bool(torch.isfinite(inv).all()):
+        raise ValueError(f"rope_parameters={cfg.rope_parameters!r} give no finite frequencies for "
+                         f"head_dim {cfg.head_dim}")
 
 
 def _sliding_window(cfg: dict, arch: str) -> int | None:
@@ -411,9 +452,7 @@ class CausalLM(nn.Module):
         `tune_linears` (`tune_model` does both). → the row counts moved."""
         linears = [m for m in self.model.layers.modules() if isinstance(m, Linear)]
         dtype = self.dtype
-        if not (tuning_enabled() and settings.get().native and settings.get().native_layers and linears
-                and self.device.type == "cpu" and dtype is torch.bfloat16 and native.stream_linear_supported()
-                and not any(m.row_invariant for m in linears)):
+        if not self._native_tuning_applies(linears):
             return []
         kv = self.new_kv_slots(1, context + max(ROW_CLASSES) + 1)
         vocab = self.config.vocab_size
@@ -436,27 +475,24 @@ class CausalLM(nn.Module):
         moved = []
         for cls, rows in enumerate(ROW_CLASSES):
             tuned = [(m.plan, m.pad_to) for m in linears]
-            in_class = [r for r in range(1, max(ROW_CLASSES) + 1) if row_class(r) == cls]
-            stream = [(tuple("stream" if i == cls else k for i, k in enumerate(m.plan or m.default_plan())),
-                       None if m.pad_to is None else tuple(r if r in in_class else p for r, p in enumerate(m.pad_to, 1)))
-                      for m in linears]
+            stream = _stream_plans(linears, cls)
             use(stream)
             if self._native_layers(rows, dtype) is None:  # a layer of another shape or kind: nothing to gain
                 use(tuned)
                 continue
-            times: dict[str, list[float]] = {"tuned": [], "stream": []}
-            start = time.perf_counter()
-            while len(times["stream"]) < 15 and (len(times["stream"]) < 5 or time.perf_counter() - start < budget_s):
-                for name, plans in (("tuned", tuned), ("stream", stream)):
-                    use(plans)
-                    run(rows)  # the first of each pair warms the caches for the second
-                    times[name].append(run(rows))
-            faster = statistics.median(times["stream"]) < (1 - NATIVE_MARGIN) * statistics.median(times["tuned"])
+            faster = _stream_is_faster(run, use, rows, tuned, stream, budget_s)
             use(stream if faster else tuned)
             if faster:
                 moved.append(rows)
         release_stream_weights(self)  # the packed copies of a trial that did not pay
         return moved
+
+    def _native_tuning_applies(self, linears: list[Linear]) -> bool:
+        """Whether `tune_native_layers` has anything to try: tuning and native layers on, a bf16 model on a CPU
+        with the streaming kernel built, and linears none of which is row-invariant."""
+        return bool(tuning_enabled() and settings.get().native and settings.get().native_layers and linears
+                    and self.device.type == "cpu" and self.dtype is torch.bfloat16 and native.stream_linear_supported()
+                    and not any(m.row_invariant for m in linears))
 
     def full_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.expand_logits(self.lm_head(hidden).float())
@@ -482,32 +518,13 @@ class CausalLM(nn.Module):
         kv_len = int(positions.max()) + 1
         if kv_len > kv.max_len:
             raise ValueError(f"position {kv_len - 1} is beyond the KV cache ({kv.max_len} positions)")
-        visible = None
-        if S <= SMALL_BLOCK_ROWS and settings.get().decode_attention and native.supports(kv.k[0]):
-            # a decode step or verify block: row s of sequence b sees positions 0..positions[b, s] of its slot
-            if int(positions.min()) < 0 or int(slots.min()) < 0 or int(slots.max()) >= kv.num_slots:
-                raise ValueError(f"slots must lie in [0, {kv.num_slots}) and positions be >= 0")
-            visible, slots = (positions + 1).to(torch.int64).contiguous(), slots.to(torch.int64).contiguous()
-        mask = None
-        if S > 1 and visible is None:
-            key_pos = torch.arange(kv_len, device=tokens.device)
-            mask = (key_pos[None, None, :] <= positions[:, :, None]).unsqueeze(1)  # [B, 1, S, kv_len]
-        if B > 1 and visible is None:  # per row: (slot, its own kv length); attention row by row (Attention._per_row)
-            kv_len = list(zip(slots.tolist(), (positions.max(dim=1).values + 1).tolist()))
-        x = self.model.embed_tokens(tokens if self.to_compact is None else self.to_compact[tokens])
-        if self.fc is not None:
-            if features is None or features.shape[:2] != tokens.shape:
-                raise ValueError("a feature draft needs one target feature per input token")
-            x = self.fc(torch.cat((x, features.to(x.dtype) * self.config.feature_scale), dim=-1))
+        visible, slots, mask, kv_len = self._attention_inputs(tokens, positions, slots, kv, kv_len)
+        x = self._embed(tokens, features)
         native_weights = None
         if visible is not None and settings.get().native_layers and kv.k[0].dtype is x.dtype:
             native_weights = self._native_layers(B * S, x.dtype)
-        if native_weights is not None:  # each layer one native call (specdec/csrc/decoder_layer.c)
-            cfg = self.config
-            x, cos, sin = x.contiguous(), cos.to(x.dtype).contiguous(), sin.to(x.dtype).contiguous()
-            for i, weights in enumerate(native_weights):
-                native.decoder_layer(x, weights, cfg.rms_norm_eps, cfg.num_attention_heads, cfg.num_key_value_heads,
-                                     cfg.intermediate_size, cos, sin, kv.k[i], kv.v[i], slots, visible)
+        if native_weights is not None:
+            x = self._native_decoder_layers(x, cos, sin, native_weights, kv, slots, visible)
         else:
             for i, layer in enumerate(self.model.layers):
                 x = layer(x, cos, sin, i, kv, slots, positions, mask, kv_len, visible)
@@ -516,6 +533,72 @@ class CausalLM(nn.Module):
         if compact_logits:
             return self.lm_head(rows).float(), hidden
         return self.full_logits(rows), hidden
+
+    def _attention_inputs(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, kv: KVSlots,
+                          kv_len: int):
+        """What `forward`'s attention reads: (visible, slots, mask, kv_len).
+
+        A decode step or verify block on the native decode attention: visible [B, S] int64, row s of sequence b
+        seeing positions 0..positions[b, s] of its slot, slots as contiguous int64, no mask, kv_len as given.
+        Otherwise visible None, slots as given, the causal mask by position [B, 1, S, kv_len] (None for one query
+        row), and for a batch kv_len per row as [(slot, its own kv length)] (attention row by row:
+        Attention._per_row)."""
+        B, S = tokens.shape
+        if S <= SMALL_BLOCK_ROWS and settings.get().decode_attention and native.supports(kv.k[0]):
+            if int(positions.min()) < 0 or int(slots.min()) < 0 or int(slots.max()) >= kv.num_slots:
+                raise ValueError(f"slots must lie in [0, {kv.num_slots}) and positions be >= 0")
+            return (positions + 1).to(torch.int64).contiguous(), slots.to(torch.int64).contiguous(), None, kv_len
+        mask = None
+        if S > 1:
+            key_pos = torch.arange(kv_len, device=tokens.device)
+            mask = (key_pos[None, None, :] <= positions[:, :, None]).unsqueeze(1)  # [B, 1, S, kv_len]
+        if B > 1:
+            kv_len = list(zip(slots.tolist(), (positions.max(dim=1).values + 1).tolist()))
+        return None, slots, mask, kv_len
+
+    def _embed(self, tokens: torch.Tensor, features: torch.Tensor | None) -> torch.Tensor:
+        """The first layer's input [B, S, D]: the tokens' embeddings (through `to_compact` for a compact
+        vocabulary); a feature draft's mixed with each position's target feature by `fc`."""
+        x = self.model.embed_tokens(tokens if self.to_compact is None else self.to_compact[tokens])
+        if self.fc is not None:
+            if features is None or features.shape[:2] != tokens.shape:
+                raise ValueError("a feature draft needs one target feature per input token")
+            x = self.fc(torch.cat((x, features.to(x.dtype) * self.config.feature_scale), dim=-1))
+        return x
+
+    def _native_decoder_layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, native_weights: list,
+                               kv: KVSlots, slots: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+        """`forward`'s layers where every one runs natively (`_native_layers`): each layer one native call
+        (specdec/csrc/decoder_layer.c) that updates the hidden states in place. → the last layer's output."""
+        cfg = self.config
+        x, cos, sin = x.contiguous(), cos.to(x.dtype).contiguous(), sin.to(x.dtype).contiguous()
+        for i, weights in enumerate(native_weights):
+            native.decoder_layer(x, weights, cfg.rms_norm_eps, cfg.num_attention_heads, cfg.num_key_value_heads,
+                                 cfg.intermediate_size, cos, sin, kv.k[i], kv.v[i], slots, visible)
+        return x
+
+
+def _stream_plans(linears: list[Linear], cls: int) -> list[tuple]:
+    """Each linear's (plan, pad_to) with row class `cls` moved to the streaming kernel, unpadded; the other classes
+    as they are (`CausalLM.tune_native_layers`)."""
+    in_class = [r for r in range(1, max(ROW_CLASSES) + 1) if row_class(r) == cls]
+    return [(tuple("stream" if i == cls else k for i, k in enumerate(m.plan or m.default_plan())),
+             None if m.pad_to is None else tuple(r if r in in_class else p for r, p in enumerate(m.pad_to, 1)))
+            for m in linears]
+
+
+def _stream_is_faster(run, use, rows: int, tuned: list[tuple], stream: list[tuple], budget_s: float) -> bool:
+    """Time forwards of `rows` rows under the tuned plans and the streaming ones, interleaved (5 to 15 pairs, more
+    while within `budget_s`): whether the streaming median is at least NATIVE_MARGIN below the tuned one.
+    `run(rows)`: one forward's seconds; `use(plans)`: sets the linears' plans."""
+    times: dict[str, list[float]] = {"tuned": [], "stream": []}
+    start = time.perf_counter()
+    while len(times["stream"]) < 15 and (len(times["stream"]) < 5 or time.perf_counter() - start < budget_s):
+        for name, plans in (("tuned", tuned), ("stream", stream)):
+            use(plans)
+            run(rows)  # the first of each pair warms the caches for the second
+            times[name].append(run(rows))
+    return statistics.median(times["stream"]) < (1 - NATIVE_MARGIN) * statistics.median(times["tuned"])
 
 
 # ----------------------------------------------------------------------------------------------------------------

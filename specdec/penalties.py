@@ -77,43 +77,68 @@ def adjust_logits(rows: torch.Tensor, history: list[int], output_start: int, app
     if held > 0 and params.stop_ids:
         out[:held, torch.tensor(params.stop_ids)] = float("-inf")
     if params.allowed_token_ids:
-        keep = torch.zeros(out.shape[-1], dtype=torch.bool)
-        keep[torch.tensor(params.allowed_token_ids)] = True
-        out[:, ~keep] = float("-inf")
+        _mask_disallowed(out, params.allowed_token_ids)
     if params.bad_words:
-        index = _bad_word_index(params.bad_words)
-        longest = max(index)
-        for i in range(n):  # row i's context: history + appended[:i]; only its last `longest` tokens matter
-            tail = tuple(history[max(len(history) - longest, 0):]) + tuple(appended[:i]) if longest else ()
-            for k, words in index.items():
-                last = words.get(tail[len(tail) - k:]) if k <= len(tail) else None
-                if last:
-                    out[i, last] = float("-inf")
+        _mask_bad_words(out, history, appended, params.bad_words)
     bias = dict(params.logit_bias)
     ids = sorted(set(history) | set(appended[:n - 1]) | set(bias))
     if not ids:
         return out
+    counts, seen = _counts_and_seen(ids, history, output_start, appended[:n - 1], n, out.dtype)
+    index = torch.tensor(ids, dtype=torch.long)
+    out[:, index] = _penalized(out[:, index], ids, bias, counts, seen, params)
+    return out
+
+
+def _mask_disallowed(out: torch.Tensor, allowed_token_ids) -> None:
+    """allowed_token_ids: -inf, in place, at every other token of every row."""
+    keep = torch.zeros(out.shape[-1], dtype=torch.bool)
+    keep[torch.tensor(allowed_token_ids)] = True
+    out[:, ~keep] = float("-inf")
+
+
+def _mask_bad_words(out: torch.Tensor, history: list[int], appended: list[int], bad_words) -> None:
+    """bad_words: -inf, in place, at w[-1] in each row i whose context (history + appended[:i]) ends with w[:-1]."""
+    index = _bad_word_index(bad_words)
+    longest = max(index)
+    for i in range(out.shape[0]):  # row i's context: history + appended[:i]; only its last `longest` tokens matter
+        tail = tuple(history[max(len(history) - longest, 0):]) + tuple(appended[:i]) if longest else ()
+        for k, words in index.items():
+            last = words.get(tail[len(tail) - k:]) if k <= len(tail) else None
+            if last:
+                out[i, last] = float("-inf")
+
+
+def _counts_and_seen(ids: list[int], history: list[int], output_start: int, appended: list[int], n: int,
+                     dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row and column of `ids` ([n, K] each): how often the token occurs in the output before the row (from
+    `output_start` of the history, then appended[:i]: row i sees appended[:i]), and whether it occurs anywhere in
+    its context (prompt included), for the repetition penalty."""
     col = {t: j for j, t in enumerate(ids)}
     k = len(ids)
-    counts = torch.zeros((n, k), dtype=out.dtype)
+    counts = torch.zeros((n, k), dtype=dtype)
     seen = torch.zeros((n, k), dtype=torch.bool)
     if output_start < len(history):
-        counts += torch.bincount(torch.tensor([col[t] for t in history[output_start:]]), minlength=k).to(out.dtype)
+        counts += torch.bincount(torch.tensor([col[t] for t in history[output_start:]]), minlength=k).to(dtype)
     if history:
         seen[:, torch.tensor(sorted({col[t] for t in history}))] = True
-    for i, t in enumerate(appended[:n - 1]):  # row i sees appended[:i]
+    for i, t in enumerate(appended):  # row i sees appended[:i]
         counts[i + 1:, col[t]] += 1
         seen[i + 1:, col[t]] = True
-    index = torch.tensor(ids, dtype=torch.long)
-    vals = out[:, index]
+    return counts, seen
+
+
+def _penalized(vals: torch.Tensor, ids: list[int], bias: dict, counts: torch.Tensor, seen: torch.Tensor,
+               params: SamplingParams) -> torch.Tensor:
+    """The gathered columns `vals` [n, K] (tokens `ids`) after logit_bias, then the repetition, frequency and
+    presence penalties, in that order."""
     if bias:
-        vals += torch.tensor([bias.get(t, 0.0) for t in ids], dtype=out.dtype)
+        vals += torch.tensor([bias.get(t, 0.0) for t in ids], dtype=vals.dtype)
     if params.repetition_penalty != 1.0:
         r = params.repetition_penalty
         vals = torch.where(seen, torch.where(vals > 0, vals / r, vals * r), vals)
     if params.frequency_penalty != 0.0:
         vals -= params.frequency_penalty * counts
     if params.presence_penalty != 0.0:
-        vals -= params.presence_penalty * (counts > 0).to(out.dtype)
-    out[:, index] = vals
-    return out
+        vals -= params.presence_penalty * (counts > 0).to(vals.dtype)
+    return vals

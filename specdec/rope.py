@@ -36,11 +36,7 @@ def read_rope_parameters(raw: dict, arch: str, head_dim: int, rope_theta: float)
     """The RoPE of a config.json: None for plain RoPE (its theta is `rope_theta`), else its parameters (rope_type,
     rope_theta, factor, ...). Raises ValueError naming the field for what is not served."""
     field = "rope_scaling" if raw.get("rope_scaling") else "rope_parameters"
-    params = raw.get("rope_scaling") or raw.get("rope_parameters") or {}  # transformers: rope_scaling wins
-    if not isinstance(params, dict) or any(isinstance(v, dict) for v in params.values()):
-        raise ValueError(f"{field}={params!r}: per-layer RoPE parameters are not supported for {arch}")
-    params = {k: v for k, v in params.items() if k != "type"} | {"rope_type": params.get("rope_type",
-                                                                                      params.get("type", "default"))}
+    params = _declared_parameters(raw, field, arch)
     kind = params["rope_type"]
     if kind not in ROPE_TYPES:
         raise ValueError(f"{field}.rope_type={kind!r} is not supported; supported: {', '.join(ROPE_TYPES)}")
@@ -51,6 +47,24 @@ def read_rope_parameters(raw: dict, arch: str, head_dim: int, rope_theta: float)
     params.setdefault("rope_theta", rope_theta)
     if kind == "default":
         return None
+    _complete_scaled(params, raw, field, head_dim)
+    return params
+
+
+def _declared_parameters(raw: dict, field: str, arch: str) -> dict:
+    """The config.json's RoPE parameters as one flat dict (rope_scaling winning over rope_parameters, as in
+    transformers), the older `type` key read as `rope_type` (default "default"); per-layer parameters refused."""
+    params = raw.get("rope_scaling") or raw.get("rope_parameters") or {}  # transformers: rope_scaling wins
+    if not isinstance(params, dict) or any(isinstance(v, dict) for v in params.values()):
+        raise ValueError(f"{field}={params!r}: per-layer RoPE parameters are not supported for {arch}")
+    return {k: v for k, v in params.items() if k != "type"} | {"rope_type": params.get("rope_type",
+                                                                                    params.get("type", "default"))}
+
+
+def _complete_scaled(params: dict, raw: dict, field: str, head_dim: int) -> None:
+    """A scaled RoPE's parameters checked for the keys its type needs (and longrope's factor counts), with a
+    top-level original_max_position_embeddings taken in, in place; ValueError naming the field otherwise."""
+    kind = params["rope_type"]
     for key in _REQUIRED[kind]:
         if params.get(key) is None:
             raise ValueError(f"{field} has rope_type {kind!r} but no {key!r}")
@@ -62,7 +76,6 @@ def read_rope_parameters(raw: dict, arch: str, head_dim: int, rope_theta: float)
             if len(params[key]) != head_dim // 2:
                 raise ValueError(f"{field}.{key} has {len(params[key])} values; head_dim {head_dim} needs "
                                  f"{head_dim // 2}")
-    return params
 
 
 def _hf_config(cfg):

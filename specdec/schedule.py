@@ -94,10 +94,7 @@ async def generate(req: GenerationRequest, draft: DraftBackend | None, target: T
         raise InvalidRequestError("mode", f"mode {req.mode!r} needs a draft model; use mode 'ar' or add a draft")
     # a feature draft reads the target's prompt features: start the target first, then the draft with them
     feature_draft = needs_draft and draft.reads_features
-    starts = [target.start(sid, req.prompt_ids, req.params, want_features=True) if feature_draft
-              else target.start(sid, req.prompt_ids, req.params)]
-    if needs_draft and not feature_draft:
-        starts.append(draft.start(sid, req.prompt_ids, req.params))
+    starts = _session_starts(req, draft, target, needs_draft, feature_draft)
     try:
         feats = (await _all_or_none(starts))[0]
         if feature_draft:
@@ -121,6 +118,19 @@ async def generate(req: GenerationRequest, draft: DraftBackend | None, target: T
         st.mean_accepted_length = len(run.generated) / st.target_forwards if st.target_forwards else 0.0
     return GenerationResult(run.generated, run.finish or "length", run.stats,
                             run.logprobs if run.wants_logprobs else None)
+
+
+def _session_starts(req: GenerationRequest, draft: DraftBackend | None, target: TargetBackend, needs_draft: bool,
+                    feature_draft: bool) -> list:
+    """The session starts `generate` runs together (not yet awaited): the target's, asking for the prompt's
+    features where a feature draft reads them, and the draft's unless it is a feature draft (that one starts
+    after the target, with those features)."""
+    sid = req.session_id
+    starts = [target.start(sid, req.prompt_ids, req.params, want_features=True) if feature_draft
+              else target.start(sid, req.prompt_ids, req.params)]
+    if needs_draft and not feature_draft:
+        starts.append(draft.start(sid, req.prompt_ids, req.params))
+    return starts
 
 
 def _stop_spec(req: GenerationRequest) -> StopSpec:

@@ -70,6 +70,20 @@ def encode_prompt(tok, prompt: str | None = None, messages: Sequence[dict] | Non
     plain string is wrapped as one user message when the tokenizer has a chat template (unless ``raw``), else
     tokenized as is (with the tokenizer's special tokens, e.g. BOS, if it adds any).
     """
+    _check_prompt(tok, prompt, messages)
+    has_template = bool(getattr(tok, "chat_template", None))
+    if messages is None and has_template and not raw:
+        messages = [{"role": "user", "content": prompt}]
+    if messages is not None:
+        if not has_template:
+            raise ValueError("this tokenizer has no chat template: pass prompt= instead of messages=")
+        return _apply_chat_template(tok, messages, tools, template or TemplateOptions())
+    return [int(t) for t in tok(prompt)["input_ids"]]
+
+
+def _check_prompt(tok, prompt: str | None, messages: Sequence[dict] | None) -> None:
+    """ValueError without a tokenizer or without exactly one of prompt and messages; InvalidRequestError where the
+    text is empty."""
     if tok is None:
         raise ValueError("this model has no tokenizer: pass token ids instead of text")
     if (prompt is None) == (messages is None):
@@ -78,26 +92,24 @@ def encode_prompt(tok, prompt: str | None = None, messages: Sequence[dict] | Non
         raise InvalidRequestError("prompt", "the prompt is empty; send some text")
     if messages is not None and not any(str(m.get("content", "")).strip() for m in messages):
         raise InvalidRequestError("messages", "every message is empty; send some text")
-    has_template = bool(getattr(tok, "chat_template", None))
-    if messages is None and has_template and not raw:
-        messages = [{"role": "user", "content": prompt}]
-    if messages is not None:
-        if not has_template:
-            raise ValueError("this tokenizer has no chat template: pass prompt= instead of messages=")
-        template = template or TemplateOptions()
-        template.check(messages)
-        kw = {"tools": tools} if tools else {}  # OpenAI's tool definitions, for templates that render them
-        messages = template_tool_calls(messages, "tool_calls" in str(tok.chat_template))
-        try:
-            ids = tok.apply_chat_template(messages, add_generation_prompt=template.add_generation_prompt,
-                                          continue_final_message=template.continue_final_message, tokenize=True,
-                                          **template.kwargs, **kw)
-        except Exception as e:  # a template's own error (jinja's raise_exception, a bad variable): the request's
-            raise InvalidRequestError("messages", f"the chat template failed: {e}") from None
-        if isinstance(ids, dict) or hasattr(ids, "keys"):  # BatchEncoding in newer transformers
-            ids = ids["input_ids"]
-        return [int(t) for t in ids]
-    return [int(t) for t in tok(prompt)["input_ids"]]
+
+
+def _apply_chat_template(tok, messages: Sequence[dict], tools: list[dict] | None,
+                         template: TemplateOptions) -> list[int]:
+    """Chat messages → token ids through the tokenizer's chat template, rendered as `template` says;
+    InvalidRequestError where the options do not apply or the template itself fails."""
+    template.check(messages)
+    kw = {"tools": tools} if tools else {}  # OpenAI's tool definitions, for templates that render them
+    messages = template_tool_calls(messages, "tool_calls" in str(tok.chat_template))
+    try:
+        ids = tok.apply_chat_template(messages, add_generation_prompt=template.add_generation_prompt,
+                                      continue_final_message=template.continue_final_message, tokenize=True,
+                                      **template.kwargs, **kw)
+    except Exception as e:  # a template's own error (jinja's raise_exception, a bad variable): the request's
+        raise InvalidRequestError("messages", f"the chat template failed: {e}") from None
+    if isinstance(ids, dict) or hasattr(ids, "keys"):  # BatchEncoding in newer transformers
+        ids = ids["input_ids"]
+    return [int(t) for t in ids]
 
 
 def template_tool_calls(messages: Sequence[dict], renders_calls: bool) -> list[dict]:

@@ -178,22 +178,12 @@ class TargetWorker(Worker):
                 return None, s, []
         self._check_tokens("feed", a.feed)
         self._check_tokens("draft_tokens", a.draft)
-        if not a.feed_draft and len(a.draft) > 1:
-            raise InvalidRequestError("feed_draft", "a check-only verify takes at most one draft token")
-        if not s.params.greedy and a.draft and (a.q is None or len(a.q) != len(a.draft)):
-            raise InvalidRequestError("draft_q", f"send one draft distribution per draft token ({len(a.draft)})")
+        _check_draft(a, s)
         ids = a.feed + (a.draft if a.feed_draft else [])
         self._check_context(a.base_position + len(ids) + (0 if a.feed_draft else 1), "this verify")
         if a.base_position > len(s.tokens) or a.base_position < 0:
             self._truncate(s, a.base_position)  # raises StalePositionError
-        if not ids and not a.draft and not a.sample_bonus:
-            raise InvalidRequestError("feed", "nothing to verify: send the pending token and/or draft tokens, or "
-                                              "ask for the bonus token")
-        # Nothing fed: the draft tokens, or the next token alone, are read off the row stored by the call that fed
-        # the last token (a post-verify that accepted its whole block without a bonus, then a target-only step).
-        if not a.feed and (a.base_position != len(s.tokens) or s.last_row is None):
-            raise StalePositionError(f"no stored target row at position {a.base_position}; send the pending token "
-                                     f"in feed")
+        _check_readable(a, s, ids)
         return a, s, ids
 
     def verify_batch(self, batch: list[VerifyArgs]) -> list[VerifyOutcome | Exception]:
@@ -243,48 +233,87 @@ class TargetWorker(Worker):
         return out
 
     def _finish(self, a: VerifyArgs, s: Session, logits: torch.Tensor | None) -> VerifyOutcome:
-        # rows[i] predicts the token after (feed + draft)[:i] ... assemble the rows that check each draft token
+        rows = self._draft_rows(a, s, logits)
+        g = len(a.draft)
+        sample_bonus = a.sample_bonus and (a.feed_draft or g == 0)
+        p = _target_p(a, s, rows[: g + (1 if sample_bonus else 0)])
+        q = None
+        if not s.params.greedy and g:
+            q = torch.stack([d.to_dense(self.vocab_size) for d in a.q])
+        pos0 = a.base_position + len(a.feed)
+        res = verify(a.method, a.draft, q, p, s.params, pos0, sample_bonus)
+        committed = _commit(a, s, rows, res)
+        out = VerifyOutcome(res.num_accepted, res.next_token)
+        if a.chained:
+            out.committed, out.committed_from, out.proposed = committed, pos0, g
+        if s.params.logprobs >= 0 and committed:  # rows[i] decided committed[i]
+            out.logprobs = target_logprobs(rows, committed, pos0, s.params.logprobs)
+        return out
+
+    def _draft_rows(self, a: VerifyArgs, s: Session, logits: torch.Tensor | None) -> torch.Tensor:
+        """The target's rows from the one that predicts draft[0] on: rows[i] predicts the token after
+        (feed + draft)[:i]. With nothing fed, the row stored by the call that fed the last token comes first."""
         nf = len(a.feed)
         prev = s.last_row if nf == 0 else None
         parts = ([prev[None]] if prev is not None else []) + ([logits] if logits is not None else [])
         rows = torch.cat(parts) if parts else torch.empty(0, self.vocab_size)
         start = 0 if nf == 0 else nf - 1  # row index that predicts draft[0]
-        rows = rows[start:]
-        g = len(a.draft)
-        sample_bonus = a.sample_bonus and (a.feed_draft or g == 0)
-        checked = rows[: g + (1 if sample_bonus else 0)]
-        if checked.device.type != "cpu" and not (s.params.greedy and not adjusts(s.params) and s.grammar is None):
-            # sampling (keyed CPU generators, the draft's q), penalties and grammars run on the host: one copy of
-            # the checked rows per verify. A plain greedy verify reads argmaxes on the device (one sync)
-            checked = checked.cpu()
-        # greedy verification reads only each row's argmax: that of the logits is that of logits_to_probs' one-hot
-        # (first index among ties in both), without building a [rows, V] tensor per session per step
-        if adjusts(s.params):  # penalties and logit_bias: p is the adjusted target (specdec/penalties.py)
-            checked = adjust_logits(checked, s.tokens[:a.base_position + nf], s.output_start, list(a.draft),
-                                    s.params)
-        if s.grammar is not None:  # structured output: p is the target masked by the grammar (specdec/grammar.py)
-            checked = s.grammar.mask_rows(checked, s.tokens[s.output_start:a.base_position + nf], a.draft)
-        if s.grammar is not None or adjusts(s.params):
-            checked = live_rows(checked, a.draft, a.base_position + nf - s.output_start)
-        p = checked if s.params.greedy else logits_to_probs(checked, s.params)
-        q = None
-        if not s.params.greedy and g:
-            q = torch.stack([d.to_dense(self.vocab_size) for d in a.q])
-        pos0 = a.base_position + nf
-        res = verify(a.method, a.draft, q, p, s.params, pos0, sample_bonus)
-        if a.feed_draft:
-            keep = a.base_position + nf + res.num_accepted
-            del s.tokens[keep:]
-            s.last_row = rows[res.num_accepted] if rows.shape[0] > res.num_accepted else None
-        else:
-            s.last_row = rows[0] if rows.shape[0] else s.last_row
-        out = VerifyOutcome(res.num_accepted, res.next_token)
-        committed = list(a.draft[:res.num_accepted]) + ([res.next_token] if res.next_token is not None else [])
-        if a.chained:
-            out.committed, out.committed_from, out.proposed = committed, pos0, g
-        # what is committed and not fed now: a check-only verify's accepted token, then the next token
-        s.unfed = (list(a.draft[:res.num_accepted]) if not a.feed_draft else []) + committed[res.num_accepted:]
-        if s.params.logprobs >= 0 and committed:  # rows[i] decided committed[i]
-            out.logprobs = target_logprobs(rows, committed, pos0, s.params.logprobs)
-        return out
+        return rows[start:]
 
+
+def _check_draft(a: VerifyArgs, s: Session) -> None:
+    """InvalidRequestError for a draft block the verify cannot check: more than one token to check without feeding
+    it, or a sampled session's draft without one distribution per token."""
+    if not a.feed_draft and len(a.draft) > 1:
+        raise InvalidRequestError("feed_draft", "a check-only verify takes at most one draft token")
+    if not s.params.greedy and a.draft and (a.q is None or len(a.q) != len(a.draft)):
+        raise InvalidRequestError("draft_q", f"send one draft distribution per draft token ({len(a.draft)})")
+
+
+def _check_readable(a: VerifyArgs, s: Session, ids: list[int]) -> None:
+    """InvalidRequestError for a verify that asks nothing; StalePositionError for one that feeds nothing where no
+    stored row is there to read."""
+    if not ids and not a.draft and not a.sample_bonus:
+        raise InvalidRequestError("feed", "nothing to verify: send the pending token and/or draft tokens, or "
+                                          "ask for the bonus token")
+    # Nothing fed: the draft tokens, or the next token alone, are read off the row stored by the call that fed
+    # the last token (a post-verify that accepted its whole block without a bonus, then a target-only step).
+    if not a.feed and (a.base_position != len(s.tokens) or s.last_row is None):
+        raise StalePositionError(f"no stored target row at position {a.base_position}; send the pending token "
+                                 f"in feed")
+
+
+def _target_p(a: VerifyArgs, s: Session, checked: torch.Tensor) -> torch.Tensor:
+    """The distribution the output must follow at each checked row: the target's logits with the session's
+    penalties and grammar applied, as they are for a greedy session (verification reads each row's argmax), else
+    as probabilities."""
+    nf = len(a.feed)
+    if checked.device.type != "cpu" and not (s.params.greedy and not adjusts(s.params) and s.grammar is None):
+        # sampling (keyed CPU generators, the draft's q), penalties and grammars run on the host: one copy of
+        # the checked rows per verify. A plain greedy verify reads argmaxes on the device (one sync)
+        checked = checked.cpu()
+    if adjusts(s.params):  # penalties and logit_bias: p is the adjusted target (specdec/penalties.py)
+        checked = adjust_logits(checked, s.tokens[:a.base_position + nf], s.output_start, list(a.draft),
+                                s.params)
+    if s.grammar is not None:  # structured output: p is the target masked by the grammar (specdec/grammar.py)
+        checked = s.grammar.mask_rows(checked, s.tokens[s.output_start:a.base_position + nf], a.draft)
+    if s.grammar is not None or adjusts(s.params):
+        checked = live_rows(checked, a.draft, a.base_position + nf - s.output_start)
+    # greedy verification reads only each row's argmax: that of the logits is that of logits_to_probs' one-hot
+    # (first index among ties in both), without building a [rows, V] tensor per session per step
+    return checked if s.params.greedy else logits_to_probs(checked, s.params)
+
+
+def _commit(a: VerifyArgs, s: Session, rows: torch.Tensor, res) -> list[int]:
+    """The session after verify's result `res`: its tokens past the accepted ones dropped (a fed block), the row
+    the next check reads stored, and `unfed` set to what is committed but not fed (a check-only verify's accepted
+    token, then the next token). → the committed tokens: the accepted ones, then the next token."""
+    if a.feed_draft:
+        keep = a.base_position + len(a.feed) + res.num_accepted
+        del s.tokens[keep:]
+        s.last_row = rows[res.num_accepted] if rows.shape[0] > res.num_accepted else None
+    else:
+        s.last_row = rows[0] if rows.shape[0] else s.last_row
+    committed = list(a.draft[:res.num_accepted]) + ([res.next_token] if res.next_token is not None else [])
+    s.unfed = (list(a.draft[:res.num_accepted]) if not a.feed_draft else []) + committed[res.num_accepted:]
+    return committed
