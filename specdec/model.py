@@ -431,8 +431,11 @@ class CausalLM(nn.Module):
         linears, weighted = self._routing_parts
         # read each weight anew: `.to()` replaces a buffer (an Int8Linear's weight) by a new tensor
         tensors = [m.weight for m in weighted] + [m.bias for m in linears if m.bias is not None]
+        # ... and each streaming kernel's packed copy (`Linear.stream_weight`): the memo holds their addresses, and
+        # a copy dropped (`release_stream_weights`) and made again must not be read at its old address
+        packed = tuple([m._streamed[2].data_ptr() if m._streamed is not None else 0 for m in linears])
         key = (tuple([(m.plan, m.pad_to, m.row_invariant) for m in linears]),
-               tuple([(t.data_ptr(), t._version) for t in tensors]), tuple([t.dtype for t in tensors]))
+               tuple([(t.data_ptr(), t._version) for t in tensors]), tuple([t.dtype for t in tensors]), packed)
         memo = self._native_memo.get((rows, dtype))
         if memo is not None and memo[0] == key:
             return memo[1]
