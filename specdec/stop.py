@@ -7,12 +7,11 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, replace
+from typing import Any, Protocol
 
 import torch
 
 from specdec.errors import InvalidRequestError
-
-DEFAULT_PACER_THRESHOLD = 0.5  # a pre-verifier's θ where neither the request nor the pre-verifier sets one
 
 
 @dataclass
@@ -76,22 +75,38 @@ class FixedLength(StopRule):
         return False
 
 
+class PreverifierModel(Protocol):
+    """What the stop rule reads of a pre-verifier (`specdec.preverifier.Preverifier`, or a benchmark's oracle)."""
+
+    block_size: int  # the B it was trained for (0: the caller's)
+    threshold: float  # its θ, where the request sets none
+    use_hidden: bool  # reads the draft's hidden rows
+    use_head: bool  # reads the draft's output head
+    use_margin: bool  # reads the draft's top-1 − top-2 margin
+
+    def block_accept_prob(self, features: DraftFeatures) -> float: ...
+
+    def round_scorer(self) -> Any:
+        """A scorer of one round's tokens, each scored once (`specdec.round_scorer.RoundScorer`), or None: every
+        block is scored whole by `block_accept_prob`."""
+
+
 class PreverifierStop(StopRule):
     """PACER: stop when the pre-verifier's P(every token of this block is accepted) falls below `threshold`."""
 
     needs_features = True
 
-    def __init__(self, preverifier, threshold: float, skip_below: float = 0.0):
+    def __init__(self, preverifier: PreverifierModel, threshold: float, skip_below: float = 0.0):
         self.preverifier = preverifier
         self.threshold = threshold
         self.skip_below = skip_below  # first block below this: draft nothing (see StopSpec.skip_below)
-        self.block_size = int(getattr(preverifier, "block_size", 0) or 0)  # the B it was tuned for
-        self.needs_margin = bool(getattr(preverifier, "use_margin", False))
+        self.block_size = int(preverifier.block_size or 0)  # the B it was tuned for
+        self.needs_margin = bool(preverifier.use_margin)
         # a pre-verifier that reads neither the hidden state nor the draft head: the draft keeps no hidden rows
-        self.needs_hidden = bool(getattr(preverifier, "use_hidden", True) or getattr(preverifier, "use_head", False))
+        self.needs_hidden = bool(preverifier.use_hidden or preverifier.use_head)
         self.last_score: float | None = None
         # one round's scorer (each drafted token scored once; specdec.round_scorer.RoundScorer) where offered
-        self._scorer = preverifier.round_scorer() if hasattr(preverifier, "round_scorer") else None
+        self._scorer = preverifier.round_scorer()
 
     def reset(self) -> None:
         """A new drafting round (`DraftWorker.begin`): the round scorer's per-token scores start over."""
@@ -104,7 +119,7 @@ class PreverifierStop(StopRule):
         return self.last_score < self.threshold
 
 
-def make_stop_rule(spec: StopSpec, preverifier) -> StopRule:
+def make_stop_rule(spec: StopSpec, preverifier: PreverifierModel | None) -> StopRule:
     """Map a wire-level stop spec to a stop rule of a draft with this pre-verifier (None: it has none)."""
     if spec.kind == "fixed":
         return FixedLength()
@@ -112,7 +127,6 @@ def make_stop_rule(spec: StopSpec, preverifier) -> StopRule:
         if preverifier is None:
             raise InvalidRequestError("mode", "this draft has no pre-verifier loaded; use mode sd/pearl or start the "
                                               "draft with --preverifier")
-        threshold = spec.threshold if spec.threshold is not None else getattr(preverifier, "threshold",
-                                                                              DEFAULT_PACER_THRESHOLD)
+        threshold = spec.threshold if spec.threshold is not None else preverifier.threshold
         return PreverifierStop(preverifier, threshold, spec.skip_below or 0.0)
     raise InvalidRequestError("stop", f"unknown stop rule {spec.kind!r}; use fixed or pacer")

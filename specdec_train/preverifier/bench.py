@@ -149,6 +149,10 @@ class OracleStop:
     (which pays for its features and its network on top). `watch` records each round's first drafted position."""
 
     block_size, threshold, score_mode = 1, 0.5, "block"
+    use_hidden, use_head, use_margin = False, False, False  # it reads only the drafted tokens
+
+    def round_scorer(self) -> None:
+        return None  # it scores whole blocks (block_accept_prob)
 
     def __init__(self):
         self.ref: list[int] = []
