@@ -117,8 +117,8 @@ def time_ms(fn, dev: torch.device, reps: int, warmup: int = 3) -> float:
 def random_model(config_path: Path, dev: torch.device, dtype: torch.dtype, shrink: bool):
     """A random-weight model of a real config's shapes (dry run: the same family, tiny), built on the device
     directly (no fp32 copy on the host), q/k/v and gate/up fused as a load fuses them."""
-    from specdec.fusion import fuse_projections_
-    from specdec.model import CausalLM, ModelConfig
+    from specdec.model import ModelConfig
+    from specdec_bench.synthetic import random_model_of
 
     cfg = ModelConfig.from_hf(json.loads(config_path.read_text()))
     if shrink:
@@ -126,15 +126,7 @@ def random_model(config_path: Path, dev: torch.device, dtype: torch.dtype, shrin
         cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.vocab_size = 4, 2, 16, 512
         cfg.max_position_embeddings = 2048
         cfg.rope_parameters = None
-    prev = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(dev):
-            model = CausalLM(cfg)
-    finally:
-        torch.set_default_dtype(prev)
-    fuse_projections_(model)
-    return model.eval()
+    return random_model_of(cfg, dev, dtype)
 
 
 def measure_model(model, role: str, points: list[tuple[int, int]], ctx_len: int, reps: int, deadline: float,

@@ -278,10 +278,19 @@ def expected_acceptance(alpha: float, gamma: int) -> float:
 def random_model(config: dict, device: str, dtype: torch.dtype):
     """A random-weight CausalLM of a Hugging Face config's shapes, built on the device directly, q/k/v and gate/up
     fused as a load fuses them."""
-    from specdec.fusion import fuse_projections_
-    from specdec.model import CausalLM, ModelConfig
+    from specdec.model import ModelConfig
 
-    cfg = ModelConfig.from_hf(dict(config))
+    model = random_model_of(ModelConfig.from_hf(dict(config)), device, dtype)
+    model.hf_config = dict(config)
+    return model
+
+
+def random_model_of(cfg, device, dtype: torch.dtype):
+    """A random-weight CausalLM of a `ModelConfig`, built on the device directly (no fp32 copy on the host), q/k/v
+    and gate/up fused as a load fuses them."""
+    from specdec.fusion import fuse_projections_
+    from specdec.model import CausalLM
+
     prev = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -290,7 +299,6 @@ def random_model(config: dict, device: str, dtype: torch.dtype):
     finally:
         torch.set_default_dtype(prev)
     fuse_projections_(model)
-    model.hf_config = dict(config)
     return model.eval()
 
 
