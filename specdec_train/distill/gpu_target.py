@@ -103,12 +103,12 @@ def assemble(dest_dir: pathlib.Path, search=(CARRY_DIR, STAGE_DIR)) -> pathlib.P
     """Concatenate the parts into `dest_dir/NAME` and check its sha256 against the pinned default target's."""
     manifest, found = find_parts(search)
     if manifest is None:
-        raise SystemExit(f"no target parts under {', '.join(map(str, search))}: carry .gpu-carry/target-K "
+        raise SystemExit(f"no target parts under {', '.join(map(str, search))}: copy .gpu-carry/target-K here "
                          f"(python -m specdec_train.distill.gpu_target pack), or pass --target DIR|FILE.gguf")
     missing = [k for k in range(1, manifest["parts"] + 1) if k not in found]
     if missing:
-        raise SystemExit(f"target parts missing: {missing} of {manifest['parts']} (the machine went back between "
-                         f"the staging calls?): carry .gpu-carry/target-{missing[0]} again")
+        raise SystemExit(f"target parts missing: {missing} of {manifest['parts']}: copy "
+                         f".gpu-carry/target-{missing[0]} here again")
     dest_dir.mkdir(parents=True, exist_ok=True)
     out = dest_dir / manifest["name"]
     if not (out.is_file() and out.stat().st_size == manifest["size"] and sha256_file(out) == TARGET_SHA256):
