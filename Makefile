@@ -80,8 +80,8 @@ DISTILL_ARGS ?= --gen-seconds 530 --gen-batch 3072 --steps 6000 --batch-size 128
 distill-draft: install
 	$(VENV)/bin/specdec distill-draft online --run make --out .cache-distill/draft $(DISTILL_ARGS)
 
-# the prepared GPU run (docs/design/distillation.md, "The prepared GPU run"): on a bare device machine (python3 with
-# torch, no .venv, no install), the target from its carried GGUF parts; DRY_RUN=1: the same path on the CPU in < 2 min
+# the prepared GPU run (docs/design/distillation.md, "The prepared GPU run"): on a GPU machine with python3 and torch
+# (no .venv, no install), the target from its GGUF parts copied there; DRY_RUN=1: the same path on the CPU in < 2 min
 GPU_PYTHON ?= $(if $(wildcard $(PY)),$(PY),python3)
 distill-draft-gpu:
 	PYTHONUNBUFFERED=1 PYTHONPATH=. $(GPU_PYTHON) -m specdec_train.distill.gpu_run $(if $(DRY_RUN),--dry-run) \

