@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections import deque
 from typing import AsyncIterator
@@ -367,6 +368,54 @@ class PeerChannels:
             await ch.close()
 
 
+class _Reports:
+    """The committed tokens on their way to the coordinator, gathered over `interval` seconds (0: each round's alone).
+    The first round's go at once, and whatever is gathered goes when the request ends; a message costs the two
+    processes a wake-up each and the coordinator a decode, so a client that reads only the final answer is sent one
+    every `interval` instead of one a round."""
+
+    def __init__(self, interval: float):
+        self.interval, self.last = interval, -math.inf
+        self.tokens: list[int] = []
+        self.logprobs: list = []
+        self.ready = asyncio.Event()
+        self.closed = False
+        self.timer: asyncio.TimerHandle | None = None
+
+    def add(self, new: list[int], logprobs: list | None = None) -> bool:
+        """`generate`'s on_tokens: gather; False (the coordinator stops a request by cancelling the call)."""
+        self.tokens += new
+        if logprobs:
+            self.logprobs += logprobs
+        due = self.last + self.interval - time.monotonic()
+        if due <= 0:
+            self.ready.set()
+        elif self.timer is None:
+            self.timer = asyncio.get_running_loop().call_later(due, self.ready.set)
+        return False
+
+    def close(self) -> None:
+        self.closed = True
+        self.ready.set()
+
+    async def next(self) -> tuple[list[int], list] | None:
+        """The tokens gathered since the last message (and their logprobs), once due; None after the last."""
+        while not self.tokens:
+            if self.closed:
+                return None
+            self.ready.clear()
+            await self.ready.wait()
+        if not self.closed and self.interval > 0 and time.monotonic() < self.last + self.interval:
+            self.ready.clear()
+            await self.ready.wait()  # the timer, or the request's end
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        batch = (self.tokens, self.logprobs)
+        self.tokens, self.logprobs, self.last = [], [], time.monotonic()
+        return batch
+
+
 async def speculate(servicer, peers: PeerChannels, request: draft_pb2.SpeculateRequest, context,
                     timeout: float) -> AsyncIterator[draft_pb2.SpeculateResponse]:
     """The `Speculate` RPC: run the request's schedule here, stream its committed tokens (module docstring)."""
@@ -384,17 +433,12 @@ async def speculate(servicer, peers: PeerChannels, request: draft_pb2.SpeculateR
                         timeout, metadata, int(request.reserve_positions), int(request.output_start),
                         int(request.chain_window), peers.link(request.target_endpoint),
                         peers.frame_opener(request.target_server_name) if req.sequential_calls else None)
-    queue: asyncio.Queue = asyncio.Queue()
-
-    def on_tokens(new: list[int], logprobs: list | None = None) -> bool:
-        queue.put_nowait((list(new), logprobs))
-        return False  # the coordinator stops a request by cancelling this call
-
-    task = asyncio.ensure_future(generate(req, draft, target, on_tokens))
-    task.add_done_callback(lambda t: queue.put_nowait(None))
+    report = _Reports(request.report_interval_ms / 1000.0)
+    task = asyncio.ensure_future(generate(req, draft, target, report.add))
+    task.add_done_callback(lambda t: report.close())
     try:
-        while (item := await queue.get()) is not None:
-            new, logprobs = item
+        while (batch := await report.next()) is not None:
+            new, logprobs = batch
             msg = draft_pb2.SpeculateResponse(token_ids=new)
             if logprobs:
                 msg.logprobs.CopyFrom(logprobs_rows_to_proto(logprobs, new))

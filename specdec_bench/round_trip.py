@@ -24,7 +24,9 @@ every thread of every process involved (this one and the replicas; Linux's /proc
 thread that must be woken (every process descended from this one counts: the replicas, Ray's). A round that
 crosses no thread would count none. Per round it also splits the stack's time as the replicas report it: the
 draft's and the target's compute (beside the same in process) and the links' time (calls' wall time less that
-compute: GenerationStats' draft/target/peer network).
+compute: GenerationStats' draft/target/peer network), and the CPU time per round of every process involved, in
+process and through the stack (means: the kernel counts in clock ticks): on a host whose cores other work also
+uses, wall times stretch with the load while CPU time stays, so the CPU column is the one to compare across runs.
 """
 from __future__ import annotations
 
@@ -65,6 +67,19 @@ def voluntary_switches(pids: list[int]) -> int:
             except OSError:  # the thread ended meanwhile
                 continue
     return total
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU time of every thread of `pids` so far, in seconds (0 where /proc is not there)."""
+    tick, total = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100, 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])  # utime, stime (clock ticks)
+        except (OSError, IndexError, ValueError):  # the process ended meanwhile
+            continue
+    return total / tick
 
 
 def process_tree(root: int) -> list[int]:
@@ -116,6 +131,7 @@ async def _measure_path(path: str, engine, dirs: tuple[Path, Path], opts: dict, 
                        prompt_lookup_min_ngram=lookup, coordinator_options=coordinator,
                        draft_options={**replica, **draft}, target_options=dict(replica))
     local, remote, over, wake, wake_local, rounds = [], [], [], [], [], 0
+    cpu_local, cpu_stack = [], []
     parts: dict[str, list[float]] = {"draft_busy": [], "target_busy": [], "network": [], "local_draft_busy": [],
                                      "local_target_busy": []}
     async with stack:
@@ -127,16 +143,18 @@ async def _measure_path(path: str, engine, dirs: tuple[Path, Path], opts: dict, 
                 req = GenerationRequest(prompt_ids=prompt, max_new_tokens=opts["max_new_tokens"],
                                         params=SamplingParams(temperature=0.0), mode=opts["mode"],
                                         gamma=opts["gamma"])
-                w0, t0 = voluntary_switches([os.getpid()]), time.perf_counter()
+                w0, c0, t0 = voluntary_switches([os.getpid()]), cpu_seconds(pids), time.perf_counter()
                 a = await engine.agenerate(req)
                 _sync(device)
                 t_local, w_local = time.perf_counter() - t0, voluntary_switches([os.getpid()]) - w0
-                w0, t0 = voluntary_switches(pids), time.perf_counter()
+                c_local = cpu_seconds(pids) - c0
+                w0, c0, t0 = voluntary_switches(pids), cpu_seconds(pids), time.perf_counter()
                 b = await stub.Generate(g.GenerateRequest(
                     prompt_token_ids=prompt, max_new_tokens=opts["max_new_tokens"], temperature=0.0,
                     mode=opts["mode"], gamma=opts["gamma"], ignore_eos=True), timeout=300)
                 _sync(device)
                 t_stack, w_stack = time.perf_counter() - t0, voluntary_switches(pids) - w0
+                c_stack = cpu_seconds(pids) - c0
                 if list(b.token_ids) != a.token_ids or b.stats.rounds != a.stats.rounds:
                     raise AssertionError(f"{path}: the stack and the engine disagree on prompt {prompt}: "
                                          f"{list(b.token_ids)} in {b.stats.rounds} rounds against {a.token_ids} in "
@@ -148,6 +166,8 @@ async def _measure_path(path: str, engine, dirs: tuple[Path, Path], opts: dict, 
                     over.append(remote[-1] - local[-1])
                     wake.append(w_stack / rounds)
                     wake_local.append(w_local / rounds)
+                    cpu_local.append(c_local * 1e3 / rounds)
+                    cpu_stack.append(c_stack * 1e3 / rounds)
                     st = b.stats
                     for name, value in (("draft_busy", st.draft_busy_s), ("target_busy", st.target_busy_s),
                                         ("network", st.draft_network_s + st.target_network_s + st.peer_network_s),
@@ -158,10 +178,13 @@ async def _measure_path(path: str, engine, dirs: tuple[Path, Path], opts: dict, 
            "in_process_ms_per_round": statistics.median(local), "stack_ms_per_round": statistics.median(remote),
            "overhead_ms_per_round": statistics.median(over), "wakeups_per_round": statistics.median(wake),
            "in_process_wakeups_per_round": statistics.median(wake_local),
+           "in_process_cpu_ms_per_round": sum(cpu_local) / len(cpu_local),
+           "stack_cpu_ms_per_round": sum(cpu_stack) / len(cpu_stack),
            **{f"{k}_ms_per_round": statistics.median(v) for k, v in parts.items()}}
     log(f"{path}: {row['overhead_ms_per_round']:.3f} ms per round over in process "
         f"({row['stack_ms_per_round']:.3f} against {row['in_process_ms_per_round']:.3f}), "
-        f"{row['wakeups_per_round']:.1f} wake-ups per round")
+        f"{row['wakeups_per_round']:.1f} wake-ups per round; CPU {row['stack_cpu_ms_per_round']:.3f} ms per round "
+        f"against {row['in_process_cpu_ms_per_round']:.3f}")
     return row
 
 
@@ -197,13 +220,14 @@ async def run_round_trip(paths=tuple(PATHS), device: str = "cpu", repeats: int =
 def markdown(rows: list[dict], meta: dict) -> str:
     """The table (ms per round, medians), then the run's machine and command where `meta` has them."""
     lines = ["| data path | in process | through the stack | **overhead** | draft compute (in process) | "
-             "target compute (in process) | links | wake-ups (in process) |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "target compute (in process) | links | wake-ups (in process) | CPU (in process) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     lines += [f"| {r['path']} | {r['in_process_ms_per_round']:.3f} | {r['stack_ms_per_round']:.3f} | "
               f"**{r['overhead_ms_per_round']:.3f}** | {r['draft_busy_ms_per_round']:.3f} "
               f"({r['local_draft_busy_ms_per_round']:.3f}) | {r['target_busy_ms_per_round']:.3f} "
               f"({r['local_target_busy_ms_per_round']:.3f}) | {r['network_ms_per_round']:.3f} | "
-              f"{r['wakeups_per_round']:.1f} ({r['in_process_wakeups_per_round']:.1f}) |" for r in rows]
+              f"{r['wakeups_per_round']:.1f} ({r['in_process_wakeups_per_round']:.1f}) | "
+              f"{r['stack_cpu_ms_per_round']:.3f} ({r['in_process_cpu_ms_per_round']:.3f}) |" for r in rows]
     m = meta.get("machine")
     if m:
         lines += ["", f"{m.get('cpu', '?')}, {m.get('cores', '?')} cores, torch {m.get('torch', '?')}, "

@@ -181,6 +181,56 @@ async def test_speculate_refuses_what_it_cannot_run(direct):
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in e.value.details(), kw
 
 
+async def test_a_report_interval_gathers_the_rounds_tokens_into_fewer_messages(direct):
+    """report_interval_ms: the first round's tokens at once, then one message per interval (here: the rest at the
+    end); the same tokens and logprobs in the same order as a message per round."""
+    d1, _ = direct["drafts"]
+    t1, _ = direct["targets"]
+    async with grpc.aio.insecure_channel(d1.endpoint) as ch:
+        stub = draft_pb2_grpc.DraftServiceStub(ch)
+
+        async def run(interval_ms: int, sid: str):
+            req = draft_pb2.SpeculateRequest(session_id=sid, prompt_ids=PROMPT, max_new_tokens=40, mode="sd",
+                                             gamma=2, target_endpoint=t1.endpoint, report_interval_ms=interval_ms)
+            req.params.logprobs = 1
+            msgs = [m async for m in stub.Speculate(req)]
+            parts = [m for m in msgs if not m.done]
+            tokens = [t for m in parts for t in m.token_ids]
+            logprobs = [x for m in parts for x in m.logprobs.logprobs]
+            return parts, tokens, logprobs, msgs[-1]
+
+        every, tokens, logprobs, last = await run(0, "every-round")
+        gathered, tokens2, logprobs2, last2 = await run(60_000, "gathered")
+    want = target_greedy(direct["target"], PROMPT, 40)
+    assert tokens == want and tokens2 == want and logprobs2 == logprobs
+    assert last.done and last2.done and last2.stats["rounds"] == last.stats["rounds"] > 2
+    assert len(every) == last.stats["rounds"], "a message a round"
+    assert len(gathered) == 2, "the first round's tokens at once, the rest when the request ends"
+    assert list(gathered[0].token_ids) == list(every[0].token_ids)
+
+
+async def test_a_unary_request_on_the_direct_plane_is_reported_in_batches(direct, monkeypatch):
+    """The coordinator asks for batched reports where its caller reads only the final answer, and for every
+    round's tokens on a stream; both give the target's own tokens."""
+    from coordinator.backends import direct as direct_backend
+    seen = []
+    real = direct_backend.speculate_request
+
+    def spy(*a, **kw):
+        msg = real(*a, **kw)
+        seen.append(msg)
+        return msg
+
+    monkeypatch.setattr(direct_backend, "speculate_request", spy)
+    want = target_greedy(direct["target"], PROMPT, 24)
+    out = await direct["stub"].Generate(g.GenerateRequest(prompt_token_ids=PROMPT, max_new_tokens=24, mode="sd",
+                                                          ignore_eos=True))
+    streamed = [t async for part in direct["stub"].GenerateStream(g.GenerateRequest(
+        prompt_token_ids=PROMPT, max_new_tokens=24, mode="sd", ignore_eos=True)) for t in part.token_ids]
+    assert list(out.token_ids) == want and streamed == want
+    assert [m.report_interval_ms for m in seen] == [direct_backend.REPORT_INTERVAL_MS, 0]
+
+
 @pytest.mark.asyncio(loop_scope="module")
 async def test_target_routes_parse_and_refuse_malformed_entries():
     assert parse_routes("") == {}

@@ -36,6 +36,13 @@ _GONE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode
          grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.INTERNAL}
 
 
+# how often a draft replica sends the committed tokens of a request whose caller reads only the final answer (a
+# unary Generate, a completion without `stream`): a message a round would cost the draft replica and this process a
+# wake-up and a decode each round, for nothing the caller sees. The price: a failover redoes at most this much
+# work (it resumes from the tokens delivered). Streamed requests, and those with stop strings, get every round's.
+REPORT_INTERVAL_MS = 50
+
+
 def runs_direct(req: GenerationRequest) -> bool:
     """Whether a request can take the direct data plane: a speculative mode, and no prompt logprobs (those come
     with the target's session start, which the draft replica does not pass on)."""
@@ -52,15 +59,17 @@ class DirectInterrupted(Exception):
 
 
 async def run_direct(req: GenerationRequest, draft: RemoteDraft, target: RemoteTarget, tracking, timeout: float,
-                     server_name: str = "", chain_window: int = 0) -> GenerationResult:
+                     server_name: str = "", chain_window: int = 0, report_interval_ms: int = 0) -> GenerationResult:
     """Run `req` on its draft replica against its target replica; `tracking(new, logprobs)` gets the committed tokens
     as they arrive (True: stop the request). Both backends are pinned here (no session: the draft replica starts
-    and ends both). → the result; DirectInterrupted after a resumable failure (the tokens delivered stand)."""
+    and ends both). `report_interval_ms`: the tokens come in batches gathered that long (0: every round's).
+    → the result; DirectInterrupted after a resumable failure (the tokens delivered stand)."""
     await _pin(draft, target)
     msg = speculate_request(req, target_endpoint=target.endpoint,
                             reserve_positions=target.start_kw["reserve_positions"],
                             output_start=target.start_kw["output_start"], target_server_name=server_name,
                             chain_window=chain_window)
+    msg.report_interval_ms = report_interval_ms
     t0 = time.perf_counter_ns()
     call = draft.channels.draft(draft.endpoint).Speculate(msg, metadata=draft.metadata)
     tokens: list[int] = []

@@ -34,7 +34,7 @@ from coordinator.routing.affinity import prefix_keys
 from coordinator.channels import Channels
 from coordinator.backends.clients import RemoteDraft, RemoteTarget
 from coordinator.routing.pool import DraftContextError, ReplicaUnavailableError
-from coordinator.backends.direct import DirectInterrupted, run_direct, runs_direct
+from coordinator.backends.direct import REPORT_INTERVAL_MS, DirectInterrupted, run_direct, runs_direct
 from coordinator.backends.moves import PoolView, end_in_background, ending
 
 log = logging.getLogger(__name__)
@@ -114,6 +114,7 @@ class _RequestReplicas:
     seen_logprobs: list = dataclasses.field(default_factory=list)
     told: dict = dataclasses.field(default_factory=dict)  # the replicas last passed to `on_tokens`
     fallback: str = ""
+    final_only: bool = False  # the caller reads only the last event (a unary client): tokens may come in batches
 
     def tracking(self, new: list[int], logprobs: list | None = None) -> bool:
         """The schedule's token callback: records the delivered tokens and passes them on, with the replicas the
@@ -274,7 +275,7 @@ class Pipeline:
             return rid in self._stop
 
         task = asyncio.ensure_future(self._run(req, on_tokens, bool(request.get("draft_fallback")), trace,
-                                               log_fields))
+                                               log_fields, final_only=not incremental))
         self._tasks[rid] = task
         task.add_done_callback(lambda t: queue.put_nowait(None))
         try:
@@ -316,13 +317,13 @@ class Pipeline:
         return target, draft
 
     async def _run(self, req: GenerationRequest, on_tokens, draft_fallback: bool = False, trace=None,
-                   log_fields: dict | None = None) -> dict:
+                   log_fields: dict | None = None, final_only: bool = False) -> dict:
         """`draft_fallback`: with no draft replica reachable, at the start or mid-request, go on target-only
         instead of failing. `trace`: W3C trace headers for the replica calls; `log_fields`: the request's log
         fields, completed with its replicas and timings when it ends."""
         n_prompt, reserve = len(req.prompt_ids), len(req.prompt_ids) + req.max_new_tokens
         target, draft = self._backends(req, n_prompt, reserve, req.mode != "ar", trace)
-        run = _RequestReplicas(target, draft, target, draft, n_prompt, on_tokens)
+        run = _RequestReplicas(target, draft, target, draft, n_prompt, on_tokens, final_only=final_only)
         try:
             res = await self._generate(req, run, draft_fallback, reserve, trace)
         except asyncio.CancelledError:
@@ -355,7 +356,7 @@ class Pipeline:
         draft, target = run.draft, run.target
         try:
             if draft is not None and self._runs_direct(req):
-                return await self._direct(req, draft, target, run.tracking, run.committed, run.seen_logprobs)
+                return await self._direct(req, draft, target, run)
             return await generate(req, draft, target, run.tracking)
         except (ReplicaUnavailableError, DraftContextError) as e:  # the draft pool is gone, or too short for it
             if not (draft_fallback and draft is not None and getattr(e, "kind", "") == "draft"):
@@ -386,14 +387,16 @@ class Pipeline:
             return dataclasses.replace(req, mode="ar")
         return req
 
-    async def _direct(self, req: GenerationRequest, draft: RemoteDraft, target: RemoteTarget, tracking,
-                      committed: list[int], seen_logprobs: list) -> GenerationResult:
+    async def _direct(self, req: GenerationRequest, draft: RemoteDraft, target: RemoteTarget,
+                      run: _RequestReplicas) -> GenerationResult:
         """The request's rounds on its draft replica (coordinator/backends/direct.py). Interrupted, it goes on from
-        the tokens delivered (`committed`) with the coordinator's own rounds, on another replica where one failed."""
-        sid = req.session_id
+        the tokens delivered (`run.committed`) with the coordinator's own rounds, on another replica where one
+        failed. A caller that reads only the final answer gets the tokens in batches (`REPORT_INTERVAL_MS`)."""
+        sid, tracking, committed, seen_logprobs = req.session_id, run.tracking, run.committed, run.seen_logprobs
         try:
             res = await run_direct(req, draft, target, tracking, self.rpc_timeout_s,
-                                   self.channels.dialer.server_names.get("target", ""), self.chain_window)
+                                   self.channels.dialer.server_names.get("target", ""), self.chain_window,
+                                   REPORT_INTERVAL_MS if run.final_only else 0)
         except DirectInterrupted as e:
             # the draft replica's target session, if it is left: ended off this path (a gone replica is let be)
             end_in_background(target.end_on(target.endpoint, sid))
