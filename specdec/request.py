@@ -6,8 +6,9 @@ the benchmarks and the tests.
 """
 from __future__ import annotations
 
+import enum
 import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 from specdec.errors import InvalidRequestError
 from specdec.sampling import SamplingParams
@@ -28,6 +29,73 @@ MAX_SPEC_OFF_BATCH = 1024  # largest spec_off_batch a request (or the coordinato
 DEFAULT_POST_THRESHOLD = 0.6
 PEARL_OVERLAP = ("auto", "always")
 DEFAULT_GAMMA = {"ar": 4, "sd": 4, "pacer": 8, "pearl": 8, "pacer_pearl": 8}
+
+
+class DraftStop(enum.Enum):
+    """How a round's draft ends: one half of a mode."""
+    NONE = "none"  # no draft (ar)
+    FIXED = "fixed"  # gamma tokens (sd, pearl)
+    PREVERIFIER = "preverifier"  # PACER's pre-verifier ends it (pacer, pacer_pearl)
+
+
+class Overlap(enum.Enum):
+    """Whether the draft runs while the target verifies: the other half of a mode. AUTO and ALWAYS are PEARL's
+    (pearl_overlap auto and always); OFF is sequential rounds."""
+    OFF = "off"
+    AUTO = "auto"
+    ALWAYS = "always"
+
+
+# the modes' names for the (draft stop, overlapped) pairs: sd, pacer, pearl and pacer_pearl are the four
+# combinations of a drafting stop rule with overlap off or on; ar drafts nothing
+MODE_PAIRS = {"ar": (DraftStop.NONE, False), "sd": (DraftStop.FIXED, False), "pacer": (DraftStop.PREVERIFIER, False),
+              "pearl": (DraftStop.FIXED, True), "pacer_pearl": (DraftStop.PREVERIFIER, True)}
+_MODE_OF = {pair: name for name, pair in MODE_PAIRS.items()}
+
+
+def mode_name(stop: DraftStop, overlap: Overlap) -> str:
+    """The mode a (draft stop, overlap) pair is; ValueError for ar with overlap (nothing to overlap)."""
+    key = (stop, overlap is not Overlap.OFF)
+    if key not in _MODE_OF:
+        raise ValueError("a request that drafts nothing (ar) has no draft to overlap")
+    return _MODE_OF[key]
+
+
+def mode_pair(mode: str, pearl_overlap: str = "auto") -> tuple[DraftStop, Overlap]:
+    """A mode's (draft stop, overlap) pair; `pearl_overlap` (auto | always) applies to the overlapped modes."""
+    stop, overlapped = MODE_PAIRS[mode]
+    return stop, Overlap(pearl_overlap) if overlapped else Overlap.OFF
+
+
+@dataclass(frozen=True)
+class Speculation:
+    """How a request speculates, typed: the mode as its (draft_stop, overlap) pair and the settings that go with it
+    (None: the mode's or the replica's default). A GenerationRequest carries the same as flat fields, for the
+    schedules; `GenerationRequest.speculation` and `Speculation.request_fields` go between the two."""
+    draft_stop: DraftStop = DraftStop.FIXED
+    overlap: Overlap = Overlap.OFF
+    gamma: int | None = None
+    block_size: int | None = None
+    pacer_threshold: float | None = None
+    pacer_skip_below: float | None = None
+    pacer_post_threshold: float | None = None
+    pearl_first_block: int | None = None
+    spec_off_batch: int | None = None
+    verify_method: str = "block"  # specdec.verify.METHODS
+
+    @property
+    def mode(self) -> str:
+        return mode_name(self.draft_stop, self.overlap)
+
+    @property
+    def pearl_overlap(self) -> str:
+        """PEARL's overlap setting (auto | always); sequential modes keep the default."""
+        return "auto" if self.overlap is Overlap.OFF else self.overlap.value
+
+    def request_fields(self) -> dict:
+        """GenerationRequest's keyword arguments for this speculation."""
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("draft_stop", "overlap")}
+        return {**out, "mode": self.mode, "pearl_overlap": self.pearl_overlap}
 
 
 @dataclass
@@ -72,11 +140,51 @@ class GenerationRequest:
         return "greedy" if self.params.greedy else self.verify_method
 
     @property
+    def speculation(self) -> Speculation:
+        """The request's mode and speculation settings, typed."""
+        stop, overlap = mode_pair(self.mode, self.pearl_overlap)
+        keep = {f.name: getattr(self, f.name) for f in fields(Speculation) if f.name not in ("draft_stop", "overlap")}
+        return Speculation(stop, overlap, **keep)
+
+    @property
     def sequential_calls(self) -> bool:
         """Whether each replica call of this request is answered before the next is made, with no call cancelled
         mid-flight: ar, sd and pacer. The PEARL modes overlap a draft stream with verifies and cancel what a
         rejection makes moot (a transport must keep such calls of one session in order: specdec_rpc/frames.py)."""
         return self.mode in ("ar", "sd", "pacer")
+
+
+@dataclass
+class PipelineRequest:
+    """A request as a front door hands it to a pipeline (coordinator/backends/pipeline.py): the core's request, typed,
+    and what the pipeline does around it. Its request id is the request's session id."""
+    generation: GenerationRequest
+    draft_fallback: bool = True  # no draft replica reachable: run target-only (COORDINATOR_DRAFT_FALLBACK)
+    final_only: bool = False  # the caller reads only the last event (a whole answer without stop strings)
+    trace_headers: dict[str, str] = field(default_factory=dict)  # W3C trace context for the replica calls
+
+    @property
+    def request_id(self) -> str:
+        return self.generation.session_id
+
+    def to_dict(self) -> dict:
+        """The pipeline's event-stream input as a dict of plain values (the form that crosses to a Ray pipeline
+        actor; coordinator/backends/pipeline.py `request_from_dict` reads it back into the same request)."""
+        g, sp = self.generation, self.generation.params
+        out = {"request_id": g.session_id, "prompt_ids": list(g.prompt_ids), "max_new_tokens": g.max_new_tokens,
+               "eos_token_ids": list(g.eos_token_ids), "priority": g.priority, "draft_fallback": self.draft_fallback,
+               "final_only": self.final_only, **self.trace_headers}
+        out.update({k: getattr(g, k) for k in _SPECULATION_KEYS})
+        out.update({k: getattr(sp, k) for k in _SAMPLING_KEYS})
+        out.update(logit_bias=[list(kv) for kv in sp.logit_bias], allowed_token_ids=list(sp.allowed_token_ids),
+                   bad_words=[list(w) for w in sp.bad_words])
+        return out
+
+
+_SPECULATION_KEYS = ("mode", "verify_method", "gamma", "block_size", "pacer_threshold", "pacer_skip_below",
+                     "pearl_first_block", "spec_off_batch", "pacer_post_threshold", "pearl_overlap")
+_SAMPLING_KEYS = ("temperature", "top_k", "top_p", "seed", "logprobs", "prompt_logprobs", "cache_salt",
+                  "presence_penalty", "frequency_penalty", "repetition_penalty", "grammar", "min_p", "min_tokens")
 
 
 @dataclass

@@ -142,14 +142,21 @@ def _emit(out: dict, args, streamed: bool) -> None:
 
 # ---- generate -------------------------------------------------------------------------------------------------
 def _request(args):
-    from specdec_rpc.pb import generation_pb2  # lazy: the gRPC client's stubs load only for a request
+    # lazy: the gRPC client's stubs load only for a request
+    from specdec.request import mode_pair
+    from specdec_rpc.pb import common_pb2, generation_pb2
 
-    r = generation_pb2.GenerateRequest(prompt=args.prompt, max_new_tokens=args.max_new_tokens,
-                                       temperature=args.temperature, top_k=args.top_k, seed=args.seed,
-                                       stop=args.stop, mode=args.mode, verify_method=args.verify_method)
-    for name in ("top_p", "gamma", "block_size", "pacer_threshold", "logprobs"):
-        if getattr(args, name) is not None:
-            setattr(r, name, getattr(args, name))
+    spec = common_pb2.Speculation(verify_method=f"VERIFY_METHOD_{args.verify_method.upper()}")
+    if args.mode:  # unset: the coordinator's default mode
+        stop, overlap = mode_pair(args.mode)
+        spec.draft_stop, spec.overlap = f"DRAFT_STOP_{stop.name}", f"OVERLAP_{overlap.name}"
+    sampling = common_pb2.SamplingParams(temperature=args.temperature, top_k=args.top_k, seed=args.seed)
+    for part, names in ((spec, ("gamma", "block_size", "pacer_threshold")), (sampling, ("top_p", "logprobs"))):
+        for name in names:
+            if getattr(args, name) is not None:
+                setattr(part, name, getattr(args, name))
+    r = generation_pb2.GenerateRequest(prompt=args.prompt, max_new_tokens=args.max_new_tokens, stop=args.stop,
+                                       sampling=sampling, speculation=spec)
     form = _structured(args)
     if form is not None:
         if form.kind == "choice":  # the proto's fields are named as the kinds

@@ -327,7 +327,7 @@ async def test_pacer_post_threshold_reaches_the_schedule():
     svc = GenerationServicer(router=None, pacer_post_threshold=0.42)
     for kw, want in ((dict(), 0.42), (dict(pacer_post_threshold=0.1), 0.1)):
         prepared = svc.prepare(g.GenerateRequest(prompt_token_ids=[1, 2], mode="pacer_pearl", **kw))
-        spec = _post_stop_spec(request_from_dict(prepared.request).validate())
+        spec = _post_stop_spec(request_from_dict(prepared.request.to_dict()).validate())
         assert (spec.kind, spec.threshold) == ("pacer", pytest.approx(want))
 
 

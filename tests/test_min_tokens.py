@@ -198,7 +198,7 @@ async def test_over_the_wire_and_in_the_http_body():
                 await stub.Generate(g.GenerateRequest(prompt_token_ids=prompt, **bad))
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in e.value.details()
     body = CompletionRequest(prompt=[1, 2], min_tokens=5, min_p=0.1, max_tokens=8).to_proto()
-    assert body.min_tokens == 5 and body.min_p == pytest.approx(0.1)
+    assert body.sampling.min_tokens == 5 and body.sampling.min_p == pytest.approx(0.1)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -233,7 +233,7 @@ def test_vllm_guided_fields_and_allowed_token_ids_in_the_http_body():
     with pytest.raises(ValueError, match="not both"):
         ChatCompletionRequest(messages=msgs, guided_regex="a", structured_outputs={"regex": "b"})
     r = ChatCompletionRequest(messages=msgs, allowed_token_ids=[4, 5]).to_proto()
-    assert list(r.allowed_token_ids) == [4, 5]
+    assert list(r.sampling.allowed_token_ids) == [4, 5]
 
 
 def test_bad_words_mask_the_last_token_after_the_rest():

@@ -8,7 +8,7 @@ import json
 import grpc
 import httpx
 
-from specdec_rpc.pb import generation_pb2 as g
+from specdec_rpc.pb import common_pb2, generation_pb2 as g
 
 MODEL = "tiny-target"
 MESSAGES = [{"role": "user", "content": "hello there"}]
@@ -20,10 +20,12 @@ class ScriptedServicer:
     def __init__(self, script):
         self.script = script
 
-    async def respond(self, request, context, incremental=True):
+    async def generate(self, request, incremental=True, metadata=()):
+        from coordinator.grpc_api.service import GenerationFailed
+
         for item in self.script:
             if isinstance(item, tuple):
-                await context.abort(*item)
+                raise GenerationFailed(*item)
             if isinstance(item, Exception):
                 raise item
             yield item
@@ -113,7 +115,7 @@ def test_ignore_eos_reaches_the_request():
     servicer = GenerationServicer(router=None, eos_token_ids={7})
     for ignore in (False, True):
         proto = CompletionRequest(prompt=[1, 2], max_tokens=4, ignore_eos=ignore).to_proto()
-        assert servicer.prepare(proto).request["eos_token_ids"] == ([] if ignore else [7])
+        assert list(servicer.prepare(proto).request.generation.eos_token_ids) == ([] if ignore else [7])
 
 
 async def test_requests_in_flight_are_bounded():
@@ -127,7 +129,7 @@ async def test_requests_in_flight_are_bounded():
     release = asyncio.Event()
 
     class Held:
-        async def respond(self, request, context, incremental=True):
+        async def generate(self, request, incremental=True, metadata=()):
             await release.wait()
             yield DONE
 
@@ -154,9 +156,11 @@ def test_the_coordinators_default_mode_applies_to_requests_without_one():
     proto = body.to_proto()
     proto.ClearField("messages")
     proto.prompt_token_ids.extend([1, 2])
-    assert servicer.prepare(proto).request["mode"] == "pacer_pearl"
-    proto.mode = "ar"
-    assert servicer.prepare(proto).request["mode"] == "ar"
+    assert servicer.prepare(proto).request.generation.mode == "pacer_pearl"
+    proto.speculation.draft_stop = common_pb2.DRAFT_STOP_NONE
+    assert servicer.prepare(proto).request.generation.mode == "ar"
+    proto.speculation.draft_stop = common_pb2.DRAFT_STOP_FIXED  # the default's overlap, this stop rule
+    assert servicer.prepare(proto).request.generation.mode == "pearl"
 
 
 async def test_usage_reports_the_prefix_cache_hits():
@@ -185,10 +189,10 @@ def test_the_schema_passes_cache_salt_and_the_servicer_bounds_it():
     from specdec.errors import InvalidRequestError
 
     body = ChatCompletionRequest(messages=MESSAGES, cache_salt="tenant-a")
-    assert body.to_proto().cache_salt == "tenant-a"
-    assert ChatCompletionRequest(messages=MESSAGES).to_proto().cache_salt == ""
+    assert body.to_proto().sampling.cache_salt == "tenant-a"
+    assert ChatCompletionRequest(messages=MESSAGES).to_proto().sampling.cache_salt == ""
     long = ChatCompletionRequest(messages=MESSAGES, cache_salt="x" * 300).to_proto()  # the table's rule, not the body's
-    with pytest.raises(InvalidRequestError, match="cache_salt: is 300 characters; use at most 256"):
+    with pytest.raises(InvalidRequestError, match="^sampling.cache_salt: is 300 characters; use at most 256"):
         GenerationServicer(router=None).prepare(long)
 
 
@@ -200,17 +204,18 @@ def test_the_schema_passes_penalties_and_logit_bias():
 
     r = CompletionRequest(prompt="abc", presence_penalty=0.5, frequency_penalty=-0.25, repetition_penalty=1.5,
                           logit_bias={"3": 2.0, "17": -100}).to_proto()
-    assert (r.presence_penalty, r.frequency_penalty, r.repetition_penalty) == (0.5, -0.25, 1.5)
-    assert dict(r.logit_bias) == {3: 2.0, 17: -100.0}
-    assert not CompletionRequest(prompt="abc").to_proto().HasField("repetition_penalty")
+    sp = r.sampling
+    assert (sp.presence_penalty, sp.frequency_penalty, sp.repetition_penalty) == (0.5, -0.25, 1.5)
+    assert dict(sp.logit_bias) == {3: 2.0, 17: -100.0}
+    assert not CompletionRequest(prompt="abc").to_proto().sampling.HasField("repetition_penalty")
     assert list(CompletionRequest(prompt="abc", stop_token_ids=[5, 9]).to_proto().stop_token_ids) == [5, 9]
     with pytest.raises(ValidationError, match="strings of digits"):  # the keys' form is this door's own
         CompletionRequest(prompt="abc", logit_bias={"x": 1})
     from coordinator.grpc_api.service import GenerationServicer
     from specdec.errors import InvalidRequestError
 
-    for bad, words in (({"logit_bias": {"3": 101}}, "logit_bias: token 3: a bias must be in [-100, 100]"),
-                       ({"presence_penalty": 3}, "presence_penalty: must be in [-2, 2]")):  # the ranges: the table's
+    for bad, words in (({"logit_bias": {"3": 101}}, "sampling.logit_bias: token 3: a bias must be in [-100, 100]"),
+                       ({"presence_penalty": 3}, "sampling.presence_penalty: must be in [-2, 2]")):  # the table's
         with pytest.raises(InvalidRequestError) as e:
             GenerationServicer(router=None).prepare(CompletionRequest(prompt=[1, 2], **bad).to_proto())
         assert str(e.value).startswith(words), e.value

@@ -4,11 +4,17 @@ coordinator/grpc_api/text_output.py).
 Runs in the driver process. Everything per round happens in a pipeline (in-process or a Ray actor); this class
 only turns a GenerateRequest into a token-id request, forwards it, and turns the pipeline's events back into text.
 
-Validation: every field's range or choices is specdec/field_rules.py's table, which `prepare` applies with this
-coordinator's bounds (its cap on max_new_tokens, the request's gamma and max_new_tokens, the tokenizer's
-vocabulary). Both doors reach it (the HTTP door calls `respond` in process), so a bad field gets the same
-INVALID_ARGUMENT message through either. What `prepare` checks itself is what no single field's range says: one
-prompt kind, raw_prompt only with text, a prompt that encodes to tokens and fits the context.
+Both doors call one method, `generate` (a GenerateRequest in, GenerateStreamResponses out, a failure raised as
+`GenerationFailed` or a specdec error): the gRPC handlers below, and the HTTP door (coordinator/http_api/backend.py),
+which maps each body onto a GenerateRequest.
+
+Validation: the request's sampling and speculation settings are read once (coordinator/grpc_api/typed_request.py:
+the typed `sampling` and `speculation`, or the deprecated flat fields), then every field's range or choices is
+specdec/field_rules.py's table, which `prepare` applies with this coordinator's bounds (its cap on max_new_tokens,
+the request's gamma and max_new_tokens, the tokenizer's vocabulary), so a bad field gets the same message through
+either door. What `prepare` checks itself is what no single field's range says: one prompt kind, raw_prompt only
+with text, a prompt that encodes to tokens and fits the context. It hands the pipeline a typed
+`specdec.request.PipelineRequest`.
 """
 from __future__ import annotations
 
@@ -25,10 +31,11 @@ from coordinator.grpc_api.output_constraints import OutputConstraints
 from coordinator.grpc_api.prompt_work import PromptWork, least_prompt_tokens, longest_token_bytes, prompt_bytes
 from coordinator.grpc_api.reasoning import ReasoningSplitter, ReasoningStart, reasoning_tokens
 from coordinator.grpc_api.text_output import TextAssembler
+from coordinator.grpc_api.typed_request import Settings, read_settings, sampling_params, speculation
 from specdec.errors import ContextOverflowError, InvalidRequestError
 from specdec.field_rules import REQUEST_RULES, check, proto_values
 from specdec_rpc.pb import common_pb2, generation_pb2, generation_pb2_grpc
-from specdec.request import DEFAULT_GAMMA
+from specdec.request import DEFAULT_GAMMA, GenerationRequest, PipelineRequest
 
 FINISH = {"length": generation_pb2.FINISH_REASON_LENGTH, "stop": generation_pb2.FINISH_REASON_STOP,
           "cancelled": generation_pb2.FINISH_REASON_CANCELLED}
@@ -79,9 +86,18 @@ def prompt_kind(r: generation_pb2.GenerateRequest) -> str:
     return given[0]
 
 
+class GenerationFailed(Exception):
+    """A generation ended by a status that is not a specdec error: a replica's or the pipeline's error event, or an
+    answer over the message limit. The gRPC door answers it with the status, the HTTP door with its mapping."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
 @dataclass
 class Prepared:
-    request: dict
+    request: PipelineRequest
     assembler: TextAssembler
     reasoning: ReasoningStart | None = None  # separate_reasoning: where the answer starts (grpc_api/reasoning.py)
 
@@ -121,13 +137,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         """The request checked (specdec/field_rules.py's table, then what spans fields), its prompt encoded, and
         the token-id request the pipeline runs."""
         given = prompt_kind(r)
-        mode = r.mode or self.default_mode
+        settings = read_settings(r)
+        mode = settings.mode(self.default_mode)  # None: a mode string the table refuses below
         to_context = r.max_new_tokens_to_context and not r.HasField("max_new_tokens") and self.context_len > 0
         max_new = (r.max_new_tokens if r.HasField("max_new_tokens") else
                    self.cap if to_context else min(DEFAULT_MAX_NEW_TOKENS, self.cap))
-        gamma = r.gamma if r.HasField("gamma") else self.gamma or DEFAULT_GAMMA.get(mode)
-        check(REQUEST_RULES, proto_values(r), cap=self.cap, max_new_tokens=max_new, gamma=gamma,
-              vocab=len(self.tok) if self.tok is not None else None)
+        gamma = settings.values["gamma"] if "gamma" in settings.values else self.gamma or DEFAULT_GAMMA.get(mode)
+        check(REQUEST_RULES, {**proto_values(r), **settings.values}, names=settings.names, cap=self.cap,
+              max_new_tokens=max_new, gamma=gamma, vocab=len(self.tok) if self.tok is not None else None)
         if r.raw_prompt and not r.HasField("prompt"):
             raise InvalidRequestError("raw_prompt", f"applies to prompt (text) only; leave it unset with {given}")
         ids = self._prompt_ids(r, given)
@@ -135,9 +152,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             raise self._overflow(len(ids))
         reasoning = self.output.reasoning_start(r, ids)
         if to_context:  # what the context leaves (a prompt that leaves too little: OUT_OF_RANGE from the replica)
-            max_new = max(min(self.cap, self.context_len - len(ids)), r.min_tokens, 1)
-        req = self._request(r, ids, mode, max_new, reasoning)
-        return Prepared(req, self._assembler(r, ids, req), reasoning)
+            max_new = max(min(self.cap, self.context_len - len(ids)), settings.get("min_tokens", 0), 1)
+        req = self._request(r, settings, ids, max_new, reasoning)
+        return Prepared(req, self._assembler(r, ids, req.generation), reasoning)
 
     def _prompt_ids(self, r: generation_pb2.GenerateRequest, given: str) -> list[int]:
         """The prompt's token ids: as sent, or the text or messages encoded (the chat template applied to
@@ -168,57 +185,46 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             raise InvalidRequestError(given, "encodes to no tokens; send a non-empty prompt")
         return ids
 
-    def _request(self, r: generation_pb2.GenerateRequest, ids: list[int], mode: str, max_new: int,
-                 reasoning: ReasoningStart | None) -> dict:
-        """The pipeline's request (coordinator/backends/pipeline.py, request_from_dict); unset fields take this
-        coordinator's defaults."""
-        def sent(name: str, default):
-            return getattr(r, name) if r.HasField(name) else default
-
+    def _request(self, r: generation_pb2.GenerateRequest, settings: Settings, ids: list[int], max_new: int,
+                 reasoning: ReasoningStart | None) -> PipelineRequest:
+        """The pipeline's request, typed; unset settings take this coordinator's defaults."""
         rid = f"{r.request_id}-{uuid.uuid4().hex[:12]}" if r.request_id else uuid.uuid4().hex
-        return {"request_id": rid, "prompt_ids": ids, "max_new_tokens": max_new,
-                "temperature": r.temperature, "top_k": r.top_k, "top_p": sent("top_p", 1.0),
-                "seed": r.seed, "mode": mode, "verify_method": r.verify_method or self.verify_method,
-                "gamma": sent("gamma", self.gamma), "block_size": sent("block_size", None),
-                "pacer_threshold": sent("pacer_threshold", self.pacer_threshold),
-                "pacer_skip_below": sent("pacer_skip_below", None),
-                "pearl_first_block": sent("pearl_first_block", None),
-                "spec_off_batch": sent("spec_off_batch", self.spec_off_batch),
-                "pacer_post_threshold": sent("pacer_post_threshold", self.pacer_post_threshold),
-                "pearl_overlap": r.pearl_overlap or None,
-                "eos_token_ids": sorted(set(() if r.ignore_eos else self.eos) | set(r.stop_token_ids)),
-                "logprobs": sent("logprobs", -1), "prompt_logprobs": sent("prompt_logprobs", -1),
-                "cache_salt": r.cache_salt, "priority": r.priority, "presence_penalty": r.presence_penalty,
-                "frequency_penalty": r.frequency_penalty, "repetition_penalty": sent("repetition_penalty", 1.0),
-                "logit_bias": sorted((int(k), float(v)) for k, v in r.logit_bias.items()),
-                "grammar": self.output.grammar(r, reasoning), "min_p": r.min_p, "min_tokens": r.min_tokens,
-                "allowed_token_ids": sorted(set(r.allowed_token_ids)), "bad_words": self.output.bad_words(r),
-                "draft_fallback": self.draft_fallback}
+        eos = sorted(set(() if r.ignore_eos else self.eos) | set(r.stop_token_ids))
+        spec = speculation(settings, {"mode": self.default_mode, "verify_method": self.verify_method,
+                                      "gamma": self.gamma, "pacer_threshold": self.pacer_threshold,
+                                      "spec_off_batch": self.spec_off_batch,
+                                      "pacer_post_threshold": self.pacer_post_threshold})
+        params = sampling_params(settings, self.output.grammar(r, reasoning), eos, self.output.bad_words(r))
+        generation = GenerationRequest(prompt_ids=ids, max_new_tokens=max_new, params=params, eos_token_ids=tuple(eos),
+                                       priority=r.priority, session_id=rid, **spec.request_fields())
+        return PipelineRequest(generation, draft_fallback=self.draft_fallback)
 
-    def _assembler(self, r: generation_pb2.GenerateRequest, ids: list[int], req: dict) -> TextAssembler:
+    def _assembler(self, r: generation_pb2.GenerateRequest, ids: list[int], req: GenerationRequest) -> TextAssembler:
         eos = set(() if r.ignore_eos else self.eos)
-        return TextAssembler(self.tok, ids, list(r.stop), r.min_tokens, stop_token_ids=req["eos_token_ids"],
+        return TextAssembler(self.tok, ids, list(r.stop), req.params.min_tokens, stop_token_ids=list(req.eos_token_ids),
                              user_stop_token_ids=set(r.stop_token_ids) - eos,
                              include_stop=r.include_stop_str_in_output,
                              skip_special_tokens=not r.HasField("skip_special_tokens") or r.skip_special_tokens)
 
     # -- events → responses ---------------------------------------------------------------------------------
-    def respond(self, r, context, incremental: bool = True):
-        """Yields GenerateStreamResponse; the last one carries finish_reason and stats. `incremental=False`
-        (a unary call without stop strings: nothing to send or check before the end): the pipeline sends no
-        per-round events, only the final one, which carries every token. Both front doors call it (gRPC here, HTTP
-        in coordinator/http_api/app.py); `context` needs `abort(code, message)` and `invocation_metadata()`. With a
-        tracer, the generation is one span (coordinator/tracing.py); without one, nothing wraps the responses."""
+    def generate(self, r: generation_pb2.GenerateRequest, incremental: bool = True, metadata=()):
+        """The generation service's one method, which both front doors call (gRPC below, HTTP in
+        coordinator/http_api/backend.py): yields GenerateStreamResponses, the last one with finish_reason and stats;
+        a failure is raised (GenerationFailed, or a specdec error such as InvalidRequestError). `incremental=False`
+        (a whole answer without stop strings: nothing to send or check before the end): the pipeline sends no
+        per-round events, only the final one, which carries every token. `metadata`: the (key, value) pairs of the
+        call (gRPC metadata, or the HTTP request's trace headers). With a tracer, the generation is one span
+        (coordinator/tracing.py); without one, nothing wraps the responses."""
         if self.tracer is None:
-            return self._respond(r, context, incremental, None)
-        return self._traced(r, context, incremental)
+            return self._respond(r, incremental, None)
+        return self._traced(r, incremental, metadata)
 
-    async def _traced(self, r, context, incremental: bool):
+    async def _traced(self, r, incremental: bool, metadata):
         from coordinator.tracing import RequestTrace
 
-        trace = RequestTrace(self.tracer, context.invocation_metadata())
+        trace = RequestTrace(self.tracer, metadata)
         try:
-            async with contextlib.aclosing(self._respond(r, context, incremental, trace)) as responses:
+            async with contextlib.aclosing(self._respond(r, incremental, trace)) as responses:
                 async for resp in responses:
                     yield resp
         except BaseException as e:
@@ -280,24 +286,27 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         await self.check_size(r)
         p = await self.work.run(self.prepare, r)  # tokenizing, the chat template: off the loop
         if trace is not None:
-            trace.request = p.request
-        if p.request["grammar"]:
-            await self.work.run(self.output.check_grammar, p.request["grammar"])
+            p.request.trace_headers.update(trace.headers)  # the replicas' spans are the request span's children
+            trace.request = p.request.to_dict()
+        grammar = p.request.generation.params.grammar
+        if grammar:
+            await self.work.run(self.output.check_grammar, grammar)
         return p
 
-    async def _respond(self, r, context, incremental: bool, trace):
+    async def _respond(self, r, incremental: bool, trace):
         call = _Call(self, r, trace)
         self.in_flight += 1
         try:
             call.start(await self._prepared(r, trace), incremental)
-            async with contextlib.aclosing(self.router.stream(call.p.request)) as events:
+            # the pipeline's input is the typed request's plain-values form (it may cross to a Ray actor)
+            async with contextlib.aclosing(self.router.stream(call.p.request.to_dict())) as events:
                 async for ev in events:
                     call.served.update(ev.get("served") or ())
                     if "tokens" in ev:
                         if (resp := await call.tokens(ev)) is not None:
                             yield resp
                     elif "error" in ev:
-                        await call.error(ev["error"], context)
+                        call.error(ev["error"])
                     elif ev.get("done"):
                         yield call.done(ev)
                         return
@@ -323,13 +332,24 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             self.metrics.errors.labels(code).inc()
 
     async def GenerateStream(self, request, context):
-        async for resp in self.respond(request, context):
-            yield resp
+        try:
+            async with contextlib.aclosing(self.generate(request, metadata=context.invocation_metadata())) as out:
+                async for resp in out:
+                    yield resp
+        except GenerationFailed as e:
+            await context.abort(e.code, e.message)
 
     async def Generate(self, request, context) -> generation_pb2.GenerateResponse:
+        try:
+            return await self.whole(request, context.invocation_metadata())
+        except GenerationFailed as e:
+            await context.abort(e.code, e.message)
+
+    async def whole(self, request, metadata=()) -> generation_pb2.GenerateResponse:
+        """`generate`'s responses as one GenerateResponse (the unary Generate)."""
         out = generation_pb2.GenerateResponse()
         text, reasoning = [], []
-        async for resp in self.respond(request, context, incremental=False):
+        async for resp in self.generate(request, incremental=False, metadata=metadata):
             text.append(resp.text_delta)
             reasoning.append(resp.reasoning_delta)
             out.token_ids.extend(resp.token_ids)
@@ -351,7 +371,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                        f"tokens or logprobs, or raise the limit")
             self._ended(("error", "RESOURCE_EXHAUSTED", message), {"request_id": out.stats.request_id},
                         out.stats.wall_s)
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
+            raise GenerationFailed(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
         return out
 
 
@@ -368,10 +388,10 @@ class _Call:
         self.served: dict = {}  # what the request holds (prompt tokens, replicas), for the log line of an abort
 
     def start(self, p: Prepared, incremental: bool) -> None:
-        self.p, self.asm, self.rid = p, p.assembler, p.request["request_id"]
+        self.p, self.asm, self.rid = p, p.assembler, p.request.request_id
         self.split = ReasoningSplitter(p.reasoning) if p.reasoning is not None else None
-        self.n_prompt = len(p.request["prompt_ids"])
-        p.request["final_only"] = not (incremental or self.asm.stop)
+        self.n_prompt = len(p.request.generation.prompt_ids)
+        p.request.final_only = not (incremental or self.asm.stop)
         self.served["prompt_tokens"] = self.n_prompt
 
     async def tokens(self, ev: dict) -> generation_pb2.GenerateStreamResponse | None:
@@ -401,12 +421,12 @@ class _Call:
                 self.trace.first_token()
         self.first = False
 
-    async def error(self, error: dict, context) -> None:
+    def error(self, error: dict) -> None:
         code = getattr(grpc.StatusCode, error["code"], grpc.StatusCode.INTERNAL)
         self.outcome = ("error", code.name, error["message"])
         if self.trace is not None:
             self.trace.error = f"{code.name}: {error['message']}"
-        await context.abort(code, error["message"])
+        raise GenerationFailed(code, error["message"])
 
     def done(self, ev: dict) -> generation_pb2.GenerateStreamResponse:
         """The final event → the last response: the text no round's event carried, finish_reason and stats."""
@@ -442,7 +462,7 @@ class _Call:
         if self.trace is not None:
             if self.asm.token_ids:
                 self.trace.first_token()  # a whole answer's first token reaches the client now
-            self.trace.end(self.p.request, stats, finish)
+            self.trace.end(self.trace.request, stats, finish)
         m = self.s.metrics
         if m:
             if self.first and self.asm.token_ids:  # a whole answer: its first token reaches the client now
@@ -454,12 +474,16 @@ class _Call:
             self.outcome = ("abort",) if isinstance(e, (GeneratorExit, asyncio.CancelledError)) else \
                 ("error",) + failure_status(e)
 
+    @property
+    def mode(self) -> str:
+        return self.p.request.generation.mode if self.p is not None else self.r.mode or self.s.default_mode
+
     def ended(self) -> None:
         """A request that did not generate to its end is counted and logged once (GenerationServicer._ended)."""
         if isinstance(self.outcome, tuple):
             sent = len(self.asm.token_ids) if self.asm is not None else 0
             self.s._ended(self.outcome, {**self.served, "request_id": self.rid,
-                                         "mode": self.r.mode or self.s.default_mode, "completion_tokens": sent},
+                                         "mode": self.mode, "completion_tokens": sent},
                           time.perf_counter() - self.t0)
 
 

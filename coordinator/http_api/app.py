@@ -85,7 +85,7 @@ class OpenAIFrontDoor:
         """A whole answer: (its text, token ids, logprobs (None unless asked), the last response: finish, stats;
         the reasoning)."""
         text, ids, last, reasoning = [], [], None, []
-        lps = generation_pb2.GeneratedLogprobs() if proto.HasField("logprobs") else None
+        lps = generation_pb2.GeneratedLogprobs() if proto.sampling.HasField("logprobs") else None
         async for resp in self.backend.events(proto, incremental=False, metadata=trace_metadata(request)):
             text.append(resp.text_delta)
             reasoning.append(resp.reasoning_delta)

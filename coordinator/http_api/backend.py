@@ -1,5 +1,6 @@
-"""The OpenAI door's errors and its backend: requests run on the coordinator's GenerationServicer in process,
-and failures become OpenAI-shaped errors (coordinator/http_api/app.py serves them)."""
+"""The OpenAI door's errors and its backend: each request is a GenerateRequest, run by the generation service's one
+method (`GenerationServicer.generate`, which the gRPC door calls too) in process; failures become OpenAI-shaped
+errors (coordinator/http_api/app.py serves them)."""
 from __future__ import annotations
 
 import json
@@ -9,6 +10,7 @@ import grpc
 from fastapi.responses import JSONResponse
 
 from coordinator.grpc_api.chat_prompt import chat_message, template_options
+from coordinator.grpc_api.service import GenerationFailed
 from coordinator.http_api import schema
 from coordinator.http_api.schema import template_fields
 from specdec.tokenizer import encode_prompt
@@ -60,28 +62,8 @@ def param_of(message: str) -> str | None:
     return schema.PARAM_NAMES.get(head) or schema.PARAM_NAMES.get(root, root) + dot + rest
 
 
-class _Aborted(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str):
-        super().__init__(message)
-        self.code, self.message = code, message
-
-
-class _Context:
-    """What GenerationServicer.respond needs of a gRPC context: `metadata`, the HTTP request's headers that a
-    gRPC call would carry as metadata (the trace context)."""
-
-    def __init__(self, metadata=()):
-        self.metadata = tuple(metadata)
-
-    async def abort(self, code: grpc.StatusCode, message: str):
-        raise _Aborted(code, message)
-
-    def invocation_metadata(self):
-        return self.metadata
-
-
 class ServicerBackend:
-    """Runs requests on the coordinator's GenerationServicer in this process; failures become ApiError."""
+    """Runs requests on the coordinator's generation service in this process; failures become ApiError."""
 
     def __init__(self, servicer):
         self.servicer = servicer
@@ -148,16 +130,15 @@ class ServicerBackend:
         return self.tok.decode([token_id]) if self.tok is not None else f"<{token_id}>"
 
     async def events(self, request, incremental: bool = True, metadata=()):
-        """`metadata`: (key, value) pairs a gRPC call would carry (the HTTP request's trace headers)."""
+        """The generation service's responses to `request`; `metadata`: (key, value) pairs a gRPC call would carry
+        (the HTTP request's trace headers)."""
         try:
-            async for resp in self.servicer.respond(request, _Context(metadata), incremental):
+            async for resp in self.servicer.generate(request, incremental, metadata):
                 yield resp
-        except _Aborted as e:
+        except GenerationFailed as e:
             raise ApiError.from_grpc(e.code, e.message) from None
         except Exception as e:  # noqa: BLE001 - the mapping point, as the gRPC interceptor's
             code, message = status_for(e)
             if code == grpc.StatusCode.INTERNAL:
                 log.exception("HTTP request failed")
             raise ApiError.from_grpc(code, message) from None
-
-

@@ -29,22 +29,38 @@ from coordinator.http_api.json_text import lone_surrogate_at
 from coordinator.http_api.structured import ToolChoice, response_format_pb, structured_output_pb, tool_choice
 from coordinator.grpc_api.tool_parsers import needs_special_tokens
 from specdec import field_rules
-from specdec_rpc.pb import generation_pb2
+from specdec.request import DraftStop, Overlap, mode_pair
+from specdec_rpc.pb import common_pb2, generation_pb2
 
 MAX_N = 16  # choices per request: each is its own generation (they batch on the target like separate requests)
 MAX_GENERATIONS = 64  # prompts × n per request (/v1/completions takes a list of prompts)
-# GenerateRequest's field names in the servicer's messages, as an OpenAI client knows them
-PARAM_NAMES = {"max_new_tokens": "max_tokens", "prompt_token_ids": "prompt", "structured_output": "structured_outputs"}
+_SAMPLING_SET = ("cache_salt", "allowed_token_ids")  # GenerateRequest.sampling's, sent where set
+_SPECULATION_SET = ("gamma", "block_size", "pacer_threshold", "pacer_skip_below", "pearl_first_block", "spec_off_batch",
+                    "pacer_post_threshold")  # GenerateRequest.speculation's, sent where set
+# GenerateRequest's field names in the servicer's messages, as an OpenAI client knows them: a body's sampling and
+# speculation fields are flat, and its mode, pearl_overlap and verify_method strings are speculation's enums
+PARAM_NAMES = {"max_new_tokens": "max_tokens", "prompt_token_ids": "prompt", "structured_output": "structured_outputs",
+               "speculation.draft_stop": "mode", "speculation.overlap": "pearl_overlap",
+               **{f"speculation.{n}": n for n in (*_SPECULATION_SET, "verify_method")},
+               **{f"sampling.{n}": n for n in ("temperature", "top_k", "top_p", "seed", "logprobs", "prompt_logprobs",
+                                               "presence_penalty", "frequency_penalty", "repetition_penalty",
+                                               "logit_bias", "min_p", "min_tokens", *_SAMPLING_SET)}}
+DRAFT_STOP_PB = {DraftStop.NONE: common_pb2.DRAFT_STOP_NONE, DraftStop.FIXED: common_pb2.DRAFT_STOP_FIXED,
+                 DraftStop.PREVERIFIER: common_pb2.DRAFT_STOP_PREVERIFIER}
+OVERLAP_PB = {Overlap.OFF: common_pb2.OVERLAP_OFF, Overlap.AUTO: common_pb2.OVERLAP_AUTO,
+              Overlap.ALWAYS: common_pb2.OVERLAP_ALWAYS}
+VERIFY_METHOD_PB = {"greedy": common_pb2.VERIFY_METHOD_GREEDY, "token": common_pb2.VERIFY_METHOD_TOKEN,
+                    "block": common_pb2.VERIFY_METHOD_BLOCK}
 
 
 INT32_MAX = 2**31 - 1  # GenerateRequest's integers are int32
 Int32 = Annotated[int, Field(ge=-2**31, le=INT32_MAX)]
-# GenerateRequest's fields sent as they are where set (None: unset), and those sent only where they differ from
-# their neutral value (unset means it); any other value is sent, for the servicer's table to judge
-_SENT_WHERE_SET = ("mode", "verify_method", "pearl_overlap", "cache_salt", "stop_token_ids", "allowed_token_ids",
-                   "bad_words", "gamma", "block_size", "pacer_threshold", "pacer_skip_below", "pearl_first_block",
-                   "spec_off_batch", "pacer_post_threshold", "truncate_prompt_tokens")
-_SENT_WHERE_NOT = {"top_p": 1.0, "repetition_penalty": 1.0, "skip_special_tokens": True}
+# GenerateRequest's own fields sent as they are where set (None: unset), and the fields (GenerateRequest's and its
+# sampling's) sent only where they differ from their neutral value (unset means it); any other value is sent, for
+# the servicer's table to judge
+_SENT_WHERE_SET = ("stop_token_ids", "bad_words", "truncate_prompt_tokens")
+_SENT_WHERE_NOT = {"skip_special_tokens": True}
+_SAMPLING_WHERE_NOT = {"top_p": 1.0, "repetition_penalty": 1.0}
 
 
 def ruled(default, name: str):
@@ -99,6 +115,26 @@ class SpecDecKnobs(_Request):
     cache_salt: str | None = ruled(None, "cache_salt")  # vLLM's: prefix caching only among the same salt
     priority: int = Field(0, ge=-2**31, lt=2**31)  # vLLM's: a full pool serves lower values first
     stop_token_ids: list[Int32] | None = ruled(None, "stop_token_ids")  # vLLM's: more tokens that end it as EOS does
+
+    @field_validator("mode", "verify_method", "pearl_overlap")
+    @classmethod
+    def _named(cls, v, info):
+        """The strings GenerateRequest.speculation carries as enums: the table's rule, with its message."""
+        field_rules.check([field_rules.RULE[info.field_name]], {info.field_name: v})
+        return v
+
+    def speculation(self) -> common_pb2.Speculation:
+        """The body's speculation settings as GenerateRequest.speculation (a mode string is the enum pair it
+        names; pearl_overlap without a mode overlaps the coordinator's default mode's drafting)."""
+        sp = common_pb2.Speculation(**{n: v for n in _SPECULATION_SET if (v := getattr(self, n)) is not None})
+        if self.mode is not None:
+            stop, overlap = mode_pair(self.mode, self.pearl_overlap or "auto")
+            sp.draft_stop, sp.overlap = DRAFT_STOP_PB[stop], OVERLAP_PB[overlap]
+        elif self.pearl_overlap is not None:
+            sp.overlap = OVERLAP_PB[Overlap(self.pearl_overlap)]
+        if self.verify_method is not None:
+            sp.verify_method = VERIFY_METHOD_PB[self.verify_method]
+        return sp
 
 
 class _Sampling(SpecDecKnobs):
@@ -160,14 +196,20 @@ class _Sampling(SpecDecKnobs):
         self._structured = fmt if fmt is not None else self._structured
         return self
 
-    def generate_request(self, max_tokens: int | None) -> generation_pb2.GenerateRequest:
-        r = generation_pb2.GenerateRequest(
+    def sampling(self) -> common_pb2.SamplingParams:
+        """The body's sampling settings as GenerateRequest.sampling (logprobs: the route's own, set by to_proto)."""
+        return common_pb2.SamplingParams(
             temperature=self.temperature, top_k=0 if self.top_k == -1 else self.top_k,
-            seed=secrets.randbits(63) if self.seed is None else self.seed, stop=self.stop,
-            ignore_eos=self.ignore_eos, priority=self.priority, presence_penalty=self.presence_penalty,
+            seed=secrets.randbits(63) if self.seed is None else self.seed, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, min_p=self.min_p, min_tokens=self.min_tokens,
             logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
-            include_stop_str_in_output=self.include_stop_str_in_output,
+            **{name: value for name in _SAMPLING_SET if (value := getattr(self, name)) is not None},
+            **{name: value for name, neutral in _SAMPLING_WHERE_NOT.items() if (value := getattr(self, name)) != neutral})
+
+    def generate_request(self, max_tokens: int | None) -> generation_pb2.GenerateRequest:
+        r = generation_pb2.GenerateRequest(
+            sampling=self.sampling(), speculation=self.speculation(), stop=self.stop, ignore_eos=self.ignore_eos,
+            priority=self.priority, include_stop_str_in_output=self.include_stop_str_in_output,
             **{name: value for name in _SENT_WHERE_SET if (value := getattr(self, name)) is not None},
             **{name: value for name, neutral in _SENT_WHERE_NOT.items() if (value := getattr(self, name)) != neutral})
         if max_tokens is not None:
@@ -189,7 +231,7 @@ class _Sampling(SpecDecKnobs):
             for i in range(1, self.n):
                 r = generation_pb2.GenerateRequest()
                 r.CopyFrom(first)
-                r.seed = (first.seed + i) % 2**64 if self.seed is not None else secrets.randbits(63)
+                r.sampling.seed = (first.sampling.seed + i) % 2**64 if self.seed is not None else secrets.randbits(63)
                 out.append(r)
         return out
 
@@ -288,7 +330,7 @@ class ChatCompletionRequest(_Sampling):
                                   self.max_completion_tokens)
         r.max_new_tokens_to_context = not r.HasField("max_new_tokens")  # OpenAI's and vLLM's default: the rest
         if self.logprobs:
-            r.logprobs = self.top_logprobs or 0
+            r.sampling.logprobs = self.top_logprobs or 0
         for m in self.messages:
             m.add_to(r.messages)
         if self.tools and self.tool_choice != "none":  # the chat template shows them to the model
@@ -349,9 +391,9 @@ class CompletionRequest(_Sampling):
         # max_tokens 0 (echo): one token is generated and dropped (a request generates at least one)
         r = self.generate_request(self.max_tokens or (1 if self.max_tokens == 0 else None))
         if self.logprobs is not None:
-            r.logprobs = self.logprobs
+            r.sampling.logprobs = self.logprobs
             if self.echo:
-                r.prompt_logprobs = self.logprobs
+                r.sampling.prompt_logprobs = self.logprobs
         if isinstance(prompt, str):
             r.prompt, r.raw_prompt = prompt, True  # a completion continues the text as is: no chat template
         else:

@@ -1,0 +1,173 @@
+"""A GenerateRequest's sampling and speculation settings, read once, into the core's types.
+
+A request sends each setting in `sampling` (SamplingParams) and `speculation` (Speculation: the mode as a pair of
+enums), or in the deprecated flat field of the same name (`mode`, `verify_method` and `pearl_overlap` as strings),
+which still work. `read_settings` gives the one value of each, by the name specdec/field_rules.py's table knows it,
+with the name the request sent it by (`sampling.temperature`, or `temperature`) for the table's message; a request
+that sends a setting both ways with different values is refused, naming both fields. `sampling_params` and
+`speculation` then build the core's typed values (specdec.sampling.SamplingParams, specdec.request.Speculation) with
+the coordinator's defaults. Pure: no grpc.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from specdec.errors import InvalidRequestError
+from specdec.field_rules import proto_values
+from specdec.request import MODE_PAIRS, PEARL_OVERLAP, DraftStop, Overlap, Speculation, mode_name, mode_pair
+from specdec.sampling import SamplingParams
+from specdec_rpc.pb import common_pb2
+
+# SamplingParams' fields a request sets (the deprecated flat fields of GenerateRequest have the same names)
+SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "seed", "logprobs", "prompt_logprobs", "cache_salt",
+                   "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_p", "min_tokens",
+                   "allowed_token_ids")
+# SamplingParams' fields the coordinator fills for the replicas, from the request's other fields
+DERIVED_SAMPLING = {"grammar": "structured_output", "stop_ids": "stop_token_ids", "bad_words": "bad_words"}
+SPECULATION_FIELDS = ("gamma", "block_size", "pacer_threshold", "pacer_skip_below", "pacer_post_threshold",
+                      "pearl_first_block", "spec_off_batch")
+DRAFT_STOP = {common_pb2.DRAFT_STOP_NONE: DraftStop.NONE, common_pb2.DRAFT_STOP_FIXED: DraftStop.FIXED,
+              common_pb2.DRAFT_STOP_PREVERIFIER: DraftStop.PREVERIFIER}
+OVERLAP = {common_pb2.OVERLAP_OFF: Overlap.OFF, common_pb2.OVERLAP_AUTO: Overlap.AUTO,
+           common_pb2.OVERLAP_ALWAYS: Overlap.ALWAYS}
+VERIFY_METHOD = {common_pb2.VERIFY_METHOD_GREEDY: "greedy", common_pb2.VERIFY_METHOD_TOKEN: "token",
+                 common_pb2.VERIFY_METHOD_BLOCK: "block"}
+_DEFAULTS = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": 0, "logprobs": -1, "prompt_logprobs": -1,
+             "cache_salt": "", "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
+             "min_p": 0.0, "min_tokens": 0}
+
+
+@dataclass
+class Settings:
+    """The request's settings by the field rules' names (only those it sets), and the name it sent each by where
+    that is not the rule's own (`sampling.temperature`, `speculation.draft_stop`)."""
+    values: dict = field(default_factory=dict)
+    names: dict = field(default_factory=dict)
+    stop: DraftStop | None = None  # speculation.draft_stop (None: unset)
+    overlap: Overlap | None = None  # speculation.overlap (None: unset)
+
+    def take(self, name: str, value, sent_as: str | None = None) -> None:
+        self.values[name] = value
+        if sent_as is not None:
+            self.names[name] = sent_as
+
+    def get(self, name: str, default=None):
+        return self.values.get(name, default)
+
+    def pair(self, default_mode: str) -> tuple[DraftStop, Overlap] | None:
+        """The mode's (draft stop, overlap) pair: each half as sent, else the deprecated mode's, else
+        `default_mode`'s (a request that drafts nothing overlaps nothing). None: a mode string the table refuses."""
+        mode, setting = self.values.get("mode") or default_mode, self.values.get("pearl_overlap") or "auto"
+        if mode not in MODE_PAIRS:
+            return None
+        stop, overlap = mode_pair(mode, setting if setting in PEARL_OVERLAP else "auto")
+        stop = self.stop or stop
+        overlap = self.overlap or (Overlap.OFF if stop is DraftStop.NONE else overlap)
+        if stop is DraftStop.NONE and overlap is not Overlap.OFF:
+            raise InvalidRequestError("speculation.overlap", "a request that drafts nothing (ar) has no draft to "
+                                                             "overlap; leave overlap unset or set draft_stop")
+        return stop, overlap
+
+    def mode(self, default_mode: str) -> str | None:
+        pair = self.pair(default_mode)
+        return mode_name(*pair) if pair is not None else None
+
+
+def _plain(v):
+    """A field's value as a comparable Python value (maps and repeated fields as dicts and lists)."""
+    if v is None or isinstance(v, (int, float, str, bool)):
+        return v
+    return dict(v) if hasattr(v, "items") else list(v)
+
+
+def _show(v) -> str:
+    return f"{v:.6g}" if isinstance(v, float) else repr(v) if isinstance(v, str) else str(v)
+
+
+def _conflict(nested: str, flat: str, new, old) -> InvalidRequestError:
+    return InvalidRequestError(nested, f"{_show(new)} differs from {flat} = {_show(old)}, the deprecated field of the "
+                                       f"same setting; send only {nested}")
+
+
+def _pairs(r, part: str, names: tuple[str, ...], out: Settings) -> None:
+    """Each setting of `names` from `r.<part>` (the typed form) or from the flat field (deprecated)."""
+    flat, nested = proto_values(r), proto_values(getattr(r, part))
+    for name in names:
+        old, new = _plain(flat.get(name)), _plain(nested.get(name))
+        if old is not None and new is not None and old != new and not (old != old and new != new):  # NaN: the table's
+            raise _conflict(f"{part}.{name}", name, new, old)
+        if new is not None:
+            out.take(name, new, f"{part}.{name}")
+        elif old is not None:
+            out.take(name, old)
+
+
+def _enum(table: dict, value: int, name: str, unset):
+    if value == 0:
+        return unset
+    if value not in table:
+        choices = ", ".join(f"{k} ({v.name if hasattr(v, 'name') else v})" for k, v in table.items())
+        raise InvalidRequestError(name, f"unknown value {value}; use one of {choices}")
+    return table[value]
+
+
+def _mode(r, out: Settings) -> None:
+    """The mode's halves as sent: speculation's draft_stop and overlap, and the deprecated strings mode and
+    pearl_overlap (left to the table's rules, which name the strings they know). A half sent both ways must agree."""
+    sp = r.speculation
+    out.stop = _enum(DRAFT_STOP, sp.draft_stop, "speculation.draft_stop", None)
+    out.overlap = _enum(OVERLAP, sp.overlap, "speculation.overlap", None)
+    for name in ("mode", "pearl_overlap"):
+        if getattr(r, name):
+            out.take(name, getattr(r, name))
+    if r.mode in MODE_PAIRS:
+        stop, overlapped = MODE_PAIRS[r.mode]
+        if out.stop not in (None, stop):
+            raise _conflict("speculation.draft_stop", "mode", out.stop.name, r.mode)
+        if out.overlap is not None and (out.overlap is not Overlap.OFF) != overlapped:
+            raise _conflict("speculation.overlap", "mode", out.overlap.name, r.mode)
+    if r.pearl_overlap and out.overlap not in (None, Overlap.OFF) and out.overlap.value != r.pearl_overlap:
+        raise _conflict("speculation.overlap", "pearl_overlap", out.overlap.name, r.pearl_overlap)
+
+
+def _verify_method(r, out: Settings) -> None:
+    method = _enum(VERIFY_METHOD, r.speculation.verify_method, "speculation.verify_method", None)
+    if method is None:
+        if r.verify_method:
+            out.take("verify_method", r.verify_method)
+        return
+    if r.verify_method and r.verify_method != method:
+        raise _conflict("speculation.verify_method", "verify_method", method, r.verify_method)
+    out.take("verify_method", method, "speculation.verify_method")
+
+
+def read_settings(r) -> Settings:
+    """The request's sampling and speculation settings, one value each (see the module's docstring)."""
+    for name, instead in DERIVED_SAMPLING.items():
+        if name in proto_values(r.sampling):
+            raise InvalidRequestError(f"sampling.{name}", f"the coordinator fills it from the request's {instead}; "
+                                                          f"leave it unset")
+    out = Settings()
+    _pairs(r, "sampling", SAMPLING_FIELDS, out)
+    _pairs(r, "speculation", SPECULATION_FIELDS, out)
+    _mode(r, out)
+    _verify_method(r, out)
+    return out
+
+
+def sampling_params(s: Settings, grammar: str, eos_token_ids: list[int], bad_words: list[list[int]]) -> SamplingParams:
+    """The core's SamplingParams: the request's settings (unset: their defaults) and what the coordinator derived
+    (the grammar, the stop ids min_tokens holds back, bad words as token sequences)."""
+    kw = {name: s.get(name, default) for name, default in _DEFAULTS.items()}
+    return SamplingParams(**kw, logit_bias=tuple(sorted((int(k), float(v)) for k, v in s.get("logit_bias", {}).items())),
+                          grammar=grammar, stop_ids=tuple(eos_token_ids) if kw["min_tokens"] else (),
+                          allowed_token_ids=tuple(sorted(set(s.get("allowed_token_ids", ())))),
+                          bad_words=tuple(tuple(w) for w in bad_words))
+
+
+def speculation(s: Settings, defaults: dict) -> Speculation:
+    """The core's Speculation: the request's settings, else `defaults` (the coordinator's: mode, verify_method,
+    gamma, pacer_threshold, spec_off_batch, pacer_post_threshold; None: the mode's or the replica's own)."""
+    stop, overlap = s.pair(defaults["mode"])
+    kw = {name: s.get(name, defaults.get(name)) for name in SPECULATION_FIELDS}
+    return Speculation(stop, overlap, verify_method=s.get("verify_method") or defaults["verify_method"], **kw)
