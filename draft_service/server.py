@@ -66,7 +66,8 @@ async def build_app(settings: DraftSettings, model=None, preverifier=None, warmu
                    if settings.tls.ca_file else None)
     ssl_context = (client_ssl_context(settings.tls.ca_file, settings.tls.cert_file, settings.tls.key_file)
                    if settings.tls.ca_file else None)
-    servicer.peers = PeerChannels(parse_routes(settings.target_routes), credentials, settings.peer_frames, ssl_context)
+    servicer.peers = PeerChannels(parse_routes(settings.target_routes), credentials, settings.peer_frames, ssl_context,
+                                  settings.frame_spin_us / 1e6)
 
     async def _close():
         await batcher.close()

@@ -331,10 +331,10 @@ class PeerChannels:
     relay between the pools, which carries gRPC) gets no frames."""
 
     def __init__(self, routes: dict[str, str], credentials: grpc.ChannelCredentials | None = None,
-                 frames: bool = True, ssl_context=None):
+                 frames: bool = True, ssl_context=None, spin_s: float = 0.0):
         self.routes, self.credentials = routes, credentials
         self.frames = frames
-        self.frame_ports = FramePorts(ssl_context)
+        self.frame_ports = FramePorts(ssl_context, spin_s)
         self._ch: dict[tuple[str, str], grpc.aio.Channel] = {}
         self.links: dict[str, LinkEstimate] = {}  # target endpoint -> what was measured of it
 

@@ -399,7 +399,7 @@ def phase_stack(dev: torch.device, args, deadline: float) -> dict:
     device, per data path; the best path's overhead per round is the goal."""
     from specdec_bench.round_trip import run_round_trip
 
-    paths = ("streams", "frames", "direct")
+    paths = ("streams", "frames", "direct", "direct-spin")  # a GPU host's spare cores are what spinning needs
     rows = asyncio.run(run_round_trip(paths, device=str(dev), repeats=3 if args.dry_run else 8, max_new_tokens=64,
                                       ray=False, log=lambda m: print(f"  stack: {m}", flush=True),
                                       deadline=deadline))

@@ -12,8 +12,9 @@ models, loaded from the same directory by the same loader (so the same kernels a
   a coordinator in this process (on Ray unless `--no-ray`), one configuration per data path: `unary` (the
   coordinator's rounds as unary Draft/Verify calls), `streams` (as messages on one open gRPC stream per replica),
   `frames` (as messages on the replicas' frame ports, specdec_rpc/frames.py), `direct-streams` and `direct` (the
-  draft replica runs the rounds and verifies on the target replica, on its gRPC stream or its frame port), and
-  `default` (the settings a stack gets when none are given).
+  draft replica runs the rounds and verifies on the target replica, on its gRPC stream or its frame port),
+  `direct-spin` (`direct` with the replicas' frame connections waiting awake up to 2 ms for their next message,
+  `frame_spin_us`), and `default` (the settings a stack gets when none are given).
 
 Both sides run the same drafting (prompt lookup on or off in both, `--prompt-lookup-min-ngram`), the same requests
 (greedy, `--mode` at `--gamma`, distinct token-id prompts, `--max-new-tokens`), interleaved in-process / stack per
@@ -39,13 +40,15 @@ from pathlib import Path
 
 import torch
 
-PATHS = {  # path -> (coordinator settings, draft replica settings) that select it
-    "unary": ({"data_plane": "coordinator", "replica_streams": False, "replica_frames": False}, {}),
-    "streams": ({"data_plane": "coordinator", "replica_streams": True, "replica_frames": False}, {}),
-    "frames": ({"data_plane": "coordinator", "replica_streams": True, "replica_frames": True}, {}),
-    "direct-streams": ({"data_plane": "direct"}, {"peer_frames": False}),
-    "direct": ({"data_plane": "direct"}, {"peer_frames": True}),
-    "default": ({}, {}),  # what a stack started with no settings does
+SPIN = {"frame_spin_us": 2000}  # the replicas' frame connections wait awake for up to 2 ms (specdec_rpc/frames.py)
+PATHS = {  # path -> (coordinator settings, draft replica settings, target replica settings) that select it
+    "unary": ({"data_plane": "coordinator", "replica_streams": False, "replica_frames": False}, {}, {}),
+    "streams": ({"data_plane": "coordinator", "replica_streams": True, "replica_frames": False}, {}, {}),
+    "frames": ({"data_plane": "coordinator", "replica_streams": True, "replica_frames": True}, {}, {}),
+    "direct-streams": ({"data_plane": "direct"}, {"peer_frames": False}, {}),
+    "direct": ({"data_plane": "direct"}, {"peer_frames": True}, {}),
+    "direct-spin": ({"data_plane": "direct"}, {"peer_frames": True, **SPIN}, SPIN),
+    "default": ({}, {}, {}),  # what a stack started with no settings does
 }
 
 
@@ -126,10 +129,10 @@ async def _measure_path(path: str, engine, dirs: tuple[Path, Path], opts: dict, 
 
     device, lookup = opts["device"], opts["prompt_lookup_min_ngram"]
     replica = {"device": device} if device != "cpu" else {}
-    coordinator, draft = PATHS[path]
+    coordinator, draft, target = PATHS[path]
     stack = LocalStack(str(dirs[0]), str(dirs[1]), use_ray=opts["ray"], max_context=1024, prefix_cache=False,
                        prompt_lookup_min_ngram=lookup, coordinator_options=coordinator,
-                       draft_options={**replica, **draft}, target_options=dict(replica))
+                       draft_options={**replica, **draft}, target_options={**replica, **target})
     local, remote, over, wake, wake_local, rounds = [], [], [], [], [], 0
     cpu_local, cpu_stack = [], []
     parts: dict[str, list[float]] = {"draft_busy": [], "target_busy": [], "network": [], "local_draft_busy": [],

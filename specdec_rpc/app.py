@@ -138,7 +138,7 @@ class ServerApp:
     async def _start_frames(self, s) -> None:
         methods = {name: (self.errors.wrap_unary(handler, name, deserializer), wrap)
                    for name, (handler, deserializer, wrap) in self._frame_methods.items()}
-        self.frames = FrameServer(methods, server_ssl_context(s.tls))
+        self.frames = FrameServer(methods, server_ssl_context(s.tls), s.frame_spin_us / 1e6)
         try:
             self.data_port = await self.frames.start(s.host, s.data_port)
         except OSError as e:

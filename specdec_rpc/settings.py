@@ -101,6 +101,11 @@ class ServerSettings(ProcessSettings):
                            "plain socket (TLS where gRPC is), the data plane's fastest wire, advertised by GetInfo "
                            "(specdec_rpc/frames.py). 0 picks a free port, -1 serves none (callers then use gRPC "
                            "streams)")
+    frame_spin_us: int = Field(0, ge=0, le=100_000, description="how long a frame-port connection waits awake for "
+                               "its next message before it sleeps in the event loop, in microseconds, where nothing "
+                               "else waits for the loop (specdec_rpc/frames.py): a sleeping process is woken by the "
+                               "kernel, which on a VM can cost more than the wait. It spends a core while it waits, "
+                               "so it pays where cores are spare (a GPU host) and costs where they are not; 0: off")
     prefix_cache: bool = Field(True, description="a new session reuses the K/V of the longest run of whole prefill "
                                "chunks of its prompt that a slot holds (a live session's, or an ended one's until its "
                                "slot is reused); bitwise the same K/V as a prefill")

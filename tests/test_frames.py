@@ -216,3 +216,61 @@ async def test_auto_data_plane_runs_sequential_modes_direct_and_pearl_modes_thro
     finally:
         for a in (app, t, d):
             await a.shutdown(0)
+
+
+async def test_a_spinning_wait_takes_the_answer_as_it_lands_and_never_outlasts_its_bound():
+    """`frame_spin_us`: a read polls the socket awake for at most the bound, returns as soon as bytes are there,
+    and does not spin at all where the loop has other callbacks ready."""
+    import time
+
+    from specdec_rpc.frames import _spin
+
+    got = asyncio.Event()
+
+    async def serve(reader, writer):
+        await reader.readexactly(1)
+        await asyncio.sleep(0.05)
+        writer.write(b"y")
+        await writer.drain()
+        got.set()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        await asyncio.sleep(0.01)  # the server's accept runs first: nothing else is ready below
+        t0 = time.perf_counter()
+        _spin(reader, writer, 0.02)  # nothing comes within the bound (the server answers after 50 ms)
+        assert 0.015 < time.perf_counter() - t0 < 0.2
+        writer.write(b"x")
+        await writer.drain()
+        await got.wait()
+        t0 = time.perf_counter()
+        _spin(reader, writer, 5.0)  # the answer is in the socket: back at once
+        assert time.perf_counter() - t0 < 0.5
+        assert await reader.readexactly(1) == b"y"
+        asyncio.get_running_loop().call_soon(lambda: None)  # something else is ready: no spin
+        t0 = time.perf_counter()
+        _spin(reader, writer, 5.0)
+        assert time.perf_counter() - t0 < 0.5
+    finally:
+        writer.close()
+        server.close()
+
+
+async def test_direct_rounds_with_spinning_frame_waits_give_the_target_alone():
+    from tests.helpers_models import start_coordinator, target_greedy
+    from specdec_rpc.pb import generation_pb2 as g, generation_pb2_grpc as gg
+
+    target, draft = tiny_pair()
+    t = await start_replica("target", target, frame_spin_us=300)
+    d = await start_replica("draft", draft, frame_spin_us=300)
+    app = await start_coordinator(t.endpoint, d.endpoint, data_plane="direct")
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{app.port}") as ch:
+            out = await gg.GenerationServiceStub(ch).Generate(g.GenerateRequest(
+                prompt_token_ids=PROMPT, max_new_tokens=20, mode="sd", ignore_eos=True))
+        assert list(out.token_ids) == target_greedy(target, PROMPT, 20) and out.stats.peer_network_s > 0
+    finally:
+        for a in (app, t, d):
+            await a.shutdown(0)

@@ -39,10 +39,11 @@ def test_every_path_gives_the_engines_tokens_and_a_complete_row():
         assert all(math.isfinite(v) for k, v in r.items() if k.endswith("_per_round"))
         assert r["stack_ms_per_round"] > 0 and r["wakeups_per_round"] > 0
         assert r["draft_busy_ms_per_round"] > 0 and r["target_busy_ms_per_round"] > 0
+    assert sum(r["stack_cpu_ms_per_round"] for r in rows) > 0  # the processes' CPU time (kernel clock ticks)
     # the direct plane's round makes one call (draft replica -> target), the coordinator's two
     by = {r["path"]: r for r in rows}
     assert by["direct"]["wakeups_per_round"] < by["unary"]["wakeups_per_round"]
     assert "| direct |" in markdown(rows, {})
     with pytest.raises(ValueError, match="unknown data path"):
         asyncio.run(run_round_trip(("carrier-pigeon",)))
-    assert set(PATHS) >= {"unary", "streams", "frames", "direct", "default"}
+    assert set(PATHS) >= {"unary", "streams", "frames", "direct", "direct-spin", "default"}
