@@ -14,7 +14,7 @@ PROTO_STAMP := specdec_rpc/pb/.generated
 PROMPT ?= Explain how a hash map works, with an example in Python.
 
 .PHONY: install install-runtime proto lock lint-imports test test-fast demo serve bench bench-quick distill-draft \
-	distill-draft-gpu train-preverifier clean
+	distill-draft-gpu distill-feature-draft-gpu train-preverifier clean
 
 install: $(STAMP) $(PROTO_STAMP)
 
@@ -85,6 +85,11 @@ distill-draft: install
 GPU_PYTHON ?= $(if $(wildcard $(PY)),$(PY),python3)
 distill-draft-gpu:
 	PYTHONUNBUFFERED=1 PYTHONPATH=. $(GPU_PYTHON) -m specdec_train.distill.gpu_run $(if $(DRY_RUN),--dry-run) \
+		$(if $(OUT),--out "$(OUT)") $(GPU_ARGS)
+
+# the same for a one-layer feature draft (docs/design/feature_draft.md, "The prepared GPU run")
+distill-feature-draft-gpu:
+	PYTHONUNBUFFERED=1 PYTHONPATH=. $(GPU_PYTHON) -m specdec_train.distill.gpu_feature_run $(if $(DRY_RUN),--dry-run) \
 		$(if $(OUT),--out "$(OUT)") $(GPU_ARGS)
 
 # the pre-verifier is trained on fresh target text whose prompts the draft never saw: name the draft's training data

@@ -5,6 +5,10 @@ single-token forward (head included) after `--context` cached positions, 1 threa
     python experiments/decode_cost.py --dtypes auto --draft-quants none int8 --repeats 15   # int8 draft weights
     python experiments/decode_cost.py --dtypes auto --draft default-draft DRAFT_DIR --repeats 15  # several drafts
 
+A feature draft (`specdec_feature_size` in its config, docs/design/feature_draft.md) is timed as it drafts inside a
+block: each step's input feature is a zero row, sent as the wire sends features (bf16); its `fc` runs as for any
+feature, so the cost is the same as with the target's features.
+
 A draft with a compact vocabulary head is timed twice: returning its head's logits (what greedy drafting runs) and
 the full-vocabulary row (what sampled drafting runs).
 
@@ -23,6 +27,25 @@ from specdec_train.distill.bench import served_per_token_s
 from specdec.dtypes import resolve_dtype
 from specdec.model import load_model
 from specdec.quant import weight_quant
+
+
+class FeatureFed:
+    """A feature draft whose forwards get a zero feature row per input token unless given features."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+    def __call__(self, tokens, *args, **kw):
+        if kw.get("features") is None:
+            kw["features"] = torch.zeros(*tokens.shape, self.model.config.feature_size, dtype=torch.bfloat16)
+        return self.model(tokens, *args, **kw)
+
+
+def served(model):
+    return FeatureFed(model) if getattr(model.config, "feature_size", 0) else model
 
 
 def main(argv=None) -> None:
@@ -46,7 +69,7 @@ def main(argv=None) -> None:
                 ddt = resolve_dtype(dt, "cpu", "draft")
                 if qu == "int8" and ddt != torch.bfloat16:
                     continue  # int8 weights need bf16 activations (specdec.quant)
-                models[("draft", name, dt, qu)] = load_model(name, dtype=ddt, role="draft", quant=qu)
+                models[("draft", name, dt, qu)] = served(load_model(name, dtype=ddt, role="draft", quant=qu))
     runs = [(k, False) for k in models] + [(k, True) for k, m in models.items()
                                            if getattr(m, "vocab_subset", None) is not None]
     times = {r: [] for r in runs}
@@ -62,6 +85,8 @@ def main(argv=None) -> None:
         if role != "draft":
             continue
         d = statistics.median(times[(k, compact)]) * 1e3
+        if getattr(models[k].config, "feature_size", 0):
+            name = f"{name} (feature draft, {models[k].config.num_hidden_layers} layer)"
         t = statistics.median(times[(("target", "", dt, "none"), False)]) * 1e3
         shown = f"{dt} ({str(models[('target', '', dt, 'none')].dtype).removeprefix('torch.')})"
         logits = "compact head (greedy drafting)" if compact else "full row"
