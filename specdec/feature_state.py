@@ -1,4 +1,6 @@
-"""A feature draft's (EAGLE-style) per-position inputs: the target's features where known, zeros else. Torch only."""
+"""A feature draft's (EAGLE-style) per-position inputs: the target's features where known, zeros else. One per
+session (`DraftSession.feats`), kept by the draft worker's `FeatureInputs` (specdec/workers/proposers/features.py).
+Torch only."""
 from __future__ import annotations
 
 import torch

@@ -11,7 +11,7 @@ masks its own rows the same way only to be accepted more often: with draft == ta
 
 Forced tokens: where the grammar admits one continuation only (a JSON key, `": "`), `GrammarState.forced` gives
 its tokens, and the draft proposes them without a forward, with q one-hot, as it does prompt lookup's tokens
-(specdec/workers/draft.py).
+(specdec/workers/proposers/forced.py).
 """
 from __future__ import annotations
 

@@ -152,7 +152,7 @@ class SessionHost:
             self.table.touch(sid)  # a long prefill is use: LRU eviction must not pick this session meanwhile
             ns += await self.runner.run(chunk, s, start, end)
         # this call's session, not the id's: a later StartSession of the same id may have replaced it meanwhile
-        return len(s.tokens) + len(s.pending), ns, None, s.cached_tokens
+        return s.length(), ns, None, s.cached_tokens
 
     def begin_drain(self) -> None:
         """The server drains: new sessions are refused and per-round streams end; open sessions go on (`idle`)."""

@@ -16,6 +16,7 @@ from specdec.grammar import GrammarVocab, StructuredOutput
 from specdec.preverifier import build_random_preverifier
 from specdec.request import MODES, GenerationRequest
 from specdec.sampling import SamplingParams, logits_to_probs
+from specdec.workers.proposers import ForcedTokens, LookupTokens
 from specdec.workers.target import TargetWorker
 from tests.helpers_models import TOKENIZER_CHARS, build_tiny_model, tiny_tokenizer
 from tests.table_lm import TableLM
@@ -247,7 +248,7 @@ def test_the_draft_proposes_forced_tokens_without_a_forward(tiny):
         eng = engine(target, draft, vocab)
         dw, forwards = eng.draft_worker, []
         if not forced:  # the grammar's forced tokens are drafted from the model's logits, as any other
-            dw._forced_token = lambda s, context: None
+            dw.proposers = [p for p in dw.proposers if not isinstance(p, ForcedTokens)]
         feed = dw._feed_many
         dw._feed_many = lambda *a, **kw: forwards.append(1) or feed(*a, **kw)
         res = eng.generate(GenerationRequest(PROMPT, 30, mode="sd", gamma=4, eos_token_ids=(EOS,),
@@ -305,8 +306,9 @@ def test_prompt_lookup_proposes_only_what_the_grammar_allows(tiny):
             return self.inner.propose(ctx)
 
     eng = engine(target, draft, vocab)
-    eng.draft_worker.lookup = rec = Recording(PromptLookup(min_ngram=1))
-    eng.draft_worker._forced_token = lambda s, context: None  # every token from lookup or the model
+    rec = Recording(PromptLookup(min_ngram=1))
+    eng.draft_worker.proposers = [LookupTokens(rec)]  # every token from lookup or the model (no forced tokens)
+    eng.draft_worker.certain_accept_prob = rec.accept_prob
     proposed, propose = rec.calls, rec.inner.propose
     res = eng.generate(GenerationRequest(PROMPT, 40, mode="sd", gamma=4, eos_token_ids=(EOS,),
                                          params=SamplingParams(grammar=grammar)))

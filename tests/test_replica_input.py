@@ -132,7 +132,7 @@ async def test_two_starts_of_one_id_at_once_leave_the_later_one():
             winner = p1 if held.tokens[0] == p1[0] else p2
             won = r1 if winner is p1 else r2
             assert not isinstance(won, grpc.StatusCode) and won.position == len(winner) - 1, (r1, r2)
-            assert len(held.tokens) + len(held.pending) == len(winner) - 1
+            assert held.length() == len(winner) - 1
             await stub.EndSession(tp.TargetServiceEndSessionRequest(session_id=sid))
         assert not app.host.prefilling and not app.host._starts and not app.host.worker.sessions
     finally:

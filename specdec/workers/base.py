@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -14,8 +15,11 @@ from specdec.errors import ContextOverflowError, InvalidRequestError, SessionNot
 from specdec.grammar import GrammarState, GrammarVocab
 from specdec.model import CausalLM, context_limit
 from specdec.prefix_cache import SlotPrefixes
-from specdec.sampling import SamplingParams
+from specdec.sampling import SamplingParams, TokenLogprobs
 from specdec.sessions import SessionTable
+
+if TYPE_CHECKING:
+    from specdec.feature_state import FeatureState
 
 PAD_SLACK = 64  # extra KV positions per slot for padded rows of batched forwards
 PREFILL_CHUNK = 128  # positions per prefill forward, aligned to absolute positions (specdec/prefix_cache.py)
@@ -49,25 +53,71 @@ def kv_bytes_per_session(model: CausalLM, max_context: int) -> int:
 
 @dataclass
 class Session:
+    """What both workers keep of a session; its draft-only and target-only state: `DraftSession`, `TargetSession`."""
     slot: int
     params: SamplingParams
     tokens: list[int] = field(default_factory=list)  # tokens whose KV is in the cache, in order
-    last_row: torch.Tensor | None = None  # logits predicting position len(tokens) (target only)
     epoch: int = 0  # bumped by cancel(); a draft loop stops when it changes
-    want_features: bool = False  # target: return features with each result (a feature draft reads them)
-    feats: object | None = None  # draft: a feature draft's per-position inputs (specdec.feature_state.FeatureState)
-    # draft: tokens known to follow `tokens` but not fed yet (looked-up tokens drafted without a forward,
-    # workers/draft.py); the session holds them as it holds `tokens`, and the next forward feeds them
-    pending: list[int] = field(default_factory=list)
-    # target: the committed tokens after `tokens` not fed yet (the pending token): `tokens + unfed` is the session's
-    # committed sequence, which a chained verify is reconciled with (workers/target.py)
-    unfed: list[int] = field(default_factory=list)
-    prompt_logprobs: object | None = None  # target: the prefill's TokenLogprobs (params.prompt_logprobs), until read
     cached_tokens: int = 0  # prompt positions whose K/V came from the prefix cache instead of the prefill
     chunked: int = 0  # positions [0, chunked) hold K/V from whole aligned prefill chunks: reusable by others
     sid: str = ""
     output_start: int = 0  # position of the first output token: the prompt's length (penalties count the output)
     grammar: GrammarState | None = None  # structured output: the matcher of params.grammar (specdec/grammar.py)
+
+    @classmethod
+    def opened(cls, prompt_ids: list[int], **common) -> Session:
+        """A session of `prompt_ids` as `Worker.open_session` opens it (`common`: the fields above)."""
+        return cls(**common)
+
+    def length(self) -> int:
+        """Positions the session holds: fed, or known and fed by its next forward (`DraftSession.pending`)."""
+        return len(self.tokens)
+
+    def cut(self, base: int) -> None:
+        """Forget the positions from `base` on (0 <= base <= length(), checked by `Worker._truncate`)."""
+        if base < len(self.tokens):
+            del self.tokens[base:]
+            self.chunked = min(self.chunked, base)  # fed again there by decode steps, not prefill chunks
+
+
+@dataclass
+class DraftSession(Session):
+    """A draft worker's session (workers/draft.py)."""
+    feats: FeatureState | None = None  # a feature draft's per-position inputs (proposers/features.py)
+    # tokens known to follow `tokens` but not fed yet (looked-up tokens drafted without a forward); the session
+    # holds them as it holds `tokens`, and the next forward feeds them
+    pending: list[int] = field(default_factory=list)
+
+    def length(self) -> int:
+        return len(self.tokens) + len(self.pending)
+
+    def cut(self, base: int) -> None:
+        n = len(self.tokens)
+        if base > n:  # inside the known, unfed tokens: keep those before base
+            del self.pending[base - n:]
+            return
+        self.pending.clear()
+        super().cut(base)
+
+
+@dataclass
+class TargetSession(Session):
+    """A target worker's session (workers/target.py)."""
+    last_row: torch.Tensor | None = None  # logits predicting position len(tokens)
+    want_features: bool = False  # return features with each result (a feature draft reads them)
+    # the committed tokens after `tokens` not fed yet (the pending token): `tokens + unfed` is the session's
+    # committed sequence, which a chained verify is reconciled with (workers/target.py)
+    unfed: list[int] = field(default_factory=list)
+    prompt_logprobs: TokenLogprobs | None = None  # the prefill's TokenLogprobs (params.prompt_logprobs), until read
+
+    @classmethod
+    def opened(cls, prompt_ids: list[int], **common) -> TargetSession:
+        return cls(unfed=list(prompt_ids[-1:]), **common)
+
+    def cut(self, base: int) -> None:
+        if base < len(self.tokens):
+            self.last_row = None
+        super().cut(base)
 
 
 class Worker:
@@ -78,6 +128,7 @@ class Worker:
     # they get bitwise the same K/V (row invariance: specdec/linear.py, the decode attention) and a greedy answer
     # goes on as it would have; 0: they are prefilled with the prompt (a draft: its K/V only move acceptance).
     rebuild_rows = 0
+    session_type: type[Session] = Session  # the worker's sessions: DraftSession, TargetSession
 
     def __init__(self, model: CausalLM, max_sessions: int = 8, max_context: int | None = None,
                  session_ttl_s: float = 600.0, prefix_cache: bool = True, prefill_chunk: int = PREFILL_CHUNK):
@@ -245,9 +296,9 @@ class Worker:
         got = self.free_slots.take(want, live, align=self.prefill_chunk or 1, salt=params.cache_salt)
         if got.copy:
             self.kv.copy_prefix(got.source, got.slot, got.tokens)
-        s = Session(slot=got.slot, params=params, tokens=list(prompt_ids[:got.tokens]), cached_tokens=got.tokens,
-                    chunked=got.tokens, sid=session_id, output_start=output_start or len(prompt_ids),
-                    grammar=grammar, unfed=list(prompt_ids[-1:]))
+        s = self.session_type.opened(prompt_ids, slot=got.slot, params=params, tokens=list(prompt_ids[:got.tokens]),
+                                     cached_tokens=got.tokens, chunked=got.tokens, sid=session_id,
+                                     output_start=output_start or len(prompt_ids), grammar=grammar)
         self.sessions.add(session_id, s)
         self.prefix_queries += len(prompt_ids) - 1
         self.prefix_hits += got.tokens
@@ -274,29 +325,21 @@ class Worker:
         """Forget everything held at or after `position`; returns the new length."""
         s = self._get(session_id)
         self._truncate(s, position, "position")
-        return len(s.tokens) + len(s.pending)
+        return s.length()
 
     def session_length(self, session_id: str) -> int:
-        """Positions the session holds: fed, or known and fed by its next forward (`Session.pending`)."""
-        s = self._get(session_id)
-        return len(s.tokens) + len(s.pending)
+        """Positions the session holds: fed, or known and fed by its next forward (`Session.length`)."""
+        return self._get(session_id).length()
 
     # ---- forward --------------------------------------------------------------------------------------------
     def _truncate(self, s: Session, base: int, field: str = "base_position") -> None:
-        n = len(s.tokens)
-        if n < base <= n + len(s.pending):  # inside the known, unfed tokens: keep those before base
-            del s.pending[base - n:]
-            return
         if base < 0:
             raise StalePositionError(f"{field} {base} is negative; positions count from 0")
-        if base > n:
-            raise StalePositionError(f"{field} {base} is beyond the {n + len(s.pending)} tokens this session "
-                                     f"holds; resend from position {n + len(s.pending)} or earlier")
-        s.pending.clear()
-        if base < n:
-            del s.tokens[base:]
-            s.chunked = min(s.chunked, base)  # what is fed again there comes from decode steps, not prefill chunks
-            s.last_row = None
+        held = s.length()
+        if base > held:
+            raise StalePositionError(f"{field} {base} is beyond the {held} tokens this session holds; resend from "
+                                     f"position {held} or earlier")
+        s.cut(base)
 
     # feature drafts (workers/draft.py) supply each fed token's input feature and record what they computed
     def _input_features(self, s: Session, base: int, ids: list[int]) -> torch.Tensor | None:

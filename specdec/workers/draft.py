@@ -1,5 +1,6 @@
 """DraftWorker: hosts the draft model and, through its stop rules, the pre-verifier. Drafting is step-wise so that
-concurrent sessions share forwards (draft_service/batcher.py); the step itself is specdec/drafting.py. Torch only."""
+concurrent sessions share forwards (draft_service/batcher.py); the step itself is specdec/drafting.py, and the
+sources it drafts from are specdec/workers/proposers/. Torch only."""
 from __future__ import annotations
 
 import time
@@ -8,14 +9,14 @@ from typing import Iterator
 import torch
 
 from specdec.drafting import (FORCED_ACCEPT_PROB, BlockShape, DraftBlock, DraftCall, FeatureNeeds, certain,
-                              choose_token, end_of_token, grammar_allows, processes_logits, row_index)
+                              end_of_token, row_index)
 from specdec.errors import InvalidRequestError
-from specdec.feature_state import FeatureState
 from specdec.lookup import PromptLookup
 from specdec.model import CausalLM
 from specdec.sampling import SamplingParams
 from specdec.stop import FixedLength, StopRule
-from specdec.workers.base import Session, TargetFeatures, Worker, feature_size
+from specdec.workers.base import DraftSession, TargetFeatures, Worker, feature_size
+from specdec.workers.proposers import CertainProposer, FeatureInputs, ForcedTokens, LookupTokens, ModelTokens
 
 
 class DraftWorker(Worker):
@@ -23,41 +24,51 @@ class DraftWorker(Worker):
 
     Drafting is step-wise so that concurrent sessions share forwards: `begin` checks and truncates, each
     `advance(calls)` runs ONE padded forward for all of them and drafts one token each. A call alone runs the
-    exact single-session forward. `draft_blocks` / `draft` are the one-session loops over the same steps."""
+    exact single-session forward. `draft_blocks` / `draft` are the one-session loops over the same steps.
+
+    It composes the proposal sources (specdec/workers/proposers/): `proposers`, asked in order for a token known
+    with certainty (a grammar's forced token, prompt lookup's), else `drafter`, the draft model; `features`, a
+    feature draft's inputs."""
+    session_type = DraftSession
 
     def __init__(self, model: CausalLM, preverifier=None, q_top_k: int = 64, lookup: PromptLookup | None = None,
                  **kw):
         super().__init__(model, **kw)
         self.preverifier = preverifier
-        self.q_top_k = q_top_k  # proposal truncation: q is exactly sparse on the wire (still lossless)
-        # prompt lookup (specdec/lookup.py): where the context's last n-gram occurred before, draft the token that
-        # followed it, with q one-hot; None: every token from the draft model
-        self.lookup = lookup
-        self.looked_up_tokens = 0  # drafted tokens that prompt lookup proposed, since start (metrics, tests)
+        self.drafter = ModelTokens(model, q_top_k)  # the draft model's token, from its logits row
+        # tokens proposed with certainty (q one-hot) from the context alone, asked in order: a grammar's forced
+        # token, then prompt lookup's (specdec/lookup.py; None: no lookup)
+        self.proposers: list[CertainProposer] = [ForcedTokens()] + ([LookupTokens(lookup)] if lookup else [])
+        # a block of such tokens' predicted acceptance: lookup's measured precision, or a grammar-forced token's
+        self.certain_accept_prob = lookup.accept_prob if lookup is not None else FORCED_ACCEPT_PROB
+        # a feature draft's (EAGLE-style) inputs: the target's features where known, zeros else; None: a plain draft
+        self.features = FeatureInputs(model, self.kv.max_len) if feature_size(model) > 0 else None
+        self.looked_up_tokens = 0  # drafted tokens that `proposers` proposed, since start (metrics, tests)
         self.grammar_required = False  # without a tokenizer.json it drafts unmasked (specdec/grammar.py)
 
-    # ---- feature drafts (EAGLE-style): inputs are the target's features where known, zeros else (FeatureState) ----
     @property
     def reads_features(self) -> bool:
-        return feature_size(self.model) > 0
+        return self.features is not None
+
+    @property
+    def lookup(self) -> PromptLookup | None:
+        """The prompt lookup it drafts with (a replica's GetInfo reports it); None: none."""
+        return next((p.lookup for p in self.proposers if isinstance(p, LookupTokens)), None)
 
     def start_session(self, session_id: str, prompt_ids: list[int], params: SamplingParams,
-                      features: list[TargetFeatures] | None = None, output_start: int = 0) -> Session:
+                      features: list[TargetFeatures] | None = None, output_start: int = 0) -> DraftSession:
         s = self.open_session(session_id, prompt_ids, params, output_start=output_start)
-        if self.reads_features:
-            s.feats = FeatureState(self.kv.max_len, feature_size(self.model), self.model.dtype,
-                                   self.model.device)
-            for f in features or []:
-                s.feats.add(f)
+        if self.features is not None:
+            self.features.open(s, features)
         self._prefill(s, prompt_ids)
         return s
 
-    def _input_features(self, s: Session, base: int, ids: list[int]) -> torch.Tensor | None:
-        return s.feats.inputs(base, len(ids)) if s.feats is not None else None
+    def _input_features(self, s: DraftSession, base: int, ids: list[int]) -> torch.Tensor | None:
+        return self.features.inputs(s, base, len(ids)) if s.feats is not None else None
 
-    def _after_feed(self, s: Session, base: int, hidden: torch.Tensor) -> None:
+    def _after_feed(self, s: DraftSession, base: int, hidden: torch.Tensor) -> None:
         if s.feats is not None:
-            s.feats.fed(base, hidden.shape[0])
+            self.features.fed(s, base, hidden)
 
     def begin(self, session_id: str, base_position: int, append: list[int], gamma_max: int,
               stop: StopRule | None = None, block_size: int = 0,
@@ -79,13 +90,8 @@ class DraftWorker(Worker):
         if s.pending:  # known but unfed positions up to base_position: the first forward feeds them too
             feed, base_position = s.pending + feed, len(s.tokens)
         stop.reset()  # a new round: a stop rule's per-round state starts over
-        if s.feats is not None:
-            for f in features or []:
-                s.feats.add(f)
-            redo = s.feats.first_refeed(base_position)
-            if redo < base_position:  # re-fed by the call's first forward, which truncates to `redo` (advance)
-                feed = s.tokens[redo:] + feed
-                base_position = redo
+        if s.feats is not None:  # stores `features`; the first forward re-feeds the positions they improve
+            feed, base_position = self.features.begin(s, features, feed, base_position)
         c = DraftCall(s, s.epoch, start=base_position, gamma_max=gamma_max, stop=stop, needs=FeatureNeeds.of(stop),
                       block=BlockShape(block_size), pos=base_position, feed=feed)
         self._hold_unfed(c)  # a call cancelled before its first forward leaves what its caller assumes
@@ -146,7 +152,7 @@ class DraftWorker(Worker):
     @property
     def _subset(self) -> torch.Tensor | None:
         """A compact-head draft's vocabulary subset (its logits rows are compact: `advance`); None for others."""
-        return getattr(self.model, "vocab_subset", None)
+        return self.drafter.subset
 
     @staticmethod
     def _hold_unfed(c: DraftCall) -> None:
@@ -157,57 +163,52 @@ class DraftWorker(Worker):
         if c.pos == len(c.s.tokens) and c.s.feats is None:
             c.s.pending = c.feed[:-1]
 
-    # ---- the proposal source: tokens proposed with certainty (q one-hot), without the draft's logits -------------
-    def _lookup_applies(self, s: Session) -> bool:
-        return self.lookup is not None and (s.params.greedy or not self.lookup.greedy_only)
-
-    def _propose_lookup(self, s: Session, context: list[int]) -> int | None:
-        """Prompt lookup's proposal after `context`, where lookup applies and the session's grammar allows it."""
-        if not self._lookup_applies(s):
-            return None
-        looked = self.lookup.propose(context)
-        return looked[0] if looked is not None and grammar_allows(s, context, looked[0]) else None
-
-    def _forced_token(self, s: Session, context: list[int]) -> int | None:
-        """Structured output: the token the session's grammar forces after `context`, if it forces one."""
-        if s.grammar is None:
-            return None
-        forced = s.grammar.forced(context[s.output_start:], 1)
-        return forced[0] if forced else None
-
+    # ---- the proposal sources: tokens proposed with certainty (q one-hot), else the draft model's -----------------
     def _propose_before_forward(self, c: DraftCall) -> int | None:
-        """The call's next token where it is known *before* any forward (a grammar's forced token, else prompt
-        lookup's): it needs no draft logits, so its position is fed with the next forward (a run of k such tokens
-        costs one multi-row forward, not k). Not for feature drafts, which re-feed positions as target features
-        arrive (they look up after the forward, `_propose_after_forward`)."""
+        """The call's next token where a certain proposer knows it *before* any forward: it needs no draft logits,
+        so its position is fed with the next forward (a run of k such tokens costs one multi-row forward, not k).
+        Not for feature drafts, which re-feed positions as target features arrive (they look up after the
+        forward, `_propose_after_forward`)."""
         s = c.s
-        if s.feats is not None or (s.grammar is None and not self._lookup_applies(s)):
+        if s.feats is not None:
+            return None
+        for p in self.proposers:
+            if p.applies(s):
+                break
+        else:  # none may propose for this session (a loop: cheaper than any() per drafted token)
             return None
         if c.needs.features and not all(c.drafted.looked[c.block.start:]):
             return None  # a block mixing model and looked-up tokens is scored at once: its features are needed now
         context = s.tokens + c.feed
-        forced = self._forced_token(s, context)
-        if forced is not None:
-            return forced
-        c.looked_ahead = True
-        return self._propose_lookup(s, context)
+        c.looked_ahead = True  # asked for this position: not again after its forward
+        for p in self.proposers:
+            if p.applies(s):
+                x = p.propose(s, context)
+                if x is not None:
+                    return x
+        return None
 
     def _propose_after_forward(self, c: DraftCall) -> int | None:
-        """Prompt lookup's proposal after the forward fed the call's position, unless it was asked before."""
+        """A certain proposer's token once the forward fed the call's position (those `also_after_forward`),
+        unless they were asked before it."""
         asked, c.looked_ahead = c.looked_ahead, False
-        return None if asked else self._propose_lookup(c.s, c.s.tokens)
-
-    def _lookup_accept_prob(self) -> float:
-        """A looked-up token's predicted acceptance: lookup's measured precision, or a grammar-forced token's."""
-        return self.lookup.accept_prob if self.lookup is not None else FORCED_ACCEPT_PROB
+        if asked:
+            return None
+        s = c.s
+        for p in self.proposers:
+            if p.also_after_forward and p.applies(s):
+                x = p.propose(s, s.tokens)
+                if x is not None:
+                    return x
+        return None
 
     # ---- the drafting step ------------------------------------------------------------------------------------------
     def _draft_token(self, c: DraftCall, row: torch.Tensor | None, row_hidden: torch.Tensor | None,
                      looked: int | None) -> DraftBlock | None:
         """Draft the token at the call's next position (the steps of specdec/drafting.py); → the block it
-        completes, if any. `looked`: a token proposed before the forward, drafted without one (`row` is None);
-        else the token comes from `row`, the logits the forward just computed (a feature draft may still look up
-        here)."""
+        completes, if any. `looked`: a certain proposer's token from before the forward, drafted without one (`row`
+        is None); else the token comes after the forward that computed `row`, the logits at the call's position: a
+        certain proposer's asked there (`_propose_after_forward`), else the draft model's (`drafter`)."""
         deferred = looked is not None
         if looked is None:
             looked = self._propose_after_forward(c)
@@ -215,18 +216,11 @@ class DraftWorker(Worker):
             choice = certain(looked, row_index(looked, self._subset) if c.needs.features and not deferred else None)
             self.looked_up_tokens += 1
         else:  # 2.-3. the draft model's: its logits processed as the target's are, then argmax or a sample
-            subset = self._subset
-            expand = None if subset is None else self.model.expand_logits
-            if row.device.type != "cpu" and not (c.s.params.greedy and not processes_logits(c.s)):
-                # a GPU draft samples (keyed CPU generators) and processes logits on the host: one copy of its
-                # full-vocabulary row per drafted token; a plain greedy step reads the argmax on the device
-                choice = choose_token(c, (row if subset is None else expand(row)).cpu(), None, None, self.q_top_k)
-            else:
-                choice = choose_token(c, row, subset, expand, self.q_top_k)
+            choice = self.drafter.choose(c, row)
         c.add(choice, looked is not None, deferred)
         if c.needs.features:  # 4. the pre-verifier's features (a deferred token's come with the next forward)
             c.features.add(c.needs, None if deferred else row, row_hidden, choice)
-        return end_of_token(c, self._lookup_accept_prob())  # 5. the stop rule
+        return end_of_token(c, self.certain_accept_prob)  # 5. the stop rule
 
     def _fill_deferred(self, c: DraftCall, logits: torch.Tensor, hidden: torch.Tensor) -> None:
         """The pre-verifier features of the looked-up tokens drafted without a forward, from the forward that fed

@@ -12,7 +12,7 @@ from specdec.lookup import PromptLookup
 from specdec.penalties import adjust_logits, adjusts, live_rows
 from specdec.sampling import SamplingParams, TokenLogprobs, concat_logprobs, logits_to_probs, target_logprobs
 from specdec.verify import SparseDist, verify
-from specdec.workers.base import Session, TargetFeatures, Worker
+from specdec.workers.base import TargetFeatures, TargetSession, Worker
 
 
 @dataclass
@@ -72,6 +72,7 @@ class TargetWorker(Worker):
     """Hosts the target model: verifies draft blocks, batching sessions into one forward."""
     rebuild_rows = SMALL_BLOCK_ROWS  # Worker.rebuild_rows: the most rows a verify-sized forward may have (the
     # decode attention's, up to which check_row_invariance checks the linears)
+    session_type = TargetSession
 
     def __init__(self, model, *args, step_lookup: PromptLookup | None = None, **kwargs):
         """`step_lookup`: the prompt lookup a chained verify's target step proposes with (`_chain`); None: a step
@@ -102,7 +103,7 @@ class TargetWorker(Worker):
         out, s.prompt_logprobs = s.prompt_logprobs, None
         return out
 
-    def _prefill_with_logprobs(self, s: Session, prompt_ids: list[int], top: int) -> torch.Tensor:
+    def _prefill_with_logprobs(self, s: TargetSession, prompt_ids: list[int], top: int) -> torch.Tensor:
         """Prefill (in the same chunks as any prefill, so its K/V is the same) with every row's logits: those give
         the logprobs of prompt_ids[1:] (s.prompt_logprobs). → the hidden states of prompt_ids[:-1]."""
         rows = self._prefill(s, prompt_ids, logits_rows=slice(None), step=PROMPT_LOGPROBS_CHUNK)
@@ -123,7 +124,7 @@ class TargetWorker(Worker):
             raise out
         return out
 
-    def _chain(self, a: VerifyArgs, s: Session) -> VerifyArgs | None:
+    def _chain(self, a: VerifyArgs, s: TargetSession) -> VerifyArgs | None:
         """A chained verify as the plain verify it amounts to. Its caller sent it without waiting for its earlier
         verifies, assuming they accepted everything: `feed + draft` are the tokens it expects after its first
         `base_position` committed ones. Compared with what this session committed since (`tokens + unfed`):
@@ -167,7 +168,7 @@ class TargetWorker(Worker):
             context.append(hit[0])
         return found
 
-    def _prepare(self, a: VerifyArgs) -> tuple[VerifyArgs | None, Session, list[int]]:
+    def _prepare(self, a: VerifyArgs) -> tuple[VerifyArgs | None, TargetSession, list[int]]:
         """→ (the verify to run, its session, the tokens to feed); a skipped chained verify: (None, session, [])."""
         s = self._get(a.session_id)
         if a.chained:
@@ -232,7 +233,7 @@ class TargetWorker(Worker):
             out[j] = logits_hidden
         return out
 
-    def _finish(self, a: VerifyArgs, s: Session, logits: torch.Tensor | None) -> VerifyOutcome:
+    def _finish(self, a: VerifyArgs, s: TargetSession, logits: torch.Tensor | None) -> VerifyOutcome:
         rows = self._draft_rows(a, s, logits)
         g = len(a.draft)
         sample_bonus = a.sample_bonus and (a.feed_draft or g == 0)
@@ -250,7 +251,7 @@ class TargetWorker(Worker):
             out.logprobs = target_logprobs(rows, committed, pos0, s.params.logprobs)
         return out
 
-    def _draft_rows(self, a: VerifyArgs, s: Session, logits: torch.Tensor | None) -> torch.Tensor:
+    def _draft_rows(self, a: VerifyArgs, s: TargetSession, logits: torch.Tensor | None) -> torch.Tensor:
         """The target's rows from the one that predicts draft[0] on: rows[i] predicts the token after
         (feed + draft)[:i]. With nothing fed, the row stored by the call that fed the last token comes first."""
         nf = len(a.feed)
@@ -261,7 +262,7 @@ class TargetWorker(Worker):
         return rows[start:]
 
 
-def _check_draft(a: VerifyArgs, s: Session) -> None:
+def _check_draft(a: VerifyArgs, s: TargetSession) -> None:
     """InvalidRequestError for a draft block the verify cannot check: more than one token to check without feeding
     it, or a sampled session's draft without one distribution per token."""
     if not a.feed_draft and len(a.draft) > 1:
@@ -270,7 +271,7 @@ def _check_draft(a: VerifyArgs, s: Session) -> None:
         raise InvalidRequestError("draft_q", f"send one draft distribution per draft token ({len(a.draft)})")
 
 
-def _check_readable(a: VerifyArgs, s: Session, ids: list[int]) -> None:
+def _check_readable(a: VerifyArgs, s: TargetSession, ids: list[int]) -> None:
     """InvalidRequestError for a verify that asks nothing; StalePositionError for one that feeds nothing where no
     stored row is there to read."""
     if not ids and not a.draft and not a.sample_bonus:
@@ -283,7 +284,7 @@ def _check_readable(a: VerifyArgs, s: Session, ids: list[int]) -> None:
                                  f"in feed")
 
 
-def _target_p(a: VerifyArgs, s: Session, checked: torch.Tensor) -> torch.Tensor:
+def _target_p(a: VerifyArgs, s: TargetSession, checked: torch.Tensor) -> torch.Tensor:
     """The distribution the output must follow at each checked row: the target's logits with the session's
     penalties and grammar applied, as they are for a greedy session (verification reads each row's argmax), else
     as probabilities."""
@@ -304,7 +305,7 @@ def _target_p(a: VerifyArgs, s: Session, checked: torch.Tensor) -> torch.Tensor:
     return checked if s.params.greedy else logits_to_probs(checked, s.params)
 
 
-def _commit(a: VerifyArgs, s: Session, rows: torch.Tensor, res) -> list[int]:
+def _commit(a: VerifyArgs, s: TargetSession, rows: torch.Tensor, res) -> list[int]:
     """The session after verify's result `res`: its tokens past the accepted ones dropped (a fed block), the row
     the next check reads stored, and `unfed` set to what is committed but not fed (a check-only verify's accepted
     token, then the next token). → the committed tokens: the accepted ones, then the next token."""
