@@ -14,6 +14,7 @@ from coordinator.backends.pipeline import Pipeline
 from coordinator.channels import Dialer
 from coordinator.routing.discovery import source_from_spec
 from coordinator.routing.pool import PoolManager, ReplicaUnavailableError
+from specdec.request import PipelineRequest
 from specdec_rpc.logs import configure_logging
 
 
@@ -185,7 +186,7 @@ class PipelineActor:
                                      affinity_chunk, tag, data_plane, chain_window, replica_frames=frames)
         return self.pipeline
 
-    async def stream(self, request: dict):
+    async def stream(self, request: PipelineRequest):
         async for ev in self._get().stream(request):
             yield ev
 

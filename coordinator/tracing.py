@@ -18,10 +18,14 @@ Unset, nothing is imported and nothing is recorded.
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from specdec_rpc.tracing import TRACE_HEADERS, init_tracer as _init_tracer, parent_of, trace_headers
+
+if TYPE_CHECKING:
+    from specdec.request import PipelineRequest
 
 __all__ = ["TRACE_HEADERS", "RequestTrace", "init_tracer", "parent_of"]
 
@@ -43,29 +47,30 @@ class RequestTrace:
                                       start_time=self.start_ns)
         self.headers = trace_headers(self.span)  # {"traceparent": ..., ["tracestate": ...]}
         self.ttft_s: float | None = None
-        self._request: dict | None = None
+        self._request: PipelineRequest | None = None
         self.error = ""  # the replica's or pipeline's error, before the abort that carries it
         self.ended = False
 
     @property
-    def request(self) -> dict | None:
+    def request(self) -> PipelineRequest | None:
         """The prepared request, once it is."""
         return self._request
 
     @request.setter
-    def request(self, request: dict | None) -> None:
-        """Setting it also gives the request this span's trace headers (`traceparent`, `tracestate`): the pipeline
-        sends them with every replica call (coordinator/backends/clients.py), so the replicas' spans are this
-        span's children."""
+    def request(self, request: PipelineRequest | None) -> None:
+        """Setting it also gives the request this span's trace headers (`traceparent`, `tracestate`, in its
+        `trace_headers`): the pipeline sends them with every replica call (coordinator/backends/clients.py), so the
+        replicas' spans are this span's children."""
         if request is not None:
-            request.update(self.headers)
+            request.trace_headers.update(self.headers)
         self._request = request
 
     def first_token(self) -> None:
         if self.ttft_s is None:
             self.ttft_s = time.perf_counter() - self.t0
 
-    def end(self, request: dict | None, stats: dict | None = None, finish: str = "", error: str = "") -> None:
+    def end(self, request: PipelineRequest | None, stats: dict | None = None, finish: str = "",
+            error: str = "") -> None:
         """Record the span (once: a request that ended is not recorded again by a later error)."""
         if self.ended:
             return
@@ -73,11 +78,10 @@ class RequestTrace:
         e2e = time.perf_counter() - self.t0
         attrs = {"gen_ai.latency.e2e": e2e}
         if request is not None:
-            attrs.update({"gen_ai.request.id": request["request_id"],
-                          "gen_ai.request.temperature": request["temperature"],
-                          "gen_ai.request.top_p": request["top_p"],
-                          "gen_ai.request.max_tokens": request["max_new_tokens"],
-                          "gen_ai.usage.prompt_tokens": len(request["prompt_ids"]), "specdec.mode": request["mode"]})
+            g = request.generation
+            attrs.update({"gen_ai.request.id": request.request_id, "gen_ai.request.temperature": g.params.temperature,
+                          "gen_ai.request.top_p": g.params.top_p, "gen_ai.request.max_tokens": g.max_new_tokens,
+                          "gen_ai.usage.prompt_tokens": len(g.prompt_ids), "specdec.mode": g.mode})
         if stats:
             n, forwards = stats.get("completion_tokens", 0), stats.get("target_forwards", 0)
             attrs.update({"gen_ai.usage.completion_tokens": n, "gen_ai.response.finish_reasons": [finish],

@@ -156,8 +156,9 @@ class GenerationRequest:
 
 @dataclass
 class PipelineRequest:
-    """A request as a front door hands it to a pipeline (coordinator/backends/pipeline.py): the core's request, typed,
-    and what the pipeline does around it. Its request id is the request's session id."""
+    """A request as a front door hands it to a pipeline (coordinator/backends/pipeline.py `Pipeline.stream`): the core's
+    request, typed, and what the pipeline does around it. Its request id is the request's session id. It goes to the
+    pipeline as it is: in process, or pickled whole to a Ray pipeline actor (coordinator/actor.py)."""
     generation: GenerationRequest
     draft_fallback: bool = True  # no draft replica reachable: run target-only (COORDINATOR_DRAFT_FALLBACK)
     final_only: bool = False  # the caller reads only the last event (a whole answer without stop strings)
@@ -166,25 +167,6 @@ class PipelineRequest:
     @property
     def request_id(self) -> str:
         return self.generation.session_id
-
-    def to_dict(self) -> dict:
-        """The pipeline's event-stream input as a dict of plain values (the form that crosses to a Ray pipeline
-        actor; coordinator/backends/pipeline.py `request_from_dict` reads it back into the same request)."""
-        g, sp = self.generation, self.generation.params
-        out = {"request_id": g.session_id, "prompt_ids": list(g.prompt_ids), "max_new_tokens": g.max_new_tokens,
-               "eos_token_ids": list(g.eos_token_ids), "priority": g.priority, "draft_fallback": self.draft_fallback,
-               "final_only": self.final_only, **self.trace_headers}
-        out.update({k: getattr(g, k) for k in _SPECULATION_KEYS})
-        out.update({k: getattr(sp, k) for k in _SAMPLING_KEYS})
-        out.update(logit_bias=[list(kv) for kv in sp.logit_bias], allowed_token_ids=list(sp.allowed_token_ids),
-                   bad_words=[list(w) for w in sp.bad_words])
-        return out
-
-
-_SPECULATION_KEYS = ("mode", "verify_method", "gamma", "block_size", "pacer_threshold", "pacer_skip_below",
-                     "pearl_first_block", "spec_off_batch", "pacer_post_threshold", "pearl_overlap")
-_SAMPLING_KEYS = ("temperature", "top_k", "top_p", "seed", "logprobs", "prompt_logprobs", "cache_salt",
-                  "presence_penalty", "frequency_penalty", "repetition_penalty", "grammar", "min_p", "min_tokens")
 
 
 @dataclass

@@ -18,7 +18,8 @@ import torch
 from specdec.drafting import DraftBlock
 from specdec.errors import InvalidRequestError
 from specdec.grammar import StructuredOutput
-from specdec.request import GenerationRequest, GenerationStats
+from specdec.request import (MODE_PAIRS, PEARL_OVERLAP, DraftStop, GenerationRequest, GenerationStats, Overlap,
+                             Speculation, mode_pair)
 from specdec.sampling import SamplingParams, TokenLogprobs
 from specdec.verify import SparseDist
 from specdec.workers.base import TargetFeatures
@@ -218,8 +219,18 @@ def draft_block(r, tokens: list[int] | None = None, q: list | None = None):
                       draft_ns=r.draft_ns, final=getattr(r, "last", True), block_size=r.block_size)
 
 
-VERIFY_METHOD_PB = {"greedy": common_pb2.VERIFY_METHOD_GREEDY, "token": common_pb2.VERIFY_METHOD_TOKEN,
-                    "block": common_pb2.VERIFY_METHOD_BLOCK}
+# common.proto's speculation enums and the core's values (specdec.request): the coordinator's door reads a
+# GenerateRequest's `speculation` by them, the coordinator writes a SpeculateRequest's by them, the draft replica
+# reads it back (unspecified, 0, is no key: each reader says what an unset value means)
+DRAFT_STOP = {common_pb2.DRAFT_STOP_NONE: DraftStop.NONE, common_pb2.DRAFT_STOP_FIXED: DraftStop.FIXED,
+              common_pb2.DRAFT_STOP_PREVERIFIER: DraftStop.PREVERIFIER}
+OVERLAP = {common_pb2.OVERLAP_OFF: Overlap.OFF, common_pb2.OVERLAP_AUTO: Overlap.AUTO,
+           common_pb2.OVERLAP_ALWAYS: Overlap.ALWAYS}
+VERIFY_METHOD = {common_pb2.VERIFY_METHOD_GREEDY: "greedy", common_pb2.VERIFY_METHOD_TOKEN: "token",
+                 common_pb2.VERIFY_METHOD_BLOCK: "block"}
+DRAFT_STOP_PB = {v: k for k, v in DRAFT_STOP.items()}
+OVERLAP_PB = {v: k for k, v in OVERLAP.items()}
+VERIFY_METHOD_PB = {v: k for k, v in VERIFY_METHOD.items()}
 # Speculate's trailing metadata: the target replica whose failure ended the call (draft_service/speculate.py)
 FAILED_TARGET_KEY = "specdec-failed-target"
 
@@ -233,15 +244,57 @@ def verify_outcome(r: target_pb2.VerifyResponse) -> VerifyOutcome:
                          logprobs=logprobs_from_proto(r.logprobs) if r.HasField("logprobs") else None)
 
 
+# Speculation's optional settings, the same names in the deprecated flat fields of a SpeculateRequest
 _OPTIONAL_REQUEST = ("gamma", "block_size", "pacer_threshold", "pacer_post_threshold", "pacer_skip_below",
                      "pearl_first_block", "spec_off_batch")
 
 
+def enum_member(table: dict, value: int, name: str):
+    """The core's value of a speculation enum (`table`: DRAFT_STOP, OVERLAP or VERIFY_METHOD); None for unset (0);
+    INVALID_ARGUMENT naming `name` for a number the table does not know."""
+    if value == 0:
+        return None
+    if value not in table:
+        choices = ", ".join(f"{k} ({v.name if hasattr(v, 'name') else v})" for k, v in table.items())
+        raise InvalidRequestError(name, f"unknown value {value}; use one of {choices}")
+    return table[value]
+
+
+def speculation_to_proto(s: Speculation) -> common_pb2.Speculation:
+    msg = common_pb2.Speculation(draft_stop=DRAFT_STOP_PB[s.draft_stop], overlap=OVERLAP_PB[s.overlap],
+                                 verify_method=VERIFY_METHOD_PB.get(s.verify_method, 0))
+    for name in _OPTIONAL_REQUEST:
+        if getattr(s, name) is not None:
+            setattr(msg, name, getattr(s, name))
+    return msg
+
+
+def speculation_from_proto(msg: common_pb2.Speculation, mode: str = "", pearl_overlap: str = "") -> Speculation:
+    """A Speculation message as the core's. A half of the mode left unset is the one of `mode` (the deprecated
+    string sent beside it, with `pearl_overlap`); with neither, draft_stop is refused and overlap is OFF. An unset
+    verify_method is block (greedy at temperature 0 whatever it is)."""
+    stop, overlap = mode_pair(mode, pearl_overlap if pearl_overlap in PEARL_OVERLAP else "auto") \
+        if mode in MODE_PAIRS else (None, Overlap.OFF)
+    stop = enum_member(DRAFT_STOP, msg.draft_stop, "speculation.draft_stop") or stop
+    if stop is None:
+        raise InvalidRequestError("speculation.draft_stop", "set it: how a round's draft ends (FIXED or "
+                                                            "PREVERIFIER)")
+    overlap = enum_member(OVERLAP, msg.overlap, "speculation.overlap") or \
+        (Overlap.OFF if stop is DraftStop.NONE else overlap)
+    if stop is DraftStop.NONE and overlap is not Overlap.OFF:
+        raise InvalidRequestError("speculation.overlap", "a request that drafts nothing (ar) has no draft to overlap")
+    kw = {name: getattr(msg, name) for name in _OPTIONAL_REQUEST if msg.HasField(name)}
+    method = enum_member(VERIFY_METHOD, msg.verify_method, "speculation.verify_method") or "block"
+    return Speculation(stop, overlap, verify_method=method, **kw)
+
+
 def speculate_request(req: GenerationRequest, **fields) -> draft_pb2.SpeculateRequest:
     """A GenerationRequest as the SpeculateRequest of the direct data plane (`fields`: its transport fields,
-    target_endpoint and the like)."""
+    target_endpoint and the like). The speculation goes as `speculation`, and as the deprecated flat fields too, the
+    same settings, for a draft replica of the last release (which knows only those)."""
     msg = draft_pb2.SpeculateRequest(session_id=req.session_id, prompt_ids=req.prompt_ids,
                                      params=sampling_to_proto(req.params), max_new_tokens=req.max_new_tokens,
+                                     speculation=speculation_to_proto(req.speculation),
                                      mode=req.mode, verify_method=req.verify_method, pearl_overlap=req.pearl_overlap,
                                      eos_token_ids=list(req.eos_token_ids), priority=req.priority, **fields)
     for name in _OPTIONAL_REQUEST:
@@ -250,14 +303,35 @@ def speculate_request(req: GenerationRequest, **fields) -> draft_pb2.SpeculateRe
     return msg
 
 
+def _flat_speculation(msg: draft_pb2.SpeculateRequest) -> dict:
+    """The deprecated flat fields a SpeculateRequest sets, as GenerationRequest's keyword arguments."""
+    kw = {name: getattr(msg, name) for name in _OPTIONAL_REQUEST if msg.HasField(name)}
+    kw.update((name, getattr(msg, name)) for name in ("mode", "verify_method", "pearl_overlap") if getattr(msg, name))
+    return kw
+
+
+def _speculation_fields(msg: draft_pb2.SpeculateRequest) -> dict:
+    """GenerationRequest's speculation arguments: from `speculation` where it is set (the flat fields a caller also
+    sends must say the same), else from the deprecated flat fields (a coordinator of the last release)."""
+    flat = _flat_speculation(msg)
+    if not msg.HasField("speculation"):
+        return {"verify_method": "block", "pearl_overlap": "auto", "mode": "", **flat}
+    typed = speculation_from_proto(msg.speculation, msg.mode, msg.pearl_overlap).request_fields()
+    if typed["mode"] in ("sd", "pacer", "ar"):
+        flat.pop("pearl_overlap", None)  # PEARL's setting: a sequential mode's says nothing
+    for name, old in flat.items():
+        new = typed[name]
+        if old != new and not (old != old and new != new):  # NaN: the schedule's rules refuse it
+            raise InvalidRequestError(f"speculation.{name}", f"{new!r} differs from {name} = {old!r}, the deprecated "
+                                                             f"field of the same setting; send only speculation")
+    return typed
+
+
 def request_from_speculate(msg: draft_pb2.SpeculateRequest) -> GenerationRequest:
     """The GenerationRequest a SpeculateRequest carries (validated by the schedule)."""
-    kw = {name: getattr(msg, name) for name in _OPTIONAL_REQUEST if msg.HasField(name)}
     return GenerationRequest(prompt_ids=list(msg.prompt_ids), max_new_tokens=int(msg.max_new_tokens),
-                             params=sampling_from_proto(msg.params), mode=msg.mode,
-                             verify_method=msg.verify_method or "block", pearl_overlap=msg.pearl_overlap or "auto",
-                             eos_token_ids=tuple(msg.eos_token_ids), priority=int(msg.priority),
-                             session_id=msg.session_id, **kw)
+                             params=sampling_from_proto(msg.params), eos_token_ids=tuple(msg.eos_token_ids),
+                             priority=int(msg.priority), session_id=msg.session_id, **_speculation_fields(msg))
 
 
 def stats_to_proto(stats: GenerationStats, msg: draft_pb2.SpeculateResponse, **extra: float) -> None:

@@ -320,14 +320,13 @@ async def test_pacer_skip_over_the_wire(stack):
 async def test_pacer_post_threshold_reaches_the_schedule():
     """A request's pacer_post_threshold, else the coordinator's default (COORDINATOR_PACER_POST_THRESHOLD), is
     the θ that stops pacer_pearl's drafting in a verify's shadow."""
-    from coordinator.backends.pipeline import request_from_dict
     from coordinator.grpc_api.service import GenerationServicer
     from specdec.schedule import _post_stop_spec
 
     svc = GenerationServicer(router=None, pacer_post_threshold=0.42)
     for kw, want in ((dict(), 0.42), (dict(pacer_post_threshold=0.1), 0.1)):
         prepared = svc.prepare(g.GenerateRequest(prompt_token_ids=[1, 2], mode="pacer_pearl", **kw))
-        spec = _post_stop_spec(request_from_dict(prepared.request.to_dict()).validate())
+        spec = _post_stop_spec(prepared.request.generation.validate())
         assert (spec.kind, spec.threshold) == ("pacer", pytest.approx(want))
 
 

@@ -83,6 +83,7 @@ async def test_the_request_span_sends_the_w3c_trace_headers_with_the_callers_tra
     from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
     from coordinator.tracing import TRACE_HEADERS, RequestTrace
+    from specdec.request import GenerationRequest, PipelineRequest
 
     assert set(TRACE_HEADERS) == TraceContextTextMapPropagator().fields
     spans = InMemorySpanExporter()
@@ -91,11 +92,12 @@ async def test_the_request_span_sends_the_w3c_trace_headers_with_the_callers_tra
                         ((("traceparent", TRACEPARENT), ("tracestate", "vendor=opaque-1,other=x")),
                          "vendor=opaque-1,other=x"),
                         ((), None)]:
-        trace, request = RequestTrace(tracer, sent), {"request_id": "r"}
+        trace, request = RequestTrace(tracer, sent), PipelineRequest(GenerationRequest([1, 2], session_id="r"))
         trace.request = request
         c = trace.span.get_span_context()
-        assert request.pop("traceparent") == f"00-{c.trace_id:032x}-{c.span_id:016x}-{int(c.trace_flags):02x}"
-        assert request == ({"request_id": "r", "tracestate": state} if state else {"request_id": "r"})
+        headers = request.trace_headers
+        assert headers.pop("traceparent") == f"00-{c.trace_id:032x}-{c.span_id:016x}-{int(c.trace_flags):02x}"
+        assert headers == ({"tracestate": state} if state else {})
         assert (format(c.trace_id, "032x") == TRACE_ID) == bool(sent)
 
 

@@ -5,16 +5,17 @@ form and calls the same service method as the gRPC door."""
 from __future__ import annotations
 
 import dataclasses
+import pickle
 
 import grpc
 import httpx
 import pytest
 import pytest_asyncio
 
-from coordinator.backends.pipeline import request_from_dict
 from coordinator.grpc_api.service import GenerationServicer
 from specdec.errors import InvalidRequestError
 from specdec.request import MODE_PAIRS, MODES, DraftStop, Overlap, PipelineRequest, Speculation, mode_name, mode_pair
+from specdec_rpc.convert import request_from_speculate, speculate_request
 from specdec_rpc.pb import common_pb2 as c, draft_pb2, generation_pb2 as g, generation_pb2_grpc as gg
 
 STOP_PB = {DraftStop.NONE: c.DRAFT_STOP_NONE, DraftStop.FIXED: c.DRAFT_STOP_FIXED,
@@ -66,8 +67,8 @@ def test_old_style_and_typed_requests_are_the_same_request(mode, setting):
     new = svc.prepare(new_style(mode, setting or "auto")).request
     assert same_request(old, new), (old.generation, new.generation)
     assert old.generation.params.temperature == pytest.approx(0.75) and old.generation.gamma == 3
-    # the pipeline's plain-values form reads back into the same request
-    assert request_from_dict(new.to_dict()) == new.generation
+    # the pipeline takes it as it is; a Ray pipeline actor gets it pickled, the same request
+    assert pickle.loads(pickle.dumps(new)) == new
     assert new.generation.speculation.mode == mode
 
 
@@ -143,6 +144,56 @@ def test_the_draft_replicas_speculate_request_shares_the_message():
     assert g.GenerateRequest.DESCRIPTOR.fields_by_name["sampling"].message_type is c.SamplingParams.DESCRIPTOR
     deprecated = [f.name for f in g.GenerateRequest.DESCRIPTOR.fields if f.GetOptions().deprecated]
     assert {"mode", "verify_method", "pearl_overlap", "temperature", "gamma"} <= set(deprecated)
+
+
+def old_speculate(msg: draft_pb2.SpeculateRequest) -> draft_pb2.SpeculateRequest:
+    """What a coordinator of the last release sends: the speculation in the flat fields only."""
+    old = draft_pb2.SpeculateRequest()
+    old.CopyFrom(msg)
+    old.ClearField("speculation")
+    return old
+
+
+@pytest.mark.parametrize("mode", ["sd", "pacer", "pearl", "pacer_pearl"])
+@pytest.mark.parametrize("setting", ["auto", "always"])
+def test_the_speculate_request_carries_the_speculation_both_ways(mode, setting):
+    """The coordinator sends `speculation` and, for a draft replica of the last release, the same settings in the
+    flat fields; the replica reads the typed form where it is set, else the flat fields: the same request."""
+    svc = GenerationServicer(router=None, eos_token_ids={9})
+    req = svc.prepare(new_style(mode, setting)).request.generation
+    req = dataclasses.replace(req, pacer_threshold=0.3, pearl_first_block=2)
+    msg = speculate_request(req, target_endpoint="t:1")
+    assert msg.HasField("speculation") and msg.mode == mode and msg.gamma == 3
+    assert (msg.speculation.draft_stop, msg.speculation.overlap) == (STOP_PB[mode_pair(mode, setting)[0]],
+                                                                    OVERLAP_PB[mode_pair(mode, setting)[1]])
+    assert msg.speculation.verify_method == c.VERIFY_METHOD_TOKEN and msg.speculation.spec_off_batch == 4
+    typed, old = request_from_speculate(msg), request_from_speculate(old_speculate(msg))
+    assert typed == old
+    want = dataclasses.replace(req, pacer_threshold=typed.pacer_threshold)  # float32 on the wire
+    assert typed == want and typed.pacer_threshold == pytest.approx(0.3)
+    only_typed = draft_pb2.SpeculateRequest()
+    only_typed.CopyFrom(msg)
+    for name in ("mode", "verify_method", "pearl_overlap", "gamma", "spec_off_batch", "pacer_threshold",
+                 "pearl_first_block"):
+        only_typed.ClearField(name)
+    assert request_from_speculate(only_typed) == typed  # a later coordinator may drop the flat fields
+
+
+def test_a_speculate_request_refuses_typed_and_flat_settings_that_differ():
+    msg = speculate_request(GenerationServicer(router=None).prepare(new_style("sd")).request.generation)
+    for change, field in ((lambda m: setattr(m, "gamma", 5), "speculation.gamma"),
+                          (lambda m: setattr(m, "mode", "pacer"), "speculation.mode"),
+                          (lambda m: setattr(m, "verify_method", "block"), "speculation.verify_method"),
+                          (lambda m: setattr(m.speculation, "draft_stop", 9), "speculation.draft_stop")):
+        bad = draft_pb2.SpeculateRequest()
+        bad.CopyFrom(msg)
+        change(bad)
+        with pytest.raises(InvalidRequestError) as e:
+            request_from_speculate(bad)
+        assert e.value.field == field, str(e.value)
+    unset = draft_pb2.SpeculateRequest(speculation=c.Speculation(gamma=2))
+    with pytest.raises(InvalidRequestError, match="^speculation.draft_stop: set it"):
+        request_from_speculate(unset)
 
 
 def test_the_http_door_sends_the_typed_form():

@@ -286,8 +286,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         await self.check_size(r)
         p = await self.work.run(self.prepare, r)  # tokenizing, the chat template: off the loop
         if trace is not None:
-            p.request.trace_headers.update(trace.headers)  # the replicas' spans are the request span's children
-            trace.request = p.request.to_dict()
+            trace.request = p.request  # with its trace headers: the replicas' spans are the request span's children
         grammar = p.request.generation.params.grammar
         if grammar:
             await self.work.run(self.output.check_grammar, grammar)
@@ -298,8 +297,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         self.in_flight += 1
         try:
             call.start(await self._prepared(r, trace), incremental)
-            # the pipeline's input is the typed request's plain-values form (it may cross to a Ray actor)
-            async with contextlib.aclosing(self.router.stream(call.p.request.to_dict())) as events:
+            # the pipeline takes the typed request as it is (pickled whole where it crosses to a Ray actor)
+            async with contextlib.aclosing(self.router.stream(call.p.request)) as events:
                 async for ev in events:
                     call.served.update(ev.get("served") or ())
                     if "tokens" in ev:

@@ -6,7 +6,8 @@ which still work. `read_settings` gives the one value of each, by the name specd
 with the name the request sent it by (`sampling.temperature`, or `temperature`) for the table's message; a request
 that sends a setting both ways with different values is refused, naming both fields. `sampling_params` and
 `speculation` then build the core's typed values (specdec.sampling.SamplingParams, specdec.request.Speculation) with
-the coordinator's defaults. Pure: no grpc.
+the coordinator's defaults. The speculation enums' values are specdec_rpc/convert.py's tables, which the draft
+replica reads a SpeculateRequest's `speculation` by too. Pure: no grpc.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from specdec.errors import InvalidRequestError
 from specdec.field_rules import proto_values
 from specdec.request import MODE_PAIRS, PEARL_OVERLAP, DraftStop, Overlap, Speculation, mode_name, mode_pair
 from specdec.sampling import SamplingParams
-from specdec_rpc.pb import common_pb2
+from specdec_rpc.convert import DRAFT_STOP, OVERLAP, VERIFY_METHOD, enum_member
 
 # SamplingParams' fields a request sets (the deprecated flat fields of GenerateRequest have the same names)
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "seed", "logprobs", "prompt_logprobs", "cache_salt",
@@ -26,12 +27,6 @@ SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "seed", "logprobs", "prompt_
 DERIVED_SAMPLING = {"grammar": "structured_output", "stop_ids": "stop_token_ids", "bad_words": "bad_words"}
 SPECULATION_FIELDS = ("gamma", "block_size", "pacer_threshold", "pacer_skip_below", "pacer_post_threshold",
                       "pearl_first_block", "spec_off_batch")
-DRAFT_STOP = {common_pb2.DRAFT_STOP_NONE: DraftStop.NONE, common_pb2.DRAFT_STOP_FIXED: DraftStop.FIXED,
-              common_pb2.DRAFT_STOP_PREVERIFIER: DraftStop.PREVERIFIER}
-OVERLAP = {common_pb2.OVERLAP_OFF: Overlap.OFF, common_pb2.OVERLAP_AUTO: Overlap.AUTO,
-           common_pb2.OVERLAP_ALWAYS: Overlap.ALWAYS}
-VERIFY_METHOD = {common_pb2.VERIFY_METHOD_GREEDY: "greedy", common_pb2.VERIFY_METHOD_TOKEN: "token",
-                 common_pb2.VERIFY_METHOD_BLOCK: "block"}
 _DEFAULTS = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": 0, "logprobs": -1, "prompt_logprobs": -1,
              "cache_salt": "", "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
              "min_p": 0.0, "min_tokens": 0}
@@ -102,21 +97,12 @@ def _pairs(r, part: str, names: tuple[str, ...], out: Settings) -> None:
             out.take(name, old)
 
 
-def _enum(table: dict, value: int, name: str, unset):
-    if value == 0:
-        return unset
-    if value not in table:
-        choices = ", ".join(f"{k} ({v.name if hasattr(v, 'name') else v})" for k, v in table.items())
-        raise InvalidRequestError(name, f"unknown value {value}; use one of {choices}")
-    return table[value]
-
-
 def _mode(r, out: Settings) -> None:
     """The mode's halves as sent: speculation's draft_stop and overlap, and the deprecated strings mode and
     pearl_overlap (left to the table's rules, which name the strings they know). A half sent both ways must agree."""
     sp = r.speculation
-    out.stop = _enum(DRAFT_STOP, sp.draft_stop, "speculation.draft_stop", None)
-    out.overlap = _enum(OVERLAP, sp.overlap, "speculation.overlap", None)
+    out.stop = enum_member(DRAFT_STOP, sp.draft_stop, "speculation.draft_stop")
+    out.overlap = enum_member(OVERLAP, sp.overlap, "speculation.overlap")
     for name in ("mode", "pearl_overlap"):
         if getattr(r, name):
             out.take(name, getattr(r, name))
@@ -131,7 +117,7 @@ def _mode(r, out: Settings) -> None:
 
 
 def _verify_method(r, out: Settings) -> None:
-    method = _enum(VERIFY_METHOD, r.speculation.verify_method, "speculation.verify_method", None)
+    method = enum_member(VERIFY_METHOD, r.speculation.verify_method, "speculation.verify_method")
     if method is None:
         if r.verify_method:
             out.take("verify_method", r.verify_method)

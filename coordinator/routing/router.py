@@ -5,7 +5,10 @@ import asyncio
 import contextlib
 import logging
 import uuid
-from typing import AsyncIterator
+from typing import TYPE_CHECKING, AsyncIterator
+
+if TYPE_CHECKING:
+    from specdec.request import PipelineRequest
 
 log = logging.getLogger(__name__)
 
@@ -16,7 +19,7 @@ class LocalRouter:
     def __init__(self, pipeline):
         self.pipeline = pipeline
 
-    def stream(self, request: dict) -> AsyncIterator[dict]:
+    def stream(self, request: PipelineRequest) -> AsyncIterator[dict]:
         return self.pipeline.stream(request)
 
     async def stop(self, rid: str) -> None:
@@ -105,14 +108,15 @@ class RayRouter:
         if self.fixed is None and self.make_actor is not None:
             self._grow_task = asyncio.get_running_loop().create_task(loop())
 
-    async def stream(self, request: dict) -> AsyncIterator[dict]:
+    async def stream(self, request: PipelineRequest) -> AsyncIterator[dict]:
+        """The request's events from a pipeline actor (the typed request crosses to it pickled, as it is)."""
         import ray  # lazy: ray (~0.6 s) loads only where the coordinator runs on Ray (not with --no-ray)
 
         if not self.actors:
             await self.grow()
         actor = self.actors[self._i % len(self.actors)]
         self._i += 1
-        rid = request["request_id"]
+        rid = request.request_id
         self._owner[rid] = actor
         done = False
         try:
