@@ -79,12 +79,12 @@ class CoordinatorSettings(ProcessSettings):
                                  "else on the gRPC streams. Off: gRPC only (the direct data plane's draft replicas "
                                  "choose for their own calls: their --peer-frames)")
     data_plane: Literal["coordinator", "direct", "auto"] = Field(
-        "coordinator", description="who carries a speculative request's rounds: 'coordinator' (each round's draft and "
+        "auto", description="who carries a speculative request's rounds: 'coordinator' (each round's draft and "
         "verify calls go coordinator -> replica -> coordinator), 'direct' (the pinned draft replica runs the rounds and "
-        "calls the pinned target replica itself; the coordinator keeps placement, failover and the client's stream; "
-        "one network round trip per round instead of two or more), or 'auto': direct for sd and pacer, whose rounds "
-        "are sequential, the coordinator's rounds for the PEARL modes, whose draft stream and verifies overlap. Direct "
-        "requests are not preempted (docs/operations/network.md; the round trip measured: docs/benchmarks.md)")
+        "calls the pinned target replica itself; the coordinator keeps placement, preemption, failover and the "
+        "client's stream; one network round trip per round instead of two or more), or 'auto': direct for sd and "
+        "pacer, whose rounds are sequential, the coordinator's rounds for the PEARL modes, whose draft stream and "
+        "verifies overlap (docs/operations/network.md; the round trip measured: docs/benchmarks.md)")
     chain_window: int = Field(4, ge=0, le=16, description="the direct data plane, greedy pearl and pacer_pearl "
                               "requests: verifies in flight at once (chained rounds): the target verifies the next "
                               "block while the answer to the last one travels back; 0 or 1: PEARL's rounds, one "

@@ -94,7 +94,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         tokens = [t for b in blocks for t in b.tokens]
         self.count_blocks(blocks)
         if clock is not None:
-            self._span(context, clock, request, blocks, entry)
+            self.draft_span(context, clock, request, blocks, entry)
         return draft_pb2.DraftResponse(token_ids=tokens, q=self._wire_q(request.session_id, [d for b in blocks for d in b.q]),
                                        stop_reason=_REASONS.get(blocks[-1].stop_reason, 0),
                                        draft_ns=sum(b.draft_ns for b in blocks), block_size=blocks[-1].block_size)
@@ -130,13 +130,13 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             # session already started (the cancel would stop that one instead; this one is abandoned instead).
             entry.abandoned = True
             if clock is not None:
-                self._span(context, clock, request, sent, entry)
+                self.draft_span(context, clock, request, sent, entry)
             if not finished and self._latest.get(sid) is token:
                 self.worker.cancel(sid)
             if self._latest.get(sid) is token:
                 del self._latest[sid]
 
-    def _span(self, context, clock, request, blocks, entry) -> None:
+    def draft_span(self, context, clock, request, blocks, entry) -> None:
         """The call's `draft` span, with its wait for the step loop (`entry`: None where drafted at once)."""
         self.spans.record("draft", context, clock, {
             "specdec.session_id": request.session_id, "specdec.base_position": request.base_position,

@@ -25,7 +25,7 @@ import logging
 import math
 import time
 from collections import deque
-from typing import AsyncIterator
+from typing import AsyncIterator, NamedTuple
 
 import grpc
 
@@ -45,7 +45,7 @@ from specdec_rpc.convert import (FAILED_TARGET_KEY, VERIFY_METHOD_PB, features_f
                                  verify_outcome, verify_q)
 from specdec_rpc.pb import common_pb2, draft_pb2, target_pb2, target_pb2_grpc
 from specdec_rpc.rounds import BusyWaits, RoundStream
-from specdec_rpc.tracing import TRACE_HEADERS
+from specdec_rpc.tracing import TRACE_HEADERS, CallClock
 
 log = logging.getLogger(__name__)
 
@@ -64,22 +64,37 @@ def parse_routes(spec: str) -> dict[str, str]:
     return routes
 
 
-class ReplicaDraft:
-    """`DraftBackend` over this replica's worker and batcher: what the Draft/DraftStream RPCs do, without the wire."""
+class _Call(NamedTuple):
+    """What a draft span names of its call (the Draft RPC's request has these fields)."""
+    session_id: str
+    base_position: int
 
-    def __init__(self, servicer, output_start: int, reserve: int):
+
+class ReplicaDraft:
+    """`DraftBackend` over this replica's worker and batcher: what the Draft/DraftStream RPCs do, without the wire.
+    With traces exported, each prefill and draft is a span of the `Speculate` call's trace (`context`), as the RPCs'
+    are of theirs."""
+
+    def __init__(self, servicer, output_start: int, reserve: int, context=None):
         self.servicer, self.host, self.worker, self.batcher = (servicer, servicer.host, servicer.worker,
                                                                servicer.batcher)
         self.reads_features = self.worker.reads_features
         self.output_start, self.reserve = output_start, reserve
+        self.context = context
+        self.spans = servicer.spans if context is not None else None
 
     async def start(self, session_id: str, prompt_ids: list[int], params: SamplingParams,
                     features: list[TargetFeatures] | None = None) -> None:
         if self.reserve:
             self.worker.check_reserve(self.reserve, len(prompt_ids))
-        await self.host.start_session(session_id, list(prompt_ids), params,
-                                      features=features if self.reads_features else None,
-                                      output_start=self.output_start)
+        clock = CallClock() if self.spans is not None else None
+        _, ns, _, cached = await self.host.start_session(session_id, list(prompt_ids), params,
+                                                         features=features if self.reads_features else None,
+                                                         output_start=self.output_start)
+        if clock is not None:
+            self.spans.record("prefill", self.context, clock, {
+                "specdec.session_id": session_id, "specdec.prompt_tokens": len(prompt_ids),
+                "specdec.cached_tokens": cached, "specdec.prefill_ns": ns})
 
     def _args(self, session_id, base_position, append, gamma_max, stop: StopSpec, block_size, features):
         self.host.touch(session_id)
@@ -93,19 +108,26 @@ class ReplicaDraft:
         entry = self.batcher.submit(*self._args(session_id, base_position, append, gamma_max, stop, block_size,
                                                 features))
         self.servicer.metrics.num_drafts.inc()
+        clock, sent = (CallClock() if self.spans is not None else None), []
         try:
             async for block in self.batcher.blocks(entry):
                 self.servicer.count_blocks([block])
+                sent.append(block)
                 yield block
         finally:
             entry.abandoned = True
+            if clock is not None:
+                self.servicer.draft_span(self.context, clock, _Call(session_id, base_position), sent, entry)
 
     async def draft(self, session_id: str, base_position: int, append: list[int], gamma_max: int, stop: StopSpec,
                     block_size: int, features: list[TargetFeatures] | None = None) -> DraftBlock:
         args = self._args(session_id, base_position, append, gamma_max, stop, block_size, features)
         self.servicer.metrics.num_drafts.inc()
-        blocks, _ = await self.batcher.draft_whole(*args)
+        clock = CallClock() if self.spans is not None else None
+        blocks, entry = await self.batcher.draft_whole(*args)
         self.servicer.count_blocks(blocks)
+        if clock is not None:
+            self.servicer.draft_span(self.context, clock, _Call(session_id, base_position), blocks, entry)
         return DraftBlock(tokens=[t for b in blocks for t in b.tokens], q=[d for b in blocks for d in b.q],
                           stop_reason=blocks[-1].stop_reason, draft_ns=sum(b.draft_ns for b in blocks),
                           block_size=blocks[-1].block_size)
@@ -428,7 +450,7 @@ async def speculate(servicer, peers: PeerChannels, request: draft_pb2.SpeculateR
         raise InvalidRequestError("params.prompt_logprobs", "Speculate returns no prompt logprobs; ask the "
                                   "coordinator's own rounds for them")
     metadata = tuple((k, v) for k, v in context.invocation_metadata() if k in TRACE_HEADERS) or None
-    draft = ReplicaDraft(servicer, int(request.output_start), int(request.reserve_positions))
+    draft = ReplicaDraft(servicer, int(request.output_start), int(request.reserve_positions), context)
     target = PeerTarget(peers.get(request.target_endpoint, request.target_server_name), request.target_endpoint,
                         timeout, metadata, int(request.reserve_positions), int(request.output_start),
                         int(request.chain_window), peers.link(request.target_endpoint),
@@ -449,7 +471,7 @@ async def speculate(servicer, peers: PeerChannels, request: draft_pb2.SpeculateR
             context.set_trailing_metadata(((FAILED_TARGET_KEY, request.target_endpoint),))
             await context.abort(e.code(), f"target replica {request.target_endpoint}: {e.details() or e.code().name}")
         done = draft_pb2.SpeculateResponse(done=True, finish_reason=res.finish_reason, target_model=target.model,
-                                           cached_tokens=target.cached_tokens)
+                                           cached_tokens=target.cached_tokens, draft_model=servicer.host.info.model)
         stats_to_proto(res.stats, done, peer_network_s=target.network_ns / 1e9, target_queued_s=target.queue_ns / 1e9)
         yield done
     finally:

@@ -181,6 +181,39 @@ async def test_speculate_refuses_what_it_cannot_run(direct):
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in e.value.details(), kw
 
 
+@pytest.mark.parametrize("mode", MODES)
+async def test_an_old_style_speculate_request_gives_the_same_tokens(direct, mode):
+    """A coordinator of the last release sends the speculation in the flat fields only (mode, gamma, verify_method
+    as strings); this release's sends `speculation` beside them. Both run the same request on the draft replica:
+    the same tokens (greedy: the target's own) and, for the sequential modes, the same counts."""
+    from specdec.request import GenerationRequest
+    from specdec.sampling import SamplingParams
+    from specdec_rpc.convert import speculate_request
+
+    d1, _ = direct["drafts"]
+    t1, _ = direct["targets"]
+    req = GenerationRequest(PROMPT, max_new_tokens=16, params=SamplingParams(temperature=0.0), mode=mode, gamma=3,
+                            block_size=1, verify_method="token", pearl_overlap="always")
+    typed = speculate_request(req, target_endpoint=t1.endpoint, reserve_positions=len(PROMPT) + 16)
+    old = draft_pb2.SpeculateRequest()
+    old.CopyFrom(typed)
+    old.ClearField("speculation")
+    assert typed.HasField("speculation") and typed.speculation.gamma == 3 and old.mode == mode
+    async with grpc.aio.insecure_channel(d1.endpoint) as ch:
+        stub = draft_pb2_grpc.DraftServiceStub(ch)
+        answers = []
+        for sid, msg in (("typed", typed), ("old-style", old)):
+            msg.session_id = f"{sid}-{mode}"
+            msgs = [m async for m in stub.Speculate(msg)]
+            answers.append(([t for m in msgs for t in m.token_ids], msgs[-1]))
+    (a, last_a), (b, last_b) = answers
+    assert a == b == target_greedy(direct["target"], PROMPT, 16)
+    assert last_a.done and last_b.done and last_a.finish_reason == last_b.finish_reason
+    if mode in ("sd", "pacer"):  # PEARL's drafting runs while verifies do: its counts depend on timing
+        assert {k: last_a.stats[k] for k in ("rounds", "target_forwards", "draft_tokens", "accepted_tokens")} == \
+            {k: last_b.stats[k] for k in ("rounds", "target_forwards", "draft_tokens", "accepted_tokens")}
+
+
 async def test_a_report_interval_gathers_the_rounds_tokens_into_fewer_messages(direct):
     """report_interval_ms: the first round's tokens at once, then one message per interval (here: the rest at the
     end); the same tokens and logprobs in the same order as a message per round."""

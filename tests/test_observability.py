@@ -88,7 +88,7 @@ async def test_every_process_exports_series_that_agree_with_the_requests_stats(s
         for s in runs:  # each request's own stats hold together
             assert sum(s.accepted_per_position) == s.accepted_tokens, mode
             assert s.drafts <= s.rounds and s.verified_draft_tokens <= s.draft_tokens, mode
-            assert s.network_s == pytest.approx(s.draft_network_s + s.target_network_s)
+            assert s.network_s == pytest.approx(s.draft_network_s + s.target_network_s + s.peer_network_s)
             assert s.target_model == "default-target" and s.draft_model == ("" if mode == "ar" else "default-draft")
             if mode in ("sd", "pacer"):  # every round drafts but a target-only one (a PACER skip drafts nothing)
                 assert s.drafts == s.rounds - s.target_only_rounds, (mode, s)
@@ -133,7 +133,9 @@ async def test_every_process_exports_series_that_agree_with_the_requests_stats(s
     everything = [s for runs in stats.values() for s in runs]
     n_draft = sum(1 for s in everything if s.draft_model)
     assert total(coord, "specdec_request_network_seconds_count", link="coordinator-draft") == n_draft
-    assert total(coord, "specdec_request_network_seconds_count", link="coordinator-target") == len(everything)
+    n_direct = sum(1 for s in everything if s.peer_network_s)  # sd and pacer on the direct data plane (auto)
+    assert n_direct > 0 and total(coord, "specdec_request_network_seconds_count", link="draft-target") == n_direct
+    assert total(coord, "specdec_request_network_seconds_count", link="coordinator-target") == len(everything) - n_direct
     assert total(coord, "specdec_request_network_seconds_sum", link="coordinator-target") == pytest.approx(
         sum(s.target_network_s for s in everything))
     assert total(coord, "specdec_request_network_seconds_sum", link="coordinator-draft") == pytest.approx(

@@ -107,21 +107,22 @@ async def one_session_pair():
     return target, t, d
 
 
-@pytest.mark.parametrize("mode", ["sd", "pacer_pearl"])
-async def test_a_higher_priority_request_preempts_and_both_answers_stay_exact(mode):
+@pytest.mark.parametrize("mode,data_plane", [("sd", "coordinator"), ("pacer_pearl", "coordinator"), ("sd", "direct")])
+async def test_a_higher_priority_request_preempts_and_both_answers_stay_exact(mode, data_plane):
     """One target and one draft session (max_sessions=1), the target's forwards slowed: a long request of priority 5
     is running when a request of priority -1 arrives. The urgent one takes both sessions and finishes first; the
     preempted one waits, resumes from its verified tokens and still returns the target's greedy output
     (stats.preemptions = 1). With both pools full, a victim that kept its session in the other pool while waiting
     would deadlock with the waiter. With COORDINATOR_PREEMPT off, the urgent one waits for the long one to end.
-    (Through Ray: tests/test_coordinator.py, test_ray_stack.)"""
+    On the direct data plane the coordinator ends the draft replica's rounds at the next tokens after the mark and
+    goes on with its own, which give way. (Through Ray: tests/test_coordinator.py, test_ray_stack.)"""
     target, t, d = await one_session_pair()
     apps, channels = [], []
     try:
         for preempt in (True, False):
             s = CoordinatorSettings(host="127.0.0.1", port=0, metrics_port=0, ray=False, tokenizer="", pipelines=1,
                                     draft_endpoints=d.endpoint, target_endpoints=t.endpoint, log_level="WARNING",
-                                    grace_s=0, preempt=preempt, pool_view_refresh_s=0.05)
+                                    grace_s=0, preempt=preempt, pool_view_refresh_s=0.05, data_plane=data_plane)
             app, _ = await build_coordinator(s)
             await app.start()
             apps.append(app)

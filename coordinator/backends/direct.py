@@ -51,11 +51,18 @@ def runs_direct(req: GenerationRequest) -> bool:
 
 class DirectInterrupted(Exception):
     """The `Speculate` call ended before its last message. `failed`: "draft", "target" or "" (no replica is at fault:
-    an older draft replica, a lost session); `error`: the status it ended with."""
+    an older draft replica, a lost session, a preemption); `error`: the status it ended with; `preempted`: the
+    coordinator ended it to yield the request's sessions to a waiter of higher priority."""
 
-    def __init__(self, error: grpc.aio.AioRpcError, failed: str):
+    def __init__(self, error: grpc.aio.AioRpcError, failed: str, preempted: bool = False):
         super().__init__(f"direct rounds interrupted: {error.code().name} ({failed or 'no replica at fault'})")
-        self.error, self.failed = error, failed
+        self.error, self.failed, self.preempted = error, failed, preempted
+
+
+def preempted(draft: RemoteDraft, target: RemoteTarget) -> bool:
+    """Whether a waiter of higher priority marked one of the request's sessions (coordinator/routing/preemption.py;
+    the pipeline's pool view, refreshed in the background)."""
+    return any(b.view.preempts(b.kind, b.holding) for b in (target, draft))
 
 
 async def run_direct(req: GenerationRequest, draft: RemoteDraft, target: RemoteTarget, tracking, timeout: float,
@@ -87,6 +94,11 @@ async def run_direct(req: GenerationRequest, draft: RemoteDraft, target: RemoteT
                 call.cancel()
                 return GenerationResult(tokens, "stop", GenerationStats(mode=req.mode, rounds=0),
                                         logprobs if req.params.logprobs >= 0 else None)
+            if preempted(draft, target):  # yield: the pipeline goes on with its own rounds, which give way
+                call.cancel()
+                raise DirectInterrupted(grpc.aio.AioRpcError(
+                    grpc.StatusCode.CANCELLED, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                    details="preempted by a request of higher priority"), "", preempted=True)
     except grpc.aio.AioRpcError as e:
         draft.network_ns += time.perf_counter_ns() - t0
         if e.code() not in _RESUMABLE:
@@ -132,7 +144,7 @@ def _interrupted(e: grpc.aio.AioRpcError) -> DirectInterrupted:
 def _finished(req: GenerationRequest, r, draft: RemoteDraft, target: RemoteTarget, tokens: list[int],
               logprobs: list, t0: int) -> GenerationResult:
     """The result from the call's last message `r`. Its stats and the call's wall time (since `t0`) give the
-    backends' network time; it names the target's model and the prompt tokens the target replica reused."""
+    backends' network time; it names both replicas' models and the prompt tokens the target replica reused."""
     stats, extra = stats_from_proto(r, req.mode)
     # the coordinator <-> draft link: the call's wall time less the replica's own run of the request
     wall_ns = time.perf_counter_ns() - t0
@@ -140,5 +152,6 @@ def _finished(req: GenerationRequest, r, draft: RemoteDraft, target: RemoteTarge
     stats.wall_s = wall_ns / 1e9  # the request's, as the coordinator saw it
     draft.peer_network_ns = int(extra.get("peer_network_s", 0.0) * 1e9)
     target.model, target.cached_tokens = r.target_model or target.model, int(r.cached_tokens)
+    draft.model = r.draft_model or draft.model
     return GenerationResult(tokens, r.finish_reason or "length", stats,
                             logprobs if req.params.logprobs >= 0 else None)

@@ -110,6 +110,31 @@ async def _yield_session(b, rebuild) -> None:
     await take_room(b, rebuild)
 
 
+async def yield_direct(draft, target, session_id: str) -> None:
+    """A direct request preempted (coordinator/backends/direct.py): the coordinator cancelled its rounds, and its draft
+    replica ends both sessions. Make sure the target's is gone, give both rooms back (the waiter of higher priority
+    takes them), then take room again with the request's own priority, draft first as a new request does, for the
+    coordinator's rounds to resume on."""
+    marked = target if target.view.preempts(target.kind, target.holding) else draft
+    log.info("%s session %s (priority %d) preempted on %s: it waits for room, then resumes", marked.kind, session_id,
+             marked.priority, marked.endpoint)
+    marked.preemptions += 1
+    if target.endpoint is not None:
+        await asyncio.shield(target.end_on(target.endpoint, session_id))
+    for b in (target, draft):
+        endpoint, token, b.endpoint = b.endpoint, b.holding, None
+        if endpoint is not None:
+            await b.pool.release(b.kind, endpoint, token)
+    for b in (draft, target):
+        while True:
+            try:
+                await b.pin()
+                break
+            except CapacityError as e:
+                log.info("preempted session %s still waits for room (%s)", session_id, e)
+                await asyncio.sleep(1.0)
+
+
 async def give_up_session(b) -> None:
     """End the session and give its room back (a waiter of higher priority takes it). The backend is free the
     moment this starts (`endpoint` None); taking room again waits until the replica has ended the session, so

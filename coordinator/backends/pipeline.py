@@ -23,8 +23,7 @@ import grpc
 
 from specdec.errors import (CapacityError, ContextOverflowError, InvalidRequestError, SessionNotFoundError,
                             SpecDecError, StalePositionError)
-from specdec.sampling import SamplingParams
-from specdec.request import GenerationRequest, GenerationResult, GenerationStats
+from specdec.request import GenerationRequest, GenerationResult, GenerationStats, PipelineRequest
 from specdec.schedule import generate
 from specdec.workers.base import PREFILL_CHUNK
 from specdec_rpc.logs import bind
@@ -35,7 +34,7 @@ from coordinator.channels import Channels
 from coordinator.backends.clients import RemoteDraft, RemoteTarget
 from coordinator.routing.pool import DraftContextError, ReplicaUnavailableError
 from coordinator.backends.direct import REPORT_INTERVAL_MS, DirectInterrupted, run_direct, runs_direct
-from coordinator.backends.moves import PoolView, end_in_background, ending
+from coordinator.backends.moves import PoolView, end_in_background, ending, yield_direct
 
 log = logging.getLogger(__name__)
 
@@ -55,30 +54,6 @@ def error_event(e: BaseException) -> dict:
         if isinstance(e, cls):
             return {"error": {"code": code, "message": str(e)}}
     return {"error": {"code": "INTERNAL", "message": f"{type(e).__name__}: {e}"}}
-
-
-def request_from_dict(d: dict) -> GenerationRequest:
-    params = SamplingParams(temperature=float(d.get("temperature", 0.0)), top_k=int(d.get("top_k", 0)),
-                            top_p=float(d.get("top_p", 1.0)), seed=int(d.get("seed", 0)),
-                            logprobs=int(d.get("logprobs", -1)), prompt_logprobs=int(d.get("prompt_logprobs", -1)),
-                            cache_salt=str(d.get("cache_salt", "")),
-                            presence_penalty=float(d.get("presence_penalty", 0.0)),
-                            frequency_penalty=float(d.get("frequency_penalty", 0.0)),
-                            repetition_penalty=float(d.get("repetition_penalty", 1.0)),
-                            logit_bias=tuple((int(t), float(b)) for t, b in d.get("logit_bias", ())),
-                            grammar=str(d.get("grammar", "")), min_p=float(d.get("min_p", 0.0)),
-                            min_tokens=int(d.get("min_tokens", 0)),
-                            stop_ids=tuple(d.get("eos_token_ids", ())) if d.get("min_tokens") else (),
-                            allowed_token_ids=tuple(d.get("allowed_token_ids", ())),
-                            bad_words=tuple(tuple(w) for w in d.get("bad_words", ())))
-    keys = ("max_new_tokens", "mode", "gamma", "block_size", "verify_method", "pacer_threshold", "pacer_skip_below",
-            "pearl_first_block", "spec_off_batch", "pacer_post_threshold", "pearl_overlap", "priority")
-    kw = {k: d[k] for k in keys if d.get(k) is not None}
-    req = GenerationRequest(prompt_ids=list(d["prompt_ids"]), params=params,
-                            eos_token_ids=tuple(d.get("eos_token_ids", ())), **kw)
-    if d.get("request_id"):
-        req.session_id = d["request_id"]
-    return req
 
 
 async def go_on(req: GenerationRequest, head: list[int], head_logprobs: list, session_id: str, run,
@@ -246,22 +221,20 @@ class Pipeline:
         if self._view_task is None:
             self._view_task = asyncio.get_running_loop().create_task(self._refresh_view())
 
-    async def stream(self, request: dict) -> AsyncIterator[dict]:
-        """Run one request; yield events as tokens are verified (see module docstring)."""
+    async def stream(self, request: PipelineRequest) -> AsyncIterator[dict]:
+        """Run one request (a front door's, typed: specdec.request.PipelineRequest); yield events as tokens are
+        verified (see module docstring)."""
         self._ensure_view()
         queue: asyncio.Queue = asyncio.Queue()
-        try:
-            req = request_from_dict(request)
-        except Exception as e:  # noqa: BLE001
-            yield error_event(InvalidRequestError("request", str(e)))
-            return
+        # the pipeline's own copy: validation fills its unset gamma, the caller's stays as it was sent
+        req = dataclasses.replace(request.generation)
         rid = req.session_id
-        incremental = not request.get("final_only")  # False: the caller reads only the last event
+        incremental = not request.final_only  # False: the caller reads only the last event
         # this request's log lines (JSON logs, specdec_rpc/logs.py) name it; its end adds replicas and timings
         log_fields = bind(request_id=rid, session_id=rid)
-        # the request span's W3C headers (coordinator/tracing.py); an untraced request has none and pays one lookup
-        trace = (tuple((k, request[k]) for k in TRACE_HEADERS if request.get(k)) if request.get("traceparent")
-                 else None)
+        # the request span's W3C headers (coordinator/tracing.py); an untraced request has none
+        headers = request.trace_headers
+        trace = tuple((k, headers[k]) for k in TRACE_HEADERS if headers.get(k)) if headers.get("traceparent") else None
 
         def on_tokens(new: list[int], logprobs: list | None = None, served: dict | None = None) -> bool:
             """`served`: the replicas the request holds, when they changed (a request that ends without its last
@@ -274,8 +247,8 @@ class Pipeline:
                 queue.put_nowait({"served": served})
             return rid in self._stop
 
-        task = asyncio.ensure_future(self._run(req, on_tokens, bool(request.get("draft_fallback")), trace,
-                                               log_fields, final_only=not incremental))
+        task = asyncio.ensure_future(self._run(req, on_tokens, request.draft_fallback, trace, log_fields,
+                                               final_only=not incremental))
         self._tasks[rid] = task
         task.add_done_callback(lambda t: queue.put_nowait(None))
         try:
@@ -398,11 +371,13 @@ class Pipeline:
                                    self.channels.dialer.server_names.get("target", ""), self.chain_window,
                                    REPORT_INTERVAL_MS if run.final_only else 0)
         except DirectInterrupted as e:
-            # the draft replica's target session, if it is left: ended off this path (a gone replica is let be)
-            end_in_background(target.end_on(target.endpoint, sid))
-            log.warning("request %s: direct rounds on %s ended (%s: %s); going on from %d tokens with the "
-                        "coordinator's rounds", sid, draft.endpoint, e.error.code().name, e.error.details(),
-                        len(committed))
+            (log.info if e.preempted else log.warning)(
+                "request %s: direct rounds on %s ended (%s: %s); going on from %d tokens with the coordinator's "
+                "rounds", sid, draft.endpoint, e.error.code().name, e.error.details(), len(committed))
+            if e.preempted:
+                await yield_direct(draft, target, sid)
+            else:  # the draft replica's target session, if it is left: ended off this path (a gone one is let be)
+                end_in_background(target.end_on(target.endpoint, sid))
             if e.failed:
                 await (target if e.failed == "target" else draft).replace_replica(e.error)
             return await go_on(req, list(committed), list(seen_logprobs), f"{sid}-resumed",
