@@ -110,19 +110,24 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             self.running.add(task)
         try:
             yield
-        except asyncio.CancelledError:
-            if not self.cut:
-                raise
-            if context.done():  # the call ended already (its client went away): there is no one to tell
-                raise
-            try:
-                await context.abort(grpc.StatusCode.UNAVAILABLE, CUT_SHORT)  # counted by the caller's AbortError
-            except grpc.aio.AbortError:
-                raise
-            except Exception:  # noqa: BLE001 - grpc could not send the status: the call is gone, end it as cancelled
-                raise asyncio.CancelledError from None
+        except asyncio.CancelledError as e:
+            await self._cancelled(context, e)
         finally:
             self.running.discard(task)
+
+    async def _cancelled(self, context, cancel: asyncio.CancelledError):
+        """A tracked call was cancelled: raise `cancel` again, unless `cut_short` sent it and the call can still be
+        told, which ends it with UNAVAILABLE."""
+        if not self.cut:
+            raise cancel
+        if context.done():  # the call ended already (its client went away): there is no one to tell
+            raise cancel
+        try:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, CUT_SHORT)  # counted by the caller's AbortError
+        except grpc.aio.AbortError:
+            raise
+        except Exception:  # noqa: BLE001 - grpc could not send the status: the call is gone, end it as cancelled
+            raise asyncio.CancelledError from None
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
@@ -169,13 +174,23 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
     def wrap_unary(self, behavior, method, deserializer=None):
         """A unary handler with its errors mapped, the call tracked and timed (the frame port wraps its handlers
-        here too, under the per-round stream's method name)."""
+        here too, under the per-round stream's method name). The tracking is `_tracked`'s, written out: a verify or
+        draft call runs through here every round, and the context manager's generator costs more than the rest."""
+        tracked = method not in ("Check", "Watch")
+
         async def wrapped(request, context):
             t0 = time.perf_counter()
+            task = asyncio.current_task()
             try:
                 request = self._decode(deserializer, request, method)
-                async with self._tracked(context, method):
+                if tracked:
+                    self.running.add(task)
+                try:
                     return await behavior(request, context)
+                except asyncio.CancelledError as e:
+                    await self._cancelled(context, e)
+                finally:
+                    self.running.discard(task)
             except grpc.aio.AbortError:
                 self._aborted(context, method)
                 raise
