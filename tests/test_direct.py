@@ -237,7 +237,8 @@ async def test_a_report_interval_gathers_the_rounds_tokens_into_fewer_messages(d
     want = target_greedy(direct["target"], PROMPT, 40)
     assert tokens == want and tokens2 == want and logprobs2 == logprobs
     assert last.done and last2.done and last2.stats["rounds"] == last.stats["rounds"] > 2
-    assert len(every) == last.stats["rounds"], "a message a round"
+    # a message a round (rounds verified while the last message was still being written go together)
+    assert len(gathered) < len(every) <= last.stats["rounds"]
     assert len(gathered) == 2, "the first round's tokens at once, the rest when the request ends"
     assert list(gathered[0].token_ids) == list(every[0].token_ids)
 
