@@ -170,7 +170,7 @@ def test_serve_passes_the_emulated_round_trip_and_the_data_plane():
     from specdec_cli import serve
 
     p = serve.plan(serve.build_parser().parse_args([]))
-    assert p.stack["emulate_rtt_ms"] == 0.0 and p.stack["coordinator_options"]["data_plane"] == "coordinator"
+    assert p.stack["emulate_rtt_ms"] == 0.0 and p.stack["coordinator_options"]["data_plane"] == "auto"
     p = serve.plan(serve.build_parser().parse_args(["--emulate-rtt-ms", "10", "--data-plane", "direct"]))
     assert p.stack["emulate_rtt_ms"] == 10.0 and p.stack["coordinator_options"]["data_plane"] == "direct"
     with pytest.raises(ValueError, match="--emulate-rtt-ms"):

@@ -211,7 +211,7 @@ async def test_coordinator_rounds_travel_on_streams_unless_turned_off(streams):
     d = await start_replica("draft", draft, preverifier="random")
     s = CoordinatorSettings(host="127.0.0.1", port=0, metrics_port=0, ray=False, tokenizer="", pipelines=1,
                             draft_endpoints=d.endpoint, target_endpoints=t.endpoint, log_level="WARNING",
-                            grace_s=0, replica_streams=streams)
+                            grace_s=0, replica_streams=streams, data_plane="coordinator")  # the coordinator's rounds
     app, _ = await build_coordinator(s)
     await app.start()
     ch = grpc.aio.insecure_channel(f"127.0.0.1:{app.port}")
