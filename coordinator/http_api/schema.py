@@ -29,7 +29,8 @@ from coordinator.http_api.json_text import lone_surrogate_at
 from coordinator.http_api.structured import ToolChoice, response_format_pb, structured_output_pb, tool_choice
 from coordinator.grpc_api.tool_parsers import needs_special_tokens
 from specdec import field_rules
-from specdec.request import DraftStop, Overlap, mode_pair
+from specdec.request import Overlap, mode_pair
+from specdec_rpc.convert import DRAFT_STOP_PB, OVERLAP_PB, VERIFY_METHOD_PB
 from specdec_rpc.pb import common_pb2, generation_pb2
 
 MAX_N = 16  # choices per request: each is its own generation (they batch on the target like separate requests)
@@ -45,12 +46,6 @@ PARAM_NAMES = {"max_new_tokens": "max_tokens", "prompt_token_ids": "prompt", "st
                **{f"sampling.{n}": n for n in ("temperature", "top_k", "top_p", "seed", "logprobs", "prompt_logprobs",
                                                "presence_penalty", "frequency_penalty", "repetition_penalty",
                                                "logit_bias", "min_p", "min_tokens", *_SAMPLING_SET)}}
-DRAFT_STOP_PB = {DraftStop.NONE: common_pb2.DRAFT_STOP_NONE, DraftStop.FIXED: common_pb2.DRAFT_STOP_FIXED,
-                 DraftStop.PREVERIFIER: common_pb2.DRAFT_STOP_PREVERIFIER}
-OVERLAP_PB = {Overlap.OFF: common_pb2.OVERLAP_OFF, Overlap.AUTO: common_pb2.OVERLAP_AUTO,
-              Overlap.ALWAYS: common_pb2.OVERLAP_ALWAYS}
-VERIFY_METHOD_PB = {"greedy": common_pb2.VERIFY_METHOD_GREEDY, "token": common_pb2.VERIFY_METHOD_TOKEN,
-                    "block": common_pb2.VERIFY_METHOD_BLOCK}
 
 
 INT32_MAX = 2**31 - 1  # GenerateRequest's integers are int32
