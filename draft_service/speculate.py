@@ -443,7 +443,8 @@ async def speculate(servicer, peers: PeerChannels, request: draft_pb2.SpeculateR
     """The `Speculate` RPC: run the request's schedule here, stream its committed tokens (module docstring)."""
     req: GenerationRequest = request_from_speculate(request)
     if req.mode == "ar":
-        raise InvalidRequestError("mode", "Speculate runs speculative modes; an 'ar' request goes to the target")
+        raise InvalidRequestError("speculation.draft_stop" if request.HasField("speculation") else "mode",
+                                  "Speculate runs speculative modes; an 'ar' request goes to the target")
     if not request.target_endpoint:
         raise InvalidRequestError("target_endpoint", "name the target replica to verify on (host:port)")
     if req.params.prompt_logprobs >= 0:

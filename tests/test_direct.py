@@ -16,7 +16,7 @@ import torch
 import pytest_asyncio
 
 from draft_service.speculate import parse_routes
-from specdec_rpc.pb import draft_pb2, draft_pb2_grpc, generation_pb2 as g, generation_pb2_grpc as gg
+from specdec_rpc.pb import common_pb2, draft_pb2, draft_pb2_grpc, generation_pb2 as g, generation_pb2_grpc as gg
 from tests.helpers_models import start_coordinator, start_replica, target_greedy, tiny_pair
 from tests.test_exactness import chi_square_pvalue
 
@@ -171,6 +171,8 @@ async def test_speculate_refuses_what_it_cannot_run(direct):
     async with grpc.aio.insecure_channel(d1.endpoint) as ch:
         stub = draft_pb2_grpc.DraftServiceStub(ch)
         cases = [(dict(mode="ar", target_endpoint=t1.endpoint), "mode"),
+                 (dict(speculation=common_pb2.Speculation(draft_stop=common_pb2.DRAFT_STOP_NONE),
+                       target_endpoint=t1.endpoint), "speculation.draft_stop"),
                  (dict(mode="sd"), "target_endpoint"),
                  (dict(mode="sd", target_endpoint=t1.endpoint, verify_method="nope"), "verify_method")]
         for kw, field in cases:
