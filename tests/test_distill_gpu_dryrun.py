@@ -118,19 +118,25 @@ def test_carried_parts_give_the_hubs_conversion_bit_for_bit(tmp_path):
     assert all(torch.equal(ref[k], sd[k]) for k in ref)
 
 
-def _dry_run(work: pathlib.Path, target: str, *extra: str) -> tuple[dict, list[str]]:
-    """One dry run in a fresh interpreter -> (metrics.json, the modules it loaded that a bare GPU machine lacks)."""
-    args = ["--dry-run", "--target", target, "--work", str(work), "--out", str(work / "out"), "--mix", "template=1",
-            "--gen-batch", "2", "--max-new-tokens", "8", "--eval-max-rows", "4", "--budget", "120", "--gen-share", "0.03",
-            "--ckpt-seconds", "0", "--threads", "1", *extra]
-    code = ("import runpy, sys, json; sys.argv = ['gpu_run'] + json.loads(sys.argv[1]); "
-            "runpy.run_module('specdec_train.distill.gpu_run', run_name='__main__'); "
+def run_fresh(module: str, args: list[str]) -> tuple[list[str], str]:
+    """`python -m module args` in a fresh interpreter, which must succeed -> (the modules it loaded that a bare GPU
+    machine lacks, its stdout)."""
+    code = (f"import runpy, sys, json; sys.argv = [{module.rsplit('.', 1)[-1]!r}] + json.loads(sys.argv[1]); "
+            f"runpy.run_module({module!r}, run_name='__main__'); "
             f"print('LOADED', json.dumps(sorted(m for m in sys.modules if m in {ABSENT_THERE!r} "
             f"or m.split('.')[0] in {ABSENT_THERE!r})))")
     r = subprocess.run([sys.executable, "-c", code, json.dumps(args)], cwd=REPO, capture_output=True, text=True,
                        timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    loaded = json.loads(r.stdout.rsplit("LOADED ", 1)[1])
+    return json.loads(r.stdout.rsplit("LOADED ", 1)[1]), r.stdout
+
+
+def _dry_run(work: pathlib.Path, target: str, *extra: str) -> tuple[dict, list[str]]:
+    """One dry run in a fresh interpreter -> (metrics.json, the modules it loaded that a bare GPU machine lacks)."""
+    args = ["--dry-run", "--target", target, "--work", str(work), "--out", str(work / "out"), "--mix", "template=1",
+            "--gen-batch", "2", "--max-new-tokens", "8", "--eval-max-rows", "4", "--budget", "120", "--gen-share", "0.03",
+            "--ckpt-seconds", "0", "--threads", "1", *extra]
+    loaded, _ = run_fresh("specdec_train.distill.gpu_run", args)
     return json.loads((work / "gpu" / "metrics.json").read_text()), loaded
 
 

@@ -6,8 +6,6 @@ nothing a bare GPU machine lacks, and a rerun resumes."""
 import json
 import pathlib
 import shutil
-import subprocess
-import sys
 import tarfile
 
 import pytest
@@ -18,7 +16,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from specdec_train.distill.draft_model import save_draft
 from specdec_train.distill.gpu_feature_run import (INIT_DRAFT, build_feature_draft, depth_keep, depth_mask,
                                                    export_feature_draft, sd_rounds)
-from tests.test_distill_gpu_dryrun import ABSENT_THERE
+from tests.test_distill_gpu_dryrun import run_fresh
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 FULL_VOCAB = 49152  # SmolLM2's: the shipped subset and tokenizer index it
@@ -106,15 +104,8 @@ def _dry_run(work: pathlib.Path, target, init, *extra: str) -> tuple[dict, list[
     args = ["--dry-run", "--target", str(target), "--init-draft", str(init), "--work", str(work), "--out",
             str(work / "out"), "--mix", "template=1", "--gen-batch", "2", "--max-new-tokens", "8", "--eval-max-rows",
             "3", "--budget", "60", "--gen-share", "0.02", "--ckpt-seconds", "0", "--threads", "1", *extra]
-    code = ("import runpy, sys, json; sys.argv = ['gpu_feature_run'] + json.loads(sys.argv[1]); "
-            "runpy.run_module('specdec_train.distill.gpu_feature_run', run_name='__main__'); "
-            f"print('LOADED', json.dumps(sorted(m for m in sys.modules if m in {ABSENT_THERE!r} "
-            f"or m.split('.')[0] in {ABSENT_THERE!r})))")
-    r = subprocess.run([sys.executable, "-c", code, json.dumps(args)], cwd=REPO, capture_output=True, text=True,
-                       timeout=600)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    loaded = json.loads(r.stdout.rsplit("LOADED ", 1)[1])
-    return json.loads((work / "gpu-feature" / "metrics.json").read_text()), loaded, r.stdout
+    loaded, stdout = run_fresh("specdec_train.distill.gpu_feature_run", args)
+    return json.loads((work / "gpu-feature" / "metrics.json").read_text()), loaded, stdout
 
 
 def test_dry_run_writes_a_served_feature_draft_and_a_rerun_resumes(tiny, tmp_path):

@@ -28,7 +28,6 @@ Imports only torch, transformers, safetensors and numpy (no pydantic, no Ray, no
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import pathlib
@@ -48,10 +47,10 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from specdec_train.distill.data import load_samples
 from specdec_train.distill.draft_model import SUBSET_FILE, full_to_compact_map
-from specdec_train.distill.gpu_prompts import MIX
-from specdec_train.distill.gpu_run import HELDOUT, INIT_DRAFT, Clock, generate_phase, lr_factor, ship, write_prompts
+from specdec_train.distill.gpu_run import (HELDOUT, INIT_DRAFT, Clock, generate_phase, lr_factor, run_defaults, run_parser,
+                                          ship, write_prompts)
 from specdec_train.distill.gpu_target import REPO, TOKENIZER_FILES, load_target
-from specdec_train.distill.online import batch_tensors
+from specdec_train.distill.online import batch_tensors, optimizer_step
 from specdec_train.distill.train import draft_optimizer, resume, save_checkpoint
 
 FEATURE_SCALE = 0.0625  # the features' rms is ~2, the embeddings' ~0.125 (docs/design/feature_draft.md)
@@ -190,12 +189,7 @@ def feature_step(draft: FeatureDraft, target, opt, batch, to_compact, teacher_he
         loss = loss + weights[k] * (p_k.exp() * (p_k - logq)).sum(-1).mean()
         if k == 0:
             agree = (logq.argmax(-1) == p_k.argmax(-1)).float().mean()
-    for g in opt.param_groups:
-        g["lr"] = lr
-    opt.zero_grad(set_to_none=True)
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
-    opt.step()
+    optimizer_step(opt, loss, draft, lr)
     return loss.detach(), agree
 
 
@@ -381,55 +375,24 @@ After, pooled, agreement per block depth 0..{a['depths'] - 1}: {depth}.
 # ---- the run --------------------------------------------------------------------------------------------------
 
 def parse_args(argv):
-    ap = argparse.ArgumentParser(prog="python -m specdec_train.distill.gpu_feature_run",
-                                 description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ap.add_argument("--dry-run", action="store_true", help="CPU, tiny sizes, a 100 s budget (unless given)")
-    ap.add_argument("--budget", type=float, default=None, help="seconds for the whole run (default 540; dry run 100)")
-    ap.add_argument("--gen-share", type=float, default=0.40, help="share of the budget left after the 'before' "
-                    "measurement that goes to writing text (the rest, less --reserve, to training)")
-    ap.add_argument("--reserve", type=float, default=None, help="seconds kept for the 'after' measurement and "
-                    "export (default 45; dry run 25)")
-    ap.add_argument("--target", default="parts", help="'parts' (.gpu-carry/target-K or /tmp/specdec-target-parts), "
-                    "a .gguf file or a model directory")
+    ap = run_parser("python -m specdec_train.distill.gpu_feature_run", __doc__, budget=540, reserve=(45, 25),
+                    run="gpu-feature")
     ap.add_argument("--init-draft", default=str(INIT_DRAFT), help="the plain compact-vocabulary Llama draft whose "
                     "embedding, head, norm and one layer start the feature draft (also measured as the reference)")
     ap.add_argument("--init-layer", type=int, default=0, help="which of its layers (its first reads embeddings, "
                     "as the feature draft's one layer does)")
     ap.add_argument("--feature-scale", type=float, default=FEATURE_SCALE)
-    ap.add_argument("--run", default="gpu-feature")
-    ap.add_argument("--work", default=".cache-distill/gpu-run")
-    ap.add_argument("--out", default=None, help="where the files to copy back go (default: WORK/RUN/out)")
-    ap.add_argument("--device", default="auto")
-    ap.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's; dry run 2)")
-    ap.add_argument("--mix", default=MIX)
-    ap.add_argument("--temperatures", default="0,0.7,0,1")
-    ap.add_argument("--gen-batch", type=int, default=None, help="prompts per generation batch (3072; dry run 4)")
-    ap.add_argument("--max-new-tokens", type=int, default=None, help="(192; dry run 16)")
-    ap.add_argument("--batch-size", type=int, default=None, help="sequences per training step (128; dry run 2)")
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--depths", type=int, default=6, help="block depths every position is trained at (0 = the "
                     "block's first token, feature known)")
     ap.add_argument("--depth-decay", type=float, default=0.8, help="depth k's loss weight is this ** k")
     ap.add_argument("--gamma", type=int, default=4, help="the block length of the simulated greedy sd")
-    ap.add_argument("--max-steps", type=int, default=None, help="stop training after this many steps in all "
-                    "(default: the clock alone; dry run 6)")
     ap.add_argument("--min-steps", type=int, default=None, help="train at least this many steps per call, "
                     "past the clock (0; dry run 2: a slow CPU still runs the whole code path)")
-    ap.add_argument("--ckpt-seconds", type=float, default=None, help="checkpoint + export every this many seconds "
-                    "of training (60; dry run 10)")
-    ap.add_argument("--ckpt-every", type=int, default=500, help="... and every this many steps")
-    ap.add_argument("--eval-max-rows", type=int, default=None, help="rows per held-out set (all; dry run 6)")
     ap.add_argument("--eval-batch", type=int, default=None, help="rows per measurement batch (64; CPU 4)")
-    ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
-    dry = args.dry_run
-    d = lambda v, real, tiny: v if v is not None else (tiny if dry else real)  # noqa: E731
-    args.budget, args.reserve = d(args.budget, 540.0, 100.0), d(args.reserve, 45.0, 25.0)
-    args.gen_batch, args.max_new_tokens = d(args.gen_batch, 3072, 4), d(args.max_new_tokens, 192, 16)
-    args.batch_size, args.max_steps = d(args.batch_size, 128, 2), d(args.max_steps, None, 6)
-    args.ckpt_seconds, args.eval_max_rows = d(args.ckpt_seconds, 60.0, 10.0), d(args.eval_max_rows, None, 6)
-    args.threads, args.min_steps = d(args.threads, None, 2), d(args.min_steps, 0, 2)
+    run_defaults(args, budget=540.0, reserve=(45.0, 25.0))
+    args.min_steps = args.min_steps if args.min_steps is not None else (2 if args.dry_run else 0)
     if not 1 <= args.gamma <= args.depths:
         ap.error("--gamma must lie in 1 .. --depths")
     return args

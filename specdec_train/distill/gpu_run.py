@@ -262,19 +262,21 @@ and cost: `python experiments/heldout_agreement.py DIR --served int8`, `python e
 """
 
 
-def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m specdec_train.distill.gpu_run", description=__doc__.split("\n\n")[0],
+def run_parser(prog: str, doc: str, budget: int, reserve: tuple[int, int], run: str) -> argparse.ArgumentParser:
+    """The options every prepared GPU run takes (this one, `gpu_feature_run`): the clock, the target, the text it
+    writes, the training steps and checkpoints, where it writes. Unset sizes take `run_defaults`'."""
+    ap = argparse.ArgumentParser(prog=prog, description=doc.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny sizes, a 100 s budget (unless given)")
-    ap.add_argument("--budget", type=float, default=None, help="seconds for the whole run (default 510; dry run 100)")
+    ap.add_argument("--budget", type=float, default=None,
+                    help=f"seconds for the whole run (default {budget}; dry run 100)")
     ap.add_argument("--gen-share", type=float, default=0.40, help="share of the budget left after the 'before' "
                     "measurement that goes to writing text (the rest, less --reserve, to training)")
     ap.add_argument("--reserve", type=float, default=None, help="seconds kept for the 'after' measurement and "
-                    "export (default 35; dry run 20)")
+                    f"export (default {reserve[0]}; dry run {reserve[1]})")
     ap.add_argument("--target", default="parts", help="'parts' (.gpu-carry/target-K or /tmp/specdec-target-parts), "
                     "a .gguf file or a model directory")
-    ap.add_argument("--init-draft", default=str(INIT_DRAFT))
-    ap.add_argument("--run", default="gpu")
+    ap.add_argument("--run", default=run)
     ap.add_argument("--work", default=".cache-distill/gpu-run")
     ap.add_argument("--out", default=None, help="where the files to copy back go ($OUT where set; "
                     "default: WORK/RUN/out)")
@@ -285,7 +287,6 @@ def main(argv=None) -> None:
     ap.add_argument("--gen-batch", type=int, default=None, help="prompts per generation batch (3072; dry run 4)")
     ap.add_argument("--max-new-tokens", type=int, default=None, help="(192; dry run 16)")
     ap.add_argument("--batch-size", type=int, default=None, help="sequences per training step (128; dry run 2)")
-    ap.add_argument("--lr", type=float, default=5e-4)
     ap.add_argument("--max-steps", type=int, default=None, help="stop training after this many steps in all "
                     "(default: the clock alone; dry run 6)")
     ap.add_argument("--ckpt-seconds", type=float, default=None, help="checkpoint + export every this many "
@@ -293,14 +294,27 @@ def main(argv=None) -> None:
     ap.add_argument("--ckpt-every", type=int, default=500, help="... and every this many steps")
     ap.add_argument("--eval-max-rows", type=int, default=None, help="rows per held-out set (all; dry run 6)")
     ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args(argv)
+    return ap
+
+
+def run_defaults(args, budget: float, reserve: tuple[float, float]) -> None:
+    """Fill `run_parser`'s unset sizes: a real run's, or the dry run's tiny ones (`reserve`: real, dry)."""
     dry = args.dry_run
     d = lambda v, real, tiny: v if v is not None else (tiny if dry else real)  # noqa: E731
-    args.budget, args.reserve = d(args.budget, 510.0, 100.0), d(args.reserve, 35.0, 20.0)
+    args.budget, args.reserve = d(args.budget, budget, 100.0), d(args.reserve, *reserve)
     args.gen_batch, args.max_new_tokens = d(args.gen_batch, 3072, 4), d(args.max_new_tokens, 192, 16)
     args.batch_size, args.max_steps = d(args.batch_size, 128, 2), d(args.max_steps, None, 6)
     args.ckpt_seconds, args.eval_max_rows = d(args.ckpt_seconds, 60.0, 10.0), d(args.eval_max_rows, None, 6)
     args.threads = d(args.threads, None, 2)
+
+
+def main(argv=None) -> None:
+    ap = run_parser("python -m specdec_train.distill.gpu_run", __doc__, budget=510, reserve=(35, 20), run="gpu")
+    ap.add_argument("--init-draft", default=str(INIT_DRAFT))
+    ap.add_argument("--lr", type=float, default=5e-4)
+    args = ap.parse_args(argv)
+    dry = args.dry_run
+    run_defaults(args, budget=510.0, reserve=(35.0, 20.0))
     clock = Clock(args.budget)
 
     dev = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() and not dry

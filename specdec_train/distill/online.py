@@ -127,13 +127,18 @@ def distill_step(draft, target, opt, batch, to_compact, subset, amp: dict, dev, 
         dl = draft(input_ids=cids).logits
     loss, agree = subset_kl(dl, tl, subset, mask)
     del tl
+    optimizer_step(opt, loss, draft, lr)
+    return loss, agree
+
+
+def optimizer_step(opt, loss, model, lr: float) -> None:
+    """One step of `opt` on `loss` at learning rate `lr`, gradients clipped to norm 1."""
     for g in opt.param_groups:
         g["lr"] = lr
     opt.zero_grad(set_to_none=True)
     loss.backward()
-    torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     opt.step()
-    return loss, agree
 
 
 def subset_kl(draft_logits, target_logits, subset, mask):
