@@ -126,13 +126,7 @@ async def yield_direct(draft, target, session_id: str) -> None:
         if endpoint is not None:
             await b.pool.release(b.kind, endpoint, token)
     for b in (draft, target):
-        while True:
-            try:
-                await b.pin()
-                break
-            except CapacityError as e:
-                log.info("preempted session %s still waits for room (%s)", session_id, e)
-                await asyncio.sleep(1.0)
+        await _pin_waiting(b, session_id)
 
 
 async def give_up_session(b) -> None:
@@ -173,12 +167,18 @@ async def take_room(b, rebuild=None) -> None:
                 sib.rebuild_due = True
         if b.gave_up is not None:
             await asyncio.shield(b.gave_up)
-        while True:
-            try:
-                await b.pin()
-                break
-            except CapacityError as e:
-                log.info("preempted session %s still waits for room (%s)", b.sid, e)
-                await asyncio.sleep(1.0)
+        await _pin_waiting(b, b.sid)
         if rebuild is not None:
             await rebuild()
+
+
+async def _pin_waiting(b, session_id: str) -> None:
+    """Pin `b` again after a preemption, waiting out full queues: a preempted request keeps its place in line
+    rather than fail with output already verified."""
+    while True:
+        try:
+            await b.pin()
+            return
+        except CapacityError as e:
+            log.info("preempted session %s still waits for room (%s)", session_id, e)
+            await asyncio.sleep(1.0)
