@@ -12,7 +12,7 @@
 # does not carry ~3 GB of CUDA libraries.
 #
 # No model weights are baked in: the model cache is the volume /models/cache (XDG_CACHE_HOME), filled at
-# pod start by an init container (`specdec.hub.resolve_model`) or mounted from a pre-populated volume.
+# pod start by an init container (`specdec.modeling.hub.resolve_model`) or mounted from a pre-populated volume.
 # TLS material is never in the image either: it is mounted from Kubernetes Secrets (see docs/operations/deploy.md).
 
 ARG PYTHON_VERSION=3.11
@@ -70,7 +70,7 @@ LABEL org.opencontainers.image.title="specdec" \
       org.opencontainers.image.source="https://github.com/specdec/specdec" \
       io.specdec.variant="${VARIANT}"
 # gcc builds the native kernels (decode attention, RMSNorm) on the node, for its CPU, at the first model load (in
-# the model cache volume, keyed by CPU: specdec/native.py); without a compiler the servers take the slower torch path.
+# the model cache volume, keyed by CPU: specdec/modeling/native.py); without a compiler the servers take the slower torch path.
 # hadolint ignore=DL3008
 RUN apt-get update \
  && apt-get install -y --no-install-recommends gcc libc6-dev \
@@ -92,7 +92,7 @@ VOLUME ["/models/cache"]
 WORKDIR /home/specdec
 USER 10001:10001
 # gRPC: coordinator 50051, draft 50061, target 50071; Prometheus metrics 9400/9401/9402
-# (specdec/defaults.py; tests/test_deploy.py checks that they agree).
+# (specdec/common/defaults.py; tests/test_deploy.py checks that they agree).
 EXPOSE 50051 8000 50061 50071 9400 9401 9402
 # No HEALTHCHECK: Kubernetes ignores it; the pods use native gRPC probes (deploy/).
 CMD ["python", "-m", "coordinator"]

@@ -14,7 +14,7 @@ from coordinator.backends.pipeline import Pipeline
 from coordinator.channels import Dialer
 from coordinator.routing.discovery import source_from_spec
 from coordinator.routing.pool import PoolManager, ReplicaUnavailableError
-from specdec.request import PipelineRequest
+from specdec.scheduling.request import PipelineRequest
 from specdec_rpc.logs import configure_logging
 
 

@@ -12,9 +12,9 @@ from typing import Literal
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
-from specdec.field_rules import MAX_GAMMA
-from specdec.defaults import COORDINATOR_METRICS_PORT, COORDINATOR_PORT, DEFAULT_TARGET, DEFAULT_TARGET_NAME
-from specdec.request import DEFAULT_POST_THRESHOLD, MAX_SPEC_OFF_BATCH, MODES
+from specdec.common.defaults import COORDINATOR_METRICS_PORT, COORDINATOR_PORT, DEFAULT_TARGET, DEFAULT_TARGET_NAME
+from specdec.scheduling.field_rules import MAX_GAMMA
+from specdec.scheduling.request import DEFAULT_POST_THRESHOLD, MAX_SPEC_OFF_BATCH, MODES
 from specdec_rpc.settings import ProcessSettings
 
 
@@ -41,7 +41,7 @@ class CoordinatorSettings(ProcessSettings):
     gamma: int = Field(0, ge=0, le=MAX_GAMMA, description="the draft length (sd), most tokens drafted (pacer) or draft "
                                                    "window (PEARL modes) of requests that set none; vLLM's "
                                                    "num_speculative_tokens (0: each mode's own default, "
-                                                   "specdec/request.py DEFAULT_GAMMA)")
+                                                   "specdec/scheduling/request.py DEFAULT_GAMMA)")
     verify_method: Literal["token", "block"] = Field("block", description="how sampled drafts of requests that "
                                                      "set none are verified: token (per-token rejection sampling) "
                                                      "or block (block verification; accepts at least as much); "

@@ -15,7 +15,7 @@ from pathlib import PurePath
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from specdec.request import MODES
+from specdec.scheduling.request import MODES
 
 _SECONDS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 # a whole request: up to the token cap (4096 by default) at 0.05-0.1 s a token under load

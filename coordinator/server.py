@@ -13,10 +13,10 @@ from coordinator.channels import Dialer
 from coordinator.routing.pool import PoolManager
 from coordinator.routing.router import LocalRouter, RayRouter
 from coordinator.tracing import init_tracer
-from specdec.defaults import GENERATION_SERVICE_NAME
-from specdec.hub import resolve_tokenizer
-from specdec.settings import setdefault_environ
-from specdec.tokenizer import eos_token_ids, load_tokenizer
+from specdec.common.defaults import GENERATION_SERVICE_NAME
+from specdec.common.settings import setdefault_environ
+from specdec.modeling.hub import resolve_tokenizer
+from specdec.text.tokenizer import eos_token_ids, load_tokenizer
 from specdec_rpc.app import ServerApp
 from specdec_rpc.auth import ApiKeyInterceptor
 from specdec_rpc.logs import adopt_loggers

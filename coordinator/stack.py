@@ -27,10 +27,10 @@ from pathlib import Path
 from coordinator.config import CoordinatorSettings, served_names
 from coordinator.routing.probes import grpc_health
 from coordinator.server import build_coordinator, init_ray
-from specdec.hub import resolve_model
-from specdec.model import ModelConfig
-from specdec.pairing import check_pair
-from specdec.settings import child_environ
+from specdec.common.settings import child_environ
+from specdec.modeling.hub import resolve_model
+from specdec.modeling.model import ModelConfig
+from specdec.text.pairing import check_pair
 
 log = logging.getLogger(__name__)
 
@@ -106,8 +106,8 @@ def option_flags(options: dict) -> list[str]:
 
 def check_models(target_dir: str, draft_dir: str | None, target: str, draft: str | None) -> None:
     """Refuse, before any replica starts, what would make one fail or a pair useless: a config.json that cannot be
-    served exactly (specdec/model.py, one line naming the field) and a draft of another tokenizer
-    (specdec/pairing.py, one line naming both models). A .gguf file or a directory without config.json is left to
+    served exactly (specdec/modeling/model.py, one line naming the field) and a draft of another tokenizer
+    (specdec/text/pairing.py, one line naming both models). A .gguf file or a directory without config.json is left to
     the replica."""
     for spec, path in ((target, target_dir), (draft, draft_dir)):
         cfg = Path(path) / "config.json" if path else None
@@ -276,7 +276,7 @@ class LocalStack:
         if self.prompt_lookup_min_ngram is not None:
             extra += ["--prompt-lookup-min-ngram", str(self.prompt_lookup_min_ngram)]
         target_vocab = config_vocab_size(target_dir)
-        if 0 < config_vocab_size(draft_dir) < target_vocab:  # fewer rows, one tokenizer (specdec/vocab.py)
+        if 0 < config_vocab_size(draft_dir) < target_vocab:  # fewer rows, one tokenizer (specdec/text/vocab.py)
             extra += ["--target-vocab-size", str(target_vocab)]
         return extra
 

@@ -25,7 +25,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from specdec_rpc.tracing import TRACE_HEADERS, init_tracer as _init_tracer, parent_of, trace_headers
 
 if TYPE_CHECKING:
-    from specdec.request import PipelineRequest
+    from specdec.scheduling.request import PipelineRequest
 
 __all__ = ["TRACE_HEADERS", "RequestTrace", "init_tracer", "parent_of"]
 

@@ -21,10 +21,10 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
-from specdec.drafting import DraftBlock
-from specdec.errors import CapacityError
-from specdec_rpc.interceptor import ServiceDraining
+from specdec.common.errors import CapacityError
+from specdec.workers.drafting import DraftBlock
 from specdec_rpc.aio import cancel_and_wait
+from specdec_rpc.interceptor import ServiceDraining
 
 _END = object()
 

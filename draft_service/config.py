@@ -6,8 +6,8 @@ import importlib
 from pydantic import Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
-from specdec.defaults import DEFAULT_DRAFT, DRAFT_METRICS_PORT, DRAFT_PORT, PROMPT_LOOKUP_MIN_NGRAM, QUANT_MODES
-from specdec.lookup import prompt_lookup
+from specdec.common.defaults import DEFAULT_DRAFT, DRAFT_METRICS_PORT, DRAFT_PORT, PROMPT_LOOKUP_MIN_NGRAM, QUANT_MODES
+from specdec.decoding.lookup import prompt_lookup
 from specdec_rpc.settings import ServerSettings
 
 
@@ -30,11 +30,11 @@ class DraftSettings(ServerSettings):
     target_vocab_size: int = Field(
         0, ge=0, description="the target model's vocabulary size where the draft checkpoint has fewer rows of the "
         "same tokenizer (Qwen2.5-0.5B's 151936 for Qwen2.5-7B's 152064): the draft then takes every target id and "
-        "proposes none past its rows (specdec/vocab.py); 0: the draft's own")
+        "proposes none past its rows (specdec/text/vocab.py); 0: the draft's own")
     prompt_lookup_min_ngram: int = Field(
         PROMPT_LOOKUP_MIN_NGRAM, ge=0, description="prompt lookup: where the context's last N tokens (N >= this) occurred before, draft "
         "the token that followed them instead of the model's (q one-hot: lossless); 0 turns it off "
-        "(specdec/lookup.py)")
+        "(specdec/decoding/lookup.py)")
     prompt_lookup_max_ngram: int = Field(6, ge=1, description="prompt lookup: the longest n-gram compared")
     target_routes: str = Field(
         "", description="direct data plane (COORDINATOR_DATA_PLANE=direct): the address this replica dials for a "

@@ -4,18 +4,18 @@ from __future__ import annotations
 import asyncio
 import math
 
-from specdec.defaults import DRAFT_SERVICE_NAME
-from specdec.dtypes import resolve_dtype
-from specdec.model import load_model
-from specdec.preverifier import load_preverifier
-from specdec.threads import ModelThread
-from specdec.vocab import fit_draft_vocabulary
+from specdec.common.defaults import DRAFT_SERVICE_NAME
+from specdec.common.threads import ModelThread
+from specdec.decoding.preverifier import load_preverifier
+from specdec.modeling.dtypes import resolve_dtype
+from specdec.modeling.model import load_model
+from specdec.text.vocab import fit_draft_vocabulary
 from specdec_rpc.app import ServerApp, advertise_frames
-from specdec_rpc.host import SessionHost
-from specdec_rpc.pb import draft_pb2
-from specdec_rpc.metrics import ServiceMetrics
-from specdec_rpc.settings import resolve_device
 from specdec_rpc.frames import client_ssl_context
+from specdec_rpc.host import SessionHost
+from specdec_rpc.metrics import ServiceMetrics
+from specdec_rpc.pb import draft_pb2
+from specdec_rpc.settings import resolve_device
 from specdec_rpc.tls import channel_credentials
 from specdec_rpc.tracing import replica_spans
 

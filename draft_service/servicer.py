@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import grpc
 
-from specdec.errors import InvalidRequestError, StalePositionError
-from specdec.stop import StopSpec, make_stop_rule
-from specdec_rpc.convert import encode_q, features_from_proto, sampling_from_proto
+from specdec.common.errors import InvalidRequestError, StalePositionError
+from specdec.decoding.stop import StopSpec, make_stop_rule
+from specdec_rpc.convert import encode_q, features_from_proto, read_sampling
 from specdec_rpc.host import SessionHost
 from specdec_rpc.pb import draft_pb2, draft_pb2_grpc
 from specdec_rpc.tracing import CallClock
@@ -31,7 +31,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
 
     async def StartSession(self, request, context) -> draft_pb2.DraftServiceStartSessionResponse:
         clock = CallClock() if self.spans is not None else None
-        params = sampling_from_proto(request.params)
+        params = read_sampling(request.params)
         if request.reserve_positions:
             self.host.worker.check_reserve(request.reserve_positions, len(request.prompt_ids))
         feats = features_from_proto(request.features) if self.worker.reads_features else None

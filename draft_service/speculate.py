@@ -1,7 +1,7 @@
 """The direct data plane (`Speculate`): this draft replica runs one request's rounds itself.
 
 With `COORDINATOR_DATA_PLANE=direct` the coordinator pins a draft and a target replica as always, then hands the
-request to the draft replica, which runs `specdec.schedule.generate` with two backends:
+request to the draft replica, which runs `specdec.scheduling.schedule.generate` with two backends:
 
 - `ReplicaDraft`: this replica's own drafting, through its batcher (concurrent sessions still share forwards), with
   no network between the schedule and the draft: a PEARL cut or a new block costs nothing on the wire;
@@ -29,14 +29,15 @@ from typing import AsyncIterator, NamedTuple
 
 import grpc
 
-from specdec.drafting import DraftBlock
-from specdec.errors import InvalidRequestError
-from specdec.request import GenerationRequest
-from specdec.sampling import SamplingParams
-from specdec.schedule import generate
-from specdec.stop import StopSpec, make_stop_rule
-from specdec.verify import SparseDist
-from specdec.workers.base import TargetFeatures
+from specdec.common.errors import InvalidRequestError
+from specdec.decoding.sampling import SamplingParams
+from specdec.decoding.stop import StopSpec, make_stop_rule
+from specdec.decoding.verify import SparseDist
+from specdec.scheduling.field_rules import validate_request
+from specdec.scheduling.request import GenerationRequest
+from specdec.scheduling.schedule import generate
+from specdec.state.feature_state import TargetFeatures
+from specdec.workers.drafting import DraftBlock
 from specdec.workers.target import VerifyOutcome
 from specdec_rpc.channels import open_channel
 from specdec_rpc.frames import FrameCall, FramePorts
@@ -266,7 +267,7 @@ class PeerTarget:
 
     async def verify_chained(self, session_id: str, base_position: int, assumed: list[int],
                              proposals: list[int]) -> asyncio.Future:
-        """Send a chained verify (specdec/chained.py) on the session's pipelined stream and return at once: → the
+        """Send a chained verify (specdec/scheduling/chained.py) on the session's pipelined stream and return at once: → the
         future of its VerifyOutcome. Answers come in the order the verifies were sent."""
         if self.pipe is None:
             self.pipe = _Pipe(self.stub.VerifyRounds(metadata=self.metadata))
@@ -321,7 +322,7 @@ class LinkEstimate:
     """What this replica has measured of one target replica: the link's round trip (a call's wall time less the
     target's compute and queueing) and the target's forward time, each a moving average (weight 0.2).
 
-    Chained rounds (specdec/chained.py) pay where waiting for a verify's answer idles the target long enough: with
+    Chained rounds (specdec/scheduling/chained.py) pay where waiting for a verify's answer idles the target long enough: with
     the round trip at least `CHAIN_MIN_RTT` forwards. Below that, PEARL's rounds, one verify at a time, commit more per
     forward (on the 2-vCPU dev host, at round trip 0: 23.5 tokens/s chained against 24.1 with PEARL's rounds and
     26.9 for sd; at one forward: 21.8 chained against 15.2, docs/operations/network.md)."""
@@ -441,7 +442,7 @@ class _Reports:
 async def speculate(servicer, peers: PeerChannels, request: draft_pb2.SpeculateRequest, context,
                     timeout: float) -> AsyncIterator[draft_pb2.SpeculateResponse]:
     """The `Speculate` RPC: run the request's schedule here, stream its committed tokens (module docstring)."""
-    req: GenerationRequest = request_from_speculate(request)
+    req: GenerationRequest = validate_request(request_from_speculate(request))
     if req.mode == "ar":
         raise InvalidRequestError("speculation.draft_stop" if request.HasField("speculation") else "mode",
                                   "Speculate runs speculative modes; an 'ar' request goes to the target")

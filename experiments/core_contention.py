@@ -15,7 +15,7 @@ import statistics
 
 import torch
 
-from specdec.model import load_model
+from specdec.modeling.model import load_model
 from specdec_train.distill.bench import served_per_token_s
 
 

@@ -14,7 +14,7 @@ the full-vocabulary row (what sampled drafting runs).
 
 Draft and target and the dtypes are interleaved per repeat (machine drift hits all alike); each repeat times
 `--steps` consecutive tokens; medians over repeats and the draft/target ratio per dtype are printed as markdown.
-`auto` is what `--dtype auto` serves on this machine (specdec.dtypes.auto_dtype).
+`auto` is what `--dtype auto` serves on this machine (specdec.modeling.dtypes.auto_dtype).
 """
 from __future__ import annotations
 
@@ -23,10 +23,10 @@ import statistics
 
 import torch
 
+from specdec.modeling.dtypes import resolve_dtype
+from specdec.modeling.model import load_model
+from specdec.modeling.quant import weight_quant
 from specdec_train.distill.bench import served_per_token_s
-from specdec.dtypes import resolve_dtype
-from specdec.model import load_model
-from specdec.quant import weight_quant
 
 
 class FeatureFed:
@@ -68,7 +68,7 @@ def main(argv=None) -> None:
             for qu in args.draft_quants:
                 ddt = resolve_dtype(dt, "cpu", "draft")
                 if qu == "int8" and ddt != torch.bfloat16:
-                    continue  # int8 weights need bf16 activations (specdec.quant)
+                    continue  # int8 weights need bf16 activations (specdec.modeling.quant)
                 models[("draft", name, dt, qu)] = served(load_model(name, dtype=ddt, role="draft", quant=qu))
     runs = [(k, False) for k in models] + [(k, True) for k, m in models.items()
                                            if getattr(m, "vocab_subset", None) is not None]

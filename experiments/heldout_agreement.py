@@ -25,10 +25,10 @@ from pathlib import Path
 
 import torch
 
+from specdec.modeling.model import load_model
 from specdec_train.distill.data import load_samples, split
 from specdec_train.distill.draft_model import load_draft
 from specdec_train.distill.evaluate import greedy_agreement
-from specdec.model import load_model
 
 SETS = {"online": str(Path(__file__).resolve().parents[1] / "specdec_train" / "data" / "distill_heldout.jsonl.gz")}
 

@@ -1,11 +1,11 @@
-"""Microbenchmarks behind the per-host kernel plans (specdec/linear.py) and the decode attention (specdec/attention.py).
+"""Microbenchmarks behind the per-host kernel plans (specdec/modeling/linear.py) and the decode attention (specdec/modeling/attention.py).
 
     python experiments/kernel_micro.py                 # both tables, 1 thread
     python experiments/kernel_micro.py --only linear   # or: attention
 
 Linear: one layer of each of the default target's shapes, bf16 (and the fp32 F.linear for reference), every
-kernel `specdec.linear.Linear` / `specdec.quant.Int8Linear` can run, 1 / 4 / 8 rows. Attention: one query and four
-queries against 40-2,000 cached keys, the fused SDPA kernel vs `specdec.attention`'s decode path, with the
+kernel `specdec.modeling.linear.Linear` / `specdec.modeling.quant.Int8Linear` can run, 1 / 4 / 8 rows. Attention: one query and four
+queries against 40-2,000 cached keys, the fused SDPA kernel vs `specdec.modeling.attention`'s decode path, with the
 max error of each against an fp32 reference. Median µs over interleaved repeats; weights stay cache-hot, so these
 rank kernels, while `scripts/forward_cost.py` measures whole forwards.
 """
@@ -19,9 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdec.attention import attention
-from specdec.linear import Linear
-from specdec.quant import Int8Linear, int8_supported
+from specdec.modeling.attention import attention
+from specdec.modeling.linear import Linear
+from specdec.modeling.quant import Int8Linear, int8_supported
 
 SHAPES = [(576, 576, "q, o"), (192, 576, "k, v"), (1536, 576, "gate, up"), (576, 1536, "down"),
           (49152, 576, "target head"), (8192, 576, "draft head (compact)")]

@@ -17,12 +17,12 @@ from pathlib import Path
 
 import torch
 
+from specdec.decoding.lookup import PromptLookup
+from specdec.modeling.hub import resolve_model
+from specdec.modeling.model import load_model
+from specdec.text.tokenizer import load_tokenizer
 from specdec_bench.prompts import load_prompt_sets
 from specdec_train.distill.data import load_samples
-from specdec.hub import resolve_model
-from specdec.lookup import PromptLookup
-from specdec.model import load_model
-from specdec.tokenizer import load_tokenizer
 
 HELDOUT = Path(__file__).resolve().parents[1] / "specdec_train" / "data" / "distill_heldout.jsonl.gz"
 

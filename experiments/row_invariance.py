@@ -15,10 +15,10 @@ import argparse
 
 import torch
 
-from specdec.linear import Linear, check_row_invariance
-from specdec.model import load_model
-from specdec.sampling import SamplingParams
-from specdec.threads import set_thread_count
+from specdec.common.threads import set_thread_count
+from specdec.decoding.sampling import SamplingParams
+from specdec.modeling.linear import Linear, check_row_invariance
+from specdec.modeling.model import load_model
 from specdec.workers.target import TargetWorker, VerifyArgs
 from specdec_bench.prompts import default_target_prompts
 

@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from specdec import native
+from specdec.modeling import native
 
 
 def main(argv=None) -> None:

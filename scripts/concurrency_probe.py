@@ -17,10 +17,10 @@ import time
 import urllib.request
 
 from coordinator.stack import LocalStack
-from specdec.defaults import DEFAULT_DRAFT, DEFAULT_TARGET
-from specdec.hub import resolve_model
-from specdec.preverifier import default_preverifier_dir
-from specdec.tokenizer import load_tokenizer
+from specdec.common.defaults import DEFAULT_DRAFT, DEFAULT_TARGET
+from specdec.decoding.preverifier import default_preverifier_dir
+from specdec.modeling.hub import resolve_model
+from specdec.text.tokenizer import load_tokenizer
 from specdec_bench.prompts import load_prompt_sets
 from specdec_bench.runners import StackClient
 

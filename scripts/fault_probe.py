@@ -27,9 +27,9 @@ import httpx
 from coordinator.config import CoordinatorSettings
 from coordinator.server import build_coordinator
 from coordinator.stack import free_port
-from specdec.defaults import DEFAULT_DRAFT, DEFAULT_TARGET
-from specdec.hub import resolve_model
-from specdec.preverifier import default_preverifier_dir
+from specdec.common.defaults import DEFAULT_DRAFT, DEFAULT_TARGET
+from specdec.decoding.preverifier import default_preverifier_dir
+from specdec.modeling.hub import resolve_model
 from specdec_rpc.pb import generation_pb2 as g, generation_pb2_grpc as gg
 
 PROMPTS = [[1, 504, 3456, 314, 260, 2564, 30, 198], [1, 9690, 198, 2683, 359, 253, 5356, 5646, 28],

@@ -24,9 +24,9 @@ import time
 
 import torch
 
-from specdec import settings
-from specdec.linear import Linear, padding, set_plan
-from specdec.model import load_model
+from specdec.common import settings
+from specdec.modeling.linear import Linear, padding, set_plan
+from specdec.modeling.model import load_model
 
 PLANS = {"gemm": ("gemm",) * 4, "gemv": ("gemv", "gemm", "gemm", "gemm"),
          "gemv+packed": ("gemv", "packed", "packed", "packed"), "packed": ("packed",) * 4,
@@ -53,15 +53,15 @@ def main(argv=None) -> None:
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--kernels", nargs="+", default=["tuned"], choices=list(PLANS) + ["tuned", "tuned-unpadded"],
-                    help="bf16 linears (specdec/linear.py): gemm = F.linear always; gemv = torch.mv for one row, "
+                    help="bf16 linears (specdec/modeling/linear.py): gemm = F.linear always; gemv = torch.mv for one row, "
                          "F.linear for more; gemv+packed = gemv, prepacked oneDNN weights for more rows (the "
                          "untuned default); packed = prepacked for every row count; tuned = measured on this host, "
                          "with its row padding; tuned-unpadded = the same kernels without row padding")
     ap.add_argument("--attention", nargs="+", default=["native"], choices=["native", "native-ops", "torch"],
-                    help="native = specdec/csrc's decode attention where it runs, and whole decoder layers as one "
+                    help="native = specdec/modeling/csrc's decode attention where it runs, and whole decoder layers as one "
                          "native call where every linear streams (the default: `native_layers`); native-ops = the "
                          "same kernels layer by layer between torch ops (`native_layers` off); torch = the torch path "
-                         "(specdec/attention.py, row by row in a batch)")
+                         "(specdec/modeling/attention.py, row by row in a batch)")
     ap.add_argument("--sessions", nargs="+", type=int, default=[1],
                     help="sessions per forward (a batched step: each session's rows, contexts 8 positions apart)")
     ap.add_argument("--bandwidth", action="store_true",

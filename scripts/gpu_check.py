@@ -13,7 +13,7 @@ rewritten after every phase, so a run cut off still reports what it finished:
    fp32), and a draft identical to its target has every drafted token accepted;
 4. shapes: random-weight Llama-3.2-1B-shaped draft and Llama-3.1-8B-shaped target (tests/data/configs, bf16): draft
    step at 1/2/4/8 sessions and target verify at 1/2/4/8/16 rows, each as `CausalLM.forward` (eager), the sync-free
-   `static_forward` run eagerly, and its CUDA-graph replay (specdec/cuda_graphs.py), with replay == eager bitwise
+   `static_forward` run eagerly, and its CUDA-graph replay (specdec/modeling/cuda_graphs.py), with replay == eager bitwise
    checked at every point; dry run: the same code on tiny shapes on CPU (graphs: the eager fallback);
 5. default pair: the shipped default draft's step the same way; the default target only where its converted
    weights are in the cache already (the check downloads nothing);
@@ -117,7 +117,7 @@ def time_ms(fn, dev: torch.device, reps: int, warmup: int = 3) -> float:
 def random_model(config_path: Path, dev: torch.device, dtype: torch.dtype, shrink: bool):
     """A random-weight model of a real config's shapes (dry run: the same family, tiny), built on the device
     directly (no fp32 copy on the host), q/k/v and gate/up fused as a load fuses them."""
-    from specdec.model import ModelConfig
+    from specdec.modeling.model import ModelConfig
     from specdec_bench.synthetic import random_model_of
 
     cfg = ModelConfig.from_hf(json.loads(config_path.read_text()))
@@ -133,7 +133,7 @@ def measure_model(model, role: str, points: list[tuple[int, int]], ctx_len: int,
                   widths=None) -> list[dict]:
     """Per (sessions, rows): ms of `CausalLM.forward`, of `static_forward` eagerly and of its graph replay, and
     whether replay == eager bitwise. The KV holds random values (not zeros) up to ctx_len for every slot."""
-    from specdec import cuda_graphs as cg
+    from specdec.modeling import cuda_graphs as cg
 
     dev = model.device
     max_b = max(b for b, _ in points)
@@ -235,10 +235,10 @@ def phase_exactness(dev: torch.device, args, deadline: float) -> dict:
     host, which reads the draft's features from the device once per block; one per pair, reading the draft's
     hidden rows; the hidden rows and the draft's exact output head (run on the device); the top-2 margin and no
     hidden rows."""
+    from specdec.decoding.preverifier import build_random_preverifier
+    from specdec.decoding.sampling import SamplingParams
     from specdec.engine import Engine
-    from specdec.preverifier import build_random_preverifier
-    from specdec.request import GenerationRequest
-    from specdec.sampling import SamplingParams
+    from specdec.scheduling.request import GenerationRequest
     from tests.helpers_models import build_tiny_model
 
     target = build_tiny_model(vocab_size=64, hidden_size=64, seed=1, logit_scale=2.0).to(dev)
@@ -297,9 +297,9 @@ def chi_square_sd(dev: torch.device, deadline: float, runs: int, vocab: int = 12
     incomplete gamma (no scipy on a bare machine). Runs stop at the phase deadline (at least 200 for a verdict)."""
     from collections import Counter
 
+    from specdec.decoding.sampling import SamplingParams
     from specdec.engine import Engine
-    from specdec.request import GenerationRequest
-    from specdec.sampling import SamplingParams
+    from specdec.scheduling.request import GenerationRequest
     from tests.helpers_models import build_tiny_model
 
     target = build_tiny_model(vocab_size=vocab, hidden_size=32, seed=21, logit_scale=1.5).to(dev)
@@ -370,8 +370,8 @@ def phase_shapes(dev: torch.device, args, deadline: float) -> dict:
 
 
 def phase_default_pair(dev: torch.device, args, deadline: float) -> dict:
-    from specdec import hub
-    from specdec.model import load_model_dir
+    from specdec.modeling import hub
+    from specdec.modeling.model import load_model_dir
 
     out = {"status": "ok", "rows": []}
     dtype = "bfloat16" if dev.type == "cuda" else "float32"

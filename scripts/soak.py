@@ -45,15 +45,15 @@ import httpx
 from concurrency_probe import scrape
 
 from coordinator.stack import LocalStack
-from specdec.defaults import DEFAULT_DRAFT, DEFAULT_TARGET
-from specdec.hub import resolve_model
-from specdec.preverifier import default_preverifier_dir
-from specdec.tokenizer import load_tokenizer
+from specdec.common.defaults import DEFAULT_DRAFT, DEFAULT_TARGET
+from specdec.decoding.preverifier import default_preverifier_dir
+from specdec.modeling.hub import resolve_model
+from specdec.text.tokenizer import load_tokenizer
 from specdec_bench.prompts import Prompt, load_prompt_sets
 from specdec_rpc.pb import generation_pb2, generation_pb2_grpc
 
 MODES = ["ar", "sd", "pacer", "pearl", "pacer_pearl"]
-# a share of the greedy requests carry these (specdec/penalties.py); checked against `ar` with the same
+# a share of the greedy requests carry these (specdec/decoding/penalties.py); checked against `ar` with the same
 PENALTIES = {"presence_penalty": 0.5, "frequency_penalty": 0.25, "repetition_penalty": 1.25}
 # a long system prompt every prompt is also sent behind (the prefix cache's hits; `--no-shared-prefix`: not)
 SHARED_PREFIX = (

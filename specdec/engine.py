@@ -18,19 +18,21 @@ from typing import AsyncIterator
 
 import torch
 
-from specdec.lookup import PromptLookup
-from specdec.model import tune_model
-from specdec.pairing import check_pair
-from specdec.request import GenerationRequest, GenerationResult
-from specdec.sampling import SamplingParams
-from specdec.schedule import generate
-from specdec.stop import StopSpec, make_stop_rule
-from specdec.threads import ModelThread
-from specdec.verify import SparseDist
-from specdec.vocab import fit_draft_vocabulary
-from specdec.workers.base import PREFILL_CHUNK, TargetFeatures
-from specdec.drafting import DraftBlock
+from specdec.common.threads import ModelThread
+from specdec.decoding.lookup import PromptLookup
+from specdec.decoding.sampling import SamplingParams
+from specdec.decoding.stop import StopSpec, make_stop_rule
+from specdec.decoding.verify import SparseDist
+from specdec.modeling.model import tune_model
+from specdec.scheduling.field_rules import validate_request
+from specdec.scheduling.request import GenerationRequest, GenerationResult
+from specdec.scheduling.schedule import generate
+from specdec.state.feature_state import TargetFeatures
+from specdec.text.pairing import check_pair
+from specdec.text.vocab import fit_draft_vocabulary
+from specdec.workers.base import PREFILL_CHUNK
 from specdec.workers.draft import DraftWorker
+from specdec.workers.drafting import DraftBlock
 from specdec.workers.target import TargetWorker, VerifyOutcome
 
 SEQUENTIAL_MODES = ("ar", "sd", "pacer")  # schedules whose draft and target never compute at the same time
@@ -42,7 +44,7 @@ _INLINE_OK: contextvars.ContextVar[bool] = contextvars.ContextVar("specdec_inlin
 class _LocalWorker:
     """A worker and its model thread. A call runs on the thread, or inline on the event loop: always
     (`inline=True`: no overlap; the same schedule logic, used by the many-run statistical tests), or for a request
-    that allows it (`_INLINE_OK`) while the thread is idle (specdec/threads.py: the model is never driven from
+    that allows it (`_INLINE_OK`) while the thread is idle (specdec/common/threads.py: the model is never driven from
     two threads at once)."""
 
     def __init__(self, worker, name: str, threads: int | None, inline: bool = False):
@@ -150,14 +152,14 @@ class Engine:
         self.threads_per_model = threads_per_model
         self.auto_inline = inline is None
         inline = bool(inline)
-        cache = {"prefix_cache": prefix_cache, "prefill_chunk": prefill_chunk}  # both workers (specdec/prefix_cache.py)
+        cache = {"prefix_cache": prefix_cache, "prefill_chunk": prefill_chunk}  # both workers (specdec/state/prefix_cache.py)
         self.target_worker = TargetWorker(target_model, max_sessions=max_sessions, max_context=max_context, **cache)
         self.target = LocalTarget(self.target_worker, threads_per_model, inline)
         self.draft_worker = self.draft = None
         if draft_model is not None:
-            # a draft of another tokenizer is refused (PairError naming both models, specdec/pairing.py); a draft
+            # a draft of another tokenizer is refused (PairError naming both models, specdec/text/pairing.py); a draft
             # checkpoint padded to fewer rows than its target's (Qwen2.5-0.5B for -7B) takes and proposes the
-            # target's ids (specdec/vocab.py)
+            # target's ids (specdec/text/vocab.py)
             check_pair(draft_model, target_model)
             fit_draft_vocabulary(draft_model, target_model.config.vocab_size, preverifier)
             self.draft_worker = DraftWorker(draft_model, preverifier=preverifier, q_top_k=q_top_k, lookup=lookup,
@@ -172,6 +174,7 @@ class Engine:
                 and torch.get_num_threads() == 1)
 
     async def agenerate(self, req: GenerationRequest, on_tokens=None) -> GenerationResult:
+        validate_request(req)
         need = len(req.prompt_ids) + req.max_new_tokens  # refused before any work, as the replicas do
         for worker in (self.target_worker, self.draft_worker if req.mode != "ar" else None):
             if worker is not None:

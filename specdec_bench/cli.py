@@ -18,11 +18,11 @@ import sys
 import time
 from pathlib import Path
 
+from specdec.common.defaults import PROMPT_LOOKUP_MIN_NGRAM
 from specdec_bench.harness import ALL_MODES, Bench, BenchOptions, acceptance, aggregate
-from specdec_bench.synthetic import SHAPES
 from specdec_bench.report import machine_info, markdown, markdown_target_error, network_markdown, plot, \
     write_markdown
-from specdec.defaults import PROMPT_LOOKUP_MIN_NGRAM
+from specdec_bench.synthetic import SHAPES
 
 QUICK = dict(n_per_set=2, repeats=1, gammas=(2, 4), temperatures=(0.0,), concurrency=(1, 2, 4, 8), concurrency_repeats=1)
 
@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--draft-model", default="default-draft")
     ap.add_argument("--preverifier", default=None, help="PACER pre-verifier dir (default: the shipped one)")
     ap.add_argument("--prompt-lookup-min-ngram", type=int, default=PROMPT_LOOKUP_MIN_NGRAM,
-                    help="prompt lookup beside the draft model (specdec/lookup.py); 0: off (default: %(default)s)")
+                    help="prompt lookup beside the draft model (specdec/decoding/lookup.py); 0: off (default: %(default)s)")
     ap.add_argument("--prefix-cache", action="store_true",
                     help="let requests reuse prompt prefixes (off by default: every request prefills its whole "
                          "prompt, as the HF baseline does, so the suite compares generation)")

@@ -16,15 +16,15 @@ import torch
 from tqdm import tqdm
 
 from coordinator.stack import LocalStack
+from specdec.common.defaults import PROMPT_LOOKUP_MIN_NGRAM
+from specdec.decoding.lookup import prompt_lookup
+from specdec.decoding.preverifier import default_preverifier_dir, load_preverifier
 from specdec.engine import Engine
-from specdec.hub import resolve_model
-from specdec.model import load_model_dir
-from specdec.tokenizer import eos_token_ids, load_tokenizer
+from specdec.modeling.hub import resolve_model
+from specdec.modeling.model import load_model_dir
+from specdec.text.tokenizer import eos_token_ids, load_tokenizer
 from specdec_bench.prompts import load_prompt_sets
 from specdec_bench.runners import Config, EngineRunner, HFModels, HFRunner, Sample, StackClient, StackRunner
-from specdec.defaults import PROMPT_LOOKUP_MIN_NGRAM
-from specdec.lookup import prompt_lookup
-from specdec.preverifier import default_preverifier_dir, load_preverifier
 
 ALL_MODES = ("ar", "hf", "sd", "pacer", "pearl", "pacer_pearl")
 AR_BASE = "ar (2 threads)"

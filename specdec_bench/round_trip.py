@@ -123,8 +123,8 @@ async def _measure_path(path: str, engine, dirs: tuple[Path, Path], opts: dict, 
     import grpc
 
     from coordinator.stack import LocalStack
-    from specdec.request import GenerationRequest
-    from specdec.sampling import SamplingParams
+    from specdec.decoding.sampling import SamplingParams
+    from specdec.scheduling.request import GenerationRequest
     from specdec_rpc.pb import generation_pb2 as g, generation_pb2_grpc as gg
 
     device, lookup = opts["device"], opts["prompt_lookup_min_ngram"]
@@ -196,10 +196,10 @@ async def run_round_trip(paths=tuple(PATHS), device: str = "cpu", repeats: int =
                          log=print, deadline: float | None = None) -> list[dict]:
     """Each path's row (the module docstring); raises where the stack's output differs from the engine's.
     `deadline` (time.monotonic()): no path starts after it."""
+    from specdec.common.threads import set_thread_count
+    from specdec.decoding.lookup import prompt_lookup
     from specdec.engine import Engine
-    from specdec.lookup import prompt_lookup
-    from specdec.model import load_model_dir
-    from specdec.threads import set_thread_count
+    from specdec.modeling.model import load_model_dir
 
     unknown = [p for p in paths if p not in PATHS]
     if unknown:

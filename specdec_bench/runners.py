@@ -18,10 +18,10 @@ import grpc
 import torch
 from safetensors.torch import load_file
 
-from specdec.dtypes import auto_dtype
-from specdec.request import GenerationRequest
-from specdec.sampling import SamplingParams
-from specdec.threads import set_thread_count
+from specdec.common.threads import set_thread_count
+from specdec.decoding.sampling import SamplingParams
+from specdec.modeling.dtypes import auto_dtype
+from specdec.scheduling.request import GenerationRequest
 from specdec_rpc.pb import generation_pb2, generation_pb2_grpc
 
 STACK_STAT_FIELDS = ("rounds", "target_forwards", "draft_tokens", "accepted_tokens", "mean_accepted_length",

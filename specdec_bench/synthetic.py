@@ -50,12 +50,12 @@ from pathlib import Path
 
 import torch
 
-from specdec.drafting import row_index
-from specdec.errors import InvalidRequestError
-from specdec.penalties import adjusts
-from specdec.sampling import SamplingParams
+from specdec.common.errors import InvalidRequestError
+from specdec.decoding.penalties import adjusts
+from specdec.decoding.sampling import SamplingParams
 from specdec.workers.base import Session
 from specdec.workers.draft import DraftWorker
+from specdec.workers.drafting import row_index
 
 LABEL = "synthetic acceptance"
 SPEC_FILE = "synthetic_acceptance.json"  # in the draft replica's model directory (`replica_worker`)
@@ -254,8 +254,8 @@ def synthetic_engine(target, draft, spec: SyntheticSpec, preverifier=None, max_s
     worker, built the same way, with the synthetic one in its place). → the engine; `engine.draft_worker` is the
     synthetic worker (`set_spec` changes α between runs)."""
     from specdec.engine import Engine, LocalDraft
-    from specdec.pairing import check_pair
-    from specdec.vocab import fit_draft_vocabulary
+    from specdec.text.pairing import check_pair
+    from specdec.text.vocab import fit_draft_vocabulary
 
     eng = Engine(target, None, max_sessions=max_sessions, max_context=max_context,
                  threads_per_model=threads_per_model, inline=inline, prefix_cache=prefix_cache)
@@ -278,7 +278,7 @@ def expected_acceptance(alpha: float, gamma: int) -> float:
 def random_model(config: dict, device: str, dtype: torch.dtype):
     """A random-weight CausalLM of a Hugging Face config's shapes, built on the device directly, q/k/v and gate/up
     fused as a load fuses them."""
-    from specdec.model import ModelConfig
+    from specdec.modeling.model import ModelConfig
 
     model = random_model_of(ModelConfig.from_hf(dict(config)), device, dtype)
     model.hf_config = dict(config)
@@ -288,8 +288,8 @@ def random_model(config: dict, device: str, dtype: torch.dtype):
 def random_model_of(cfg, device, dtype: torch.dtype):
     """A random-weight CausalLM of a `ModelConfig`, built on the device directly (no fp32 copy on the host), q/k/v
     and gate/up fused as a load fuses them."""
-    from specdec.fusion import fuse_projections_
-    from specdec.model import CausalLM
+    from specdec.modeling.fusion import fuse_projections_
+    from specdec.modeling.model import CausalLM
 
     prev = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -306,7 +306,7 @@ def save_random(model, path: Path) -> Path:
     """A random_model as a model directory a replica loads (config.json + model.safetensors)."""
     from safetensors.torch import save_file
 
-    from specdec.fusion import unfused_state
+    from specdec.modeling.fusion import unfused_state
 
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(model.hf_config))
@@ -321,7 +321,7 @@ class Pair:
     """The target and draft models (in process) and, once asked, their directories (for the replicas)."""
 
     def __init__(self, shapes: str, device: str, root: Path):
-        from specdec.model import load_model_dir
+        from specdec.modeling.model import load_model_dir
 
         self.shapes, self.device, self.root = shapes, device, root
         if shapes == "tiny":
@@ -438,7 +438,7 @@ class _InProcess:
         self.engine.draft_worker.set_spec(spec)
 
     async def run(self, prompt: list[int], cfg: Cfg, n: int) -> tuple[list[int], float, dict]:
-        from specdec.request import GenerationRequest
+        from specdec.scheduling.request import GenerationRequest
 
         req = GenerationRequest(prompt_ids=list(prompt), max_new_tokens=n, params=SamplingParams(temperature=0.0),
                                 mode=cfg.mode, gamma=cfg.gamma)
@@ -508,7 +508,7 @@ def _sync(dev: torch.device) -> None:
 def _random_preverifier(pair: Pair, root: Path):
     """An untrained pre-verifier with seeded random weights (its stops are arbitrary: it may only change speed),
     and its directory for the draft replica."""
-    from specdec.preverifier import build_random_preverifier, save_preverifier
+    from specdec.decoding.preverifier import build_random_preverifier, save_preverifier
 
     pv = build_random_preverifier(pair.draft.config.hidden_size, seed=7, block_size=2, threshold=0.5)
     path = save_preverifier(pv, root / "preverifier", {"note": f"untrained, random weights ({LABEL} timing only)"})
@@ -590,7 +590,7 @@ async def _run_placement(name: str, pair: Pair, pv, pv_dir, opts: SyntheticOptio
 
 
 async def _run_async(opts: SyntheticOptions, log, deadline: float | None) -> dict:
-    from specdec.threads import set_thread_count
+    from specdec.common.threads import set_thread_count
 
     _check(opts)
     set_thread_count(1)  # the engine's calls run on this thread, as each replica's on its one thread

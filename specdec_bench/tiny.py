@@ -7,8 +7,8 @@ from pathlib import Path
 
 import torch
 
-from specdec.fusion import unfused_state
-from specdec.model import CausalLM, ModelConfig
+from specdec.modeling.fusion import unfused_state
+from specdec.modeling.model import CausalLM, ModelConfig
 
 
 def build_tiny_model(vocab_size: int = 32, hidden_size: int = 32, num_layers: int = 2, num_heads: int = 4,
@@ -31,7 +31,7 @@ def build_tiny_model(vocab_size: int = 32, hidden_size: int = 32, num_layers: in
 
 
 def save_model(model, path: Path) -> Path:
-    """config.json + model.safetensors that `specdec.model.load_model_dir` (and the servers) load."""
+    """config.json + model.safetensors that `specdec.modeling.model.load_model_dir` (and the servers) load."""
     from safetensors.torch import save_file
 
     c = model.config

@@ -24,9 +24,9 @@ import httpx
 from tqdm import tqdm
 
 from coordinator.config import CoordinatorSettings
-from specdec.request import MODES
-from specdec_cli.main import _default_preverifier
-from specdec_cli.options import add_model_options, apply_speculative_config, resolve_models, settings_option
+from specdec.scheduling.request import MODES
+from specdec_cli.options import add_model_options, apply_speculative_config, default_preverifier, resolve_models, \
+    settings_option
 
 URLS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 MAX_LINE_BYTES = 1 << 24
@@ -166,7 +166,7 @@ async def _main(args) -> int:
         else:
             from coordinator.stack import LocalStack  # lazy: the embedded stack loads torch (~2 s); --url needs none
 
-            async with LocalStack(args.target, args.draft, _default_preverifier(args) if args.draft else None,
+            async with LocalStack(args.target, args.draft, default_preverifier(args) if args.draft else None,
                                   threads=args.threads, ray_cpus=args.ray_num_cpus, max_sessions=args.max_sessions,
                                   max_context=args.max_context, dtype=args.dtype, http_port=0,
                                   prompt_lookup_min_ngram=args.prompt_lookup_min_ngram,

@@ -19,22 +19,17 @@ import json
 import sys
 from pathlib import Path
 
-from specdec import __version__, settings
+from specdec import __version__
+
+from specdec.common import settings
 from coordinator.config import CoordinatorSettings
-from specdec.defaults import DEFAULT_TARGET
-from specdec.errors import SpecDecError
-from specdec.request import MODES
-from specdec.tokenizer import IncrementalDetokenizer, decode, encode_prompt, eos_token_ids, load_tokenizer
+from specdec.common.defaults import DEFAULT_TARGET
+from specdec.common.errors import SpecDecError
+from specdec.scheduling.request import MODES
+from specdec.text.tokenizer import IncrementalDetokenizer, decode, encode_prompt, eos_token_ids, load_tokenizer
 from specdec_cli.options import add_config_option, add_model_options, apply_speculative_config, config_argv, \
-    resolve_models, settings_option
+    default_preverifier, resolve_models, settings_option
 
-
-
-def _default_preverifier(args) -> str | None:
-    """--preverifier, else the shipped one when the shipped draft is used (and present)."""
-    from specdec.preverifier import default_preverifier_dir  # lazy: imports torch; `specdec --help` loads none
-
-    return args.preverifier or default_preverifier_dir(args.draft)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -72,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--logprobs", type=int, default=None, metavar="K",
                    help="with --json: each token's logprob under the target, with K top alternatives (0-20)")
-    so = g.add_mutually_exclusive_group()  # structured output (specdec/grammar.py)
+    so = g.add_mutually_exclusive_group()  # structured output (specdec/text/grammar.py)
     so.add_argument("--json-schema", default=None, metavar="SCHEMA",
                     help="the answer is JSON following this schema (JSON text, or @file)")
     so.add_argument("--json-object", action="store_true", help="the answer is a JSON object")
@@ -143,7 +138,7 @@ def _emit(out: dict, args, streamed: bool) -> None:
 # ---- generate -------------------------------------------------------------------------------------------------
 def _request(args):
     # lazy: the gRPC client's stubs load only for a request
-    from specdec.request import mode_pair
+    from specdec.scheduling.request import mode_pair
     from specdec_rpc.pb import common_pb2, generation_pb2
 
     spec = common_pb2.Speculation(verify_method=f"VERIFY_METHOD_{args.verify_method.upper()}")
@@ -168,7 +163,7 @@ def _request(args):
 
 def _structured(args):
     """The --json-schema / --json-object / --regex / --choice / --grammar form, or None."""
-    from specdec.grammar import StructuredOutput  # lazy: imports torch (~1.5 s)
+    from specdec.text.grammar import StructuredOutput  # lazy: imports torch (~1.5 s)
 
     def text(v: str) -> str:
         if not v.startswith("@"):
@@ -235,7 +230,7 @@ async def _generate_remote(args) -> dict:
     from coordinator.stack import LocalStack  # lazy: the embedded stack imports torch and the coordinator
 
     draft = None if args.mode == "ar" else args.draft  # a target-only request starts no draft replica
-    async with LocalStack(args.target, draft, _default_preverifier(args) if draft else None, threads=args.threads,
+    async with LocalStack(args.target, draft, default_preverifier(args) if draft else None, threads=args.threads,
                           ray_cpus=args.ray_num_cpus, max_sessions=args.max_sessions,
                           max_context=args.max_context, dtype=args.dtype,
                           prompt_lookup_min_ngram=args.prompt_lookup_min_ngram,
@@ -246,13 +241,13 @@ async def _generate_remote(args) -> dict:
 
 def _generate_in_process(args) -> dict:
     # lazy: torch and the model code load only for --in-process
+    from specdec.common.threads import orchestrator_threads
+    from specdec.decoding.lookup import prompt_lookup
+    from specdec.decoding.sampling import SamplingParams
     from specdec.engine import Engine
-    from specdec.hub import resolve_model
-    from specdec.lookup import prompt_lookup
-    from specdec.model import load_model_dir
-    from specdec.sampling import SamplingParams
-    from specdec.request import GenerationRequest
-    from specdec.threads import orchestrator_threads
+    from specdec.modeling.hub import resolve_model
+    from specdec.modeling.model import load_model_dir
+    from specdec.scheduling.request import GenerationRequest
 
     orchestrator_threads()  # 1 torch thread here: a sequential mode's worker calls run on this thread (engine.py)
     tdir = resolve_model(args.target)
@@ -264,9 +259,9 @@ def _generate_in_process(args) -> dict:
     if args.mode != "ar":
         draft = load_model_dir(resolve_model(args.draft), device=args.devices["draft"], dtype=args.dtype,
                                role="draft")
-        pv_path = _default_preverifier(args)
+        pv_path = default_preverifier(args)
         if pv_path:
-            from specdec.preverifier import load_preverifier
+            from specdec.decoding.preverifier import load_preverifier
 
             pv = load_preverifier(pv_path, draft_model=draft)
     engine = Engine(load_model_dir(tdir, device=args.devices["target"], dtype=args.dtype, role="target"), draft,

@@ -20,7 +20,7 @@ import sys
 import typing
 from pathlib import Path
 
-from specdec.defaults import DEFAULT_DRAFT, DEFAULT_TARGET
+from specdec.common.defaults import DEFAULT_DRAFT, DEFAULT_TARGET
 from specdec_rpc.settings import DEVICE, DTYPES, ServerSettings
 
 
@@ -248,3 +248,10 @@ def _text(value) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     return str(value)
+
+
+def default_preverifier(args) -> str | None:
+    """--preverifier, else the shipped one when the shipped draft is used (and present)."""
+    from specdec.decoding.preverifier import default_preverifier_dir  # lazy: imports torch; `specdec --help` loads none
+
+    return args.preverifier or default_preverifier_dir(args.draft)

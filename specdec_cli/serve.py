@@ -22,9 +22,9 @@ import sys
 import typing
 
 from coordinator.config import CoordinatorSettings
-from specdec.defaults import COORDINATOR_HTTP_PORT, COORDINATOR_METRICS_PORT, DRAFT_METRICS_PORT, \
+from specdec.common.defaults import COORDINATOR_HTTP_PORT, COORDINATOR_METRICS_PORT, DRAFT_METRICS_PORT, \
     TARGET_METRICS_PORT
-from specdec.request import MODES
+from specdec.scheduling.request import MODES
 from specdec_cli.options import add_config_option, add_model_options, apply_speculative_config, config_argv, \
     deprecated, resolve_models, settings_option
 from specdec_rpc.logs import configure_logging
@@ -100,7 +100,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def _env_api_key() -> str:
-    from specdec import settings  # SPECDEC_API_KEY, read once with the core's other switches
+    from specdec.common import settings  # SPECDEC_API_KEY, read once with the core's other switches
 
     return settings.get().api_key
 
@@ -115,7 +115,7 @@ class ServePlan(typing.NamedTuple):
 
 def plan(args: argparse.Namespace) -> ServePlan:
     """The parsed options → the models and LocalStack's keyword arguments (no process started)."""
-    from specdec.preverifier import default_preverifier_dir  # lazy: imports torch only when serving
+    from specdec.decoding.preverifier import default_preverifier_dir  # lazy: imports torch only when serving
 
     target, draft, devices, threads = resolve_models(args)
     mode = args.default_mode

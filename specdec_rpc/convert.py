@@ -15,14 +15,15 @@ import msgpack
 import numpy as np
 import torch
 
-from specdec.drafting import DraftBlock
-from specdec.errors import InvalidRequestError
-from specdec.grammar import StructuredOutput
-from specdec.request import (MODE_PAIRS, PEARL_OVERLAP, DraftStop, GenerationRequest, GenerationStats, Overlap,
+from specdec.common.errors import InvalidRequestError
+from specdec.text.grammar import StructuredOutput
+from specdec.workers.drafting import DraftBlock
+from specdec.scheduling.request import (MODE_PAIRS, PEARL_OVERLAP, DraftStop, GenerationRequest, GenerationStats, Overlap,
                              Speculation, mode_pair)
-from specdec.sampling import SamplingParams, TokenLogprobs
-from specdec.verify import SparseDist
-from specdec.workers.base import TargetFeatures
+from specdec.decoding.sampling import SamplingParams, TokenLogprobs
+from specdec.decoding.verify import SparseDist
+from specdec.scheduling.field_rules import check_sampling
+from specdec.state.feature_state import TargetFeatures
 from specdec.workers.target import VerifyOutcome
 from specdec_rpc.pb import common_pb2, draft_pb2, target_pb2
 
@@ -149,6 +150,14 @@ def sampling_from_proto(msg: common_pb2.SamplingParams):
                           bad_words=tuple(tuple(int(t) for t in w.ids) for w in msg.bad_words))
 
 
+def read_sampling(msg: common_pb2.SamplingParams):
+    """The SamplingParams a replica was sent, checked by the field table (specdec/scheduling/field_rules.py): a
+    replica's door checks what it receives, and the workers behind it trust it."""
+    params = sampling_from_proto(msg)
+    check_sampling(params)
+    return params
+
+
 def sampling_to_proto(p) -> common_pb2.SamplingParams:
     msg = common_pb2.SamplingParams(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=p.seed,
                                     cache_salt=p.cache_salt, presence_penalty=p.presence_penalty,
@@ -219,7 +228,7 @@ def draft_block(r, tokens: list[int] | None = None, q: list | None = None):
                       draft_ns=r.draft_ns, final=getattr(r, "last", True), block_size=r.block_size)
 
 
-# common.proto's speculation enums and the core's values (specdec.request): the coordinator's door reads a
+# common.proto's speculation enums and the core's values (specdec.scheduling.request): the coordinator's door reads a
 # GenerateRequest's `speculation` by them, the coordinator writes a SpeculateRequest's by them, the draft replica
 # reads it back (unspecified, 0, is no key: each reader says what an unset value means)
 DRAFT_STOP = {common_pb2.DRAFT_STOP_NONE: DraftStop.NONE, common_pb2.DRAFT_STOP_FIXED: DraftStop.FIXED,
@@ -369,7 +378,7 @@ def logprobs_rows_from_proto(msg: common_pb2.TokenLogprobs) -> list[tuple[float,
 
 
 def structured_from_proto(msg):
-    """GenerateRequest.structured_output → specdec.grammar.StructuredOutput."""
+    """GenerateRequest.structured_output → specdec.text.grammar.StructuredOutput."""
     kind = msg.WhichOneof("kind")
     if kind is None or (kind == "json_object" and not msg.json_object):
         raise InvalidRequestError("structured_output", "set one of json_schema, json_object (true), regex, choice, "

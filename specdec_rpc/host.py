@@ -1,7 +1,7 @@
 """What both servicers share: one worker on its model thread, the session table, metrics, the reaper.
 
 The worker (specdec.workers) owns KV slots and the position protocol; this class adds the shell's session
-policy (TTL checked on every call, LRU eviction when full; specdec/sessions.py) and keeps every worker call on
+policy (TTL checked on every call, LRU eviction when full; specdec/state/sessions.py) and keeps every worker call on
 the model thread. Servicers translate proto <-> these calls and nothing else.
 """
 from __future__ import annotations
@@ -14,12 +14,12 @@ import time
 from collections import deque
 from typing import Awaitable, Callable
 
-from specdec import native
-from specdec.pairing import TokenizerVocab
-from specdec.quant import weight_quant
-from specdec.sampling import SamplingParams
-from specdec.sessions import SessionTable
-from specdec.threads import ModelThread
+from specdec.common.threads import ModelThread
+from specdec.decoding.sampling import SamplingParams
+from specdec.modeling import native
+from specdec.modeling.quant import weight_quant
+from specdec.state.sessions import SessionTable
+from specdec.text.pairing import TokenizerVocab
 from specdec.workers.base import feature_size
 from specdec_rpc.aio import cancel_and_wait
 from specdec_rpc.interceptor import ServiceDraining

@@ -1,6 +1,6 @@
 """The one place where exceptions become gRPC status codes (servicers never try/except for this).
 
-Core errors (specdec.errors) carry messages that say what to change; they are passed to the client
+Core errors (specdec.common.errors) carry messages that say what to change; they are passed to the client
 verbatim. Anything else is an INTERNAL error with the exception type and message (the traceback is logged).
 Also records `specdec_rpc_latency_seconds{method}` for every call; for the bidirectional per-round streams
 (`VerifyRounds`, `DraftRounds`: one response per request, in order) it records every message's latency
@@ -25,7 +25,7 @@ import time
 
 import grpc
 
-from specdec import errors
+from specdec.common import errors
 from specdec_rpc.logs import bind
 from specdec_rpc.wire import UndecodableRequest, deserialize
 

@@ -5,8 +5,8 @@ import asyncio
 import logging
 import os
 
-from specdec.errors import SpecDecError
-from specdec.threads import orchestrator_threads
+from specdec.common.errors import SpecDecError
+from specdec.common.threads import orchestrator_threads
 from specdec_rpc.logs import configure_logging
 from specdec_rpc.settings import startup_warnings
 

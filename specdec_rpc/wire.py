@@ -11,7 +11,7 @@ from __future__ import annotations
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import DecodeError
 
-from specdec.errors import InvalidRequestError
+from specdec.common.errors import InvalidRequestError
 
 _MAX_DEPTH = 32
 

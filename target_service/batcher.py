@@ -29,10 +29,10 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from specdec.errors import CapacityError
-from specdec_rpc.interceptor import ServiceDraining
+from specdec.common.errors import CapacityError
 from specdec_rpc.aio import within
 from specdec_rpc.aio import cancel_and_wait
+from specdec_rpc.interceptor import ServiceDraining
 
 
 @dataclass
@@ -137,7 +137,7 @@ class VerifyBatcher:
     async def _direct(self, args):
         self._running = {args.session_id}
         try:
-            if self.runner.can_run_here():  # no hand-off to the model thread and back (specdec/threads.py)
+            if self.runner.can_run_here():  # no hand-off to the model thread and back (specdec/common/threads.py)
                 out = self.worker.verify_batch([args])[0]
             else:
                 out = (await self.runner.run(self.worker.verify_batch, [args]))[0]

@@ -4,8 +4,8 @@ from __future__ import annotations
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
-from specdec.defaults import DEFAULT_TARGET, PROMPT_LOOKUP_MIN_NGRAM, TARGET_METRICS_PORT, TARGET_PORT
-from specdec.lookup import prompt_lookup
+from specdec.common.defaults import DEFAULT_TARGET, PROMPT_LOOKUP_MIN_NGRAM, TARGET_METRICS_PORT, TARGET_PORT
+from specdec.decoding.lookup import prompt_lookup
 from specdec_rpc.settings import ServerSettings
 
 
@@ -24,7 +24,7 @@ class TargetSettings(ServerSettings):
     step_lookup_min_ngram: int = Field(
         PROMPT_LOOKUP_MIN_NGRAM, ge=0, description="chained rounds (the direct data plane across a network): a chained "
         "verify that turns into a target step also checks the tokens prompt lookup finds after the committed ones, "
-        "where their last N tokens (N >= this) occurred before (specdec/lookup.py); 0 turns it off")
+        "where their last N tokens (N >= this) occurred before (specdec/decoding/lookup.py); 0 turns it off")
 
     def step_lookup(self):
         """The PromptLookup a target step proposes with, or None (off)."""

@@ -4,15 +4,15 @@ from __future__ import annotations
 import asyncio
 import math
 
-from specdec.defaults import TARGET_SERVICE_NAME
-from specdec.dtypes import resolve_dtype
-from specdec.model import load_model
-from specdec.threads import ModelThread
+from specdec.common.defaults import TARGET_SERVICE_NAME
+from specdec.common.threads import ModelThread
+from specdec.modeling.dtypes import resolve_dtype
+from specdec.modeling.model import load_model
 from specdec.workers.target import TargetWorker
 from specdec_rpc.app import ServerApp, advertise_frames
 from specdec_rpc.host import SessionHost
-from specdec_rpc.pb import target_pb2
 from specdec_rpc.metrics import ServiceMetrics
+from specdec_rpc.pb import target_pb2
 from specdec_rpc.settings import resolve_device
 from specdec_rpc.tracing import replica_spans
 

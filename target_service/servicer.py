@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import grpc
 
-from specdec.errors import InvalidRequestError
+from specdec.common.errors import InvalidRequestError
 from specdec.workers.target import VerifyArgs
 from specdec_rpc.convert import (decode_q, dense_q_to_sparse, features_to_proto, logprobs_to_proto,
-                                   sampling_from_proto, tensor_from_proto)
+                                   read_sampling, tensor_from_proto)
 from specdec_rpc.host import ROUNDS_WAITING, SessionHost
 from specdec_rpc.pb import common_pb2, target_pb2, target_pb2_grpc
 from specdec_rpc.tracing import CallClock
@@ -28,7 +28,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
 
     async def StartSession(self, request, context) -> target_pb2.TargetServiceStartSessionResponse:
         clock = CallClock() if self.spans is not None else None
-        params = sampling_from_proto(request.params)
+        params = read_sampling(request.params)
         if request.reserve_positions:
             self.host.worker.check_reserve(request.reserve_positions, len(request.prompt_ids))
         position, ns, feats, cached = await self.host.start_session(request.session_id, list(request.prompt_ids),

@@ -4,7 +4,7 @@ import os
 import pytest
 import torch
 
-from specdec import settings
+from specdec.common import settings
 
 torch.set_num_threads(int(os.environ.get("SPECDEC_TEST_THREADS", "1")))
 settings.prepare_process()  # oneDNN's cache sizes, as a server sets them, before the tests' first oneDNN call
@@ -12,7 +12,7 @@ settings.prepare_process()  # oneDNN's cache sizes, as a server sets them, befor
 
 @pytest.fixture
 def runtime_settings():
-    """Change `specdec.settings` fields for one test, e.g. `runtime_settings(kernel_tune=False)`; restored after."""
+    """Change `specdec.common.settings` fields for one test, e.g. `runtime_settings(kernel_tune=False)`; restored after."""
     with contextlib.ExitStack() as stack:
         yield lambda **changes: stack.enter_context(settings.override(**changes))
 

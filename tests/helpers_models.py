@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from specdec.model import CausalLM
+from specdec.modeling.model import CausalLM
 from specdec_bench.tiny import build_tiny_model, save_model  # noqa: F401 - the tests import them from here
 
 VOCAB = 32
@@ -42,7 +42,7 @@ async def start_replica(kind: str, model, host: str = "127.0.0.1", port: int = 0
 
         pv = kw.pop("preverifier", None)
         if pv == "random":  # an untrained pre-verifier: changes draft lengths, never the output
-            from specdec.preverifier import build_random_preverifier
+            from specdec.decoding.preverifier import build_random_preverifier
 
             pv = build_random_preverifier(model.config.hidden_size, seed=5, block_size=2, threshold=0.5)
         app = await build_app(DraftSettings(**common, **kw), model=model, preverifier=pv, warmup=False)

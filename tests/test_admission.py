@@ -11,7 +11,7 @@ from coordinator.config import CoordinatorSettings
 from coordinator.routing.discovery import StaticSource
 from coordinator.routing.pool import PoolManager, ReplicaUnavailableError
 from coordinator.server import build_coordinator
-from specdec.errors import CapacityError
+from specdec.common.errors import CapacityError
 from specdec_rpc.pb import generation_pb2 as g, generation_pb2_grpc as gg
 from tests.helpers_models import start_replica, target_greedy, tiny_pair
 

@@ -6,8 +6,8 @@ import time
 
 import pytest
 
-from specdec.errors import CapacityError
-from specdec.threads import ModelThread
+from specdec.common.errors import CapacityError
+from specdec.common.threads import ModelThread
 from specdec.workers.target import VerifyArgs, VerifyOutcome
 from target_service.batcher import VerifyBatcher
 
@@ -96,7 +96,7 @@ class BlockDraft:
         return SimpleNamespace(done=False, made=0, base=base)
 
     def advance(self, calls):
-        from specdec.drafting import DraftBlock
+        from specdec.workers.drafting import DraftBlock
 
         time.sleep(self.step_s)
         out = []
@@ -179,7 +179,7 @@ async def test_lone_verify_runs_on_the_loop_thread_only_while_the_model_thread_i
 
     import torch
 
-    from specdec.threads import set_thread_count
+    from specdec.common.threads import set_thread_count
 
     before = torch.get_num_threads()
     set_thread_count(1)

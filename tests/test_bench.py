@@ -19,7 +19,7 @@ ROW_KEYS = {"mode", "threads", "temperature", "prompt_set", "concurrency", "toke
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    from specdec.preverifier import build_random_preverifier, save_preverifier
+    from specdec.decoding.preverifier import build_random_preverifier, save_preverifier
 
     root = tmp_path_factory.mktemp("bench")
     tdir, ddir = save_tiny_pair(root)
@@ -73,8 +73,8 @@ def test_hf_draft_from_compact_vocabulary(tmp_path):
     with the same distribution as specdec's loader gives (logits -inf outside the subset)."""
     from safetensors.torch import load_file, save_file
 
+    from specdec.modeling.model import load_model_dir
     from specdec_bench.runners import SubsetHead, load_hf_draft
-    from specdec.model import load_model_dir
     from tests.helpers_models import build_tiny_model
 
     base = build_tiny_model(vocab_size=32, hidden_size=16, num_layers=1, seed=3)

@@ -1,4 +1,4 @@
-"""Chained rounds (specdec/chained.py) and chained verifies (TargetWorker._chain): several verifies in flight, each
+"""Chained rounds (specdec/scheduling/chained.py) and chained verifies (TargetWorker._chain): several verifies in flight, each
 built on the assumption that the ones before it were accepted whole, and the output still the target's own greedy
 output, token for token, whatever the proposals, the lag and the window."""
 from __future__ import annotations
@@ -8,12 +8,12 @@ import random
 
 import pytest
 
-from specdec.chained import ChainedRounds
+from specdec.common.errors import InvalidRequestError
+from specdec.decoding.sampling import SamplingParams
 from specdec.engine import LocalDraft
-from specdec.errors import InvalidRequestError
-from specdec.request import GenerationRequest
-from specdec.run_state import _Run
-from specdec.sampling import SamplingParams
+from specdec.scheduling.chained import ChainedRounds
+from specdec.scheduling.request import GenerationRequest
+from specdec.scheduling.run_state import _Run
 from specdec.workers.draft import DraftWorker
 from specdec.workers.target import TargetWorker, VerifyArgs
 from tests.helpers_models import target_greedy, tiny_pair
@@ -118,7 +118,7 @@ class _LaggingTarget:
 
 @pytest.mark.parametrize("window,delay_s", [(2, 0.0), (2, 0.004), (4, 0.004), (4, 0.0), (8, 0.01)])
 async def test_chained_rounds_give_the_targets_greedy_output(pair, window, delay_s):
-    from specdec.schedule import generate
+    from specdec.scheduling.schedule import generate
 
     target, draft = pair
     n = 48
@@ -136,7 +136,7 @@ async def test_chained_rounds_give_the_targets_greedy_output(pair, window, delay
 async def test_a_draft_equal_to_the_target_is_accepted_whole_with_the_verifies_in_flight(pair, window, delay_s):
     """draft == target: every proposal is accepted, none is wasted, and the verifies overlap (more than one in
     flight) instead of waiting for each other."""
-    from specdec.schedule import generate
+    from specdec.scheduling.schedule import generate
 
     target, _ = pair
     n = 40
@@ -154,7 +154,7 @@ def test_chained_rounds_are_greedy_only():
     """A sampled PEARL request takes PEARL's own rounds even against a chaining target (`generate` picks)."""
     import inspect
 
-    from specdec import schedule
+    from specdec.scheduling import schedule
 
     src = inspect.getsource(schedule.generate)
     assert "req.params.greedy" in src and "ChainedRounds" in src
@@ -227,7 +227,7 @@ def test_a_target_step_checks_what_prompt_lookup_finds_and_commits_the_targets_t
     """With a step lookup, a chained verify that turns into a target step proposes the looked-up continuation of
     the committed tokens: where the session repeats itself it commits several tokens in one forward, and every
     committed token is still the target's greedy one."""
-    from specdec.lookup import PromptLookup
+    from specdec.decoding.lookup import PromptLookup
 
     target, _ = pair
     n = 60
@@ -247,7 +247,7 @@ def test_a_target_step_checks_what_prompt_lookup_finds_and_commits_the_targets_t
 
 
 def test_a_target_step_looks_up_no_further_than_the_context_holds(pair):
-    from specdec.lookup import PromptLookup
+    from specdec.decoding.lookup import PromptLookup
 
     target, _ = pair
     history = [1, 2, 3, 4, 5] * 6  # prompt lookup finds a continuation at every position
@@ -260,8 +260,8 @@ def test_a_target_step_looks_up_no_further_than_the_context_holds(pair):
 
 @pytest.mark.parametrize("window,delay_s", [(4, 0.004), (8, 0.01)])
 async def test_chained_rounds_with_target_step_lookup_give_the_targets_greedy_output(pair, window, delay_s):
-    from specdec.lookup import PromptLookup
-    from specdec.schedule import generate
+    from specdec.decoding.lookup import PromptLookup
+    from specdec.scheduling.schedule import generate
 
     target, draft = pair
     n = 64
@@ -276,7 +276,7 @@ async def test_after_a_rejection_the_next_verify_carries_a_guess_of_the_step_bef
     """A rejection makes the verifies still in flight stale: the target steps on them until it reaches the next
     one, so that one carries the draft's guesses of the steps' tokens ahead of its proposals, instead of arriving
     behind and being stale in turn; and it leaves with the draft's first block, without waiting for a second."""
-    from specdec.schedule import generate
+    from specdec.scheduling.schedule import generate
 
     target, draft = pair
     sends, rejections = [], []

@@ -141,8 +141,8 @@ def test_generate_embedded_stack(pair):
 
 
 def _default_pair_ready() -> bool:
-    from specdec.hub import DEFAULT_DRAFT_DIR
-    from specdec.preverifier import DEFAULT_PREVERIFIER_DIR
+    from specdec.decoding.preverifier import DEFAULT_PREVERIFIER_DIR
+    from specdec.modeling.hub import DEFAULT_DRAFT_DIR
 
     return (DEFAULT_DRAFT_DIR / "config.json").is_file() and DEFAULT_PREVERIFIER_DIR.is_dir()
 

@@ -4,10 +4,10 @@ propose exactly the tokens the full row gives, and decoding with it stays the ta
 import pytest
 import torch
 
+from specdec.decoding.sampling import SamplingParams
 from specdec.engine import Engine
-from specdec.model import CausalLM
-from specdec.sampling import SamplingParams
-from specdec.request import GenerationRequest
+from specdec.modeling.model import CausalLM
+from specdec.scheduling.request import GenerationRequest
 from specdec.workers.draft import DraftWorker
 from tests.helpers_models import build_tiny_model, target_greedy
 

@@ -19,8 +19,8 @@ import torch
 
 from coordinator.config import CoordinatorSettings
 from coordinator.server import build_coordinator
+from specdec.scheduling.request import MODES
 from specdec_rpc.pb import generation_pb2 as g, generation_pb2_grpc as gg
-from specdec.request import MODES
 from tests.helpers_models import build_tiny_model, start_replica, target_greedy, tiny_pair
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -103,7 +103,7 @@ async def test_feature_draft_gets_the_targets_features_over_the_wire(stack):
     """Remote sd with a feature draft drafts exactly what the in-process engine drafts, which it can only do if
     every feature reached it (drafting with zeros instead proposes other tokens)."""
     from specdec.engine import Engine
-    from specdec.request import GenerationRequest
+    from specdec.scheduling.request import GenerationRequest
 
     from draft_service.config import DraftSettings
 
@@ -169,7 +169,7 @@ async def test_stream_concatenation_equals_unary(stack):
 
 async def test_text_stream_with_tokenizer_and_stop_string(tmp_path):
     from tests.helpers_models import TOKENIZER_CHARS, save_tiny_tokenizer
-    from specdec.tokenizer import load_tokenizer
+    from specdec.text.tokenizer import load_tokenizer
 
     tok = load_tokenizer(save_tiny_tokenizer(tmp_path / "tok"))
     target, draft = tiny_pair()
@@ -321,12 +321,12 @@ async def test_pacer_post_threshold_reaches_the_schedule():
     """A request's pacer_post_threshold, else the coordinator's default (COORDINATOR_PACER_POST_THRESHOLD), is
     the θ that stops pacer_pearl's drafting in a verify's shadow."""
     from coordinator.grpc_api.service import GenerationServicer
-    from specdec.schedule import _post_stop_spec
+    from specdec.scheduling.schedule import _post_stop_spec
 
     svc = GenerationServicer(router=None, pacer_post_threshold=0.42)
     for kw, want in ((dict(), 0.42), (dict(pacer_post_threshold=0.1), 0.1)):
         prepared = svc.prepare(g.GenerateRequest(prompt_token_ids=[1, 2], mode="pacer_pearl", **kw))
-        spec = _post_stop_spec(prepared.request.generation.validate())
+        spec = _post_stop_spec(prepared.request.generation.resolve_defaults())
         assert (spec.kind, spec.threshold) == ("pacer", pytest.approx(want))
 
 
@@ -634,10 +634,10 @@ async def test_ray_stack():
 
 # ---- text assembly (pure) --------------------------------------------------------------------------------------
 def _cached_default_tokenizer():
-    from specdec.hub import cache_root
+    from specdec.modeling.hub import cache_root
 
     for d in sorted((cache_root() / "gguf").glob("*/tokenizer.json")):
-        from specdec.tokenizer import load_tokenizer
+        from specdec.text.tokenizer import load_tokenizer
 
         return load_tokenizer(d.parent)
     return None
@@ -661,7 +661,7 @@ async def test_text_assembler_never_splits_multibyte_characters():
 async def test_text_assembler_holds_back_a_possible_stop_string(tmp_path):
     from coordinator.grpc_api.text_output import TextAssembler
     from tests.helpers_models import TOKENIZER_CHARS, save_tiny_tokenizer
-    from specdec.tokenizer import load_tokenizer
+    from specdec.text.tokenizer import load_tokenizer
 
     tok = load_tokenizer(save_tiny_tokenizer(tmp_path))
     ids = [TOKENIZER_CHARS.index(c) for c in "abc stop here"]

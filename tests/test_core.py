@@ -3,10 +3,11 @@ import pytest
 import torch
 
 from specdec.engine import Engine
-from specdec.errors import (CapacityError, ContextOverflowError, InvalidRequestError, SessionNotFoundError,
+from specdec.scheduling.field_rules import validate_request
+from specdec.common.errors import (CapacityError, ContextOverflowError, InvalidRequestError, SessionNotFoundError,
                             StalePositionError)
-from specdec.sampling import SamplingParams, logits_to_probs
-from specdec.request import MODES, GenerationRequest
+from specdec.decoding.sampling import SamplingParams, logits_to_probs
+from specdec.scheduling.request import MODES, GenerationRequest
 from specdec.workers.draft import DraftWorker
 from specdec.workers.target import TargetWorker, VerifyArgs
 from tests.helpers_models import build_tiny_model
@@ -42,7 +43,7 @@ def test_model_matches_transformers_qwen3(tmp_path):
     transformers loads (fused projections, kernels as served) and gives its logits."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from specdec.model import load_model_dir
+    from specdec.modeling.model import load_model_dir
 
     torch.manual_seed(3)
     hf = Qwen3ForCausalLM(Qwen3Config(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -211,16 +212,20 @@ def test_the_next_token_alone_comes_from_the_stored_row(tiny_pair):
 
 
 def test_bad_input_errors(tiny_pair):
+    from specdec_rpc.convert import read_sampling
+    from specdec_rpc.pb import common_pb2
+
     target, draft = tiny_pair
     tw = TargetWorker(target, max_sessions=1, max_context=16)
     with pytest.raises(InvalidRequestError, match="prompt_ids"):
         tw.start_session("s", [], SamplingParams())
     with pytest.raises(InvalidRequestError, match="prompt_ids"):
         tw.start_session("s", [1, 99], SamplingParams())
+    # sampling ranges are the doors' to check (a replica's read of its request, the engine's), not the worker's
     with pytest.raises(InvalidRequestError, match="temperature"):
-        tw.start_session("s", [1], SamplingParams(temperature=-1))
+        read_sampling(common_pb2.SamplingParams(temperature=-1))
     with pytest.raises(InvalidRequestError, match="top_p"):
-        tw.start_session("s", [1], SamplingParams(temperature=1, top_p=1.5))
+        read_sampling(common_pb2.SamplingParams(temperature=1, top_p=1.5))
     with pytest.raises(ContextOverflowError, match="context"):
         tw.start_session("s", list(range(20)), SamplingParams())
     tw.start_session("s", [1, 2], SamplingParams())
@@ -237,16 +242,16 @@ def test_bad_input_errors(tiny_pair):
     for field, req in [("max_new_tokens", GenerationRequest([1], 0)), ("mode", GenerationRequest([1], 4, mode="x")),
                        ("prompt", GenerationRequest([], 4))]:
         with pytest.raises(InvalidRequestError, match=field):
-            req.validate()
+            validate_request(req)
     assert set(MODES) == {"ar", "sd", "pacer", "pearl", "pacer_pearl"}
 
 
 def test_gamma_defaults_per_mode():
-    from specdec.request import DEFAULT_GAMMA
+    from specdec.scheduling.request import DEFAULT_GAMMA
 
     for mode, g in (("sd", 4), ("pacer", 8), ("pearl", 8), ("pacer_pearl", 8)):
-        assert GenerationRequest([1, 2], 4, mode=mode).validate().gamma == g == DEFAULT_GAMMA[mode]
-    assert GenerationRequest([1, 2], 4, mode="pearl", gamma=3).validate().gamma == 3
+        assert validate_request(GenerationRequest([1, 2], 4, mode=mode)).gamma == g == DEFAULT_GAMMA[mode]
+    assert validate_request(GenerationRequest([1, 2], 4, mode="pearl", gamma=3)).gamma == 3
 
 
 @pytest.mark.parametrize("batched", [False, True])
@@ -276,7 +281,7 @@ def test_pearl_picks_its_pre_round_by_the_last_verifys_batch(tiny_pair, batched)
 def test_sample_draws_the_distribution_and_never_a_zero_probability_entry():
     from scipy.stats import chisquare
 
-    from specdec.sampling import sample
+    from specdec.decoding.sampling import sample
 
     probs = torch.tensor([0.0, 0.5, 0.0, 0.2, 0.25, 0.05, 0.0])
     gen = torch.Generator().manual_seed(0)
@@ -315,7 +320,7 @@ def test_prefill_runs_the_head_on_the_last_row_only():
 def test_engine_fills_the_context_exactly_and_refuses_one_more(mode):
     """prompt + max_new_tokens == max_context runs in every mode (PEARL's shadow drafts stop at the request's end);
     one more is ContextOverflowError before any forward."""
-    from specdec.preverifier import build_random_preverifier
+    from specdec.decoding.preverifier import build_random_preverifier
 
     target = build_tiny_model(vocab_size=32, seed=1, logit_scale=2.0)
     draft = build_tiny_model(vocab_size=32, seed=2, logit_scale=2.0)
@@ -342,7 +347,7 @@ def test_a_failed_start_leaves_no_session_behind():
     running: a replica session left behind, found by scripts/soak.py)."""
     import asyncio
 
-    from specdec.schedule import generate
+    from specdec.scheduling.schedule import generate
 
     class Target:
         chain_window = 1

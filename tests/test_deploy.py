@@ -3,7 +3,7 @@
 What this proves without a cluster or a Docker engine: every base manifest and every rendered overlay is
 schema-valid for a recent Kubernetes (kubernetes-validate, strict); KubeRay objects carry their required
 fields; probes target ports the containers expose; ports, health service names and the image agree with
-specdec/defaults.py. What it does not prove: that the pods start (no cluster here). The image recipe is checked in
+specdec/common/defaults.py. What it does not prove: that the pods start (no cluster here). The image recipe is checked in
 tests/test_image.py, and the overlays' sizing (memory, threads, tokenizer, probes under minimal Ray) in
 tests/test_deploy_sizing.py.
 
@@ -25,7 +25,7 @@ import yaml
 
 kubernetes_validate = pytest.importorskip("kubernetes_validate")
 
-from specdec import defaults  # noqa: E402
+from specdec.common import defaults  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"

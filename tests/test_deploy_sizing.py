@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from specdec import defaults
+from specdec.common import defaults
 from tests.test_deploy import (BASE, DEPLOY, OVERLAYS, POOLS, ROOT, configmap_env, container, find, pod_labels,
                                pod_templates, render)
 
@@ -26,7 +26,7 @@ HEADROOM = 0.85  # the estimate may use at most this share of the memory limit
 
 
 def default_draft_shape() -> dict:
-    from specdec.hub import DEFAULT_DRAFT_DIR
+    from specdec.modeling.hub import DEFAULT_DRAFT_DIR
 
     cfg = json.loads((DEFAULT_DRAFT_DIR / "config.json").read_text())
     with open(DEFAULT_DRAFT_DIR / "model.safetensors", "rb") as f:  # safetensors: 8-byte header size, JSON header
@@ -59,7 +59,7 @@ def pool_settings(objs: list[dict], comp: str):
 
 @pytest.mark.parametrize("overlay", ["base", *OVERLAYS])
 def test_default_pair_kv_fits_the_memory_limit(overlay):
-    """Each replica preallocates its KV slots at start (specdec/kv_slots.py: K and V per layer, [slots,
+    """Each replica preallocates its KV slots at start (specdec/state/kv_slots.py: K and V per layer, [slots,
     max_context + 64, kv_heads, head_dim]). In float32 (dtype auto on a CPU without bf16 GEMMs), plus float32
     weights and the runtime, that must fit the container's memory limit with headroom; cpu-demo's target was
     OOMKilled at start (64 sessions, 2Gi)."""

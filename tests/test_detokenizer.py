@@ -1,4 +1,4 @@
-"""Streaming detokenization (specdec/tokenizer.py `IncrementalDetokenizer`) on tokenizers built here, with
+"""Streaming detokenization (specdec/text/tokenizer.py `IncrementalDetokenizer`) on tokenizers built here, with
 multi-byte characters (CJK, emoji) split over several byte tokens and special tokens, skipped or not:
 
 - the pieces pushed one token or a few at a time, then flushed, concatenate to `tok.decode(ids)`: any ids for a
@@ -17,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from coordinator.grpc_api.text_output import TextAssembler
-from specdec.tokenizer import IncrementalDetokenizer, _stream_backend
+from specdec.text.tokenizer import IncrementalDetokenizer, _stream_backend
 
 QUICK = settings(deadline=None, database=None, derandomize=True, max_examples=300,
                  suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])

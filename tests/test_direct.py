@@ -188,8 +188,8 @@ async def test_an_old_style_speculate_request_gives_the_same_tokens(direct, mode
     """A coordinator of the last release sends the speculation in the flat fields only (mode, gamma, verify_method
     as strings); this release's sends `speculation` beside them. Both run the same request on the draft replica:
     the same tokens (greedy: the target's own) and, for the sequential modes, the same counts."""
-    from specdec.request import GenerationRequest
-    from specdec.sampling import SamplingParams
+    from specdec.decoding.sampling import SamplingParams
+    from specdec.scheduling.request import GenerationRequest
     from specdec_rpc.convert import speculate_request
 
     d1, _ = direct["drafts"]

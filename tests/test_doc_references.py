@@ -6,7 +6,7 @@ Citation forms checked (the project's own): `docs/NAME.md, "Section"` (or `'Sect
 text must begin a heading of that file; `docs/NAME.md#anchor` and markdown links `[text](path.md#anchor)`, whose
 anchor must be the GitHub slug of one of its headings.
 
-A path is a token with a `/` whose first segment is a top-level entry of the repository (`specdec/verify.py`,
+A path is a token with a `/` whose first segment is a top-level entry of the repository (`specdec/decoding/verify.py`,
 `deploy/base/draft/hpa.yaml`), or a markdown link target. Allowed explicitly: braces expand
 (`deploy/base/{draft,target}/hpa.yaml`), globs (`*`) must match something, and a token with a placeholder segment
 (`WORK/online/NAME/`, `<id>`, `$VAR`, `...`) or under a git-ignored output folder (`.cache-pacer/`, `bench-results/`)

@@ -182,11 +182,11 @@ def test_the_doc_names_no_flag_that_does_not_exist():
 
 
 def _runtime_env() -> dict[str, object]:
-    """The process environment variables and their defaults: the core's RuntimeSettings (specdec/settings.py),
+    """The process environment variables and their defaults: the core's RuntimeSettings (specdec/common/settings.py),
     the native libraries' variables specdec sets, and any other variable the packages read directly."""
     out: dict[str, object] = {}
     try:
-        from specdec.settings import RuntimeSettings
+        from specdec.common.settings import RuntimeSettings
     except ImportError:
         RuntimeSettings = None
     if RuntimeSettings is not None:

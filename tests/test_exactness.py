@@ -15,12 +15,12 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+from specdec.decoding.preverifier import build_random_preverifier
+from specdec.decoding.sampling import SamplingParams, logits_to_probs
+from specdec.decoding.verify import block_acceptance_weights
 from specdec.engine import Engine
-from specdec.preverifier import build_random_preverifier
-from specdec.sampling import SamplingParams, logits_to_probs
-from specdec.request import GenerationRequest
-from specdec.schedule import generate
-from specdec.verify import block_acceptance_weights
+from specdec.scheduling.request import GenerationRequest
+from specdec.scheduling.schedule import generate
 from tests.table_lm import TableLM
 
 V = 8
@@ -140,7 +140,7 @@ def test_pacer_skip_below_leaves_sampled_requests_exact(pair, method):
 
 def test_the_bonus_token_comes_from_the_row_after_the_draft():
     """A fully accepted draft's bonus token is drawn from p[g], the row after it, by both sampled rules."""
-    from specdec.verify import verify_block, verify_token
+    from specdec.decoding.verify import verify_block, verify_token
 
     eye = torch.eye(V)
     q, p = eye[[2]], eye[[2, 5]]  # draft token 2 (certain), then the target is certain of 5

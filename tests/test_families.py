@@ -18,10 +18,10 @@ import grpc
 import pytest
 import torch
 
+from specdec.common.errors import ContextOverflowError
 from specdec.engine import Engine
-from specdec.errors import ContextOverflowError
-from specdec.model import FAMILY_DEFAULTS, ModelConfig, context_limit, load_model_dir, rope_tables
-from specdec.request import GenerationRequest
+from specdec.modeling.model import FAMILY_DEFAULTS, ModelConfig, context_limit, load_model_dir, rope_tables
+from specdec.scheduling.request import GenerationRequest
 from specdec_rpc.pb import generation_pb2 as g, generation_pb2_grpc as gg
 from tests.helpers_models import save_tiny_tokenizer, start_coordinator, start_replica
 
@@ -213,7 +213,7 @@ async def test_greedy_served_equals_transformers_generate(name, root):
 def test_greedy_specdec_generate_in_process_equals_transformers_generate(name, root, capsys):
     """The command itself: `specdec generate TEXT --in-process --mode ar|sd --json` (a character tokenizer in the
     model directories), against transformers' `generate` of the same token ids, ending at the config's EOS."""
-    from specdec.tokenizer import encode_prompt, load_tokenizer
+    from specdec.text.tokenizer import encode_prompt, load_tokenizer
     from specdec_cli.main import main
 
     hf, tdir, _, ddir = family(name, root)

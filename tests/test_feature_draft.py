@@ -11,12 +11,12 @@ from collections import Counter
 import pytest
 import torch
 
+from specdec.common.errors import InvalidRequestError
+from specdec.decoding.preverifier import build_random_preverifier
+from specdec.decoding.sampling import SamplingParams, logits_to_probs
 from specdec.engine import Engine
-from specdec.errors import InvalidRequestError
-from specdec.preverifier import build_random_preverifier
-from specdec.sampling import SamplingParams, logits_to_probs
-from specdec.request import GenerationRequest
-from specdec.workers.base import TargetFeatures
+from specdec.scheduling.request import GenerationRequest
+from specdec.state.feature_state import TargetFeatures
 from specdec.workers.draft import DraftWorker
 from specdec.workers.target import TargetWorker
 from tests.helpers_models import build_tiny_model

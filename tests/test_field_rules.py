@@ -1,4 +1,4 @@
-"""specdec/field_rules.py, the one table of request fields' rules: every row driven through both front doors of one
+"""specdec/scheduling/field_rules.py, the one table of request fields' rules: every row driven through both front doors of one
 coordinator over tiny replicas. A value the row refuses gets the same message from a gRPC Generate call
 (INVALID_ARGUMENT) as from an HTTP /v1/completions call (400), and a value at the row's edge is answered by both.
 The HTTP door names a field as OpenAI's clients know it (`max_tokens`, `prompt`, the X-Request-Id header), which
@@ -18,10 +18,11 @@ import pytest_asyncio
 from coordinator.config import CoordinatorSettings
 from coordinator.server import build_coordinator
 from coordinator.stack import free_port
-from specdec import field_rules
-from specdec.errors import InvalidRequestError
-from specdec.request import GenerationRequest
-from specdec.sampling import SamplingParams
+from specdec.common.errors import InvalidRequestError
+from specdec.decoding.sampling import SamplingParams
+from specdec.scheduling import field_rules
+from specdec.scheduling.field_rules import validate_request
+from specdec.scheduling.request import GenerationRequest
 from specdec_rpc.pb import generation_pb2 as g, generation_pb2_grpc as gg
 from tests.helpers_models import start_replica, tiny_pair
 
@@ -102,7 +103,7 @@ async def http_post(doors, name: str, value, case: Case, path: str = "/v1/comple
 
 class Doors:
     async def start(self, tmp: Path):
-        from specdec.tokenizer import load_tokenizer
+        from specdec.text.tokenizer import load_tokenizer
         from tests.helpers_models import save_tiny_tokenizer
 
         tok = load_tokenizer(save_tiny_tokenizer(tmp / "tok"))
@@ -185,7 +186,8 @@ def test_the_core_applies_the_same_rows(build, name, value):
     """Requests built in process (the engine, `specdec bench`) or received by a replica: the same rule, the same
     words."""
     with pytest.raises(InvalidRequestError) as core:
-        build(value).validate()
+        v = build(value)
+        validate_request(v) if isinstance(v, GenerationRequest) else field_rules.check_sampling(v)
     with pytest.raises(InvalidRequestError) as table:
         field_rules.check(field_rules.REQUEST_RULES, {name: value}, gamma=4)
     assert str(core.value) == str(table.value)
@@ -198,6 +200,6 @@ def test_the_docs_show_the_table():
 
 def test_modes_are_defined_once():
     from coordinator import metrics
-    from specdec import request
+    from specdec.scheduling import request
 
     assert metrics.MODES is request.MODES

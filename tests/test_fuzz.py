@@ -23,7 +23,7 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from specdec.request import MODES
+from specdec.scheduling.request import MODES
 from specdec_rpc.pb import draft_pb2, generation_pb2 as g, target_pb2
 from tests.helpers_models import VOCAB
 
@@ -53,7 +53,7 @@ class Stack:
         from coordinator.config import CoordinatorSettings
         from coordinator.server import build_coordinator
         from coordinator.stack import free_port
-        from specdec.tokenizer import load_tokenizer
+        from specdec.text.tokenizer import load_tokenizer
         from tests.helpers_models import save_tiny_tokenizer, start_replica, tiny_pair
 
         tok = load_tokenizer(save_tiny_tokenizer(tmp / "tok"))

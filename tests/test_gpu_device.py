@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdec import native
-from specdec.attention import attention
-from specdec.dtypes import auto_dtype
-from specdec.linear import Linear, check_row_invariance, prepack_linears, set_row_invariant, tune_linears
-from specdec.quant import int8_supported, resolve_quant
+from specdec.modeling import native
+from specdec.modeling.attention import attention
+from specdec.modeling.dtypes import auto_dtype
+from specdec.modeling.linear import Linear, check_row_invariance, prepack_linears, set_row_invariant, tune_linears
+from specdec.modeling.quant import int8_supported, resolve_quant
 from tests.helpers_models import build_tiny_model
 
 
@@ -82,9 +82,9 @@ def test_cuda_model_forward_matches_cpu_and_uses_no_cpu_kernels(monkeypatch):
 @pytest.mark.cuda
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 def test_draft_and_target_on_different_devices():
+    from specdec.decoding.sampling import SamplingParams
     from specdec.engine import Engine
-    from specdec.request import GenerationRequest
-    from specdec.sampling import SamplingParams
+    from specdec.scheduling.request import GenerationRequest
 
     target = build_tiny_model(seed=1, logit_scale=2.0).to("cuda:0")
     draft = build_tiny_model(hidden_size=16, num_layers=1, seed=2, logit_scale=2.0).to("cuda:1")

@@ -51,7 +51,7 @@ class _TargetConfig:
 def test_training_forward_is_the_served_draft_at_every_block_depth(tiny, tmp_path):
     """Position t drafted at depth k of a block that started at s = t - k: the served draft has fed positions
     0..s with their features and s+1..t with zeros; `depth_hidden` gives the same final hidden state."""
-    from specdec.model import load_model_dir
+    from specdec.modeling.model import load_model_dir
 
     d = build_feature_draft(tiny / "draft", 0, 48, 0.0625)
     with torch.no_grad():  # away from the warm start, so that the features matter
@@ -109,7 +109,7 @@ def _dry_run(work: pathlib.Path, target, init, *extra: str) -> tuple[dict, list[
 
 
 def test_dry_run_writes_a_served_feature_draft_and_a_rerun_resumes(tiny, tmp_path):
-    from specdec.model import load_model_dir
+    from specdec.modeling.model import load_model_dir
 
     m1, loaded, _ = _dry_run(tmp_path, tiny / "target", tiny / "draft", "--max-steps", "2")
     assert loaded == [], f"the run imported what a bare GPU machine lacks: {loaded}"
@@ -141,7 +141,7 @@ def test_dry_run_writes_a_served_feature_draft_and_a_rerun_resumes(tiny, tmp_pat
 @pytest.mark.slow
 def test_dry_run_with_the_default_target(tmp_path):
     """The dry run as a user runs it: the default target, the shipped draft as the initial draft."""
-    from specdec.hub import resolve_model
+    from specdec.modeling.hub import resolve_model
 
     m, loaded, _ = _dry_run(tmp_path, resolve_model("default-target"), INIT_DRAFT, "--max-steps", "2")
     assert loaded == [] and m["train"]["steps"] == 2 and m["plain"]["pooled"]["known"] > 0.3

@@ -1,11 +1,11 @@
-"""specdec/cuda_graphs.py: the bucket selection and the sync-free forward on CPU; graph replay == eager bitwise on a
+"""specdec/modeling/cuda_graphs.py: the bucket selection and the sync-free forward on CPU; graph replay == eager bitwise on a
 CUDA device (marked `cuda`, skipped without one)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from specdec import cuda_graphs as cg
+from specdec.modeling import cuda_graphs as cg
 from tests.helpers_models import build_tiny_model
 
 
@@ -136,9 +136,9 @@ class _EagerRunner(cg.GraphRunner):
 def test_workers_serve_decode_and_verify_from_the_runner_exactly(mode):
     """Greedy output through the workers' graph path (`Worker._replay`) equals the target's own greedy decode; the
     runner served the decode steps and verify blocks, the model the prefills."""
+    from specdec.decoding.sampling import SamplingParams
     from specdec.engine import Engine
-    from specdec.request import GenerationRequest
-    from specdec.sampling import SamplingParams
+    from specdec.scheduling.request import GenerationRequest
     from tests.helpers_models import target_greedy, tiny_pair
 
     target, draft = tiny_pair(logit_scale=2.0)
@@ -159,7 +159,7 @@ def test_workers_serve_decode_and_verify_from_the_runner_exactly(mode):
 
 @pytest.mark.parametrize("compact", [False, True])
 def test_static_forward_of_a_compact_vocabulary_draft(compact):
-    from specdec.model import CausalLM
+    from specdec.modeling.model import CausalLM
 
     torch.manual_seed(3)
     cfg = build_tiny_model(vocab_size=64).config

@@ -1,4 +1,4 @@
-"""Structured output (specdec/grammar.py) restricts the target's p to a grammar: every mode reproduces target-only
+"""Structured output (specdec/text/grammar.py) restricts the target's p to a grammar: every mode reproduces target-only
 decoding under the same grammar (greedy), sampling follows the exact masked target distribution, a draft equal to
 the target has every token accepted, and bad grammars are refused with the field named."""
 import json
@@ -10,12 +10,12 @@ import pytest
 import torch
 from llguidance import LLMatcher
 
+from specdec.common.errors import InvalidRequestError
+from specdec.decoding.preverifier import build_random_preverifier
+from specdec.decoding.sampling import SamplingParams, logits_to_probs
 from specdec.engine import Engine
-from specdec.errors import InvalidRequestError
-from specdec.grammar import GrammarVocab, StructuredOutput
-from specdec.preverifier import build_random_preverifier
-from specdec.request import MODES, GenerationRequest
-from specdec.sampling import SamplingParams, logits_to_probs
+from specdec.scheduling.request import MODES, GenerationRequest
+from specdec.text.grammar import GrammarVocab, StructuredOutput
 from specdec.workers.proposers import ForcedTokens, LookupTokens
 from specdec.workers.target import TargetWorker
 from tests.helpers_models import TOKENIZER_CHARS, build_tiny_model, tiny_tokenizer
@@ -213,7 +213,7 @@ def test_a_model_without_a_tokenizer_refuses_structured_output(tiny):
 def test_a_model_directory_with_a_tokenizer_serves_structured_output(tmp_path):
     """The worker reads tokenizer.json and the EOS id from the model directory; a draft without a tokenizer
     drafts unmasked (its proposals are only proposals), and the output still follows the grammar."""
-    from specdec.model import load_model_dir
+    from specdec.modeling.model import load_model_dir
     from tests.helpers_models import save_tiny_pair
 
     tdir, ddir = save_tiny_pair(tmp_path)
@@ -289,7 +289,7 @@ def test_compiled_grammars_are_cached_and_each_session_gets_its_own_matcher(tiny
 def test_prompt_lookup_proposes_only_what_the_grammar_allows(tiny):
     """Prompt lookup stays on for grammar requests; its proposals the grammar forbids are dropped (the draft model
     drafts there), so every looked-up token the target sees is one it may accept."""
-    from specdec.lookup import PromptLookup
+    from specdec.decoding.lookup import PromptLookup
 
     target, draft, vocab = tiny
     grammar = grammar_of("regex", r"(ab|ba)( (ab|ba)){3,8}\.")

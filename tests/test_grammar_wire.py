@@ -27,8 +27,8 @@ class Stack:
     async def start(self, tmp, chars: str = "", tokenizer=None, **settings):
         """`chars`: the character vocabulary (TOKENIZER_CHARS by default), or `tokenizer` (a tokenizers.Tokenizer);
         `settings`: more CoordinatorSettings."""
-        from specdec.model import load_model_dir
-        from specdec.tokenizer import load_tokenizer
+        from specdec.modeling.model import load_model_dir
+        from specdec.text.tokenizer import load_tokenizer
         from tests.helpers_models import tiny_tokenizer
 
         tdir, ddir = save_tiny_pair(tmp)
@@ -141,7 +141,7 @@ async def test_http_forms_translate_to_structured_output():
 async def test_the_grammar_survives_a_target_failover(tmp_path):
     """The pinned target replica dies mid-request; the session is rebuilt on the other from its history, its
     matcher resumes from StartSession.output_start, and the answer still equals masked greedy decoding."""
-    from specdec.model import load_model_dir
+    from specdec.modeling.model import load_model_dir
 
     tdir, ddir = save_tiny_pair(tmp_path)
     save_tiny_tokenizer(ddir)

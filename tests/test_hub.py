@@ -6,9 +6,9 @@ import time
 
 import pytest
 
-from specdec import hub
-from specdec.hub import ModelNotFoundError, resolve_model
-from specdec.tokenizer import IncrementalDetokenizer, encode_prompt, eos_token_ids, load_tokenizer
+from specdec.modeling import hub
+from specdec.modeling.hub import ModelNotFoundError, resolve_model
+from specdec.text.tokenizer import IncrementalDetokenizer, encode_prompt, eos_token_ids, load_tokenizer
 
 
 def _fake_model_dir(d: pathlib.Path) -> pathlib.Path:
@@ -335,7 +335,7 @@ def test_a_gguf_with_rope_frequency_factors_is_refused_before_conversion(tmp_pat
     import numpy as np
     from gguf import GGUFWriter
 
-    from specdec.hub import refuse_lossy_gguf
+    from specdec.modeling.hub import refuse_lossy_gguf
 
     def write(name: str, tensors: dict):
         path = tmp_path / name
@@ -360,7 +360,7 @@ def test_an_unresolvable_model_is_the_core_error_the_servers_map_to_not_found():
     INTERNAL)."""
     import grpc
 
-    from specdec import errors
+    from specdec.common import errors
     from specdec_rpc.interceptor import status_for
 
     with pytest.raises(errors.ModelNotFoundError) as e:

@@ -9,7 +9,7 @@ import tomllib
 
 import pytest
 
-from specdec import defaults
+from specdec.common import defaults
 from tests.test_deploy import INSTALL_HINT, ROOT, _tool
 
 # ---------------------------------------------------------------- Dockerfile

@@ -1,4 +1,4 @@
-"""specdec.linear on any x86-64 host. Where oneDNN runs bf16 (AVX512 BW/VL/DQ, AVX512-BF16, AMX:
+"""specdec.modeling.linear on any x86-64 host. Where oneDNN runs bf16 (AVX512 BW/VL/DQ, AVX512-BF16, AMX:
 `packing_supported()`), bf16 weights are packed and `packed` is a candidate; on an AVX2-only CPU nothing is packed
 and the plain kernels (`gemm`, `gemv`) must keep the same invariants. Each test asks the host which it is and checks
 what follows. tests/test_linear_avx2.py runs the host-dependent ones again on a simulated AVX2-only CPU
@@ -9,9 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specdec.attention import attention
-from specdec.dtypes import cpu_has_fast_bf16
-from specdec.linear import (PAD_MAX_ROWS, Linear, packing_supported, prepack_linears, set_padding, set_plan,
+from specdec.modeling.attention import attention
+from specdec.modeling.dtypes import cpu_has_fast_bf16
+from specdec.modeling.linear import (PAD_MAX_ROWS, Linear, packing_supported, prepack_linears, set_padding, set_plan,
                             tune_linears)
 from tests.helpers_models import build_tiny_model
 
@@ -91,7 +91,7 @@ def test_every_kernel_computes_the_linear():
 
 
 def test_tuning_gives_every_bf16_linear_a_plan_of_runnable_kernels(runtime_settings):
-    from specdec.quant import Int8Linear, int8_supported, quantize_int8_
+    from specdec.modeling.quant import Int8Linear, int8_supported, quantize_int8_
 
     m = build_tiny_model(vocab_size=32, seed=3).to(torch.bfloat16)
     if int8_supported("cpu", torch.bfloat16):
@@ -175,7 +175,7 @@ def test_prepack_skips_what_it_cannot_pack():
     if packing_supported():
         assert packed == len(layers) and all("packed" in x.kernels(rows) for x in layers for rows in (1, 4, 9))
     else:
-        # without fast bf16 GEMMs the weight-streaming kernel is a candidate where it builds (specdec/linear.py)
+        # without fast bf16 GEMMs the weight-streaming kernel is a candidate where it builds (specdec/modeling/linear.py)
         assert packed == 0 and all(x.kernels(rows) in (["gemm"], ["gemm", "stream"]) for x in layers
                                    for rows in (4, 9))
     kv = m.new_kv_slots(1, 32)
@@ -188,9 +188,9 @@ def test_prepack_skips_what_it_cannot_pack():
 def test_fused_projections_compute_the_same_model(bias):
     import copy
 
-    from specdec.fusion import fuse_projections_, unfused_state
-    from specdec.preverifier import draft_fingerprint
-    from specdec.quant import quantize_int8_
+    from specdec.modeling.fusion import fuse_projections_, unfused_state
+    from specdec.modeling.model import draft_fingerprint
+    from specdec.modeling.quant import quantize_int8_
 
     m = build_tiny_model(vocab_size=32, seed=5)
     if bias:  # q/k/v biases (Qwen-style attention_bias) are stacked too
@@ -241,7 +241,7 @@ def _down_projection(seed: int = 0) -> Linear:
 def test_a_row_invariant_linear_rounds_every_row_alike_alone_or_batched(plan, monkeypatch):
     """A target's row must round the same alone (a lone decode step) as among other sessions' rows (a batched step),
     whatever tuning chose: no gemv, no one-row call."""
-    from specdec import linear
+    from specdec.modeling import linear
 
     lin = _down_projection()
     linear.set_row_invariant(lin)
@@ -267,7 +267,7 @@ def test_a_row_invariant_linear_rounds_every_row_alike_alone_or_batched(plan, mo
 def test_the_invariance_check_sees_a_one_row_path_that_rounds_differently(monkeypatch):
     """With one-row calls allowed, oneDNN's one-row kernel rounds some rows of this shape unlike its multi-row one
     on the dev hosts; the load-time check must report it (skipped where this host's kernels happen to agree)."""
-    from specdec import linear
+    from specdec.modeling import linear
 
     lin = _down_projection()
     lin.plan, lin.pad_to = ("packed",) * 4, None
@@ -286,7 +286,7 @@ def test_the_invariance_check_sees_a_one_row_path_that_rounds_differently(monkey
 
 def test_only_the_target_is_row_invariant(tmp_path, runtime_settings):
     """load_model_dir makes a target's linears row-invariant (unless SPECDEC_ROW_INVARIANT=0), not a draft's."""
-    from specdec.model import load_model_dir
+    from specdec.modeling.model import load_model_dir
     from tests.helpers_models import save_model
 
     path = save_model(build_tiny_model(vocab_size=64, hidden_size=32, seed=1), tmp_path / "m")
@@ -305,7 +305,7 @@ def test_only_the_target_is_row_invariant(tmp_path, runtime_settings):
 def test_a_one_row_gemv_that_rounds_unlike_the_batch_is_replaced_at_load(monkeypatch):
     """Where `torch.mv` rounds a row unlike the multi-row kernel (simulated: one bf16 ulp off), the load-time check
     moves one-row calls to the padded oneDNN call."""
-    from specdec import linear
+    from specdec.modeling import linear
 
     real = Linear.run_kernel
 
@@ -329,14 +329,14 @@ def test_a_one_row_gemv_that_rounds_unlike_the_batch_is_replaced_at_load(monkeyp
 
 _CACHE_PROBE = """
 import sys, torch
-from specdec import settings
+from specdec.common import settings
 if sys.argv[1] == "1":
     settings.prepare_process()  # as a model load does, after torch is imported
-import specdec.linear as L
+import specdec.modeling.linear as L
 rss = lambda: int([l for l in open('/proc/self/status') if l.startswith('VmRSS')][0].split()[1]) // 1024
 torch.set_num_threads(1)
 dtype = getattr(torch, sys.argv[3])
-if sys.argv[2] == "linear":  # specdec.linear.Linear, packed where this host packs
+if sys.argv[2] == "linear":  # specdec.modeling.linear.Linear, packed where this host packs
     lins = [L.Linear(576, n, bias=False).to(dtype) for n in (576, 192, 1536)]
     for m in lins: m.prepack()
     calls = [(m, m.in_features) for m in lins]

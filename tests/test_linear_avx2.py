@@ -2,7 +2,7 @@
 ATen's kernels too (ATEN_CPU_CAPABILITY), both read when torch loads, so in a fresh interpreter. On such a CPU oneDNN
 runs no bf16: nothing is packed. With the native kernels off the plain kernels must keep the same invariants
 (tests/test_linear.py); with them on the streaming linear is offered and must keep them too
-(tests/test_stream_linear.py, which also pins the emulation through `specdec.settings` `isa`)."""
+(tests/test_stream_linear.py, which also pins the emulation through `specdec.common.settings` `isa`)."""
 from __future__ import annotations
 
 import os
@@ -22,7 +22,7 @@ HOST_DEPENDENT = ("test_prepack_skips_what_it_cannot_pack", "test_a_one_row_gemv
                   "test_prepacked_multi_row_kernel_is_bit_identical", "test_tuning_gives_every_bf16_linear",
                   "test_a_row_invariant_linear_rounds_every_row_alike", "test_model_logits_do_not_depend",
                   "test_every_kernel_computes_the_linear")
-# the streaming linear's tests that ask the host what specdec.linear offers (the rest run the same everywhere)
+# the streaming linear's tests that ask the host what specdec.modeling.linear offers (the rest run the same everywhere)
 STREAM_HOST_DEPENDENT = ("test_hosts_with_native_bf16_gemms_keep_their_paths",
                          "test_emulated_avx2_host_offers_the_kernel", "test_greedy_sd_equals_ar_with_the_kernel",
                          "test_a_row_invariant_layer_on_the_kernel")
@@ -35,7 +35,7 @@ pytestmark = [
 
 
 def _pytest(path: str, names: tuple[str, ...], **env: str) -> None:
-    check = subprocess.run([sys.executable, "-c", "import torch, specdec.dtypes as d; "
+    check = subprocess.run([sys.executable, "-c", "import torch, specdec.modeling.dtypes as d; "
                             "print(torch.backends.cpu.get_cpu_capability(), d.cpu_has_fast_bf16())"],
                            capture_output=True, text=True, env={**os.environ, **AVX2, **env}, cwd=ROOT, timeout=120)
     assert check.stdout.split() == ["AVX2", "False"], check.stdout + check.stderr  # the simulation holds

@@ -8,12 +8,13 @@ import os
 
 import pytest
 
+from specdec.common.errors import InvalidRequestError
+from specdec.decoding.preverifier import build_random_preverifier
+from specdec.decoding.sampling import SamplingParams
 from specdec.engine import Engine
-from specdec.errors import InvalidRequestError
-from specdec.preverifier import build_random_preverifier
-from specdec.sampling import SamplingParams
-from specdec.request import GenerationRequest
-from specdec.schedule import generate
+from specdec.scheduling.field_rules import validate_request
+from specdec.scheduling.request import GenerationRequest
+from specdec.scheduling.schedule import generate
 from tests.helpers_models import target_greedy
 from tests.table_lm import TableLM
 from tests.test_exactness import PROMPT, V, chi_square_pvalue, exact_continuations, sample_continuations
@@ -140,4 +141,4 @@ def test_a_target_step_after_a_fully_accepted_post_verify_reads_the_stored_row(p
 
 def test_bad_threshold_is_a_clear_error():
     with pytest.raises(InvalidRequestError, match="spec_off_batch"):
-        GenerationRequest([1, 2], spec_off_batch=-1).validate()
+        validate_request(GenerationRequest([1, 2], spec_off_batch=-1))

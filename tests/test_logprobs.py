@@ -6,10 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from specdec.decoding.preverifier import build_random_preverifier
+from specdec.decoding.sampling import SamplingParams
 from specdec.engine import Engine
-from specdec.preverifier import build_random_preverifier
-from specdec.request import MODES, GenerationRequest
-from specdec.sampling import SamplingParams
+from specdec.scheduling.field_rules import check_sampling
+from specdec.scheduling.request import MODES, GenerationRequest
 from tests.helpers_models import build_tiny_model
 
 PROMPT = [3, 1, 4, 1, 5]
@@ -83,10 +84,10 @@ def test_prompt_logprobs_from_the_prefill(mode):
 
 
 def test_logprobs_bounds():
-    from specdec.errors import InvalidRequestError
+    from specdec.common.errors import InvalidRequestError
 
     with pytest.raises(InvalidRequestError, match="logprobs"):
-        SamplingParams(logprobs=21).validate()
+        check_sampling(SamplingParams(logprobs=21))
 
 
 @pytest.mark.asyncio
@@ -95,8 +96,8 @@ async def test_logprobs_over_the_wire_whole_streamed_and_cut_by_a_stop_string(tm
 
     from coordinator.config import CoordinatorSettings
     from coordinator.server import build_coordinator
+    from specdec.text.tokenizer import load_tokenizer
     from specdec_rpc.pb import generation_pb2 as g, generation_pb2_grpc as gg
-    from specdec.tokenizer import load_tokenizer
     from tests.helpers_models import save_tiny_tokenizer, start_replica, tiny_pair
 
     tok = load_tokenizer(save_tiny_tokenizer(tmp_path / "tok"))

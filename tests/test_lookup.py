@@ -1,12 +1,12 @@
-"""Prompt lookup (specdec/lookup.py): what it proposes, and that drafting with it stays lossless."""
+"""Prompt lookup (specdec/decoding/lookup.py): what it proposes, and that drafting with it stays lossless."""
 import os
 
 import pytest
 
+from specdec.decoding.lookup import PromptLookup
+from specdec.decoding.sampling import SamplingParams
 from specdec.engine import Engine
-from specdec.lookup import PromptLookup
-from specdec.request import GenerationRequest
-from specdec.sampling import SamplingParams
+from specdec.scheduling.request import GenerationRequest
 from tests.helpers_models import build_tiny_model
 from tests.table_lm import TableLM
 from tests.test_exactness import PROMPT as EXACT_PROMPT, V, chi_square_pvalue, exact_continuations, run_many
@@ -50,7 +50,7 @@ REPEATS = [3, 1, 4, 1, 5, 9, 2, 6] * 3  # a prompt whose n-grams recur, so looku
 
 @pytest.mark.parametrize("mode", ["sd", "pacer", "pearl", "pacer_pearl"])
 def test_greedy_with_lookup_equals_target_only(mode):
-    from specdec.preverifier import build_random_preverifier
+    from specdec.decoding.preverifier import build_random_preverifier
 
     target = build_tiny_model(vocab_size=32, seed=1, logit_scale=2.0)
     draft = build_tiny_model(vocab_size=32, seed=2, logit_scale=2.0)
@@ -98,9 +98,9 @@ async def test_draft_replica_drafts_with_lookup_and_says_so():
     output over gRPC equals target-only decoding and the in-process engine with the same lookup; 0 turns it off."""
     import dataclasses
 
-    from specdec.defaults import PROMPT_LOOKUP_MIN_NGRAM
+    from specdec.common.defaults import PROMPT_LOOKUP_MIN_NGRAM
+    from specdec.scheduling.schedule import generate
     from specdec_rpc.pb import draft_pb2
-    from specdec.schedule import generate
     from tests.test_services import make_stack
 
     target = build_tiny_model(vocab_size=64, hidden_size=32, seed=1, max_position_embeddings=128, logit_scale=2.0)
@@ -224,8 +224,8 @@ def test_looked_up_tokens_are_drafted_without_a_forward(rule, lookup, block_size
     its caller assumes, through accepted rounds, rejections and a call cancelled before its first forward. With
     blocks of 3, a block that mixes model and looked-up tokens is scored at once, so its looked-up tokens take
     the forward."""
-    from specdec.preverifier import build_random_preverifier
-    from specdec.stop import FixedLength, PreverifierStop
+    from specdec.decoding.preverifier import build_random_preverifier
+    from specdec.decoding.stop import FixedLength, PreverifierStop
 
     draft = build_tiny_model(vocab_size=32, seed=2, logit_scale=2.0)
     pv = build_random_preverifier(hidden_size=draft.config.hidden_size, seed=3, block_size=1)

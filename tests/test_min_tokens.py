@@ -1,7 +1,7 @@
 """vLLM's min_p, min_tokens, allowed_token_ids and bad_words, exact under speculation: min_p is part of the one
-logits→probabilities transform draft and target share (specdec/sampling.py); min_tokens masks EOS and stop token
+logits→probabilities transform draft and target share (specdec/decoding/sampling.py); min_tokens masks EOS and stop token
 ids in the target's rows that decide the first min_tokens output tokens, allowed_token_ids every other token in
-every row, and bad_words the last token of a word whose other tokens end the row's context (specdec/penalties.py)."""
+every row, and bad_words the last token of a word whose other tokens end the row's context (specdec/decoding/penalties.py)."""
 import contextlib
 import itertools
 import os
@@ -10,11 +10,12 @@ import pytest
 import torch
 
 from coordinator.grpc_api.text_output import TextAssembler
+from specdec.common.errors import InvalidRequestError
+from specdec.decoding.preverifier import build_random_preverifier
+from specdec.decoding.sampling import SamplingParams, logits_to_probs
 from specdec.engine import Engine
-from specdec.errors import InvalidRequestError
-from specdec.preverifier import build_random_preverifier
-from specdec.request import MODES, GenerationRequest
-from specdec.sampling import SamplingParams, logits_to_probs
+from specdec.scheduling.field_rules import check_sampling
+from specdec.scheduling.request import MODES, GenerationRequest
 from tests.helpers_models import TOKENIZER_CHARS, build_tiny_model, target_greedy
 from tests.table_lm import TableLM
 from tests.test_exactness import PROMPT as TABLE_PROMPT, V as TABLE_V, chi_square_pvalue, run_many
@@ -29,7 +30,7 @@ def test_min_p_keeps_tokens_at_least_min_p_times_the_top_one():
         want = torch.where(keep, p, torch.zeros_like(p))
         torch.testing.assert_close(probs, want / want.sum())
     with pytest.raises(InvalidRequestError, match="min_p"):
-        SamplingParams(min_p=1.5).validate()
+        check_sampling(SamplingParams(min_p=1.5))
 
 
 @pytest.mark.parametrize("method", ["token", "block"])
@@ -140,7 +141,7 @@ def test_min_tokens_holds_back_eos_in_every_mode(mode):
 
 
 def test_stop_strings_count_only_from_the_min_tokens_th_token():
-    from specdec.tokenizer import load_tokenizer
+    from specdec.text.tokenizer import load_tokenizer
     from tests.helpers_models import save_tiny_tokenizer
     import tempfile
     import pathlib
@@ -157,7 +158,7 @@ def test_a_stop_string_straddling_the_min_tokens_boundary_stops():
     """A stop string only has to END in the min_tokens-th token's text or later (vLLM's rule); it may start before.
     A mutation audit found that searching only from the min_tokens-th token's text (missing a stop
     string that straddles the boundary) passed every test."""
-    from specdec.tokenizer import load_tokenizer
+    from specdec.text.tokenizer import load_tokenizer
     from tests.helpers_models import save_tiny_tokenizer
     import tempfile
     import pathlib
@@ -237,7 +238,7 @@ def test_vllm_guided_fields_and_allowed_token_ids_in_the_http_body():
 
 
 def test_bad_words_mask_the_last_token_after_the_rest():
-    from specdec.penalties import adjust_logits
+    from specdec.decoding.penalties import adjust_logits
 
     words = ((4,), (1, 2), (7, 8, 9))
     p = SamplingParams(bad_words=words)
@@ -246,7 +247,7 @@ def test_bad_words_mask_the_last_token_after_the_rest():
     banned = [set(torch.isinf(r).nonzero()[:, 0].tolist()) for r in rows]
     assert banned == [{4, 9}, {4}, {4, 2}, {4}]
     with pytest.raises(InvalidRequestError, match="bad_words"):
-        SamplingParams(bad_words=((),)).validate()
+        check_sampling(SamplingParams(bad_words=((),)))
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -269,8 +270,8 @@ def test_bad_words_in_every_mode(mode):
 async def test_bad_words_over_the_wire_are_tokenized_by_the_coordinator(tmp_path):
     import grpc
 
+    from specdec.text.tokenizer import load_tokenizer
     from specdec_rpc.pb import generation_pb2 as g
-    from specdec.tokenizer import load_tokenizer
     from tests.helpers_models import save_tiny_tokenizer, tiny_pair
 
     target, draft = tiny_pair()

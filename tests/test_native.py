@@ -1,4 +1,4 @@
-"""The native decode attention (specdec/csrc/decode_attention.c via specdec.native): exact against a float64
+"""The native decode attention (specdec/modeling/csrc/decode_attention.c via specdec.modeling.native): exact against a float64
 reference, equal to the torch path inside the model, safe to load, and optional (the torch path stands in)."""
 from __future__ import annotations
 
@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from specdec import native, settings
+from specdec.modeling import native
+
+from specdec.common import settings
 from tests.helpers_models import build_tiny_model, sessions_then_block
 
 needs_kernel = pytest.mark.skipif(not native.available(), reason="no C compiler: the native kernel is not built")
@@ -123,7 +125,7 @@ def test_torch_path_stands_in(tmp_path, env):
 
 
 def _torch_rms_norm(x, weight, eps, residual=None):
-    """specdec.model.RMSNorm's torch path."""
+    """specdec.modeling.model.RMSNorm's torch path."""
     if residual is not None:
         x = x + residual
     xf = x.float()

@@ -1,4 +1,4 @@
-"""Whole decoder layers as one native call (specdec/csrc/decoder_layer.c via specdec.native.decoder_layer): taken by
+"""Whole decoder layers as one native call (specdec/modeling/csrc/decoder_layer.c via specdec.modeling.native.decoder_layer): taken by
 `CausalLM.forward` for a decode step or verify block whose every linear runs on the streaming kernel (hosts without
 native bf16 GEMMs), the same arithmetic as the op-by-op path, each row bitwise the same alone or in a block, greedy
 `sd`/`pearl` equal to `ar` through it, and the op-by-op path wherever a layer does not qualify.
@@ -11,13 +11,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdec import linear as linear_mod
-from specdec import native, settings
+from specdec.common import settings
 from specdec.engine import Engine
-from specdec.fusion import fuse_projections_
-from specdec.linear import STREAM_PLAN, check_row_invariance, set_plan, set_row_invariant
-from specdec.model import CausalLM, ModelConfig
-from specdec.request import GenerationRequest
+from specdec.modeling import linear as linear_mod
+from specdec.modeling import native
+from specdec.modeling.fusion import fuse_projections_
+from specdec.modeling.linear import STREAM_PLAN, check_row_invariance, set_plan, set_row_invariant
+from specdec.modeling.model import CausalLM, ModelConfig
+from specdec.scheduling.request import GenerationRequest
 from tests.helpers_models import build_tiny_model, sessions_then_block
 from tests.test_stream_linear import HOST_AVX2
 
@@ -112,7 +113,7 @@ def test_layers_that_do_not_qualify_take_the_op_by_op_path(monkeypatch):
 def test_greedy_sd_equals_ar_on_native_layers(dtype, mode, gamma, monkeypatch, runtime_settings):
     """Target and draft on native layers (one-row steps and verify blocks): greedy `sd` and `pearl` give `ar`'s
     tokens, and the native layers did run for both row counts."""
-    from specdec import linear
+    from specdec.modeling import linear
 
     runtime_settings(kernel_tune=False)  # the engine keeps the plan set below
     monkeypatch.setattr(linear, "_TUNED", {})
@@ -143,8 +144,8 @@ def test_bad_slot_is_still_a_clear_error():
 
 
 def _draft(quantized: bool = False) -> CausalLM:
-    from specdec.linear import tune_linears
-    from specdec.quant import quantize_int8_
+    from specdec.modeling.linear import tune_linears
+    from specdec.modeling.quant import quantize_int8_
 
     model = build_tiny_model(vocab_size=97, hidden_size=64, num_heads=4, num_kv_heads=2, seed=7).to(torch.bfloat16)
     fuse_projections_(model)
@@ -160,7 +161,7 @@ def test_a_draft_moves_to_native_layers_only_where_it_measures_faster(quantized,
     """`tune_native_layers` keeps, per row class, whichever measured faster: with a margin no timing can miss
     (stream always kept) every class 1/4/8 runs natively, the prefill class keeps its kernel; with one no timing
     can meet, the tuned plans stay as they were. An int8 draft (its dequantized weight on `stream`) alike."""
-    import specdec.model as model_mod
+    import specdec.modeling.model as model_mod
 
     monkeypatch.setattr(model_mod, "NATIVE_MARGIN", margin)
     model = _draft(quantized)
@@ -176,7 +177,7 @@ def test_a_draft_moves_to_native_layers_only_where_it_measures_faster(quantized,
 
 
 def test_a_row_invariant_model_or_tuning_off_keeps_its_plans(monkeypatch, runtime_settings):
-    import specdec.model as model_mod
+    import specdec.modeling.model as model_mod
 
     monkeypatch.setattr(model_mod, "NATIVE_MARGIN", -10.0)
     target = _draft()
@@ -191,7 +192,7 @@ def test_a_row_invariant_model_or_tuning_off_keeps_its_plans(monkeypatch, runtim
 def test_greedy_output_with_a_native_layer_draft_is_the_targets(mode, monkeypatch):
     """A draft moved to native layers by its engine's tuning (forced) beside an op-by-op target: greedy output
     equals `ar`'s (the draft's numerics never reach the output)."""
-    import specdec.model as model_mod
+    import specdec.modeling.model as model_mod
 
     monkeypatch.setattr(model_mod, "NATIVE_MARGIN", -10.0)
     calls = []
@@ -213,7 +214,7 @@ def test_greedy_output_with_a_native_layer_draft_is_the_targets(mode, monkeypatc
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_a_qkv_bias_runs_natively_and_a_sliding_window_changes_nothing(dtype):
     """Qwen2.5's q/k/v bias is the streaming kernel's bias; a window (Mistral) is served up to its length, where it
-    equals full attention (specdec/model.py)."""
+    equals full attention (specdec/modeling/model.py)."""
     cfg = ModelConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, attention_bias=True, sliding_window=4096)
     model = CausalLM(cfg)
@@ -234,8 +235,8 @@ def test_a_qkv_bias_runs_natively_and_a_sliding_window_changes_nothing(dtype):
 def test_a_feature_draft_tunes_and_runs_native_layers(monkeypatch):
     """A feature draft (its fc mixes the target's features in before the layers) times its forwards with features
     and runs its layers natively; the logits equal the op-by-op path's."""
-    import specdec.model as model_mod
-    from specdec.linear import tune_linears
+    from specdec.modeling.linear import tune_linears
+    import specdec.modeling.model as model_mod
 
     monkeypatch.setattr(model_mod, "NATIVE_MARGIN", -10.0)
     model = build_tiny_model(vocab_size=97, hidden_size=64, num_heads=4, num_kv_heads=2, seed=9,

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import torch
 
-from specdec import native
 from specdec.engine import Engine
-from specdec.linear import STREAM_PLAN, release_stream_weights, set_plan
-from specdec.request import GenerationRequest
-from specdec.model import load_model_dir
+from specdec.modeling import native
+from specdec.modeling.linear import STREAM_PLAN, release_stream_weights, set_plan
+from specdec.modeling.model import load_model_dir
+from specdec.scheduling.request import GenerationRequest
 from tests.helpers_models import build_tiny_model, save_model
 from tests.test_native_layers import _tiny, needs_kernel
 

@@ -242,9 +242,9 @@ async def test_untraced_calls_carry_no_trace_context(stack):
     (4, 0, 0, "preverifier", (0, 0, 0, 0)),  # no block size reported: not judged
 ])
 async def test_pacer_decisions_are_judged_by_the_block_they_drafted(n, size, accepted, stop, want):
-    from specdec.drafting import DraftBlock
-    from specdec.request import GenerationRequest
-    from specdec.run_state import _Run
+    from specdec.scheduling.request import GenerationRequest
+    from specdec.scheduling.run_state import _Run
+    from specdec.workers.drafting import DraftBlock
 
     run = _Run(GenerationRequest(prompt_ids=[1], mode="pacer"), None)
     run.judge_pacer(DraftBlock(tokens=list(range(n)), q=[], stop_reason=stop, block_size=size), accepted)

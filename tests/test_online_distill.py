@@ -6,11 +6,11 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from specdec.modeling.model import load_model_dir
 from specdec_train.distill.data import is_heldout
 from specdec_train.distill.draft_model import build_from_target, full_to_compact_map, load_draft, save_draft
 from specdec_train.distill.generate import self_instruct
 from specdec_train.distill.online import batch_tensors, distill, generate_rows, load_draft_weights, subset_kl
-from specdec.model import load_model_dir
 from tests.helpers_models import save_tiny_tokenizer
 
 V = 32

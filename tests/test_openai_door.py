@@ -49,7 +49,7 @@ BODY = {"model": MODEL, "prompt": "abc"}
 
 
 async def test_grpc_codes_become_http_statuses():
-    from specdec.errors import CapacityError
+    from specdec.common.errors import CapacityError
 
     cases = [((grpc.StatusCode.RESOURCE_EXHAUSTED, "pools full: 256 requests wait"), 429, "rate_limit_error"),
              ((grpc.StatusCode.UNAVAILABLE, "no target replica at 10.0.0.1:50071"), 503, "server_error"),
@@ -186,7 +186,7 @@ def test_the_schema_passes_cache_salt_and_the_servicer_bounds_it():
 
     from coordinator.grpc_api.service import GenerationServicer
     from coordinator.http_api.schema import ChatCompletionRequest
-    from specdec.errors import InvalidRequestError
+    from specdec.common.errors import InvalidRequestError
 
     body = ChatCompletionRequest(messages=MESSAGES, cache_salt="tenant-a")
     assert body.to_proto().sampling.cache_salt == "tenant-a"
@@ -212,7 +212,7 @@ def test_the_schema_passes_penalties_and_logit_bias():
     with pytest.raises(ValidationError, match="strings of digits"):  # the keys' form is this door's own
         CompletionRequest(prompt="abc", logit_bias={"x": 1})
     from coordinator.grpc_api.service import GenerationServicer
-    from specdec.errors import InvalidRequestError
+    from specdec.common.errors import InvalidRequestError
 
     for bad, words in (({"logit_bias": {"3": 101}}, "sampling.logit_bias: token 3: a bias must be in [-100, 100]"),
                        ({"presence_penalty": 3}, "sampling.presence_penalty: must be in [-2, 2]")):  # the table's

@@ -29,7 +29,7 @@ CHAT_TEMPLATE = ("{% if style %}{{ style }} {% endif %}{% for m in messages %}{{
 
 class Http:
     async def start(self, tmp):
-        from specdec.tokenizer import load_tokenizer
+        from specdec.text.tokenizer import load_tokenizer
         from tests.helpers_models import save_tiny_tokenizer
 
         self.tok = load_tokenizer(save_tiny_tokenizer(tmp / "tok"))
@@ -445,7 +445,7 @@ async def test_dropped_stream_and_dropped_request_cancel_the_generation(api):
 async def test_draining_finishes_the_streams_in_flight(tmp_path):
     """SIGTERM's path (ServerApp.shutdown): the HTTP listener stops accepting, a stream in flight runs to its end,
     then the coordinator stops."""
-    from specdec.tokenizer import load_tokenizer
+    from specdec.text.tokenizer import load_tokenizer
     from tests.helpers_models import save_tiny_tokenizer
 
     tok = load_tokenizer(save_tiny_tokenizer(tmp_path / "tok"))

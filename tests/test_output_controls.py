@@ -28,7 +28,7 @@ def text_of(ids) -> str:
 
 @pytest.fixture(scope="module")
 def tok(tmp_path_factory):
-    from specdec.tokenizer import load_tokenizer
+    from specdec.text.tokenizer import load_tokenizer
 
     return load_tokenizer(save_tiny_tokenizer(tmp_path_factory.mktemp("tok")))
 

@@ -1,13 +1,14 @@
-"""Adaptive overlap (specdec/overlap.py): the choice itself, and PEARL rounds mixed with sequential ones."""
+"""Adaptive overlap (specdec/scheduling/overlap.py): the choice itself, and PEARL rounds mixed with sequential ones."""
 import pytest
 
-import specdec.schedule
+from specdec.common.errors import InvalidRequestError
+from specdec.decoding.preverifier import build_random_preverifier
+from specdec.decoding.sampling import SamplingParams
 from specdec.engine import Engine
-from specdec.errors import InvalidRequestError
-from specdec.overlap import OverlapChoice
-from specdec.preverifier import build_random_preverifier
-from specdec.request import GenerationRequest
-from specdec.sampling import SamplingParams
+from specdec.scheduling.field_rules import validate_request
+from specdec.scheduling.overlap import OverlapChoice
+from specdec.scheduling.request import GenerationRequest
+import specdec.scheduling.schedule
 from tests.helpers_models import build_tiny_model
 
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
@@ -62,7 +63,7 @@ def pair():
 @pytest.mark.parametrize("gamma", [2, 5])
 def test_mixed_rounds_keep_the_greedy_output(pair, monkeypatch, mode, gamma):
     target, draft, pv = pair
-    monkeypatch.setattr(specdec.schedule, "OverlapChoice", Alternating)
+    monkeypatch.setattr(specdec.scheduling.schedule, "OverlapChoice", Alternating)
     eng = Engine(target, draft, preverifier=pv)
     ref = eng.generate(GenerationRequest(PROMPT, 40, mode="ar")).token_ids
     out = eng.generate(GenerationRequest(PROMPT, 40, mode=mode, gamma=gamma))
@@ -81,7 +82,7 @@ def test_mixed_rounds_keep_the_target_distribution(monkeypatch, mode):
     from tests.test_exactness import PROMPT as TABLE_PROMPT, V, chi_square_pvalue, exact_continuations, \
         sample_continuations
 
-    monkeypatch.setattr(specdec.schedule, "OverlapChoice", Alternating)
+    monkeypatch.setattr(specdec.scheduling.schedule, "OverlapChoice", Alternating)
     target, draft = TableLM(V, seed=31, scale=1.5), TableLM(V, seed=32, scale=1.5)
     pv = build_random_preverifier(hidden_size=4, seed=3, block_size=1) if mode == "pacer_pearl" else None
     eng = Engine(target, draft, preverifier=pv, inline=True)
@@ -107,5 +108,5 @@ def test_who_adapts(pair):
         # adapting tries a sequential round after the first overlapped stretch
         assert (st.sequential_rounds > 0) == adapts, kw
     with pytest.raises(InvalidRequestError, match="pearl_overlap"):
-        GenerationRequest(PROMPT, 8, mode="pearl", pearl_overlap="sometimes").validate()
+        validate_request(GenerationRequest(PROMPT, 8, mode="pearl", pearl_overlap="sometimes"))
     eng.close()

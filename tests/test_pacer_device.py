@@ -1,6 +1,6 @@
 """PACER with the draft on an accelerator. The pre-verifier runs on the host; a GPU draft's pre-verifier features
 stay on its device while it drafts a block and reach the host in one copy per scored block
-(`specdec.drafting.CallFeatures.block`), never with a host read per drafted token.
+(`specdec.workers.drafting.CallFeatures.block`), never with a host read per drafted token.
 
 Checked on CPU with `OnDevice`, a tensor standing in for one on a GPU: the draft's forward outputs are wrapped in
 it, and whatever is computed from them stays one. Like a CUDA tensor it reports a non-CPU device, refuses NumPy
@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 import torch
 
+from specdec.decoding.preverifier import build_random_preverifier
+from specdec.decoding.sampling import SamplingParams
+from specdec.decoding.stop import DraftFeatures, PreverifierStop
 from specdec.engine import Engine
-from specdec.preverifier import build_random_preverifier
-from specdec.request import GenerationRequest
-from specdec.sampling import SamplingParams
-from specdec.stop import DraftFeatures, PreverifierStop
+from specdec.scheduling.request import GenerationRequest
 from tests.helpers_models import build_tiny_model
 
 torch.set_num_threads(1)

@@ -1,4 +1,4 @@
-"""A draft and a target are a pair when their tokenizers map the same strings to the same ids (specdec/pairing.py),
+"""A draft and a target are a pair when their tokenizers map the same strings to the same ids (specdec/text/pairing.py),
 not when their vocabularies have the same size. Checked both ways: in process (`check_pair`, `Engine`) and by the
 coordinator's pools from the replicas' tokenizer fingerprints, where a draft of another tokenizer is refused with an
 ERROR naming both models and requests that need it fail FAILED_PRECONDITION instead of going target-only."""
@@ -12,10 +12,10 @@ import pytest
 
 from coordinator.routing.discovery import StaticSource
 from coordinator.routing.pool import DraftPairError, PoolManager
+from specdec.decoding.sampling import SamplingParams
 from specdec.engine import Engine
-from specdec.pairing import PairError, TokenizerFingerprint, TokenizerVocab, check_pair, pair_error
-from specdec.request import GenerationRequest
-from specdec.sampling import SamplingParams
+from specdec.scheduling.request import GenerationRequest
+from specdec.text.pairing import PairError, TokenizerFingerprint, TokenizerVocab, check_pair, pair_error
 from specdec_rpc.pb import generation_pb2 as g, generation_pb2_grpc as gg
 from tests.helpers_models import (TOKENIZER_CHARS, build_tiny_model, start_coordinator, start_replica,
                                   target_greedy, tiny_tokenizer)
@@ -105,7 +105,7 @@ def _model(root, name, chars=TOKENIZER_CHARS, vocab=32, seed=1):
 
 def test_engine_accepts_a_draft_of_the_same_tokenizer_with_fewer_rows(tmp_path):
     target = _model(tmp_path, "target", vocab=40)
-    draft = _model(tmp_path, "draft", vocab=32, seed=2)  # fewer rows, the same tokenizer (specdec/vocab.py)
+    draft = _model(tmp_path, "draft", vocab=32, seed=2)  # fewer rows, the same tokenizer (specdec/text/vocab.py)
     eng = Engine(target, draft, inline=True)
     try:
         res = eng.generate(GenerationRequest([3, 5, 7], 8, params=SamplingParams(temperature=0.0), mode="sd"))

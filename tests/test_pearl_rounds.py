@@ -1,4 +1,4 @@
-"""PEARL's state machine (`specdec.schedule.PearlRounds`) driven round by round against scripted backends: a
+"""PEARL's state machine (`specdec.scheduling.schedule.PearlRounds`) driven round by round against scripted backends: a
 target whose greedy token at each position is fixed, and a draft that proposes a scripted token per position and
 stops (as its pre-verifier would) where the script says."""
 from __future__ import annotations
@@ -8,10 +8,10 @@ import random
 
 import pytest
 
-from specdec.drafting import DraftBlock
-from specdec.request import GenerationRequest
-from specdec.run_state import _Run
-from specdec.schedule import PEARL_TRANSITIONS, PearlPhase, PearlRounds, PearlStateError, generate
+from specdec.scheduling.request import GenerationRequest
+from specdec.scheduling.run_state import _Run
+from specdec.scheduling.schedule import PEARL_TRANSITIONS, PearlPhase, PearlRounds, PearlStateError, generate
+from specdec.workers.drafting import DraftBlock
 from specdec.workers.target import VerifyOutcome
 
 PRE, POST, DONE = PearlPhase.PRE_VERIFY, PearlPhase.POST_VERIFY, PearlPhase.DONE

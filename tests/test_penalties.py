@@ -1,4 +1,4 @@
-"""Penalties and logit_bias (specdec/penalties.py) change only the target's p: every mode reproduces target-only
+"""Penalties and logit_bias (specdec/decoding/penalties.py) change only the target's p: every mode reproduces target-only
 decoding with the same adjustments (greedy), and sampling follows the adjusted target's exact distribution."""
 import os
 import random
@@ -6,11 +6,11 @@ import random
 import pytest
 import torch
 
+from specdec.decoding.penalties import adjust_logits
+from specdec.decoding.preverifier import build_random_preverifier
+from specdec.decoding.sampling import SamplingParams, logits_to_probs
 from specdec.engine import Engine
-from specdec.penalties import adjust_logits
-from specdec.preverifier import build_random_preverifier
-from specdec.request import MODES, GenerationRequest
-from specdec.sampling import SamplingParams, logits_to_probs
+from specdec.scheduling.request import MODES, GenerationRequest
 from specdec.workers.target import TargetWorker
 from tests.helpers_models import build_tiny_model
 from tests.table_lm import TableLM
@@ -22,7 +22,7 @@ ADJUST = dict(presence_penalty=0.5, frequency_penalty=0.75, repetition_penalty=1
 
 
 def reference_adjust(row: torch.Tensor, history: list[int], output_start: int, p: SamplingParams) -> torch.Tensor:
-    """The definitions, one token at a time (an independent reading of the docstring of specdec/penalties.py)."""
+    """The definitions, one token at a time (an independent reading of the docstring of specdec/decoding/penalties.py)."""
     row = row.double().clone()
     for tok, bias in p.logit_bias:
         row[tok] += bias

@@ -13,7 +13,7 @@ from coordinator.backends.moves import give_up_session
 from coordinator.config import CoordinatorSettings
 from coordinator.routing.preemption import Holdings
 from coordinator.server import build_coordinator
-from specdec.errors import CapacityError
+from specdec.common.errors import CapacityError
 from specdec_rpc.pb import generation_pb2 as g, generation_pb2_grpc as gg
 from tests.helpers_models import start_replica, target_greedy, tiny_pair
 from tests.test_admission import EP, pool, settle
@@ -154,7 +154,7 @@ async def target_backend(prompt: list[int]):
     from coordinator.routing.discovery import StaticSource
     from coordinator.backends.pipeline import AsyncPool
     from coordinator.routing.pool import PoolManager
-    from specdec.sampling import SamplingParams
+    from specdec.decoding.sampling import SamplingParams
 
     target, _ = tiny_pair()
     t = await start_replica("target", target)

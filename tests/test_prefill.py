@@ -124,8 +124,8 @@ def test_a_rebuilt_target_session_holds_the_kv_its_verifies_wrote(interleave):
     in verify-sized blocks, so every position's K/V equals, bit for bit, what the first session's verifies wrote:
     a greedy answer goes on as it would have. bf16, whose CPU linears are row-invariant (fp32's are not: there a
     row's last bits depend on its call's row count, far below a greedy near-tie)."""
-    from specdec.linear import prepack_linears, set_row_invariant
-    from specdec.sampling import SamplingParams
+    from specdec.decoding.sampling import SamplingParams
+    from specdec.modeling.linear import prepack_linears, set_row_invariant
     from specdec.workers.target import TargetWorker
 
     model = build_tiny_model(vocab_size=40, hidden_size=64, seed=5, max_position_embeddings=256).to(torch.bfloat16)

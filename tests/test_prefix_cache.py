@@ -1,4 +1,4 @@
-"""Prefix caching (specdec/prefix_cache.py): a session reuses whole aligned prefill chunks another session computed,
+"""Prefix caching (specdec/state/prefix_cache.py): a session reuses whole aligned prefill chunks another session computed,
 and its K/V, rows and outputs are bitwise those of a cold prefill."""
 import random
 
@@ -7,10 +7,10 @@ import grpc
 import pytest
 import torch
 
+from specdec.decoding.sampling import SamplingParams
 from specdec.engine import Engine
-from specdec.prefix_cache import SlotPrefixes, common_prefix_len
-from specdec.request import MODES, GenerationRequest
-from specdec.sampling import SamplingParams
+from specdec.scheduling.request import MODES, GenerationRequest
+from specdec.state.prefix_cache import SlotPrefixes, common_prefix_len
 from specdec.workers.draft import DraftWorker
 from specdec.workers.target import TargetWorker
 from tests.helpers_models import build_tiny_model
@@ -143,7 +143,7 @@ def test_nothing_is_reused_where_every_prefill_row_is_needed():
 def test_generation_with_the_prefix_cache_equals_without(mode):
     """Every mode, greedy and sampled: each prompt of a chat-like sequence returns the same tokens with the
     prefix cache as without, and the later prompts did reuse."""
-    from specdec.preverifier import build_random_preverifier
+    from specdec.decoding.preverifier import build_random_preverifier
 
     target = build_tiny_model(vocab_size=40, seed=1, logit_scale=2.0)
     draft = build_tiny_model(vocab_size=40, seed=2, logit_scale=2.0)

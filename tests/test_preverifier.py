@@ -9,14 +9,14 @@ import warnings
 import pytest
 import torch
 
+from specdec.decoding.stop import make_stop_rule
 from specdec.engine import Engine
-from specdec.stop import make_stop_rule
-from specdec.preverifier import (DEFAULT_PREVERIFIER_DIR, Preverifier, PreverifierMismatchError,
+from specdec.decoding.preverifier import (DEFAULT_PREVERIFIER_DIR, Preverifier, PreverifierMismatchError,
                                  build_random_preverifier, derive_threshold, draft_fingerprint, load_preverifier,
                                  save_preverifier)
-from specdec.sampling import SamplingParams, logits_to_probs
-from specdec.request import GenerationRequest
-from specdec.stop import DraftFeatures, PreverifierStop, StopSpec
+from specdec.decoding.sampling import SamplingParams, logits_to_probs
+from specdec.decoding.stop import DraftFeatures, PreverifierStop, StopSpec
+from specdec.scheduling.request import GenerationRequest
 from tests.helpers_models import build_tiny_model
 
 torch.set_num_threads(1)
@@ -63,8 +63,8 @@ def test_round_scorer_equals_the_full_block_score(mode, head, lite):
 
 
 def test_scalar_rows_equal_token_scalars():
-    from specdec.preverifier import token_scalars
-    from specdec.round_scorer import scalar_row
+    from specdec.decoding.preverifier import token_scalars
+    from specdec.decoding.round_scorer import scalar_row
 
     g = torch.Generator().manual_seed(0)
     logq = -torch.rand(9, generator=g) * 5
@@ -291,11 +291,11 @@ def test_weighted_auc():
 
 @pytest.mark.skipif(not (DEFAULT_PREVERIFIER_DIR / "config.json").is_file(), reason="no shipped pre-verifier")
 def test_shipped_preverifier_loads_for_the_shipped_draft():
-    from specdec.hub import DEFAULT_DRAFT_DIR
+    from specdec.modeling.hub import DEFAULT_DRAFT_DIR
 
     if not (DEFAULT_DRAFT_DIR / "config.json").is_file():
         pytest.skip("no shipped draft")
-    from specdec.model import load_model_dir
+    from specdec.modeling.model import load_model_dir
 
     draft = load_model_dir(DEFAULT_DRAFT_DIR)
     served = load_model_dir(DEFAULT_DRAFT_DIR, dtype="auto", role="draft")  # int8 weights on a bf16 CPU
@@ -404,8 +404,8 @@ def test_pacer_skip_drafts_nothing_when_the_first_block_scores_low(temperature):
 def test_greedy_confidence_of_a_compact_head_draft_equals_the_full_row():
     """The pre-verifier's log q(x) and entropy, taken on a compact-head draft's subset logits, are the numbers the
     full (-inf outside the subset) row gives."""
-    from specdec.drafting import confidence
-    from specdec.model import CausalLM, ModelConfig
+    from specdec.modeling.model import CausalLM, ModelConfig
+    from specdec.workers.drafting import confidence
 
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
@@ -475,7 +475,7 @@ def test_measured_costs_read_the_drafting_loop_with_the_preverifier():
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_worker_margin_equals_the_collected_head_statistic(temperature):
     """DraftFeatures.margin (drafting loop) is the margin the collectors store (head_stats' third column)."""
-    from specdec.preverifier import head_stats
+    from specdec.decoding.preverifier import head_stats
     from specdec.workers.draft import DraftWorker
 
     _, draft = _pair()

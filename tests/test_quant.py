@@ -1,4 +1,4 @@
-"""Int8 draft weights (specdec.quant): the kernel path equals the dequantized GEMM, the mode rules, and that an
+"""Int8 draft weights (specdec.modeling.quant): the kernel path equals the dequantized GEMM, the mode rules, and that an
 int8 draft leaves the output exactly the target's (greedy equality; a statistical check at T = 1)."""
 import json
 from collections import Counter
@@ -9,13 +9,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from draft_service.config import DraftSettings
+from specdec.decoding.preverifier import build_random_preverifier
 from specdec.engine import Engine
-from specdec.model import load_model_dir
-from specdec.preverifier import build_random_preverifier
-from specdec.quant import (INT8_MAX_ROWS, Int8Linear, int8_supported, quantize_int8_, resolve_quant,
+from specdec.modeling.model import load_model_dir
+from specdec.modeling.quant import (INT8_MAX_ROWS, Int8Linear, int8_supported, quantize_int8_, resolve_quant,
                            weight_quant)
-from specdec.sampling import SamplingParams
-from specdec.request import GenerationRequest
+from specdec.decoding.sampling import SamplingParams
+from specdec.scheduling.request import GenerationRequest
 from tests.helpers_models import build_tiny_model
 
 pytestmark = pytest.mark.skipif(not int8_supported("cpu", torch.bfloat16),
@@ -79,7 +79,7 @@ def test_loader_quantizes_a_bf16_draft_only(tmp_path):
     assert kinds(load_model_dir(tmp_path, dtype="float32", role="draft")) == {"Linear"}
     assert kinds(load_model_dir(tmp_path, dtype="bfloat16", role="draft", quant="none")) == {"Linear"}
     # a pre-verifier trained for these weights still recognises them once quantized
-    from specdec.preverifier import draft_fingerprint
+    from specdec.modeling.model import draft_fingerprint
 
     assert draft_fingerprint(load_model_dir(tmp_path, dtype="bfloat16", role="draft")) == \
         draft_fingerprint(load_model_dir(tmp_path, dtype="float32"))
@@ -102,7 +102,7 @@ def test_int8_draft_keeps_the_target_distribution_at_t1():
     """First generated token at T = 1: 1,200 seeded sd runs with an int8 draft vs the target's exact p."""
     from scipy.stats import chisquare
 
-    from specdec.sampling import logits_to_probs
+    from specdec.decoding.sampling import logits_to_probs
 
     target = build_tiny_model(vocab_size=8, seed=1, logit_scale=1.0)
     eng = Engine(target, _int8_model(seed=4, logit_scale=1.0, vocab_size=8))

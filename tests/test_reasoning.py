@@ -14,7 +14,7 @@ from llguidance import LLMatcher
 from coordinator.http_api.schema import ChatCompletionRequest
 from coordinator.grpc_api.reasoning import (CONTENT, REASONING, ReasoningSplitter, ReasoningStart, ThinkTags, answer_start,
                                    gate_grammar, reasoning_tokens)
-from specdec.errors import InvalidRequestError
+from specdec.common.errors import InvalidRequestError
 from specdec_rpc.pb import generation_pb2 as g
 from tests.helpers_models import TOKENIZER_CHARS
 from tests.test_grammar import EOS, grammar_of
@@ -89,7 +89,7 @@ def test_reasoning_tokens_count_through_the_closing_tag():
 
 @pytest.fixture(scope="module")
 def think_vocab():
-    from specdec.grammar import GrammarVocab
+    from specdec.text.grammar import GrammarVocab
 
     tk = think_tokenizer()
     return GrammarVocab(tk.to_str(), 32, [EOS], parsed=tk)
@@ -200,7 +200,7 @@ async def test_sampled_answers_split_at_the_tag(think_stack):
 @wire
 async def test_separate_reasoning_needs_a_parser(tmp_path):
     from coordinator.grpc_api.service import GenerationServicer
-    from specdec.tokenizer import load_tokenizer
+    from specdec.text.tokenizer import load_tokenizer
     from tests.helpers_models import save_tiny_tokenizer
 
     servicer = GenerationServicer(router=None, tokenizer=load_tokenizer(save_tiny_tokenizer(tmp_path)),

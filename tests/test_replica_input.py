@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 import torch
 
+from specdec.common.errors import InvalidRequestError
+from specdec.decoding.sampling import SamplingParams
 from specdec.engine import Engine
-from specdec.errors import InvalidRequestError
+from specdec.scheduling.request import GenerationRequest
+from specdec_rpc.convert import decode_q, dense_q_to_sparse, tensor_from_proto
 from specdec_rpc.pb import common_pb2 as cp, draft_pb2 as dp, draft_pb2_grpc as dg, target_pb2 as tp
 from specdec_rpc.pb import target_pb2_grpc as tg
-from specdec.request import GenerationRequest
-from specdec.sampling import SamplingParams
-from specdec_rpc.convert import decode_q, dense_q_to_sparse, tensor_from_proto
 from tests.helpers_models import start_replica, target_greedy, tiny_pair
 
 PROMPT = [1, 2, 3]

@@ -77,7 +77,7 @@ async def test_a_whole_answer_over_the_message_limit_names_the_setting():
 
 def test_a_prompt_past_the_context_is_told_to_shorten_the_prompt():
     """Not to "lower max_new_tokens by 7" when max_new_tokens was 1 (an audit)."""
-    from specdec.errors import ContextOverflowError
+    from specdec.common.errors import ContextOverflowError
     from specdec.workers.base import Worker
 
     class Sized:

@@ -23,7 +23,7 @@ def test_a_hub_id_is_served_as_given_and_by_its_short_name():
 
 @pytest.mark.asyncio
 async def test_every_served_name_answers_and_the_first_is_listed(tmp_path):
-    from specdec.tokenizer import load_tokenizer
+    from specdec.text.tokenizer import load_tokenizer
     from tests.helpers_models import save_tiny_tokenizer
 
     tok = load_tokenizer(save_tiny_tokenizer(tmp_path / "tok"))

@@ -21,12 +21,12 @@ except ImportError:  # stubs are generated at install time (`make proto`); gener
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc  # noqa: E402
 
-from specdec import errors  # noqa: E402
-from specdec_rpc.pb import common_pb2  # noqa: E402
+from specdec.common import errors  # noqa: E402
+from specdec.state.sessions import SessionTable  # noqa: E402
 from specdec_rpc import convert  # noqa: E402
 from specdec_rpc.app import ServerApp  # noqa: E402
 from specdec_rpc.metrics import ServiceMetrics  # noqa: E402
-from specdec.sessions import SessionTable  # noqa: E402
+from specdec_rpc.pb import common_pb2  # noqa: E402
 from specdec_rpc.settings import ServerSettings, TLSSettings, resolve_device  # noqa: E402
 from specdec_rpc.tls import channel_credentials  # noqa: E402
 
@@ -59,7 +59,7 @@ def test_tensor_bad_size_is_invalid():
 
 
 def test_sparse_q_roundtrip_and_size():
-    from specdec.verify import SparseDist
+    from specdec.decoding.verify import SparseDist
 
     q = [SparseDist(ids=torch.tensor([3, 17, 40000]), probs=torch.tensor([0.5, 0.25, 0.25])),
          SparseDist(ids=torch.tensor([9]), probs=torch.tensor([1.0]))]
@@ -305,9 +305,9 @@ def test_dtype_auto_picks_bf16_where_it_is_fast():
     weight-streaming linear runs (target and draft); else fp32."""
     import torch
 
-    from specdec import native
-    from specdec.dtypes import auto_dtype, cpu_has_fast_bf16
-    from specdec.dtypes import resolve_dtype
+    from specdec.modeling import native
+    from specdec.modeling.dtypes import auto_dtype, cpu_has_fast_bf16
+    from specdec.modeling.dtypes import resolve_dtype
 
     class S(ServerSettings):
         model_config = SettingsConfigDict(env_prefix="XTEST2_")

@@ -29,13 +29,13 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc  # noqa:
 from specdec_rpc.convert import decode_q, sampling_to_proto as sampling_pb  # noqa: E402
 from draft_service.config import DraftSettings  # noqa: E402
 from draft_service.server import build_app as build_draft  # noqa: E402
+from specdec.decoding.sampling import SamplingParams  # noqa: E402
+from specdec.decoding.verify import SparseDist  # noqa: E402
 from specdec.engine import Engine  # noqa: E402
-from specdec_rpc.pb import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc  # noqa: E402
-from specdec.sampling import SamplingParams  # noqa: E402
-from specdec.request import GenerationRequest  # noqa: E402
-from specdec.schedule import generate  # noqa: E402
-from specdec.verify import SparseDist  # noqa: E402
+from specdec.scheduling.request import GenerationRequest  # noqa: E402
+from specdec.scheduling.schedule import generate  # noqa: E402
 from specdec.workers.target import TargetWorker  # noqa: E402
+from specdec_rpc.pb import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc  # noqa: E402
 from target_service.config import TargetSettings  # noqa: E402
 from target_service.server import build_app as build_target  # noqa: E402
 from coordinator.channels import Channels  # noqa: E402
@@ -73,7 +73,7 @@ class Stack:
         return remote_draft(self.channels, self.draft_endpoint)
 
     def backends(self):
-        """One request's (draft, target) backends, as `specdec.schedule.generate` takes them."""
+        """One request's (draft, target) backends, as `specdec.scheduling.schedule.generate` takes them."""
         return self.remote_draft(), self.remote_target()
 
     async def close(self):
@@ -135,7 +135,7 @@ async def test_generation_over_grpc_equals_in_process(models, stack, mode, tempe
 
 
 async def test_pacer_over_grpc_equals_in_process(models):
-    from specdec.preverifier import build_random_preverifier
+    from specdec.decoding.preverifier import build_random_preverifier
 
     target, draft = models
     pv = build_random_preverifier(draft.config.hidden_size, seed=4, block_size=2, threshold=0.5)
@@ -162,9 +162,9 @@ async def test_draft_replica_pacer_threshold_is_the_default_theta(models):
     """DRAFT_PACER_THRESHOLD sets the θ of requests that name none; a request's own θ still wins."""
     from pydantic import ValidationError
 
-    from specdec.stop import make_stop_rule
-    from specdec.preverifier import build_random_preverifier
-    from specdec.stop import StopSpec
+    from specdec.decoding.preverifier import build_random_preverifier
+    from specdec.decoding.stop import make_stop_rule
+    from specdec.decoding.stop import StopSpec
 
     _, draft = models
     pv = build_random_preverifier(draft.config.hidden_size, seed=4, block_size=2, threshold=0.5)
@@ -294,7 +294,7 @@ async def test_draft_stream_blocks_match_unary_and_retry_is_idempotent(stack):
     assert (await d.Rollback(draft_pb2.RollbackRequest(session_id="a", position=5))).position == 5
     info = (await d.GetInfo(draft_pb2.DraftServiceGetInfoRequest())).info
     assert info.vocab_size == VOCAB and info.device == "cpu" and info.weight_quant == "none"  # an fp32 test draft
-    from specdec import native
+    from specdec.modeling import native
     assert info.attention_kernel == ("native" if native.available() else "torch")
     assert (await d.EndSession(draft_pb2.DraftServiceEndSessionRequest(session_id="a"))).existed
     assert not (await d.EndSession(draft_pb2.DraftServiceEndSessionRequest(session_id="a"))).existed
@@ -303,7 +303,7 @@ async def test_draft_stream_blocks_match_unary_and_retry_is_idempotent(stack):
 async def test_lone_calls_run_on_the_servers_event_loops_with_the_same_results(models):
     """One torch thread per process: a lone unary Draft and a lone Verify run on the servers' event loops (no
     hand-off to the model thread and back) and return what the model threads return."""
-    from specdec.threads import set_thread_count
+    from specdec.common.threads import set_thread_count
 
     before = torch.get_num_threads()
     set_thread_count(1)

@@ -8,14 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from specdec import settings
+from specdec.common import settings
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("specdec", "specdec_rpc", "specdec_bench", "specdec_train", "specdec_cli", "coordinator", "draft_service",
             "target_service")
 # the modules that may read or write os.environ: the core's runtime settings (read once; prepare_process,
 # child_environ, setdefault_environ) and the services' process settings (startup_warnings lists unknown variables)
-SETTINGS_MODULES = {"specdec/settings.py", "specdec_rpc/settings.py"}
+SETTINGS_MODULES = {"specdec/common/settings.py", "specdec_rpc/settings.py"}
 ENV_NAMES = {"environ", "environb", "getenv", "getenvb", "putenv", "unsetenv"}
 
 
@@ -47,7 +47,7 @@ def test_only_the_settings_modules_touch_the_environment():
         if lines:
             offenders[name] = lines
     assert not offenders, (f"read the environment through a settings module ({', '.join(sorted(SETTINGS_MODULES))}: "
-                           f"a field of specdec.settings.RuntimeSettings, or child_environ): {offenders}")
+                           f"a field of specdec.common.settings.RuntimeSettings, or child_environ): {offenders}")
 
 
 def test_the_scan_sees_every_spelling():

@@ -1,11 +1,11 @@
-"""The native streaming linear (specdec/csrc/stream_linear.c via specdec.native.stream_linear), the kernel of hosts
+"""The native streaming linear (specdec/modeling/csrc/stream_linear.c via specdec.modeling.native.stream_linear), the kernel of hosts
 without native bf16 GEMMs: exact to fp32 against a float64 reference, each row bitwise the same whatever the rows
-and threads of its call, chosen by specdec.linear where the host (or `specdec.settings` `isa` avx2, the emulation
+and threads of its call, chosen by specdec.modeling.linear where the host (or `specdec.common.settings` `isa` avx2, the emulation
 of an AVX2-only host) has no native bf16 GEMMs, and greedy `sd`/`pearl` equal to `ar` with it in use.
 
 The kernel needs an x86-64 CPU with AVX2 and FMA: every test checks that first and skips, saying so, elsewhere. The
 kernel itself runs the same on AMX, AVX512-BF16 and AVX2-only hosts (it uses AVX2 only); what differs per host is
-whether specdec.linear offers it, which the tests ask the host (or pin with the emulation)."""
+whether specdec.modeling.linear offers it, which the tests ask the host (or pin with the emulation)."""
 from __future__ import annotations
 
 import os
@@ -17,12 +17,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from specdec import native, settings
-from specdec.dtypes import auto_dtype, cpu_has_fast_bf16
+from specdec.modeling import native
+
+from specdec.common import settings
 from specdec.engine import Engine
-from specdec.linear import (STREAM_PLAN, Linear, check_row_invariance, release_stream_weights, set_plan,
+from specdec.modeling.dtypes import auto_dtype, cpu_has_fast_bf16
+from specdec.modeling.linear import (STREAM_PLAN, Linear, check_row_invariance, release_stream_weights, set_plan,
                             set_row_invariant, stream_supported, tune_linears)
-from specdec.request import GenerationRequest
+from specdec.scheduling.request import GenerationRequest
 from tests.helpers_models import build_tiny_model
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -242,7 +244,7 @@ def test_auto_dtype_on_an_avx2_host_is_bf16_through_the_kernel(runtime_settings)
 def test_greedy_sd_equals_ar_with_the_kernel_in_use(dtype, mode, gamma, monkeypatch, runtime_settings):
     """The target's every linear on the kernel (a verify of gamma + 1 rows, a decode step of one): greedy `sd` and
     `pearl` give `ar`'s tokens, and the kernel did run."""
-    from specdec import linear
+    from specdec.modeling import linear
 
     # the engine keeps the plan set below (no tuning), and no padding tuned by earlier tests applies: each call
     # runs on the kernel as the rows it has
@@ -272,7 +274,7 @@ def test_greedy_sd_equals_ar_with_the_kernel_in_use(dtype, mode, gamma, monkeypa
 def test_the_emulation_builds_for_avx2_and_caps_onednn(tmp_path):
     """SPECDEC_ISA=avx2 in a fresh process: the kernels build with -mavx2 -mfma -mf16c (not -march=native), the
     kernel runs, bf16 counts as slow, and prepare_process caps oneDNN and MKL at AVX2."""
-    code = ("import os, torch; from specdec import native, settings; from specdec.dtypes import cpu_has_fast_bf16; "
+    code = ("import os, torch; from specdec import native, settings; from specdec.modeling.dtypes import cpu_has_fast_bf16; "
             "cmds, _ = native._commands('cc', '/tmp'); flags = {f for c in cmds for f in c}; "
             "assert {'-mavx2', '-mfma', '-mf16c'} <= flags and '-march=native' not in flags, flags; "
             "settings.prepare_process(); "

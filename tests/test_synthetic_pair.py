@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from specdec.errors import InvalidRequestError
-from specdec.request import GenerationRequest
-from specdec.sampling import SamplingParams
+from specdec.common.errors import InvalidRequestError
+from specdec.decoding.sampling import SamplingParams
+from specdec.scheduling.request import GenerationRequest
 from specdec_bench.synthetic import (LABEL, SPEC_FILE, Pair, SyntheticDraftWorker, SyntheticOptions, SyntheticSpec,
                                      coin, expected_acceptance, prompt_digest, random_prompts,
                                      replica_worker, run_synthetic, synthetic_engine)
@@ -63,7 +63,7 @@ def _totals(eng, prompts, mode, gamma=None):
 
 @pytest.mark.parametrize("alpha", [0.0, 0.7, 1.0])
 def test_every_mode_equals_ar(pair, prompts, references, alpha):
-    from specdec.preverifier import build_random_preverifier
+    from specdec.decoding.preverifier import build_random_preverifier
 
     pv = build_random_preverifier(pair.draft.config.hidden_size, seed=7, block_size=2, threshold=0.5)
     eng = _engine(pair, alpha, references, preverifier=pv)
@@ -154,7 +154,7 @@ def test_sampled_and_processed_requests_are_refused(pair, references):
 
 def test_the_replica_factory_reads_its_spec_and_its_changes(pair, prompts, references):
     """`replica_worker` reads synthetic_acceptance.json from the model's directory, again after it changes."""
-    from specdec.model import load_model_dir
+    from specdec.modeling.model import load_model_dir
 
     draft_dir = Path(pair.dirs[1])
     draft = load_model_dir(draft_dir, dtype="auto", role="draft")

@@ -38,9 +38,9 @@ def test_sequential_modes_run_inline_and_overlapping_modes_on_worker_threads():
     the same tokens as on the worker threads; `pearl` needs the overlap and keeps the threads."""
     import threading
 
+    from specdec.decoding.sampling import SamplingParams
     from specdec.engine import Engine
-    from specdec.sampling import SamplingParams
-    from specdec.request import GenerationRequest
+    from specdec.scheduling.request import GenerationRequest
     from tests.helpers_models import tiny_pair
 
     target, draft = tiny_pair()

@@ -98,7 +98,7 @@ async def test_a_target_whose_vocabulary_is_not_the_tokenizers_gets_no_requests(
     """A coordinator whose tokenizer is another model's decoded every answer with the wrong vocabulary, silently
     (the gpu overlay read the default SmolLM2 tokenizer for a Llama target: an audit). Such a target
     replica is refused with a message saying what to set; one that fits serves."""
-    from specdec.tokenizer import load_tokenizer
+    from specdec.text.tokenizer import load_tokenizer
     from tests.helpers_models import build_tiny_model, save_tiny_tokenizer
 
     tok = load_tokenizer(save_tiny_tokenizer(tmp_path / "tok"))  # 32 tokens
@@ -126,7 +126,7 @@ async def test_a_draft_whose_vocabulary_is_not_the_tokenizers_is_left_out(tmp_pa
     """A draft replica of another tokenizer proposes tokens that mean something else to the target: lossless, but
     slower than the target alone, and silent. It is refused like such a target; requests that need a draft fail
     FAILED_PRECONDITION saying why (not target-only: the operator must see it), `ar` requests are served."""
-    from specdec.tokenizer import load_tokenizer
+    from specdec.text.tokenizer import load_tokenizer
     from tests.helpers_models import build_tiny_model, save_tiny_tokenizer
 
     tok = load_tokenizer(save_tiny_tokenizer(tmp_path / "tok"))  # 32 tokens

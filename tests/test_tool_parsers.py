@@ -157,7 +157,7 @@ def test_earlier_tool_calls_reach_the_chat_template(tmp_path, renders):
     keeps its tool_call_id. The HTTP body goes through GenerateRequest.messages to the coordinator's encoding."""
     from coordinator.http_api.schema import ChatCompletionRequest
     from coordinator.grpc_api.chat_prompt import chat_message
-    from specdec.tokenizer import decode, encode_prompt, load_tokenizer
+    from specdec.text.tokenizer import decode, encode_prompt, load_tokenizer
     from tests.helpers_models import save_tiny_tokenizer
 
     body = ChatCompletionRequest(messages=[{"role": "user", "content": "weather"},

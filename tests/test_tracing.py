@@ -83,7 +83,7 @@ async def test_the_request_span_sends_the_w3c_trace_headers_with_the_callers_tra
     from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
     from coordinator.tracing import TRACE_HEADERS, RequestTrace
-    from specdec.request import GenerationRequest, PipelineRequest
+    from specdec.scheduling.request import GenerationRequest, PipelineRequest
 
     assert set(TRACE_HEADERS) == TraceContextTextMapPropagator().fields
     spans = InMemorySpanExporter()

@@ -1,5 +1,5 @@
 """A draft checkpoint with fewer vocabulary rows than its target's, of the same tokenizer (Qwen2.5-0.5B's 151,936
-for Qwen2.5-7B's 152,064): fitted (specdec/vocab.py), it takes every target id, proposes none past its rows, and
+for Qwen2.5-7B's 152,064): fitted (specdec/text/vocab.py), it takes every target id, proposes none past its rows, and
 the output is still exactly the target's, greedy and sampled. A pair that cannot share a tokenizer is refused."""
 import asyncio
 import itertools
@@ -10,11 +10,11 @@ import grpc
 import pytest
 import torch
 
+from specdec.decoding.preverifier import build_random_preverifier
+from specdec.decoding.sampling import SamplingParams, logits_to_probs
 from specdec.engine import Engine
-from specdec.preverifier import build_random_preverifier
-from specdec.sampling import SamplingParams, logits_to_probs
-from specdec.request import GenerationRequest
-from specdec.vocab import PADDING_SLACK, draft_vocabulary_error, fit_draft_vocabulary
+from specdec.scheduling.request import GenerationRequest
+from specdec.text.vocab import PADDING_SLACK, draft_vocabulary_error, fit_draft_vocabulary
 from tests.helpers_models import build_tiny_model, start_replica, target_greedy
 from tests.test_exactness import chi_square_pvalue
 

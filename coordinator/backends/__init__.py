@@ -1,3 +1,3 @@
 """A request's per-session backends: the gRPC clients of one pinned draft and target session (calls, round streams,
-retries, moves between replicas) and the pipeline that runs `specdec.schedule.generate` against them.
+retries, moves between replicas) and the pipeline that runs `specdec.scheduling.schedule.generate` against them.
 """

@@ -1,4 +1,4 @@
-"""gRPC backends of `specdec.schedule` with session pinning, failover and network accounting.
+"""gRPC backends of `specdec.scheduling.schedule` with session pinning, failover and network accounting.
 
 `RemoteDraft` / `RemoteTarget` implement `DraftBackend` / `TargetBackend` for ONE request: each is pinned to one
 replica (chosen by the pool) and mirrors what that replica has fed, so the session can be rebuilt anywhere:
@@ -32,18 +32,18 @@ from typing import AsyncIterator
 
 import grpc
 
-from specdec.errors import SessionNotFoundError
+from specdec.common.errors import SessionNotFoundError
+from specdec.decoding.sampling import SamplingParams
 from specdec_rpc.pb import draft_pb2, target_pb2
-from specdec.sampling import SamplingParams
 from specdec_rpc.convert import (VERIFY_METHOD_PB, decode_q, draft_block, draft_request, verify_q,
                                    features_from_proto, features_to_proto, logprobs_from_proto, sampling_to_proto,
                                    verify_outcome)
-from specdec_rpc.rounds import BusyWaits, RoundStream
-from specdec.stop import StopSpec
-from specdec.verify import SparseDist
-from specdec.drafting import DraftBlock
-from specdec.workers.base import TargetFeatures
+from specdec.decoding.stop import StopSpec
+from specdec.decoding.verify import SparseDist
+from specdec.state.feature_state import TargetFeatures
+from specdec.workers.drafting import DraftBlock
 from specdec.workers.target import VerifyOutcome
+from specdec_rpc.rounds import BusyWaits, RoundStream
 
 from coordinator.channels import Channels
 from coordinator.routing.pool import DraftContextError

@@ -19,7 +19,7 @@ import time
 
 import grpc
 
-from specdec.request import GenerationRequest, GenerationResult, GenerationStats
+from specdec.scheduling.request import GenerationRequest, GenerationResult, GenerationStats
 from specdec_rpc.aio import within
 from specdec_rpc.convert import (FAILED_TARGET_KEY, logprobs_rows_from_proto, speculate_request,
                                  stats_from_proto)

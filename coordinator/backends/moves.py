@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from specdec.errors import CapacityError
+from specdec.common.errors import CapacityError
 
 log = logging.getLogger(__name__)
 

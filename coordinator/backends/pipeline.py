@@ -1,4 +1,4 @@
-"""Request pipelines: run `specdec.schedule.generate` for one request against pinned gRPC replicas.
+"""Request pipelines: run `specdec.scheduling.schedule.generate` for one request against pinned gRPC replicas.
 
 A plain async class (no Ray, no tokenizer): token ids in, events out. `coordinator/actor.py` hosts it in an async
 Ray actor; with `--no-ray` the front server uses it directly. Ray is never on the per-round path: the only Ray
@@ -21,10 +21,10 @@ from typing import AsyncIterator, Callable
 
 import grpc
 
-from specdec.errors import (CapacityError, ContextOverflowError, InvalidRequestError, SessionNotFoundError,
+from specdec.common.errors import (CapacityError, ContextOverflowError, InvalidRequestError, SessionNotFoundError,
                             SpecDecError, StalePositionError)
-from specdec.request import GenerationRequest, GenerationResult, GenerationStats, PipelineRequest
-from specdec.schedule import generate
+from specdec.scheduling.request import GenerationRequest, GenerationResult, GenerationStats, PipelineRequest
+from specdec.scheduling.schedule import generate
 from specdec.workers.base import PREFILL_CHUNK
 from specdec_rpc.logs import bind
 from specdec_rpc.tracing import TRACE_HEADERS
@@ -198,7 +198,7 @@ class Pipeline:
         self.replica_frames = replica_frames  # ... on the replicas' frame ports where they serve one (frames.py)
         self.affinity_chunk = affinity_chunk  # positions per prefix key: the replicas' prefill chunk (0: no keys)
         self.data_plane = data_plane  # direct / auto: who runs a request's rounds (`_runs_direct`, backends/direct.py)
-        self.chain_window = chain_window  # direct, greedy PEARL modes: verifies in flight (specdec/chained.py)
+        self.chain_window = chain_window  # direct, greedy PEARL modes: verifies in flight (specdec/scheduling/chained.py)
         self._tasks: dict[str, asyncio.Task] = {}
         self._stop: set[str] = set()
         self._cancelled: set[str] = set()  # cancelled requests: the next round's tokens cancel them again
@@ -222,7 +222,7 @@ class Pipeline:
             self._view_task = asyncio.get_running_loop().create_task(self._refresh_view())
 
     async def stream(self, request: PipelineRequest) -> AsyncIterator[dict]:
-        """Run one request (a front door's, typed: specdec.request.PipelineRequest); yield events as tokens are
+        """Run one request (a front door's, typed: specdec.scheduling.request.PipelineRequest); yield events as tokens are
         verified (see module docstring)."""
         self._ensure_view()
         queue: asyncio.Queue = asyncio.Queue()
@@ -323,7 +323,7 @@ class Pipeline:
         """Validate and generate `req` on `run`'s backends: with its draft replica (on the draft replica's own rounds
         where `_runs_direct`), or target-only where the draft pool is unreachable or too short for it and
         `draft_fallback` allows it (`run.fallback` says why)."""
-        req.validate()  # before the probe pins a draft replica: a refused request holds no room
+        req.resolve_defaults()  # its fields were checked at the front door (coordinator/grpc_api/service.py)
         if run.draft is not None:
             req = await self._probe_draft(req, run, draft_fallback)
         draft, target = run.draft, run.target

@@ -1,5 +1,5 @@
 """A GenerateRequest's chat side, for the coordinator: its messages and chat-template fields as the chat template
-takes them (specdec/tokenizer.py renders them), the request ids clients may send, and the log line of a finished
+takes them (specdec/text/tokenizer.py renders them), the request ids clients may send, and the log line of a finished
 request. Pure: the generated proto, no grpc."""
 from __future__ import annotations
 
@@ -7,13 +7,13 @@ import json
 import logging
 import re
 
-from specdec import field_rules
-from specdec.errors import InvalidRequestError
+from specdec.common.errors import InvalidRequestError
+from specdec.scheduling import field_rules
 from specdec_rpc.pb import generation_pb2
 
 
 def chat_message(m: generation_pb2.ChatMessage) -> dict:
-    """A ChatMessage → the chat template's dict (`tool_calls` parsed; specdec/tokenizer.py adapts them)."""
+    """A ChatMessage → the chat template's dict (`tool_calls` parsed; specdec/text/tokenizer.py adapts them)."""
     out = {"role": m.role, "content": m.content}
     if m.tool_calls:
         try:
@@ -32,7 +32,7 @@ def chat_message(m: generation_pb2.ChatMessage) -> dict:
     return out
 
 
-REQUEST_ID = re.compile(field_rules.REQUEST_ID)  # the request_id rule (specdec/field_rules.py), for X-Request-Id
+REQUEST_ID = re.compile(field_rules.REQUEST_ID)  # the request_id rule (specdec/scheduling/field_rules.py), for X-Request-Id
 requests_log = logging.getLogger("coordinator.requests")  # one INFO line per finished request
 # the per-request times a finished request's line carries as fields (JSON logs: `timings`)
 REQUEST_TIMINGS = ("queued_s", "draft_busy_s", "target_busy_s", "draft_network_s", "target_network_s",
@@ -66,7 +66,7 @@ def log_failure(request_id: str, code: str, message: str, wall_s: float) -> None
 
 def template_options(r: generation_pb2.GenerateRequest):
     """GenerateRequest's chat-template fields → (tools or None, TemplateOptions); they apply to `messages` only."""
-    from specdec.tokenizer import TemplateOptions
+    from specdec.text.tokenizer import TemplateOptions
 
     def loads(name: str, kind: type):
         text = getattr(r, name)

@@ -5,7 +5,7 @@ Pure: no grpc."""
 from __future__ import annotations
 
 from coordinator.grpc_api.reasoning import ReasoningStart, ThinkTags, answer_start, gate_grammar
-from specdec.errors import InvalidRequestError
+from specdec.common.errors import InvalidRequestError
 from specdec_rpc.pb import generation_pb2
 
 
@@ -59,7 +59,7 @@ class OutputConstraints:
         """Compile the grammar against this tokenizer (INVALID_ARGUMENT saying why it does not); the caller runs it
         off the event loop: a large schema can take 100 ms or more, once (GrammarVocab caches compiled grammars)."""
         if self._vocab is None and self.tok is not None:
-            from specdec.grammar import GrammarVocab
+            from specdec.text.grammar import GrammarVocab
 
             try:
                 self._vocab = GrammarVocab(self.tok.backend_tokenizer.to_str(), len(self.tok), self.eos)

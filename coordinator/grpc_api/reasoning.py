@@ -15,7 +15,7 @@ starts it in content.
 
 Structured output applies to the answer after the reasoning, as vLLM's does: `gate_grammar` wraps the request's
 grammar so that any tokens but EOS may come before `</think>` and the grammar after it. It is one llguidance
-grammar, so the verification that makes structured output exact (specdec/grammar.py) covers it unchanged. Unlike
+grammar, so the verification that makes structured output exact (specdec/text/grammar.py) covers it unchanged. Unlike
 vLLM, EOS is refused inside the reasoning: the answer that follows always has the requested form, unless
 max_tokens cuts it short.
 """
@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from coordinator.grpc_api.tool_parsers import split_tail
-from specdec.errors import InvalidRequestError
+from specdec.common.errors import InvalidRequestError
 
 START, END = "<think>", "</think>"
 PARSERS = ("deepseek_r1", "qwen3")

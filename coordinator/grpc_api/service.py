@@ -10,11 +10,11 @@ which maps each body onto a GenerateRequest.
 
 Validation: the request's sampling and speculation settings are read once (coordinator/grpc_api/typed_request.py:
 the typed `sampling` and `speculation`, or the deprecated flat fields), then every field's range or choices is
-specdec/field_rules.py's table, which `prepare` applies with this coordinator's bounds (its cap on max_new_tokens,
+specdec/scheduling/field_rules.py's table, which `prepare` applies with this coordinator's bounds (its cap on max_new_tokens,
 the request's gamma and max_new_tokens, the tokenizer's vocabulary), so a bad field gets the same message through
 either door. What `prepare` checks itself is what no single field's range says: one prompt kind, raw_prompt only
 with text, a prompt that encodes to tokens and fits the context. It hands the pipeline a typed
-`specdec.request.PipelineRequest`.
+`specdec.scheduling.request.PipelineRequest`.
 """
 from __future__ import annotations
 
@@ -32,10 +32,10 @@ from coordinator.grpc_api.prompt_work import PromptWork, least_prompt_tokens, lo
 from coordinator.grpc_api.reasoning import ReasoningSplitter, ReasoningStart, reasoning_tokens
 from coordinator.grpc_api.text_output import TextAssembler
 from coordinator.grpc_api.typed_request import Settings, read_settings, sampling_params, speculation
-from specdec.errors import ContextOverflowError, InvalidRequestError
-from specdec.field_rules import REQUEST_RULES, check, proto_values
+from specdec.common.errors import ContextOverflowError, InvalidRequestError
+from specdec.scheduling.field_rules import REQUEST_RULES, check, proto_values
+from specdec.scheduling.request import DEFAULT_GAMMA, GenerationRequest, PipelineRequest
 from specdec_rpc.pb import common_pb2, generation_pb2, generation_pb2_grpc
-from specdec.request import DEFAULT_GAMMA, GenerationRequest, PipelineRequest
 
 FINISH = {"length": generation_pb2.FINISH_REASON_LENGTH, "stop": generation_pb2.FINISH_REASON_STOP,
           "cancelled": generation_pb2.FINISH_REASON_CANCELLED}
@@ -134,7 +134,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
 
     # -- request → token ids --------------------------------------------------------------------------------
     def prepare(self, r: generation_pb2.GenerateRequest) -> Prepared:
-        """The request checked (specdec/field_rules.py's table, then what spans fields), its prompt encoded, and
+        """The request checked (specdec/scheduling/field_rules.py's table, then what spans fields), its prompt encoded, and
         the token-id request the pipeline runs."""
         given = prompt_kind(r)
         settings = read_settings(r)
@@ -170,7 +170,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         if self.tok is None:
             raise InvalidRequestError(given, "this coordinator has no tokenizer (its model has none); send "
                                              "prompt_token_ids")
-        from specdec.tokenizer import encode_prompt
+        from specdec.text.tokenizer import encode_prompt
 
         tools, template = template_options(r)
         try:

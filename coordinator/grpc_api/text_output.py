@@ -22,7 +22,7 @@ class TextAssembler:
         """`min_tokens`: a stop string must end in the text of the min_tokens-th token or later (vLLM's).
         `stop_token_ids`: every id that ends the output (EOS ids and the request's); `user_stop_token_ids`: the
         request's own, which become a `stop_reason`."""
-        from specdec.tokenizer import IncrementalDetokenizer
+        from specdec.text.tokenizer import IncrementalDetokenizer
 
         self.detok = (IncrementalDetokenizer(tok, skip_special_tokens=skip_special_tokens, prefix_ids=prompt_ids)
                       if tok is not None else None)

@@ -2,10 +2,10 @@
 
 A request sends each setting in `sampling` (SamplingParams) and `speculation` (Speculation: the mode as a pair of
 enums), or in the deprecated flat field of the same name (`mode`, `verify_method` and `pearl_overlap` as strings),
-which still work. `read_settings` gives the one value of each, by the name specdec/field_rules.py's table knows it,
+which still work. `read_settings` gives the one value of each, by the name specdec/scheduling/field_rules.py's table knows it,
 with the name the request sent it by (`sampling.temperature`, or `temperature`) for the table's message; a request
 that sends a setting both ways with different values is refused, naming both fields. `sampling_params` and
-`speculation` then build the core's typed values (specdec.sampling.SamplingParams, specdec.request.Speculation) with
+`speculation` then build the core's typed values (specdec.decoding.sampling.SamplingParams, specdec.scheduling.request.Speculation) with
 the coordinator's defaults. The speculation enums' values are specdec_rpc/convert.py's tables, which the draft
 replica reads a SpeculateRequest's `speculation` by too. Pure: no grpc.
 """
@@ -13,10 +13,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from specdec.errors import InvalidRequestError
-from specdec.field_rules import proto_values
-from specdec.request import MODE_PAIRS, PEARL_OVERLAP, DraftStop, Overlap, Speculation, mode_name, mode_pair
-from specdec.sampling import SamplingParams
+from specdec.common.errors import InvalidRequestError
+from specdec.decoding.sampling import SamplingParams
+from specdec.scheduling.field_rules import proto_values
+from specdec.scheduling.request import MODE_PAIRS, PEARL_OVERLAP, DraftStop, Overlap, Speculation, mode_name, mode_pair
 from specdec_rpc.convert import DRAFT_STOP, OVERLAP, VERIFY_METHOD, enum_member
 
 # SamplingParams' fields a request sets (the deprecated flat fields of GenerateRequest have the same names)

@@ -13,9 +13,9 @@ from coordinator.grpc_api.chat_prompt import chat_message, template_options
 from coordinator.grpc_api.service import GenerationFailed
 from coordinator.http_api import schema
 from coordinator.http_api.schema import template_fields
-from specdec.tokenizer import encode_prompt
-from specdec_rpc.pb import generation_pb2
+from specdec.text.tokenizer import encode_prompt
 from specdec_rpc.interceptor import status_for
+from specdec_rpc.pb import generation_pb2
 
 log = logging.getLogger("coordinator.http_api.app")
 

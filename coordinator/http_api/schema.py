@@ -11,7 +11,7 @@ the generated proto, no web framework.
 - Sampling defaults are OpenAI's: temperature 1.0, and a request without `seed` draws a fresh random one (on the
   gRPC API an unset seed is 0).
 - Ranges: a field of GenerateRequest has no range here, only what its wire type needs (int32, uint64). The servicer
-  checks every field by specdec/field_rules.py's table, so a bad value gets the same message (a 400 here,
+  checks every field by specdec/scheduling/field_rules.py's table, so a bad value gets the same message (a 400 here,
   INVALID_ARGUMENT on gRPC) through either door; `ruled` shows the table's range in the OpenAPI document. Chat's
   `top_logprobs`, which becomes GenerateRequest.logprobs, is checked here by the same row under its own name. What
   only this door has (`n`, prompts × n, `max_tokens: 0` with `echo`, logit_bias keys as strings of digits) is
@@ -28,8 +28,8 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator,
 from coordinator.http_api.json_text import lone_surrogate_at
 from coordinator.http_api.structured import ToolChoice, response_format_pb, structured_output_pb, tool_choice
 from coordinator.grpc_api.tool_parsers import needs_special_tokens
-from specdec import field_rules
-from specdec.request import Overlap, mode_pair
+from specdec.scheduling import field_rules
+from specdec.scheduling.request import Overlap, mode_pair
 from specdec_rpc.convert import DRAFT_STOP_PB, OVERLAP_PB, VERIFY_METHOD_PB
 from specdec_rpc.pb import common_pb2, generation_pb2
 
@@ -60,7 +60,7 @@ _SAMPLING_WHERE_NOT = {"top_p": 1.0, "repetition_penalty": 1.0}
 
 def ruled(default, name: str):
     """A body field that GenerateRequest's `name` carries: no range here (the servicer answers a value out of range
-    with specdec/field_rules.py's message), the table's range shown in the OpenAPI document."""
+    with specdec/scheduling/field_rules.py's message), the table's range shown in the OpenAPI document."""
     return Field(default, json_schema_extra=field_rules.json_schema(name))
 
 
@@ -293,7 +293,7 @@ class ChatCompletionRequest(_Sampling):
     @field_validator("top_logprobs")
     @classmethod
     def _top_logprobs(cls, v):
-        """GenerateRequest.logprobs' rule (specdec/field_rules.py), under the name chat's clients send it by."""
+        """GenerateRequest.logprobs' rule (specdec/scheduling/field_rules.py), under the name chat's clients send it by."""
         field_rules.check([field_rules.RULE["logprobs"]], {"logprobs": v}, names={"logprobs": "top_logprobs"})
         return v
 

@@ -1,4 +1,4 @@
-"""The HTTP API's structured-output forms → GenerateRequest.structured_output (specdec/grammar.py): OpenAI's
+"""The HTTP API's structured-output forms → GenerateRequest.structured_output (specdec/text/grammar.py): OpenAI's
 `response_format`, vLLM's `structured_outputs`, and tool calls with a forced choice.
 
 Tool calls (OpenAI's `tools` + `tool_choice`): with `"required"` or a named function the answer is constrained to

@@ -1,6 +1,6 @@
 """Prefix-aware routing: send a request to the replica that already holds its prompt's prefix.
 
-A replica reuses whole prefill chunks of a prompt that one of its slots holds (specdec/prefix_cache.py); that only
+A replica reuses whole prefill chunks of a prompt that one of its slots holds (specdec/state/prefix_cache.py); that only
 pays if requests sharing a prefix (a system prompt, a conversation's earlier turns) land on the same replica.
 The coordinator remembers, per pool, which replica each chunk-aligned prefix was last sent to, keyed by a chained
 hash of the prompt's whole chunks, and prefers that replica for a new session when its load is within `slack`

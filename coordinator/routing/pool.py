@@ -19,7 +19,7 @@ Admission (a pool at capacity queues, it does not fail)
   unknown: no limit here, the replica's own RESOURCE_EXHAUSTED still applies).
 - The same read checks a replica's vocabulary against the coordinator's tokenizer: one that cannot be that
   tokenizer's counts as unhealthy until it goes away (`replica_probes.vocabulary_mismatch`).
-- Pairing: each draft replica's tokenizer fingerprint (`ModelInfo.tokenizer_fingerprint`, specdec/pairing.py) is
+- Pairing: each draft replica's tokenizer fingerprint (`ModelInfo.tokenizer_fingerprint`, specdec/text/pairing.py) is
   compared with the target replicas' on the ids both have (of different sizes: the larger side's fingerprint of
   its first ids, from a second `GetInfo`). A draft of another tokenizer is refused like a wrong vocabulary: unusable
   until it goes away, with an ERROR naming both models and the first difference. A request that needs a draft
@@ -44,8 +44,8 @@ from coordinator.routing.members import Member, Pool, Waiter
 from coordinator.routing.preemption import on_wait
 from coordinator.routing.probes import (ReplicaInfo, end_session, grpc_capacity, grpc_health, grpc_tokenizer_prefix,
                                         vocabulary_mismatch)
-from specdec.errors import CapacityError, ContextOverflowError, SpecDecError
-from specdec.pairing import PairError, TokenizerFingerprint, fingerprint_difference, mismatch_message
+from specdec.common.errors import CapacityError, ContextOverflowError, SpecDecError
+from specdec.text.pairing import PairError, TokenizerFingerprint, fingerprint_difference, mismatch_message
 
 log = logging.getLogger(__name__)
 KINDS = ("draft", "target")
@@ -278,7 +278,7 @@ class PoolManager:
     def _warn_short_drafts(self) -> None:
         """A draft replica whose model has fewer vocabulary rows than the target's (Qwen2.5-0.5B's for Qwen2.5-7B)
         refuses every prompt or bias holding an id past them (INVALID_ARGUMENT), unless it was started with the
-        target's size (specdec/vocab.py); say so once per replica."""
+        target's size (specdec/text/vocab.py); say so once per replica."""
         targets = [m.vocab for m in self.pools["target"].members.values() if m.vocab] if "target" in self.pools else []
         drafts = self.pools["draft"].members.values() if "draft" in self.pools else ()
         for m in drafts:

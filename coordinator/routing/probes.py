@@ -54,7 +54,7 @@ class ReplicaInfo:
     max_context: int = 0  # max_position_embeddings: positions a session holds
     vocab: int = 0  # vocab_size: its model's rows
     model: str = ""
-    tokenizer_fingerprint: str = ""  # specdec/pairing.py; '' for a model without a tokenizer
+    tokenizer_fingerprint: str = ""  # specdec/text/pairing.py; '' for a model without a tokenizer
 
 
 def _info_request(kind: str, tokenizer_prefix: int = 0):

@@ -8,7 +8,7 @@ import uuid
 from typing import TYPE_CHECKING, AsyncIterator
 
 if TYPE_CHECKING:
-    from specdec.request import PipelineRequest
+    from specdec.scheduling.request import PipelineRequest
 
 log = logging.getLogger(__name__)
 

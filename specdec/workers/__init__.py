@@ -2,7 +2,7 @@
 
 - base.py: `Worker`, what both share: the session table, KV slots, prefill, the position protocol;
 - draft.py: `DraftWorker`, the draft model, drafting step-wise so that sessions share forwards (the drafting step
-  itself: specdec/drafting.py; the sources it drafts from, one module each: proposers/);
+  itself: specdec/workers/drafting.py; the sources it drafts from, one module each: proposers/);
 - target.py: `TargetWorker`, the target model, verifying draft blocks in batched forwards.
 
 Pure core (torch only); the gRPC servicers and the in-process engine both drive these. A worker is not

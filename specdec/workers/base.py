@@ -6,23 +6,21 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
-from specdec import cuda_graphs
-from specdec.errors import ContextOverflowError, InvalidRequestError, SessionNotFoundError, StalePositionError
-from specdec.grammar import GrammarState, GrammarVocab
-from specdec.model import CausalLM, context_limit
-from specdec.prefix_cache import SlotPrefixes
-from specdec.sampling import SamplingParams, TokenLogprobs
-from specdec.sessions import SessionTable
+from specdec.common.errors import ContextOverflowError, InvalidRequestError, SessionNotFoundError, StalePositionError
+from specdec.decoding.sampling import SamplingParams, TokenLogprobs
+from specdec.modeling import cuda_graphs
+from specdec.modeling.model import CausalLM, context_limit
+from specdec.state.feature_state import FeatureState
+from specdec.state.prefix_cache import SlotPrefixes
+from specdec.state.sessions import SessionTable
+from specdec.text.grammar import GrammarState, GrammarVocab
 
-if TYPE_CHECKING:
-    from specdec.feature_state import FeatureState
 
 PAD_SLACK = 64  # extra KV positions per slot for padded rows of batched forwards
-PREFILL_CHUNK = 128  # positions per prefill forward, aligned to absolute positions (specdec/prefix_cache.py)
+PREFILL_CHUNK = 128  # positions per prefill forward, aligned to absolute positions (specdec/state/prefix_cache.py)
 # a prefill's logits are never read (the prompt's last token is fed by the first verify or draft call): the head,
 # a fifth of the default target's weights, runs on the last row only instead of every prompt position
 PREFILL_LOGITS = slice(-1, None)
@@ -31,17 +29,6 @@ PREFILL_LOGITS = slice(-1, None)
 def feature_size(model) -> int:
     """Width of the target features a feature draft reads; 0 for every other model."""
     return int(getattr(model.config, "feature_size", 0) or 0)
-
-
-@dataclass
-class TargetFeatures:
-    """The target's final hidden states at positions start, start+1, ...: rows [n, D]. A feature draft reads
-    them as its inputs (docs/design/feature_draft.md); they only steer the draft, never what is accepted."""
-    start: int
-    rows: torch.Tensor
-
-    def __len__(self) -> int:
-        return int(self.rows.shape[0])
 
 
 def kv_bytes_per_session(model: CausalLM, max_context: int) -> int:
@@ -62,7 +49,7 @@ class Session:
     chunked: int = 0  # positions [0, chunked) hold K/V from whole aligned prefill chunks: reusable by others
     sid: str = ""
     output_start: int = 0  # position of the first output token: the prompt's length (penalties count the output)
-    grammar: GrammarState | None = None  # structured output: the matcher of params.grammar (specdec/grammar.py)
+    grammar: GrammarState | None = None  # structured output: the matcher of params.grammar (specdec/text/grammar.py)
 
     @classmethod
     def opened(cls, prompt_ids: list[int], **common) -> Session:
@@ -125,7 +112,7 @@ class Worker:
 
     # A rebuilt session (its history re-sent after a failover or a preemption: prompt + output, `output_start`)
     # feeds its output positions in blocks of this many rows, as the verifies that first wrote them did, so that
-    # they get bitwise the same K/V (row invariance: specdec/linear.py, the decode attention) and a greedy answer
+    # they get bitwise the same K/V (row invariance: specdec/modeling/linear.py, the decode attention) and a greedy answer
     # goes on as it would have; 0: they are prefilled with the prompt (a draft: its K/V only move acceptance).
     rebuild_rows = 0
     session_type: type[Session] = Session  # the worker's sessions: DraftSession, TargetSession
@@ -135,12 +122,12 @@ class Worker:
         self.model = model
         self.vocab_size = model.config.vocab_size
         # the model's own bound (max_position_embeddings, or a sliding window / longrope's original length where
-        # its numerics would change past it: specdec/model.py), or less where the operator asks (--max-context)
+        # its numerics would change past it: specdec/modeling/model.py), or less where the operator asks (--max-context)
         limit, bound = context_limit(model.config)
         self.max_context = min(max_context or limit, limit)
         self.context_bound = f"the model's {bound}" if self.max_context == limit else "--max-context"
         self.max_sessions = max_sessions
-        # a CUDA model replays its decode steps and verify blocks as CUDA graphs (specdec/cuda_graphs.py); their
+        # a CUDA model replays its decode steps and verify blocks as CUDA graphs (specdec/modeling/cuda_graphs.py); their
         # padded rows write a scratch slot past the sessions' slots. Elsewhere (CPU) nothing changes
         graphs = (model.device.type == "cuda" and cuda_graphs.graphs_enabled()
                   and cuda_graphs.supports_model(model))
@@ -150,7 +137,7 @@ class Worker:
         # a full table refuses a start. A replica's host table decides expiry and eviction (specdec_rpc/host.py)
         # and ends the sessions it drops here
         self.sessions: SessionTable[Session] = SessionTable(max_sessions, session_ttl_s, lru_min_idle_s=None)
-        # free slots, oldest released first, with the tokens whose K/V each still holds (specdec/prefix_cache.py)
+        # free slots, oldest released first, with the tokens whose K/V each still holds (specdec/state/prefix_cache.py)
         self.free_slots = SlotPrefixes(max_sessions)
         # a prefill runs in aligned chunks of `prefill_chunk` positions (0: the whole prompt in one forward), and a
         # new session reuses the longest run of whole chunks of its prompt that some slot holds. A feature draft's
@@ -279,7 +266,6 @@ class Worker:
             raise InvalidRequestError("prompt_ids", "the prompt is empty; send at least one token")
         self._check_tokens("prompt_ids", prompt_ids)
         self._check_context(len(prompt_ids), "the prompt")
-        params.validate()
         self._check_tokens("logit_bias", [t for t, _ in params.logit_bias])
         self._check_tokens("allowed_token_ids", list(params.allowed_token_ids))
         params = self._in_vocabulary(params)
@@ -349,7 +335,7 @@ class Worker:
         pass
 
     def _replay(self, tokens, positions, slots, kv_len: int, compact: bool):
-        """A CUDA graph's (logits, hidden) for this forward where one serves its shape (specdec/cuda_graphs.py),
+        """A CUDA graph's (logits, hidden) for this forward where one serves its shape (specdec/modeling/cuda_graphs.py),
         copied out of the graph's buffers; None: run the model eagerly (CPU models, other shapes)."""
         if self.graphs is None:
             return None

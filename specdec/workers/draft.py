@@ -1,5 +1,5 @@
 """DraftWorker: hosts the draft model and, through its stop rules, the pre-verifier. Drafting is step-wise so that
-concurrent sessions share forwards (draft_service/batcher.py); the step itself is specdec/drafting.py, and the
+concurrent sessions share forwards (draft_service/batcher.py); the step itself is specdec/workers/drafting.py, and the
 sources it drafts from are specdec/workers/proposers/. Torch only."""
 from __future__ import annotations
 
@@ -8,14 +8,15 @@ from typing import Iterator
 
 import torch
 
-from specdec.drafting import (FORCED_ACCEPT_PROB, BlockShape, DraftBlock, DraftCall, FeatureNeeds, certain,
+from specdec.workers.drafting import (FORCED_ACCEPT_PROB, BlockShape, DraftBlock, DraftCall, FeatureNeeds, certain,
                               end_of_token, row_index)
-from specdec.errors import InvalidRequestError
-from specdec.lookup import PromptLookup
-from specdec.model import CausalLM
-from specdec.sampling import SamplingParams
-from specdec.stop import FixedLength, StopRule
-from specdec.workers.base import DraftSession, TargetFeatures, Worker, feature_size
+from specdec.common.errors import InvalidRequestError
+from specdec.decoding.lookup import PromptLookup
+from specdec.decoding.sampling import SamplingParams
+from specdec.decoding.stop import FixedLength, StopRule
+from specdec.modeling.model import CausalLM
+from specdec.state.feature_state import TargetFeatures
+from specdec.workers.base import DraftSession, Worker, feature_size
 from specdec.workers.proposers import CertainProposer, FeatureInputs, ForcedTokens, LookupTokens, ModelTokens
 
 
@@ -37,14 +38,14 @@ class DraftWorker(Worker):
         self.preverifier = preverifier
         self.drafter = ModelTokens(model, q_top_k)  # the draft model's token, from its logits row
         # tokens proposed with certainty (q one-hot) from the context alone, asked in order: a grammar's forced
-        # token, then prompt lookup's (specdec/lookup.py; None: no lookup)
+        # token, then prompt lookup's (specdec/decoding/lookup.py; None: no lookup)
         self.proposers: list[CertainProposer] = [ForcedTokens()] + ([LookupTokens(lookup)] if lookup else [])
         # a block of such tokens' predicted acceptance: lookup's measured precision, or a grammar-forced token's
         self.certain_accept_prob = lookup.accept_prob if lookup is not None else FORCED_ACCEPT_PROB
         # a feature draft's (EAGLE-style) inputs: the target's features where known, zeros else; None: a plain draft
         self.features = FeatureInputs(model, self.kv.max_len) if feature_size(model) > 0 else None
         self.looked_up_tokens = 0  # drafted tokens that `proposers` proposed, since start (metrics, tests)
-        self.grammar_required = False  # without a tokenizer.json it drafts unmasked (specdec/grammar.py)
+        self.grammar_required = False  # without a tokenizer.json it drafts unmasked (specdec/text/grammar.py)
 
     @property
     def reads_features(self) -> bool:
@@ -205,7 +206,7 @@ class DraftWorker(Worker):
     # ---- the drafting step ------------------------------------------------------------------------------------------
     def _draft_token(self, c: DraftCall, row: torch.Tensor | None, row_hidden: torch.Tensor | None,
                      looked: int | None) -> DraftBlock | None:
-        """Draft the token at the call's next position (the steps of specdec/drafting.py); → the block it
+        """Draft the token at the call's next position (the steps of specdec/workers/drafting.py); → the block it
         completes, if any. `looked`: a certain proposer's token from before the forward, drafted without one (`row`
         is None); else the token comes after the forward that computed `row`, the logits at the call's position: a
         certain proposer's asked there (`_propose_after_forward`), else the draft model's (`drafter`)."""

@@ -6,13 +6,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specdec.attention import SMALL_BLOCK_ROWS
-from specdec.errors import InvalidRequestError, StalePositionError
-from specdec.lookup import PromptLookup
-from specdec.penalties import adjust_logits, adjusts, live_rows
-from specdec.sampling import SamplingParams, TokenLogprobs, concat_logprobs, logits_to_probs, target_logprobs
-from specdec.verify import SparseDist, verify
-from specdec.workers.base import TargetFeatures, TargetSession, Worker
+from specdec.common.errors import InvalidRequestError, StalePositionError
+from specdec.decoding.lookup import PromptLookup
+from specdec.decoding.penalties import adjust_logits, adjusts, live_rows
+from specdec.decoding.sampling import SamplingParams, TokenLogprobs, concat_logprobs, logits_to_probs, target_logprobs
+from specdec.decoding.verify import SparseDist, verify
+from specdec.modeling.attention import SMALL_BLOCK_ROWS
+from specdec.state.feature_state import TargetFeatures
+from specdec.workers.base import TargetSession, Worker
 
 
 @dataclass
@@ -293,10 +294,10 @@ def _target_p(a: VerifyArgs, s: TargetSession, checked: torch.Tensor) -> torch.T
         # sampling (keyed CPU generators, the draft's q), penalties and grammars run on the host: one copy of
         # the checked rows per verify. A plain greedy verify reads argmaxes on the device (one sync)
         checked = checked.cpu()
-    if adjusts(s.params):  # penalties and logit_bias: p is the adjusted target (specdec/penalties.py)
+    if adjusts(s.params):  # penalties and logit_bias: p is the adjusted target (specdec/decoding/penalties.py)
         checked = adjust_logits(checked, s.tokens[:a.base_position + nf], s.output_start, list(a.draft),
                                 s.params)
-    if s.grammar is not None:  # structured output: p is the target masked by the grammar (specdec/grammar.py)
+    if s.grammar is not None:  # structured output: p is the target masked by the grammar (specdec/text/grammar.py)
         checked = s.grammar.mask_rows(checked, s.tokens[s.output_start:a.base_position + nf], a.draft)
     if s.grammar is not None or adjusts(s.params):
         checked = live_rows(checked, a.draft, a.base_position + nf - s.output_start)

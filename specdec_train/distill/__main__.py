@@ -12,8 +12,8 @@ import sys
 import torch
 from transformers import AutoModelForCausalLM
 
-from specdec.hub import resolve_model
-from specdec.model import load_model
+from specdec.modeling.hub import resolve_model
+from specdec.modeling.model import load_model
 from specdec_train.distill.bench import cost_ratio, served_cost_ratio
 from specdec_train.distill.data import load_samples, require_samples
 from specdec_train.distill.draft_model import load_draft

@@ -6,7 +6,7 @@ import time
 
 import torch
 
-from specdec.quant import weight_quant
+from specdec.modeling.quant import weight_quant
 
 
 @torch.no_grad()

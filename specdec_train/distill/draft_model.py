@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedModel
 
 SUBSET_FILE = "vocab_subset.safetensors"
-# families whose layers a draft copies as they are; the served loader (specdec/model.py) reads each of them
+# families whose layers a draft copies as they are; the served loader (specdec/modeling/model.py) reads each of them
 DRAFT_FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 
 

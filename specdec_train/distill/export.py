@@ -8,9 +8,9 @@ import shutil
 import torch
 from transformers import AutoModelForCausalLM
 
-from specdec.hub import resolve_model
-from specdec_train.distill.setup import load_split, setup_draft
+from specdec.modeling.hub import resolve_model
 from specdec_train.distill.draft_model import save_draft
+from specdec_train.distill.setup import load_split, setup_draft
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json",
                    "generation_config.json")

@@ -16,8 +16,8 @@ import sys
 import torch
 from safetensors.torch import save_file
 
-from specdec.hub import resolve_model
-from specdec.model import load_model
+from specdec.modeling.hub import resolve_model
+from specdec.modeling.model import load_model
 from specdec_train.distill.data import is_heldout, load_samples, require_samples
 from specdec_train.distill.export import TOKENIZER_FILES
 from specdec_train.distill.feature_train import (build_feature_draft, feature_agreement, load_features, run_features,

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from specdec.model import CausalLM, ModelConfig, rope_tables, rotate_half
+from specdec.modeling.model import CausalLM, ModelConfig, rope_tables, rotate_half
 from specdec_train.distill.train import resume, save_checkpoint, warmup_cosine
 
 

@@ -145,7 +145,7 @@ def generate(model_dir, out_path, seconds: float = 600, seed: int = 0, batch_siz
     `style`: "chat" (templates x topics, chat-templated), "self" (user turns sampled from the target itself,
     `self_instruct`: an open-ended supply of new prompts), "code" (raw Python stubs, `code_prompts.py`) or
     "chatcode" (the same stubs asked for in a chat turn, chat-templated)."""
-    from specdec.dtypes import resolve_dtype  # here: the core's settings need pydantic, which `gpu_run` avoids
+    from specdec.modeling.dtypes import resolve_dtype  # here: the core's settings need pydantic, which `gpu_run` avoids
 
     rng = random.Random(seed)
     torch.manual_seed(seed)

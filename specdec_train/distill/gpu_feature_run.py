@@ -61,7 +61,7 @@ MODEL_DIR = "feature_draft"
 # ---- the model ------------------------------------------------------------------------------------------------
 
 class FeatureDraft(nn.Module):
-    """The served feature draft (`specdec.model.CausalLM` with ``feature_size``) in transformers' modules, with the
+    """The served feature draft (`specdec.modeling.model.CausalLM` with ``feature_size``) in transformers' modules, with the
     same parameter names: ``fc`` over [embed(x_t); feature_scale * f_{t-1}], one Llama decoder layer, the final
     norm and the compact head (tied to the embedding where the initial draft's is)."""
 
@@ -295,7 +295,7 @@ def plain_predictor(plain, subset, to_compact, depths: int):
 
 def export_feature_draft(draft: FeatureDraft, init_dir: pathlib.Path, tok_dir: pathlib.Path, tcfg,
                          out: pathlib.Path) -> None:
-    """The model directory `specdec.model.load_model_dir` serves (``specdec_feature_size``, float16 weights, the
+    """The model directory `specdec.modeling.model.load_model_dir` serves (``specdec_feature_size``, float16 weights, the
     initial draft's vocabulary subset, the target's tokenizer files), written atomically."""
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)

@@ -120,7 +120,7 @@ def write_banned(path=BANNED) -> dict:
     tokenizer; run where `make test` runs)."""
     from transformers import AutoTokenizer
 
-    from specdec.tokenizer import encode_prompt
+    from specdec.text.tokenizer import encode_prompt
     from specdec_bench.prompts import humaneval_path, load_prompt_sets, read_jsonl
     from specdec_train.distill.gpu_target import TOKENIZER_DIR
     from specdec_train.preverifier.bench import FALLBACK_CHAT

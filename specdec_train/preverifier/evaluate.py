@@ -15,11 +15,11 @@ from pathlib import Path
 
 import torch
 
+from specdec.decoding.preverifier import load_preverifier
+from specdec.decoding.stop import DraftFeatures
 from specdec.engine import Engine
-from specdec.model import load_model
-from specdec.preverifier import load_preverifier
-from specdec.request import GenerationRequest
-from specdec.stop import DraftFeatures
+from specdec.modeling.model import load_model
+from specdec.scheduling.request import GenerationRequest
 from specdec_train.preverifier import data as D, train as T
 from specdec_train.preverifier.bench import benchmark_prompts, encode
 from specdec_train.preverifier.collect_tf import measure_costs

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from specdec.preverifier import Preverifier, head_stats, token_scalars
+from specdec.decoding.preverifier import Preverifier, head_stats, token_scalars
 
 
 @dataclass

@@ -1,8 +1,8 @@
 """The draft worker's proposal sources, one per module; `DraftWorker` (specdec/workers/draft.py) composes them, one
-drafted token at a time (the step itself: specdec/drafting.py). Torch only.
+drafted token at a time (the step itself: specdec/workers/drafting.py). Torch only.
 
-- forced.py: `ForcedTokens`, the token a session's grammar forces (structured output, specdec/grammar.py);
-- lookup.py: `LookupTokens`, prompt lookup's token (specdec/lookup.py);
+- forced.py: `ForcedTokens`, the token a session's grammar forces (structured output, specdec/text/grammar.py);
+- lookup.py: `LookupTokens`, prompt lookup's token (specdec/decoding/lookup.py);
 - model.py: `ModelTokens`, the draft model's token, from the logits row its forward computed;
 - features.py: `FeatureInputs`, a feature draft's inputs (the target's features by position), which steer the
   draft model's forwards.

@@ -6,8 +6,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from specdec.feature_state import FeatureState
-from specdec.workers.base import TargetFeatures, feature_size
+from specdec.state.feature_state import FeatureState
+from specdec.state.feature_state import TargetFeatures
+from specdec.workers.base import feature_size
 
 if TYPE_CHECKING:
     from specdec.workers.base import DraftSession

@@ -1,5 +1,5 @@
 """Grammar-forced tokens: where a session's grammar admits one continuation only (a JSON key, `": "`), the draft
-proposes its token with certainty (q one-hot) and without a forward (specdec/grammar.py, `GrammarState.forced`)."""
+proposes its token with certainty (q one-hot) and without a forward (specdec/text/grammar.py, `GrammarState.forced`)."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING

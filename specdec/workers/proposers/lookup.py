@@ -1,11 +1,11 @@
 """Prompt lookup as a draft source: the token that followed the context's last n-gram where it occurred before
-(specdec/lookup.py), proposed with certainty (q one-hot) where the session's grammar allows it."""
+(specdec/decoding/lookup.py), proposed with certainty (q one-hot) where the session's grammar allows it."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from specdec.drafting import grammar_allows
-from specdec.lookup import PromptLookup
+from specdec.decoding.lookup import PromptLookup
+from specdec.workers.drafting import grammar_allows
 
 if TYPE_CHECKING:
     from specdec.workers.base import DraftSession

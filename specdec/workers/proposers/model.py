@@ -1,10 +1,10 @@
 """The draft model as a draft source: its logits row at the call's position, processed as the target's are, then
-the argmax or a keyed sample (steps 2-3 of specdec/drafting.py)."""
+the argmax or a keyed sample (steps 2-3 of specdec/workers/drafting.py)."""
 from __future__ import annotations
 
 import torch
 
-from specdec.drafting import Choice, DraftCall, choose_token, processes_logits
+from specdec.workers.drafting import Choice, DraftCall, choose_token, processes_logits
 
 
 class ModelTokens:
