@@ -135,7 +135,9 @@ def dense_q_to_sparse(q: torch.Tensor, field: str = "q_dense") -> list:
 
 
 def sampling_from_proto(msg: common_pb2.SamplingParams):
-    return SamplingParams(temperature=float(msg.temperature), top_k=int(msg.top_k),
+    """The core's SamplingParams a message carries; they keep the message (`source`), which `sampling_to_proto`
+    gives back: every process reads the request's sampling message once and forwards it as it came."""
+    params = SamplingParams(temperature=float(msg.temperature), top_k=int(msg.top_k),
                           top_p=float(msg.top_p) if msg.HasField("top_p") else 1.0, seed=int(msg.seed),
                           logprobs=int(msg.logprobs) if msg.HasField("logprobs") else -1,
                           prompt_logprobs=int(msg.prompt_logprobs) if msg.HasField("prompt_logprobs") else -1,
@@ -148,6 +150,8 @@ def sampling_from_proto(msg: common_pb2.SamplingParams):
                           stop_ids=tuple(int(t) for t in msg.stop_ids),
                           allowed_token_ids=tuple(int(t) for t in msg.allowed_token_ids),
                           bad_words=tuple(tuple(int(t) for t in w.ids) for w in msg.bad_words))
+    object.__setattr__(params, "source", msg)  # frozen: set once, here
+    return params
 
 
 def read_sampling(msg: common_pb2.SamplingParams):
@@ -159,6 +163,9 @@ def read_sampling(msg: common_pb2.SamplingParams):
 
 
 def sampling_to_proto(p) -> common_pb2.SamplingParams:
+    """The message of `p`: the one they were read from, else a new one."""
+    if p.source is not None:
+        return p.source
     msg = common_pb2.SamplingParams(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=p.seed,
                                     cache_salt=p.cache_salt, presence_penalty=p.presence_penalty,
                                     frequency_penalty=p.frequency_penalty, logit_bias=dict(p.logit_bias),

@@ -31,10 +31,10 @@ from coordinator.grpc_api.output_constraints import OutputConstraints
 from coordinator.grpc_api.prompt_work import PromptWork, least_prompt_tokens, longest_token_bytes, prompt_bytes
 from coordinator.grpc_api.reasoning import ReasoningSplitter, ReasoningStart, reasoning_tokens
 from coordinator.grpc_api.text_output import TextAssembler
-from coordinator.grpc_api.typed_request import Settings, read_settings, sampling_params, speculation
+from coordinator.grpc_api.typed_request import Settings, read
 from specdec.common.errors import ContextOverflowError, InvalidRequestError
-from specdec.scheduling.field_rules import REQUEST_RULES, check, proto_values
-from specdec.scheduling.request import DEFAULT_GAMMA, GenerationRequest, PipelineRequest
+from specdec.scheduling.request import GenerationRequest, PipelineRequest
+from specdec_rpc.convert import sampling_from_proto
 from specdec_rpc.pb import common_pb2, generation_pb2, generation_pb2_grpc
 
 FINISH = {"length": generation_pb2.FINISH_REASON_LENGTH, "stop": generation_pb2.FINISH_REASON_STOP,
@@ -137,14 +137,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         """The request checked (specdec/scheduling/field_rules.py's table, then what spans fields), its prompt encoded, and
         the token-id request the pipeline runs."""
         given = prompt_kind(r)
-        settings = read_settings(r)
-        mode = settings.mode(self.default_mode)  # None: a mode string the table refuses below
         to_context = r.max_new_tokens_to_context and not r.HasField("max_new_tokens") and self.context_len > 0
         max_new = (r.max_new_tokens if r.HasField("max_new_tokens") else
                    self.cap if to_context else min(DEFAULT_MAX_NEW_TOKENS, self.cap))
-        gamma = settings.values["gamma"] if "gamma" in settings.values else self.gamma or DEFAULT_GAMMA.get(mode)
-        check(REQUEST_RULES, {**proto_values(r), **settings.values}, names=settings.names, cap=self.cap,
-              max_new_tokens=max_new, gamma=gamma, vocab=len(self.tok) if self.tok is not None else None)
+        settings = read(r, self._defaults(), cap=self.cap, max_new_tokens=max_new,
+                        vocab=len(self.tok) if self.tok is not None else None)
         if r.raw_prompt and not r.HasField("prompt"):
             raise InvalidRequestError("raw_prompt", f"applies to prompt (text) only; leave it unset with {given}")
         ids = self._prompt_ids(r, given)
@@ -152,7 +149,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             raise self._overflow(len(ids))
         reasoning = self.output.reasoning_start(r, ids)
         if to_context:  # what the context leaves (a prompt that leaves too little: OUT_OF_RANGE from the replica)
-            max_new = max(min(self.cap, self.context_len - len(ids)), settings.get("min_tokens", 0), 1)
+            max_new = max(min(self.cap, self.context_len - len(ids)), settings.sampling.min_tokens, 1)
         req = self._request(r, settings, ids, max_new, reasoning)
         return Prepared(req, self._assembler(r, ids, req.generation), reasoning)
 
@@ -185,18 +182,25 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             raise InvalidRequestError(given, "encodes to no tokens; send a non-empty prompt")
         return ids
 
+    def _defaults(self) -> dict:
+        """The speculation settings a request leaves unset take these (None: the mode's or the replica's own)."""
+        return {"mode": self.default_mode, "verify_method": self.verify_method, "gamma": self.gamma,
+                "pacer_threshold": self.pacer_threshold, "spec_off_batch": self.spec_off_batch,
+                "pacer_post_threshold": self.pacer_post_threshold}
+
     def _request(self, r: generation_pb2.GenerateRequest, settings: Settings, ids: list[int], max_new: int,
                  reasoning: ReasoningStart | None) -> PipelineRequest:
         """The pipeline's request, typed; unset settings take this coordinator's defaults."""
         rid = f"{r.request_id}-{uuid.uuid4().hex[:12]}" if r.request_id else uuid.uuid4().hex
         eos = sorted(set(() if r.ignore_eos else self.eos) | set(r.stop_token_ids))
-        spec = speculation(settings, {"mode": self.default_mode, "verify_method": self.verify_method,
-                                      "gamma": self.gamma, "pacer_threshold": self.pacer_threshold,
-                                      "spec_off_batch": self.spec_off_batch,
-                                      "pacer_post_threshold": self.pacer_post_threshold})
-        params = sampling_params(settings, self.output.grammar(r, reasoning), eos, self.output.bad_words(r))
-        generation = GenerationRequest(prompt_ids=ids, max_new_tokens=max_new, params=params, eos_token_ids=tuple(eos),
-                                       priority=r.priority, session_id=rid, **spec.request_fields())
+        sampling = settings.sampling  # the request's message: completed here, then sent to the replicas as it is
+        sampling.grammar = self.output.grammar(r, reasoning)
+        sampling.stop_ids[:] = eos if sampling.min_tokens else ()
+        sampling.bad_words.extend(common_pb2.TokenIds(ids=w) for w in self.output.bad_words(r))
+        sampling.allowed_token_ids[:] = sorted(set(sampling.allowed_token_ids))
+        generation = GenerationRequest(prompt_ids=ids, max_new_tokens=max_new, params=sampling_from_proto(sampling),
+                                       eos_token_ids=tuple(eos), priority=r.priority, session_id=rid,
+                                       **settings.speculation.request_fields())
         return PipelineRequest(generation, draft_fallback=self.draft_fallback)
 
     def _assembler(self, r: generation_pb2.GenerateRequest, ids: list[int], req: GenerationRequest) -> TextAssembler:

@@ -1,23 +1,33 @@
-"""A GenerateRequest's sampling and speculation settings, read once, into the core's types.
+"""A GenerateRequest's sampling and speculation settings, read and checked once.
 
 A request sends each setting in `sampling` (SamplingParams) and `speculation` (Speculation: the mode as a pair of
 enums), or in the deprecated flat field of the same name (`mode`, `verify_method` and `pearl_overlap` as strings),
-which still work. `read_settings` gives the one value of each, by the name specdec/scheduling/field_rules.py's table knows it,
-with the name the request sent it by (`sampling.temperature`, or `temperature`) for the table's message; a request
-that sends a setting both ways with different values is refused, naming both fields. `sampling_params` and
-`speculation` then build the core's typed values (specdec.decoding.sampling.SamplingParams, specdec.scheduling.request.Speculation) with
-the coordinator's defaults. The speculation enums' values are specdec_rpc/convert.py's tables, which the draft
-replica reads a SpeculateRequest's `speculation` by too. Pure: no grpc.
+which still work; a request that sends a setting both ways with different values is refused, naming both fields.
+`read` gives, in one call:
+
+- `sampling`: the request's own SamplingParams message, completed with the flat fields it sent instead. It stays a
+  message: the coordinator adds what it derives (the grammar, stop ids, bad words as token ids), reads the core's
+  SamplingParams from it (specdec_rpc.convert.sampling_from_proto), and the replicas receive this message as it
+  is, whichever process forwards it.
+- `speculation`: the core's Speculation, with the coordinator's defaults for what the request leaves unset.
+
+Every value is checked by specdec/scheduling/field_rules.py's table where it lies, in the messages (`MessageFields`),
+under the name the request sent it by (`sampling.temperature`, or `temperature`). The speculation enums' values are
+specdec_rpc/convert.py's tables, which the draft replica reads a SpeculateRequest's `speculation` by too. Pure: no
+grpc.
 """
 from __future__ import annotations
 
+from collections import ChainMap
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from specdec.common.errors import InvalidRequestError
-from specdec.decoding.sampling import SamplingParams
-from specdec.scheduling.field_rules import proto_values
-from specdec.scheduling.request import MODE_PAIRS, PEARL_OVERLAP, DraftStop, Overlap, Speculation, mode_name, mode_pair
+from specdec.scheduling.field_rules import REQUEST_RULES, check
+from specdec.scheduling.request import (DEFAULT_GAMMA, MODE_PAIRS, PEARL_OVERLAP, DraftStop, Overlap, Speculation,
+                                        mode_name, mode_pair)
 from specdec_rpc.convert import DRAFT_STOP, OVERLAP, VERIFY_METHOD, enum_member
+from specdec_rpc.pb import common_pb2
 
 # SamplingParams' fields a request sets (the deprecated flat fields of GenerateRequest have the same names)
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "seed", "logprobs", "prompt_logprobs", "cache_salt",
@@ -27,17 +37,49 @@ SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "seed", "logprobs", "prompt_
 DERIVED_SAMPLING = {"grammar": "structured_output", "stop_ids": "stop_token_ids", "bad_words": "bad_words"}
 SPECULATION_FIELDS = ("gamma", "block_size", "pacer_threshold", "pacer_skip_below", "pacer_post_threshold",
                       "pearl_first_block", "spec_off_batch")
-_DEFAULTS = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": 0, "logprobs": -1, "prompt_logprobs": -1,
-             "cache_salt": "", "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
-             "min_p": 0.0, "min_tokens": 0}
+
+
+
+def _set(message, name: str):
+    """A field's value where the message sets it (a proto3 optional field sent, another not at its default);
+    None where it does not, or has no such field."""
+    f = message.DESCRIPTOR.fields_by_name.get(name)
+    if f is None:
+        return None
+    if f.has_presence:
+        return getattr(message, name) if message.HasField(name) else None
+    v = getattr(message, name)
+    return v if v else None
+
+
+class MessageFields(Mapping):
+    """The fields the messages set, by name, read in place; the first message that sets a name answers."""
+
+    def __init__(self, *messages):
+        self.messages = messages
+
+    def __getitem__(self, name: str):
+        for m in self.messages:
+            v = _set(m, name)
+            if v is not None:
+                return v
+        raise KeyError(name)
+
+    def __iter__(self):
+        return iter(dict.fromkeys(f.name for m in self.messages for f, _ in m.ListFields()))
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
 
 
 @dataclass
 class Settings:
     """The request's settings by the field rules' names (only those it sets), and the name it sent each by where
     that is not the rule's own (`sampling.temperature`, `speculation.draft_stop`)."""
-    values: dict = field(default_factory=dict)
+    values: dict = field(default_factory=dict)  # speculation's and the mode's, by name
     names: dict = field(default_factory=dict)
+    sampling: common_pb2.SamplingParams = field(default_factory=common_pb2.SamplingParams)  # completed (see above)
+    speculation: Speculation | None = None  # with the coordinator's defaults (`read`)
     stop: DraftStop | None = None  # speculation.draft_stop (None: unset)
     overlap: Overlap | None = None  # speculation.overlap (None: unset)
 
@@ -84,17 +126,42 @@ def _conflict(nested: str, flat: str, new, old) -> InvalidRequestError:
                                        f"same setting; send only {nested}")
 
 
-def _pairs(r, part: str, names: tuple[str, ...], out: Settings) -> None:
-    """Each setting of `names` from `r.<part>` (the typed form) or from the flat field (deprecated)."""
-    flat, nested = proto_values(r), proto_values(getattr(r, part))
+def _conflicts(r, part: str, names: tuple[str, ...]) -> list[str]:
+    """The settings of `names` the request sends in `r.<part>` (the typed form), after refusing any its deprecated
+    flat field gives another value; the flat fields it sends instead are the others."""
+    typed, sent = getattr(r, part), []
     for name in names:
-        old, new = _plain(flat.get(name)), _plain(nested.get(name))
+        old, new = _plain(_set(r, name)), _plain(_set(typed, name))
         if old is not None and new is not None and old != new and not (old != old and new != new):  # NaN: the table's
             raise _conflict(f"{part}.{name}", name, new, old)
         if new is not None:
-            out.take(name, new, f"{part}.{name}")
-        elif old is not None:
-            out.take(name, old)
+            sent.append(name)
+    return sent
+
+
+def _pairs(r, part: str, names: tuple[str, ...], out: Settings) -> None:
+    """Each setting of `names` from `r.<part>` (the typed form) or from the flat field (deprecated)."""
+    for name in _conflicts(r, part, names):
+        out.take(name, getattr(getattr(r, part), name), f"{part}.{name}")
+    for name in names:
+        if name not in out.values and _set(r, name) is not None:
+            out.take(name, _set(r, name))
+
+
+def _sampling(r, out: Settings) -> None:
+    """The request's SamplingParams message, completed with the deprecated flat fields it sends instead."""
+    out.sampling.CopyFrom(r.sampling)
+    for name in _conflicts(r, "sampling", SAMPLING_FIELDS):
+        out.names[name] = f"sampling.{name}"
+    for name in SAMPLING_FIELDS:
+        if _set(r, name) is not None and _set(out.sampling, name) is None:
+            value = getattr(r, name)
+            if name == "logit_bias":
+                out.sampling.logit_bias.update(value)
+            elif name == "allowed_token_ids":
+                out.sampling.allowed_token_ids.extend(value)
+            else:
+                setattr(out.sampling, name, value)
 
 
 def _mode(r, out: Settings) -> None:
@@ -130,25 +197,15 @@ def _verify_method(r, out: Settings) -> None:
 def read_settings(r) -> Settings:
     """The request's sampling and speculation settings, one value each (see the module's docstring)."""
     for name, instead in DERIVED_SAMPLING.items():
-        if name in proto_values(r.sampling):
+        if _set(r.sampling, name) is not None:
             raise InvalidRequestError(f"sampling.{name}", f"the coordinator fills it from the request's {instead}; "
                                                           f"leave it unset")
     out = Settings()
-    _pairs(r, "sampling", SAMPLING_FIELDS, out)
+    _sampling(r, out)
     _pairs(r, "speculation", SPECULATION_FIELDS, out)
     _mode(r, out)
     _verify_method(r, out)
     return out
-
-
-def sampling_params(s: Settings, grammar: str, eos_token_ids: list[int], bad_words: list[list[int]]) -> SamplingParams:
-    """The core's SamplingParams: the request's settings (unset: their defaults) and what the coordinator derived
-    (the grammar, the stop ids min_tokens holds back, bad words as token sequences)."""
-    kw = {name: s.get(name, default) for name, default in _DEFAULTS.items()}
-    return SamplingParams(**kw, logit_bias=tuple(sorted((int(k), float(v)) for k, v in s.get("logit_bias", {}).items())),
-                          grammar=grammar, stop_ids=tuple(eos_token_ids) if kw["min_tokens"] else (),
-                          allowed_token_ids=tuple(sorted(set(s.get("allowed_token_ids", ())))),
-                          bad_words=tuple(tuple(w) for w in bad_words))
 
 
 def speculation(s: Settings, defaults: dict) -> Speculation:
@@ -157,3 +214,15 @@ def speculation(s: Settings, defaults: dict) -> Speculation:
     stop, overlap = s.pair(defaults["mode"])
     kw = {name: s.get(name, defaults.get(name)) for name in SPECULATION_FIELDS}
     return Speculation(stop, overlap, verify_method=s.get("verify_method") or defaults["verify_method"], **kw)
+
+
+def read(r, defaults: dict, **bounds) -> Settings:
+    """The request's settings (`read_settings`), checked by the field table where they lie (`bounds`: the
+    coordinator's cap, max_new_tokens, the tokenizer's vocabulary; gamma is the request's, else the coordinator's,
+    else its mode's), with its Speculation under the coordinator's `defaults` (see `speculation`)."""
+    out = read_settings(r)
+    mode = out.mode(defaults["mode"])  # None: a mode string the table refuses
+    gamma = out.values["gamma"] if "gamma" in out.values else defaults.get("gamma") or DEFAULT_GAMMA.get(mode)
+    check(REQUEST_RULES, ChainMap(out.values, MessageFields(out.sampling, r)), names=out.names, gamma=gamma, **bounds)
+    out.speculation = speculation(out, defaults)
+    return out

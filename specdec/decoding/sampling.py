@@ -19,7 +19,7 @@ per-position (the draft's extra key is harmless there). A retried call has the s
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import IntEnum
 
 import torch
@@ -81,6 +81,13 @@ class SamplingParams:
     allowed_token_ids: tuple[int, ...] = ()
     # vLLM's bad_words, as token id sequences: no output ends with one of them (specdec/decoding/penalties.py)
     bad_words: tuple[tuple[int, ...], ...] = ()
+    # the message these were read from (specdec_rpc.convert.sampling_from_proto), which transports forward as it
+    # came rather than writing a new one; None: built in process. Not a setting: equality and copies ignore it
+    source: object = field(default=None, init=False, repr=False, compare=False)
+
+    def __getstate__(self) -> dict:
+        """Pickled (a Ray actor's request) without its source message: that belongs to the process that read it."""
+        return {**self.__dict__, "source": None}
 
     @property
     def greedy(self) -> bool:

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Iterable, Mapping
+from collections.abc import Iterable, Mapping
 
 from specdec.common.errors import InvalidRequestError
 from specdec.scheduling.request import MAX_SPEC_OFF_BATCH, MODES, PEARL_OVERLAP, GenerationRequest
@@ -317,11 +317,6 @@ def check(rules: Iterable, values: Mapping, names: Mapping[str, str] | None = No
             raise InvalidRequestError((names or {}).get(rule.field, rule.field), problem)
 
 
-def proto_values(message) -> dict:
-    """A GenerateRequest's set fields (proto3 optional fields sent, other fields not at their default)."""
-    return {f.name: v for f, v in message.ListFields()}
-
-
 _CORE_REQUEST = ("mode", "max_new_tokens", "verify_method", "pacer_threshold", "pacer_skip_below",
                  "pacer_post_threshold", "gamma", "pearl_first_block", "spec_off_batch", "pearl_overlap", "block_size")
 _CORE_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
@@ -340,17 +335,36 @@ def validate_request(req: GenerationRequest) -> GenerationRequest:
     return req
 
 
+class _Attributes(Mapping):
+    """An object's attributes `names` as the table reads values, in place; `unset`: the value that means unset."""
+
+    def __init__(self, obj, names: tuple[str, ...], unset: dict | None = None):
+        self.obj, self.names, self.unset = obj, names, unset or {}
+
+    def __getitem__(self, name: str):
+        if name not in self.names:
+            raise KeyError(name)
+        v = getattr(self.obj, name)
+        if name in self.unset and v == self.unset[name]:
+            raise KeyError(name)
+        return v
+
+    def __iter__(self):
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+
 def check_request(req) -> None:
     """The table over a GenerationRequest's own fields (not its SamplingParams)."""
-    check(REQUEST_RULES, {name: getattr(req, name) for name in _CORE_REQUEST}, gamma=req.gamma)
+    check(REQUEST_RULES, _Attributes(req, _CORE_REQUEST), gamma=req.gamma)
 
 
 def check_sampling(params) -> None:
     """The table over SamplingParams: the request's fields (logprobs -1: unset), then the replicas' own."""
-    values = {name: getattr(params, name) for name in _CORE_SAMPLING}
-    values.update({name: getattr(params, name) for name in ("logprobs", "prompt_logprobs")
-                   if getattr(params, name) != -1})
-    check(REQUEST_RULES, values)
+    check(REQUEST_RULES, _Attributes(params, _CORE_SAMPLING + ("logprobs", "prompt_logprobs"),
+                                     {"logprobs": -1, "prompt_logprobs": -1}))
     check(REPLICA_RULES, {"stop_ids": params.stop_ids, "bad_words": params.bad_words,
                           "structured_output": params.grammar})
 

@@ -1,0 +1,288 @@
+"""Where a request's temperature goes, from the HTTP body to the target's `logits_to_probs`: every function of the
+project that receives it, in order, and every conversion that puts it in a new type.
+
+One `/v1/completions` request goes through a whole stack in this process (the coordinator without Ray, a draft and a
+target replica over gRPC on localhost, tiny models) with a profile hook on every thread. The temperature is a
+value no other field of the request holds (0.6171875, exact in float32). A *stop* is a call of a function of the
+project with the value reachable from its arguments (through attributes, fields, dict values and proto fields, at
+most three levels down); its *forms* are the types that hold the value as a field. A *conversion* is a call that
+returns the value in a form none of its arguments had it in.
+
+    python experiments/request_walk.py [--mode sd] [--json]
+
+`tests/test_request_walk.py` runs the same walk and holds the request path to it.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import inspect
+import json
+import sys
+import threading
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+VALUE = 0.6171875
+PACKAGES = ("specdec", "specdec_rpc", "coordinator", "draft_service", "target_service")
+MAX_DEPTH = 3
+MAX_ITEMS = 64
+_RESUMABLE = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR
+
+
+def _is_value(v) -> bool:
+    return isinstance(v, float) and v == VALUE
+
+
+def _children(obj):
+    """(child) values of obj one level down: fields, attributes, items."""
+    from google.protobuf.message import Message
+
+    if isinstance(obj, Message):
+        for f, v in obj.ListFields():
+            if getattr(f, "is_repeated", False):
+                yield from list(v)[:MAX_ITEMS] if not hasattr(v, "items") else list(v.values())[:MAX_ITEMS]
+            else:
+                yield v
+        return
+    if isinstance(obj, dict):
+        yield from list(obj.values())[:MAX_ITEMS]
+        return
+    if isinstance(obj, (list, tuple)):
+        yield from obj[:MAX_ITEMS]
+        return
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            yield getattr(obj, f.name, None)
+        return
+    fields = getattr(type(obj), "model_fields", None)  # pydantic
+    if isinstance(fields, dict):
+        for name in fields:
+            yield getattr(obj, name, None)
+        return
+    d = getattr(obj, "__dict__", None)
+    if isinstance(d, dict) and type(obj).__module__.split(".")[0] in PACKAGES:
+        yield from list(d.values())[:MAX_ITEMS]
+
+
+def holders(obj, depth: int = 0, seen=None) -> set[str]:
+    """The types (module.qualname) that hold VALUE as a field, in obj or below it."""
+    if seen is None:
+        seen = set()
+    if depth > MAX_DEPTH or id(obj) in seen or obj is None or isinstance(obj, (str, bytes, int, float, bool)):
+        return set()
+    seen.add(id(obj))
+    out = set()
+    try:
+        kids = list(_children(obj))
+    except Exception:  # noqa: BLE001 - a type we cannot walk holds nothing we count
+        return out
+    for kid in kids:
+        if _is_value(kid):
+            t = type(obj)
+            out.add(f"{t.__module__}.{t.__qualname__}")
+        else:
+            out |= holders(kid, depth + 1, seen)
+    return out
+
+
+@dataclasses.dataclass
+class Stop:
+    file: str
+    function: str
+    thread: str
+    forms: list[str]
+    stack: list[str] = dataclasses.field(default_factory=list)  # the project files its callers are in (this thread)
+    returned: list[str] = dataclasses.field(default_factory=list)  # forms of the return value that args lacked
+
+    @property
+    def conversion(self) -> bool:
+        return bool(self.returned)
+
+
+class Walk:
+    def __init__(self):
+        self.stops: list[Stop] = []
+        self._open: dict[int, Stop] = {}  # id(frame) -> the stop its call made
+        self._lock = threading.Lock()
+        self.on = False
+
+    def _rel(self, filename: str) -> str | None:
+        try:
+            rel = Path(filename).resolve().relative_to(ROOT)
+        except ValueError:
+            return None
+        return str(rel) if rel.parts[0] in PACKAGES else None
+
+    def hook(self, frame, event, arg):
+        if not self.on or event not in ("call", "return"):
+            return
+        rel = self._rel(frame.f_code.co_filename)
+        if rel is None:
+            return
+        resumable = frame.f_code.co_flags & _RESUMABLE
+        if resumable and (event == "return" or frame.f_lasti > 0):  # a generator resumed or suspended, not called
+            return
+        if event == "call":
+            forms = set()
+            names = frame.f_code.co_varnames[:frame.f_code.co_argcount + frame.f_code.co_kwonlyargcount]
+            bound = names[:1] in (("self",), ("cls",))
+            for name in names[1:] if bound else names:  # what it was handed
+                v = frame.f_locals.get(name)
+                if not _is_value(v):
+                    forms |= holders(v)
+            own = holders(frame.f_locals.get(names[0])) if bound else set()  # what its object holds already
+            stop = None
+            if forms:
+                stop = Stop(rel, frame.f_code.co_qualname, threading.current_thread().name, sorted(forms),
+                            self._callers(frame))
+                with self._lock:
+                    self.stops.append(stop)
+            if forms or own:
+                self._open[id(frame)] = (stop, forms | own)
+            return
+        stop, had = self._open.pop(id(frame), (None, set()))
+        new = holders(arg) - had
+        if not new:
+            return
+        if stop is None:  # the value's holder made from arguments that held it bare (or from text)
+            stop = Stop(rel, frame.f_code.co_qualname, threading.current_thread().name, [])
+            with self._lock:
+                self.stops.append(stop)
+        stop.returned = sorted(new)
+
+    def _callers(self, frame) -> list[str]:
+        out, f = [], frame.f_back
+        while f is not None:
+            rel = self._rel(f.f_code.co_filename)
+            if rel is not None:
+                out.append(rel)
+            f = f.f_back
+        return out
+
+    def install(self):
+        sys.setprofile(self.hook)
+        threading.setprofile(self.hook)
+
+    def remove(self):
+        sys.setprofile(None)
+        threading.setprofile(None)
+
+
+async def _run(walk: Walk, tmp: Path, mode: str) -> list[Stop]:
+    import httpx
+
+    from coordinator.config import CoordinatorSettings
+    from coordinator.server import build_coordinator
+    from coordinator.stack import free_port
+    from specdec.text.tokenizer import load_tokenizer
+    from tests.helpers_models import save_tiny_tokenizer, start_replica, tiny_pair
+
+    tok = load_tokenizer(save_tiny_tokenizer(tmp / "tok"))
+    target, draft = tiny_pair()
+    t = await start_replica("target", target)
+    d = await start_replica("draft", draft, preverifier="random")
+    s = CoordinatorSettings(host="127.0.0.1", port=0, metrics_port=0, ray=False, tokenizer="", grace_s=0,
+                            draft_endpoints=d.endpoint, target_endpoints=t.endpoint, log_level="WARNING",
+                            http_port=free_port(), served_model_name="tiny")
+    app, _ = await build_coordinator(s, tokenizer=tok, eos_token_ids=set())
+    await app.start()
+    body = {"model": "tiny", "prompt": "hello there", "max_tokens": 4, "temperature": VALUE, "seed": 7,
+            "mode": mode}
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{app.http_port}", timeout=60) as http:
+            await http.post("/v1/completions", json=body)  # warm: first-call imports and builds are not the walk
+            walk.on = True
+            r = await http.post("/v1/completions", json=body)
+            walk.on = False
+            r.raise_for_status()
+    finally:
+        walk.on = False
+        for a in (app, t, d):
+            await a.shutdown(0)
+    return walk.stops
+
+
+def record(mode: str = "sd") -> list[Stop]:
+    """The walk of one request in `mode`, recorded."""
+    import tempfile
+
+    walk = Walk()
+    walk.install()
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            return asyncio.run(_run(walk, Path(tmp), mode))
+    finally:
+        walk.remove()
+
+
+def path_to_verify(stops: list[Stop]) -> list[Stop]:
+    """The stops up to the target's first `logits_to_probs` (the one its worker calls to verify)."""
+    out = []
+    for i, s in enumerate(stops):
+        out.append(s)
+        if s.function == "logits_to_probs" and s.thread.startswith("target-"):
+            break
+    return out
+
+
+def role(stop: Stop) -> str:
+    """The process a stop belongs to in a deployment: the coordinator, the draft replica or the target replica (by
+    its thread, else by the outermost service package on its stack)."""
+    if stop.thread.startswith(("draft-", "target-")):
+        return stop.thread.split("-")[0]
+    for f in reversed([stop.file] + stop.stack):
+        for pkg, name in (("coordinator/", "coordinator"), ("draft_service/", "draft"), ("target_service/", "target")):
+            if f.startswith(pkg):
+                return name
+    return "coordinator"
+
+
+def forms_in_order(stops: list[Stop]) -> list[str]:
+    """The types that held the value, in the order they first did."""
+    out: list[str] = []
+    for s in stops:
+        for f in s.forms + s.returned:
+            if f not in out:
+                out.append(f)
+    return out
+
+
+def revisits(stops: list[Stop]) -> dict[str, list[str]]:
+    """Per process: the stops that enter a file the walk had left (no function of it still on the stack)."""
+    out: dict[str, list[str]] = {}
+    seen: dict[str, list[str]] = {}
+    for s in stops:
+        r = role(s)
+        files = seen.setdefault(r, [])
+        if files and files[-1] != s.file and s.file in files and s.file not in s.stack:
+            out.setdefault(r, []).append(f"{s.file}:{s.function}")
+        if not files or files[-1] != s.file:
+            files.append(s.file)
+    return out
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--mode", default="sd")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    stops = path_to_verify(record(args.mode))
+    if args.json:
+        print(json.dumps([dataclasses.asdict(s) for s in stops], indent=1))
+        return
+    for s in stops:
+        conv = f"  -> {', '.join(s.returned)}" if s.returned else ""
+        print(f"{role(s)[:6]:6} {s.thread[:14]:14} {s.file}:{s.function}  [{', '.join(s.forms)}]{conv}")
+    forms = forms_in_order(stops)
+    print(f"\nforms, in order: {' -> '.join(forms)} ({len(forms) - 1} changes)")
+    for r, where in revisits(stops).items():
+        print(f"{r}: {len(where)} returns to a file it left: {', '.join(where)}")
+
+
+if __name__ == "__main__":
+    main()
