@@ -104,7 +104,7 @@ def _python(code: str, **env) -> subprocess.CompletedProcess:
 def test_fresh_build_keeps_subnormals(tmp_path):
     """A fresh build loads, and loading it leaves the process's float mode alone (no flush-to-zero, which a
     -ffast-math link would set for every thread's later torch ops in the loading thread)."""
-    done = _python("import torch; from specdec import native; assert native.available(); "
+    done = _python("import torch; from specdec.modeling import native; assert native.available(); "
                    "x = torch.tensor([1e-39]); assert float(x * 1.0) > 0, 'subnormals flushed'",
                    SPECDEC_CACHE=str(tmp_path))
     assert done.returncode == 0, done.stderr
@@ -114,7 +114,7 @@ def test_fresh_build_keeps_subnormals(tmp_path):
 @pytest.mark.parametrize("env", [{"SPECDEC_NATIVE": "0"}, {"CC": "false"}])
 def test_torch_path_stands_in(tmp_path, env):
     """Switched off, or with a compiler that fails, the model still runs (the torch path) and says why."""
-    code = ("import logging, torch; logging.basicConfig(level=logging.INFO); from specdec import native; "
+    code = ("import logging, torch; logging.basicConfig(level=logging.INFO); from specdec.modeling import native; "
             "from tests.helpers_models import build_tiny_model; assert not native.available(); m = build_tiny_model(); "
             "kv = m.new_kv_slots(1, 8); m(torch.tensor([[1, 2, 3]]), torch.arange(3)[None], torch.tensor([0]), kv); "
             "print(m(torch.tensor([[4]]), torch.tensor([[3]]), torch.tensor([0]), kv)[0].shape)")

@@ -117,7 +117,7 @@ def test_override_or_configure_as_a_process_first_read_does_not_deadlock(first):
     import subprocess
     import sys
 
-    code = ("from specdec import settings\n"
+    code = ("from specdec.common import settings\n"
             + ("with settings.override(native=False):\n    assert not settings.get().native\n" if first == "override"
                else "settings.configure(native=False)\nassert not settings.get().native\n"))
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

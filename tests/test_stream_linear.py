@@ -274,7 +274,7 @@ def test_greedy_sd_equals_ar_with_the_kernel_in_use(dtype, mode, gamma, monkeypa
 def test_the_emulation_builds_for_avx2_and_caps_onednn(tmp_path):
     """SPECDEC_ISA=avx2 in a fresh process: the kernels build with -mavx2 -mfma -mf16c (not -march=native), the
     kernel runs, bf16 counts as slow, and prepare_process caps oneDNN and MKL at AVX2."""
-    code = ("import os, torch; from specdec import native, settings; from specdec.modeling.dtypes import cpu_has_fast_bf16; "
+    code = ("import os, torch; from specdec.modeling import native; from specdec.common import settings; from specdec.modeling.dtypes import cpu_has_fast_bf16; "
             "cmds, _ = native._commands('cc', '/tmp'); flags = {f for c in cmds for f in c}; "
             "assert {'-mavx2', '-mfma', '-mf16c'} <= flags and '-march=native' not in flags, flags; "
             "settings.prepare_process(); "
