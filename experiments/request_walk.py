@@ -1,12 +1,20 @@
 """Where a request's temperature goes, from the HTTP body to the target's `logits_to_probs`: every function of the
-project that receives it, in order, and every conversion that puts it in a new type.
+project that receives it, in order, the types that hold it, and the files it is handed between.
 
 One `/v1/completions` request goes through a whole stack in this process (the coordinator without Ray, a draft and a
 target replica over gRPC on localhost, tiny models) with a profile hook on every thread. The temperature is a
-value no other field of the request holds (0.6171875, exact in float32). A *stop* is a call of a function of the
-project with the value reachable from its arguments (through attributes, fields, dict values and proto fields, at
-most three levels down); its *forms* are the types that hold the value as a field. A *conversion* is a call that
-returns the value in a form none of its arguments had it in.
+value no other field of the request holds (0.6171875, exact in float32).
+
+- A *stop* is a call of a function of the project with the value reachable from its arguments other than `self`
+  (through attributes, fields, dict values and proto fields, at most three levels down). Its *forms* are the types
+  that hold the value as a field; a stop that returns the value in a type none of its arguments or its object held
+  it in is a *conversion*.
+- The *path* runs from the HTTP door's handler to the target's first `logits_to_probs`, without the draft model's
+  own drafting (a branch the target's verify does not depend on). Each stop belongs to the process it would run in
+  deployed: the coordinator, the draft replica or the target replica.
+- A *hand-off* is a stop whose nearest caller in the project is in another file. A hand-off into a file the walk
+  had entered before, with no function of that file still on the stack, *returns to a file it left* (returning to
+  a caller does not).
 
     python experiments/request_walk.py [--mode sd] [--json]
 
@@ -21,6 +29,7 @@ import inspect
 import json
 import sys
 import threading
+from collections import ChainMap
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -51,6 +60,9 @@ def _children(obj):
         return
     if isinstance(obj, dict):
         yield from list(obj.values())[:MAX_ITEMS]
+        return
+    if isinstance(obj, ChainMap):  # a view over other mappings: what it reads, not a holder of its own
+        yield from obj.maps
         return
     if isinstance(obj, (list, tuple)):
         yield from obj[:MAX_ITEMS]
@@ -221,9 +233,15 @@ def record(mode: str = "sd") -> list[Stop]:
 
 
 def path_to_verify(stops: list[Stop]) -> list[Stop]:
-    """The stops up to the target's first `logits_to_probs` (the one its worker calls to verify)."""
+    """The value's path: from the HTTP door's handler (coordinator/http_api/app.py; the framework's body parsing
+    before it is not the project's walk) to the target's first `logits_to_probs` (the one its worker verifies with),
+    without the draft model's own drafting (a branch: the draft samples at the temperature, the target's verify
+    does not depend on it)."""
+    start = next(i for i, s in enumerate(stops) if s.file == "coordinator/http_api/app.py")
     out = []
-    for i, s in enumerate(stops):
+    for s in stops[start:]:
+        if s.thread.startswith("draft-"):
+            continue
         out.append(s)
         if s.function == "logits_to_probs" and s.thread.startswith("target-"):
             break
@@ -252,17 +270,26 @@ def forms_in_order(stops: list[Stop]) -> list[str]:
     return out
 
 
+def handoffs(stops: list[Stop]) -> list[Stop]:
+    """The stops where a function of one file hands the value to a function of another: its nearest caller in the
+    project is in another file. Calls within a file, and calls from outside the project (a framework calling a
+    validator, a thread pool running a task), are not hand-offs; a function that returns the value from its own
+    state (a session table's lookup) hands nothing on."""
+    return [s for s in stops if s.stack and s.stack[0] != s.file]
+
+
 def revisits(stops: list[Stop]) -> dict[str, list[str]]:
-    """Per process: the stops that enter a file the walk had left (no function of it still on the stack)."""
+    """Per process: the hand-offs into a file the walk had left, where no function of that file is still on the
+    stack (a return to the caller is not a revisit; a second call into a file once its functions have returned
+    is)."""
     out: dict[str, list[str]] = {}
-    seen: dict[str, list[str]] = {}
-    for s in stops:
-        r = role(s)
-        files = seen.setdefault(r, [])
-        if files and files[-1] != s.file and s.file in files and s.file not in s.stack:
-            out.setdefault(r, []).append(f"{s.file}:{s.function}")
-        if not files or files[-1] != s.file:
-            files.append(s.file)
+    entered: dict[str, set[str]] = {}
+    for s in handoffs(stops):
+        files = entered.setdefault(role(s), set())
+        if s.file in files and s.file not in s.stack:
+            out.setdefault(role(s), []).append(f"{s.stack[0]} -> {s.file}:{s.function}")
+        files.add(s.file)
+        files.add(s.stack[0])
     return out
 
 
@@ -280,8 +307,12 @@ def main(argv=None) -> None:
         print(f"{role(s)[:6]:6} {s.thread[:14]:14} {s.file}:{s.function}  [{', '.join(s.forms)}]{conv}")
     forms = forms_in_order(stops)
     print(f"\nforms, in order: {' -> '.join(forms)} ({len(forms) - 1} changes)")
-    for r, where in revisits(stops).items():
-        print(f"{r}: {len(where)} returns to a file it left: {', '.join(where)}")
+    hand = handoffs(stops)
+    print(f"hand-offs between files: {len(hand)}")
+    for r in ("coordinator", "draft", "target"):
+        where = revisits(stops).get(r, [])
+        print(f"{r}: {sum(1 for h in hand if role(h) == r)} hand-offs, {len(where)} into a file it had left"
+              + (": " + "; ".join(where) if where else ""))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """A request's temperature, walked from the HTTP body to the target's verify (experiments/request_walk.py): it is
-held in four types only, each made once on the way (the body, its model, the request's SamplingParams message, the
-core's SamplingParams), and every process reads the message once and forwards it as it came."""
+held in four types only, each made once on the way (the JSON body, its model, the request's SamplingParams message,
+the core's SamplingParams), and every process reads the message once and forwards it as it came."""
 from __future__ import annotations
 
 import sys
@@ -10,19 +10,26 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
 
-FORMS = ["builtins.dict", "coordinator.http_api.schema.CompletionRequest", "specdec.v1.common_pb2.SamplingParams",
-         "specdec.decoding.sampling.SamplingParams"]
+BODY, MODEL = "builtins.dict", "coordinator.http_api.schema.CompletionRequest"
+MESSAGE, CORE = "specdec.v1.common_pb2.SamplingParams", "specdec.decoding.sampling.SamplingParams"
 
 
 @pytest.mark.parametrize("mode", ["sd", "pearl"])  # the direct data plane, the coordinator's own rounds
 def test_the_temperature_changes_form_three_times_from_body_to_verify(mode):
     import request_walk as walk
 
-    stops = walk.path_to_verify(walk.record(mode))
-    assert stops[-1].function == "logits_to_probs" and stops[-1].thread.startswith("target-")
-    assert walk.forms_in_order(stops) == FORMS
-    roles = {walk.role(s) for s in stops}
-    assert roles == {"coordinator", "draft", "target"}, roles
+    stops = walk.record(mode)
+    path = walk.path_to_verify(stops)
+    assert path[-1].function == "logits_to_probs" and path[-1].thread.startswith("target-")
+    assert walk.forms_in_order(path) == [MODEL, MESSAGE, CORE]
+    before = stops[:stops.index(path[0])]  # the framework parsing the body, before the door's handler
+    assert set(walk.forms_in_order(before)) <= {BODY, MODEL}
+    assert {walk.role(s) for s in path} == {"coordinator", "draft", "target"}
     # no process writes the message anew from the core's SamplingParams: each forwards the one it read
-    encodes = [s for s in stops if s.function == "sampling_to_proto" and FORMS[2] in s.returned]
+    encodes = [s for s in stops if s.function == "sampling_to_proto" and MESSAGE in s.returned]
     assert encodes == [], encodes
+    # the coordinator reads the request once: its field table and its settings reader are each entered once
+    coordinator = [s.file for s in walk.handoffs(path) if walk.role(s) == "coordinator"]
+    for module in ("coordinator/grpc_api/typed_request.py", "specdec/scheduling/field_rules.py",
+                   "coordinator/grpc_api/output_constraints.py"):
+        assert coordinator.count(module) == 1, (module, coordinator)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from coordinator.grpc_api.reasoning import ReasoningStart, ThinkTags, answer_start, gate_grammar
 from specdec.common.errors import InvalidRequestError
-from specdec_rpc.pb import generation_pb2
+from specdec_rpc.pb import common_pb2, generation_pb2
 
 
 class OutputConstraints:
@@ -16,6 +16,16 @@ class OutputConstraints:
         self.reasoning_parser = reasoning_parser
         self.tags: ThinkTags | None = None  # the tokenizer's <think> / </think> ids, read on first use
         self._vocab = None  # structured output's GrammarVocab of this tokenizer, built on first use (False: none)
+
+    def derive(self, r: generation_pb2.GenerateRequest, ids: list[int],
+               sampling: common_pb2.SamplingParams) -> ReasoningStart | None:
+        """What the request's output constraints come to, read once: where a reasoning model's answer starts
+        (returned; None: no separate reasoning), and, written into the request's SamplingParams message for the
+        replicas, its structured output's grammar and its bad words as token sequences."""
+        reasoning = self.reasoning_start(r, ids)
+        sampling.grammar = self.grammar(r, reasoning)
+        sampling.bad_words.extend(common_pb2.TokenIds(ids=w) for w in self.bad_words(r))
+        return reasoning
 
     def reasoning_start(self, r: generation_pb2.GenerateRequest, ids: list[int]) -> ReasoningStart | None:
         if not r.separate_reasoning:

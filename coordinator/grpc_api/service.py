@@ -147,10 +147,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         ids = self._prompt_ids(r, given)
         if self.context_len and len(ids) >= self.context_len:  # refused here, not after shipping it to a replica
             raise self._overflow(len(ids))
-        reasoning = self.output.reasoning_start(r, ids)
+        reasoning = self.output.derive(r, ids, settings.sampling)  # the grammar and bad words, into the message
         if to_context:  # what the context leaves (a prompt that leaves too little: OUT_OF_RANGE from the replica)
             max_new = max(min(self.cap, self.context_len - len(ids)), settings.sampling.min_tokens, 1)
-        req = self._request(r, settings, ids, max_new, reasoning)
+        req = self._request(r, settings, ids, max_new)
         return Prepared(req, self._assembler(r, ids, req.generation), reasoning)
 
     def _prompt_ids(self, r: generation_pb2.GenerateRequest, given: str) -> list[int]:
@@ -188,15 +188,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                 "pacer_threshold": self.pacer_threshold, "spec_off_batch": self.spec_off_batch,
                 "pacer_post_threshold": self.pacer_post_threshold}
 
-    def _request(self, r: generation_pb2.GenerateRequest, settings: Settings, ids: list[int], max_new: int,
-                 reasoning: ReasoningStart | None) -> PipelineRequest:
+    def _request(self, r: generation_pb2.GenerateRequest, settings: Settings, ids: list[int],
+                 max_new: int) -> PipelineRequest:
         """The pipeline's request, typed; unset settings take this coordinator's defaults."""
         rid = f"{r.request_id}-{uuid.uuid4().hex[:12]}" if r.request_id else uuid.uuid4().hex
         eos = sorted(set(() if r.ignore_eos else self.eos) | set(r.stop_token_ids))
         sampling = settings.sampling  # the request's message: completed here, then sent to the replicas as it is
-        sampling.grammar = self.output.grammar(r, reasoning)
         sampling.stop_ids[:] = eos if sampling.min_tokens else ()
-        sampling.bad_words.extend(common_pb2.TokenIds(ids=w) for w in self.output.bad_words(r))
         sampling.allowed_token_ids[:] = sorted(set(sampling.allowed_token_ids))
         generation = GenerationRequest(prompt_ids=ids, max_new_tokens=max_new, params=sampling_from_proto(sampling),
                                        eos_token_ids=tuple(eos), priority=r.priority, session_id=rid,

@@ -289,17 +289,17 @@ def _target_p(a: VerifyArgs, s: TargetSession, checked: torch.Tensor) -> torch.T
     """The distribution the output must follow at each checked row: the target's logits with the session's
     penalties and grammar applied, as they are for a greedy session (verification reads each row's argmax), else
     as probabilities."""
-    nf = len(a.feed)
-    if checked.device.type != "cpu" and not (s.params.greedy and not adjusts(s.params) and s.grammar is None):
+    nf, adjusted = len(a.feed), adjusts(s.params)
+    if checked.device.type != "cpu" and not (s.params.greedy and not adjusted and s.grammar is None):
         # sampling (keyed CPU generators, the draft's q), penalties and grammars run on the host: one copy of
         # the checked rows per verify. A plain greedy verify reads argmaxes on the device (one sync)
         checked = checked.cpu()
-    if adjusts(s.params):  # penalties and logit_bias: p is the adjusted target (specdec/decoding/penalties.py)
+    if adjusted:  # penalties and logit_bias: p is the adjusted target (specdec/decoding/penalties.py)
         checked = adjust_logits(checked, s.tokens[:a.base_position + nf], s.output_start, list(a.draft),
                                 s.params)
     if s.grammar is not None:  # structured output: p is the target masked by the grammar (specdec/text/grammar.py)
         checked = s.grammar.mask_rows(checked, s.tokens[s.output_start:a.base_position + nf], a.draft)
-    if s.grammar is not None or adjusts(s.params):
+    if s.grammar is not None or adjusted:
         checked = live_rows(checked, a.draft, a.base_position + nf - s.output_start)
     # greedy verification reads only each row's argmax: that of the logits is that of logits_to_probs' one-hot
     # (first index among ties in both), without building a [rows, V] tensor per session per step
