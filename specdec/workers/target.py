@@ -228,7 +228,7 @@ class TargetWorker(Worker):
         todo = [(j, a, s, ids) for j, (a, s, ids) in enumerate(items) if ids]
         out: list[tuple[torch.Tensor | None, torch.Tensor | None]] = [(None, None)] * len(items)
         for _, a, s, _ in todo:
-            self._truncate(s, a.base_position)
+            s.cut(a.base_position)  # `_prepare` checked the position
         rows = self._feed_many([(s, a.base_position, ids) for _, a, s, ids in todo]) if todo else []
         for (j, *_), logits_hidden in zip(todo, rows):
             out[j] = logits_hidden
