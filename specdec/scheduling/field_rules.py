@@ -1,19 +1,21 @@
 """Every request field's rule, in one table: the range or choices its value must fall in, and the message a value
 outside them gets (`InvalidRequestError`: INVALID_ARGUMENT on gRPC, a 400 on HTTP, `field: message` either way).
 
-Who applies the table:
+Who applies the table: each door a request comes in by, once; what runs the request behind a door trusts it.
 
-- The coordinator, to every GenerateRequest (`GenerationServicer.prepare`, coordinator/grpc_api/service.py), with
-  the per-request bounds it knows: its cap on max_new_tokens, the request's gamma and max_new_tokens, the tokenizer's
-  vocabulary. The HTTP door maps each body onto a GenerateRequest and calls the same servicer; its chat and
-  completions bodies (coordinator/http_api/schema.py) keep only what the wire types need (int32, uint64), never a
-  range of their own, so a bad value gets this table's message through either door. The HTTP door names a field as
-  its clients know it: `max_tokens` for max_new_tokens, `prompt` for prompt_token_ids, `top_logprobs` for chat's
-  logprobs (checked by this table's row as the body is read).
-- The core, for requests built in process (the engine, `specdec bench`) and those a replica receives:
-  `GenerationRequest.validate` and `SamplingParams.validate` apply `REQUEST_RULES` to the fields the core carries
-  (without the coordinator's bounds: the core knows no cap), and `REPLICA_RULES` to what only the replicas' protocol
-  carries (stop ids with the EOS ids among them, bad words as token sequences, the compiled grammar).
+- The coordinator, to every GenerateRequest (`typed_request.read`, coordinator/grpc_api/typed_request.py, called by
+  `GenerationServicer.prepare`), on the values where they lie in the request's messages, with the per-request
+  bounds it knows: its cap on max_new_tokens, the request's gamma and max_new_tokens, the tokenizer's vocabulary.
+  The HTTP door maps each body onto a GenerateRequest and calls the same service method; its chat and completions
+  bodies (coordinator/http_api/schema.py) keep only what the wire types need (int32, uint64), never a range of their
+  own, so a bad value gets this table's message through either door. The HTTP door names a field as its clients
+  know it: `max_tokens` for max_new_tokens, `prompt` for prompt_token_ids, `top_logprobs` for chat's logprobs
+  (checked by this table's row as the body is read).
+- The core's own doors: `validate_request`, for a request built in process (`Engine.generate`, `specdec bench`) or
+  received whole (a draft replica's `Speculate`), and `check_sampling`, for the SamplingParams a replica is sent
+  (specdec_rpc.convert.read_sampling). They apply `REQUEST_RULES` to the fields the core carries (without the
+  coordinator's bounds: the core knows no cap), and `REPLICA_RULES` to what only the replicas' protocol carries
+  (stop ids with the EOS ids among them, bad words as token sequences, the compiled grammar).
 
 A field that is unset (absent from the values, or None; in a GenerateRequest, a proto3 optional field not sent or
 an empty string or list) is not checked. Rows are checked in table order; the first broken one answers.
