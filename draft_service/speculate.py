@@ -267,8 +267,8 @@ class PeerTarget:
 
     async def verify_chained(self, session_id: str, base_position: int, assumed: list[int],
                              proposals: list[int]) -> asyncio.Future:
-        """Send a chained verify (specdec/scheduling/chained.py) on the session's pipelined stream and return at once: → the
-        future of its VerifyOutcome. Answers come in the order the verifies were sent."""
+        """Send a chained verify (specdec/scheduling/chained.py) on the session's pipelined stream and return at once: →
+        the future of its VerifyOutcome. Answers come in the order the verifies were sent."""
         if self.pipe is None:
             self.pipe = _Pipe(self.stub.VerifyRounds(metadata=self.metadata))
         req = target_pb2.VerifyRequest(session_id=session_id, base_position=base_position, feed_ids=assumed,
@@ -322,9 +322,9 @@ class LinkEstimate:
     """What this replica has measured of one target replica: the link's round trip (a call's wall time less the
     target's compute and queueing) and the target's forward time, each a moving average (weight 0.2).
 
-    Chained rounds (specdec/scheduling/chained.py) pay where waiting for a verify's answer idles the target long enough: with
-    the round trip at least `CHAIN_MIN_RTT` forwards. Below that, PEARL's rounds, one verify at a time, commit more per
-    forward (on the 2-vCPU dev host, at round trip 0: 23.5 tokens/s chained against 24.1 with PEARL's rounds and
+    Chained rounds (specdec/scheduling/chained.py) pay where waiting for a verify's answer idles the target long enough:
+    with the round trip at least `CHAIN_MIN_RTT` forwards. Below that, PEARL's rounds, one verify at a time, commit more
+    per forward (on the 2-vCPU dev host, at round trip 0: 23.5 tokens/s chained against 24.1 with PEARL's rounds and
     26.9 for sd; at one forward: 21.8 chained against 15.2, docs/operations/network.md)."""
 
     def __init__(self):

@@ -1,13 +1,14 @@
-"""Microbenchmarks behind the per-host kernel plans (specdec/modeling/linear.py) and the decode attention (specdec/modeling/attention.py).
+"""Microbenchmarks behind the per-host kernel plans (specdec/modeling/linear.py) and the decode attention
+(specdec/modeling/attention.py).
 
     python experiments/kernel_micro.py                 # both tables, 1 thread
     python experiments/kernel_micro.py --only linear   # or: attention
 
 Linear: one layer of each of the default target's shapes, bf16 (and the fp32 F.linear for reference), every
-kernel `specdec.modeling.linear.Linear` / `specdec.modeling.quant.Int8Linear` can run, 1 / 4 / 8 rows. Attention: one query and four
-queries against 40-2,000 cached keys, the fused SDPA kernel vs `specdec.modeling.attention`'s decode path, with the
-max error of each against an fp32 reference. Median µs over interleaved repeats; weights stay cache-hot, so these
-rank kernels, while `scripts/forward_cost.py` measures whole forwards.
+kernel `specdec.modeling.linear.Linear` / `specdec.modeling.quant.Int8Linear` can run, 1 / 4 / 8 rows. Attention: one
+query and four queries against 40-2,000 cached keys, the fused SDPA kernel vs `specdec.modeling.attention`'s decode
+path, with the max error of each against an fp32 reference. Median µs over interleaved repeats; weights stay cache-hot,
+so these rank kernels, while `scripts/forward_cost.py` measures whole forwards.
 """
 from __future__ import annotations
 

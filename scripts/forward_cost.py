@@ -53,13 +53,13 @@ def main(argv=None) -> None:
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--kernels", nargs="+", default=["tuned"], choices=list(PLANS) + ["tuned", "tuned-unpadded"],
-                    help="bf16 linears (specdec/modeling/linear.py): gemm = F.linear always; gemv = torch.mv for one row, "
-                         "F.linear for more; gemv+packed = gemv, prepacked oneDNN weights for more rows (the "
-                         "untuned default); packed = prepacked for every row count; tuned = measured on this host, "
-                         "with its row padding; tuned-unpadded = the same kernels without row padding")
+                    help="bf16 linears (specdec/modeling/linear.py): gemm = F.linear always; gemv = torch.mv for one "
+                         "row, F.linear for more; gemv+packed = gemv, prepacked oneDNN weights for more rows (the "
+                         "untuned default); packed = prepacked for every row count; tuned = measured on this host, with "
+                         "its row padding; tuned-unpadded = the same kernels without row padding")
     ap.add_argument("--attention", nargs="+", default=["native"], choices=["native", "native-ops", "torch"],
-                    help="native = specdec/modeling/csrc's decode attention where it runs, and whole decoder layers as one "
-                         "native call where every linear streams (the default: `native_layers`); native-ops = the "
+                    help="native = specdec/modeling/csrc's decode attention where it runs, and whole decoder layers as "
+                         "one native call where every linear streams (the default: `native_layers`); native-ops = the "
                          "same kernels layer by layer between torch ops (`native_layers` off); torch = the torch path "
                          "(specdec/modeling/attention.py, row by row in a batch)")
     ap.add_argument("--sessions", nargs="+", type=int, default=[1],

@@ -13,8 +13,8 @@ rewritten after every phase, so a run cut off still reports what it finished:
    fp32), and a draft identical to its target has every drafted token accepted;
 4. shapes: random-weight Llama-3.2-1B-shaped draft and Llama-3.1-8B-shaped target (tests/data/configs, bf16): draft
    step at 1/2/4/8 sessions and target verify at 1/2/4/8/16 rows, each as `CausalLM.forward` (eager), the sync-free
-   `static_forward` run eagerly, and its CUDA-graph replay (specdec/modeling/cuda_graphs.py), with replay == eager bitwise
-   checked at every point; dry run: the same code on tiny shapes on CPU (graphs: the eager fallback);
+   `static_forward` run eagerly, and its CUDA-graph replay (specdec/modeling/cuda_graphs.py), with replay == eager
+   bitwise checked at every point; dry run: the same code on tiny shapes on CPU (graphs: the eager fallback);
 5. default pair: the shipped default draft's step the same way; the default target only where its converted
    weights are in the cache already (the check downloads nothing);
 6. stack: the round trip (`specdec bench --round-trip`: replicas as separate processes on the device, loopback)

@@ -152,7 +152,8 @@ class Engine:
         self.threads_per_model = threads_per_model
         self.auto_inline = inline is None
         inline = bool(inline)
-        cache = {"prefix_cache": prefix_cache, "prefill_chunk": prefill_chunk}  # both workers (specdec/state/prefix_cache.py)
+        # both workers (specdec/state/prefix_cache.py)
+        cache = {"prefix_cache": prefix_cache, "prefill_chunk": prefill_chunk}
         self.target_worker = TargetWorker(target_model, max_sessions=max_sessions, max_context=max_context, **cache)
         self.target = LocalTarget(self.target_worker, threads_per_model, inline)
         self.draft_worker = self.draft = None

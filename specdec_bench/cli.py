@@ -51,7 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--draft-model", default="default-draft")
     ap.add_argument("--preverifier", default=None, help="PACER pre-verifier dir (default: the shipped one)")
     ap.add_argument("--prompt-lookup-min-ngram", type=int, default=PROMPT_LOOKUP_MIN_NGRAM,
-                    help="prompt lookup beside the draft model (specdec/decoding/lookup.py); 0: off (default: %(default)s)")
+                    help="prompt lookup beside the draft model (specdec/decoding/lookup.py); 0: off (default: "
+                         "%(default)s)")
     ap.add_argument("--prefix-cache", action="store_true",
                     help="let requests reuse prompt prefixes (off by default: every request prefills its whole "
                          "prompt, as the HF baseline does, so the suite compares generation)")

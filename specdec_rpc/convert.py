@@ -18,8 +18,8 @@ import torch
 from specdec.common.errors import InvalidRequestError
 from specdec.text.grammar import StructuredOutput
 from specdec.workers.drafting import DraftBlock
-from specdec.scheduling.request import (MODE_PAIRS, PEARL_OVERLAP, DraftStop, GenerationRequest, GenerationStats, Overlap,
-                             Speculation, mode_pair)
+from specdec.scheduling.request import (MODE_PAIRS, PEARL_OVERLAP, DraftStop, GenerationRequest, GenerationStats,
+                                        Overlap, Speculation, mode_pair)
 from specdec.decoding.sampling import SamplingParams, TokenLogprobs
 from specdec.decoding.verify import SparseDist
 from specdec.scheduling.field_rules import check_sampling

@@ -1,8 +1,8 @@
 """Process configuration: one pydantic-settings class per service, env prefix + CLI flags.
 
 Precedence (highest first): CLI flags, `<PREFIX>_*` environment variables (nested with `__`, e.g.
-`DRAFT_TLS__CERT_FILE`), defaults. Besides this module only specdec/common/settings.py (the core's runtime switches, read
-once) reads os.environ (tests/test_settings_env.py checks).
+`DRAFT_TLS__CERT_FILE`), defaults. Besides this module only specdec/common/settings.py (the core's runtime switches,
+read once) reads os.environ (tests/test_settings_env.py checks).
 """
 from __future__ import annotations
 

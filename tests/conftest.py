@@ -12,7 +12,8 @@ settings.prepare_process()  # oneDNN's cache sizes, as a server sets them, befor
 
 @pytest.fixture
 def runtime_settings():
-    """Change `specdec.common.settings` fields for one test, e.g. `runtime_settings(kernel_tune=False)`; restored after."""
+    """Change `specdec.common.settings` fields for one test, e.g. `runtime_settings(kernel_tune=False)`; restored after.
+    """
     with contextlib.ExitStack() as stack:
         yield lambda **changes: stack.enter_context(settings.override(**changes))
 

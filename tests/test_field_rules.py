@@ -1,5 +1,5 @@
-"""specdec/scheduling/field_rules.py, the one table of request fields' rules: every row driven through both front doors of one
-coordinator over tiny replicas. A value the row refuses gets the same message from a gRPC Generate call
+"""specdec/scheduling/field_rules.py, the one table of request fields' rules: every row driven through both front doors
+of one coordinator over tiny replicas. A value the row refuses gets the same message from a gRPC Generate call
 (INVALID_ARGUMENT) as from an HTTP /v1/completions call (400), and a value at the row's edge is answered by both.
 The HTTP door names a field as OpenAI's clients know it (`max_tokens`, `prompt`, the X-Request-Id header), which
 is the only difference it may make to the message. Also: the core applies the same rows, and docs/api/grpc.md

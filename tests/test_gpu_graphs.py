@@ -1,5 +1,5 @@
-"""specdec/modeling/cuda_graphs.py: the bucket selection and the sync-free forward on CPU; graph replay == eager bitwise on a
-CUDA device (marked `cuda`, skipped without one)."""
+"""specdec/modeling/cuda_graphs.py: the bucket selection and the sync-free forward on CPU; graph replay == eager bitwise
+on a CUDA device (marked `cuda`, skipped without one)."""
 from __future__ import annotations
 
 import pytest

@@ -175,7 +175,8 @@ def test_prepack_skips_what_it_cannot_pack():
     if packing_supported():
         assert packed == len(layers) and all("packed" in x.kernels(rows) for x in layers for rows in (1, 4, 9))
     else:
-        # without fast bf16 GEMMs the weight-streaming kernel is a candidate where it builds (specdec/modeling/linear.py)
+        # without fast bf16 GEMMs the weight-streaming kernel is a candidate where it builds
+        # (specdec/modeling/linear.py)
         assert packed == 0 and all(x.kernels(rows) in (["gemm"], ["gemm", "stream"]) for x in layers
                                    for rows in (4, 9))
     kv = m.new_kv_slots(1, 32)

@@ -1,7 +1,8 @@
 """vLLM's min_p, min_tokens, allowed_token_ids and bad_words, exact under speculation: min_p is part of the one
-logits→probabilities transform draft and target share (specdec/decoding/sampling.py); min_tokens masks EOS and stop token
-ids in the target's rows that decide the first min_tokens output tokens, allowed_token_ids every other token in
-every row, and bad_words the last token of a word whose other tokens end the row's context (specdec/decoding/penalties.py)."""
+logits→probabilities transform draft and target share (specdec/decoding/sampling.py); min_tokens masks EOS and stop
+token ids in the target's rows that decide the first min_tokens output tokens, allowed_token_ids every other token in
+every row, and bad_words the last token of a word whose other tokens end the row's context
+(specdec/decoding/penalties.py)."""
 import contextlib
 import itertools
 import os

@@ -1,5 +1,5 @@
-"""The native decode attention (specdec/modeling/csrc/decode_attention.c via specdec.modeling.native): exact against a float64
-reference, equal to the torch path inside the model, safe to load, and optional (the torch path stands in)."""
+"""The native decode attention (specdec/modeling/csrc/decode_attention.c via specdec.modeling.native): exact against a
+float64 reference, equal to the torch path inside the model, safe to load, and optional (the torch path stands in)."""
 from __future__ import annotations
 
 import os

@@ -1,7 +1,8 @@
-"""Whole decoder layers as one native call (specdec/modeling/csrc/decoder_layer.c via specdec.modeling.native.decoder_layer): taken by
-`CausalLM.forward` for a decode step or verify block whose every linear runs on the streaming kernel (hosts without
-native bf16 GEMMs), the same arithmetic as the op-by-op path, each row bitwise the same alone or in a block, greedy
-`sd`/`pearl` equal to `ar` through it, and the op-by-op path wherever a layer does not qualify.
+"""Whole decoder layers as one native call (specdec/modeling/csrc/decoder_layer.c via
+specdec.modeling.native.decoder_layer): taken by `CausalLM.forward` for a decode step or verify block whose every linear
+runs on the streaming kernel (hosts without native bf16 GEMMs), the same arithmetic as the op-by-op path, each row
+bitwise the same alone or in a block, greedy `sd`/`pearl` equal to `ar` through it, and the op-by-op path wherever a
+layer does not qualify.
 
 The streaming kernel needs an x86-64 CPU with AVX2 and FMA (every CI host has them; elsewhere these tests skip,
 saying so). The tests pin the plan (`set_plan(..., STREAM_PLAN)`) rather than ask the host which kernel it would

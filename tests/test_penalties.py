@@ -1,5 +1,6 @@
-"""Penalties and logit_bias (specdec/decoding/penalties.py) change only the target's p: every mode reproduces target-only
-decoding with the same adjustments (greedy), and sampling follows the adjusted target's exact distribution."""
+"""Penalties and logit_bias (specdec/decoding/penalties.py) change only the target's p: every mode reproduces
+target-only decoding with the same adjustments (greedy), and sampling follows the adjusted target's exact
+distribution."""
 import os
 import random
 
@@ -22,7 +23,8 @@ ADJUST = dict(presence_penalty=0.5, frequency_penalty=0.75, repetition_penalty=1
 
 
 def reference_adjust(row: torch.Tensor, history: list[int], output_start: int, p: SamplingParams) -> torch.Tensor:
-    """The definitions, one token at a time (an independent reading of the docstring of specdec/decoding/penalties.py)."""
+    """The definitions, one token at a time (an independent reading of the docstring of specdec/decoding/penalties.py).
+    """
     row = row.double().clone()
     for tok, bias in p.logit_bias:
         row[tok] += bias

@@ -1,5 +1,6 @@
-"""Preemption by priority (coordinator/routing/preemption.py): a request waiting for room in a full pool takes the session of
-a running request of lower priority, which gives it up, waits, and resumes from its verified tokens, exactly."""
+"""Preemption by priority (coordinator/routing/preemption.py): a request waiting for room in a full pool takes the
+session of a running request of lower priority, which gives it up, waits, and resumes from its verified tokens,
+exactly."""
 from __future__ import annotations
 
 import asyncio

@@ -1,5 +1,5 @@
-"""Prefix caching (specdec/state/prefix_cache.py): a session reuses whole aligned prefill chunks another session computed,
-and its K/V, rows and outputs are bitwise those of a cold prefill."""
+"""Prefix caching (specdec/state/prefix_cache.py): a session reuses whole aligned prefill chunks another session
+computed, and its K/V, rows and outputs are bitwise those of a cold prefill."""
 import random
 
 import grpc

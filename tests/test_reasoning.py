@@ -1,5 +1,5 @@
-"""Reasoning parsers (coordinator/grpc_api/reasoning.py): a reasoning model's <think>...</think> apart from its answer, whole
-and streamed, over gRPC (`separate_reasoning`), the chat route (`reasoning`) and the Responses API (a reasoning
+"""Reasoning parsers (coordinator/grpc_api/reasoning.py): a reasoning model's <think>...</think> apart from its answer,
+whole and streamed, over gRPC (`separate_reasoning`), the chat route (`reasoning`) and the Responses API (a reasoning
 item); structured output applies after the reasoning, exactly, in every mode."""
 from __future__ import annotations
 

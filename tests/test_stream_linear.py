@@ -1,7 +1,8 @@
-"""The native streaming linear (specdec/modeling/csrc/stream_linear.c via specdec.modeling.native.stream_linear), the kernel of hosts
-without native bf16 GEMMs: exact to fp32 against a float64 reference, each row bitwise the same whatever the rows
-and threads of its call, chosen by specdec.modeling.linear where the host (or `specdec.common.settings` `isa` avx2, the emulation
-of an AVX2-only host) has no native bf16 GEMMs, and greedy `sd`/`pearl` equal to `ar` with it in use.
+"""The native streaming linear (specdec/modeling/csrc/stream_linear.c via specdec.modeling.native.stream_linear), the
+kernel of hosts without native bf16 GEMMs: exact to fp32 against a float64 reference, each row bitwise the same whatever
+the rows and threads of its call, chosen by specdec.modeling.linear where the host (or `specdec.common.settings` `isa`
+avx2, the emulation of an AVX2-only host) has no native bf16 GEMMs, and greedy `sd`/`pearl` equal to `ar` with it in
+use.
 
 The kernel needs an x86-64 CPU with AVX2 and FMA: every test checks that first and skips, saying so, elsewhere. The
 kernel itself runs the same on AMX, AVX512-BF16 and AVX2-only hosts (it uses AVX2 only); what differs per host is
@@ -274,7 +275,8 @@ def test_greedy_sd_equals_ar_with_the_kernel_in_use(dtype, mode, gamma, monkeypa
 def test_the_emulation_builds_for_avx2_and_caps_onednn(tmp_path):
     """SPECDEC_ISA=avx2 in a fresh process: the kernels build with -mavx2 -mfma -mf16c (not -march=native), the
     kernel runs, bf16 counts as slow, and prepare_process caps oneDNN and MKL at AVX2."""
-    code = ("import os, torch; from specdec.modeling import native; from specdec.common import settings; from specdec.modeling.dtypes import cpu_has_fast_bf16; "
+    code = ("import os, torch; from specdec.modeling import native; from specdec.common import settings; "
+            "from specdec.modeling.dtypes import cpu_has_fast_bf16; "
             "cmds, _ = native._commands('cc', '/tmp'); flags = {f for c in cmds for f in c}; "
             "assert {'-mavx2', '-mfma', '-mf16c'} <= flags and '-march=native' not in flags, flags; "
             "settings.prepare_process(); "

@@ -14,7 +14,8 @@ import pytest_asyncio
 
 from coordinator.grpc_api.service import GenerationServicer
 from specdec.common.errors import InvalidRequestError
-from specdec.scheduling.request import MODE_PAIRS, MODES, DraftStop, Overlap, PipelineRequest, Speculation, mode_name, mode_pair
+from specdec.scheduling.request import (MODE_PAIRS, MODES, DraftStop, Overlap, PipelineRequest, Speculation, mode_name,
+                                        mode_pair)
 from specdec_rpc.convert import request_from_speculate, speculate_request
 from specdec_rpc.pb import common_pb2 as c, draft_pb2, generation_pb2 as g, generation_pb2_grpc as gg
 

@@ -198,7 +198,8 @@ class Pipeline:
         self.replica_frames = replica_frames  # ... on the replicas' frame ports where they serve one (frames.py)
         self.affinity_chunk = affinity_chunk  # positions per prefix key: the replicas' prefill chunk (0: no keys)
         self.data_plane = data_plane  # direct / auto: who runs a request's rounds (`_runs_direct`, backends/direct.py)
-        self.chain_window = chain_window  # direct, greedy PEARL modes: verifies in flight (specdec/scheduling/chained.py)
+        # direct, greedy PEARL modes: verifies in flight (specdec/scheduling/chained.py)
+        self.chain_window = chain_window
         self._tasks: dict[str, asyncio.Task] = {}
         self._stop: set[str] = set()
         self._cancelled: set[str] = set()  # cancelled requests: the next round's tokens cancel them again
@@ -222,8 +223,8 @@ class Pipeline:
             self._view_task = asyncio.get_running_loop().create_task(self._refresh_view())
 
     async def stream(self, request: PipelineRequest) -> AsyncIterator[dict]:
-        """Run one request (a front door's, typed: specdec.scheduling.request.PipelineRequest); yield events as tokens are
-        verified (see module docstring)."""
+        """Run one request (a front door's, typed: specdec.scheduling.request.PipelineRequest); yield events as tokens
+        are verified (see module docstring)."""
         self._ensure_view()
         queue: asyncio.Queue = asyncio.Queue()
         # the pipeline's own copy: validation fills its unset gamma, the caller's stays as it was sent
@@ -269,10 +270,10 @@ class Pipeline:
             self._cancelled.discard(rid)
 
     def _backends(self, req: GenerationRequest, output_start: int, reserve: int, with_draft: bool, trace=None):
-        """(RemoteTarget, RemoteDraft or None) for `req`, routed by its prompt's prefix (coordinator/routing/affinity.py).
-        A replica whose context is too small refuses before any work (`reserve`); a session rebuilt from the
-        history holds output too, and the penalties, min_tokens and a grammar count only the output
-        (`output_start`). `trace`: the request span's W3C trace headers, sent with every replica call."""
+        """(RemoteTarget, RemoteDraft or None) for `req`, routed by its prompt's prefix
+        (coordinator/routing/affinity.py). A replica whose context is too small refuses before any work (`reserve`); a
+        session rebuilt from the history holds output too, and the penalties, min_tokens and a grammar count only the
+        output (`output_start`). `trace`: the request span's W3C trace headers, sent with every replica call."""
         kw = dict(view=self.view, timeout=self.rpc_timeout_s, streams=self.replica_streams,
                   frames=self.replica_frames and req.sequential_calls)
         target = RemoteTarget(self.pool, self.channels, **kw)

@@ -32,7 +32,8 @@ def chat_message(m: generation_pb2.ChatMessage) -> dict:
     return out
 
 
-REQUEST_ID = re.compile(field_rules.REQUEST_ID)  # the request_id rule (specdec/scheduling/field_rules.py), for X-Request-Id
+# the request_id rule (specdec/scheduling/field_rules.py), for X-Request-Id
+REQUEST_ID = re.compile(field_rules.REQUEST_ID)
 requests_log = logging.getLogger("coordinator.requests")  # one INFO line per finished request
 # the per-request times a finished request's line carries as fields (JSON logs: `timings`)
 REQUEST_TIMINGS = ("queued_s", "draft_busy_s", "target_busy_s", "draft_network_s", "target_network_s",

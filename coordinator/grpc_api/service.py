@@ -10,10 +10,10 @@ which maps each body onto a GenerateRequest.
 
 Validation: the request's sampling and speculation settings are read once (coordinator/grpc_api/typed_request.py:
 the typed `sampling` and `speculation`, or the deprecated flat fields), then every field's range or choices is
-specdec/scheduling/field_rules.py's table, which `prepare` applies with this coordinator's bounds (its cap on max_new_tokens,
-the request's gamma and max_new_tokens, the tokenizer's vocabulary), so a bad field gets the same message through
-either door. What `prepare` checks itself is what no single field's range says: one prompt kind, raw_prompt only
-with text, a prompt that encodes to tokens and fits the context. It hands the pipeline a typed
+specdec/scheduling/field_rules.py's table, which `prepare` applies with this coordinator's bounds (its cap on
+max_new_tokens, the request's gamma and max_new_tokens, the tokenizer's vocabulary), so a bad field gets the same
+message through either door. What `prepare` checks itself is what no single field's range says: one prompt kind,
+raw_prompt only with text, a prompt that encodes to tokens and fits the context. It hands the pipeline a typed
 `specdec.scheduling.request.PipelineRequest`.
 """
 from __future__ import annotations
@@ -134,8 +134,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
 
     # -- request → token ids --------------------------------------------------------------------------------
     def prepare(self, r: generation_pb2.GenerateRequest) -> Prepared:
-        """The request checked (specdec/scheduling/field_rules.py's table, then what spans fields), its prompt encoded, and
-        the token-id request the pipeline runs."""
+        """The request checked (specdec/scheduling/field_rules.py's table, then what spans fields), its prompt encoded,
+        and the token-id request the pipeline runs."""
         given = prompt_kind(r)
         to_context = r.max_new_tokens_to_context and not r.HasField("max_new_tokens") and self.context_len > 0
         max_new = (r.max_new_tokens if r.HasField("max_new_tokens") else

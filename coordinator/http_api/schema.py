@@ -293,7 +293,8 @@ class ChatCompletionRequest(_Sampling):
     @field_validator("top_logprobs")
     @classmethod
     def _top_logprobs(cls, v):
-        """GenerateRequest.logprobs' rule (specdec/scheduling/field_rules.py), under the name chat's clients send it by."""
+        """GenerateRequest.logprobs' rule (specdec/scheduling/field_rules.py), under the name chat's clients send it by.
+        """
         field_rules.check([field_rules.RULE["logprobs"]], {"logprobs": v}, names={"logprobs": "top_logprobs"})
         return v
 

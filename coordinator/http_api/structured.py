@@ -5,8 +5,8 @@ Tool calls (OpenAI's `tools` + `tool_choice`): with `"required"` or a named func
 the tools' argument schemas, as vLLM does it, so it always parses: a named function's answer is its arguments
 object; "required" answers a JSON array of `{"name", "parameters"}` calls, one or more. The answer comes back as
 the message's `tool_calls`. With `"auto"` (the default when tools are sent) the model answers freely and a parser
-of its family's tool-call text (coordinator/grpc_api/tool_parsers.py, the coordinator's `tool_call_parser`) reads the calls
-it chose to make out of the answer.
+of its family's tool-call text (coordinator/grpc_api/tool_parsers.py, the coordinator's `tool_call_parser`) reads the
+calls it chose to make out of the answer.
 """
 from __future__ import annotations
 

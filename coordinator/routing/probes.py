@@ -1,6 +1,7 @@
 """One-off calls to a replica, each on a channel of its own: its health (the standard gRPC health service), its
-capacity, model and tokenizer fingerprint (`GetInfo`), and ending a session whose caller died. The pools (coordinator/routing/pool.py) and the embedded
-stack use them; `end_session_request` is the EndSession message the pipelines' backends send too."""
+capacity, model and tokenizer fingerprint (`GetInfo`), and ending a session whose caller died. The pools
+(coordinator/routing/pool.py) and the embedded stack use them; `end_session_request` is the EndSession message the
+pipelines' backends send too."""
 from __future__ import annotations
 
 import contextlib

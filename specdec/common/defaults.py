@@ -20,7 +20,8 @@ DEFAULT_TARGET = "default-target"
 DEFAULT_TARGET_NAME = "SmolLM2-135M-Instruct"  # the id the OpenAI-compatible API serves it as
 DEFAULT_DRAFT = "default-draft"
 
-# prompt lookup beside the draft model (specdec/decoding/lookup.py): the shortest earlier n-gram match that proposes; 0: off
+# prompt lookup beside the draft model (specdec/decoding/lookup.py): the shortest earlier n-gram match that proposes; 0:
+# off
 PROMPT_LOOKUP_MIN_NGRAM = 3
 
 # draft weight quantization (specdec.modeling.quant): auto = int8 on a CPU serving bf16, else none

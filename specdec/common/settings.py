@@ -32,32 +32,33 @@ class RuntimeSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="SPECDEC_", extra="ignore", frozen=True, populate_by_name=True)
 
     decode_attention: bool = Field(True, description=(
-        "a CPU bf16/fp16 attention call of up to SMALL_BLOCK_ROWS query rows (a decode step, a verify block) takes "
-        "the two-matmul path, or the native kernel (specdec.modeling.attention, specdec.modeling.native); off: PyTorch's fused SDPA"))
+        "a CPU bf16/fp16 attention call of up to SMALL_BLOCK_ROWS query rows (a decode step, a verify block) takes the "
+        "two-matmul path, or the native kernel (specdec.modeling.attention, specdec.modeling.native); off: PyTorch's "
+        "fused SDPA"))
     native: bool = Field(True, description=(
-        "the native C kernels (decode attention, RMSNorm; specdec.modeling.native) run where they are built; off: the torch "
-        "path, and nothing is compiled"))
+        "the native C kernels (decode attention, RMSNorm; specdec.modeling.native) run where they are built; off: the "
+        "torch path, and nothing is compiled"))
     native_layers: bool = Field(True, description=(
         "a decode step or verify block whose every linear runs on the streaming kernel (hosts without native bf16 "
-        "GEMMs) runs each decoder layer as one native call (specdec.modeling.native.decoder_layer); off: layer by layer in "
-        "torch ops around the same kernels"))
+        "GEMMs) runs each decoder layer as one native call (specdec.modeling.native.decoder_layer); off: layer by layer "
+        "in torch ops around the same kernels"))
     fuse: bool = Field(True, description=(
-        "a loaded model runs each layer's q/k/v and gate/up projections as one GEMM each (specdec.modeling.fusion); off: the "
-        "checkpoint's layout"))
+        "a loaded model runs each layer's q/k/v and gate/up projections as one GEMM each (specdec.modeling.fusion); "
+        "off: the checkpoint's layout"))
     kernel_tune: bool = Field(True, description=(
-        "time each bf16 CPU linear's kernels and row padding at load and keep the fastest (specdec.modeling.linear); off: "
-        "each layer's default plan, unpadded, so outputs also repeat across processes"))
+        "time each bf16 CPU linear's kernels and row padding at load and keep the fastest (specdec.modeling.linear); "
+        "off: each layer's default plan, unpadded, so outputs also repeat across processes"))
     row_invariant: bool = Field(True, description=(
         "a target's bf16 CPU linears round each row alike whether it runs alone or batched (specdec.modeling.linear)"))
     cuda_graphs: bool = Field(True, description=(
-        "a model on a CUDA device replays its decode steps and verify blocks as CUDA graphs (specdec.modeling.cuda_graphs); "
-        "off: every forward runs eagerly"))
+        "a model on a CUDA device replays its decode steps and verify blocks as CUDA graphs "
+        "(specdec.modeling.cuda_graphs); off: every forward runs eagerly"))
     isa: Literal["native", "avx2"] = Field("native", description=(
         "the x86 instruction set the CPU kernels assume: native = this host's; avx2 = behave as on an AVX2-only host "
         "(no AVX512, no native bf16 GEMMs), to emulate one on a richer CPU: bf16 counts as slow "
-        "(specdec.modeling.dtypes.cpu_has_fast_bf16), the native kernels build with -mavx2 -mfma -mf16c, and prepare_process "
-        "caps oneDNN and MKL at AVX2 (ONEDNN_MAX_CPU_ISA, MKL_ENABLE_INSTRUCTIONS; ATen's own kernels follow "
-        "ATEN_CPU_CAPABILITY=avx2, which must be set before torch loads)"))
+        "(specdec.modeling.dtypes.cpu_has_fast_bf16), the native kernels build with -mavx2 -mfma -mf16c, and "
+        "prepare_process caps oneDNN and MKL at AVX2 (ONEDNN_MAX_CPU_ISA, MKL_ENABLE_INSTRUCTIONS; ATen's own kernels "
+        "follow ATEN_CPU_CAPABILITY=avx2, which must be set before torch loads)"))
     onednn_cache_capacity: int = Field(256, ge=1, description=(
         "entries in oneDNN's primitive cache and ideep's kernel cache (their defaults: 1024 each), set by "
         "prepare_process as ONEDNN_PRIMITIVE_CACHE_CAPACITY and LRU_CACHE_CAPACITY unless those are set"))

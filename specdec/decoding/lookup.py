@@ -3,11 +3,12 @@
 Small targets repeat themselves: a doctest restates the signature, a list's items share their scaffolding, a
 greedy continuation falls into a loop. Where the context's last `n` tokens occurred before, the token that
 followed them then is a free guess at the next one (prompt lookup decoding; vLLM's `ngram` speculator).
-`DraftWorker` uses it beside the draft model (specdec/workers/proposers/lookup.py): where the longest earlier match has at least `min_ngram` tokens,
-the drafted token is the looked-up one, proposed with q = one-hot (exact, so verification stays lossless at any
-temperature); elsewhere the draft model's own token. Measured on the shipped pair (docs/benchmarks.md, "Prompt
-lookup beside the draft model"): greedy agreement with the target 0.714 → 0.743 on held-out text and 0.567 →
-0.680 on the benchmark's prompts, where the target's continuations repeat more. Pure numpy; no torch, no grpc.
+`DraftWorker` uses it beside the draft model (specdec/workers/proposers/lookup.py): where the longest earlier match has
+at least `min_ngram` tokens, the drafted token is the looked-up one, proposed with q = one-hot (exact, so verification
+stays lossless at any temperature); elsewhere the draft model's own token. Measured on the shipped pair
+(docs/benchmarks.md, "Prompt lookup beside the draft model"): greedy agreement with the target 0.714 → 0.743 on held-out
+text and 0.567 → 0.680 on the benchmark's prompts, where the target's continuations repeat more. Pure numpy; no torch,
+no grpc.
 """
 from __future__ import annotations
 

@@ -2,8 +2,8 @@
 
 The draft drafts in blocks of B tokens. After each block the pre-verifier estimates
     s_k = P(every token of block k is accepted by the target | the earlier blocks of this round were),
-and the stop rule (`specdec.decoding.stop.PreverifierStop`) stops drafting when s_k < θ. The pre-verifier only chooses the
-draft length, so it can never change the output distribution.
+and the stop rule (`specdec.decoding.stop.PreverifierStop`) stops drafting when s_k < θ. The pre-verifier only chooses
+the draft length, so it can never change the output distribution.
 
 Model (cheap on purpose: it runs after every block, on the draft's critical path):
 - per drafted token t: the draft's last hidden state h_t (the state that produced q_t; LayerNorm + linear),
@@ -16,14 +16,14 @@ Model (cheap on purpose: it runs after every block, on the draft's critical path
   token drafted so far (mode "prefix": P(the whole round so far is accepted)).
 
 Where it runs: on the host, whatever the draft's device. Its network is small (a 64-wide MLP) and runs after every
-block, where a GPU would cost a kernel launch per op; the round scorer runs it in NumPy (specdec/decoding/round_scorer.py).
-A GPU draft keeps a block's features (hidden rows, log q, entropy, margin) on its device while it drafts, and the
-drafting loop copies them to the host in one transfer when the block ends (specdec/workers/drafting.py,
-`CallFeatures.block`): one host synchronisation per scored block, none per drafted token. The pre-verifier reads
-`DraftFeatures` as host tensors (`DraftFeatures.on_host` brings a caller's device tensors over). The one part that
-runs on the draft's device is the exact output head of a head-reading pre-verifier (`use_head`, `head_rank` 0):
-the block's new hidden rows go back to the device through the draft's `lm_head`, and their [m, 4] statistics come
-to the host (a second copy per block); the low-rank head runs on the host.
+block, where a GPU would cost a kernel launch per op; the round scorer runs it in NumPy
+(specdec/decoding/round_scorer.py). A GPU draft keeps a block's features (hidden rows, log q, entropy, margin) on its
+device while it drafts, and the drafting loop copies them to the host in one transfer when the block ends
+(specdec/workers/drafting.py, `CallFeatures.block`): one host synchronisation per scored block, none per drafted token.
+The pre-verifier reads `DraftFeatures` as host tensors (`DraftFeatures.on_host` brings a caller's device tensors over).
+The one part that runs on the draft's device is the exact output head of a head-reading pre-verifier (`use_head`,
+`head_rank` 0): the block's new hidden rows go back to the device through the draft's `lm_head`, and their [m, 4]
+statistics come to the host (a second copy per block); the low-rank head runs on the host.
 
 Files (`save_preverifier` / `load_preverifier`): `config.json` (architecture, threshold, block size, score mode,
 the draft's fingerprint), `model.safetensors`, `card.json` and `README.md` (the model card).

@@ -1,8 +1,9 @@
 """The pre-verifier on the draft's critical path: one drafting round's blocks scored incrementally, each new token
 through the network with its LayerNorms folded into NumPy matrices (docs/design/pacer.md, "Pre-verifier cost").
 
-`specdec.decoding.preverifier.Preverifier.round_scorer()` builds a `RoundScorer`; its scores equal `block_accept_prob` up to
-float rounding (tested). Kept apart from the module definition, training and I/O in `specdec.decoding.preverifier`.
+`specdec.decoding.preverifier.Preverifier.round_scorer()` builds a `RoundScorer`; its scores equal `block_accept_prob`
+up to float rounding (tested). Kept apart from the module definition, training and I/O in
+`specdec.decoding.preverifier`.
 
 It runs on the host and reads host features: the drafting loop hands it a GPU draft's block in one device-to-host
 copy (specdec/workers/drafting.py, `CallFeatures.block`; where the pre-verifier runs: `specdec.decoding.preverifier`).

@@ -76,7 +76,8 @@ class FixedLength(StopRule):
 
 
 class PreverifierModel(Protocol):
-    """What the stop rule reads of a pre-verifier (`specdec.decoding.preverifier.Preverifier`, or a benchmark's oracle)."""
+    """What the stop rule reads of a pre-verifier (`specdec.decoding.preverifier.Preverifier`, or a benchmark's oracle).
+    """
 
     block_size: int  # the B it was trained for (0: the caller's)
     threshold: float  # its θ, where the request sets none
@@ -87,8 +88,8 @@ class PreverifierModel(Protocol):
     def block_accept_prob(self, features: DraftFeatures) -> float: ...
 
     def round_scorer(self) -> Any:
-        """A scorer of one round's tokens, each scored once (`specdec.decoding.round_scorer.RoundScorer`), or None: every
-        block is scored whole by `block_accept_prob`."""
+        """A scorer of one round's tokens, each scored once (`specdec.decoding.round_scorer.RoundScorer`), or None:
+        every block is scored whole by `block_accept_prob`."""
 
 
 class PreverifierStop(StopRule):

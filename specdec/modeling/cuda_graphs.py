@@ -19,8 +19,8 @@ one memory pool, and replays it after copying the inputs into the graph's static
 it on a GPU; scripts/gpu_check.py reports it). `static_forward` and `CausalLM.forward` compute the same function up
 to summation order (attention over `ctx` keys, the masked ones contributing zero).
 
-The switch: `specdec.common.settings` `cuda_graphs` (SPECDEC_CUDA_GRAPHS=0 turns graphs off; `GraphRunner(enabled=False)`
-too). Nothing here runs on a CPU model: the CPU path is untouched.
+The switch: `specdec.common.settings` `cuda_graphs` (SPECDEC_CUDA_GRAPHS=0 turns graphs off;
+`GraphRunner(enabled=False)` too). Nothing here runs on a CPU model: the CPU path is untouched.
 """
 from __future__ import annotations
 

@@ -59,8 +59,8 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
 
 
 def cache_root() -> pathlib.Path:
-    """``specdec.common.settings`` ``cache`` (``$SPECDEC_CACHE``) if set, else ``platformdirs.user_cache_dir("specdec")``
-    (honours XDG_CACHE_HOME)."""
+    """``specdec.common.settings`` ``cache`` (``$SPECDEC_CACHE``) if set, else
+    ``platformdirs.user_cache_dir("specdec")`` (honours XDG_CACHE_HOME)."""
     if settings.get().cache is not None:
         return settings.get().cache
     import platformdirs

@@ -10,8 +10,8 @@ one-row bf16 weight fastest, on another the prepacked oneDNN kernel does. The ca
   `mkldnn._linear_pointwise`: bit-identical to `gemm`, at the price of a second copy of the weight in memory;
 - `int8` (`specdec.modeling.quant.Int8Linear` only): `torch._weight_int8pack_mm`;
 - `stream` (hosts without native bf16 GEMMs only: `stream_supported`): the native streaming linear
-  (`specdec.modeling.native.stream_linear`, AVX2 + FMA), which reads the weight once for up to 48 rows, bf16 or fp32, with
-  fp32 arithmetic, and rounds every row alike whatever its call's row count. It reads the weight in its own layout
+  (`specdec.modeling.native.stream_linear`, AVX2 + FMA), which reads the weight once for up to 48 rows, bf16 or fp32,
+  with fp32 arithmetic, and rounds every row alike whatever its call's row count. It reads the weight in its own layout
   (`Linear.stream_weight`), a second copy in memory as `packed`'s is; a layer whose plan never streams drops it.
 
 `tune_linears(model)` times the candidates per distinct layer shape for 1, 4 and 8 rows, interleaved, and keeps the
@@ -43,14 +43,14 @@ fastest. oneDNN's AMX kernels also round a call of more than 32 rows unlike one 
 `torch.mv` rounds unlike its multi-row kernel to the padded oneDNN call.
 
 Native decoder layers: where every linear of a layer runs on `stream` for a call's row count, `CausalLM.forward`
-runs the layer as one C call (`specdec.modeling.native.decoder_layer`: the same kernel, without the ~25 torch ops between
-the linears). Per-layer timing here cannot see that gain, so after `tune_linears` a model that is not row-invariant
-(a draft) compares whole forwards per row class, on `stream` against its tuned kernels, on any host where the
-streaming kernel runs (`CausalLM.tune_native_layers`); a row-invariant target keeps one kernel family for every
+runs the layer as one C call (`specdec.modeling.native.decoder_layer`: the same kernel, without the ~25 torch ops
+between the linears). Per-layer timing here cannot see that gain, so after `tune_linears` a model that is not
+row-invariant (a draft) compares whole forwards per row class, on `stream` against its tuned kernels, on any host where
+the streaming kernel runs (`CausalLM.tune_native_layers`); a row-invariant target keeps one kernel family for every
 row count.
 
-The switches are `specdec.common.settings` fields: `kernel_tune`, `row_invariant`, and `onednn_cache_capacity`, the size of
-oneDNN's kernel caches, which `settings.prepare_process()` sets before the first oneDNN call (the first model load
+The switches are `specdec.common.settings` fields: `kernel_tune`, `row_invariant`, and `onednn_cache_capacity`, the size
+of oneDNN's kernel caches, which `settings.prepare_process()` sets before the first oneDNN call (the first model load
 and `prepack_linears` call it).
 
 Packing needs oneDNN's bf16 path, which runs only on CPUs with AVX512 (BW/VL/DQ) or AVX-NE-CONVERT
@@ -58,11 +58,11 @@ Packing needs oneDNN's bf16 path, which runs only on CPUs with AVX512 (BW/VL/DQ)
 is, where the native kernels are built (`stream_supported`). There torch's GEMMs do not read the weight once for
 several rows (default target, AMD EPYC: 8 rows cost 2.9× one row in fp32, 4.6× in bf16), the streaming kernel does,
 so on such hosts fp32 layers are tuned too (the same candidates, on fp32 weights), `--dtype auto` picks bf16
-(`specdec.modeling.dtypes.auto_dtype`), and with tuning off a bf16 layer's default plan runs on `stream` (`default_plan`; an
-untuned fp32 layer keeps `F.linear`). Its rows round alike at any row count, so a row-invariant layer on it needs
-no padding to two rows and no split; one whose tuned plan mixes it with `gemm` or `gemv` fails the invariance check
-and moves to `stream` for every row count. On hosts with native bf16 GEMMs nothing of this applies: fp32 layers run
-`F.linear`, as ever.
+(`specdec.modeling.dtypes.auto_dtype`), and with tuning off a bf16 layer's default plan runs on `stream`
+(`default_plan`; an untuned fp32 layer keeps `F.linear`). Its rows round alike at any row count, so a row-invariant
+layer on it needs no padding to two rows and no split; one whose tuned plan mixes it with `gemm` or `gemv` fails the
+invariance check and moves to `stream` for every row count. On hosts with native bf16 GEMMs nothing of this applies:
+fp32 layers run `F.linear`, as ever.
 """
 from __future__ import annotations
 
@@ -161,8 +161,8 @@ class Linear(nn.Linear):
         return p[2] if p is not None and p[0] == self.weight.data_ptr() and p[1] == self.weight._version else None
 
     def stream_weight(self) -> torch.Tensor:
-        """The weight as the streaming kernel reads it (`specdec.modeling.native.stream_pack`), packed on first use and again
-        whenever the weight is another tensor or was changed in place. A copy, as large as the weight:
+        """The weight as the streaming kernel reads it (`specdec.modeling.native.stream_pack`), packed on first use and
+        again whenever the weight is another tensor or was changed in place. A copy, as large as the weight:
         `release_stream_weights` drops it from layers whose plan does not use `stream`."""
         w, p = self.weight, self._streamed
         if p is None or p[0] != w.data_ptr() or p[1] != w._version:

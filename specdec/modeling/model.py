@@ -241,7 +241,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """norm(x), or with `residual`: (x + residual, norm(x + residual)), the add as the model would run it."""
-        if native.rms_norm_supported(x, self.weight, residual):  # one C pass, not ~7 small ops (specdec/modeling/native.py)
+        # one C pass, not ~7 small ops (specdec/modeling/native.py)
+        if native.rms_norm_supported(x, self.weight, residual):
             return native.rms_norm(x, self.weight, self.eps, residual)
         if residual is not None:
             x = x + residual
@@ -340,8 +341,8 @@ class DecoderLayer(nn.Module):
 
     def runs_natively(self, rows: int, dtype: torch.dtype) -> bool:
         """Whether a forward of `rows` rows (all sessions of a step or verify) with native attention may run as one
-        native call (`specdec.modeling.native.decoder_layer`): every linear of the layer runs on the streaming kernel for
-        that many rows (`Linear.streams`: hosts without native bf16 GEMMs), projections fused, no q/k norm, norms
+        native call (`specdec.modeling.native.decoder_layer`): every linear of the layer runs on the streaming kernel
+        for that many rows (`Linear.streams`: hosts without native bf16 GEMMs), projections fused, no q/k norm, norms
         of the model's dtype. The call runs the same kernels in the same order, without ~25 torch ops between them."""
         a, m = self.self_attn, self.mlp
         return (a.qkv_proj is not None and m.gate_up_proj is not None and not a.cfg.qk_norm
@@ -350,8 +351,8 @@ class DecoderLayer(nn.Module):
                 and all(lin.streams(rows, dtype) for lin in (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj)))
 
     def native_weights(self) -> tuple[int, ...]:
-        """The layer's weights as `specdec.modeling.native.decoder_layer` takes them (valid while `runs_natively` holds and
-        the weights stay where they are: `CausalLM` checks both at every forward)."""
+        """The layer's weights as `specdec.modeling.native.decoder_layer` takes them (valid while `runs_natively` holds
+        and the weights stay where they are: `CausalLM` checks both at every forward)."""
         a, m = self.self_attn, self.mlp
         return native.tensor_args(self.input_layernorm.weight, self.post_attention_layernorm.weight,
                                   a.qkv_proj.stream_weight(), a.qkv_proj.bias, a.o_proj.stream_weight(),
@@ -421,8 +422,8 @@ class CausalLM(nn.Module):
         return cos[positions], sin_signed[positions]
 
     def _native_layers(self, rows: int, dtype: torch.dtype) -> list[tuple[int, ...]] | None:
-        """Each layer's weights for `specdec.modeling.native.decoder_layer` if every layer runs natively for `rows` rows of
-        `dtype` (`DecoderLayer.runs_natively`), else None. Memoized per (rows, dtype) under a key of everything the
+        """Each layer's weights for `specdec.modeling.native.decoder_layer` if every layer runs natively for `rows` rows
+        of `dtype` (`DecoderLayer.runs_natively`), else None. Memoized per (rows, dtype) under a key of everything the
         answer depends on (each linear's plan, padding and row invariance, every weight's address, version and dtype:
         a weight changed in place is packed again for the streaming kernel), which costs ~100 µs a forward against
         ~1.5 ms to ask each layer."""
@@ -449,8 +450,8 @@ class CausalLM(nn.Module):
 
     def tune_native_layers(self, context: int = 128, budget_s: float = 1.5) -> list[int]:
         """Where it measures faster, run a draft's decode steps and small blocks as native layers
-        (`specdec.modeling.native.decoder_layer`) on hosts whose tuning chose other kernels (oneDNN, int8): per row class
-        (1, 4 and 8 rows), a forward with every layer's linears on `stream` against one as tuned, interleaved,
+        (`specdec.modeling.native.decoder_layer`) on hosts whose tuning chose other kernels (oneDNN, int8): per row
+        class (1, 4 and 8 rows), a forward with every layer's linears on `stream` against one as tuned, interleaved,
         medians; the class moves to `stream` (unpadded) where that is at least NATIVE_MARGIN faster. Only for
         models whose rows need not round alike alone and batched (a draft): a row-invariant model (the target)
         keeps one kernel family for every row count (specdec/modeling/linear.py). A prefill keeps its kernel. Call after
@@ -652,7 +653,8 @@ def load_model_dir(path: str | Path, device: str = "cpu", dtype: str | torch.dty
         # the output is the target's: a row must not round differently alone than batched (specdec.modeling.linear)
         set_row_invariant(model)
     prepack_linears(model)  # bf16 on a CPU: the packed kernel skips oneDNN's per-call weight reorder
-    tune_model(model)  # each layer shape takes this host's fastest kernel per row count (specdec.modeling.linear), a draft
+    # each layer shape takes this host's fastest kernel per row count (specdec.modeling.linear), a draft
+    tune_model(model)
     # its native layers where they are faster
     if model.device.type == "cpu":
         native.available()  # builds the native kernels now (once per host and CPU), not in the first request

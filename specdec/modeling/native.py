@@ -1,4 +1,5 @@
-"""Native CPU kernels: C sources in `specdec/modeling/csrc`, built with the host's C compiler on first use, called by ctypes.
+"""Native CPU kernels: C sources in `specdec/modeling/csrc`, built with the host's C compiler on first use, called by
+ctypes.
 
 Four kernels. Two replace a run of small torch ops whose dispatch cost more than their arithmetic
 (docs/benchmarks.md, "Native decode attention"):
@@ -8,8 +9,8 @@ Four kernels. Two replace a run of small torch ops whose dispatch cost more than
 - `rms_norm` (`csrc/rms_norm.c`): an RMSNorm, optionally with the residual add before it, in one pass (~7 ops).
 
 The third, `stream_linear` (`csrc/stream_linear.c`, AVX2 + FMA), is a linear layer for a few rows that reads the
-weight once for all of them, bitwise row-invariant: `specdec.modeling.linear`'s kernel for hosts without native bf16 GEMMs
-(docs/benchmarks.md, "AVX2-only hosts"). It reads the weight in its own layout (`stream_pack`), a copy its caller
+weight once for all of them, bitwise row-invariant: `specdec.modeling.linear`'s kernel for hosts without native bf16
+GEMMs (docs/benchmarks.md, "AVX2-only hosts"). It reads the weight in its own layout (`stream_pack`), a copy its caller
 keeps.
 
 The fourth, `decoder_layer` (`csrc/decoder_layer.c`), runs a whole decoder layer of a decode step or verify block
@@ -23,8 +24,8 @@ CPU (`-march=native`; `-mavx2 -mfma -mf16c` where `specdec.common.settings` `isa
 shared by different hosts never hands one host another's build. It is
 written to a temporary name and renamed into place, so processes that start together (a draft and a target
 server) never load a half-written file. Where there is no compiler, or the kernels are switched off
-(`specdec.common.settings` `native`, SPECDEC_NATIVE=0), `available()` is False and callers take the torch path; the reason
-is logged once. Switched off, nothing is compiled.
+(`specdec.common.settings` `native`, SPECDEC_NATIVE=0), `available()` is False and callers take the torch path; the
+reason is logged once. Switched off, nothing is compiled.
 """
 from __future__ import annotations
 
@@ -281,8 +282,8 @@ def decoder_layer(x: torch.Tensor, weights: tuple[int, ...], eps: float, heads: 
                   v_cache: torch.Tensor, slots: torch.Tensor, visible: torch.Tensor) -> None:
     """One decoder layer of a decode step or verify block in one call (csrc/decoder_layer.c), in place on x
     [B, S, D] contiguous (the residual stream). `weights`: `tensor_args(ln1, ln2, w_qkv, b_qkv, w_o, w_gate_up,
-    w_down)`, the fused layouts of specdec/modeling/fusion.py, all of x's dtype (float32 or bfloat16), the four weights as
-    `stream_pack` lays them out;
+    w_down)`, the fused layouts of specdec/modeling/fusion.py, all of x's dtype (float32 or bfloat16), the four weights
+    as `stream_pack` lays them out;
     cos/sin [B, S, head_dim] contiguous (sin signed, `CausalLM._rope`); the layer's caches as `decode_attention`
     takes them, each row's k and v written at (slot, visible - 1). The caller checks `stream_linear_supported`, the
     shapes and dtypes, and that slots and positions lie in the cache (`specdec.modeling.model.CausalLM.forward`)."""

@@ -1,7 +1,7 @@
 """Chained rounds: PEARL with several verifies in flight, for a target across a network (greedy requests).
 
-PEARL (`specdec.scheduling.schedule.PearlRounds`) overlaps drafting with one verify at a time: after each verify its answer
-must travel back before the next block is verified, so every round pays the network's round trip on top of the
+PEARL (`specdec.scheduling.schedule.PearlRounds`) overlaps drafting with one verify at a time: after each verify its
+answer must travel back before the next block is verified, so every round pays the network's round trip on top of the
 target's forward. Across machines (the direct data plane, draft_service/speculate.py) that round trip can be as
 long as the forward itself. Chained rounds keep the target busy instead:
 

@@ -1,8 +1,8 @@
 """What a generation request is (modes, defaults, validation) and what it returns (tokens, statistics). Its fields'
 ranges are specdec/scheduling/field_rules.py's, the one table of them that the coordinator applies too.
 
-The schedules that run a request are in `specdec.scheduling.schedule`; these types are shared by the engine, the coordinator,
-the benchmarks and the tests.
+The schedules that run a request are in `specdec.scheduling.schedule`; these types are shared by the engine, the
+coordinator, the benchmarks and the tests.
 """
 from __future__ import annotations
 
@@ -171,7 +171,8 @@ class GenerationStats:
     wasted_draft_tokens: int = 0  # proposed but never verified (cancelled or discarded speculation)
     target_only_rounds: int = 0  # rounds run as plain target steps because the target was busy (spec_off_batch)
     sequential_rounds: int = 0  # PEARL modes: rounds that adaptive overlap ran sequentially (pearl_overlap auto)
-    chained_rounds: int = 0  # PEARL modes, greedy, direct data plane: chained verifies answered (specdec/scheduling/chained.py)
+    # PEARL modes, greedy, direct data plane: chained verifies answered (specdec/scheduling/chained.py)
+    chained_rounds: int = 0
     mean_accepted_length: float = 0.0  # generated tokens per target forward (counts the bonus/recovered token)
     draft_busy_s: float = 0.0
     target_busy_s: float = 0.0
@@ -207,5 +208,6 @@ class GenerationResult:
     stats: GenerationStats
     # per token of token_ids: (logprob, top ids, top logprobs) under the target (SamplingParams.logprobs >= 0)
     logprobs: list[tuple[float, list[int], list[float]]] | None = None
-    # the prompt's tokens after the first (SamplingParams.prompt_logprobs >= 0): a specdec.decoding.sampling.TokenLogprobs
+    # the prompt's tokens after the first (SamplingParams.prompt_logprobs >= 0): a
+    # specdec.decoding.sampling.TokenLogprobs
     prompt_logprobs: object | None = None

@@ -1,5 +1,5 @@
-"""What the schedules (`specdec.scheduling.schedule`) share: the two backends' interfaces, and one request's run state (its
-token history, the commit and stop logic, statistics, and the target logprobs waiting for their tokens)."""
+"""What the schedules (`specdec.scheduling.schedule`) share: the two backends' interfaces, and one request's run state
+(its token history, the commit and stop logic, statistics, and the target logprobs waiting for their tokens)."""
 from __future__ import annotations
 
 from typing import AsyncIterator, Callable, Protocol
@@ -29,8 +29,8 @@ class DraftBackend(Protocol):
 
 
 class TargetBackend(Protocol):
-    # verifies a greedy PEARL request may keep in flight (> 1: chained rounds, specdec/scheduling/chained.py; the direct data
-    # plane's target across a network); 0 or 1: one verify at a time
+    # verifies a greedy PEARL request may keep in flight (> 1: chained rounds, specdec/scheduling/chained.py; the direct
+    # data plane's target across a network); 0 or 1: one verify at a time
     chain_window: int
 
     async def start(self, session_id: str, prompt_ids: list[int], params: SamplingParams,

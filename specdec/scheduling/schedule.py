@@ -26,8 +26,9 @@ machine whose phase between two rounds is PRE_VERIFY (no block pending) or POST_
 - Adaptive overlap (`pearl_overlap` = "auto", requests with the default PRE_VERIFY rounds): where no block is
   pending, the next round may instead be one sequential sd/PACER round, whichever kind has committed more
   tokens per second in this request (`specdec/scheduling/overlap.py`); overlap loses where draft and target share cores.
-- Chained rounds (`specdec/scheduling/chained.py`): greedy PEARL requests against a target backend that takes chained verifies
-  (`chain_window` > 1: the direct data plane's target across a network) keep several verifies in flight instead.
+- Chained rounds (`specdec/scheduling/chained.py`): greedy PEARL requests against a target backend that takes chained
+  verifies (`chain_window` > 1: the direct data plane's target across a network) keep several verifies in flight
+  instead.
 """
 from __future__ import annotations
 

