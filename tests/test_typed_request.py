@@ -138,6 +138,24 @@ def test_the_replicas_sampling_fields_are_the_coordinators_to_fill():
             GenerationServicer(router=None).prepare(r)
 
 
+def test_the_replicas_receive_the_message_the_coordinator_completed():
+    """The pipeline's SamplingParams keep the message they were read from, with what the coordinator derived, and
+    a transport sends that message rather than a new one; a copy with a changed field, or one that crossed a
+    process, has none and is written anew, the same settings either way."""
+    from specdec_rpc.convert import sampling_from_proto, sampling_to_proto
+
+    r = old_style("sd", stop_token_ids=[7])  # min_tokens=1: the stop ids go to the replicas
+    params = GenerationServicer(router=None, eos_token_ids={9}).prepare(r).request.generation.params
+    msg = params.source
+    assert isinstance(msg, c.SamplingParams) and sampling_to_proto(params) is msg
+    assert msg.temperature == pytest.approx(0.75) and list(msg.stop_ids) == [7, 9]  # flat fields in, derived added
+    assert sampling_from_proto(msg) == params
+    for copy in (dataclasses.replace(params, prompt_logprobs=3), pickle.loads(pickle.dumps(params))):
+        assert copy.source is None and sampling_to_proto(copy) is not msg
+    assert sampling_from_proto(sampling_to_proto(pickle.loads(pickle.dumps(params)))) == params
+    assert sampling_from_proto(sampling_to_proto(dataclasses.replace(params, prompt_logprobs=3))).prompt_logprobs == 3
+
+
 def test_the_draft_replicas_speculate_request_shares_the_message():
     field = draft_pb2.SpeculateRequest.DESCRIPTOR.fields_by_name["speculation"]
     assert field.message_type is c.Speculation.DESCRIPTOR
