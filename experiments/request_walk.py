@@ -119,16 +119,20 @@ class Stop:
 class Walk:
     def __init__(self):
         self.stops: list[Stop] = []
-        self._open: dict[int, Stop] = {}  # id(frame) -> the stop its call made
+        # id(frame) -> (the stop its call made, or None; the forms its arguments and its object held)
+        self._open: dict[int, tuple[Stop | None, set[str]]] = {}
+        self._files: dict[str, str | None] = {}  # a code object's file -> its path in the project (None: not in it)
         self._lock = threading.Lock()
         self.on = False
 
     def _rel(self, filename: str) -> str | None:
-        try:
-            rel = Path(filename).resolve().relative_to(ROOT)
-        except ValueError:
-            return None
-        return str(rel) if rel.parts[0] in PACKAGES else None
+        if filename not in self._files:
+            try:
+                rel = Path(filename).resolve().relative_to(ROOT)
+                self._files[filename] = str(rel) if rel.parts[0] in PACKAGES else None
+            except ValueError:
+                self._files[filename] = None
+        return self._files[filename]
 
     def hook(self, frame, event, arg):
         if not self.on or event not in ("call", "return"):
