@@ -21,6 +21,7 @@ import contextvars
 import json
 import logging
 import sys
+import threading
 import time
 
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -95,3 +96,31 @@ def configure_logging(level: str = "INFO", log_format: str = "text", service: st
     root.addHandler(handler)
     root.setLevel(level.upper())
     set_process(service=service)
+    sys.excepthook = _log_uncaught
+    sys.unraisablehook = _log_unraisable
+    threading.excepthook = _log_thread_exception
+
+
+def _log_uncaught(exc_type, exc, tb) -> None:
+    """An exception no code caught: the process's last, or one a C extension prints as it drops it (Cython's
+    callbacks do, through `sys.excepthook`): one log record, in the process's format."""
+    logging.getLogger("specdec.uncaught").error("uncaught %s", exc_type.__name__, exc_info=(exc_type, exc, tb))
+
+
+def _log_unraisable(u) -> None:
+    """An exception Python could not raise to a caller (a finalizer's; a C extension's callback's, such as gRPC's
+    when a server stops under a call in flight): one log record, in the process's format, instead of a raw
+    traceback on stderr."""
+    where = f" in {u.object!r}" if u.object is not None else ""
+    logging.getLogger("specdec.unraisable").warning(
+        "%s%s", u.err_msg or "Exception ignored", where,
+        exc_info=(u.exc_type, u.exc_value, u.exc_traceback) if u.exc_type is not None else None)
+
+
+def _log_thread_exception(args) -> None:
+    """An exception that ended a thread: one log record, in the process's format."""
+    if args.exc_type is SystemExit:
+        return
+    name = args.thread.name if args.thread is not None else "?"
+    logging.getLogger("specdec.threads").error("thread %s ended by an exception", name,
+                                               exc_info=(args.exc_type, args.exc_value, args.exc_traceback))

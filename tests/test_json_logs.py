@@ -3,6 +3,7 @@ coordinator`, writes one JSON object per line, and a request's lines carry its r
 timings. Checked on the real entry points (subprocesses), through one request, up to their shutdown."""
 from __future__ import annotations
 
+import gc
 import io
 import json
 import logging
@@ -11,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -106,7 +108,8 @@ def test_the_formatter_escapes_what_would_break_a_line_and_keeps_extras():
     from specdec_rpc import logs
 
     stream, root = io.StringIO(), logging.getLogger()
-    saved = (list(root.handlers), root.level, dict(logs._process))
+    saved = (list(root.handlers), root.level, dict(logs._process), sys.unraisablehook, threading.excepthook,
+             sys.excepthook)
     configure_logging("INFO", "json", service="test", stream=stream)
     try:
         log = logging.getLogger("specdec.test")
@@ -117,14 +120,59 @@ def test_the_formatter_escapes_what_would_break_a_line_and_keeps_extras():
         except ValueError:
             log.exception("failed")
     finally:
-        root.handlers[:] = saved[0]
-        root.setLevel(saved[1])
-        logs._process.clear()
-        logs._process.update(saved[2])
-        logs._fields.set(None)
+        _restore(saved)
     first, second = (json.loads(line) for line in stream.getvalue().splitlines())
     assert first["message"] == "two\nlines \"quoted\"" and first["timings"] == {"wall_s": 0.5}
     assert first["request_id"] == "r-1" and first["service"] == "test" and first["level"] == "INFO"
     assert second["level"] == "ERROR" and "ValueError: boom" in second["exception"]
     with pytest.raises(ValueError):
         configure_logging("INFO", "yaml")
+
+
+def _restore(saved) -> None:
+    from specdec_rpc import logs
+
+    root = logging.getLogger()
+    root.handlers[:] = saved[0]
+    root.setLevel(saved[1])
+    logs._process.clear()
+    logs._process.update(saved[2])
+    logs._fields.set(None)
+    sys.unraisablehook, threading.excepthook, sys.excepthook = saved[3], saved[4], saved[5]
+
+
+def test_exceptions_no_caller_can_catch_are_json_lines_too():
+    """What Python reports itself (an exception in a finalizer or a C extension's callback, one that ends a thread)
+    goes through the process's logging: a JSON line, not a raw traceback between them."""
+    from specdec_rpc import logs
+
+    stream, root = io.StringIO(), logging.getLogger()
+    saved = (list(root.handlers), root.level, dict(logs._process), sys.unraisablehook, threading.excepthook,
+             sys.excepthook)
+    configure_logging("INFO", "json", service="test", stream=stream)
+    try:
+        class Finalizer:
+            def __del__(self):
+                raise RuntimeError("in a finalizer")
+
+        Finalizer()
+        gc.collect()
+
+        def fail():
+            raise ValueError("in a thread")
+
+        t = threading.Thread(target=fail, name="worker-x")
+        t.start()
+        t.join()
+        try:
+            raise KeyError("uncaught")
+        except KeyError:
+            sys.excepthook(*sys.exc_info())  # what an uncaught exception, or a C extension printing one, calls
+    finally:
+        _restore(saved)
+    lines = [json.loads(line) for line in stream.getvalue().splitlines()]
+    assert [o["logger"] for o in lines] == ["specdec.unraisable", "specdec.threads", "specdec.uncaught"], lines
+    assert "RuntimeError: in a finalizer" in lines[0]["exception"] and "Finalizer" in lines[0]["message"]
+    assert lines[1]["message"] == "thread worker-x ended by an exception"
+    assert "ValueError: in a thread" in lines[1]["exception"]
+    assert lines[2]["message"] == "uncaught KeyError" and "KeyError: 'uncaught'" in lines[2]["exception"]
