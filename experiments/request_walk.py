@@ -111,10 +111,6 @@ class Stop:
     stack: list[str] = dataclasses.field(default_factory=list)  # the project files its callers are in (this thread)
     returned: list[str] = dataclasses.field(default_factory=list)  # forms of the return value that args lacked
 
-    @property
-    def conversion(self) -> bool:
-        return bool(self.returned)
-
 
 class Walk:
     def __init__(self):

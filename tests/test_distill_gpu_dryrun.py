@@ -118,6 +118,15 @@ def test_carried_parts_give_the_hubs_conversion_bit_for_bit(tmp_path):
     assert all(torch.equal(ref[k], sd[k]) for k in ref)
 
 
+def unpack_draft(out: pathlib.Path, work: pathlib.Path, name: str) -> pathlib.Path:
+    """What a run sends back, its ``draft.tar.part-NN`` joined and unpacked under `work`: → the model directory."""
+    tar = work / "draft.tar"
+    tar.write_bytes(b"".join(p.read_bytes() for p in sorted(out.glob("draft.tar.part-*"))))
+    with tarfile.open(tar) as t:
+        t.extractall(work / "back", filter="data")
+    return work / "back" / name
+
+
 def run_fresh(module: str, args: list[str]) -> tuple[list[str], str]:
     """`python -m module args` in a fresh interpreter, which must succeed -> (the modules it loaded that a bare GPU
     machine lacks, its stdout)."""
@@ -158,11 +167,7 @@ def test_dry_run_writes_a_loadable_draft_and_a_rerun_resumes(tmp_path):
     with gzip.open(out / "train_prompts.jsonl.gz", "rt") as f:
         assert all(json.loads(line)["prompt_ids"] for line in f)
     # what comes back unpacks to a model directory both loaders read
-    tar = tmp_path / "draft.tar"
-    tar.write_bytes(b"".join(p.read_bytes() for p in sorted(out.glob("draft.tar.part-*"))))
-    with tarfile.open(tar) as t:
-        t.extractall(tmp_path / "back", filter="data")
-    back = tmp_path / "back" / "draft"
+    back = unpack_draft(out, tmp_path, "draft")
     assert "Greedy agreement" in (back / "README.md").read_text()
     d = load_draft(back)
     ids = torch.tensor([[1, 504, 3458, 30, 2]])

@@ -6,7 +6,6 @@ nothing a bare GPU machine lacks, and a rerun resumes."""
 import json
 import pathlib
 import shutil
-import tarfile
 
 import pytest
 import torch
@@ -16,7 +15,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from specdec_train.distill.draft_model import save_draft
 from specdec_train.distill.gpu_feature_run import (INIT_DRAFT, build_feature_draft, depth_keep, depth_mask,
                                                    export_feature_draft, sd_rounds)
-from tests.test_distill_gpu_dryrun import run_fresh
+from tests.test_distill_gpu_dryrun import run_fresh, unpack_draft
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 FULL_VOCAB = 49152  # SmolLM2's: the shipped subset and tokenizer index it
@@ -121,11 +120,7 @@ def test_dry_run_writes_a_served_feature_draft_and_a_rerun_resumes(tiny, tmp_pat
     out = tmp_path / "out"
     names = {p.name for p in out.iterdir()}
     assert {"README.md", "metrics.json", "log.txt", "train_prompts.jsonl.gz", "draft.tar.part-00"} <= names
-    tar = tmp_path / "draft.tar"
-    tar.write_bytes(b"".join(p.read_bytes() for p in sorted(out.glob("draft.tar.part-*"))))
-    with tarfile.open(tar) as t:
-        t.extractall(tmp_path / "back", filter="data")
-    back = tmp_path / "back" / "feature_draft"
+    back = unpack_draft(out, tmp_path, "feature_draft")
     assert "Greedy agreement" in (back / "README.md").read_text()
     served = load_model_dir(back, dtype=torch.float32, role="draft", quant="none")
     assert served.config.feature_size == 64 and served.lm_head.out_features == 8192  # the compact head, as served

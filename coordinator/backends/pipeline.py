@@ -227,7 +227,7 @@ class Pipeline:
         are verified (see module docstring)."""
         self._ensure_view()
         queue: asyncio.Queue = asyncio.Queue()
-        # the pipeline's own copy: validation fills its unset gamma, the caller's stays as it was sent
+        # the pipeline's own copy: its unset gamma is filled here (`resolve_defaults`), the caller's stays as sent
         req = dataclasses.replace(request.generation)
         rid = req.session_id
         incremental = not request.final_only  # False: the caller reads only the last event

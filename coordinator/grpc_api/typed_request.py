@@ -144,8 +144,8 @@ def _pairs(r, part: str, names: tuple[str, ...], out: Settings) -> None:
     for name in _conflicts(r, part, names):
         out.take(name, getattr(getattr(r, part), name), f"{part}.{name}")
     for name in names:
-        if name not in out.values and _set(r, name) is not None:
-            out.take(name, _set(r, name))
+        if name not in out.values and (flat := _set(r, name)) is not None:
+            out.take(name, flat)
 
 
 def _sampling(r, out: Settings) -> None:
