@@ -324,7 +324,7 @@ class LinkEstimate:
 
     Chained rounds (specdec/scheduling/chained.py) pay where waiting for a verify's answer idles the target long enough:
     with the round trip at least `CHAIN_MIN_RTT` forwards. Below that, PEARL's rounds, one verify at a time, commit more
-    per forward (on the 2-vCPU dev host, at round trip 0: 23.5 tokens/s chained against 24.1 with PEARL's rounds and
+    per forward (on a 2-vCPU host, at round trip 0: 23.5 tokens/s chained against 24.1 with PEARL's rounds and
     26.9 for sd; at one forward: 21.8 chained against 15.2, docs/operations/network.md)."""
 
     def __init__(self):

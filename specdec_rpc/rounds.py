@@ -1,7 +1,7 @@
 """A pinned session's per-round calls as messages on one open bidirectional stream (`VerifyRounds`, `DraftRounds`).
 
 A sequential round (sd, pacer) makes two replica calls, a Draft and a Verify. As unary RPCs each pays a call's
-set-up and tear-down on both ends; on an open stream it is one message each way (measured on the 2-vCPU dev host
+set-up and tear-down on both ends; on an open stream it is one message each way (measured on a 2-vCPU host
 against a server that computes 20 ms per call: 1.13 ms over the compute for a unary call, 0.55 ms for a message
 on an open stream; docs/operations/failures.md, "Per-round streams").
 

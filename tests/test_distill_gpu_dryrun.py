@@ -92,22 +92,22 @@ def test_gguf_reader_matches_gguf_py(tmp_path):
 def test_parts_reassemble_to_the_pinned_file_and_refuse_a_gap(tmp_path):
     blob = tmp_path / "x.gguf"
     blob.write_bytes(bytes(range(256)) * 1000)
-    gpu_target.pack(blob, tmp_path / "carry", 3)
-    manifest, found = gpu_target.find_parts([tmp_path / "carry"])
+    gpu_target.pack(blob, tmp_path / "parts", 3)
+    manifest, found = gpu_target.find_parts([tmp_path / "parts"])
     assert manifest["parts"] == 3 and sorted(found) == [1, 2, 3]
     assert b"".join(found[k].read_bytes() for k in (1, 2, 3)) == blob.read_bytes()
     with pytest.raises(SystemExit, match="sha256"):  # not the pinned default target
-        gpu_target.assemble(tmp_path / "work", [tmp_path / "carry"])
-    (tmp_path / "carry" / "target-2" / "x.gguf.part2of3").unlink()
+        gpu_target.assemble(tmp_path / "work", [tmp_path / "parts"])
+    (tmp_path / "parts" / "target-2" / "x.gguf.part2of3").unlink()
     with pytest.raises(SystemExit, match=r"missing: \[2\]"):
-        gpu_target.assemble(tmp_path / "work", [tmp_path / "carry"])
+        gpu_target.assemble(tmp_path / "work", [tmp_path / "parts"])
 
 
 @pytest.mark.slow
 def test_carried_parts_give_the_hubs_conversion_bit_for_bit(tmp_path):
     """Where the parts are packed (`gpu_target pack`) and the hub's conversion is cached: the same weights."""
     if not gpu_target.find_parts()[1]:
-        pytest.skip("no .gpu-carry/target-K here (python -m specdec_train.distill.gpu_target pack)")
+        pytest.skip("no .target-parts/target-K here (python -m specdec_train.distill.gpu_target pack)")
     from safetensors.torch import load_file
 
     from specdec.modeling.hub import resolve_model

@@ -267,7 +267,7 @@ def test_a_row_invariant_linear_rounds_every_row_alike_alone_or_batched(plan, mo
 
 def test_the_invariance_check_sees_a_one_row_path_that_rounds_differently(monkeypatch):
     """With one-row calls allowed, oneDNN's one-row kernel rounds some rows of this shape unlike its multi-row one
-    on the dev hosts; the load-time check must report it (skipped where this host's kernels happen to agree)."""
+    on some hosts; the load-time check must report it (skipped where this host's kernels happen to agree)."""
     from specdec.modeling import linear
 
     lin = _down_projection()

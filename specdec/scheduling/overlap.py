@@ -3,7 +3,7 @@ whichever has committed more tokens per second so far. Pure Python; no torch, no
 
 PEARL hides the draft behind the target's verify, which pays where the two compute on separate hardware. Where
 they share a host's cores and memory bandwidth, a draft decoding beside the verify slows it (+40 % per target
-step on the 2-vCPU dev host, `experiments/core_contention.py`), and the shadow drafting costs more than it hides.
+step on a 2-vCPU host, `experiments/core_contention.py`), and the shadow drafting costs more than it hides.
 Which case holds is a property of the deployment, and it can change with load, so each PEARL request measures
 it: it starts overlapped, tries sequential rounds, then keeps the faster kind and re-tries the other every
 `explore_every` decisions. Both kinds are exact, so the choice changes speed, never the output distribution.

