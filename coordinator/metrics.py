@@ -12,10 +12,14 @@ rounds, and the time a request spends on each network link.
 from __future__ import annotations
 
 from pathlib import PurePath
+from typing import TYPE_CHECKING
 
 from prometheus_client import Counter, Gauge, Histogram
 
 from specdec.scheduling.request import MODES
+
+if TYPE_CHECKING:
+    from coordinator.events import RequestStats
 
 _SECONDS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 # a whole request: up to the token cap (4096 by default) at 0.05-0.1 s a token under load
@@ -166,50 +170,49 @@ class CoordinatorMetrics:
                       self.spec_target_forwards):
                 c.labels(mode, draft, target)
 
-    def finished(self, stats: dict, finish: str, n_tokens: int, e2e: float, ttft: float | None) -> None:
+    def finished(self, stats: RequestStats, finish: str, n_tokens: int, e2e: float, ttft: float | None) -> None:
         """A request that generated to its end (`finish`: stop, length, ...)."""
         self.requests.labels(finish).inc()
         self.tokens.inc(n_tokens)
         self.e2e.observe(e2e)
         if ttft is not None and n_tokens > 1:
             self.tpot.observe((e2e - ttft) / (n_tokens - 1))
-        self.prompt_tokens.inc(stats.get("prompt_tokens", 0))
-        self.cached_prompt_tokens.inc(stats.get("cached_prompt_tokens", 0))
-        self.queue_time.observe(stats.get("queued_s", 0.0))
-        if stats.get("draft_unavailable"):
-            self.draft_unavailable.labels(stats.get("draft_fallback") or "unreachable").inc()
-        self.preemptions.inc(stats.get("preemptions", 0))
-        off = stats.get("target_only_rounds", 0)
+        self.prompt_tokens.inc(stats.prompt_tokens)
+        self.cached_prompt_tokens.inc(stats.cached_prompt_tokens)
+        self.queue_time.observe(stats.queued_s)
+        if stats.draft_unavailable:
+            self.draft_unavailable.labels(stats.draft_fallback or "unreachable").inc()
+        self.preemptions.inc(stats.preemptions)
+        off = stats.target_only_rounds
         self.rounds.labels("target_only").inc(off)
-        mode = stats.get("mode")
+        mode = stats.mode
         if mode != "ar":
-            self.rounds.labels("speculative").inc(max(0, stats.get("rounds", 0) - off))
+            self.rounds.labels("speculative").inc(max(0, stats.rounds - off))
         if mode in MODES:
-            draft, target = model_label(stats.get("draft_model", "")), model_label(stats.get("target_model", ""))
+            draft, target = model_label(stats.draft_model), model_label(stats.target_model)
             if (draft, target) not in self._pairs:
                 self._new_pair(draft, target)
             pair = (mode, draft, target)
-            self.spec_drafts.labels(*pair).inc(stats.get("drafts", 0))
-            self.spec_draft_tokens.labels(*pair).inc(stats.get("verified_draft_tokens", 0))
-            self.spec_accepted_tokens.labels(*pair).inc(stats.get("accepted_tokens", 0))
-            for pos, n in enumerate(stats.get("accepted_per_position") or ()):
+            self.spec_drafts.labels(*pair).inc(stats.drafts)
+            self.spec_draft_tokens.labels(*pair).inc(stats.verified_draft_tokens)
+            self.spec_accepted_tokens.labels(*pair).inc(stats.accepted_tokens)
+            for pos, n in enumerate(stats.accepted_per_position):
                 self.spec_accepted_per_pos.labels(*pair, str(pos)).inc(n)
             self.spec_emitted_tokens.labels(*pair).inc(n_tokens)
-            self.spec_target_forwards.labels(*pair).inc(stats.get("target_forwards", 0))
+            self.spec_target_forwards.labels(*pair).inc(stats.target_forwards)
         if mode in PACER_MODES:
-            self.pacer_stops.labels(mode).inc(stats.get("pacer_stops", 0))
-            self.pacer_false_stops.labels(mode).inc(stats.get("pacer_false_stops", 0))
-            self.pacer_continues.labels(mode).inc(stats.get("pacer_continues", 0))
-            self.pacer_false_continues.labels(mode).inc(stats.get("pacer_false_continues", 0))
+            self.pacer_stops.labels(mode).inc(stats.pacer_stops)
+            self.pacer_false_stops.labels(mode).inc(stats.pacer_false_stops)
+            self.pacer_continues.labels(mode).inc(stats.pacer_continues)
+            self.pacer_false_continues.labels(mode).inc(stats.pacer_false_continues)
         if mode in PEARL_MODES:
-            self.overlap_rounds.labels(mode).inc(max(0, stats.get("rounds", 0) - off
-                                                     - stats.get("sequential_rounds", 0)))
-            self.overlap_seconds.labels(mode).inc(stats.get("overlap_wall_s", 0.0))
-            self.draft_idle.labels(mode).inc(stats.get("draft_idle_s", 0.0))
-            self.target_idle.labels(mode).inc(stats.get("target_idle_s", 0.0))
-        if stats.get("draft_replica"):
-            self.network.labels("coordinator-draft").observe(stats.get("draft_network_s", 0.0))
-        if stats.get("target_replica") and not stats.get("peer_network_s"):
-            self.network.labels("coordinator-target").observe(stats.get("target_network_s", 0.0))
-        if stats.get("peer_network_s"):
-            self.network.labels("draft-target").observe(stats["peer_network_s"])
+            self.overlap_rounds.labels(mode).inc(max(0, stats.rounds - off - stats.sequential_rounds))
+            self.overlap_seconds.labels(mode).inc(stats.overlap_wall_s)
+            self.draft_idle.labels(mode).inc(stats.draft_idle_s)
+            self.target_idle.labels(mode).inc(stats.target_idle_s)
+        if stats.draft_replica:
+            self.network.labels("coordinator-draft").observe(stats.draft_network_s)
+        if stats.target_replica and not stats.peer_network_s:
+            self.network.labels("coordinator-target").observe(stats.target_network_s)
+        if stats.peer_network_s:
+            self.network.labels("draft-target").observe(stats.peer_network_s)

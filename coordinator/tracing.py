@@ -25,6 +25,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from specdec_rpc.tracing import TRACE_HEADERS, init_tracer as _init_tracer, parent_of, trace_headers
 
 if TYPE_CHECKING:
+    from coordinator.events import RequestStats
     from specdec.scheduling.request import PipelineRequest
 
 __all__ = ["TRACE_HEADERS", "RequestTrace", "init_tracer", "parent_of"]
@@ -69,7 +70,7 @@ class RequestTrace:
         if self.ttft_s is None:
             self.ttft_s = time.perf_counter() - self.t0
 
-    def end(self, request: PipelineRequest | None, stats: dict | None = None, finish: str = "",
+    def end(self, request: PipelineRequest | None, stats: RequestStats | None = None, finish: str = "",
             error: str = "") -> None:
         """Record the span (once: a request that ended is not recorded again by a later error)."""
         if self.ended:
@@ -82,21 +83,21 @@ class RequestTrace:
             attrs.update({"gen_ai.request.id": request.request_id, "gen_ai.request.temperature": g.params.temperature,
                           "gen_ai.request.top_p": g.params.top_p, "gen_ai.request.max_tokens": g.max_new_tokens,
                           "gen_ai.usage.prompt_tokens": len(g.prompt_ids), "specdec.mode": g.mode})
-        if stats:
-            n, forwards = stats.get("completion_tokens", 0), stats.get("target_forwards", 0)
+        if stats is not None:
+            n, forwards = stats.completion_tokens, stats.target_forwards
             attrs.update({"gen_ai.usage.completion_tokens": n, "gen_ai.response.finish_reasons": [finish],
-                          "gen_ai.latency.time_in_queue": stats.get("queued_s", 0.0),
-                          "specdec.target_forwards": forwards, "specdec.draft_tokens": stats.get("draft_tokens", 0),
-                          "specdec.accepted_tokens": stats.get("accepted_tokens", 0),
+                          "gen_ai.latency.time_in_queue": stats.queued_s,
+                          "specdec.target_forwards": forwards, "specdec.draft_tokens": stats.draft_tokens,
+                          "specdec.accepted_tokens": stats.accepted_tokens,
                           "specdec.tokens_per_target_forward": n / forwards if forwards else 0.0,
-                          "specdec.cached_prompt_tokens": stats.get("cached_prompt_tokens", 0),
-                          "specdec.target_replica": stats.get("target_replica", ""),
-                          "specdec.draft_replica": stats.get("draft_replica", ""),
-                          "specdec.drafts": stats.get("drafts", 0),
-                          "specdec.network.draft_s": stats.get("draft_network_s", 0.0),
-                          "specdec.network.target_s": stats.get("target_network_s", 0.0),
-                          "specdec.draft_idle_s": stats.get("draft_idle_s", 0.0),
-                          "specdec.target_idle_s": stats.get("target_idle_s", 0.0)})
+                          "specdec.cached_prompt_tokens": stats.cached_prompt_tokens,
+                          "specdec.target_replica": stats.target_replica,
+                          "specdec.draft_replica": stats.draft_replica,
+                          "specdec.drafts": stats.drafts,
+                          "specdec.network.draft_s": stats.draft_network_s,
+                          "specdec.network.target_s": stats.target_network_s,
+                          "specdec.draft_idle_s": stats.draft_idle_s,
+                          "specdec.target_idle_s": stats.target_idle_s})
         if self.ttft_s is not None:
             attrs["gen_ai.latency.time_to_first_token"] = self.ttft_s
         span = self.span

@@ -18,6 +18,7 @@ import pytest_asyncio
 import torch
 
 from coordinator.config import CoordinatorSettings
+from coordinator.events import DoneEvent, ServedEvent
 from coordinator.server import build_coordinator
 from specdec.scheduling.request import MODES
 from specdec_rpc.pb import generation_pb2 as g, generation_pb2_grpc as gg
@@ -154,8 +155,8 @@ async def test_stream_concatenation_equals_unary(stack):
         r = req([2, 4, 6], mode, seed=11, temperature=temp, verify_method="token")
         events.clear()
         unary = await stack.stubs["random"].Generate(r)
-        tokens = [e for e in events if set(e) != {"served"}]  # the replicas it holds, for an abort's log line
-        assert len(tokens) == 1 and tokens[0]["done"], [list(e) for e in events]
+        tokens = [e for e in events if not isinstance(e, ServedEvent)]  # the replicas it holds, for an abort's log line
+        assert len(tokens) == 1 and isinstance(tokens[0], DoneEvent), [type(e).__name__ for e in events]
         ids, finals = [], []
         async for part in stack.stubs["random"].GenerateStream(r):
             ids.extend(part.token_ids)

@@ -5,10 +5,9 @@ Ray actor; with `--no-ray` the front server uses it directly. Ray is never on th
 calls are pinning (one per request and per failover), unpinning, and a pool-membership refresh every
 `view_refresh_s`.
 
-Events (dicts, so they cross Ray cheaply):
-    {"tokens": [ids]}                                   newly verified tokens, in order
-    {"done": True, "token_ids", "finish_reason", "stats"}  the last event
-    {"error": {"code": "INVALID_ARGUMENT"|..., "message"}}  the last event on failure
+Events (coordinator/events.py, dataclasses that pickle across Ray): a `TokensEvent` per batch of newly verified
+tokens, in order (a `ServedEvent` where the caller reads only the last event and the replicas changed), then a
+`DoneEvent` with the answer and its `RequestStats`, or an `ErrorEvent` on failure.
 """
 from __future__ import annotations
 
@@ -35,25 +34,33 @@ from coordinator.backends.clients import RemoteDraft, RemoteTarget
 from coordinator.routing.pool import DraftContextError, ReplicaUnavailableError
 from coordinator.backends.direct import REPORT_INTERVAL_MS, DirectInterrupted, run_direct, runs_direct
 from coordinator.backends.moves import PoolView, end_in_background, ending, yield_direct
+from coordinator.events import DoneEvent, ErrorEvent, Event, RequestStats, Served, ServedEvent, TokensEvent
 
 log = logging.getLogger(__name__)
 
-# the seconds a request's JSON log lines carry once it ends (its `timings`)
-_LOG_TIMINGS = ("wall_s", "queued_s", "draft_busy_s", "target_busy_s", "draft_network_s", "target_network_s",
-                "peer_network_s", "draft_idle_s", "target_idle_s")
 _CODES = [(InvalidRequestError, "INVALID_ARGUMENT"), (ReplicaUnavailableError, "UNAVAILABLE"),
           (SessionNotFoundError, "NOT_FOUND"), (StalePositionError, "FAILED_PRECONDITION"),
           (ContextOverflowError, "OUT_OF_RANGE"), (CapacityError, "RESOURCE_EXHAUSTED"),
           (SpecDecError, "FAILED_PRECONDITION")]
 
 
-def error_event(e: BaseException) -> dict:
+def error_event(e: BaseException) -> ErrorEvent:
+    """The last event of a request that failed with `e`: its gRPC status name and message."""
     if isinstance(e, grpc.aio.AioRpcError):  # a replica's answer: pass its status through
-        return {"error": {"code": e.code().name, "message": e.details() or str(e.code())}}
+        return ErrorEvent(e.code().name, e.details() or str(e.code()))
     for cls, code in _CODES:
         if isinstance(e, cls):
-            return {"error": {"code": code, "message": str(e)}}
-    return {"error": {"code": "INTERNAL", "message": f"{type(e).__name__}: {e}"}}
+            return ErrorEvent(code, str(e))
+    return ErrorEvent("INTERNAL", f"{type(e).__name__}: {e}")
+
+
+def _log_timings(stats: RequestStats) -> dict[str, float]:
+    """The seconds a request's JSON log lines carry once it ends (their `timings` field)."""
+    return {name: round(v, 6) for name, v in (
+        ("wall_s", stats.wall_s), ("queued_s", stats.queued_s), ("draft_busy_s", stats.draft_busy_s),
+        ("target_busy_s", stats.target_busy_s), ("draft_network_s", stats.draft_network_s),
+        ("target_network_s", stats.target_network_s), ("peer_network_s", stats.peer_network_s),
+        ("draft_idle_s", stats.draft_idle_s), ("target_idle_s", stats.target_idle_s))}
 
 
 async def go_on(req: GenerationRequest, head: list[int], head_logprobs: list, session_id: str, run,
@@ -87,7 +94,7 @@ class _RequestReplicas:
     on_tokens: Callable
     committed: list[int] = dataclasses.field(default_factory=list)
     seen_logprobs: list = dataclasses.field(default_factory=list)
-    told: dict = dataclasses.field(default_factory=dict)  # the replicas last passed to `on_tokens`
+    told: Served | None = None  # the replicas last passed to `on_tokens`
     fallback: str = ""
     final_only: bool = False  # the caller reads only the last event (a unary client): tokens may come in batches
 
@@ -98,20 +105,39 @@ class _RequestReplicas:
         self.seen_logprobs.extend(logprobs or ())
         first_target, first_draft = self.first_target, self.first_draft
         targets = dict.fromkeys((first_target, self.target))
-        served = {"prompt_tokens": self.n_prompt, "cached_prompt_tokens": first_target.cached_tokens,
-                  "target_replica": ",".join(ep for b in targets for ep in b.served),
-                  "draft_replica": ",".join(first_draft.served) if first_draft is not None else ""}
+        served = Served(prompt_tokens=self.n_prompt, cached_prompt_tokens=first_target.cached_tokens,
+                        target_replica=",".join(ep for b in targets for ep in b.served),
+                        draft_replica=",".join(first_draft.served) if first_draft is not None else "")
         if served == self.told:
             return self.on_tokens(new, logprobs)
-        self.told.clear()
-        self.told.update(served)
-        return self.on_tokens(new, logprobs, dict(served))
+        self.told = served
+        return self.on_tokens(new, logprobs, served)
 
     def targets(self) -> list[RemoteTarget]:
         return [self.first_target] + ([self.target] if self.target is not self.first_target else [])
 
     def drafts(self) -> list[RemoteDraft]:
         return [self.first_draft] if self.first_draft is not None else []
+
+    def stats(self, res: GenerationResult) -> RequestStats:
+        """The finished request's stats: the schedule's, with what the coordinator measured of its replicas (each
+        link's network time, queueing, cached prompt positions, the replicas and models, fallback, preemptions)."""
+        targets, drafts = self.targets(), self.drafts()
+        draft_net = sum(b.network_ns for b in drafts) / 1e9
+        target_net = sum(b.network_ns for b in targets) / 1e9
+        peer_net = sum(b.peer_network_ns for b in drafts) / 1e9
+        return RequestStats.of(
+            res.stats, draft_network_s=draft_net, target_network_s=target_net, peer_network_s=peer_net,
+            network_s=draft_net + target_net + peer_net,
+            draft_model=self.first_draft.model if self.first_draft is not None else "",
+            target_model=self.target.model or self.first_target.model,
+            queued_s=sum(b.queued_ns for b in targets + drafts) / 1e9,
+            prompt_tokens=self.n_prompt, cached_prompt_tokens=self.first_target.cached_tokens,
+            completion_tokens=len(res.token_ids),
+            draft_replica=",".join(ep for b in drafts for ep in b.served),
+            target_replica=",".join(ep for b in targets for ep in b.served),
+            draft_unavailable=bool(self.fallback), draft_fallback=self.fallback,
+            preemptions=sum(b.preemptions for b in targets + drafts))
 
     async def end_left(self, session_id: str) -> None:
         """End the sessions still pinned: what a failure before `generate` left (the draft's probe, a cancel during
@@ -120,44 +146,6 @@ class _RequestReplicas:
                 if b is not None and b.endpoint is not None]
         if left:
             await asyncio.shield(asyncio.gather(*(b.end(session_id) for b in left), return_exceptions=True))
-
-
-@dataclasses.dataclass
-class _CoordinatorStats:
-    """What the coordinator adds to a finished request's stats (the replicas report the rest), in this order."""
-    draft_network_s: float  # coordinator <-> draft, per link
-    target_network_s: float  # coordinator <-> target
-    peer_network_s: float  # draft <-> target (direct)
-    network_s: float
-    draft_model: str
-    target_model: str
-    queued_s: float
-    prompt_tokens: int
-    cached_prompt_tokens: int
-    completion_tokens: int
-    draft_replica: str
-    target_replica: str
-    draft_unavailable: bool
-    draft_fallback: str
-    preemptions: int
-
-    @classmethod
-    def of(cls, run: _RequestReplicas, completion_tokens: int) -> _CoordinatorStats:
-        targets, drafts = run.targets(), run.drafts()
-        draft_net = sum(b.network_ns for b in drafts) / 1e9
-        target_net = sum(b.network_ns for b in targets) / 1e9
-        peer_net = sum(b.peer_network_ns for b in drafts) / 1e9
-        return cls(draft_network_s=draft_net, target_network_s=target_net, peer_network_s=peer_net,
-                   network_s=draft_net + target_net + peer_net,
-                   draft_model=run.first_draft.model if run.first_draft is not None else "",
-                   target_model=run.target.model or run.first_target.model,
-                   queued_s=sum(b.queued_ns for b in targets + drafts) / 1e9,
-                   prompt_tokens=run.n_prompt, cached_prompt_tokens=run.first_target.cached_tokens,
-                   completion_tokens=completion_tokens,
-                   draft_replica=",".join(ep for b in drafts for ep in b.served),
-                   target_replica=",".join(ep for b in targets for ep in b.served),
-                   draft_unavailable=bool(run.fallback), draft_fallback=run.fallback,
-                   preemptions=sum(b.preemptions for b in targets + drafts))
 
 
 class AsyncPool:
@@ -190,7 +178,8 @@ class Pipeline:
                  replica_streams: bool = True, affinity_chunk: int = PREFILL_CHUNK, tag: str = "",
                  data_plane: str = "coordinator", chain_window: int = 0, replica_frames: bool = True):
         self.pool = pool  # async acquire/release/report_failure/members (AsyncPool or the Ray facade)
-        self.tag = tag  # the prefix of its requests' holder tokens (a Ray pipeline actor's: coordinator/routing/router.py)
+        # the prefix of its requests' holder tokens (a Ray pipeline actor's: coordinator/routing/router.py)
+        self.tag = tag
         self.channels = Channels(dialer)  # how replicas are dialed (coordinator/channels.py)
         self.view = PoolView()
         self.rpc_timeout_s, self.view_refresh_s = rpc_timeout_s, view_refresh_s
@@ -222,7 +211,7 @@ class Pipeline:
         if self._view_task is None:
             self._view_task = asyncio.get_running_loop().create_task(self._refresh_view())
 
-    async def stream(self, request: PipelineRequest) -> AsyncIterator[dict]:
+    async def stream(self, request: PipelineRequest) -> AsyncIterator[Event]:
         """Run one request (a front door's, typed: specdec.scheduling.request.PipelineRequest); yield events as tokens
         are verified (see module docstring)."""
         self._ensure_view()
@@ -237,15 +226,15 @@ class Pipeline:
         headers = request.trace_headers
         trace = tuple((k, headers[k]) for k in TRACE_HEADERS if headers.get(k)) if headers.get("traceparent") else None
 
-        def on_tokens(new: list[int], logprobs: list | None = None, served: dict | None = None) -> bool:
+        def on_tokens(new: list[int], logprobs: list | None = None, served: Served | None = None) -> bool:
             """`served`: the replicas the request holds, when they changed (a request that ends without its last
             event, a client's abort, is logged with them)."""
             if rid in self._cancelled:  # a cancel the request's task lost (a callee that swallowed it)
                 raise asyncio.CancelledError
             if incremental:
-                queue.put_nowait({"tokens": list(new), "logprobs": logprobs, **({"served": served} if served else {})})
-            elif served:
-                queue.put_nowait({"served": served})
+                queue.put_nowait(TokensEvent(list(new), logprobs, served))
+            elif served is not None:
+                queue.put_nowait(ServedEvent(served))
             return rid in self._stop
 
         task = asyncio.ensure_future(self._run(req, on_tokens, request.draft_fallback, trace, log_fields,
@@ -258,8 +247,7 @@ class Pipeline:
                 if ev is None:
                     break
                 yield ev
-            yield ({"error": {"code": "CANCELLED", "message": "the request was cancelled"}} if task.cancelled()
-                   else task.result())
+            yield ErrorEvent("CANCELLED", "the request was cancelled") if task.cancelled() else task.result()
         finally:
             if not task.done():  # the consumer went away (client cancel / deadline): end both sessions
                 self._cancel(rid, task)
@@ -291,7 +279,7 @@ class Pipeline:
         return target, draft
 
     async def _run(self, req: GenerationRequest, on_tokens, draft_fallback: bool = False, trace=None,
-                   log_fields: dict | None = None, final_only: bool = False) -> dict:
+                   log_fields: dict | None = None, final_only: bool = False) -> DoneEvent | ErrorEvent:
         """`draft_fallback`: with no draft replica reachable, at the start or mid-request, go on target-only
         instead of failing. `trace`: W3C trace headers for the replica calls; `log_fields`: the request's log
         fields, completed with its replicas and timings when it ends."""
@@ -308,16 +296,14 @@ class Pipeline:
             return error_event(e)
         finally:  # generate ends the sessions it started; this releases what a failure before it left pinned
             await run.end_left(req.session_id)
-        stats = res.stats.to_dict()
-        stats.update(dataclasses.asdict(_CoordinatorStats.of(run, len(res.token_ids))))
+        stats = run.stats(res)
         finish = "stop" if res.finish_reason == "stop" else res.finish_reason
         if log_fields is not None:
-            log_fields.update(draft_replica=stats["draft_replica"], target_replica=stats["target_replica"],
-                              timings={k: round(stats[k], 6) for k in _LOG_TIMINGS})
+            log_fields.update(draft_replica=stats.draft_replica, target_replica=stats.target_replica,
+                              timings=_log_timings(stats))
         pl = run.first_target.prompt_logprobs
-        return {"done": True, "token_ids": res.token_ids, "finish_reason": finish, "stats": stats,
-                "logprobs": res.logprobs,
-                "prompt_logprobs": list(zip(pl.logprobs, pl.top_ids, pl.top_logprobs)) if pl is not None else None}
+        return DoneEvent(res.token_ids, finish, stats, res.logprobs,
+                         list(zip(pl.logprobs, pl.top_ids, pl.top_logprobs)) if pl is not None else None)
 
     async def _generate(self, req: GenerationRequest, run: _RequestReplicas, draft_fallback: bool, reserve: int,
                         trace) -> GenerationResult:

@@ -7,6 +7,7 @@ import json
 import logging
 import re
 
+from coordinator.events import RequestStats
 from specdec.common.errors import InvalidRequestError
 from specdec.scheduling import field_rules
 from specdec_rpc.pb import generation_pb2
@@ -35,24 +36,28 @@ def chat_message(m: generation_pb2.ChatMessage) -> dict:
 # the request_id rule (specdec/scheduling/field_rules.py), for X-Request-Id
 REQUEST_ID = re.compile(field_rules.REQUEST_ID)
 requests_log = logging.getLogger("coordinator.requests")  # one INFO line per finished request
-# the per-request times a finished request's line carries as fields (JSON logs: `timings`)
-REQUEST_TIMINGS = ("queued_s", "draft_busy_s", "target_busy_s", "draft_network_s", "target_network_s",
-                   "peer_network_s")
 
 
-def log_request(stats: dict, finish: str, wall_s: float) -> None:
+def request_timings(stats: RequestStats, wall_s: float) -> dict[str, float]:
+    """The per-request times a finished request's line carries as fields (JSON logs: `timings`)."""
+    return {"queued_s": stats.queued_s, "draft_busy_s": stats.draft_busy_s, "target_busy_s": stats.target_busy_s,
+            "draft_network_s": stats.draft_network_s, "target_network_s": stats.target_network_s,
+            "peer_network_s": stats.peer_network_s, "wall_s": wall_s}
+
+
+def log_request(stats: RequestStats, finish: str, wall_s: float) -> None:
+    """A request's one line once it ends (generated to its end, or its client went away: `finish` abort)."""
     if requests_log.isEnabledFor(logging.INFO):
-        n, forwards = stats.get("completion_tokens", 0), stats.get("target_forwards", 0)
+        n, forwards = stats.completion_tokens, stats.target_forwards
         requests_log.info("request %s: %s, %d prompt (%d cached) + %d completion tokens, finish %s, %.3f s, %.2f "
-                          "tokens per target forward, target %s, draft %s", stats["request_id"], stats.get("mode"),
-                          stats.get("prompt_tokens", 0), stats.get("cached_prompt_tokens", 0), n, finish, wall_s,
-                          n / forwards if forwards else 0.0, stats.get("target_replica") or "-",
-                          stats.get("draft_replica") or "-", extra={
-                              "request_id": stats["request_id"], "mode": stats.get("mode"), "finish": finish,
-                              "prompt_tokens": stats.get("prompt_tokens", 0), "completion_tokens": n,
-                              "target_replica": stats.get("target_replica", ""),
-                              "draft_replica": stats.get("draft_replica", ""),
-                              "timings": {k: stats.get(k, 0.0) for k in REQUEST_TIMINGS} | {"wall_s": wall_s}})
+                          "tokens per target forward, target %s, draft %s", stats.request_id, stats.mode,
+                          stats.prompt_tokens, stats.cached_prompt_tokens, n, finish, wall_s,
+                          n / forwards if forwards else 0.0, stats.target_replica or "-",
+                          stats.draft_replica or "-", extra={
+                              "request_id": stats.request_id, "mode": stats.mode, "finish": finish,
+                              "prompt_tokens": stats.prompt_tokens, "completion_tokens": n,
+                              "target_replica": stats.target_replica, "draft_replica": stats.draft_replica,
+                              "timings": request_timings(stats, wall_s)})
 
 
 def log_failure(request_id: str, code: str, message: str, wall_s: float) -> None:

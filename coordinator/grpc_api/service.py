@@ -22,7 +22,7 @@ import asyncio
 import contextlib
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import grpc
 
@@ -32,6 +32,7 @@ from coordinator.grpc_api.prompt_work import PromptWork, least_prompt_tokens, lo
 from coordinator.grpc_api.reasoning import ReasoningSplitter, ReasoningStart, reasoning_tokens
 from coordinator.grpc_api.text_output import TextAssembler
 from coordinator.grpc_api.typed_request import Settings, read
+from coordinator.events import DoneEvent, ErrorEvent, RequestStats, Served, ServedEvent, TokensEvent
 from specdec.common.errors import ContextOverflowError, InvalidRequestError
 from specdec.scheduling.request import GenerationRequest, PipelineRequest
 from specdec_rpc.convert import sampling_from_proto
@@ -69,9 +70,10 @@ def failure_status(e: BaseException) -> tuple[str, str]:
     return code.name, message
 
 
-def stats_pb(stats: dict) -> generation_pb2.GenerationStats:
+def stats_pb(stats: RequestStats) -> generation_pb2.GenerationStats:
+    """A request's stats → the response's GenerationStats: every field the message has of the same name."""
     fields = generation_pb2.GenerationStats.DESCRIPTOR.fields_by_name
-    return generation_pb2.GenerationStats(**{k: v for k, v in stats.items() if k in fields})
+    return generation_pb2.GenerationStats(**{k: v for k, v in stats.to_dict().items() if k in fields})
 
 
 def prompt_kind(r: generation_pb2.GenerateRequest) -> str:
@@ -302,15 +304,18 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             # the pipeline takes the typed request as it is (pickled whole where it crosses to a Ray actor)
             async with contextlib.aclosing(self.router.stream(call.p.request)) as events:
                 async for ev in events:
-                    call.served.update(ev.get("served") or ())
-                    if "tokens" in ev:
-                        if (resp := await call.tokens(ev)) is not None:
-                            yield resp
-                    elif "error" in ev:
-                        call.error(ev["error"])
-                    elif ev.get("done"):
-                        yield call.done(ev)
-                        return
+                    match ev:
+                        case TokensEvent():
+                            call.served = ev.served or call.served
+                            if (resp := await call.tokens(ev)) is not None:
+                                yield resp
+                        case ServedEvent():
+                            call.served = ev.served
+                        case ErrorEvent():
+                            call.error(ev)
+                        case DoneEvent():
+                            yield call.done(ev)
+                            return
         except BaseException as e:
             call.failed(e)
             raise
@@ -318,7 +323,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             self.in_flight -= 1
             call.ended()
 
-    def _ended(self, outcome: tuple, stats: dict, wall_s: float) -> None:
+    def _ended(self, outcome: tuple, stats: RequestStats, wall_s: float) -> None:
         """A request that did not generate to its end: counted and logged once (the client went away: "abort", as
         vLLM's finish_reason; or it failed, by status)."""
         if outcome[0] == "abort":
@@ -328,7 +333,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                 self.metrics.e2e.observe(wall_s)
             return
         _, code, message = outcome
-        log_failure(stats["request_id"], code, message, wall_s)
+        log_failure(stats.request_id, code, message, wall_s)
         if self.metrics:
             self.metrics.errors.labels(code).inc()
 
@@ -370,7 +375,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             message = (f"the answer is {size} bytes, over the coordinator's message limit of {self.max_message_bytes} "
                        f"(COORDINATOR_MAX_MESSAGE_BYTES): use GenerateStream (a message per round), ask for fewer "
                        f"tokens or logprobs, or raise the limit")
-            self._ended(("error", "RESOURCE_EXHAUSTED", message), {"request_id": out.stats.request_id},
+            self._ended(("error", "RESOURCE_EXHAUSTED", message), RequestStats(request_id=out.stats.request_id),
                         out.stats.wall_s)
             raise GenerationFailed(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
         return out
@@ -386,20 +391,20 @@ class _Call:
         self.rid, self.asm, self.p, self.split, self.n_prompt = r.request_id or "-", None, None, None, 0
         # ("error", status name, message) once an error event came; "done" once the answer went out
         self.outcome = None
-        self.served: dict = {}  # what the request holds (prompt tokens, replicas), for the log line of an abort
+        self.served = Served()  # what the request holds (prompt tokens, replicas), for the log line of an abort
 
     def start(self, p: Prepared, incremental: bool) -> None:
         self.p, self.asm, self.rid = p, p.assembler, p.request.request_id
         self.split = ReasoningSplitter(p.reasoning) if p.reasoning is not None else None
         self.n_prompt = len(p.request.generation.prompt_ids)
         p.request.final_only = not (incremental or self.asm.stop)
-        self.served["prompt_tokens"] = self.n_prompt
+        self.served = Served(prompt_tokens=self.n_prompt)
 
-    async def tokens(self, ev: dict) -> generation_pb2.GenerateStreamResponse | None:
+    async def tokens(self, ev: TokensEvent) -> generation_pb2.GenerateStreamResponse | None:
         """A round's tokens → the response that carries their text (None: nothing to send yet)."""
         asm = self.asm
         was_stopped = asm.stopped
-        text, ids = asm.push(ev["tokens"])
+        text, ids = asm.push(ev.tokens)
         if asm.stopped and not was_stopped:
             await self.s.router.stop(self.rid)  # finish after this round; the rest is dropped
         thought = ""
@@ -408,7 +413,7 @@ class _Call:
         if not (text or thought or ids):
             return None
         self._first_token()
-        lps = ev.get("logprobs")
+        lps = ev.logprobs
         return generation_pb2.GenerateStreamResponse(text_delta=text, token_ids=ids, reasoning_delta=thought,
                                                      prompt_tokens=self.n_prompt,
                                                      logprobs=logprobs_pb(lps[:len(ids)] if lps else None))
@@ -422,42 +427,42 @@ class _Call:
                 self.trace.first_token()
         self.first = False
 
-    def error(self, error: dict) -> None:
-        code = getattr(grpc.StatusCode, error["code"], grpc.StatusCode.INTERNAL)
-        self.outcome = ("error", code.name, error["message"])
+    def error(self, error: ErrorEvent) -> None:
+        code = getattr(grpc.StatusCode, error.code, grpc.StatusCode.INTERNAL)
+        self.outcome = ("error", code.name, error.message)
         if self.trace is not None:
-            self.trace.error = f"{code.name}: {error['message']}"
-        raise GenerationFailed(code, error["message"])
+            self.trace.error = f"{code.name}: {error.message}"
+        raise GenerationFailed(code, error.message)
 
-    def done(self, ev: dict) -> generation_pb2.GenerateStreamResponse:
+    def done(self, ev: DoneEvent) -> generation_pb2.GenerateStreamResponse:
         """The final event → the last response: the text no round's event carried, finish_reason and stats."""
         asm = self.asm
         done = len(asm.token_ids)
-        rest = ev["token_ids"][done:]  # what no per-round event carried
+        rest = ev.token_ids[done:]  # what no per-round event carried
         text, ids = asm.push(rest) if rest and not asm.stopped else ("", [])
-        lps = ev.get("logprobs")
-        finish = "stop" if asm.stopped else ev["finish_reason"]
+        lps = ev.logprobs
+        finish = "stop" if asm.stopped else ev.finish_reason
         tail, thought = text + asm.finish(), ""
-        stats = dict(ev["stats"], completion_tokens=len(asm.token_ids), request_id=self.rid)
+        stats = replace(ev.stats, completion_tokens=len(asm.token_ids), request_id=self.rid)
         if self.split is not None:
-            thought, tail = self._end_reasoning(tail, stats)
+            thought, tail, stats.reasoning_tokens = self._end_reasoning(tail)
         self._finished(stats, finish)
         self.outcome = "done"
         return generation_pb2.GenerateStreamResponse(
             text_delta=tail, token_ids=ids, finish_reason=FINISH[finish], stats=stats_pb(stats),
             reasoning_delta=thought, prompt_tokens=self.n_prompt,
             logprobs=logprobs_pb(lps[done:done + len(ids)] if lps is not None else None),
-            prompt_logprobs=logprobs_pb(ev.get("prompt_logprobs")),
+            prompt_logprobs=logprobs_pb(ev.prompt_logprobs),
             **stop_reason_fields(asm.stop_reason if finish == "stop" else None))
 
-    def _end_reasoning(self, tail: str, stats: dict) -> tuple[str, str]:
-        """The last text split into (reasoning, answer); stats gain reasoning_tokens."""
+    def _end_reasoning(self, tail: str) -> tuple[str, str, int]:
+        """The last text split into (reasoning, answer), and the answer's reasoning_tokens."""
         thought, tail = self.split.feed(tail)
         more_thought, more = self.split.end()
-        stats["reasoning_tokens"] = reasoning_tokens(self.p.reasoning, self.asm.token_ids, self.s.output.tags)
-        return thought + more_thought, tail + more
+        n = reasoning_tokens(self.p.reasoning, self.asm.token_ids, self.s.output.tags)
+        return thought + more_thought, tail + more, n
 
-    def _finished(self, stats: dict, finish: str) -> None:
+    def _finished(self, stats: RequestStats, finish: str) -> None:
         """An answer generated to its end: its log line, its trace's end, its metrics."""
         log_request(stats, finish, time.perf_counter() - self.t0)
         if self.trace is not None:
@@ -483,9 +488,11 @@ class _Call:
         """A request that did not generate to its end is counted and logged once (GenerationServicer._ended)."""
         if isinstance(self.outcome, tuple):
             sent = len(self.asm.token_ids) if self.asm is not None else 0
-            self.s._ended(self.outcome, {**self.served, "request_id": self.rid,
-                                         "mode": self.mode, "completion_tokens": sent},
-                          time.perf_counter() - self.t0)
+            served = self.served
+            stats = RequestStats(request_id=self.rid, mode=self.mode, completion_tokens=sent,
+                                 prompt_tokens=served.prompt_tokens, cached_prompt_tokens=served.cached_prompt_tokens,
+                                 target_replica=served.target_replica, draft_replica=served.draft_replica)
+            self.s._ended(self.outcome, stats, time.perf_counter() - self.t0)
 
 
 def add_to_server(servicer: GenerationServicer, server: grpc.aio.Server) -> None:

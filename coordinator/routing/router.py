@@ -7,6 +7,8 @@ import logging
 import uuid
 from typing import TYPE_CHECKING, AsyncIterator
 
+from coordinator.events import DoneEvent, ErrorEvent, Event
+
 if TYPE_CHECKING:
     from specdec.scheduling.request import PipelineRequest
 
@@ -19,7 +21,7 @@ class LocalRouter:
     def __init__(self, pipeline):
         self.pipeline = pipeline
 
-    def stream(self, request: PipelineRequest) -> AsyncIterator[dict]:
+    def stream(self, request: PipelineRequest) -> AsyncIterator[Event]:
         return self.pipeline.stream(request)
 
     async def stop(self, rid: str) -> None:
@@ -108,7 +110,7 @@ class RayRouter:
         if self.fixed is None and self.make_actor is not None:
             self._grow_task = asyncio.get_running_loop().create_task(loop())
 
-    async def stream(self, request: PipelineRequest) -> AsyncIterator[dict]:
+    async def stream(self, request: PipelineRequest) -> AsyncIterator[Event]:
         """The request's events from a pipeline actor (the typed request crosses to it pickled, as it is)."""
         import ray  # lazy: ray (~0.6 s) loads only where the coordinator runs on Ray (not with --no-ray)
 
@@ -123,15 +125,15 @@ class RayRouter:
             try:
                 async for ref in actor.stream.remote(request):
                     ev = await ref
-                    done = "done" in ev or "error" in ev
+                    done = isinstance(ev, (DoneEvent, ErrorEvent))
                     yield ev
             except ray.exceptions.RayActorError:
                 done = True
                 task = asyncio.ensure_future(self._lost(actor))
                 self._replacing.add(task)
                 task.add_done_callback(self._replacing.discard)
-                yield {"error": {"code": "UNAVAILABLE", "message": "the coordinator's pipeline process serving this "
-                                 "request died; retry the request (a new one replaces it)"}}
+                yield ErrorEvent("UNAVAILABLE", "the coordinator's pipeline process serving this request died; "
+                                 "retry the request (a new one replaces it)")
         finally:
             self._owner.pop(rid, None)
             if not done:  # the client went away: cancel the pipeline (it ends both sessions)
