@@ -35,9 +35,8 @@ import grpc
 from specdec.common.errors import SessionNotFoundError
 from specdec.decoding.sampling import SamplingParams
 from specdec_rpc.pb import draft_pb2, target_pb2
-from specdec_rpc.convert import (VERIFY_METHOD_PB, decode_q, draft_block, draft_request, verify_q,
-                                   features_from_proto, features_to_proto, logprobs_from_proto, sampling_to_proto,
-                                   verify_outcome)
+from specdec_rpc.decode import decode_q, draft_block, features_from_proto, logprobs_from_proto, verify_outcome
+from specdec_rpc.encode import VERIFY_METHOD_PB, draft_request, features_to_proto, sampling_to_proto, verify_q
 from specdec.decoding.stop import StopSpec
 from specdec.decoding.verify import SparseDist
 from specdec.state.feature_state import TargetFeatures

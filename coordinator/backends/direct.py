@@ -21,8 +21,8 @@ import grpc
 
 from specdec.scheduling.request import GenerationRequest, GenerationResult, GenerationStats
 from specdec_rpc.aio import within
-from specdec_rpc.convert import (FAILED_TARGET_KEY, logprobs_rows_from_proto, speculate_request,
-                                 stats_from_proto)
+from specdec_rpc.decode import logprobs_rows_from_proto, stats_from_proto
+from specdec_rpc.encode import FAILED_TARGET_KEY, speculate_request
 
 from coordinator.backends.clients import RemoteDraft, RemoteTarget
 

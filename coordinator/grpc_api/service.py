@@ -34,7 +34,7 @@ from coordinator.grpc_api.text_output import TextAssembler
 from coordinator.grpc_api.typed_request import Settings, read
 from specdec.common.errors import ContextOverflowError, InvalidRequestError
 from specdec.scheduling.request import GenerationRequest, PipelineRequest
-from specdec_rpc.convert import sampling_from_proto
+from specdec_rpc.decode import sampling_from_proto
 from specdec_rpc.pb import common_pb2, generation_pb2, generation_pb2_grpc
 
 FINISH = {"length": generation_pb2.FINISH_REASON_LENGTH, "stop": generation_pb2.FINISH_REASON_STOP,
