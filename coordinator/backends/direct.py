@@ -43,12 +43,6 @@ _GONE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode
 REPORT_INTERVAL_MS = 50
 
 
-def runs_direct(req: GenerationRequest) -> bool:
-    """Whether a request can take the direct data plane: a speculative mode, and no prompt logprobs (those come
-    with the target's session start, which the draft replica does not pass on)."""
-    return req.mode != "ar" and req.params.prompt_logprobs < 0
-
-
 class DirectInterrupted(Exception):
     """The `Speculate` call ended before its last message. `failed`: "draft", "target" or "" (no replica is at fault:
     an older draft replica, a lost session, a preemption); `error`: the status it ended with; `preempted`: the
