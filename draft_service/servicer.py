@@ -5,7 +5,8 @@ import grpc
 
 from specdec.common.errors import InvalidRequestError, StalePositionError
 from specdec.decoding.stop import StopSpec, make_stop_rule
-from specdec_rpc.convert import encode_q, features_from_proto, read_sampling
+from specdec_rpc.decode import features_from_proto, read_sampling
+from specdec_rpc.encode import encode_q
 from specdec_rpc.host import SessionHost
 from specdec_rpc.pb import draft_pb2, draft_pb2_grpc
 from specdec_rpc.tracing import CallClock

@@ -41,9 +41,9 @@ from specdec.workers.drafting import DraftBlock
 from specdec.workers.target import VerifyOutcome
 from specdec_rpc.channels import open_channel
 from specdec_rpc.frames import FrameCall, FramePorts
-from specdec_rpc.convert import (FAILED_TARGET_KEY, VERIFY_METHOD_PB, features_from_proto,
-                                 logprobs_rows_to_proto, request_from_speculate, sampling_to_proto, stats_to_proto,
-                                 verify_outcome, verify_q)
+from specdec_rpc.decode import features_from_proto, request_from_speculate, verify_outcome
+from specdec_rpc.encode import (FAILED_TARGET_KEY, VERIFY_METHOD_PB, logprobs_rows_to_proto, sampling_to_proto,
+                                stats_to_proto, verify_q)
 from specdec_rpc.pb import common_pb2, draft_pb2, target_pb2, target_pb2_grpc
 from specdec_rpc.rounds import BusyWaits, RoundStream
 from specdec_rpc.tracing import TRACE_HEADERS, CallClock

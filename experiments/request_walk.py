@@ -6,15 +6,21 @@ target replica over gRPC on localhost, tiny models) with a profile hook on every
 value no other field of the request holds (0.6171875, exact in float32).
 
 - A *stop* is a call of a function of the project with the value reachable from its arguments other than `self`
-  (through attributes, fields, dict values and proto fields, at most three levels down). Its *forms* are the types
-  that hold the value as a field; a stop that returns the value in a type none of its arguments or its object held
-  it in is a *conversion*.
+  (through attributes, fields, dict values and proto fields, at most three levels down). A generator's or a
+  coroutine's first run is its call; its later resumptions are not calls. Its *forms* are the types that hold the
+  value as a field; a stop that returns the value in a type none of its arguments or its object held it in is a
+  *conversion*.
 - The *path* runs from the HTTP door's handler to the target's first `logits_to_probs`, without the draft model's
   own drafting (a branch the target's verify does not depend on). Each stop belongs to the process it would run in
-  deployed: the coordinator, the draft replica or the target replica.
-- A *hand-off* is a stop whose nearest caller in the project is in another file. A hand-off into a file the walk
-  had entered before, with no function of that file still on the stack, *returns to a file it left* (returning to
-  a caller does not).
+  deployed: the coordinator, the draft replica or the target replica (by its thread's name, else by the service its
+  asyncio task entered first).
+- A *hand-off* is a stop whose nearest caller in the project is in another file. Within one call a process serves
+  (the coordinator's request; each RPC a replica serves, from its handler on: what StartSession stored in a
+  session reaches a later Verify through the session, not through calls), a hand-off into a file the walk had
+  entered before, with no function of that file still on the stack, *returns to a file it left*. Returning to a
+  caller does not; nor does a hand-off the walk already made (the same function called from the same file again:
+  the next round's call, or the draft's session started as the target's was), which a reader has already
+  followed.
 
     python experiments/request_walk.py [--mode sd] [--json]
 
@@ -24,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextvars
 import dataclasses
 import inspect
 import json
@@ -41,6 +48,12 @@ PACKAGES = ("specdec", "specdec_rpc", "coordinator", "draft_service", "target_se
 MAX_DEPTH = 3
 MAX_ITEMS = 64
 _RESUMABLE = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR
+SERVICES = (("coordinator/", "coordinator"), ("draft_service/", "draft"), ("target_service/", "target"))
+# a replica's RPC handlers (named as the service's methods): each call into one from outside the file (the gRPC
+# interceptor, a per-round stream's reader, the frame port) begins a call the replica serves
+DOORS = {"draft_service/servicer.py": "draft", "target_service/servicer.py": "target"}
+# the process an asyncio task's calls belong to: the first service package the task (or the one that made it) ran
+_PROCESS: contextvars.ContextVar[str] = contextvars.ContextVar("process", default="")
 
 
 def _is_value(v) -> bool:
@@ -108,6 +121,8 @@ class Stop:
     function: str
     thread: str
     forms: list[str]
+    process: str = ""  # the service whose asyncio task made the call ("": a thread's, known by its name or stack)
+    door: bool = False  # a call a replica serves begins here (its servicer's handler), the value in it or not
     stack: list[str] = dataclasses.field(default_factory=list)  # the project files its callers are in (this thread)
     returned: list[str] = dataclasses.field(default_factory=list)  # forms of the return value that args lacked
 
@@ -119,6 +134,7 @@ class Walk:
         self._open: dict[int, tuple[Stop | None, set[str]]] = {}
         self._files: dict[str, str | None] = {}  # a code object's file -> its path in the project (None: not in it)
         self._lock = threading.Lock()
+        self._resumed: dict[int, object] = {}  # id(frame) -> frame of each generator and coroutine begun
         self.on = False
 
     def _rel(self, filename: str) -> str | None:
@@ -136,10 +152,20 @@ class Walk:
         rel = self._rel(frame.f_code.co_filename)
         if rel is None:
             return
-        resumable = frame.f_code.co_flags & _RESUMABLE
-        if resumable and (event == "return" or frame.f_lasti > 0):  # a generator resumed or suspended, not called
-            return
+        if frame.f_code.co_flags & _RESUMABLE:  # a generator or coroutine: its first run is its call
+            if event == "return" or id(frame) in self._resumed:  # suspended, or resumed: neither is a call
+                return
+            self._resumed[id(frame)] = frame  # held: its id stays its own while the walk runs
         if event == "call":
+            if not _PROCESS.get():
+                for pkg, name in SERVICES:
+                    if rel.startswith(pkg):
+                        _PROCESS.set(name)
+            name = frame.f_code.co_name
+            if rel in DOORS and name[:1].isupper() and self._callers(frame)[:1] != [rel]:
+                with self._lock:
+                    self.stops.append(Stop(rel, frame.f_code.co_qualname, threading.current_thread().name, [],
+                                           DOORS[rel], door=True))
             forms = set()
             names = frame.f_code.co_varnames[:frame.f_code.co_argcount + frame.f_code.co_kwonlyargcount]
             bound = names[:1] in (("self",), ("cls",))
@@ -151,7 +177,7 @@ class Walk:
             stop = None
             if forms:
                 stop = Stop(rel, frame.f_code.co_qualname, threading.current_thread().name, sorted(forms),
-                            self._callers(frame))
+                            _PROCESS.get(), stack=self._callers(frame))
                 with self._lock:
                     self.stops.append(stop)
             if forms or own:
@@ -162,7 +188,7 @@ class Walk:
         if not new:
             return
         if stop is None:  # the value's holder made from arguments that held it bare (or from text)
-            stop = Stop(rel, frame.f_code.co_qualname, threading.current_thread().name, [])
+            stop = Stop(rel, frame.f_code.co_qualname, threading.current_thread().name, [], _PROCESS.get())
             with self._lock:
                 self.stops.append(stop)
         stop.returned = sorted(new)
@@ -250,11 +276,14 @@ def path_to_verify(stops: list[Stop]) -> list[Stop]:
 
 def role(stop: Stop) -> str:
     """The process a stop belongs to in a deployment: the coordinator, the draft replica or the target replica (by
-    its thread, else by the outermost service package on its stack)."""
+    its thread: a model's; else by its asyncio task: the service the task, or the task that made it, entered first;
+    else by the outermost service package on its stack: a worker thread's)."""
     if stop.thread.startswith(("draft-", "target-")):
         return stop.thread.split("-")[0]
+    if stop.process:
+        return stop.process
     for f in reversed([stop.file] + stop.stack):
-        for pkg, name in (("coordinator/", "coordinator"), ("draft_service/", "draft"), ("target_service/", "target")):
+        for pkg, name in SERVICES:
             if f.startswith(pkg):
                 return name
     return "coordinator"
@@ -275,21 +304,35 @@ def handoffs(stops: list[Stop]) -> list[Stop]:
     project is in another file. Calls within a file, and calls from outside the project (a framework calling a
     validator, a thread pool running a task), are not hand-offs; a function that returns the value from its own
     state (a session table's lookup) hands nothing on."""
-    return [s for s in stops if s.stack and s.stack[0] != s.file]
+    return [s for s in stops if s.stack and s.stack[0] != s.file and not s.door]
+
+
+def _edge(s: Stop) -> str:
+    return f"{s.stack[0]} -> {s.file}:{s.function}"
 
 
 def revisits(stops: list[Stop]) -> dict[str, list[str]]:
-    """Per process: the hand-offs into a file the walk had left, where no function of that file is still on the
-    stack (a return to the caller is not a revisit; a second call into a file once its functions have returned
-    is)."""
+    """Per call a process serves (the coordinator's request; each call a replica serves, from its door: what a
+    replica's session stored at StartSession reaches a later call through the session, not through calls): the
+    hand-offs into a file the walk had left, where no function of that file is still on the stack. A return to the
+    caller is not one; a second call into a file once its functions have returned is, unless it is a hand-off
+    the walk already made (the same function called from the same file again: the next round's call, or the
+    draft's session started as the target's was), which a reader has already followed."""
     out: dict[str, list[str]] = {}
     entered: dict[str, set[str]] = {}
-    for s in handoffs(stops):
-        files = entered.setdefault(role(s), set())
-        if s.file in files and s.file not in s.stack:
-            out.setdefault(role(s), []).append(f"{s.stack[0]} -> {s.file}:{s.function}")
-        files.add(s.file)
-        files.add(s.stack[0])
+    taken: dict[str, set[str]] = {}
+    hand = {id(s) for s in handoffs(stops)}
+    for s in stops:
+        if s.door:
+            entered[role(s)] = set()
+            taken[role(s)] = set()
+        if id(s) not in hand:
+            continue
+        files, edges = entered.setdefault(role(s), set()), taken.setdefault(role(s), set())
+        if s.file in files and s.file not in s.stack and _edge(s) not in edges:
+            out.setdefault(role(s), []).append(_edge(s))
+        files.update((s.file, s.stack[0]))
+        edges.add(_edge(s))
     return out
 
 
@@ -303,6 +346,9 @@ def main(argv=None) -> None:
         print(json.dumps([dataclasses.asdict(s) for s in stops], indent=1))
         return
     for s in stops:
+        if s.door:
+            print(f"{role(s)[:6]:6} {s.thread[:14]:14} -- serves {s.function} ({s.file})")
+            continue
         conv = f"  -> {', '.join(s.returned)}" if s.returned else ""
         print(f"{role(s)[:6]:6} {s.thread[:14]:14} {s.file}:{s.function}  [{', '.join(s.forms)}]{conv}")
     forms = forms_in_order(stops)

@@ -135,22 +135,21 @@ class SessionHost:
         return self.worker.session_length(sid), ns, out, self.worker.sessions[sid].cached_tokens
 
     async def _start_interleaved(self, sid, evicted, prompt_ids, params, output_start: int = 0):
-        def open_():
-            for e in evicted:
+        steps = self.worker.start_steps(sid, prompt_ids, params, output_start=output_start)
+
+        def step(end=()):
+            for e in end:
                 self.worker.end_session(e)
             t0 = time.perf_counter_ns()
-            s = self.worker.open_session(sid, prompt_ids, params, output_start=output_start)
-            return s, self.worker.prefill_ranges(s, prompt_ids), time.perf_counter_ns() - t0
+            return next(steps, None), time.perf_counter_ns() - t0
 
-        def chunk(s, start, end):
-            t0 = time.perf_counter_ns()
-            self.worker.prefill_chunk_of(s, prompt_ids, start, end)
-            return time.perf_counter_ns() - t0
-
-        s, ranges, ns = await self.runner.run(open_)
-        for start, end in ranges:
+        s, ns = await self.runner.run(step, evicted)  # the session opened
+        while True:
             self.table.touch(sid)  # a long prefill is use: LRU eviction must not pick this session meanwhile
-            ns += await self.runner.run(chunk, s, start, end)
+            more, took = await self.runner.run(step)  # one forward of its prefill
+            ns += took
+            if more is None:
+                break
         # this call's session, not the id's: a later StartSession of the same id may have replaced it meanwhile
         return s.length(), ns, None, s.cached_tokens
 

@@ -5,8 +5,8 @@ import grpc
 
 from specdec.common.errors import InvalidRequestError
 from specdec.workers.target import VerifyArgs
-from specdec_rpc.convert import (decode_q, dense_q_to_sparse, features_to_proto, logprobs_to_proto,
-                                   read_sampling, tensor_from_proto)
+from specdec_rpc.decode import decode_q, dense_q_to_sparse, read_sampling, tensor_from_proto
+from specdec_rpc.encode import features_to_proto, logprobs_to_proto
 from specdec_rpc.host import ROUNDS_WAITING, SessionHost
 from specdec_rpc.pb import common_pb2, target_pb2, target_pb2_grpc
 from specdec_rpc.tracing import CallClock
@@ -55,7 +55,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         self.host.touch(request.session_id)
         if request.method not in _METHODS:
             raise InvalidRequestError("method", f"unknown VerifyMethod {request.method}; use GREEDY, TOKEN or BLOCK")
-        which = request.WhichOneof("draft_q")  # greedy sessions' callers send none (specdec_rpc/convert.py)
+        which = request.WhichOneof("draft_q")  # greedy sessions' callers send none (specdec_rpc/encode.py: verify_q)
         q = (decode_q(request.q) if which == "q" else
              dense_q_to_sparse(tensor_from_proto(request.q_dense, "q_dense")) if which == "q_dense" else None)
         args = VerifyArgs(request.session_id, request.base_position, list(request.feed_ids),

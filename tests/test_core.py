@@ -212,7 +212,7 @@ def test_the_next_token_alone_comes_from_the_stored_row(tiny_pair):
 
 
 def test_bad_input_errors(tiny_pair):
-    from specdec_rpc.convert import read_sampling
+    from specdec_rpc.decode import read_sampling
     from specdec_rpc.pb import common_pb2
 
     target, draft = tiny_pair

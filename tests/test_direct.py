@@ -190,7 +190,7 @@ async def test_an_old_style_speculate_request_gives_the_same_tokens(direct, mode
     the same tokens (greedy: the target's own) and, for the sequential modes, the same counts."""
     from specdec.decoding.sampling import SamplingParams
     from specdec.scheduling.request import GenerationRequest
-    from specdec_rpc.convert import speculate_request
+    from specdec_rpc.encode import speculate_request
 
     d1, _ = direct["drafts"]
     t1, _ = direct["targets"]

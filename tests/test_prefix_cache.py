@@ -263,7 +263,7 @@ def test_a_cache_salt_keeps_prefixes_apart():
     w.end_session("b")
     w.start_session("b2", prompt, SamplingParams(cache_salt="tenant-b"))  # from b's free slot
     assert w.sessions["b2"].cached_tokens == 12
-    from specdec_rpc.convert import read_sampling
+    from specdec_rpc.decode import read_sampling
     from specdec_rpc.pb import common_pb2
 
     with pytest.raises(Exception, match="cache_salt"):  # a replica's read of what it is sent refuses it

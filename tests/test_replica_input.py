@@ -16,7 +16,7 @@ from specdec.common.errors import InvalidRequestError
 from specdec.decoding.sampling import SamplingParams
 from specdec.engine import Engine
 from specdec.scheduling.request import GenerationRequest
-from specdec_rpc.convert import decode_q, dense_q_to_sparse, tensor_from_proto
+from specdec_rpc.decode import decode_q, dense_q_to_sparse, tensor_from_proto
 from specdec_rpc.pb import common_pb2 as cp, draft_pb2 as dp, draft_pb2_grpc as dg, target_pb2 as tp
 from specdec_rpc.pb import target_pb2_grpc as tg
 from tests.helpers_models import start_replica, target_greedy, tiny_pair

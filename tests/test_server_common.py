@@ -23,7 +23,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc  # noqa:
 
 from specdec.common import errors  # noqa: E402
 from specdec.state.sessions import SessionTable  # noqa: E402
-from specdec_rpc import convert  # noqa: E402
+from specdec_rpc import decode, encode  # noqa: E402
 from specdec_rpc.app import ServerApp  # noqa: E402
 from specdec_rpc.metrics import ServiceMetrics  # noqa: E402
 from specdec_rpc.pb import common_pb2  # noqa: E402
@@ -44,18 +44,18 @@ def test_gen_protos_check_passes():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int32, torch.int64])
 def test_tensor_roundtrip(dtype):
     t = (torch.randn(3, 5) * 10).to(dtype)
-    msg = convert.tensor_to_proto(t)
+    msg = encode.tensor_to_proto(t)
     assert list(msg.shape) == [3, 5]
-    back = convert.tensor_from_proto(common_pb2.Tensor.FromString(msg.SerializeToString()))
+    back = decode.tensor_from_proto(common_pb2.Tensor.FromString(msg.SerializeToString()))
     assert back.dtype == dtype and torch.equal(back, t)
 
 
 def test_tensor_bad_size_is_invalid():
     msg = common_pb2.Tensor(data=b"\x00" * 7, dtype=common_pb2.DTYPE_FLOAT32, shape=[2])
     with pytest.raises(errors.InvalidRequestError, match="needs 8"):
-        convert.tensor_from_proto(msg)
+        decode.tensor_from_proto(msg)
     with pytest.raises(errors.InvalidRequestError, match="dtype"):
-        convert.tensor_from_proto(common_pb2.Tensor(data=b"", shape=[0]))
+        decode.tensor_from_proto(common_pb2.Tensor(data=b"", shape=[0]))
 
 
 def test_sparse_q_roundtrip_and_size():
@@ -63,33 +63,33 @@ def test_sparse_q_roundtrip_and_size():
 
     q = [SparseDist(ids=torch.tensor([3, 17, 40000]), probs=torch.tensor([0.5, 0.25, 0.25])),
          SparseDist(ids=torch.tensor([9]), probs=torch.tensor([1.0]))]
-    data = convert.encode_q(q)
+    data = encode.encode_q(q)
     assert len(data) < 8 * 4 + 16  # 8 bytes per entry plus a few bytes of framing
-    back = convert.decode_q(data)
+    back = decode.decode_q(data)
     assert len(back) == 2
     for a, b in zip(q, back):
         assert torch.equal(a.ids, b.ids) and b.ids.dtype == torch.int64
         assert torch.equal(a.probs.float(), b.probs) and b.probs.dtype == torch.float32
-    assert convert.decode_q(b"") == []
+    assert decode.decode_q(b"") == []
 
 
-@pytest.mark.parametrize("bad", [b"\xc1", b"\x01", convert.msgpack.packb([[b"\0" * 4, b"\0" * 8]])])
+@pytest.mark.parametrize("bad", [b"\xc1", b"\x01", encode.msgpack.packb([[b"\0" * 4, b"\0" * 8]])])
 def test_sparse_q_malformed_is_invalid(bad):
     with pytest.raises(errors.InvalidRequestError, match="q"):
-        convert.decode_q(bad)
+        decode.decode_q(bad)
 
 
 def test_dense_q_to_sparse_keeps_support():
     dense = torch.tensor([[0.0, 0.7, 0.0, 0.3], [1.0, 0.0, 0.0, 0.0]])
-    sp = convert.dense_q_to_sparse(dense)
+    sp = decode.dense_q_to_sparse(dense)
     assert sp[0].ids.tolist() == [1, 3] and torch.allclose(sp[0].probs, torch.tensor([0.7, 0.3]))
     assert sp[1].ids.tolist() == [0]
 
 
 def test_sampling_params_top_p_unset_means_one():
-    p = convert.sampling_from_proto(common_pb2.SamplingParams(temperature=0.5, seed=3))
+    p = decode.sampling_from_proto(common_pb2.SamplingParams(temperature=0.5, seed=3))
     assert p.top_p == 1.0 and p.temperature == 0.5 and p.seed == 3
-    p = convert.sampling_from_proto(common_pb2.SamplingParams(top_p=0.9))
+    p = decode.sampling_from_proto(common_pb2.SamplingParams(top_p=0.9))
     assert abs(p.top_p - 0.9) < 1e-6
 
 

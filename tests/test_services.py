@@ -26,7 +26,8 @@ except ImportError:  # stubs are generated at install time (`make proto`); gener
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc  # noqa: E402
 
-from specdec_rpc.convert import decode_q, sampling_to_proto as sampling_pb  # noqa: E402
+from specdec_rpc.decode import decode_q  # noqa: E402
+from specdec_rpc.encode import sampling_to_proto as sampling_pb  # noqa: E402
 from draft_service.config import DraftSettings  # noqa: E402
 from draft_service.server import build_app as build_draft  # noqa: E402
 from specdec.decoding.sampling import SamplingParams  # noqa: E402
@@ -520,7 +521,7 @@ async def test_load_from_dir_with_dtype_and_device(models, tmp_path, device):
 
 
 async def test_dense_q_tensor_equals_sparse_q(stack):
-    from specdec_rpc.convert import tensor_to_proto
+    from specdec_rpc.encode import tensor_to_proto
 
     gen = torch.Generator().manual_seed(9)
     targets = {sid: stack.remote_target() for sid in ("sp", "de")}

@@ -16,7 +16,8 @@ from coordinator.grpc_api.service import GenerationServicer
 from specdec.common.errors import InvalidRequestError
 from specdec.scheduling.request import (MODE_PAIRS, MODES, DraftStop, Overlap, PipelineRequest, Speculation, mode_name,
                                         mode_pair)
-from specdec_rpc.convert import request_from_speculate, speculate_request
+from specdec_rpc.decode import request_from_speculate
+from specdec_rpc.encode import speculate_request
 from specdec_rpc.pb import common_pb2 as c, draft_pb2, generation_pb2 as g, generation_pb2_grpc as gg
 
 STOP_PB = {DraftStop.NONE: c.DRAFT_STOP_NONE, DraftStop.FIXED: c.DRAFT_STOP_FIXED,
@@ -142,7 +143,8 @@ def test_the_replicas_receive_the_message_the_coordinator_completed():
     """The pipeline's SamplingParams keep the message they were read from, with what the coordinator derived, and
     a transport sends that message rather than a new one; a copy with a changed field, or one that crossed a
     process, has none and is written anew, the same settings either way."""
-    from specdec_rpc.convert import sampling_from_proto, sampling_to_proto
+    from specdec_rpc.decode import sampling_from_proto
+    from specdec_rpc.encode import sampling_to_proto
 
     r = old_style("sd", stop_token_ids=[7])  # min_tokens=1: the stop ids go to the replicas
     params = GenerationServicer(router=None, eos_token_ids={9}).prepare(r).request.generation.params

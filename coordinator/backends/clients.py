@@ -35,9 +35,8 @@ import grpc
 from specdec.common.errors import SessionNotFoundError
 from specdec.decoding.sampling import SamplingParams
 from specdec_rpc.pb import draft_pb2, target_pb2
-from specdec_rpc.convert import (VERIFY_METHOD_PB, decode_q, draft_block, draft_request, verify_q,
-                                   features_from_proto, features_to_proto, logprobs_from_proto, sampling_to_proto,
-                                   verify_outcome)
+from specdec_rpc.decode import decode_q, draft_block, features_from_proto, logprobs_from_proto, verify_outcome
+from specdec_rpc.encode import VERIFY_METHOD_PB, draft_request, features_to_proto, sampling_to_proto, verify_q
 from specdec.decoding.stop import StopSpec
 from specdec.decoding.verify import SparseDist
 from specdec.state.feature_state import TargetFeatures
@@ -49,8 +48,7 @@ from coordinator.channels import Channels
 from coordinator.routing.pool import DraftContextError
 from coordinator.routing.probes import end_session_request
 from coordinator.backends.retries import FULL_WAITS, MAX_FAILOVERS, retryable
-from coordinator.backends.moves import (PoolView, after_call, before_call, end_in_background, end_later,
-                                        take_room)
+from coordinator.backends.moves import PoolView, end_in_background, end_later, replica_call, take_room
 
 log = logging.getLogger(__name__)
 
@@ -127,8 +125,7 @@ class _Pinned:
     async def start(self, session_id: str, prompt_ids: list[int], params: SamplingParams, **extra):
         """Pin a replica (unless `probe` did) and start the session there; → the StartSession response."""
         self.sid, self.params = session_id, params
-        self.in_call += 1  # a sibling's preemption waits for the prefill (coordinator/backends/moves.py)
-        try:
+        async with replica_call(self):  # a sibling's preemption waits for the prefill (moves.py)
             if self.endpoint is None:
                 await self.pin()
             full_waits = 0
@@ -147,8 +144,6 @@ class _Pinned:
                         raise DraftContextError(f"the draft replica cannot hold this request: {e.details()}") from None
                     else:
                         raise
-        finally:
-            await after_call(self)
 
     async def _next_replica(self, e: BaseException, waits: int) -> int:
         """The replica refused a session for want of room the pool did not count (another coordinator's sessions,
@@ -298,12 +293,9 @@ class RemoteDraft(_Pinned):
         async def rebuild():
             await self._start_on(self.fed[:base_position] + append[:1])
 
-        await before_call(self, rebuild)
-        try:
+        async with replica_call(self, rebuild):
             r = await self._with_failover(lambda: self.rounds.call(self.endpoint, req, self._unary_draft), rebuild,
                                           lambda r: r.draft_ns)
-        finally:
-            await after_call(self)
         blk = draft_block(r)
         self.fed = self.fed[:base_position] + list(append) + blk.tokens[:-1]
         return blk
@@ -320,44 +312,43 @@ class RemoteDraft(_Pinned):
         async def rebuild():
             await self._start_on(self.fed[:base_position] + append[:1])
 
-        await before_call(self, rebuild)
-        try:
-            while True:
-                t0, compute, skip = time.perf_counter_ns(), 0, len(got)
-                call = self._call = self._stub().DraftStream(req, timeout=self.timeout, metadata=self.metadata)
-                try:
-                    async for r in call:
-                        compute += r.draft_ns
-                        toks, q = list(r.token_ids), None
-                        if skip:  # a resumed stream re-drafts the same tokens: drop what was delivered
-                            n = min(skip, len(toks))
-                            skip -= n
-                            toks = toks[n:]
-                            if not toks:
-                                continue
-                            q = decode_q(r.q, check=False)[n:]
-                        got.extend(toks)
-                        yield draft_block(r, toks, q)
-                    return
-                except asyncio.CancelledError:
-                    task = asyncio.current_task()
-                    if self._cancelled and not (task is not None and task.cancelling()):
-                        return  # our own cancel(): the stream simply ends
-                    raise
-                except grpc.aio.AioRpcError as e:
-                    if e.code() == grpc.StatusCode.CANCELLED and self._cancelled:
+        async with replica_call(self, rebuild):
+            try:
+                while True:
+                    t0, compute, skip = time.perf_counter_ns(), 0, len(got)
+                    call = self._call = self._stub().DraftStream(req, timeout=self.timeout, metadata=self.metadata)
+                    try:
+                        async for r in call:
+                            compute += r.draft_ns
+                            toks, q = list(r.token_ids), None
+                            if skip:  # a resumed stream re-drafts the same tokens: drop what was delivered
+                                n = min(skip, len(toks))
+                                skip -= n
+                                toks = toks[n:]
+                                if not toks:
+                                    continue
+                                q = decode_q(r.q, check=False)[n:]
+                            got.extend(toks)
+                            yield draft_block(r, toks, q)
                         return
-                    if not got and await busy.waited_for_room(e):  # refused before drafting anything
-                        continue
-                    await self._recover(e)
-                    await rebuild()
-                finally:
-                    self.network_ns += max(0, time.perf_counter_ns() - t0 - compute)
-        finally:
-            self._call = None
-            # the replica holds base + append + every delivered token but the last (at least)
-            self.fed = self.fed[:base_position] + list(append) + got[:-1]
-            await after_call(self)
+                    except asyncio.CancelledError:
+                        task = asyncio.current_task()
+                        if self._cancelled and not (task is not None and task.cancelling()):
+                            return  # our own cancel(): the stream simply ends
+                        raise
+                    except grpc.aio.AioRpcError as e:
+                        if e.code() == grpc.StatusCode.CANCELLED and self._cancelled:
+                            return
+                        if not got and await busy.waited_for_room(e):  # refused before drafting anything
+                            continue
+                        await self._recover(e)
+                        await rebuild()
+                    finally:
+                        self.network_ns += max(0, time.perf_counter_ns() - t0 - compute)
+            finally:
+                self._call = None
+                # the replica holds base + append + every delivered token but the last (at least)
+                self.fed = self.fed[:base_position] + list(append) + got[:-1]
 
     async def cancel(self, session_id: str) -> None:
         self._cancelled = True
@@ -414,11 +405,8 @@ class RemoteTarget(_Pinned):
                                            sample_bonus=sample_bonus, q=q_bytes)
             return self.rounds.call(self.endpoint, req, self._unary_verify)
 
-        await before_call(self, rebuild)
-        try:
+        async with replica_call(self, rebuild):
             r = await self._with_failover(call, rebuild, lambda r: r.forward_ns + r.verify_ns + r.queue_ns)
-        finally:
-            await after_call(self)
         kept = base + len(fd) + (r.num_accepted if feed_draft else 0)
         self.fed = (self.fed[:base] + fd + (list(draft) if feed_draft else []))[:kept]
         return verify_outcome(r)

@@ -21,8 +21,8 @@ import grpc
 
 from specdec.scheduling.request import GenerationRequest, GenerationResult, GenerationStats
 from specdec_rpc.aio import within
-from specdec_rpc.convert import (FAILED_TARGET_KEY, logprobs_rows_from_proto, speculate_request,
-                                 stats_from_proto)
+from specdec_rpc.decode import logprobs_rows_from_proto, stats_from_proto
+from specdec_rpc.encode import FAILED_TARGET_KEY, speculate_request
 
 from coordinator.backends.clients import RemoteDraft, RemoteTarget
 
@@ -41,12 +41,6 @@ _GONE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode
 # wake-up and a decode each round, for nothing the caller sees. The price: a failover redoes at most this much
 # work (it resumes from the tokens delivered). Streamed requests, and those with stop strings, get every round's.
 REPORT_INTERVAL_MS = 50
-
-
-def runs_direct(req: GenerationRequest) -> bool:
-    """Whether a request can take the direct data plane: a speculative mode, and no prompt logprobs (those come
-    with the target's session start, which the draft replica does not pass on)."""
-    return req.mode != "ar" and req.params.prompt_logprobs < 0
 
 
 class DirectInterrupted(Exception):

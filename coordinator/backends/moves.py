@@ -12,6 +12,7 @@ room again at its own next call, the draft before the target (the order a new re
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 
 from specdec.common.errors import CapacityError
@@ -55,43 +56,47 @@ class PoolView:
 # `holding`, `in_call`, `give_up`, `gave_up`, `rebuild_due`, `sibling`, `room_lock`) and its replica calls (`pin`,
 # `release`, `end_on`). `rebuild` (a coroutine function) builds the session again on the pinned replica.
 
-async def before_call(b, rebuild) -> None:
-    """Before a replica call: take room again after a preemption, yield to a waiter of higher priority, or move off
-    a replica that left the pool. The call counts as in flight from here (`after_call` ends it): a sibling's
-    preemption must not end a session this is rebuilding (its StartSession would fail NOT_FOUND; found by
-    scripts/soak.py), so it leaves `give_up` for the call's end instead."""
+@contextlib.asynccontextmanager
+async def replica_call(b, rebuild=None):
+    """One replica call of `b`, in flight for the `async with` block. Before it (`rebuild`: how the call's session
+    is started again where it was given up): take room again after a preemption, yield to a waiter of higher
+    priority, or move off a replica that left the pool; a session's start (no `rebuild`) only counts as in flight.
+    A sibling's preemption must not end a session while a call of it is in flight (a rebuilding StartSession would
+    fail NOT_FOUND; found by scripts/soak.py): it leaves `give_up` for the call's end, which gives the session up
+    then."""
     b.in_call += 1
     try:
-        if b.endpoint is None and b.sid:  # given up with its sibling's preemption
-            await take_room(b, rebuild)
-        elif b.rebuild_due:
-            b.rebuild_due = False
-            await rebuild()
-        elif (b.endpoint is not None and b.view.preempts(b.kind, b.holding)
-              and await b.pool.marked(b.kind, b.holding)):  # the view may be a refresh old
-            await _yield_session(b, rebuild)
-        elif b.endpoint is not None and b.view.gone(b.kind, b.endpoint):
-            old = b.endpoint
-            log.info("%s replica %s left the pool; moving session %s", b.kind, old, b.sid)
-            await b.release(old)
-            b.failed.append(old)
-            await b.pin()
-            await rebuild()
-            end_later(b, old)  # best effort: free its slot if it is still up
-    except BaseException:
+        if rebuild is not None:
+            await _before_call(b, rebuild)
+        yield
+    finally:
         b.in_call -= 1
-        raise
+        if b.give_up and not b.in_call:
+            await give_up_session(b)
+
+
+async def _before_call(b, rebuild) -> None:
+    if b.endpoint is None and b.sid:  # given up with its sibling's preemption
+        await take_room(b, rebuild)
+    elif b.rebuild_due:
+        b.rebuild_due = False
+        await rebuild()
+    elif (b.endpoint is not None and b.view.preempts(b.kind, b.holding)
+          and await b.pool.marked(b.kind, b.holding)):  # the view may be a refresh old
+        await _yield_session(b, rebuild)
+    elif b.endpoint is not None and b.view.gone(b.kind, b.endpoint):
+        old = b.endpoint
+        log.info("%s replica %s left the pool; moving session %s", b.kind, old, b.sid)
+        await b.release(old)
+        b.failed.append(old)
+        await b.pin()
+        await rebuild()
+        end_later(b, old)  # best effort: free its slot if it is still up
 
 
 def end_later(b, endpoint: str) -> None:
     """End `b`'s session on a replica it moved off, in the background (the move does not wait for it)."""
     end_in_background(b.end_on(endpoint))
-
-
-async def after_call(b) -> None:
-    b.in_call -= 1
-    if b.give_up and not b.in_call:
-        await give_up_session(b)
 
 
 async def _yield_session(b, rebuild) -> None:

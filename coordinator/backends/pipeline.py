@@ -32,7 +32,7 @@ from coordinator.routing.affinity import prefix_keys
 from coordinator.channels import Channels
 from coordinator.backends.clients import RemoteDraft, RemoteTarget
 from coordinator.routing.pool import DraftContextError, ReplicaUnavailableError
-from coordinator.backends.direct import REPORT_INTERVAL_MS, DirectInterrupted, run_direct, runs_direct
+from coordinator.backends.direct import REPORT_INTERVAL_MS, DirectInterrupted, run_direct
 from coordinator.backends.moves import PoolView, end_in_background, ending, yield_direct
 from coordinator.events import DoneEvent, ErrorEvent, Event, RequestStats, Served, ServedEvent, TokensEvent
 
@@ -196,9 +196,11 @@ class Pipeline:
         self._fallback_warned = float("-inf")
 
     def _runs_direct(self, req: GenerationRequest) -> bool:
-        """Whether the draft replica runs `req`'s rounds (`data_plane`: direct, or auto and a sequential mode)."""
+        """Whether the draft replica runs `req`'s rounds (`data_plane`: direct, or auto and a sequential mode): a
+        speculative mode without prompt logprobs (those come with the target's session start, which the draft
+        replica does not pass on)."""
         wanted = self.data_plane == "direct" or (self.data_plane == "auto" and req.sequential_calls)
-        return wanted and runs_direct(req)
+        return wanted and req.mode != "ar" and req.params.prompt_logprobs < 0
 
     async def _refresh_view(self):
         while True:

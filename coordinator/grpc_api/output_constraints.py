@@ -53,7 +53,7 @@ class OutputConstraints:
         `check_grammar` checks it against the tokenizer."""
         if not r.HasField("structured_output"):
             return ""
-        from specdec_rpc.convert import structured_from_proto
+        from specdec_rpc.decode import structured_from_proto
 
         form = structured_from_proto(r.structured_output)
         if r.ignore_eos:

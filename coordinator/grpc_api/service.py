@@ -35,7 +35,7 @@ from coordinator.grpc_api.typed_request import Settings, read
 from coordinator.events import DoneEvent, ErrorEvent, RequestStats, Served, ServedEvent, TokensEvent
 from specdec.common.errors import ContextOverflowError, InvalidRequestError
 from specdec.scheduling.request import GenerationRequest, PipelineRequest
-from specdec_rpc.convert import sampling_from_proto
+from specdec_rpc.decode import sampling_from_proto
 from specdec_rpc.pb import common_pb2, generation_pb2, generation_pb2_grpc
 
 FINISH = {"length": generation_pb2.FINISH_REASON_LENGTH, "stop": generation_pb2.FINISH_REASON_STOP,
@@ -211,30 +211,28 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                              skip_special_tokens=not r.HasField("skip_special_tokens") or r.skip_special_tokens)
 
     # -- events → responses ---------------------------------------------------------------------------------
-    def generate(self, r: generation_pb2.GenerateRequest, incremental: bool = True, metadata=()):
+    async def generate(self, r: generation_pb2.GenerateRequest, incremental: bool = True, metadata=()):
         """The generation service's one method, which both front doors call (gRPC below, HTTP in
         coordinator/http_api/backend.py): yields GenerateStreamResponses, the last one with finish_reason and stats;
         a failure is raised (GenerationFailed, or a specdec error such as InvalidRequestError). `incremental=False`
         (a whole answer without stop strings: nothing to send or check before the end): the pipeline sends no
         per-round events, only the final one, which carries every token. `metadata`: the (key, value) pairs of the
         call (gRPC metadata, or the HTTP request's trace headers). With a tracer, the generation is one span
-        (coordinator/tracing.py); without one, nothing wraps the responses."""
-        if self.tracer is None:
-            return self._respond(r, incremental, None)
-        return self._traced(r, incremental, metadata)
+        (coordinator/tracing.py), ended with the error that ended the generation, if one did."""
+        trace = None
+        if self.tracer is not None:
+            from coordinator.tracing import RequestTrace
 
-    async def _traced(self, r, incremental: bool, metadata):
-        from coordinator.tracing import RequestTrace
-
-        trace = RequestTrace(self.tracer, metadata)
+            trace = RequestTrace(self.tracer, metadata)
         try:
             async with contextlib.aclosing(self._respond(r, incremental, trace)) as responses:
                 async for resp in responses:
                     yield resp
         except BaseException as e:
-            trace.end(trace.request, error=trace.error or (
-                "the client went away" if isinstance(e, (GeneratorExit, asyncio.CancelledError)) else
-                f"{type(e).__name__}: {e}"))
+            if trace is not None:
+                trace.end(trace.request, error=trace.error or (
+                    "the client went away" if isinstance(e, (GeneratorExit, asyncio.CancelledError)) else
+                    f"{type(e).__name__}: {e}"))
             raise
 
     async def _context_len(self) -> None:

@@ -7,13 +7,13 @@ which still work; a request that sends a setting both ways with different values
 
 - `sampling`: the request's own SamplingParams message, completed with the flat fields it sent instead. It stays a
   message: the coordinator adds what it derives (the grammar, stop ids, bad words as token ids), reads the core's
-  SamplingParams from it (specdec_rpc.convert.sampling_from_proto), and the replicas receive this message as it
+  SamplingParams from it (specdec_rpc.decode.sampling_from_proto), and the replicas receive this message as it
   is, whichever process forwards it.
 - `speculation`: the core's Speculation, with the coordinator's defaults for what the request leaves unset.
 
 Every value is checked by specdec/scheduling/field_rules.py's table where it lies, in the messages (`MessageFields`),
 under the name the request sent it by (`sampling.temperature`, or `temperature`). The speculation enums' values are
-specdec_rpc/convert.py's tables, which the draft replica reads a SpeculateRequest's `speculation` by too. Pure: no
+specdec_rpc/encode.py's tables, which the draft replica reads a SpeculateRequest's `speculation` by too. Pure: no
 grpc.
 """
 from __future__ import annotations
@@ -26,7 +26,8 @@ from specdec.common.errors import InvalidRequestError
 from specdec.scheduling.field_rules import REQUEST_RULES, check
 from specdec.scheduling.request import (DEFAULT_GAMMA, MODE_PAIRS, PEARL_OVERLAP, DraftStop, Overlap, Speculation,
                                         mode_name, mode_pair)
-from specdec_rpc.convert import DRAFT_STOP, OVERLAP, VERIFY_METHOD, enum_member
+from specdec_rpc.decode import enum_member
+from specdec_rpc.encode import DRAFT_STOP, OVERLAP, VERIFY_METHOD
 from specdec_rpc.pb import common_pb2
 
 # SamplingParams' fields a request sets (the deprecated flat fields of GenerateRequest have the same names)

@@ -30,7 +30,7 @@ from coordinator.http_api.structured import ToolChoice, response_format_pb, stru
 from coordinator.grpc_api.tool_parsers import needs_special_tokens
 from specdec.scheduling import field_rules
 from specdec.scheduling.request import Overlap, mode_pair
-from specdec_rpc.convert import DRAFT_STOP_PB, OVERLAP_PB, VERIFY_METHOD_PB
+from specdec_rpc.encode import DRAFT_STOP_PB, OVERLAP_PB, VERIFY_METHOD_PB
 from specdec_rpc.pb import common_pb2, generation_pb2
 
 MAX_N = 16  # choices per request: each is its own generation (they batch on the target like separate requests)

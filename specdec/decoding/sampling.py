@@ -81,7 +81,7 @@ class SamplingParams:
     allowed_token_ids: tuple[int, ...] = ()
     # vLLM's bad_words, as token id sequences: no output ends with one of them (specdec/decoding/penalties.py)
     bad_words: tuple[tuple[int, ...], ...] = ()
-    # the message these were read from (specdec_rpc.convert.sampling_from_proto), which transports forward as it
+    # the message these were read from (specdec_rpc.decode.sampling_from_proto), which transports forward as it
     # came rather than writing a new one; None: built in process. Not a setting: equality and copies ignore it
     source: object = field(default=None, init=False, repr=False, compare=False)
 

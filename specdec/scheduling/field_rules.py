@@ -13,7 +13,7 @@ Who applies the table: each door a request comes in by, once; what runs the requ
   (checked by this table's row as the body is read).
 - The core's own doors: `validate_request`, for a request built in process (`Engine.generate`, `specdec bench`) or
   received whole (a draft replica's `Speculate`), and `check_sampling`, for the SamplingParams a replica is sent
-  (specdec_rpc.convert.read_sampling). They apply `REQUEST_RULES` to the fields the core carries (without the
+  (specdec_rpc.decode.read_sampling). They apply `REQUEST_RULES` to the fields the core carries (without the
   coordinator's bounds: the core knows no cap), and `REPLICA_RULES` to what only the replicas' protocol carries
   (stop ids with the EOS ids among them, bad words as token sequences, the compiled grammar).
 

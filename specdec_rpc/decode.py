@@ -1,10 +1,6 @@
-"""Proto <-> tensor conversion; the only code that knows both wire layouts and torch.
-
-Sparse q, layout "sparse-q v1" (msgpack, see proto/specdec/v1/draft.proto):
-    [[ids_bin, probs_bin], ...]   one pair per drafted position
-    ids_bin   little-endian int32 token ids   (k_i of them)
-    probs_bin little-endian float32 probs     (k_i of them)
-Raw little-endian bytes inside msgpack `bin` cost 8 bytes per entry and decode with one frombuffer.
+"""The messages a process receives, as the core's types, checked where the process's door needs it (a replica
+reads its calls by these, the coordinator its request's sampling message): what they give, the code behind a door
+trusts. The other direction, and the wire layouts and tables both share, is specdec_rpc/encode.py.
 """
 from __future__ import annotations
 
@@ -16,30 +12,19 @@ import numpy as np
 import torch
 
 from specdec.common.errors import InvalidRequestError
-from specdec.text.grammar import StructuredOutput
-from specdec.workers.drafting import DraftBlock
-from specdec.scheduling.request import (MODE_PAIRS, PEARL_OVERLAP, DraftStop, GenerationRequest, GenerationStats,
-                                        Overlap, Speculation, mode_pair)
 from specdec.decoding.sampling import SamplingParams, TokenLogprobs
 from specdec.decoding.verify import SparseDist
 from specdec.scheduling.field_rules import check_sampling
+from specdec.scheduling.request import (MODE_PAIRS, PEARL_OVERLAP, DraftStop, GenerationRequest, GenerationStats,
+                                        Overlap, Speculation, mode_pair)
 from specdec.state.feature_state import TargetFeatures
+from specdec.text.grammar import StructuredOutput
+from specdec.workers.drafting import DraftBlock
 from specdec.workers.target import VerifyOutcome
+from specdec_rpc.encode import DRAFT_STOP, DTYPE_PB, LE_F32, LE_I32, OPTIONAL_SPECULATION, OVERLAP, VERIFY_METHOD
 from specdec_rpc.pb import common_pb2, draft_pb2, target_pb2
 
-_TO_PB = {torch.float32: common_pb2.DTYPE_FLOAT32, torch.float16: common_pb2.DTYPE_FLOAT16,
-          torch.bfloat16: common_pb2.DTYPE_BFLOAT16, torch.int32: common_pb2.DTYPE_INT32,
-          torch.int64: common_pb2.DTYPE_INT64}
-_FROM_PB = {v: k for k, v in _TO_PB.items()}
-_LE_I32, _LE_F32 = np.dtype("<i4"), np.dtype("<f4")
-
-
-def tensor_to_proto(t: torch.Tensor) -> common_pb2.Tensor:
-    if t.dtype not in _TO_PB:
-        raise TypeError(f"unsupported tensor dtype {t.dtype}")
-    t = t.detach().contiguous().cpu()
-    raw = t.view(torch.int16) if t.dtype == torch.bfloat16 else t  # numpy has no bfloat16
-    return common_pb2.Tensor(data=raw.numpy().tobytes(), dtype=_TO_PB[t.dtype], shape=list(t.shape))
+_FROM_PB = {v: k for k, v in DTYPE_PB.items()}
 
 
 def tensor_from_proto(msg: common_pb2.Tensor, field: str = "tensor") -> torch.Tensor:
@@ -57,19 +42,6 @@ def tensor_from_proto(msg: common_pb2.Tensor, field: str = "tensor") -> torch.Te
     if numel == 0:
         return torch.empty(shape, dtype=dtype)
     return torch.frombuffer(bytearray(msg.data), dtype=dtype).reshape(shape)
-
-
-def encode_q(q) -> bytes:
-    """list[SparseDist] -> msgpack bytes (sparse-q v1)."""
-    return msgpack.packb([[d.ids.to(torch.int32).cpu().numpy().astype(_LE_I32, copy=False).tobytes(),
-                           d.probs.to(torch.float32).cpu().numpy().astype(_LE_F32, copy=False).tobytes()]
-                          for d in q], use_bin_type=True)
-
-
-def verify_q(q, method: str) -> bytes | None:
-    """The draft distributions a Verify call carries: none for a greedy verify (it compares tokens and never reads
-    q, so encoding, sending and checking q would be pure overhead), else sparse-q v1 bytes."""
-    return encode_q(q) if q and method != "greedy" else None
 
 
 def decode_q(data: bytes, field: str = "q", check: bool = True) -> list:
@@ -92,8 +64,8 @@ def decode_q(data: bytes, field: str = "q", check: bool = True) -> list:
     if not rows:
         return []
     # one buffer per column: the rows are views into it (one allocation and one conversion per call)
-    ids = torch.from_numpy(np.frombuffer(b"".join(r[0] for r in rows), dtype=_LE_I32).astype(np.int64))
-    probs = torch.from_numpy(np.frombuffer(b"".join(r[1] for r in rows), dtype=_LE_F32).astype(np.float32))
+    ids = torch.from_numpy(np.frombuffer(b"".join(r[0] for r in rows), dtype=LE_I32).astype(np.int64))
+    probs = torch.from_numpy(np.frombuffer(b"".join(r[1] for r in rows), dtype=LE_F32).astype(np.float32))
     lengths = [len(r[0]) // 4 for r in rows]
     if check:
         _check_rows(ids, probs, lengths, field)
@@ -162,40 +134,9 @@ def read_sampling(msg: common_pb2.SamplingParams):
     return params
 
 
-def sampling_to_proto(p) -> common_pb2.SamplingParams:
-    """The message of `p`: the one they were read from, else a new one."""
-    if p.source is not None:
-        return p.source
-    msg = common_pb2.SamplingParams(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=p.seed,
-                                    cache_salt=p.cache_salt, presence_penalty=p.presence_penalty,
-                                    frequency_penalty=p.frequency_penalty, logit_bias=dict(p.logit_bias),
-                                    grammar=p.grammar, min_p=p.min_p, min_tokens=p.min_tokens,
-                                    stop_ids=list(p.stop_ids), allowed_token_ids=list(p.allowed_token_ids),
-                                    bad_words=[common_pb2.TokenIds(ids=list(w)) for w in p.bad_words])
-    if p.repetition_penalty != 1.0:
-        msg.repetition_penalty = p.repetition_penalty
-    if p.logprobs >= 0:
-        msg.logprobs = p.logprobs
-    if p.prompt_logprobs >= 0:
-        msg.prompt_logprobs = p.prompt_logprobs
-    return msg
-
-
-def logprobs_to_proto(lp) -> common_pb2.TokenLogprobs:
-    return common_pb2.TokenLogprobs(position=lp.position, token_ids=lp.token_ids, logprobs=lp.logprobs,
-                                    top=[common_pb2.TopLogprobs(ids=i, logprobs=v)
-                                         for i, v in zip(lp.top_ids, lp.top_logprobs)])
-
-
 def logprobs_from_proto(msg: common_pb2.TokenLogprobs):
     return TokenLogprobs(int(msg.position), list(msg.token_ids), list(msg.logprobs), [list(t.ids) for t in msg.top],
                          [list(t.logprobs) for t in msg.top])
-
-
-
-def features_to_proto(f) -> common_pb2.Features:
-    """TargetFeatures -> Features (rows travel in the model's dtype, bf16 on CPU targets)."""
-    return common_pb2.Features(start=f.start, rows=tensor_to_proto(f.rows))
 
 
 def features_from_proto(msgs, field: str = "features") -> list:
@@ -210,21 +151,8 @@ def features_from_proto(msgs, field: str = "features") -> list:
     return out
 
 
-_STOP_KIND_PB = {"fixed": draft_pb2.STOP_KIND_FIXED, "pacer": draft_pb2.STOP_KIND_PREVERIFIER}
 _STOP_REASON = {draft_pb2.STOP_REASON_GAMMA_MAX: "gamma_max", draft_pb2.STOP_REASON_PREVERIFIER: "preverifier",
                 draft_pb2.STOP_REASON_CANCELLED: "cancelled"}
-
-
-def draft_request(msg, session_id: str, base_position: int, append: list[int], gamma_max: int, stop,
-                  block_size: int, features=None):
-    """A DraftRequest or DraftStreamRequest (`msg`) from a draft call's arguments (`stop`: a StopSpec)."""
-    rule = draft_pb2.StopRule(kind=_STOP_KIND_PB[stop.kind])
-    if stop.threshold is not None:
-        rule.threshold = stop.threshold
-    if stop.skip_below is not None:
-        rule.skip_below = stop.skip_below
-    return msg(session_id=session_id, base_position=base_position, append_ids=append, gamma_max=gamma_max,
-               stop=rule, block_size=block_size, features=[features_to_proto(f) for f in features or []])
 
 
 def draft_block(r, tokens: list[int] | None = None, q: list | None = None):
@@ -233,22 +161,6 @@ def draft_block(r, tokens: list[int] | None = None, q: list | None = None):
     return DraftBlock(tokens=list(r.token_ids) if tokens is None else tokens,
                       q=decode_q(r.q, check=False) if q is None else q, stop_reason=_STOP_REASON.get(r.stop_reason, ""),
                       draft_ns=r.draft_ns, final=getattr(r, "last", True), block_size=r.block_size)
-
-
-# common.proto's speculation enums and the core's values (specdec.scheduling.request): the coordinator's door reads a
-# GenerateRequest's `speculation` by them, the coordinator writes a SpeculateRequest's by them, the draft replica
-# reads it back (unspecified, 0, is no key: each reader says what an unset value means)
-DRAFT_STOP = {common_pb2.DRAFT_STOP_NONE: DraftStop.NONE, common_pb2.DRAFT_STOP_FIXED: DraftStop.FIXED,
-              common_pb2.DRAFT_STOP_PREVERIFIER: DraftStop.PREVERIFIER}
-OVERLAP = {common_pb2.OVERLAP_OFF: Overlap.OFF, common_pb2.OVERLAP_AUTO: Overlap.AUTO,
-           common_pb2.OVERLAP_ALWAYS: Overlap.ALWAYS}
-VERIFY_METHOD = {common_pb2.VERIFY_METHOD_GREEDY: "greedy", common_pb2.VERIFY_METHOD_TOKEN: "token",
-                 common_pb2.VERIFY_METHOD_BLOCK: "block"}
-DRAFT_STOP_PB = {v: k for k, v in DRAFT_STOP.items()}
-OVERLAP_PB = {v: k for k, v in OVERLAP.items()}
-VERIFY_METHOD_PB = {v: k for k, v in VERIFY_METHOD.items()}
-# Speculate's trailing metadata: the target replica whose failure ended the call (draft_service/speculate.py)
-FAILED_TARGET_KEY = "specdec-failed-target"
 
 
 def verify_outcome(r: target_pb2.VerifyResponse) -> VerifyOutcome:
@@ -260,11 +172,6 @@ def verify_outcome(r: target_pb2.VerifyResponse) -> VerifyOutcome:
                          logprobs=logprobs_from_proto(r.logprobs) if r.HasField("logprobs") else None)
 
 
-# Speculation's optional settings, the same names in the deprecated flat fields of a SpeculateRequest
-_OPTIONAL_REQUEST = ("gamma", "block_size", "pacer_threshold", "pacer_post_threshold", "pacer_skip_below",
-                     "pearl_first_block", "spec_off_batch")
-
-
 def enum_member(table: dict, value: int, name: str):
     """The core's value of a speculation enum (`table`: DRAFT_STOP, OVERLAP or VERIFY_METHOD); None for unset (0);
     INVALID_ARGUMENT naming `name` for a number the table does not know."""
@@ -274,15 +181,6 @@ def enum_member(table: dict, value: int, name: str):
         choices = ", ".join(f"{k} ({v.name if hasattr(v, 'name') else v})" for k, v in table.items())
         raise InvalidRequestError(name, f"unknown value {value}; use one of {choices}")
     return table[value]
-
-
-def speculation_to_proto(s: Speculation) -> common_pb2.Speculation:
-    msg = common_pb2.Speculation(draft_stop=DRAFT_STOP_PB[s.draft_stop], overlap=OVERLAP_PB[s.overlap],
-                                 verify_method=VERIFY_METHOD_PB.get(s.verify_method, 0))
-    for name in _OPTIONAL_REQUEST:
-        if getattr(s, name) is not None:
-            setattr(msg, name, getattr(s, name))
-    return msg
 
 
 def speculation_from_proto(msg: common_pb2.Speculation, mode: str = "", pearl_overlap: str = "") -> Speculation:
@@ -299,29 +197,14 @@ def speculation_from_proto(msg: common_pb2.Speculation, mode: str = "", pearl_ov
         (Overlap.OFF if stop is DraftStop.NONE else overlap)
     if stop is DraftStop.NONE and overlap is not Overlap.OFF:
         raise InvalidRequestError("speculation.overlap", "a request that drafts nothing (ar) has no draft to overlap")
-    kw = {name: getattr(msg, name) for name in _OPTIONAL_REQUEST if msg.HasField(name)}
+    kw = {name: getattr(msg, name) for name in OPTIONAL_SPECULATION if msg.HasField(name)}
     method = enum_member(VERIFY_METHOD, msg.verify_method, "speculation.verify_method") or "block"
     return Speculation(stop, overlap, verify_method=method, **kw)
 
 
-def speculate_request(req: GenerationRequest, **fields) -> draft_pb2.SpeculateRequest:
-    """A GenerationRequest as the SpeculateRequest of the direct data plane (`fields`: its transport fields,
-    target_endpoint and the like). The speculation goes as `speculation`, and as the deprecated flat fields too, the
-    same settings, for a draft replica of the last release (which knows only those)."""
-    msg = draft_pb2.SpeculateRequest(session_id=req.session_id, prompt_ids=req.prompt_ids,
-                                     params=sampling_to_proto(req.params), max_new_tokens=req.max_new_tokens,
-                                     speculation=speculation_to_proto(req.speculation),
-                                     mode=req.mode, verify_method=req.verify_method, pearl_overlap=req.pearl_overlap,
-                                     eos_token_ids=list(req.eos_token_ids), priority=req.priority, **fields)
-    for name in _OPTIONAL_REQUEST:
-        if getattr(req, name) is not None:
-            setattr(msg, name, getattr(req, name))
-    return msg
-
-
 def _flat_speculation(msg: draft_pb2.SpeculateRequest) -> dict:
     """The deprecated flat fields a SpeculateRequest sets, as GenerationRequest's keyword arguments."""
-    kw = {name: getattr(msg, name) for name in _OPTIONAL_REQUEST if msg.HasField(name)}
+    kw = {name: getattr(msg, name) for name in OPTIONAL_SPECULATION if msg.HasField(name)}
     kw.update((name, getattr(msg, name)) for name in ("mode", "verify_method", "pearl_overlap") if getattr(msg, name))
     return kw
 
@@ -350,16 +233,6 @@ def request_from_speculate(msg: draft_pb2.SpeculateRequest) -> GenerationRequest
                              priority=int(msg.priority), session_id=msg.session_id, **_speculation_fields(msg))
 
 
-def stats_to_proto(stats: GenerationStats, msg: draft_pb2.SpeculateResponse, **extra: float) -> None:
-    """A request's GenerationStats into a SpeculateResponse (numeric fields in `stats`, plus `extra`)."""
-    for k, v in stats.to_dict().items():
-        if isinstance(v, (int, float)) and not isinstance(v, bool):
-            msg.stats[k] = float(v)
-    for k, v in extra.items():
-        msg.stats[k] = float(v)
-    msg.accepted_per_position.extend(stats.accepted_per_position)
-
-
 def stats_from_proto(msg: draft_pb2.SpeculateResponse, mode: str) -> tuple[GenerationStats, dict[str, float]]:
     """→ (the GenerationStats, the numbers that are not its fields: the link and queue times)."""
     known = {f for f in GenerationStats.__dataclass_fields__}
@@ -372,12 +245,6 @@ def stats_from_proto(msg: draft_pb2.SpeculateResponse, mode: str) -> tuple[Gener
         else:
             extra[k] = float(v)
     return st, extra
-
-
-def logprobs_rows_to_proto(rows, tokens: list[int]) -> common_pb2.TokenLogprobs:
-    """The schedule's per-token logprobs ((logprob, top ids, top logprobs) per committed token) as TokenLogprobs."""
-    return common_pb2.TokenLogprobs(token_ids=tokens, logprobs=[r[0] for r in rows],
-                                    top=[common_pb2.TopLogprobs(ids=r[1], logprobs=r[2]) for r in rows])
 
 
 def logprobs_rows_from_proto(msg: common_pb2.TokenLogprobs) -> list[tuple[float, list[int], list[float]]]:
@@ -393,4 +260,3 @@ def structured_from_proto(msg):
     if kind == "choice":
         return StructuredOutput("choice", json.dumps(list(msg.choice.choices)))
     return StructuredOutput(kind, "" if kind == "json_object" else getattr(msg, kind))
-
