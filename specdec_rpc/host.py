@@ -141,15 +141,13 @@ class SessionHost:
             for e in end:
                 self.worker.end_session(e)
             t0 = time.perf_counter_ns()
-            return next(steps, None), time.perf_counter_ns() - t0
+            return next(steps), time.perf_counter_ns() - t0
 
-        s, ns = await self.runner.run(step, evicted)  # the session opened
-        while True:
+        (s, left), ns = await self.runner.run(step, evicted)  # the session opened
+        while left:
             self.table.touch(sid)  # a long prefill is use: LRU eviction must not pick this session meanwhile
-            more, took = await self.runner.run(step)  # one forward of its prefill
+            (s, left), took = await self.runner.run(step)  # one forward of its prefill
             ns += took
-            if more is None:
-                break
         # this call's session, not the id's: a later StartSession of the same id may have replaced it meanwhile
         return s.length(), ns, None, s.cached_tokens
 

@@ -217,27 +217,24 @@ class Worker:
         return s
 
     def start_steps(self, session_id: str, prompt_ids: list[int], params: SamplingParams,
-                    output_start: int = 0) -> Iterator[Session]:
+                    output_start: int = 0) -> Iterator[tuple[Session, int]]:
         """`start_session` in steps a caller runs apart, other sessions' forwards between them (SessionHost): the
-        first opens the session, each next one runs one forward of its prefill; each yields the session. A session
-        ended or restarted between steps is refused (NOT_FOUND)."""
+        first opens the session, each next one runs one forward of its prefill; each yields the session and the
+        forwards still to run. A session ended or restarted between steps is refused (NOT_FOUND)."""
         s = self.open_session(session_id, prompt_ids, params, output_start=output_start)
-        yield s
-        for _ in self.prefill_steps(s, prompt_ids):
-            yield s
+        ranges = self.prefill_ranges(s, prompt_ids)
+        yield s, len(ranges)
+        for done, (start, end) in enumerate(ranges, 1):
+            self.prefill_chunk_of(s, prompt_ids, start, end)
+            yield s, len(ranges) - done
 
     def _prefill(self, s: Session, prompt_ids: list[int], logits_rows: slice | None = PREFILL_LOGITS,
                  step: int | None = None):
         """Feed prompt_ids[:-1] after the reused prefix, in aligned chunks (the last prompt token is fed by the
         session's first verify or draft call; `step` bounds a chunk where prefill_chunk is 0). → [(logits,
         hidden)] per chunk forward (none when all was reused)."""
-        return list(self.prefill_steps(s, prompt_ids, logits_rows, step))
-
-    def prefill_steps(self, s: Session, prompt_ids: list[int], logits_rows: slice | None = PREFILL_LOGITS,
-                      step: int | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """`_prefill`'s chunk forwards, one per step."""
-        for start, end in self.prefill_ranges(s, prompt_ids, step):
-            yield self.prefill_chunk_of(s, prompt_ids, start, end, logits_rows)
+        ranges = self.prefill_ranges(s, prompt_ids, step)
+        return [self.prefill_chunk_of(s, prompt_ids, a, b, logits_rows) for a, b in ranges]
 
     def prefill_cut(self, n: int, output_start: int) -> int:
         """Of a session opened with n tokens, the positions its prefill chunks write: all but the last token, or
