@@ -1,5 +1,5 @@
-"""The core's types as the messages a process sends (the other direction, with the checks a door makes, is
-specdec_rpc/decode.py): with it, the only code that knows both the wire layouts and torch.
+"""The core's types as the messages a process sends. With specdec_rpc/decode.py (the other direction, and the checks
+a door makes), the only code that knows both the wire layouts and torch.
 
 Sparse q, layout "sparse-q v1" (msgpack, see proto/specdec/v1/draft.proto):
     [[ids_bin, probs_bin], ...]   one pair per drafted position
