@@ -22,7 +22,7 @@ import asyncio
 import contextlib
 import time
 import uuid
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 
 import grpc
 
@@ -486,10 +486,7 @@ class _Call:
         """A request that did not generate to its end is counted and logged once (GenerationServicer._ended)."""
         if isinstance(self.outcome, tuple):
             sent = len(self.asm.token_ids) if self.asm is not None else 0
-            served = self.served
-            stats = RequestStats(request_id=self.rid, mode=self.mode, completion_tokens=sent,
-                                 prompt_tokens=served.prompt_tokens, cached_prompt_tokens=served.cached_prompt_tokens,
-                                 target_replica=served.target_replica, draft_replica=served.draft_replica)
+            stats = RequestStats(request_id=self.rid, mode=self.mode, completion_tokens=sent, **asdict(self.served))
             self.s._ended(self.outcome, stats, time.perf_counter() - self.t0)
 
 
